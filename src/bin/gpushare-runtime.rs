@@ -1,0 +1,4 @@
+//! The OCI runtime shim: takes runc's argv exactly. See `gpushare::runtime`.
+fn main() {
+    std::process::exit(gpushare::runtime::main(std::env::args_os().collect()));
+}

@@ -1,0 +1,464 @@
+//! The configuration file (`/etc/gpushare/runtime.toml`, or `$GPUSHARE_CONFIG`).
+//!
+//! Invariants: keys are kebab-case and an unknown key is an error naming it; a missing
+//! file at the default location means the built-in defaults (which equal the documented
+//! `config/runtime.toml`), while a missing file named by `GPUSHARE_CONFIG` is an error.
+//! Every value is validated here, once, so the rest of the program works with typed data.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Where the configuration is read from when `GPUSHARE_CONFIG` is not set.
+pub const DEFAULT_PATH: &str = "/etc/gpushare/runtime.toml";
+/// Environment variable naming another configuration file.
+pub const ENV_VAR: &str = "GPUSHARE_CONFIG";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid config {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid config {path}: {key} = {value:?}: {allowed}")]
+    Value {
+        path: PathBuf,
+        key: &'static str,
+        value: String,
+        allowed: &'static str,
+    },
+}
+
+/// How MPS servers are shared between users (DESIGN §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum UserMode {
+    /// One unprivileged daemon per (device set, UID, limit profile).
+    PerUser,
+    /// One root daemon per device set with NVIDIA's multi-user server option.
+    MultiUser,
+}
+
+/// Whether MPS limits are enforced by the daemon or only advised to clients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Limits {
+    Enforced,
+    Advisory,
+}
+
+/// IPC sharing between the MPS server and its clients (DESIGN §4.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum IpcConfig {
+    Isolated,
+    Host,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShmSize {
+    /// Percent of physical memory, passed to tmpfs as `size=N%`.
+    Percent(u8),
+    Bytes(u64),
+}
+
+impl ShmSize {
+    /// The tmpfs `size=` option value.
+    pub fn tmpfs_option(&self) -> String {
+        match self {
+            ShmSize::Percent(p) => format!("{p}%"),
+            ShmSize::Bytes(b) => b.to_string(),
+        }
+    }
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// The file this was read from; `None` for built-in defaults.
+    pub path: Option<PathBuf>,
+    pub low_level_runtime: Vec<String>,
+    pub state_dir: PathBuf,
+    pub log_file: Option<PathBuf>,
+    pub log_level: String,
+    pub log_format: LogFormat,
+    pub accept_env_requests: bool,
+    pub inventory: String,
+    pub mps: MpsConfig,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct MpsConfig {
+    pub control_binary: String,
+    pub user_mode: UserMode,
+    pub multi_user_flag: String,
+    pub limits: Limits,
+    pub ipc: IpcConfig,
+    pub allow_ipc_override: bool,
+    pub container_pipe_dir: PathBuf,
+    pub container_log_dir: Option<PathBuf>,
+    pub shm_size: ShmSize,
+    pub start_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub default_active_thread_percentage: Option<u8>,
+    pub default_pinned_memory_limit: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct RawConfig {
+    low_level_runtime: Option<Vec<String>>,
+    state_dir: Option<String>,
+    log_file: Option<String>,
+    log_level: Option<String>,
+    log_format: Option<LogFormat>,
+    accept_env_requests: Option<bool>,
+    inventory: Option<String>,
+    #[serde(default)]
+    mps: RawMps,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct RawMps {
+    control_binary: Option<String>,
+    user_mode: Option<UserMode>,
+    multi_user_flag: Option<String>,
+    limits: Option<Limits>,
+    ipc: Option<IpcConfig>,
+    allow_ipc_override: Option<bool>,
+    container_pipe_dir: Option<String>,
+    container_log_dir: Option<String>,
+    shm_size: Option<String>,
+    start_timeout: Option<String>,
+    idle_timeout: Option<String>,
+    default_active_thread_percentage: Option<u8>,
+    default_pinned_memory_limit: Option<String>,
+}
+
+/// The configuration file to read: `$GPUSHARE_CONFIG` if set, else the default path.
+/// The flag says whether the file must exist.
+pub fn location() -> (PathBuf, bool) {
+    match std::env::var_os(ENV_VAR) {
+        Some(p) if !p.is_empty() => (PathBuf::from(p), true),
+        _ => (PathBuf::from(DEFAULT_PATH), false),
+    }
+}
+
+/// Loads and validates the configuration from its usual location.
+pub fn load() -> Result<Config, ConfigError> {
+    let (path, required) = location();
+    load_from(&path, required)
+}
+
+/// Loads `path`; when it does not exist and `required` is false, the defaults apply.
+pub fn load_from(path: &Path, required: bool) -> Result<Config, ConfigError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => parse(&text, Some(path)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => parse("", None),
+        Err(source) => Err(ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// Only the low-level runtime candidates: the one setting the shim needs for commands
+/// it passes through untouched. Reads nothing but this key, so a passthrough costs one
+/// small file read.
+pub fn low_level_runtime() -> Result<Vec<String>, ConfigError> {
+    let (path, required) = location();
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => {
+            return Ok(default_runtimes())
+        }
+        Err(source) => return Err(ConfigError::Read { path, source }),
+    };
+    #[derive(Deserialize)]
+    #[serde(rename_all = "kebab-case")]
+    struct Only {
+        low_level_runtime: Option<Vec<String>>,
+    }
+    let only: Only = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+        path: path.clone(),
+        message: one_line(&e.to_string()),
+    })?;
+    let list = only.low_level_runtime.unwrap_or_else(default_runtimes);
+    check_runtimes(&path, &list)?;
+    Ok(list)
+}
+
+fn default_runtimes() -> Vec<String> {
+    vec!["runc".into(), "crun".into()]
+}
+
+fn check_runtimes(path: &Path, list: &[String]) -> Result<(), ConfigError> {
+    if list.is_empty() || list.iter().any(|r| r.is_empty() || r.contains('\0')) {
+        return Err(ConfigError::Value {
+            path: path.to_owned(),
+            key: "low-level-runtime",
+            value: format!("{list:?}"),
+            allowed: "a non-empty list of runtime names on PATH or absolute paths",
+        });
+    }
+    Ok(())
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Parses configuration text; `path` is only used in messages and recorded in the result.
+pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
+    let shown = path
+        .map(Path::to_owned)
+        .unwrap_or_else(|| PathBuf::from("<defaults>"));
+    let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+        path: shown.clone(),
+        message: one_line(&e.to_string()),
+    })?;
+    let bad = |key: &'static str, value: &str, allowed: &'static str| ConfigError::Value {
+        path: shown.clone(),
+        key,
+        value: value.to_owned(),
+        allowed,
+    };
+    let abs = |key: &'static str, value: String| -> Result<PathBuf, ConfigError> {
+        let p = PathBuf::from(&value);
+        if !p.is_absolute() || value.contains('\0') || p.components().any(|c| c.as_os_str() == "..")
+        {
+            return Err(bad(key, &value, "an absolute path without '..'"));
+        }
+        Ok(p)
+    };
+
+    let low_level_runtime = raw.low_level_runtime.unwrap_or_else(default_runtimes);
+    check_runtimes(&shown, &low_level_runtime)?;
+    let state_dir = abs("state-dir", raw.state_dir.unwrap_or_else(|| "/run/gpushare".into()))?;
+    let log_file = match raw.log_file {
+        None => Some(PathBuf::from("/var/log/gpushare.log")),
+        Some(s) if s.is_empty() => None,
+        Some(s) => Some(abs("log-file", s)?),
+    };
+    let log_level = raw.log_level.unwrap_or_else(|| "info".into());
+    if !["error", "warn", "info", "debug", "trace"].contains(&log_level.as_str()) {
+        return Err(bad(
+            "log-level",
+            &log_level,
+            "one of error, warn, info, debug, trace",
+        ));
+    }
+    let inventory = raw.inventory.unwrap_or_else(|| "nvml".into());
+    if inventory != "nvml" && !inventory.starts_with("file:/") {
+        return Err(bad(
+            "inventory",
+            &inventory,
+            "\"nvml\" or \"file:<absolute path>\"",
+        ));
+    }
+
+    let m = raw.mps;
+    let control_binary = m
+        .control_binary
+        .unwrap_or_else(|| "nvidia-cuda-mps-control".into());
+    if control_binary.is_empty() || control_binary.contains('\0') {
+        return Err(bad(
+            "mps.control-binary",
+            &control_binary,
+            "a program name on PATH or an absolute path",
+        ));
+    }
+    let multi_user_flag = m.multi_user_flag.unwrap_or_else(|| "-M".into());
+    if !multi_user_flag.starts_with('-') || multi_user_flag.contains(char::is_whitespace) {
+        return Err(bad(
+            "mps.multi-user-flag",
+            &multi_user_flag,
+            "a single option such as \"-M\" or \"-multiuser-server\"",
+        ));
+    }
+    let container_pipe_dir = abs(
+        "mps.container-pipe-dir",
+        m.container_pipe_dir.unwrap_or_else(|| "/tmp/nvidia-mps".into()),
+    )?;
+    let container_log_dir = m
+        .container_log_dir
+        .map(|s| abs("mps.container-log-dir", s))
+        .transpose()?;
+    let shm_raw = m.shm_size.unwrap_or_else(|| "50%".into());
+    let shm_size = parse_shm_size(&shm_raw).ok_or_else(|| {
+        bad(
+            "mps.shm-size",
+            &shm_raw,
+            "a percentage of memory like \"50%\" or a size like \"2G\"",
+        )
+    })?;
+    let start_raw = m.start_timeout.unwrap_or_else(|| "10s".into());
+    let start_timeout = parse_duration(&start_raw)
+        .filter(|d| !d.is_zero() && *d <= Duration::from_secs(300))
+        .ok_or_else(|| {
+            bad(
+                "mps.start-timeout",
+                &start_raw,
+                "a duration from 1ms to 300s, like \"10s\" or \"500ms\"",
+            )
+        })?;
+    let idle_raw = m.idle_timeout.unwrap_or_else(|| "0".into());
+    let idle_timeout = parse_duration(&idle_raw).ok_or_else(|| {
+        bad(
+            "mps.idle-timeout",
+            &idle_raw,
+            "a duration like \"10m\", or \"0\" for never",
+        )
+    })?;
+    if let Some(p) = m.default_active_thread_percentage {
+        if !(1..=100).contains(&p) {
+            return Err(bad(
+                "mps.default-active-thread-percentage",
+                &p.to_string(),
+                "an integer from 1 to 100",
+            ));
+        }
+    }
+    let default_pinned_memory_limit = match m.default_pinned_memory_limit {
+        None => None,
+        Some(s) => Some(
+            crate::request::parse_size("mps.default-pinned-memory-limit", &s).map_err(|_| {
+                bad(
+                    "mps.default-pinned-memory-limit",
+                    &s,
+                    "a size with a unit, like 512M or 4G",
+                )
+            })?,
+        ),
+    };
+
+    Ok(Config {
+        path: path.map(Path::to_owned),
+        low_level_runtime,
+        state_dir,
+        log_file,
+        log_level,
+        log_format: raw.log_format.unwrap_or(LogFormat::Text),
+        accept_env_requests: raw.accept_env_requests.unwrap_or(true),
+        inventory,
+        mps: MpsConfig {
+            control_binary,
+            user_mode: m.user_mode.unwrap_or(UserMode::PerUser),
+            multi_user_flag,
+            limits: m.limits.unwrap_or(Limits::Enforced),
+            ipc: m.ipc.unwrap_or(IpcConfig::Isolated),
+            allow_ipc_override: m.allow_ipc_override.unwrap_or(false),
+            container_pipe_dir,
+            container_log_dir,
+            shm_size,
+            start_timeout,
+            idle_timeout,
+            default_active_thread_percentage: m.default_active_thread_percentage,
+            default_pinned_memory_limit,
+        },
+    })
+}
+
+fn parse_shm_size(s: &str) -> Option<ShmSize> {
+    if let Some(p) = s.strip_suffix('%') {
+        let p: u8 = p.parse().ok()?;
+        return (1..=100).contains(&p).then_some(ShmSize::Percent(p));
+    }
+    crate::request::parse_size("mps.shm-size", s)
+        .ok()
+        .map(ShmSize::Bytes)
+}
+
+/// `"10s"`, `"500ms"`, `"5m"`, `"1h"`, or `"0"`.
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    if s == "0" {
+        return Some(Duration::ZERO);
+    }
+    let split = s.find(|c: char| !c.is_ascii_digit())?;
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    match unit {
+        "ms" => Some(Duration::from_millis(n)),
+        "s" => Some(Duration::from_secs(n)),
+        "m" => n.checked_mul(60).map(Duration::from_secs),
+        "h" => n.checked_mul(3600).map(Duration::from_secs),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_the_documented_file() {
+        let shipped = include_str!("../config/runtime.toml");
+        let from_file = parse(shipped, None).expect("shipped config parses");
+        let defaults = parse("", None).expect("empty config parses");
+        assert_eq!(from_file, defaults);
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = parse("stat-dir = \"/run/x\"\n", None).unwrap_err().to_string();
+        assert!(err.contains("stat-dir"), "{err}");
+        let err = parse("[mps]\nshm = \"1G\"\n", None).unwrap_err().to_string();
+        assert!(err.contains("shm"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_key_value_and_allowed() {
+        let cases = [
+            ("state-dir = \"run/x\"", "state-dir", "absolute"),
+            ("state-dir = \"/run/../x\"", "state-dir", "absolute"),
+            ("log-level = \"loud\"", "log-level", "one of"),
+            ("inventory = \"file:rel\"", "inventory", "file:<absolute path>"),
+            ("low-level-runtime = []", "low-level-runtime", "non-empty"),
+            ("[mps]\nshm-size = \"lots\"", "mps.shm-size", "percentage"),
+            ("[mps]\nshm-size = \"0%\"", "mps.shm-size", "percentage"),
+            ("[mps]\nstart-timeout = \"0\"", "mps.start-timeout", "duration"),
+            ("[mps]\nstart-timeout = \"10\"", "mps.start-timeout", "duration"),
+            ("[mps]\nidle-timeout = \"soon\"", "mps.idle-timeout", "duration"),
+            ("[mps]\ndefault-active-thread-percentage = 0", "mps.default-active-thread-percentage", "1 to 100"),
+            ("[mps]\nmulti-user-flag = \"M\"", "mps.multi-user-flag", "single option"),
+            ("[mps]\nuser-mode = \"shared\"", "user-mode", "per-user"),
+        ];
+        for (text, key, allowed) in cases {
+            let err = parse(text, None).unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains(allowed), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("0"), Some(Duration::ZERO));
+        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_duration("10s"), Some(Duration::from_secs(10)));
+        assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
+        assert_eq!(parse_duration("s"), None);
+        assert_eq!(parse_duration("10"), None);
+        assert_eq!(parse_duration("-1s"), None);
+    }
+
+    #[test]
+    fn missing_default_file_means_defaults_but_named_file_must_exist() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nope.toml");
+        assert!(load_from(&missing, false).is_ok());
+        let err = load_from(&missing, true).unwrap_err().to_string();
+        assert!(err.contains("nope.toml"), "{err}");
+    }
+}

@@ -1,0 +1,24 @@
+//! gpushare: an MPS-aware OCI runtime shim and hook that lets containers of different
+//! users share one NVIDIA GPU (or MIG slice) without blocking each other.
+//!
+//! Module map (dependencies flow downwards):
+//! - `cli` (the `gpushare` command), `runtime` (the `gpushare-runtime` shim)
+//! - `hook` (createRuntime / poststop)
+//! - `mps` (control interface, supervisor, ensure)
+//! - `spec` (config.json load/edit/save), `state` (the state directory)
+//! - `request` (annotations/env → request), `device` (inventory), `identity`, `config`
+//! - `util`, `sys` (the only `unsafe`), `logging`
+
+pub mod cli;
+pub mod config;
+pub mod device;
+pub mod hook;
+pub mod identity;
+pub mod logging;
+pub mod mps;
+pub mod request;
+pub mod runtime;
+pub mod spec;
+pub mod state;
+pub mod sys;
+pub mod util;

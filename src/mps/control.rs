@@ -1,0 +1,129 @@
+//! Talks to an MPS control daemon the documented way: `echo <command> | nvidia-cuda-mps-control`
+//! with the daemon's `CUDA_MPS_PIPE_DIRECTORY` (mps-facts.md §1.2).
+//!
+//! Invariants: the client runs with an explicit environment (no inherited LD_PRELOAD or
+//! CUDA variables), as the daemon's user, and is killed when it outlives its deadline.
+
+use std::io::{Read, Write};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// PATH given to every process gpushare starts.
+pub const SAFE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("MPS control binary {binary:?} not found on PATH ({SAFE_PATH}); set mps.control-binary to its absolute path")]
+    NotFound { binary: String },
+    #[error("cannot run {binary}")]
+    Spawn {
+        binary: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("MPS control command {command:?} failed ({status}): {output}")]
+    Failed {
+        command: String,
+        status: String,
+        output: String,
+    },
+    #[error("MPS control command {command:?} did not answer within {timeout:?}")]
+    Timeout { command: String, timeout: Duration },
+}
+
+/// Resolves `mps.control-binary`: an absolute path as is, a name on the safe PATH.
+pub fn resolve_binary(binary: &str) -> Result<PathBuf, ControlError> {
+    if binary.contains('/') {
+        return Ok(PathBuf::from(binary));
+    }
+    std::env::split_paths(SAFE_PATH)
+        .map(|d| d.join(binary))
+        .find(|p| p.is_file())
+        .ok_or_else(|| ControlError::NotFound {
+            binary: binary.to_owned(),
+        })
+}
+
+/// A handle on one control daemon.
+#[derive(Debug, Clone)]
+pub struct Control {
+    pub binary: PathBuf,
+    pub pipe_dir: PathBuf,
+    /// Run the client as this (uid, gid); `None` keeps the caller's.
+    pub user: Option<(u32, u32)>,
+}
+
+impl Control {
+    /// Sends one command; returns the daemon's reply (stdout) when the client exits 0.
+    pub fn command(&self, command: &str, timeout: Duration) -> Result<String, ControlError> {
+        let mut cmd = Command::new(&self.binary);
+        cmd.env_clear()
+            .env("PATH", SAFE_PATH)
+            .env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe_dir)
+            .current_dir("/")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some((uid, gid)) = self.user {
+            cmd.uid(uid).gid(gid);
+        }
+        let mut child = cmd.spawn().map_err(|source| ControlError::Spawn {
+            binary: self.binary.clone(),
+            source,
+        })?;
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = stdin.write_all(format!("{command}\n").as_bytes());
+        }
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_micros(200);
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(status)) => break status,
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(10));
+                }
+                _ => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(ControlError::Timeout {
+                        command: command.to_owned(),
+                        timeout,
+                    });
+                }
+            }
+        };
+        let mut out = String::new();
+        if let Some(mut o) = child.stdout.take() {
+            let _ = o.read_to_string(&mut out);
+        }
+        if status.success() {
+            Ok(out)
+        } else {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                let _ = e.read_to_string(&mut err);
+            }
+            let text = format!("{} {}", out.trim(), err.trim());
+            Err(ControlError::Failed {
+                command: command.to_owned(),
+                status: status.to_string(),
+                output: text.split_whitespace().collect::<Vec<_>>().join(" "),
+            })
+        }
+    }
+
+    /// Whether the daemon answers a harmless query (the liveness check NVIDIA's device
+    /// plugin uses: a stale socket alone proves nothing).
+    pub fn answers(&self, timeout: Duration) -> bool {
+        self.command("get_default_active_thread_percentage", timeout)
+            .is_ok()
+    }
+}
+
+/// The control socket path inside a pipe directory.
+pub fn socket(pipe_dir: &Path) -> PathBuf {
+    pipe_dir.join("control")
+}

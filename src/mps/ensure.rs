@@ -1,0 +1,195 @@
+//! Finds or starts the MPS daemon for one identity, for the hook (DESIGN §5).
+//!
+//! Invariants: everything happens under the identity's lock, so any number of
+//! simultaneous creates start exactly one daemon; every wait has the `start-timeout`
+//! deadline; a record is never trusted on its word — the supervisor and the daemon must be
+//! the very processes it names (pid and start time), else the state is stale and replaced.
+//! The warm path is a lock, a record read, two /proc reads and a container record.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+use super::control::SAFE_PATH;
+use crate::config::Config;
+use crate::identity::Identity;
+use crate::state::{ContainerRecord, DaemonRecord, DaemonStatus, Owner, StateDir};
+
+/// Ownership of an identity's directories.
+pub fn owner(ident: &Identity) -> Owner {
+    Owner {
+        uid: ident.uid,
+        gid: ident.gid,
+        shared: ident.multi_user,
+    }
+}
+
+/// What `ensure` found or did.
+#[derive(Debug)]
+pub struct Ensured {
+    pub record: DaemonRecord,
+    /// A new supervisor was started for this call.
+    pub started: bool,
+}
+
+fn spawn_supervisor(cfg: &Config, id: &str) -> anyhow::Result<Child> {
+    let exe = std::env::current_exe().context("find the gpushare binary")?;
+    let mut cmd = Command::new(&exe);
+    cmd.args(["daemon", "supervise", "--id", id])
+        .env_clear()
+        .env("PATH", SAFE_PATH)
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    if let Some(path) = &cfg.path {
+        cmd.env(crate::config::ENV_VAR, path);
+    }
+    if let Some(level) = std::env::var_os("GPUSHARE_LOG") {
+        cmd.env("GPUSHARE_LOG", level);
+    }
+    cmd.spawn()
+        .with_context(|| format!("start the supervisor {}", exe.display()))
+}
+
+fn live(rec: &DaemonRecord) -> bool {
+    rec.status == DaemonStatus::Ready
+        && rec.supervisor.is_some_and(|p| p.alive())
+        && rec.daemon.is_some_and(|p| p.alive())
+}
+
+/// Polls the record until the daemon is ready, the supervisor fails, or the deadline.
+fn wait_ready(
+    state: &StateDir,
+    id: &str,
+    mut spawned: Option<&mut Child>,
+    deadline: Instant,
+    timeout: Duration,
+) -> anyhow::Result<DaemonRecord> {
+    let mut pause = Duration::from_micros(500);
+    loop {
+        let rec = state.read_record(id)?.context("the daemon record disappeared")?;
+        if live(&rec) {
+            return Ok(rec);
+        }
+        if rec.status == DaemonStatus::Failed {
+            bail!(
+                "MPS daemon {id} failed to start: {}",
+                rec.error.as_deref().unwrap_or("no reason recorded")
+            );
+        }
+        let supervisor_gone = match spawned.as_mut() {
+            Some(child) => child.try_wait().ok().flatten().is_some(),
+            None => rec.supervisor.is_some_and(|p| !p.alive()),
+        };
+        if supervisor_gone {
+            // It may have written its last word just before exiting.
+            let rec = state.read_record(id)?.context("the daemon record disappeared")?;
+            bail!(
+                "the supervisor of MPS daemon {id} exited: {}",
+                rec.error.as_deref().unwrap_or("see the gpushare log")
+            );
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "MPS daemon {id} was not ready within mps.start-timeout ({timeout:?}); see {}",
+                state.log_dir(id).join("control.log").display()
+            );
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(10));
+    }
+}
+
+fn kill_stale(rec: &DaemonRecord) {
+    use nix::sys::signal::{kill, Signal};
+    for p in [rec.supervisor, rec.daemon].into_iter().flatten() {
+        if p.alive() {
+            let _ = kill(nix::unistd::Pid::from_raw(p.pid), Signal::SIGKILL);
+        }
+    }
+}
+
+/// Ensures the daemon for `ident` is running and ready, then records `container` as
+/// using it.
+pub fn ensure(
+    cfg: &Config,
+    state: &StateDir,
+    ident: &Identity,
+    container: &ContainerRecord,
+) -> anyhow::Result<Ensured> {
+    let id = ident.id();
+    let timeout = cfg.mps.start_timeout;
+    let deadline = Instant::now() + timeout;
+    let _lock = state.lock(&id, deadline)?;
+    state.ensure_skeleton(&id, owner(ident), &cfg.mps.shm_size.tmpfs_option())?;
+    let existing = match state.read_record(&id) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(daemon = %id, error = %e, "replacing an unreadable daemon record");
+            None
+        }
+    };
+    if let Some(rec) = &existing {
+        if !rec.identity.same_daemon(ident) {
+            bail!("daemon id {id} collides with another identity ({:?}); refusing to share it", rec.identity);
+        }
+    }
+    let (record, started) = match existing {
+        Some(rec) if live(&rec) => (rec, false),
+        Some(rec) if rec.supervisor.is_some_and(|p| p.alive()) && rec.status != DaemonStatus::Failed => {
+            // Starting or restarting: the supervisor is on it.
+            (wait_ready(state, &id, None, deadline, timeout)?, false)
+        }
+        stale => {
+            if let Some(rec) = &stale {
+                tracing::info!(daemon = %id, status = ?rec.status, "replacing a stale MPS daemon");
+                kill_stale(rec);
+            }
+            let rec = DaemonRecord {
+                id: id.clone(),
+                identity: ident.clone(),
+                status: DaemonStatus::Starting,
+                supervisor: None,
+                daemon: None,
+                started_at: crate::util::unix_now(),
+                ready_at: None,
+                restarts: stale.as_ref().map_or(0, |r| r.restarts),
+                error: None,
+            };
+            state.write_record(&rec)?;
+            let mut child = spawn_supervisor(cfg, &id)?;
+            match wait_ready(state, &id, Some(&mut child), deadline, timeout) {
+                Ok(rec) => (rec, true),
+                Err(e) => {
+                    // No daemon left half-started: the supervisor takes its daemon along.
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    if let Ok(Some(rec)) = state.read_record(&id) {
+                        kill_stale(&rec);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    };
+    state.add_container(&id, container)?;
+    Ok(Ensured { record, started })
+}
+
+/// Removes a container's record from whichever daemon it used. Never fails the caller.
+pub fn release(state: &StateDir, daemon_id: Option<&str>, container_id: &str) -> bool {
+    let ids: Vec<String> = match daemon_id {
+        Some(id) if crate::identity::valid_id(id) => vec![id.to_owned()],
+        _ => state.daemon_ids().unwrap_or_default(),
+    };
+    ids.iter()
+        .any(|id| state.remove_container(id, container_id).unwrap_or(false))
+}
+
+/// Whether `path` exists (for callers that only log).
+pub fn exists(path: &Path) -> bool {
+    path.exists()
+}

@@ -1,0 +1,1097 @@
+//! Container annotations and environment → a validated share request (DESIGN.md §3).
+//!
+//! The values come from container authors and reach a root hook, so they are hostile input.
+//! Invariants:
+//! - Every value is checked before anything is built from it, in this order: length (at most
+//!   [`MAX_VALUE_LEN`] bytes), then empty, NUL, other control characters, whitespace anywhere,
+//!   `/` and `..`, then the key's own grammar. Nothing here does I/O.
+//! - Every error is exactly one line naming the key actually used (annotation or env name), the
+//!   value (quoted and escaped by [`crate::device::quote`], cut with `…` past 64 characters) and
+//!   what is allowed.
+//! - An annotation wins over the env var of the same key, key by key; for env, the last
+//!   `NAME=` entry wins, as with execve. Env entries without `=` are ignored.
+//! - No device key (annotation or accepted env var) means no request: the container passes
+//!   through, and the other keys are not read (DESIGN §3: gpushare can be the default runtime).
+//! - With `accept_env == false`, any of the four `GPUSHARE_*` request variables in the env is
+//!   refused, even when the annotation of the same key is also present or no device is asked
+//!   for: a tenant must learn that the variable is not honoured rather than be ignored silently.
+//! - Unknown `gpushare.io/*` annotations and unknown `GPUSHARE_*` variables are not errors:
+//!   only the keys below are ever looked up, so a newer client can add keys without breaking an
+//!   older node (forward compatibility).
+//! - Sizes are binary: `K`, `M`, `G`, `T` (case-insensitive), each optionally followed by `i`,
+//!   `iB` or `B`, all meaning powers of 1024 as MPS does. A size without a unit is refused as
+//!   ambiguous; the minimum is 1M; a size that is not a whole MiB is rounded down by
+//!   [`format_mps_size`].
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::device::{
+    is_well_formed_uuid, quote, DeviceError, DeviceKind, Inventory, ResolvedDevices,
+};
+pub use crate::device::{DeviceRequest, DeviceSelector};
+
+/// Longest value accepted for any key, in bytes: room for 16 full GPU UUIDs and commas.
+pub const MAX_VALUE_LEN: usize = 1024;
+/// Most entries in a device list.
+pub const MAX_DEVICES: usize = 16;
+/// Smallest pinned memory limit, in bytes (MPS takes whole MiB).
+pub const MIN_PINNED_MEMORY_LIMIT: u64 = MIB;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+const DEVICE_ALLOWED: &str = "a GPU index like 0, GPU-<uuid>, MIG-<uuid>, <gpu>:<mig> like 0:1, or a comma-separated list of GPU indices and GPU-<uuid>s";
+const PERCENTAGE_ALLOWED: &str = "an integer from 1 to 100";
+const SIZE_ALLOWED: &str = "a size with a unit, like 512M, 4G, 4GiB or 1536MiB";
+const IPC_ALLOWED: &str = "isolated or host";
+
+/// A request key: its annotation and its env var.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Key {
+    pub annotation: &'static str,
+    pub env: &'static str,
+}
+
+pub const DEVICE: Key = Key {
+    annotation: "gpushare.io/device",
+    env: "GPUSHARE_DEVICE",
+};
+pub const ACTIVE_THREAD_PERCENTAGE: Key = Key {
+    annotation: "gpushare.io/active-thread-percentage",
+    env: "GPUSHARE_ACTIVE_THREAD_PERCENTAGE",
+};
+pub const PINNED_MEMORY_LIMIT: Key = Key {
+    annotation: "gpushare.io/pinned-memory-limit",
+    env: "GPUSHARE_PINNED_MEMORY_LIMIT",
+};
+pub const IPC: Key = Key {
+    annotation: "gpushare.io/ipc",
+    env: "GPUSHARE_IPC",
+};
+/// Every request key, in the order they are read.
+pub const KEYS: [Key; 4] = [DEVICE, ACTIVE_THREAD_PERCENTAGE, PINNED_MEMORY_LIMIT, IPC];
+
+/// How the container reaches the MPS server's shared memory (DESIGN §4.3).
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum IpcMode {
+    /// The daemon's own shm directory over the container's `/dev/shm`.
+    #[default]
+    Isolated,
+    /// The host IPC namespace and `/dev/shm`, as `docker run --ipc=host`.
+    Host,
+}
+
+impl FromStr for IpcMode {
+    type Err = RequestError;
+
+    /// Exactly `isolated` or `host`; errors name the config key `ipc`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        parse_ipc("ipc", s)
+    }
+}
+
+impl fmt::Display for IpcMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Isolated => "isolated",
+            Self::Host => "host",
+        })
+    }
+}
+
+/// A parsed value with where it came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sourced<T> {
+    pub value: T,
+    /// The annotation or env name actually used.
+    pub key: &'static str,
+    /// The raw text, as given.
+    pub raw: String,
+}
+
+impl Sourced<DeviceRequest> {
+    /// Resolves the device request against the inventory; errors name this key and value.
+    pub fn resolve(&self, inventory: &Inventory) -> Result<ResolvedDevices, DeviceError> {
+        inventory.resolve(self.key, &self.raw, &self.value)
+    }
+}
+
+/// A validated share request. Limits not given are `None` (the config's defaults apply).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub device: Sourced<DeviceRequest>,
+    pub active_thread_percentage: Option<Sourced<u8>>,
+    /// Bytes, at least [`MIN_PINNED_MEMORY_LIMIT`].
+    pub pinned_memory_limit: Option<Sourced<u64>>,
+    pub ipc: Option<Sourced<IpcMode>>,
+}
+
+/// Errors of request parsing and checking. `key` is the annotation or env name actually used,
+/// `value` the raw value as given (quoted and cut when displayed).
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("{key}={} is invalid: it is {len} bytes long; allowed is at most {MAX_VALUE_LEN} bytes", quote(.value))]
+    TooLong {
+        key: &'static str,
+        value: String,
+        len: usize,
+    },
+
+    #[error("{key}={} is invalid: allowed is {allowed}", quote(.value))]
+    Invalid {
+        key: &'static str,
+        value: String,
+        allowed: &'static str,
+    },
+
+    #[error("{key}={} is invalid: {problem}; allowed is {allowed}", quote(.value))]
+    Rejected {
+        key: &'static str,
+        value: String,
+        problem: String,
+        allowed: &'static str,
+    },
+
+    #[error("{key}={} is invalid: a MIG device must stand alone, not in a list", quote(.value))]
+    MigInList { key: &'static str, value: String },
+
+    #[error("{key}={} is refused: env requests are disabled by accept-env-requests = false; use the annotation {annotation} instead", quote(.value))]
+    EnvDisabled {
+        key: &'static str,
+        value: String,
+        annotation: &'static str,
+    },
+
+    #[error("{key}={} exceeds the memory of {device} ({}): allowed is 1M up to {}", quote(.value), human_size(*.memory_bytes), short_size(*.memory_bytes))]
+    ExceedsMemory {
+        key: &'static str,
+        value: String,
+        /// The device UUID, or `the smallest of <uuid>, <uuid>` for a GPU list.
+        device: String,
+        memory_bytes: u64,
+    },
+}
+
+/// `24 GiB` for a whole number of GiB, else whole MiB rounded down (`5952 MiB`).
+fn human_size(bytes: u64) -> String {
+    if bytes % GIB == 0 {
+        format!("{} GiB", bytes / GIB)
+    } else {
+        format!("{} MiB", bytes / MIB)
+    }
+}
+
+/// `24G` for a whole number of GiB, else whole MiB rounded down (`5952M`).
+fn short_size(bytes: u64) -> String {
+    if bytes % GIB == 0 {
+        format!("{}G", bytes / GIB)
+    } else {
+        format_mps_size(bytes)
+    }
+}
+
+/// The MPS control syntax for a byte count: whole MiB, rounded down, as `<n>M`. Inputs come
+/// from [`parse_size`], which refuses anything below 1M.
+pub fn format_mps_size(bytes: u64) -> String {
+    format!("{}M", bytes / MIB)
+}
+
+/// The checks every value passes first, before its grammar: see the module doc.
+fn check_raw(key: &'static str, raw: &str, allowed: &'static str) -> Result<(), RequestError> {
+    if raw.len() > MAX_VALUE_LEN {
+        return Err(RequestError::TooLong {
+            key,
+            value: raw.to_owned(),
+            len: raw.len(),
+        });
+    }
+    let problem = if raw.is_empty() {
+        "it is empty"
+    } else if raw.contains('\0') {
+        "it contains a NUL byte"
+    } else if raw.chars().any(char::is_control) {
+        "it contains a control character"
+    } else if raw.chars().any(char::is_whitespace) {
+        "it contains whitespace"
+    } else if raw.contains('/') {
+        "it contains '/'"
+    } else if raw.contains("..") {
+        "it contains '..'"
+    } else {
+        return Ok(());
+    };
+    Err(RequestError::Rejected {
+        key,
+        value: raw.to_owned(),
+        problem: problem.to_owned(),
+        allowed,
+    })
+}
+
+fn invalid(key: &'static str, raw: &str, allowed: &'static str) -> RequestError {
+    RequestError::Invalid {
+        key,
+        value: raw.to_owned(),
+        allowed,
+    }
+}
+
+fn rejected(key: &'static str, raw: &str, problem: String, allowed: &'static str) -> RequestError {
+    RequestError::Rejected {
+        key,
+        value: raw.to_owned(),
+        problem,
+        allowed,
+    }
+}
+
+/// A decimal `u32` without sign, at most 10 digits.
+fn parse_index(s: &str) -> Option<u32> {
+    if s.is_empty() || s.len() > 10 || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse().ok()
+}
+
+fn parse_selector(entry: &str) -> Option<DeviceSelector> {
+    if entry.starts_with("GPU-") {
+        is_well_formed_uuid(entry, "GPU-").then(|| DeviceSelector::GpuUuid(entry.to_owned()))
+    } else if entry.starts_with("MIG-") {
+        is_well_formed_uuid(entry, "MIG-").then(|| DeviceSelector::MigUuid(entry.to_owned()))
+    } else if let Some((gpu, mig)) = entry.split_once(':') {
+        Some(DeviceSelector::MigIndex {
+            gpu: parse_index(gpu)?,
+            mig: parse_index(mig)?,
+        })
+    } else {
+        parse_index(entry).map(DeviceSelector::Index)
+    }
+}
+
+/// Parses a device value: `0`, `GPU-<uuid>`, `MIG-<uuid>`, `0:1`, or a comma-separated list of
+/// at most [`MAX_DEVICES`] full GPUs. The `GPU-`/`MIG-` prefixes are case-sensitive, the hex is
+/// kept as written (resolution matches it case-insensitively). Duplicates are found by
+/// resolution, which knows that `0` and `GPU-…` may be the same GPU.
+pub fn parse_device(key: &'static str, raw: &str) -> Result<DeviceRequest, RequestError> {
+    check_raw(key, raw, DEVICE_ALLOWED)?;
+    let count = raw.split(',').count();
+    if count > MAX_DEVICES {
+        return Err(rejected(
+            key,
+            raw,
+            format!("it lists {count} devices"),
+            "at most 16 devices in a list",
+        ));
+    }
+    let mut selectors = Vec::with_capacity(count);
+    for (n, entry) in raw.split(',').enumerate() {
+        let selector = match parse_selector(entry) {
+            Some(selector) => selector,
+            None if count == 1 => return Err(invalid(key, raw, DEVICE_ALLOWED)),
+            None if entry.is_empty() => {
+                return Err(rejected(
+                    key,
+                    raw,
+                    format!("entry {} is empty", n + 1),
+                    DEVICE_ALLOWED,
+                ))
+            }
+            None => {
+                return Err(rejected(
+                    key,
+                    raw,
+                    format!("entry {} ({}) is not a device", n + 1, quote(entry)),
+                    DEVICE_ALLOWED,
+                ))
+            }
+        };
+        selectors.push(selector);
+    }
+    if selectors.len() > 1 && selectors.iter().any(DeviceSelector::is_mig) {
+        return Err(RequestError::MigInList {
+            key,
+            value: raw.to_owned(),
+        });
+    }
+    Ok(DeviceRequest(selectors))
+}
+
+/// Parses an active thread percentage: decimal digits only (no sign, no decimals), 1 to 100.
+pub fn parse_percentage(key: &'static str, raw: &str) -> Result<u8, RequestError> {
+    check_raw(key, raw, PERCENTAGE_ALLOWED)?;
+    if raw.len() > 3 || !raw.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(invalid(key, raw, PERCENTAGE_ALLOWED));
+    }
+    match raw.parse::<u8>() {
+        Ok(n) if (1..=100).contains(&n) => Ok(n),
+        _ => Err(invalid(key, raw, PERCENTAGE_ALLOWED)),
+    }
+}
+
+/// Parses a size in bytes: decimal digits then a binary unit (see the module doc). Refuses no
+/// unit (ambiguous), fractions, zero, less than 1M, and more than fits in 64 bits.
+pub fn parse_size(key: &'static str, raw: &str) -> Result<u64, RequestError> {
+    check_raw(key, raw, SIZE_ALLOWED)?;
+    let split = raw
+        .bytes()
+        .position(|b| !b.is_ascii_digit())
+        .unwrap_or(raw.len());
+    let (digits, unit) = raw.split_at(split);
+    if digits.is_empty() {
+        return Err(invalid(key, raw, SIZE_ALLOWED));
+    }
+    if unit.is_empty() {
+        return Err(rejected(
+            key,
+            raw,
+            "it has no unit, which is ambiguous".to_owned(),
+            SIZE_ALLOWED,
+        ));
+    }
+    let lower = unit.to_ascii_lowercase();
+    let (shift, suffix) = match lower.split_at(1) {
+        ("k", s) => (10, s),
+        ("m", s) => (20, s),
+        ("g", s) => (30, s),
+        ("t", s) => (40, s),
+        _ => return Err(invalid(key, raw, SIZE_ALLOWED)),
+    };
+    if !matches!(suffix, "" | "i" | "ib" | "b") {
+        return Err(invalid(key, raw, SIZE_ALLOWED));
+    }
+    let too_large = || {
+        rejected(
+            key,
+            raw,
+            "it does not fit in 64 bits".to_owned(),
+            "at most 16777215T",
+        )
+    };
+    let n: u64 = digits.parse().map_err(|_| too_large())?;
+    let bytes = n.checked_mul(1 << shift).ok_or_else(too_large)?;
+    if bytes < MIN_PINNED_MEMORY_LIMIT {
+        let problem = if n == 0 {
+            "it is zero"
+        } else {
+            "it is less than 1M"
+        };
+        return Err(rejected(key, raw, problem.to_owned(), "at least 1M"));
+    }
+    Ok(bytes)
+}
+
+/// Parses an IPC mode: exactly `isolated` or `host`.
+pub fn parse_ipc(key: &'static str, raw: &str) -> Result<IpcMode, RequestError> {
+    check_raw(key, raw, IPC_ALLOWED)?;
+    match raw {
+        "isolated" => Ok(IpcMode::Isolated),
+        "host" => Ok(IpcMode::Host),
+        _ => Err(invalid(key, raw, IPC_ALLOWED)),
+    }
+}
+
+/// The value of the last `name=` entry of `env`, as execve would see it.
+fn env_lookup<'a>(env: &'a [String], name: &str) -> Option<&'a str> {
+    env.iter()
+        .rev()
+        .find_map(|entry| entry.split_once('=').filter(|(k, _)| *k == name))
+        .map(|(_, v)| v)
+}
+
+/// Reads the request from a container's annotations and `process.env`.
+///
+/// `annotation(name)` looks up a container annotation; `env` is the container's `process.env`
+/// (`K=V` strings; the last occurrence of a name wins, as with execve). Returns `Ok(None)` when
+/// neither `gpushare.io/device` nor an accepted `GPUSHARE_DEVICE` is present: the container
+/// passes through. An annotation wins over the env var of the same key. With
+/// `accept_env == false`, any `GPUSHARE_*` request variable is refused.
+pub fn parse<'a>(
+    annotation: impl Fn(&str) -> Option<&'a str>,
+    env: &'a [String],
+    accept_env: bool,
+) -> Result<Option<Request>, RequestError> {
+    if !accept_env {
+        for key in KEYS {
+            if let Some(value) = env_lookup(env, key.env) {
+                return Err(RequestError::EnvDisabled {
+                    key: key.env,
+                    value: value.to_owned(),
+                    annotation: key.annotation,
+                });
+            }
+        }
+    }
+    let lookup = |key: Key| -> Option<(&'static str, &'a str)> {
+        match annotation(key.annotation) {
+            Some(raw) => Some((key.annotation, raw)),
+            None if accept_env => env_lookup(env, key.env).map(|raw| (key.env, raw)),
+            None => None,
+        }
+    };
+    fn sourced<T>(
+        found: Option<(&'static str, &str)>,
+        parse: fn(&'static str, &str) -> Result<T, RequestError>,
+    ) -> Result<Option<Sourced<T>>, RequestError> {
+        found
+            .map(|(key, raw)| {
+                Ok(Sourced {
+                    value: parse(key, raw)?,
+                    key,
+                    raw: raw.to_owned(),
+                })
+            })
+            .transpose()
+    }
+    let Some(device) = sourced(lookup(DEVICE), parse_device)? else {
+        return Ok(None);
+    };
+    Ok(Some(Request {
+        device,
+        active_thread_percentage: sourced(lookup(ACTIVE_THREAD_PERCENTAGE), parse_percentage)?,
+        pinned_memory_limit: sourced(lookup(PINNED_MEMORY_LIMIT), parse_size)?,
+        ipc: sourced(lookup(IPC), parse_ipc)?,
+    }))
+}
+
+/// Checks the request against the devices it resolved to: the pinned memory limit must be at
+/// most the device memory (for a MIG device its own memory; for a GPU list the smallest GPU's,
+/// since MPS applies the limit to each device).
+pub fn check_against(req: &Request, devices: &ResolvedDevices) -> Result<(), RequestError> {
+    if let Some(limit) = &req.pinned_memory_limit {
+        if limit.value > devices.memory_bytes {
+            let device = match (devices.kind, devices.uuids.as_slice()) {
+                (DeviceKind::Gpus, [_, _, ..]) => {
+                    format!("the smallest of {}", devices.uuids.join(", "))
+                }
+                _ => devices.uuids.join(", "),
+            };
+            return Err(RequestError::ExceedsMemory {
+                key: limit.key,
+                value: limit.raw.clone(),
+                device,
+                memory_bytes: devices.memory_bytes,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::sample;
+    use std::collections::HashMap;
+
+    const GPU0: &str = "GPU-8f8bff94-112e-9541-43da-cfd453333404";
+    const GPU1: &str = "GPU-a1b2c3d4-e5f6-4789-9abc-def012345678";
+    const MIG0: &str = "MIG-22f0c05f-5cf2-5ea2-8297-789695656dc0";
+
+    /// Asserts a one-line message naming the key, the quoted value and `want`.
+    fn assert_msg(err: &RequestError, key: &str, raw: &str, want: &str) {
+        let msg = err.to_string();
+        assert!(!msg.contains('\n'), "{msg:?}");
+        assert!(
+            msg.starts_with(&format!("{key}={} ", quote(raw))),
+            "{msg:?} lacks {key}={raw:?}"
+        );
+        assert!(msg.contains(want), "{msg:?} lacks {want:?}");
+    }
+
+    #[test]
+    fn device_good() {
+        use DeviceSelector::*;
+        let gpu1_list = format!("0,{GPU1}");
+        let cases: Vec<(&str, Vec<DeviceSelector>)> = vec![
+            ("0", vec![Index(0)]),
+            ("7", vec![Index(7)]),
+            ("4294967295", vec![Index(u32::MAX)]),
+            (GPU0, vec![GpuUuid(GPU0.into())]),
+            (
+                "GPU-8F8BFF94-112E-9541-43DA-CFD453333404",
+                vec![GpuUuid("GPU-8F8BFF94-112E-9541-43DA-CFD453333404".into())],
+            ),
+            (MIG0, vec![MigUuid(MIG0.into())]),
+            ("0:1", vec![MigIndex { gpu: 0, mig: 1 }]),
+            ("0,1", vec![Index(0), Index(1)]),
+            ("1,0", vec![Index(1), Index(0)]),
+            ("0,0", vec![Index(0), Index(0)]),
+            (&gpu1_list, vec![Index(0), GpuUuid(GPU1.into())]),
+            (
+                "0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15",
+                (0..16).map(Index).collect(),
+            ),
+        ];
+        for (raw, want) in cases {
+            assert_eq!(
+                parse_device("gpushare.io/device", raw).expect(raw),
+                DeviceRequest(want),
+                "{raw}"
+            );
+        }
+        let sixteen_uuids = vec![GPU0; 16].join(",");
+        assert_eq!(
+            parse_device("k", &sixteen_uuids).expect("16 uuids").0.len(),
+            16
+        );
+    }
+
+    #[test]
+    fn device_bad() {
+        let key = "gpushare.io/device";
+        let cases: Vec<(String, &str)> = vec![
+            ("".into(), "it is empty; allowed is a GPU index like 0, GPU-<uuid>, MIG-<uuid>, <gpu>:<mig> like 0:1, or a comma-separated list"),
+            ("x".into(), "is invalid: allowed is a GPU index like 0"),
+            ("-1".into(), "allowed is a GPU index"),
+            ("+1".into(), "allowed is a GPU index"),
+            ("1.0".into(), "allowed is a GPU index"),
+            ("4294967296".into(), "allowed is a GPU index"),
+            ("gpu-8f8bff94".into(), "allowed is a GPU index"),
+            ("GPU-".into(), "allowed is a GPU index"),
+            ("GPU-xyz".into(), "allowed is a GPU index"),
+            ("MIG-GPU-8f8bff94-112e-9541-43da-cfd453333404/1/0".into(), "it contains '/'; allowed is a GPU index"),
+            ("0:".into(), "allowed is a GPU index"),
+            (":1".into(), "allowed is a GPU index"),
+            ("0:1:2".into(), "allowed is a GPU index"),
+            ("0,".into(), "is invalid: entry 2 is empty; allowed is a GPU index"),
+            (",0".into(), "entry 1 is empty; allowed is a GPU index"),
+            ("0,,1".into(), "entry 2 is empty; allowed is"),
+            ("0,x".into(), "entry 2 (\"x\") is not a device; allowed is a GPU index"),
+            ("0, 1".into(), "it contains whitespace; allowed is a GPU index"),
+            (" 0".into(), "it contains whitespace"),
+            ("0\n".into(), "it contains a control character"),
+            ("0\0".into(), "it contains a NUL byte"),
+            ("0\u{7f}".into(), "it contains a control character"),
+            ("0\u{a0}".into(), "it contains whitespace"),
+            ("..".into(), "it contains '..'"),
+            ("../../etc".into(), "it contains '/'"),
+            (format!("0,{MIG0}"), "is invalid: a MIG device must stand alone, not in a list"),
+            ("0:1,1".into(), "is invalid: a MIG device must stand alone, not in a list"),
+            ("0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16".into(), "is invalid: it lists 17 devices; allowed is at most 16 devices in a list"),
+            (",".repeat(20), "it lists 21 devices; allowed is at most 16"),
+            ("1".repeat(1025), "is invalid: it is 1025 bytes long; allowed is at most 1024 bytes"),
+            (format!("{}\n", "1".repeat(2000)), "it is 2001 bytes long"),
+        ];
+        for (raw, want) in &cases {
+            let err = parse_device(key, raw).expect_err(raw);
+            assert_msg(&err, key, raw, want);
+        }
+    }
+
+    #[test]
+    fn percentage() {
+        let good = [("1", 1), ("50", 50), ("100", 100), ("050", 50), ("007", 7)];
+        for (raw, want) in good {
+            assert_eq!(parse_percentage("k", raw).expect(raw), want);
+        }
+        let key = "gpushare.io/active-thread-percentage";
+        let bad: &[(&str, &str)] = &[
+            ("0", "is invalid: allowed is an integer from 1 to 100"),
+            ("101", "is invalid: allowed is an integer from 1 to 100"),
+            ("255", "allowed is an integer from 1 to 100"),
+            ("256", "allowed is an integer from 1 to 100"),
+            ("0100", "allowed is an integer from 1 to 100"),
+            ("+50", "allowed is an integer from 1 to 100"),
+            ("-5", "allowed is an integer from 1 to 100"),
+            ("50.0", "allowed is an integer from 1 to 100"),
+            ("50%", "allowed is an integer from 1 to 100"),
+            ("1e2", "allowed is an integer from 1 to 100"),
+            ("", "it is empty; allowed is an integer from 1 to 100"),
+            (
+                " 50",
+                "it contains whitespace; allowed is an integer from 1 to 100",
+            ),
+            (
+                "5\u{0}0",
+                "it contains a NUL byte; allowed is an integer from 1 to 100",
+            ),
+        ];
+        for (raw, want) in bad {
+            let err = parse_percentage(key, raw).expect_err(raw);
+            assert_msg(&err, key, raw, want);
+        }
+        let err = parse_percentage(key, "101").expect_err("101");
+        assert_eq!(
+            err.to_string(),
+            "gpushare.io/active-thread-percentage=\"101\" is invalid: allowed is an integer from 1 to 100"
+        );
+    }
+
+    #[test]
+    fn size() {
+        const K: u64 = 1 << 10;
+        let good: &[(&str, u64)] = &[
+            ("512M", 512 * MIB),
+            ("4G", 4 * GIB),
+            ("4GiB", 4 * GIB),
+            ("4Gi", 4 * GIB),
+            ("4GB", 4 * GIB),
+            ("4gb", 4 * GIB),
+            ("4g", 4 * GIB),
+            ("1536MiB", 1536 * MIB),
+            ("1024K", MIB),
+            ("1024KiB", MIB),
+            ("1536K", 1536 * K),
+            ("1M", MIB),
+            ("1T", 1 << 40),
+            ("16777215T", 16_777_215 << 40),
+        ];
+        for (raw, want) in good {
+            assert_eq!(parse_size("k", raw).expect(raw), *want, "{raw}");
+        }
+        let key = "GPUSHARE_PINNED_MEMORY_LIMIT";
+        let bad: &[(&str, &str)] = &[
+            ("abc", "is invalid: allowed is a size with a unit, like 512M, 4G, 4GiB or 1536MiB"),
+            ("512", "is invalid: it has no unit, which is ambiguous; allowed is a size with a unit, like 512M"),
+            ("512B", "allowed is a size with a unit"),
+            ("512P", "allowed is a size with a unit"),
+            ("512Mb2", "allowed is a size with a unit"),
+            ("512MiBs", "allowed is a size with a unit"),
+            ("512iB", "allowed is a size with a unit"),
+            ("1.5G", "allowed is a size with a unit"),
+            ("-1G", "allowed is a size with a unit"),
+            ("+1G", "allowed is a size with a unit"),
+            ("G", "allowed is a size with a unit"),
+            ("0M", "is invalid: it is zero; allowed is at least 1M"),
+            ("0G", "it is zero; allowed is at least 1M"),
+            ("1023K", "is invalid: it is less than 1M; allowed is at least 1M"),
+            ("16777216T", "is invalid: it does not fit in 64 bits; allowed is at most 16777215T"),
+            ("99999999999999999999999G", "it does not fit in 64 bits"),
+            ("4 G", "it contains whitespace; allowed is a size with a unit"),
+            ("4G\n", "it contains a control character"),
+            ("", "it is empty; allowed is a size with a unit"),
+        ];
+        for (raw, want) in bad {
+            let err = parse_size(key, raw).expect_err(raw);
+            assert_msg(&err, key, raw, want);
+        }
+        assert_eq!(
+            parse_size(key, "abc").expect_err("abc").to_string(),
+            "GPUSHARE_PINNED_MEMORY_LIMIT=\"abc\" is invalid: allowed is a size with a unit, like 512M, 4G, 4GiB or 1536MiB"
+        );
+    }
+
+    #[test]
+    fn mps_size() {
+        let cases: &[(u64, &str)] = &[
+            (MIB, "1M"),
+            (512 * MIB, "512M"),
+            (4 * GIB, "4096M"),
+            (1536 * 1024, "1M"),
+            (2 * MIB - 1, "1M"),
+            (24 * GIB + 1, "24576M"),
+        ];
+        for (bytes, want) in cases {
+            assert_eq!(&format_mps_size(*bytes), want, "{bytes}");
+        }
+    }
+
+    #[test]
+    fn ipc() {
+        for (raw, want) in [("isolated", IpcMode::Isolated), ("host", IpcMode::Host)] {
+            assert_eq!(parse_ipc("k", raw).expect(raw), want);
+            assert_eq!(raw.parse::<IpcMode>().expect(raw), want);
+            assert_eq!(want.to_string(), raw);
+            assert_eq!(
+                serde_json::to_string(&want).expect("ser"),
+                format!("\"{raw}\"")
+            );
+        }
+        assert_eq!(IpcMode::default(), IpcMode::Isolated);
+        let key = "gpushare.io/ipc";
+        for raw in [
+            "Host",
+            "HOST",
+            "none",
+            "private",
+            "shareable",
+            "host,isolated",
+        ] {
+            let err = parse_ipc(key, raw).expect_err(raw);
+            assert_msg(&err, key, raw, "is invalid: allowed is isolated or host");
+        }
+        assert_msg(
+            &parse_ipc(key, "host ").expect_err("sp"),
+            key,
+            "host ",
+            "it contains whitespace; allowed is isolated or host",
+        );
+        assert_msg(
+            &"container:x".parse::<IpcMode>().expect_err("x"),
+            "ipc",
+            "container:x",
+            "allowed is isolated or host",
+        );
+    }
+
+    #[test]
+    fn quoting_in_messages() {
+        let key = "gpushare.io/ipc";
+        let raw = format!("host\0\n\"{}", "y".repeat(100));
+        let msg = parse_ipc(key, &raw).expect_err("nul").to_string();
+        assert!(
+            msg.starts_with("gpushare.io/ipc=\"host\\0\\n\\\"yyy"),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("y…\" is invalid: it contains a NUL byte; allowed is isolated or host"),
+            "{msg}"
+        );
+        assert!(!msg.contains('\n') && !msg.contains('\0'));
+    }
+
+    fn env(entries: &[&str]) -> Vec<String> {
+        entries.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn run(
+        annotations: &[(&str, &str)],
+        env: &[String],
+        accept_env: bool,
+    ) -> Result<Option<Request>, RequestError> {
+        let map: HashMap<String, String> = annotations
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        parse(|k| map.get(k).map(String::as_str), env, accept_env)
+    }
+
+    fn src<T>(value: T, key: &'static str, raw: &str) -> Sourced<T> {
+        Sourced {
+            value,
+            key,
+            raw: raw.to_owned(),
+        }
+    }
+
+    #[test]
+    fn parse_sources() {
+        use DeviceSelector::*;
+        let dev = |v: Vec<DeviceSelector>, key, raw: &str| src(DeviceRequest(v), key, raw);
+        struct Case {
+            name: &'static str,
+            annotations: &'static [(&'static str, &'static str)],
+            env: &'static [&'static str],
+            accept_env: bool,
+            want: Option<Request>,
+        }
+        let cases = vec![
+            Case {
+                name: "nothing passes through",
+                annotations: &[],
+                env: &["PATH=/bin", "HOME=/root"],
+                accept_env: true,
+                want: None,
+            },
+            Case {
+                name: "limits without device pass through unread",
+                annotations: &[("gpushare.io/active-thread-percentage", "bogus")],
+                env: &["GPUSHARE_IPC=bogus"],
+                accept_env: true,
+                want: None,
+            },
+            Case {
+                name: "unknown gpushare annotations and env are ignored",
+                annotations: &[
+                    ("gpushare.io/device", "0"),
+                    ("gpushare.io/future-key", "x\0y"),
+                ],
+                env: &["GPUSHARE_FUTURE=1", "GPUSHARE_DEVICE_EXTRA=2"],
+                accept_env: false,
+                want: Some(Request {
+                    device: dev(vec![Index(0)], "gpushare.io/device", "0"),
+                    active_thread_percentage: None,
+                    pinned_memory_limit: None,
+                    ipc: None,
+                }),
+            },
+            Case {
+                name: "all from annotations",
+                annotations: &[
+                    ("gpushare.io/device", "0:1"),
+                    ("gpushare.io/active-thread-percentage", "25"),
+                    ("gpushare.io/pinned-memory-limit", "2G"),
+                    ("gpushare.io/ipc", "host"),
+                ],
+                env: &[],
+                accept_env: true,
+                want: Some(Request {
+                    device: dev(
+                        vec![MigIndex { gpu: 0, mig: 1 }],
+                        "gpushare.io/device",
+                        "0:1",
+                    ),
+                    active_thread_percentage: Some(src(
+                        25,
+                        "gpushare.io/active-thread-percentage",
+                        "25",
+                    )),
+                    pinned_memory_limit: Some(src(
+                        2 * GIB,
+                        "gpushare.io/pinned-memory-limit",
+                        "2G",
+                    )),
+                    ipc: Some(src(IpcMode::Host, "gpushare.io/ipc", "host")),
+                }),
+            },
+            Case {
+                name: "all from env, last occurrence wins",
+                annotations: &[],
+                env: &[
+                    "GPUSHARE_DEVICE=1",
+                    "GPUSHARE_DEVICE=0,1",
+                    "GPUSHARE_ACTIVE_THREAD_PERCENTAGE=bogus",
+                    "GPUSHARE_ACTIVE_THREAD_PERCENTAGE=30",
+                    "GPUSHARE_PINNED_MEMORY_LIMIT=512M",
+                    "GPUSHARE_IPC=isolated",
+                    "GPUSHARE_IPC",
+                ],
+                accept_env: true,
+                want: Some(Request {
+                    device: dev(vec![Index(0), Index(1)], "GPUSHARE_DEVICE", "0,1"),
+                    active_thread_percentage: Some(src(
+                        30,
+                        "GPUSHARE_ACTIVE_THREAD_PERCENTAGE",
+                        "30",
+                    )),
+                    pinned_memory_limit: Some(src(
+                        512 * MIB,
+                        "GPUSHARE_PINNED_MEMORY_LIMIT",
+                        "512M",
+                    )),
+                    ipc: Some(src(IpcMode::Isolated, "GPUSHARE_IPC", "isolated")),
+                }),
+            },
+            Case {
+                name: "annotation wins over env, key by key",
+                annotations: &[
+                    ("gpushare.io/device", "1"),
+                    ("gpushare.io/pinned-memory-limit", "1G"),
+                ],
+                env: &[
+                    "GPUSHARE_DEVICE=bogus",
+                    "GPUSHARE_PINNED_MEMORY_LIMIT=bogus",
+                    "GPUSHARE_ACTIVE_THREAD_PERCENTAGE=10",
+                ],
+                accept_env: true,
+                want: Some(Request {
+                    device: dev(vec![Index(1)], "gpushare.io/device", "1"),
+                    active_thread_percentage: Some(src(
+                        10,
+                        "GPUSHARE_ACTIVE_THREAD_PERCENTAGE",
+                        "10",
+                    )),
+                    pinned_memory_limit: Some(src(GIB, "gpushare.io/pinned-memory-limit", "1G")),
+                    ipc: None,
+                }),
+            },
+            Case {
+                name: "env value may contain '='",
+                annotations: &[],
+                env: &["GPUSHARE_DEVICE=0", "OTHER=GPUSHARE_DEVICE=1"],
+                accept_env: true,
+                want: Some(Request {
+                    device: dev(vec![Index(0)], "GPUSHARE_DEVICE", "0"),
+                    active_thread_percentage: None,
+                    pinned_memory_limit: None,
+                    ipc: None,
+                }),
+            },
+            Case {
+                name: "annotations only when env is refused",
+                annotations: &[("gpushare.io/device", GPU1)],
+                env: &["PATH=/bin"],
+                accept_env: false,
+                want: Some(Request {
+                    device: dev(vec![GpuUuid(GPU1.into())], "gpushare.io/device", GPU1),
+                    active_thread_percentage: None,
+                    pinned_memory_limit: None,
+                    ipc: None,
+                }),
+            },
+        ];
+        for case in cases {
+            let got = run(case.annotations, &env(case.env), case.accept_env).expect(case.name);
+            assert_eq!(got, case.want, "{}", case.name);
+        }
+    }
+
+    #[test]
+    fn parse_errors() {
+        // (annotations, env, accept_env, key named, value named, message part)
+        type Case = (
+            &'static [(&'static str, &'static str)],
+            &'static [&'static str],
+            bool,
+            &'static str,
+            &'static str,
+            &'static str,
+        );
+        let cases: &[Case] = &[
+            (
+                &[],
+                &["GPUSHARE_DEVICE=0"],
+                false,
+                "GPUSHARE_DEVICE",
+                "0",
+                "is refused: env requests are disabled by accept-env-requests = false; use the annotation gpushare.io/device instead",
+            ),
+            (
+                &[("gpushare.io/device", "0")],
+                &["GPUSHARE_PINNED_MEMORY_LIMIT=1G"],
+                false,
+                "GPUSHARE_PINNED_MEMORY_LIMIT",
+                "1G",
+                "accept-env-requests = false; use the annotation gpushare.io/pinned-memory-limit instead",
+            ),
+            (
+                &[("gpushare.io/device", "0")],
+                &["GPUSHARE_DEVICE=0"],
+                false,
+                "GPUSHARE_DEVICE",
+                "0",
+                "env requests are disabled",
+            ),
+            (&[], &["GPUSHARE_IPC="], false, "GPUSHARE_IPC", "", "env requests are disabled"),
+            (&[], &["GPUSHARE_DEVICE="], true, "GPUSHARE_DEVICE", "", "it is empty; allowed is a GPU index"),
+            (
+                &[("gpushare.io/device", "0")],
+                &["GPUSHARE_ACTIVE_THREAD_PERCENTAGE=101"],
+                true,
+                "GPUSHARE_ACTIVE_THREAD_PERCENTAGE",
+                "101",
+                "allowed is an integer from 1 to 100",
+            ),
+            (
+                &[("gpushare.io/device", "0"), ("gpushare.io/pinned-memory-limit", "0M")],
+                &[],
+                true,
+                "gpushare.io/pinned-memory-limit",
+                "0M",
+                "it is zero; allowed is at least 1M",
+            ),
+            (
+                &[("gpushare.io/device", "0"), ("gpushare.io/ipc", "none")],
+                &["GPUSHARE_IPC=host"],
+                true,
+                "gpushare.io/ipc",
+                "none",
+                "allowed is isolated or host",
+            ),
+            (
+                &[("gpushare.io/device", "")],
+                &["GPUSHARE_DEVICE=0"],
+                true,
+                "gpushare.io/device",
+                "",
+                "it is empty",
+            ),
+        ];
+        for (annotations, env_entries, accept_env, key, raw, want) in cases {
+            let err = run(annotations, &env(env_entries), *accept_env).expect_err(want);
+            assert_msg(&err, key, raw, want);
+        }
+    }
+
+    fn request_with_limit(key: &'static str, raw: &str) -> Request {
+        Request {
+            device: src(DeviceRequest(vec![]), "gpushare.io/device", ""),
+            active_thread_percentage: None,
+            pinned_memory_limit: Some(src(parse_size(key, raw).expect(raw), key, raw)),
+            ipc: None,
+        }
+    }
+
+    #[test]
+    fn against_devices() {
+        let inv = sample();
+        let resolve = |raw: &str| {
+            src(
+                parse_device("gpushare.io/device", raw).expect(raw),
+                "gpushare.io/device",
+                raw,
+            )
+            .resolve(&inv)
+            .expect(raw)
+        };
+        let key = "gpushare.io/pinned-memory-limit";
+        // (device, limit, Ok or the error's tail)
+        let cases: &[(&str, &str, Result<(), String>)] = &[
+            ("0", "24G", Ok(())),
+            ("0", "24576M", Ok(())),
+            ("1", "64G", Ok(())),
+            ("0,1", "24G", Ok(())),
+            ("0:1", "6G", Ok(())),
+            ("0:1", "6144MiB", Ok(())),
+            ("0", "64G", Err(format!("exceeds the memory of {GPU0} (24 GiB): allowed is 1M up to 24G"))),
+            ("0", "24577M", Err(format!("exceeds the memory of {GPU0} (24 GiB): allowed is 1M up to 24G"))),
+            // MIG: the MIG device's own memory, not its GPU's 24 GiB.
+            ("0:1", "8G", Err("exceeds the memory of MIG-3b5c1f7e-0d4a-5a0e-9c61-2f1e8d7b6a01 (6 GiB): allowed is 1M up to 6G".into())),
+            (MIG0, "7G", Err(format!("exceeds the memory of {MIG0} (6 GiB): allowed is 1M up to 6G"))),
+            ("1,0", "32G", Err(format!("exceeds the memory of the smallest of {GPU1}, {GPU0} (24 GiB): allowed is 1M up to 24G"))),
+        ];
+        for (device, limit, want) in cases {
+            let req = request_with_limit(key, limit);
+            let got = check_against(&req, &resolve(device));
+            match (got, want) {
+                (Ok(()), Ok(())) => {}
+                (Err(err), Err(tail)) => {
+                    assert_msg(&err, key, limit, tail);
+                    assert_eq!(err.to_string(), format!("{key}={} {tail}", quote(limit)));
+                }
+                (got, want) => panic!("{device} {limit}: got {got:?}, want {want:?}"),
+            }
+        }
+        // Sizes that are not a whole GiB are shown in MiB.
+        let odd = ResolvedDevices {
+            kind: DeviceKind::Mig,
+            uuids: vec![MIG0.into()],
+            gpu_indices: vec![0],
+            memory_bytes: 5952 * MIB,
+            mig_profile: Some("1g.6gb".into()),
+        };
+        let err = check_against(
+            &request_with_limit("GPUSHARE_PINNED_MEMORY_LIMIT", "6G"),
+            &odd,
+        )
+        .expect_err("6G > 5952M");
+        assert_eq!(
+            err.to_string(),
+            format!("GPUSHARE_PINNED_MEMORY_LIMIT=\"6G\" exceeds the memory of {MIG0} (5952 MiB): allowed is 1M up to 5952M")
+        );
+        // No limit: nothing to check.
+        let mut none = request_with_limit(key, "1M");
+        none.pinned_memory_limit = None;
+        check_against(&none, &odd).expect("no limit");
+    }
+
+    #[test]
+    fn sourced_resolve_names_key() {
+        let inv = sample();
+        let req = src(
+            parse_device("GPUSHARE_DEVICE", "5").expect("5"),
+            "GPUSHARE_DEVICE",
+            "5",
+        );
+        assert_eq!(
+            req.resolve(&inv).expect_err("5").to_string(),
+            "GPUSHARE_DEVICE=\"5\" names GPU 5, which does not exist: this node has GPUs 0, 1"
+        );
+    }
+
+    #[test]
+    fn keys_are_consistent() {
+        for key in KEYS {
+            assert!(key.annotation.starts_with("gpushare.io/"));
+            assert!(key.env.starts_with("GPUSHARE_"));
+            let suffix = key.annotation.trim_start_matches("gpushare.io/");
+            assert_eq!(
+                suffix.replace('-', "_").to_uppercase(),
+                key.env.trim_start_matches("GPUSHARE_")
+            );
+        }
+    }
+}

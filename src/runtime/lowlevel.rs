@@ -1,0 +1,113 @@
+//! Finds the low-level OCI runtime and replaces this process with it.
+//!
+//! Invariants: the first candidate that resolves to an executable file wins; a candidate
+//! that is gpushare-runtime itself (same inode as /proc/self/exe) is refused, so a
+//! misconfiguration cannot loop; argv is forwarded verbatim but for argv[0], and the
+//! environment unchanged, through execve — never fork+wait, which would break runc's
+//! pid-file, console-socket, preserve-fds and parent-death semantics.
+
+use std::ffi::OsString;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LowLevelError {
+    #[error("no low-level runtime found: tried {tried}; set low-level-runtime in the config to a runtime on PATH or an absolute path")]
+    NotFound { tried: String },
+    #[error("low-level runtime {path} is gpushare-runtime itself; point low-level-runtime at runc, crun or nvidia-container-runtime")]
+    IsSelf { path: PathBuf },
+    #[error("cannot exec low-level runtime {path}")]
+    Exec {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn executable(path: &Path) -> Option<std::fs::Metadata> {
+    let md = std::fs::metadata(path).ok()?;
+    (md.is_file() && md.permissions().mode() & 0o111 != 0).then_some(md)
+}
+
+/// Resolves the first usable candidate, by absolute path or on `PATH`.
+pub fn resolve(candidates: &[String]) -> Result<PathBuf, LowLevelError> {
+    let me = std::fs::metadata("/proc/self/exe").ok();
+    let path_var = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
+    for cand in candidates {
+        let found = if cand.contains('/') {
+            let p = PathBuf::from(cand);
+            executable(&p).map(|md| (p, md))
+        } else {
+            std::env::split_paths(&path_var)
+                .map(|dir| dir.join(cand))
+                .find_map(|p| executable(&p).map(|md| (p, md)))
+        };
+        if let Some((path, md)) = found {
+            if let Some(me) = &me {
+                if me.dev() == md.dev() && me.ino() == md.ino() {
+                    return Err(LowLevelError::IsSelf { path });
+                }
+            }
+            return Ok(path);
+        }
+    }
+    Err(LowLevelError::NotFound {
+        tried: candidates.join(", "),
+    })
+}
+
+/// Whether `path` is NVIDIA's runtime shim, which needs `NVIDIA_VISIBLE_DEVICES`.
+pub fn is_nvidia(path: &Path) -> bool {
+    path.file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with("nvidia-container-runtime"))
+}
+
+/// Replaces this process with `runtime`, passing `args` (without argv[0]) verbatim.
+/// Only returns on failure.
+pub fn exec(runtime: &Path, args: &[OsString]) -> LowLevelError {
+    let source = std::process::Command::new(runtime).args(args).exec();
+    LowLevelError::Exec {
+        path: runtime.to_owned(),
+        source,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_found_wins_and_missing_are_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("fake-runc");
+        std::fs::write(&a, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&a, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let got = resolve(&["/nonexistent/runc".into(), a.display().to_string()]).unwrap();
+        assert_eq!(got, a);
+    }
+
+    #[test]
+    fn non_executable_is_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("runc");
+        std::fs::write(&a, "").unwrap();
+        let err = resolve(&[a.display().to_string()]).unwrap_err().to_string();
+        assert!(err.contains("no low-level runtime found"), "{err}");
+    }
+
+    #[test]
+    fn itself_is_refused() {
+        let me = std::fs::read_link("/proc/self/exe").unwrap();
+        let err = resolve(&[me.display().to_string()]).unwrap_err();
+        assert!(matches!(err, LowLevelError::IsSelf { .. }), "{err}");
+    }
+
+    #[test]
+    fn nvidia_is_recognised() {
+        assert!(is_nvidia(Path::new("/usr/bin/nvidia-container-runtime")));
+        assert!(is_nvidia(Path::new("nvidia-container-runtime.cdi")));
+        assert!(!is_nvidia(Path::new("/usr/bin/runc")));
+    }
+}

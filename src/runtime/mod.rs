@@ -1,0 +1,255 @@
+//! `gpushare-runtime`: the OCI runtime shim with runc's command line (DESIGN §2, §4, §8).
+//!
+//! Invariants: for every command but `create` and `run`, the shim reads nothing but the
+//! `low-level-runtime` key and execs the low-level runtime with argv untouched — no log
+//! file, no inventory, no spec. For `create`/`run` it reads config.json once; a container
+//! without a request is exec'd with config.json byte-for-byte untouched; a request is
+//! validated completely (syntax, device, memory) before any directory is created or any
+//! byte written; on failure the shim writes one error line to runc's `--log`, logs to its
+//! own file, prints nothing (stdio belongs to the container) and exits 1.
+
+pub mod args;
+pub mod lowlevel;
+pub mod runclog;
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+
+use crate::config::{Config, IpcConfig, Limits, UserMode};
+use crate::device::{load, InventorySource};
+use crate::hook::{ANN_DAEMON, ANN_HOST_GID, ANN_HOST_UID, ANN_IDENTITY, ANN_IPC_MODE};
+use crate::identity::Identity;
+use crate::mps::control::SAFE_PATH;
+use crate::request::{self, IpcMode, Request};
+use crate::spec::edits::{self, Decision, IpcPlan, SetHooks};
+use crate::spec::SpecFile;
+use crate::state::StateDir;
+
+/// Seconds runc gives the poststop hook.
+const POSTSTOP_TIMEOUT: u64 = 10;
+
+/// The shim's entry point: returns the exit code when it does not exec.
+pub fn main(argv: Vec<OsString>) -> i32 {
+    let rest = argv.get(1..).unwrap_or(&[]);
+    let inv = args::scan(rest).unwrap_or_default();
+    if !inv.edits_spec() {
+        return passthrough(rest, &inv);
+    }
+    let id = inv
+        .container_id
+        .as_ref()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    match create(&inv, &id) {
+        Ok(runtime) => {
+            let err = lowlevel::exec(&runtime, rest);
+            fail(&inv, &id, &anyhow::Error::new(err))
+        }
+        Err(e) => fail(&inv, &id, &e),
+    }
+}
+
+fn fail(inv: &args::Invocation, id: &str, e: &anyhow::Error) -> i32 {
+    let msg = format!("gpushare: {e:#}");
+    tracing::error!(container_id = %id, "{msg}");
+    if let Some(log) = &inv.log {
+        runclog::error(log, inv.log_json, &msg);
+    }
+    1
+}
+
+/// Any command but create/run: resolve the runtime and exec it, nothing else.
+fn passthrough(rest: &[OsString], inv: &args::Invocation) -> i32 {
+    let err: anyhow::Error = match crate::config::low_level_runtime() {
+        Ok(candidates) => match lowlevel::resolve(&candidates) {
+            Ok(runtime) => lowlevel::exec(&runtime, rest).into(),
+            Err(e) => e.into(),
+        },
+        Err(e) => e.into(),
+    };
+    // Not a create: stderr is runc's own channel for these commands.
+    eprintln!("gpushare: {err:#}");
+    if let Some(log) = &inv.log {
+        runclog::error(log, inv.log_json, &format!("gpushare: {err:#}"));
+    }
+    1
+}
+
+/// The create path: returns the low-level runtime to exec once the spec is ready.
+fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
+    let cfg = crate::config::load()?;
+    crate::logging::init(&cfg);
+    let span = tracing::info_span!("create", container_id = %id);
+    let _enter = span.enter();
+    let runtime = lowlevel::resolve(&cfg.low_level_runtime)?;
+    prepare(&cfg, &inv.spec_path(), &runtime)?;
+    Ok(runtime)
+}
+
+/// Reads the request from the spec and, if there is one, edits and saves the spec.
+/// Returns whether the spec was edited.
+pub fn prepare(cfg: &Config, spec_path: &Path, runtime: &Path) -> anyhow::Result<bool> {
+    let mut spec = SpecFile::load(spec_path)?;
+    let Some(req) = request::parse(
+        |k| spec.annotation(k),
+        spec.env(),
+        cfg.accept_env_requests,
+    )?
+    else {
+        tracing::debug!("no gpushare request: passing through");
+        return Ok(false);
+    };
+    let source = InventorySource::parse(&cfg.inventory)?;
+    let inventory = load(&source)?;
+    let devices = req.device.resolve(&inventory)?;
+    request::check_against(&req, &devices)?;
+    let ipc = decide_ipc(cfg, &req)?;
+    let (uid, gid) = spec.host_user()?;
+    let ident = identity(cfg, &devices.uuids, uid, gid, &req);
+    let id = ident.id();
+
+    // Everything below acts on the host: the request is fully validated by now.
+    let state = StateDir::new(&cfg.state_dir);
+    if !state.skeleton_ready(&id) {
+        // runc binds the daemon's directories before the createRuntime hook runs, so they
+        // must exist now. Cold path only: the warm path is two stat calls, no lock.
+        let deadline = std::time::Instant::now() + cfg.mps.start_timeout;
+        let _lock = state.lock(&id, deadline).or_else(|e| {
+            state.ensure_root()?;
+            state.lock(&id, deadline).map_err(|_| e)
+        })?;
+        state.ensure_skeleton(&id, crate::mps::ensure::owner(&ident), &cfg.mps.shm_size.tmpfs_option())?;
+    }
+
+    let decision = decide(cfg, &state, &ident, (uid, gid), &req, ipc, runtime, &devices.uuids)?;
+    edits::apply_all(&mut spec.doc, &edits::plan(&decision))?;
+    spec.save()?;
+    tracing::info!(daemon = %id, uid, devices = %devices.uuids.join(","), ipc = %ipc, "spec edited for MPS");
+    Ok(true)
+}
+
+fn decide_ipc(cfg: &Config, req: &Request) -> anyhow::Result<IpcMode> {
+    let configured = match cfg.mps.ipc {
+        IpcConfig::Isolated => IpcMode::Isolated,
+        IpcConfig::Host => IpcMode::Host,
+    };
+    match &req.ipc {
+        Some(asked) if asked.value != configured && !cfg.mps.allow_ipc_override => {
+            anyhow::bail!(
+                "{}={:?} is refused: this node's gpushare config sets ipc = {:?} and allow-ipc-override = false; allowed is {:?} or leaving {} unset",
+                asked.key, asked.raw, configured.to_string(), configured.to_string(), asked.key
+            )
+        }
+        Some(asked) => Ok(asked.value),
+        None => Ok(configured),
+    }
+}
+
+/// The daemon identity for a container (DESIGN §5).
+pub fn identity(cfg: &Config, devices: &[String], uid: u32, gid: u32, req: &Request) -> Identity {
+    let multi_user = cfg.mps.user_mode == UserMode::MultiUser;
+    let (tp, mem) = limits_of(cfg, req);
+    let enforced = cfg.mps.limits == Limits::Enforced;
+    Identity {
+        devices: devices.to_vec(),
+        uid: if multi_user { 0 } else { uid },
+        gid: if multi_user { 0 } else { gid },
+        multi_user,
+        active_thread_percentage: tp.filter(|_| enforced),
+        pinned_memory_limit: mem.filter(|_| enforced),
+    }
+}
+
+/// The requested limits, or the configured defaults.
+fn limits_of(cfg: &Config, req: &Request) -> (Option<u8>, Option<u64>) {
+    (
+        req.active_thread_percentage
+            .as_ref()
+            .map(|s| s.value)
+            .or(cfg.mps.default_active_thread_percentage),
+        req.pinned_memory_limit
+            .as_ref()
+            .map(|s| s.value)
+            .or(cfg.mps.default_pinned_memory_limit),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn decide(
+    cfg: &Config,
+    state: &StateDir,
+    ident: &Identity,
+    host_user: (u32, u32),
+    req: &Request,
+    ipc: IpcMode,
+    runtime: &Path,
+    uuids: &[String],
+) -> anyhow::Result<Decision> {
+    let id = ident.id();
+    let pipe_in_container = cfg.mps.container_pipe_dir.clone();
+    let mut env = vec![(
+        "CUDA_MPS_PIPE_DIRECTORY".to_owned(),
+        pipe_in_container.to_string_lossy().into_owned(),
+    )];
+    if let Some(dir) = &cfg.mps.container_log_dir {
+        env.push(("CUDA_MPS_LOG_DIRECTORY".into(), dir.to_string_lossy().into_owned()));
+    }
+    // Client-side limits: under "enforced" they repeat what the daemon applies (a tenant
+    // can only lower them); under "advisory" they are the only limits.
+    let (tp, mem) = limits_of(cfg, req);
+    if let Some(p) = tp {
+        env.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), p.to_string()));
+    }
+    if let Some(bytes) = mem {
+        let per_device: Vec<String> = (0..uuids.len())
+            .map(|i| format!("{i}={}", request::format_mps_size(bytes)))
+            .collect();
+        env.push(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".into(), per_device.join(",")));
+    }
+    if lowlevel::is_nvidia(runtime) {
+        env.push(("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(",")));
+    }
+
+    let binary = std::env::current_exe()
+        .context("find gpushare-runtime's own path")?
+        .with_file_name("gpushare");
+    let mut hook_env = vec![format!("PATH={SAFE_PATH}")];
+    if let Some(path) = &cfg.path {
+        let abs = std::path::absolute(path).unwrap_or_else(|_| path.clone());
+        hook_env.push(format!("{}={}", crate::config::ENV_VAR, abs.display()));
+    }
+    let create_timeout = cfg.mps.start_timeout.as_secs() + 5;
+
+    Ok(Decision {
+        env,
+        pipe: (state.pipe_dir(&id), pipe_in_container),
+        log: cfg
+            .mps
+            .container_log_dir
+            .as_ref()
+            .map(|d| (state.log_dir(&id), d.clone())),
+        ipc: match ipc {
+            IpcMode::Isolated => IpcPlan::Isolated {
+                shm_dir: state.shm_dir(&id),
+            },
+            IpcMode::Host => IpcPlan::Host,
+        },
+        hooks: SetHooks {
+            binary,
+            env: hook_env,
+            stages: vec![
+                ("createRuntime", "create-runtime", create_timeout),
+                ("poststop", "poststop", POSTSTOP_TIMEOUT),
+            ],
+        },
+        annotations: vec![
+            (ANN_DAEMON.into(), id),
+            (ANN_IDENTITY.into(), serde_json::to_string(ident)?),
+            (ANN_HOST_UID.into(), host_user.0.to_string()),
+            (ANN_HOST_GID.into(), host_user.1.to_string()),
+            (ANN_IPC_MODE.into(), ipc.to_string()),
+        ],
+    })
+}

@@ -1,0 +1,571 @@
+//! The state directory: the one type that owns every host path gpushare uses.
+//!
+//! Layout (DESIGN §5), short names so the socket path fits in 108 bytes:
+//! ```text
+//! <state-dir>/                 0711 root   (refused if writable by group/others or a symlink)
+//!   locks/<id>.lock            0600 root   flock per daemon identity; never removed
+//!   mps/                       0711 root
+//!     <id>/                    0711 root
+//!       daemon.json            0644 root   record of the daemon (identity, pids, status)
+//!       pipe/                  0700 uid    CUDA_MPS_PIPE_DIRECTORY (multi-user: 0755 root)
+//!       log/                   0700 uid    CUDA_MPS_LOG_DIRECTORY
+//!       shm/                   tmpfs, 0700 uid (multi-user: 1777): the daemon's and the clients' /dev/shm
+//!       containers/<cid>.json  0700 root   one record per container using the daemon
+//! ```
+//! Invariants: every parent is traversable by the daemon's UID and writable by root only;
+//! records are written atomically and read without locks; every name that reaches a path
+//! (daemon id, container id) is validated first.
+
+use std::fs::{DirBuilder, File};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nix::fcntl::{Flock, FlockArg};
+use serde::{Deserialize, Serialize};
+
+use crate::identity::{valid_id, Identity};
+use crate::util;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("cannot {op} {path}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("state directory {path} is unsafe: {why}; it must be a directory owned by root and not writable by group or others")]
+    Unsafe { path: PathBuf, why: String },
+    #[error("timed out after {waited:?} waiting for the lock {path}: another gpushare process holds it")]
+    LockTimeout { path: PathBuf, waited: Duration },
+    #[error("cannot mount the shm tmpfs on {path}")]
+    Mount {
+        path: PathBuf,
+        #[source]
+        source: nix::Error,
+    },
+    #[error("invalid {what} {value:?}: {allowed}")]
+    Name {
+        what: &'static str,
+        value: String,
+        allowed: &'static str,
+    },
+    #[error("MPS pipe path {path} is {len} bytes: a Unix socket path must be shorter than 108; use a shorter state-dir")]
+    SocketPathTooLong { path: PathBuf, len: usize },
+    #[error("corrupt record {path}: {message}")]
+    Corrupt { path: PathBuf, message: String },
+}
+
+fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StateError + 'a {
+    move |source| StateError::Io {
+        op,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// A process named for good: pid plus its start time, so a reused pid never passes for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcRef {
+    pub pid: i32,
+    pub start_time: u64,
+}
+
+impl ProcRef {
+    pub fn of(pid: i32) -> Option<Self> {
+        util::proc_start_time(pid).map(|start_time| ProcRef { pid, start_time })
+    }
+
+    /// Whether this very process is still running (not a zombie, not a reused pid).
+    pub fn alive(&self) -> bool {
+        self.pid > 0 && util::proc_start_time(self.pid) == Some(self.start_time)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DaemonStatus {
+    /// The supervisor is starting the daemon for the first time.
+    Starting,
+    /// Daemon answering, limits applied: clients may connect.
+    Ready,
+    /// The daemon died; the supervisor is starting it again.
+    Restarting,
+    /// The supervisor gave up; `error` says why.
+    Failed,
+    /// Stopped on request or idle.
+    Stopped,
+}
+
+/// `daemon.json`: what the hook, the supervisor and `status` know about one daemon.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DaemonRecord {
+    pub id: String,
+    pub identity: Identity,
+    pub status: DaemonStatus,
+    pub supervisor: Option<ProcRef>,
+    pub daemon: Option<ProcRef>,
+    /// Unix seconds when the supervisor was started.
+    pub started_at: u64,
+    /// Unix seconds when the current daemon process became ready.
+    pub ready_at: Option<u64>,
+    pub restarts: u32,
+    pub error: Option<String>,
+}
+
+/// `containers/<id>.json`: one container using a daemon.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ContainerRecord {
+    pub id: String,
+    pub pid: Option<i32>,
+    pub bundle: Option<PathBuf>,
+    pub created_at: u64,
+}
+
+/// Ownership and modes of one daemon's directories.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
+    /// Multi-user daemons are root's and serve everyone: pipe 0755, shm 1777.
+    pub shared: bool,
+}
+
+/// Checks that a container id can name a file: runc's own rule (`^[\w+-\.]+$`), not `.`
+/// or `..`, at most 1024 bytes.
+pub fn valid_container_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 1024
+        && id != "."
+        && id != ".."
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'+' | b'-' | b'.'))
+}
+
+#[derive(Debug, Clone)]
+pub struct StateDir {
+    root: PathBuf,
+}
+
+impl StateDir {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        StateDir { root: root.into() }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+    pub fn mps_dir(&self) -> PathBuf {
+        self.root.join("mps")
+    }
+    pub fn daemon_dir(&self, id: &str) -> PathBuf {
+        self.mps_dir().join(id)
+    }
+    pub fn pipe_dir(&self, id: &str) -> PathBuf {
+        self.daemon_dir(id).join("pipe")
+    }
+    pub fn log_dir(&self, id: &str) -> PathBuf {
+        self.daemon_dir(id).join("log")
+    }
+    pub fn shm_dir(&self, id: &str) -> PathBuf {
+        self.daemon_dir(id).join("shm")
+    }
+    pub fn containers_dir(&self, id: &str) -> PathBuf {
+        self.daemon_dir(id).join("containers")
+    }
+    pub fn record_path(&self, id: &str) -> PathBuf {
+        self.daemon_dir(id).join("daemon.json")
+    }
+    pub fn lock_path(&self, id: &str) -> PathBuf {
+        self.root.join("locks").join(format!("{id}.lock"))
+    }
+    pub fn control_socket(&self, id: &str) -> PathBuf {
+        self.pipe_dir(id).join("control")
+    }
+
+    fn check_id(id: &str) -> Result<(), StateError> {
+        if valid_id(id) {
+            Ok(())
+        } else {
+            Err(StateError::Name {
+                what: "daemon id",
+                value: id.chars().take(64).collect(),
+                allowed: "12 lowercase hex digits",
+            })
+        }
+    }
+
+    /// Makes `path` a directory with exactly `mode` and owner, refusing a symlink or a
+    /// non-directory in its place.
+    fn ensure_dir(path: &Path, mode: u32, uid: u32, gid: u32) -> Result<(), StateError> {
+        match DirBuilder::new().mode(mode).create(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(io("create directory", path)(e)),
+        }
+        let md = std::fs::symlink_metadata(path).map_err(io("inspect", path))?;
+        if !md.is_dir() {
+            return Err(StateError::Unsafe {
+                path: path.to_owned(),
+                why: "it is not a directory (a symlink is refused)".into(),
+            });
+        }
+        if md.uid() != uid || md.gid() != gid {
+            nix::unistd::chown(path, Some(uid.into()), Some(gid.into())).map_err(|e| {
+                io("chown", path)(std::io::Error::from_raw_os_error(e as i32))
+            })?;
+        }
+        if md.mode() & 0o7777 != mode {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+                .map_err(io("chmod", path))?;
+        }
+        Ok(())
+    }
+
+    /// Creates the state root (0711 root) or checks an existing one is safe.
+    pub fn ensure_root(&self) -> Result<(), StateError> {
+        if let Some(parent) = self.root.parent() {
+            std::fs::create_dir_all(parent).map_err(io("create directory", parent))?;
+        }
+        match DirBuilder::new().mode(0o711).create(&self.root) {
+            Ok(()) => {
+                std::fs::set_permissions(&self.root, std::fs::Permissions::from_mode(0o711))
+                    .map_err(io("chmod", &self.root))?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(io("create directory", &self.root)(e)),
+        }
+        let md = std::fs::symlink_metadata(&self.root).map_err(io("inspect", &self.root))?;
+        let euid = nix::unistd::geteuid().as_raw();
+        let why = if !md.is_dir() {
+            Some("it is not a directory".to_owned())
+        } else if md.uid() != euid {
+            Some(format!("it is owned by uid {}", md.uid()))
+        } else if md.mode() & 0o022 != 0 {
+            Some(format!("its mode is {:04o}", md.mode() & 0o7777))
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(StateError::Unsafe {
+                path: self.root.clone(),
+                why,
+            });
+        }
+        Self::ensure_dir(&self.mps_dir(), 0o711, euid, 0)?;
+        Self::ensure_dir(&self.root.join("locks"), 0o700, euid, 0)
+    }
+
+    /// Takes the exclusive lock of one daemon identity, waiting until `deadline`.
+    pub fn lock(&self, id: &str, deadline: Instant) -> Result<Flock<File>, StateError> {
+        Self::check_id(id)?;
+        let path = self.lock_path(id);
+        let started = Instant::now();
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&path)
+            .map_err(io("open lock", &path))?;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+                Ok(lock) => return Ok(lock),
+                Err((f, nix::errno::Errno::EWOULDBLOCK)) | Err((f, nix::errno::Errno::EINTR)) => {
+                    file = f;
+                }
+                Err((_, e)) => {
+                    return Err(io("lock", &path)(std::io::Error::from_raw_os_error(e as i32)))
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(StateError::LockTimeout {
+                    path,
+                    waited: started.elapsed(),
+                });
+            }
+            std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+            pause = (pause * 2).min(Duration::from_millis(20));
+        }
+    }
+
+    /// Whether the daemon's directories are in place with their tmpfs mounted: two stats,
+    /// the shim's whole warm path here.
+    pub fn skeleton_ready(&self, id: &str) -> bool {
+        self.shm_mounted(id) && self.pipe_dir(id).is_dir()
+    }
+
+    /// Whether the shm tmpfs is mounted (its device differs from its parent's).
+    pub fn shm_mounted(&self, id: &str) -> bool {
+        match (
+            std::fs::symlink_metadata(self.daemon_dir(id)),
+            std::fs::symlink_metadata(self.shm_dir(id)),
+        ) {
+            (Ok(dir), Ok(shm)) => shm.is_dir() && shm.dev() != dir.dev(),
+            _ => false,
+        }
+    }
+
+    /// Creates one daemon's directories and mounts its shm tmpfs, idempotently. Must be
+    /// called with the daemon's lock held (the tmpfs mount is not idempotent by itself).
+    pub fn ensure_skeleton(&self, id: &str, owner: Owner, shm_size: &str) -> Result<(), StateError> {
+        Self::check_id(id)?;
+        let socket = self.control_socket(id);
+        let len = socket.as_os_str().len();
+        if len >= 108 {
+            return Err(StateError::SocketPathTooLong { path: socket, len });
+        }
+        self.ensure_root()?;
+        let euid = nix::unistd::geteuid().as_raw();
+        Self::ensure_dir(&self.daemon_dir(id), 0o711, euid, 0)?;
+        let (pipe_owner, pipe_mode) = if owner.shared { ((euid, 0), 0o755) } else { ((owner.uid, owner.gid), 0o700) };
+        Self::ensure_dir(&self.pipe_dir(id), pipe_mode, pipe_owner.0, pipe_owner.1)?;
+        Self::ensure_dir(&self.log_dir(id), pipe_mode, pipe_owner.0, pipe_owner.1)?;
+        Self::ensure_dir(&self.containers_dir(id), 0o700, euid, 0)?;
+        let shm = self.shm_dir(id);
+        if !self.shm_mounted(id) {
+            // Only the empty mount point is root's; once mounted, the tmpfs root is the
+            // daemon user's and must not be touched here.
+            Self::ensure_dir(&shm, 0o700, euid, 0)?;
+            let mode = if owner.shared { "1777" } else { "0700" };
+            let data = format!("size={shm_size},mode={mode},uid={},gid={}", owner.uid, owner.gid);
+            use nix::mount::{mount, MsFlags};
+            mount(
+                Some("gpushare-shm"),
+                &shm,
+                Some("tmpfs"),
+                MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+                Some(data.as_str()),
+            )
+            .map_err(|source| StateError::Mount { path: shm.clone(), source })?;
+        }
+        Ok(())
+    }
+
+    /// Unmounts the shm tmpfs and removes one daemon's directories (daemon stopped).
+    pub fn remove_daemon_dir(&self, id: &str) -> Result<(), StateError> {
+        Self::check_id(id)?;
+        let shm = self.shm_dir(id);
+        if self.shm_mounted(id) {
+            let _ = nix::mount::umount2(&shm, nix::mount::MntFlags::MNT_DETACH);
+        }
+        let dir = self.daemon_dir(id);
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io("remove", &dir)(e)),
+        }
+    }
+
+    pub fn read_record(&self, id: &str) -> Result<Option<DaemonRecord>, StateError> {
+        Self::check_id(id)?;
+        let path = self.record_path(id);
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io("read", &path)(e)),
+        };
+        let rec: DaemonRecord = serde_json::from_slice(&bytes).map_err(|e| StateError::Corrupt {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        if rec.id != id || rec.identity.id() != id {
+            return Err(StateError::Corrupt {
+                path,
+                message: format!("record is for daemon {:?}", rec.id),
+            });
+        }
+        Ok(Some(rec))
+    }
+
+    pub fn write_record(&self, rec: &DaemonRecord) -> Result<(), StateError> {
+        Self::check_id(&rec.id)?;
+        let path = self.record_path(&rec.id);
+        let data = serde_json::to_vec_pretty(rec).unwrap_or_default();
+        util::write_atomic(&path, &data, 0o644).map_err(io("write", &path))
+    }
+
+    fn container_path(&self, id: &str, cid: &str) -> Result<PathBuf, StateError> {
+        Self::check_id(id)?;
+        if !valid_container_id(cid) {
+            return Err(StateError::Name {
+                what: "container id",
+                value: cid.chars().take(64).collect(),
+                allowed: "letters, digits and _ + - . (runc's rule), at most 1024 bytes",
+            });
+        }
+        Ok(self.containers_dir(id).join(format!("{cid}.json")))
+    }
+
+    pub fn add_container(&self, id: &str, rec: &ContainerRecord) -> Result<(), StateError> {
+        let path = self.container_path(id, &rec.id)?;
+        let data = serde_json::to_vec(rec).unwrap_or_default();
+        util::write_atomic(&path, &data, 0o600).map_err(io("write", &path))
+    }
+
+    /// Removes a container's record; `Ok(false)` if there was none.
+    pub fn remove_container(&self, id: &str, cid: &str) -> Result<bool, StateError> {
+        let path = self.container_path(id, cid)?;
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(io("remove", &path)(e)),
+        }
+    }
+
+    pub fn containers(&self, id: &str) -> Result<Vec<ContainerRecord>, StateError> {
+        Self::check_id(id)?;
+        let dir = self.containers_dir(id);
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io("list", &dir)(e)),
+        };
+        let mut out = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if !name.ends_with(".json") || name.starts_with('.') {
+                continue;
+            }
+            if let Ok(bytes) = std::fs::read(entry.path()) {
+                if let Ok(rec) = serde_json::from_slice::<ContainerRecord>(&bytes) {
+                    out.push(rec);
+                }
+            }
+        }
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
+    }
+
+    /// Ids of every daemon directory, sorted; names that are not ids are ignored.
+    pub fn daemon_ids(&self) -> Result<Vec<String>, StateError> {
+        let dir = self.mps_dir();
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io("list", &dir)(e)),
+        };
+        let mut ids: Vec<String> = entries
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+            .filter(|n| valid_id(n))
+            .collect();
+        ids.sort();
+        Ok(ids)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn identity() -> Identity {
+        Identity {
+            devices: vec!["GPU-8f8bff94-112e-9541-43da-cfd453333404".into()],
+            uid: 1000,
+            gid: 1000,
+            multi_user: false,
+            active_thread_percentage: Some(50),
+            pinned_memory_limit: None,
+        }
+    }
+
+    #[test]
+    fn records_round_trip_and_are_checked_against_their_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path().join("s"));
+        let ident = identity();
+        let id = ident.id();
+        std::fs::create_dir_all(state.daemon_dir(&id)).unwrap();
+        assert_eq!(state.read_record(&id).unwrap(), None);
+        let rec = DaemonRecord {
+            id: id.clone(),
+            identity: ident,
+            status: DaemonStatus::Ready,
+            supervisor: ProcRef::of(std::process::id() as i32),
+            daemon: None,
+            started_at: 1,
+            ready_at: Some(2),
+            restarts: 0,
+            error: None,
+        };
+        state.write_record(&rec).unwrap();
+        assert_eq!(state.read_record(&id).unwrap(), Some(rec.clone()));
+        // A record planted under another id is corrupt, not trusted.
+        let other = "0123456789ab";
+        std::fs::create_dir_all(state.daemon_dir(other)).unwrap();
+        std::fs::copy(state.record_path(&id), state.record_path(other)).unwrap();
+        assert!(matches!(state.read_record(other), Err(StateError::Corrupt { .. })));
+        assert_eq!(state.daemon_ids().unwrap(), {
+            let mut v = vec![id.clone(), other.to_owned()];
+            v.sort();
+            v
+        });
+    }
+
+    #[test]
+    fn bad_names_never_reach_a_path() {
+        let state = StateDir::new("/nonexistent-gpushare");
+        assert!(matches!(state.read_record("../../etc"), Err(StateError::Name { .. })));
+        for cid in ["", ".", "..", "a/b", "a\0b", "x\ny", &"a".repeat(1025)] {
+            let rec = ContainerRecord { id: cid.into(), pid: None, bundle: None, created_at: 0 };
+            assert!(matches!(state.add_container("0123456789ab", &rec), Err(StateError::Name { .. })), "{cid:?}");
+        }
+        assert!(valid_container_id("28d3f31c1da9e220f4ff0d667ffe0881aaac3c6b708dae20229b81e67002ffee"));
+    }
+
+    #[test]
+    fn container_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let id = "0123456789ab";
+        std::fs::create_dir_all(state.containers_dir(id)).unwrap();
+        let rec = ContainerRecord { id: "c1".into(), pid: Some(5), bundle: None, created_at: 3 };
+        state.add_container(id, &rec).unwrap();
+        assert_eq!(state.containers(id).unwrap(), vec![rec]);
+        assert!(state.remove_container(id, "c1").unwrap());
+        assert!(!state.remove_container(id, "c1").unwrap());
+        assert!(state.containers(id).unwrap().is_empty());
+    }
+
+    #[test]
+    fn unsafe_root_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("state");
+        std::fs::create_dir(&root).unwrap();
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = StateDir::new(&root).ensure_root().unwrap_err();
+        assert!(matches!(err, StateError::Unsafe { .. }), "{err}");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(dir.path(), &link).unwrap();
+        assert!(StateDir::new(&link).ensure_root().is_err());
+    }
+
+    #[test]
+    fn lock_times_out_while_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path().join("s"));
+        state.ensure_root().unwrap();
+        let id = "0123456789ab";
+        let held = state.lock(id, Instant::now()).unwrap();
+        let err = state.lock(id, Instant::now() + Duration::from_millis(30)).unwrap_err();
+        assert!(matches!(err, StateError::LockTimeout { .. }), "{err}");
+        drop(held);
+        assert!(state.lock(id, Instant::now()).is_ok());
+    }
+
+    #[test]
+    fn socket_path_limit_is_checked() {
+        let long = format!("/tmp/{}", "x".repeat(100));
+        let err = StateDir::new(long)
+            .ensure_skeleton("0123456789ab", Owner { uid: 0, gid: 0, shared: false }, "1M")
+            .unwrap_err();
+        assert!(matches!(err, StateError::SocketPathTooLong { .. }), "{err}");
+    }
+}
