@@ -1,1 +1,5 @@
-fn main(){}
+//! Integration tests: the real `gpushare-runtime`, `gpushare` and `gpushare-mps-sim`
+//! binaries through real runc, as root. Run them with the README's test command.
+
+mod core_path;
+mod harness;

@@ -1,0 +1,471 @@
+//! Test harness: real binaries, real runc, a busybox rootfs, the file inventory and the MPS
+//! simulator. Every `Env` lives in its own short temp dir (socket paths stay short) and
+//! cleans up its containers, supervisors, daemons and mounts in `Drop`, even when the test
+//! fails. Waits poll with deadlines; nothing sleeps a fixed time to "let it start".
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+pub const RUNTIME: &str = env!("CARGO_BIN_EXE_gpushare-runtime");
+pub const GPUSHARE: &str = env!("CARGO_BIN_EXE_gpushare");
+pub const SIM: &str = env!("CARGO_BIN_EXE_gpushare-mps-sim");
+
+pub const GPU0: &str = "GPU-8f8bff94-112e-9541-43da-cfd453333404";
+pub const GPU1: &str = "GPU-6a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9";
+pub const MIG0: &str = "MIG-22f0c05f-5cf2-5ea2-8297-789695656dc0";
+
+/// Inventory for tests: an A30 (24 GiB) with one MIG device, and a second full GPU.
+pub fn inventory_json() -> Value {
+    json!({"driver_version": "580.159.04", "gpus": [
+        {"index": 0, "uuid": GPU0, "name": "NVIDIA A30", "memory_bytes": 25769803776u64,
+         "compute_capability": "8.0", "compute_mode": "default",
+         "mig_devices": [{"index": 0, "uuid": MIG0, "profile": "1g.6gb", "memory_bytes": 6442450944u64}]},
+        {"index": 1, "uuid": GPU1, "name": "NVIDIA A100", "memory_bytes": 85899345920u64,
+         "compute_capability": "8.0", "compute_mode": "default"}
+    ]})
+}
+
+/// Fails the test loudly when it cannot run here; never skips silently.
+pub fn require_root_and_runc() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "integration tests drive real runc and mount tmpfs: they need root. Run the README's test command (./scripts/test) as root"
+    );
+    assert!(
+        which("runc").is_some(),
+        "runc is not installed: the README's test command (./scripts/test) installs it with apt-get"
+    );
+    assert!(
+        busybox().is_some(),
+        "busybox is not installed: the README's test command (./scripts/test) installs busybox-static with apt-get"
+    );
+}
+
+pub fn which(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .chain(["/usr/sbin".into(), "/usr/bin".into(), "/sbin".into(), "/bin".into()])
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+fn busybox() -> Option<PathBuf> {
+    ["/bin/busybox", "/usr/bin/busybox"].iter().map(PathBuf::from).find(|p| p.is_file())
+}
+
+/// Copies `bin` and the shared libraries it needs (per ldd) into the rootfs.
+fn install_with_libs(bin: &Path, rootfs: &Path, dest: &str) {
+    let target = rootfs.join(dest.trim_start_matches('/'));
+    std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+    std::fs::copy(bin, &target).unwrap();
+    let ldd = Command::new("ldd").arg(bin).output().expect("ldd");
+    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+        let path = line
+            .split_whitespace()
+            .find(|w| w.starts_with('/'))
+            .map(PathBuf::from);
+        if let Some(lib) = path {
+            let to = rootfs.join(lib.strip_prefix("/").unwrap());
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            if !to.exists() {
+                std::fs::copy(&lib, &to).unwrap();
+            }
+        }
+    }
+}
+
+/// A busybox rootfs with the simulator's client at /usr/bin/gpushare-mps-sim, shared
+/// read-only by every container of this test run.
+pub fn rootfs() -> &'static Path {
+    static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
+    ROOTFS.get_or_init(|| {
+        require_root_and_runc();
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("rootfs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for d in ["bin", "dev/shm", "proc", "sys", "tmp/nvidia-mps", "etc", "usr/bin"] {
+            std::fs::create_dir_all(dir.join(d)).unwrap();
+        }
+        let bb = busybox().unwrap();
+        std::fs::copy(&bb, dir.join("bin/busybox")).unwrap();
+        let list = Command::new(&bb).arg("--list").output().unwrap();
+        for applet in String::from_utf8_lossy(&list.stdout).lines() {
+            if applet != "busybox" {
+                let _ = std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet));
+            }
+        }
+        install_with_libs(Path::new(SIM), &dir, "/usr/bin/gpushare-mps-sim");
+        std::fs::write(dir.join("etc/passwd"), "root:x:0:0:root:/:/bin/sh\nu1000:x:1000:1000::/:/bin/sh\nu2000:x:2000:2000::/:/bin/sh\n").unwrap();
+        dir
+    })
+}
+
+/// One test's world: config, state dir, runc root, containers.
+pub struct Env {
+    pub dir: tempfile::TempDir,
+    pub config: PathBuf,
+    pub state: PathBuf,
+    pub runc_root: PathBuf,
+    containers: std::sync::Mutex<Vec<String>>,
+}
+
+impl Env {
+    pub fn new() -> Env {
+        Env::with_config("")
+    }
+
+    /// `extra` is appended to the generated config (top-level keys first, then `[mps]`
+    /// keys in `extra_mps`).
+    pub fn with_config(extra_mps: &str) -> Env {
+        rootfs();
+        let dir = tempfile::Builder::new().prefix("gs").tempdir_in("/tmp").unwrap();
+        let state = dir.path().join("s");
+        let runc_root = dir.path().join("runc");
+        let inventory = dir.path().join("inventory.json");
+        std::fs::write(&inventory, inventory_json().to_string()).unwrap();
+        let config = dir.path().join("runtime.toml");
+        let runc = which("runc").unwrap();
+        std::fs::write(
+            &config,
+            format!(
+                "low-level-runtime = [{runc:?}]\nstate-dir = {state:?}\nlog-file = {log:?}\nlog-level = \"debug\"\ninventory = \"file:{inv}\"\n[mps]\ncontrol-binary = {SIM:?}\nstart-timeout = \"10s\"\nshm-size = \"64M\"\n{extra_mps}\n",
+                runc = runc.display().to_string(),
+                state = state.display().to_string(),
+                log = dir.path().join("gpushare.log").display().to_string(),
+                inv = inventory.display(),
+            ),
+        )
+        .unwrap();
+        Env { dir, config, state, runc_root, containers: Default::default() }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// A command for one of our binaries, configured for this env.
+    pub fn cmd(&self, bin: &str) -> Command {
+        let mut c = Command::new(bin);
+        c.env("GPUSHARE_CONFIG", &self.config);
+        c
+    }
+
+    /// Runs the shim with runc's global flags for this env.
+    pub fn runtime(&self, args: &[&str], log: &Path) -> Output {
+        self.cmd(RUNTIME)
+            .arg("--root")
+            .arg(&self.runc_root)
+            .arg("--log")
+            .arg(log)
+            .args(["--log-format", "json"])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    pub fn container(&self, id: &str) -> ContainerBuilder<'_> {
+        ContainerBuilder {
+            env: self,
+            id: id.to_owned(),
+            uid: 0,
+            args: vec!["true".into()],
+            annotations: BTreeMap::new(),
+            envs: Vec::new(),
+        }
+    }
+
+    pub fn daemon_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = std::fs::read_dir(self.state.join("mps"))
+            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        ids.sort();
+        ids
+    }
+
+    pub fn record(&self, id: &str) -> Value {
+        let text = std::fs::read_to_string(self.state.join("mps").join(id).join("daemon.json")).unwrap();
+        serde_json::from_str(&text).unwrap()
+    }
+
+    pub fn daemon_pid(&self, id: &str) -> i32 {
+        self.record(id)["daemon"]["pid"].as_i64().expect("daemon pid in record") as i32
+    }
+
+    pub fn control_log(&self, id: &str) -> String {
+        std::fs::read_to_string(self.state.join("mps").join(id).join("log/control.log")).unwrap_or_default()
+    }
+
+    pub fn gpushare_log(&self) -> String {
+        std::fs::read_to_string(self.path().join("gpushare.log")).unwrap_or_default()
+    }
+
+    /// `gpushare status --json`.
+    pub fn status(&self) -> Value {
+        let out = self.cmd(GPUSHARE).args(["status", "--json"]).output().unwrap();
+        assert!(out.status.success(), "status failed: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        // Containers first (their poststop hooks run), then supervisors, then mounts.
+        let ids = self.containers.lock().map(|c| c.clone()).unwrap_or_default();
+        for id in ids {
+            let _ = Command::new(which("runc").unwrap())
+                .arg("--root")
+                .arg(&self.runc_root)
+                .args(["delete", "-f", &id])
+                .stderr(Stdio::null())
+                .status();
+        }
+        for id in self.daemon_ids() {
+            let Ok(text) = std::fs::read_to_string(self.state.join("mps").join(&id).join("daemon.json")) else { continue };
+            let Ok(rec) = serde_json::from_str::<Value>(&text) else { continue };
+            let sup = rec["supervisor"]["pid"].as_i64().map(|p| p as i32);
+            let dae = rec["daemon"]["pid"].as_i64().map(|p| p as i32);
+            if let Some(p) = sup {
+                stop_process(p, rec["supervisor"]["start_time"].as_u64());
+            }
+            if let Some(p) = dae {
+                stop_process(p, rec["daemon"]["start_time"].as_u64());
+            }
+            let shm = self.state.join("mps").join(&id).join("shm");
+            let _ = nix::mount::umount2(&shm, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+}
+
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let mut f = rest.split(' ');
+    let state = f.next()?;
+    if state == "Z" {
+        return None;
+    }
+    f.nth(18)?.parse().ok()
+}
+
+pub fn alive(pid: i32) -> bool {
+    start_time(pid).is_some()
+}
+
+/// SIGTERM, wait up to 5 s, then SIGKILL — only if `pid` is still the process we started.
+pub fn stop_process(pid: i32, expected_start: Option<u64>) {
+    use nix::sys::signal::{kill, Signal};
+    let is_ours = || start_time(pid).is_some() && (expected_start.is_none() || start_time(pid) == expected_start);
+    if !is_ours() {
+        return;
+    }
+    let _ = kill(nix::unistd::Pid::from_raw(pid), Signal::SIGTERM);
+    if !wait_until(Duration::from_secs(5), || !is_ours()) {
+        let _ = kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+    }
+}
+
+/// Polls `f` until it holds or the deadline passes; returns whether it held.
+pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    let mut pause = Duration::from_millis(2);
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+}
+
+pub struct ContainerBuilder<'a> {
+    env: &'a Env,
+    id: String,
+    uid: u32,
+    args: Vec<String>,
+    annotations: BTreeMap<String, String>,
+    envs: Vec<String>,
+}
+
+impl<'a> ContainerBuilder<'a> {
+    pub fn uid(mut self, uid: u32) -> Self {
+        self.uid = uid;
+        self
+    }
+    pub fn sh(mut self, script: &str) -> Self {
+        self.args = vec!["sh".into(), "-c".into(), script.into()];
+        self
+    }
+    pub fn annotation(mut self, k: &str, v: &str) -> Self {
+        self.annotations.insert(k.into(), v.into());
+        self
+    }
+    pub fn env(mut self, kv: &str) -> Self {
+        self.envs.push(kv.into());
+        self
+    }
+
+    /// Writes the bundle (config.json from `runc spec`, adjusted) without creating.
+    pub fn bundle(self) -> Container<'a> {
+        let bundle = self.env.path().join("bundles").join(&self.id);
+        std::fs::create_dir_all(&bundle).unwrap();
+        let spec = Command::new(which("runc").unwrap()).arg("spec").current_dir(&bundle).output().unwrap();
+        assert!(spec.status.success(), "runc spec: {}", String::from_utf8_lossy(&spec.stderr));
+        let mut c: Value = serde_json::from_str(&std::fs::read_to_string(bundle.join("config.json")).unwrap()).unwrap();
+        c["process"]["terminal"] = json!(false);
+        c["process"]["args"] = json!(self.args);
+        c["process"]["user"] = json!({"uid": self.uid, "gid": self.uid});
+        for e in &self.envs {
+            c["process"]["env"].as_array_mut().unwrap().push(json!(e));
+        }
+        c["root"] = json!({"path": rootfs(), "readonly": true});
+        c["hostname"] = json!(self.id);
+        if !self.annotations.is_empty() {
+            c["annotations"] = json!(self.annotations);
+        }
+        std::fs::write(bundle.join("config.json"), serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+        Container { env: self.env, id: self.id, bundle }
+    }
+
+    /// Bundle + `gpushare-runtime create`; panics with the runtime's error if it fails.
+    pub fn create(self) -> Container<'a> {
+        let c = self.bundle();
+        let out = c.try_create();
+        assert!(out.status.success(), "create {} failed: {}", c.id, c.last_error());
+        c
+    }
+}
+
+pub struct Container<'a> {
+    pub env: &'a Env,
+    pub id: String,
+    pub bundle: PathBuf,
+}
+
+impl Container<'_> {
+    pub fn log(&self) -> PathBuf {
+        self.bundle.join("log.json")
+    }
+
+    pub fn config_bytes(&self) -> Vec<u8> {
+        std::fs::read(self.bundle.join("config.json")).unwrap()
+    }
+
+    pub fn config(&self) -> Value {
+        serde_json::from_slice(&self.config_bytes()).unwrap()
+    }
+
+    /// `gpushare-runtime create`; the container's stdio goes to files in the bundle.
+    pub fn try_create(&self) -> Output {
+        self.env.containers.lock().unwrap().push(self.id.clone());
+        let stdout = std::fs::File::create(self.bundle.join("stdout")).unwrap();
+        let stderr = std::fs::File::create(self.bundle.join("stderr")).unwrap();
+        let status = self
+            .env
+            .cmd(RUNTIME)
+            .arg("--root")
+            .arg(&self.env.runc_root)
+            .arg("--log")
+            .arg(self.log())
+            .args(["--log-format", "json", "create", "--bundle"])
+            .arg(&self.bundle)
+            .arg(&self.id)
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr)
+            .status()
+            .unwrap();
+        Output { status, stdout: self.stdout().into_bytes(), stderr: std::fs::read(self.bundle.join("stderr")).unwrap_or_default() }
+    }
+
+    /// The last error line the runtime wrote to runc's log.
+    pub fn last_error(&self) -> String {
+        let text = std::fs::read_to_string(self.log()).unwrap_or_default();
+        text.lines()
+            .rev()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|v| v["level"] == "error")
+            .map(|v| v["msg"].as_str().unwrap_or_default().to_owned())
+            .unwrap_or_else(|| format!("(no error line in {})", self.log().display()))
+    }
+
+    pub fn start(&self) {
+        let out = self.env.runtime(&["start", &self.id], &self.log());
+        assert!(out.status.success(), "start {}: {}", self.id, String::from_utf8_lossy(&out.stderr));
+    }
+
+    pub fn state(&self) -> Option<Value> {
+        let out = self.env.runtime(&["state", &self.id], &self.log());
+        out.status.success().then(|| serde_json::from_slice(&out.stdout).ok()).flatten()
+    }
+
+    /// Waits until the container's process has exited.
+    pub fn wait(&self) {
+        let stopped = wait_until(Duration::from_secs(30), || {
+            self.state().is_some_and(|s| s["status"] == "stopped")
+        });
+        assert!(stopped, "container {} did not stop; stdout: {}", self.id, self.stdout());
+    }
+
+    pub fn run(&self) -> String {
+        self.start();
+        self.wait();
+        self.stdout()
+    }
+
+    pub fn stdout(&self) -> String {
+        std::fs::read_to_string(self.bundle.join("stdout")).unwrap_or_default()
+    }
+
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(self.bundle.join("stderr")).unwrap_or_default()
+    }
+
+    pub fn delete(&self) {
+        let out = self.env.runtime(&["delete", "-f", &self.id], &self.log());
+        assert!(out.status.success(), "delete {}: {}", self.id, String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+/// Parses the simulator client's line `mps-client pid=… server=… waited_ms=… …`.
+pub fn client_line(stdout: &str) -> BTreeMap<String, String> {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("mps-client "))
+        .unwrap_or_else(|| panic!("no mps-client line in output:\n{stdout}"));
+    line.split_whitespace()
+        .skip(1)
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+/// Device number of a path (to tell which filesystem a directory is).
+pub fn dev_of(path: &Path) -> u64 {
+    std::fs::metadata(path).unwrap().dev()
+}
+
+/// The `Uid:` line's real uid and the `CapEff:` mask of a process.
+pub fn uid_and_capeff(pid: i32) -> (u32, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| status.lines().find(|l| l.starts_with(name)).unwrap().split_whitespace().nth(1).unwrap().to_owned();
+    (field("Uid:").parse().unwrap(), u64::from_str_radix(&field("CapEff:"), 16).unwrap())
+}
+
+pub fn environ(pid: i32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .unwrap()
+        .split(|&b| b == 0)
+        .filter(|s| !s.is_empty())
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect()
+}
