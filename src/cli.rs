@@ -13,7 +13,11 @@ use crate::config::Config;
 use crate::state::{DaemonRecord, DaemonStatus, StateDir};
 
 #[derive(Parser)]
-#[command(name = "gpushare", version, about = "Share NVIDIA GPUs between containers through per-user CUDA MPS daemons")]
+#[command(
+    name = "gpushare",
+    version,
+    about = "Share NVIDIA GPUs between containers through per-user CUDA MPS daemons"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -47,6 +51,39 @@ enum HookStage {
 
 #[derive(Subcommand)]
 enum DaemonCommand {
+    /// Start (or find) the daemon for an identity, outside any container.
+    Start {
+        /// Device, as in gpushare.io/device: 0, GPU-<uuid>, MIG-<uuid>, 0:1, 0,1.
+        #[arg(long)]
+        device: String,
+        /// Host UID the daemon serves (ignored under user-mode = "multi-user").
+        #[arg(long, default_value_t = 0)]
+        uid: u32,
+        /// Host GID the daemon runs as (default: the UID).
+        #[arg(long)]
+        gid: Option<u32>,
+        #[arg(long)]
+        active_thread_percentage: Option<String>,
+        #[arg(long)]
+        pinned_memory_limit: Option<String>,
+    },
+    /// Stop daemons and remove their directories.
+    Stop {
+        /// The daemon to stop (see `gpushare daemon list`).
+        #[arg(long, conflicts_with = "all", required_unless_present = "all")]
+        id: Option<String>,
+        /// Stop every daemon.
+        #[arg(long)]
+        all: bool,
+        /// Stop even while containers still use it.
+        #[arg(long)]
+        force: bool,
+    },
+    /// List daemons (same as `gpushare status`).
+    List {
+        #[arg(long)]
+        json: bool,
+    },
     /// Supervise one daemon (started by the hook; not for interactive use).
     #[command(hide = true)]
     Supervise {
@@ -101,24 +138,135 @@ pub fn main() -> i32 {
             }
         }
         Command::Status { json } => status(&cfg, json),
-        Command::Daemon { command } => match command {
-            DaemonCommand::Supervise { id } => {
-                if !crate::identity::valid_id(&id) {
-                    eprintln!("gpushare: daemon id {id:?} is invalid: allowed is 12 lowercase hex digits");
-                    return 2;
-                }
-                let span = tracing::info_span!("supervisor", daemon = %id);
-                let _enter = span.enter();
-                match crate::mps::supervisor::run(&cfg, &id) {
-                    Ok(()) => 0,
-                    Err(e) => {
-                        tracing::error!("supervisor: {e:#}");
-                        1
+        Command::Daemon { command } => {
+            match command {
+                DaemonCommand::Start {
+                    device,
+                    uid,
+                    gid,
+                    active_thread_percentage,
+                    pinned_memory_limit,
+                } => report(daemon_start(
+                    &cfg,
+                    &device,
+                    uid,
+                    gid.unwrap_or(uid),
+                    active_thread_percentage,
+                    pinned_memory_limit,
+                )),
+                DaemonCommand::Stop { id, all, force } => report(daemon_stop(&cfg, id, all, force)),
+                DaemonCommand::List { json } => status(&cfg, json),
+                DaemonCommand::Supervise { id } => {
+                    if !crate::identity::valid_id(&id) {
+                        eprintln!("gpushare: daemon id {id:?} is invalid: allowed is 12 lowercase hex digits");
+                        return 2;
+                    }
+                    let span = tracing::info_span!("supervisor", daemon = %id);
+                    let _enter = span.enter();
+                    match crate::mps::supervisor::run(&cfg, &id) {
+                        Ok(()) => 0,
+                        Err(e) => {
+                            tracing::error!("supervisor: {e:#}");
+                            1
+                        }
                     }
                 }
             }
-        },
+        }
     }
+}
+
+fn report(r: anyhow::Result<()>) -> i32 {
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("gpushare: {e:#}");
+            1
+        }
+    }
+}
+
+/// `gpushare daemon start`: the same validation and identity as a container's request.
+fn daemon_start(
+    cfg: &Config,
+    device: &str,
+    uid: u32,
+    gid: u32,
+    tp: Option<String>,
+    mem: Option<String>,
+) -> anyhow::Result<()> {
+    use crate::request::{self, Request, Sourced};
+    let req = Request {
+        device: Sourced {
+            value: request::parse_device("--device", device)?,
+            key: "--device",
+            raw: device.to_owned(),
+        },
+        active_thread_percentage: tp
+            .map(|raw| {
+                Ok::<_, request::RequestError>(Sourced {
+                    value: request::parse_percentage("--active-thread-percentage", &raw)?,
+                    key: "--active-thread-percentage",
+                    raw,
+                })
+            })
+            .transpose()?,
+        pinned_memory_limit: mem
+            .map(|raw| {
+                Ok::<_, request::RequestError>(Sourced {
+                    value: request::parse_size("--pinned-memory-limit", &raw)?,
+                    key: "--pinned-memory-limit",
+                    raw,
+                })
+            })
+            .transpose()?,
+        ipc: None,
+    };
+    let inventory = crate::device::load(&crate::device::InventorySource::parse(&cfg.inventory)?)?;
+    let devices = req.device.resolve(&inventory)?;
+    request::check_against(&req, &devices)?;
+    let ident = crate::runtime::identity(cfg, &devices.uuids, uid, gid, &req);
+    let state = StateDir::new(&cfg.state_dir);
+    let ensured = crate::mps::ensure::ensure(cfg, &state, &ident, None)?;
+    println!(
+        "{} daemon {} (pid {}) for uid {} on {}: CUDA_MPS_PIPE_DIRECTORY={}",
+        if ensured.started { "started" } else { "found" },
+        ensured.record.id,
+        ensured.record.daemon.map_or(0, |p| p.pid),
+        ident.uid,
+        ident.devices.join(","),
+        state.pipe_dir(&ensured.record.id).display()
+    );
+    Ok(())
+}
+
+fn daemon_stop(cfg: &Config, id: Option<String>, all: bool, force: bool) -> anyhow::Result<()> {
+    let state = StateDir::new(&cfg.state_dir);
+    let ids = if all {
+        state.daemon_ids()?
+    } else {
+        id.into_iter().collect()
+    };
+    for id in &ids {
+        if !crate::identity::valid_id(id) {
+            anyhow::bail!("daemon id {id:?} is invalid: allowed is 12 lowercase hex digits (see gpushare daemon list)");
+        }
+        let users = state.containers(id)?;
+        if !users.is_empty() && !force {
+            anyhow::bail!(
+                "daemon {id} is used by {} container(s) ({}); stop them first or pass --force",
+                users.len(),
+                users
+                    .iter()
+                    .map(|c| c.id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        crate::mps::ensure::stop(cfg, &state, id, std::time::Duration::from_secs(5))?;
+        println!("stopped daemon {id}");
+    }
+    Ok(())
 }
 
 /// One daemon as `status` shows it.
@@ -143,8 +291,18 @@ pub struct DaemonView {
 pub fn collect(state: &StateDir) -> Vec<DaemonView> {
     let mut out = Vec::new();
     for id in state.daemon_ids().unwrap_or_default() {
-        let Ok(Some(rec)) = state.read_record(&id) else { continue };
-        let DaemonRecord { identity, status, supervisor, daemon, restarts, error, .. } = rec;
+        let Ok(Some(rec)) = state.read_record(&id) else {
+            continue;
+        };
+        let DaemonRecord {
+            identity,
+            status,
+            supervisor,
+            daemon,
+            restarts,
+            error,
+            ..
+        } = rec;
         let alive = status == DaemonStatus::Ready
             && supervisor.is_some_and(|p| p.alive())
             && daemon.is_some_and(|p| p.alive());
@@ -171,13 +329,30 @@ fn status(cfg: &Config, json: bool) -> i32 {
     let views = collect(&StateDir::new(&cfg.state_dir));
     let mut out = std::io::stdout().lock();
     if json {
-        let _ = writeln!(out, "{}", serde_json::to_string_pretty(&views).unwrap_or_default());
+        let _ = writeln!(
+            out,
+            "{}",
+            serde_json::to_string_pretty(&views).unwrap_or_default()
+        );
         return 0;
     }
-    let _ = writeln!(out, "{:<12}  {:<16}  {:<6}  {:<18}  {:>7}  {:<5}  {:>10}", "DAEMON", "DEVICE", "UID", "LIMITS", "PID", "ALIVE", "CONTAINERS");
+    let _ = writeln!(
+        out,
+        "{:<12}  {:<16}  {:<6}  {:<18}  {:>7}  {:<5}  {:>10}",
+        "DAEMON", "DEVICE", "UID", "LIMITS", "PID", "ALIVE", "CONTAINERS"
+    );
     for v in &views {
-        let device = v.devices.iter().map(|d| d.chars().take(12).collect::<String>()).collect::<Vec<_>>().join(",");
-        let uid = if v.multi_user { "multi".to_owned() } else { v.uid.to_string() };
+        let device = v
+            .devices
+            .iter()
+            .map(|d| d.chars().take(12).collect::<String>())
+            .collect::<Vec<_>>()
+            .join(",");
+        let uid = if v.multi_user {
+            "multi".to_owned()
+        } else {
+            v.uid.to_string()
+        };
         let mut limits = Vec::new();
         if let Some(p) = v.active_thread_percentage {
             limits.push(format!("threads={p}%"));
@@ -185,11 +360,30 @@ fn status(cfg: &Config, json: bool) -> i32 {
         if let Some(m) = v.pinned_memory_limit {
             limits.push(format!("mem={}", crate::request::format_mps_size(m)));
         }
-        let limits = if limits.is_empty() { "-".to_owned() } else { limits.join(",") };
+        let limits = if limits.is_empty() {
+            "-".to_owned()
+        } else {
+            limits.join(",")
+        };
         let pid = v.pid.map_or_else(|| "-".to_owned(), |p| p.to_string());
-        let _ = writeln!(out, "{:<12}  {:<16}  {:<6}  {:<18}  {:>7}  {:<5}  {:>10}", v.id, device, uid, limits, pid, if v.alive { "yes" } else { "no" }, v.containers.len());
+        let _ = writeln!(
+            out,
+            "{:<12}  {:<16}  {:<6}  {:<18}  {:>7}  {:<5}  {:>10}",
+            v.id,
+            device,
+            uid,
+            limits,
+            pid,
+            if v.alive { "yes" } else { "no" },
+            v.containers.len()
+        );
         for c in &v.containers {
-            let _ = writeln!(out, "  └ container {} (pid {})", c.id, c.pid.map_or_else(|| "-".into(), |p| p.to_string()));
+            let _ = writeln!(
+                out,
+                "  └ container {} (pid {})",
+                c.id,
+                c.pid.map_or_else(|| "-".into(), |p| p.to_string())
+            );
         }
     }
     if views.is_empty() {

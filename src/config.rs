@@ -247,7 +247,10 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
 
     let low_level_runtime = raw.low_level_runtime.unwrap_or_else(default_runtimes);
     check_runtimes(&shown, &low_level_runtime)?;
-    let state_dir = abs("state-dir", raw.state_dir.unwrap_or_else(|| "/run/gpushare".into()))?;
+    let state_dir = abs(
+        "state-dir",
+        raw.state_dir.unwrap_or_else(|| "/run/gpushare".into()),
+    )?;
     let log_file = match raw.log_file {
         None => Some(PathBuf::from("/var/log/gpushare.log")),
         Some(s) if s.is_empty() => None,
@@ -291,7 +294,8 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
     }
     let container_pipe_dir = abs(
         "mps.container-pipe-dir",
-        m.container_pipe_dir.unwrap_or_else(|| "/tmp/nvidia-mps".into()),
+        m.container_pipe_dir
+            .unwrap_or_else(|| "/tmp/nvidia-mps".into()),
     )?;
     let container_log_dir = m
         .container_log_dir
@@ -413,9 +417,13 @@ mod tests {
 
     #[test]
     fn unknown_key_is_named() {
-        let err = parse("stat-dir = \"/run/x\"\n", None).unwrap_err().to_string();
+        let err = parse("stat-dir = \"/run/x\"\n", None)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("stat-dir"), "{err}");
-        let err = parse("[mps]\nshm = \"1G\"\n", None).unwrap_err().to_string();
+        let err = parse("[mps]\nshm = \"1G\"\n", None)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("shm"), "{err}");
     }
 
@@ -425,15 +433,39 @@ mod tests {
             ("state-dir = \"run/x\"", "state-dir", "absolute"),
             ("state-dir = \"/run/../x\"", "state-dir", "absolute"),
             ("log-level = \"loud\"", "log-level", "one of"),
-            ("inventory = \"file:rel\"", "inventory", "file:<absolute path>"),
+            (
+                "inventory = \"file:rel\"",
+                "inventory",
+                "file:<absolute path>",
+            ),
             ("low-level-runtime = []", "low-level-runtime", "non-empty"),
             ("[mps]\nshm-size = \"lots\"", "mps.shm-size", "percentage"),
             ("[mps]\nshm-size = \"0%\"", "mps.shm-size", "percentage"),
-            ("[mps]\nstart-timeout = \"0\"", "mps.start-timeout", "duration"),
-            ("[mps]\nstart-timeout = \"10\"", "mps.start-timeout", "duration"),
-            ("[mps]\nidle-timeout = \"soon\"", "mps.idle-timeout", "duration"),
-            ("[mps]\ndefault-active-thread-percentage = 0", "mps.default-active-thread-percentage", "1 to 100"),
-            ("[mps]\nmulti-user-flag = \"M\"", "mps.multi-user-flag", "single option"),
+            (
+                "[mps]\nstart-timeout = \"0\"",
+                "mps.start-timeout",
+                "duration",
+            ),
+            (
+                "[mps]\nstart-timeout = \"10\"",
+                "mps.start-timeout",
+                "duration",
+            ),
+            (
+                "[mps]\nidle-timeout = \"soon\"",
+                "mps.idle-timeout",
+                "duration",
+            ),
+            (
+                "[mps]\ndefault-active-thread-percentage = 0",
+                "mps.default-active-thread-percentage",
+                "1 to 100",
+            ),
+            (
+                "[mps]\nmulti-user-flag = \"M\"",
+                "mps.multi-user-flag",
+                "single option",
+            ),
             ("[mps]\nuser-mode = \"shared\"", "user-mode", "per-user"),
         ];
         for (text, key, allowed) in cases {

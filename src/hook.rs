@@ -51,7 +51,8 @@ pub fn read_state(mut input: impl Read) -> anyhow::Result<State> {
     if buf.len() as u64 > MAX_STATE {
         bail!("container state on stdin is larger than {MAX_STATE} bytes");
     }
-    let state: State = serde_json::from_slice(&buf).context("parse the container state from stdin")?;
+    let state: State =
+        serde_json::from_slice(&buf).context("parse the container state from stdin")?;
     if !valid_container_id(&state.id) {
         bail!(
             "container id {:?} is invalid: allowed is letters, digits and _ + - . (runc's rule)",
@@ -76,12 +77,16 @@ pub fn decided_identity(ann: &HashMap<String, String>) -> anyhow::Result<Identit
         .with_context(|| format!("annotation {ANN_IDENTITY} is not a valid identity"))?;
     let devices_ok = !ident.devices.is_empty()
         && ident.devices.len() <= crate::request::MAX_DEVICES
+        && ident.devices.iter().all(|d| {
+            is_well_formed_uuid(d, "GPU-")
+                || (is_well_formed_uuid(d, "MIG-") && ident.devices.len() == 1)
+        });
+    let limits_ok = ident
+        .active_thread_percentage
+        .is_none_or(|p| (1..=100).contains(&p))
         && ident
-            .devices
-            .iter()
-            .all(|d| is_well_formed_uuid(d, "GPU-") || (is_well_formed_uuid(d, "MIG-") && ident.devices.len() == 1));
-    let limits_ok = ident.active_thread_percentage.is_none_or(|p| (1..=100).contains(&p))
-        && ident.pinned_memory_limit.is_none_or(|m| m >= crate::request::MIN_PINNED_MEMORY_LIMIT);
+            .pinned_memory_limit
+            .is_none_or(|m| m >= crate::request::MIN_PINNED_MEMORY_LIMIT);
     if !devices_ok || !limits_ok || (ident.multi_user && ident.uid != 0) {
         bail!("annotation {ANN_IDENTITY} holds an invalid identity: {raw:?}");
     }
@@ -101,7 +106,7 @@ pub fn create_runtime(cfg: &Config, state: &State) -> anyhow::Result<()> {
         bundle: state.bundle.clone(),
         created_at: crate::util::unix_now(),
     };
-    let ensured = ensure::ensure(cfg, &dirs, &ident, &rec)?;
+    let ensured = ensure::ensure(cfg, &dirs, &ident, Some(&rec))?;
     tracing::info!(
         daemon = %ensured.record.id,
         started = ensured.started,
@@ -147,7 +152,11 @@ mod tests {
 
     #[test]
     fn state_from_podman_fixture() {
-        let bytes = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/podman-4.3-hook-state.json")).unwrap();
+        let bytes = std::fs::read(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/podman-4.3-hook-state.json"
+        ))
+        .unwrap();
         let state = read_state(&bytes[..]).unwrap();
         assert_eq!(state.pid, Some(13530));
         assert_eq!(state.annotations["gpushare.io/device"], "0");
@@ -163,7 +172,10 @@ mod tests {
         ] {
             assert!(read_state(bad.as_bytes()).is_err(), "{bad}");
         }
-        let huge = format!(r#"{{"id":"x","annotations":{{"a":"{}"}}}}"#, "x".repeat(2 << 20));
+        let huge = format!(
+            r#"{{"id":"x","annotations":{{"a":"{}"}}}}"#,
+            "x".repeat(2 << 20)
+        );
         assert!(read_state(huge.as_bytes()).is_err());
     }
 
@@ -180,17 +192,38 @@ mod tests {
         assert!(err.contains("does not match"), "{err}");
 
         for bad in [
-            Identity { devices: vec!["GPU-../../x".into()], ..good.clone() },
-            Identity { devices: vec![], ..good.clone() },
-            Identity { active_thread_percentage: Some(0), ..good.clone() },
-            Identity { devices: vec!["MIG-22f0c05f-5cf2-5ea2-8297-789695656dc0".into(), "GPU-8f8bff94-112e-9541-43da-cfd453333404".into()], ..good.clone() },
-            Identity { multi_user: true, ..good.clone() },
+            Identity {
+                devices: vec!["GPU-../../x".into()],
+                ..good.clone()
+            },
+            Identity {
+                devices: vec![],
+                ..good.clone()
+            },
+            Identity {
+                active_thread_percentage: Some(0),
+                ..good.clone()
+            },
+            Identity {
+                devices: vec![
+                    "MIG-22f0c05f-5cf2-5ea2-8297-789695656dc0".into(),
+                    "GPU-8f8bff94-112e-9541-43da-cfd453333404".into(),
+                ],
+                ..good.clone()
+            },
+            Identity {
+                multi_user: true,
+                ..good.clone()
+            },
         ] {
             let err = decided_identity(&ann(&bad)).unwrap_err().to_string();
             assert!(err.contains("invalid identity"), "{bad:?}: {err}");
         }
         let mut no_id = ann(&good);
         no_id.remove(ANN_DAEMON);
-        assert!(decided_identity(&no_id).unwrap_err().to_string().contains("missing"));
+        assert!(decided_identity(&no_id)
+            .unwrap_err()
+            .to_string()
+            .contains("missing"));
     }
 }

@@ -59,7 +59,9 @@ impl Identity {
 /// Whether `s` looks like a daemon id (12 lowercase hex digits). Ids reach paths, so
 /// anything else is refused wherever one is read back from a record or an annotation.
 pub fn valid_id(s: &str) -> bool {
-    s.len() == 12 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    s.len() == 12
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 #[cfg(test)]
@@ -93,7 +95,13 @@ mod tests {
     #[test]
     fn id_validation() {
         assert!(valid_id("0123456789ab"));
-        for bad in ["", "0123456789AB", "0123456789a", "../../etc/x", "0123456789abc"] {
+        for bad in [
+            "",
+            "0123456789AB",
+            "0123456789a",
+            "../../etc/x",
+            "0123456789abc",
+        ] {
             assert!(!valid_id(bad), "{bad}");
         }
     }

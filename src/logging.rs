@@ -16,7 +16,11 @@ pub fn init(cfg: &Config) {
     if let Some(dir) = path.parent() {
         let _ = std::fs::create_dir_all(dir);
     }
-    let Ok(file) = std::fs::OpenOptions::new().create(true).append(true).open(path) else {
+    let Ok(file) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    else {
         return;
     };
     let level = std::env::var("GPUSHARE_LOG")

@@ -36,9 +36,11 @@ pub enum StateError {
         #[source]
         source: std::io::Error,
     },
-    #[error("state directory {path} is unsafe: {why}; it must be a directory owned by root and not writable by group or others")]
+    #[error("state directory {path} is unusable: {why}")]
     Unsafe { path: PathBuf, why: String },
-    #[error("timed out after {waited:?} waiting for the lock {path}: another gpushare process holds it")]
+    #[error(
+        "timed out after {waited:?} waiting for the lock {path}: another gpushare process holds it"
+    )]
     LockTimeout { path: PathBuf, waited: Duration },
     #[error("cannot mount the shm tmpfs on {path}")]
     Mount {
@@ -214,9 +216,8 @@ impl StateDir {
             });
         }
         if md.uid() != uid || md.gid() != gid {
-            nix::unistd::chown(path, Some(uid.into()), Some(gid.into())).map_err(|e| {
-                io("chown", path)(std::io::Error::from_raw_os_error(e as i32))
-            })?;
+            nix::unistd::chown(path, Some(uid.into()), Some(gid.into()))
+                .map_err(|e| io("chown", path)(std::io::Error::from_raw_os_error(e as i32)))?;
         }
         if md.mode() & 0o7777 != mode {
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
@@ -241,11 +242,17 @@ impl StateDir {
         let md = std::fs::symlink_metadata(&self.root).map_err(io("inspect", &self.root))?;
         let euid = nix::unistd::geteuid().as_raw();
         let why = if !md.is_dir() {
-            Some("it is not a directory".to_owned())
+            Some("it is not a directory; it must be a root-owned directory".to_owned())
         } else if md.uid() != euid {
-            Some(format!("it is owned by uid {}", md.uid()))
+            Some(format!(
+                "it is owned by uid {}; it must be owned by root",
+                md.uid()
+            ))
         } else if md.mode() & 0o022 != 0 {
-            Some(format!("its mode is {:04o}", md.mode() & 0o7777))
+            Some(format!(
+                "its mode is {:04o}; it must not be writable by group or others",
+                md.mode() & 0o7777
+            ))
         } else {
             None
         };
@@ -257,6 +264,27 @@ impl StateDir {
         }
         Self::ensure_dir(&self.mps_dir(), 0o711, euid, 0)?;
         Self::ensure_dir(&self.root.join("locks"), 0o700, euid, 0)
+    }
+
+    /// Per-user daemons run as the container's UID and must reach their pipe directory
+    /// through every ancestor of the state dir: each must be searchable by others.
+    pub fn check_traversable(&self) -> Result<(), StateError> {
+        for dir in self.root.ancestors().skip(1) {
+            let Ok(md) = std::fs::metadata(dir) else {
+                continue;
+            };
+            if md.mode() & 0o001 == 0 {
+                return Err(StateError::Unsafe {
+                    path: self.root.clone(),
+                    why: format!(
+                        "its parent {} has mode {:04o}, so per-user MPS daemons cannot reach their pipe directory (make it searchable: chmod o+x)",
+                        dir.display(),
+                        md.mode() & 0o7777
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Takes the exclusive lock of one daemon identity, waiting until `deadline`.
@@ -280,7 +308,9 @@ impl StateDir {
                     file = f;
                 }
                 Err((_, e)) => {
-                    return Err(io("lock", &path)(std::io::Error::from_raw_os_error(e as i32)))
+                    return Err(io("lock", &path)(std::io::Error::from_raw_os_error(
+                        e as i32,
+                    )))
                 }
             }
             if Instant::now() >= deadline {
@@ -313,7 +343,12 @@ impl StateDir {
 
     /// Creates one daemon's directories and mounts its shm tmpfs, idempotently. Must be
     /// called with the daemon's lock held (the tmpfs mount is not idempotent by itself).
-    pub fn ensure_skeleton(&self, id: &str, owner: Owner, shm_size: &str) -> Result<(), StateError> {
+    pub fn ensure_skeleton(
+        &self,
+        id: &str,
+        owner: Owner,
+        shm_size: &str,
+    ) -> Result<(), StateError> {
         Self::check_id(id)?;
         let socket = self.control_socket(id);
         let len = socket.as_os_str().len();
@@ -321,9 +356,16 @@ impl StateDir {
             return Err(StateError::SocketPathTooLong { path: socket, len });
         }
         self.ensure_root()?;
+        if !owner.shared {
+            self.check_traversable()?;
+        }
         let euid = nix::unistd::geteuid().as_raw();
         Self::ensure_dir(&self.daemon_dir(id), 0o711, euid, 0)?;
-        let (pipe_owner, pipe_mode) = if owner.shared { ((euid, 0), 0o755) } else { ((owner.uid, owner.gid), 0o700) };
+        let (pipe_owner, pipe_mode) = if owner.shared {
+            ((euid, 0), 0o755)
+        } else {
+            ((owner.uid, owner.gid), 0o700)
+        };
         Self::ensure_dir(&self.pipe_dir(id), pipe_mode, pipe_owner.0, pipe_owner.1)?;
         Self::ensure_dir(&self.log_dir(id), pipe_mode, pipe_owner.0, pipe_owner.1)?;
         Self::ensure_dir(&self.containers_dir(id), 0o700, euid, 0)?;
@@ -333,7 +375,10 @@ impl StateDir {
             // daemon user's and must not be touched here.
             Self::ensure_dir(&shm, 0o700, euid, 0)?;
             let mode = if owner.shared { "1777" } else { "0700" };
-            let data = format!("size={shm_size},mode={mode},uid={},gid={}", owner.uid, owner.gid);
+            let data = format!(
+                "size={shm_size},mode={mode},uid={},gid={}",
+                owner.uid, owner.gid
+            );
             use nix::mount::{mount, MsFlags};
             mount(
                 Some("gpushare-shm"),
@@ -342,7 +387,10 @@ impl StateDir {
                 MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
                 Some(data.as_str()),
             )
-            .map_err(|source| StateError::Mount { path: shm.clone(), source })?;
+            .map_err(|source| StateError::Mount {
+                path: shm.clone(),
+                source,
+            })?;
         }
         Ok(())
     }
@@ -370,10 +418,11 @@ impl StateDir {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io("read", &path)(e)),
         };
-        let rec: DaemonRecord = serde_json::from_slice(&bytes).map_err(|e| StateError::Corrupt {
-            path: path.clone(),
-            message: e.to_string(),
-        })?;
+        let rec: DaemonRecord =
+            serde_json::from_slice(&bytes).map_err(|e| StateError::Corrupt {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
         if rec.id != id || rec.identity.id() != id {
             return Err(StateError::Corrupt {
                 path,
@@ -501,7 +550,10 @@ mod tests {
         let other = "0123456789ab";
         std::fs::create_dir_all(state.daemon_dir(other)).unwrap();
         std::fs::copy(state.record_path(&id), state.record_path(other)).unwrap();
-        assert!(matches!(state.read_record(other), Err(StateError::Corrupt { .. })));
+        assert!(matches!(
+            state.read_record(other),
+            Err(StateError::Corrupt { .. })
+        ));
         assert_eq!(state.daemon_ids().unwrap(), {
             let mut v = vec![id.clone(), other.to_owned()];
             v.sort();
@@ -512,12 +564,28 @@ mod tests {
     #[test]
     fn bad_names_never_reach_a_path() {
         let state = StateDir::new("/nonexistent-gpushare");
-        assert!(matches!(state.read_record("../../etc"), Err(StateError::Name { .. })));
+        assert!(matches!(
+            state.read_record("../../etc"),
+            Err(StateError::Name { .. })
+        ));
         for cid in ["", ".", "..", "a/b", "a\0b", "x\ny", &"a".repeat(1025)] {
-            let rec = ContainerRecord { id: cid.into(), pid: None, bundle: None, created_at: 0 };
-            assert!(matches!(state.add_container("0123456789ab", &rec), Err(StateError::Name { .. })), "{cid:?}");
+            let rec = ContainerRecord {
+                id: cid.into(),
+                pid: None,
+                bundle: None,
+                created_at: 0,
+            };
+            assert!(
+                matches!(
+                    state.add_container("0123456789ab", &rec),
+                    Err(StateError::Name { .. })
+                ),
+                "{cid:?}"
+            );
         }
-        assert!(valid_container_id("28d3f31c1da9e220f4ff0d667ffe0881aaac3c6b708dae20229b81e67002ffee"));
+        assert!(valid_container_id(
+            "28d3f31c1da9e220f4ff0d667ffe0881aaac3c6b708dae20229b81e67002ffee"
+        ));
     }
 
     #[test]
@@ -526,7 +594,12 @@ mod tests {
         let state = StateDir::new(dir.path());
         let id = "0123456789ab";
         std::fs::create_dir_all(state.containers_dir(id)).unwrap();
-        let rec = ContainerRecord { id: "c1".into(), pid: Some(5), bundle: None, created_at: 3 };
+        let rec = ContainerRecord {
+            id: "c1".into(),
+            pid: Some(5),
+            bundle: None,
+            created_at: 3,
+        };
         state.add_container(id, &rec).unwrap();
         assert_eq!(state.containers(id).unwrap(), vec![rec]);
         assert!(state.remove_container(id, "c1").unwrap());
@@ -554,17 +627,43 @@ mod tests {
         state.ensure_root().unwrap();
         let id = "0123456789ab";
         let held = state.lock(id, Instant::now()).unwrap();
-        let err = state.lock(id, Instant::now() + Duration::from_millis(30)).unwrap_err();
+        let err = state
+            .lock(id, Instant::now() + Duration::from_millis(30))
+            .unwrap_err();
         assert!(matches!(err, StateError::LockTimeout { .. }), "{err}");
         drop(held);
         assert!(state.lock(id, Instant::now()).is_ok());
     }
 
     #[test]
+    fn unsearchable_parent_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let parent = dir.path().join("private");
+        std::fs::create_dir(&parent).unwrap();
+        std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let state = StateDir::new(parent.join("state"));
+        let err = state.check_traversable().unwrap_err().to_string();
+        assert!(
+            err.contains("private") && err.contains("0700") && err.contains("chmod o+x"),
+            "{err}"
+        );
+        std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o711)).unwrap();
+        assert!(state.check_traversable().is_ok());
+    }
+
+    #[test]
     fn socket_path_limit_is_checked() {
         let long = format!("/tmp/{}", "x".repeat(100));
         let err = StateDir::new(long)
-            .ensure_skeleton("0123456789ab", Owner { uid: 0, gid: 0, shared: false }, "1M")
+            .ensure_skeleton(
+                "0123456789ab",
+                Owner {
+                    uid: 0,
+                    gid: 0,
+                    shared: false,
+                },
+                "1M",
+            )
             .unwrap_err();
         assert!(matches!(err, StateError::SocketPathTooLong { .. }), "{err}");
     }

@@ -107,8 +107,15 @@ mod tests {
         std::fs::write(&p, "old").unwrap();
         write_atomic(&p, b"new", 0o640).unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"new");
-        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, 0o640);
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temp file left");
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o640
+        );
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "no temp file left"
+        );
     }
 
     #[test]

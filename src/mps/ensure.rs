@@ -6,7 +6,6 @@
 //! the very processes it names (pid and start time), else the state is stale and replaced.
 //! The warm path is a lock, a record read, two /proc reads and a container record.
 
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -70,7 +69,9 @@ fn wait_ready(
 ) -> anyhow::Result<DaemonRecord> {
     let mut pause = Duration::from_micros(500);
     loop {
-        let rec = state.read_record(id)?.context("the daemon record disappeared")?;
+        let rec = state
+            .read_record(id)?
+            .context("the daemon record disappeared")?;
         if live(&rec) {
             return Ok(rec);
         }
@@ -86,7 +87,9 @@ fn wait_ready(
         };
         if supervisor_gone {
             // It may have written its last word just before exiting.
-            let rec = state.read_record(id)?.context("the daemon record disappeared")?;
+            let rec = state
+                .read_record(id)?
+                .context("the daemon record disappeared")?;
             bail!(
                 "the supervisor of MPS daemon {id} exited: {}",
                 rec.error.as_deref().unwrap_or("see the gpushare log")
@@ -112,13 +115,13 @@ fn kill_stale(rec: &DaemonRecord) {
     }
 }
 
-/// Ensures the daemon for `ident` is running and ready, then records `container` as
-/// using it.
+/// Ensures the daemon for `ident` is running and ready, then records `container` (if
+/// any: `gpushare daemon start` has none) as using it.
 pub fn ensure(
     cfg: &Config,
     state: &StateDir,
     ident: &Identity,
-    container: &ContainerRecord,
+    container: Option<&ContainerRecord>,
 ) -> anyhow::Result<Ensured> {
     let id = ident.id();
     let timeout = cfg.mps.start_timeout;
@@ -134,12 +137,17 @@ pub fn ensure(
     };
     if let Some(rec) = &existing {
         if !rec.identity.same_daemon(ident) {
-            bail!("daemon id {id} collides with another identity ({:?}); refusing to share it", rec.identity);
+            bail!(
+                "daemon id {id} collides with another identity ({:?}); refusing to share it",
+                rec.identity
+            );
         }
     }
     let (record, started) = match existing {
         Some(rec) if live(&rec) => (rec, false),
-        Some(rec) if rec.supervisor.is_some_and(|p| p.alive()) && rec.status != DaemonStatus::Failed => {
+        Some(rec)
+            if rec.supervisor.is_some_and(|p| p.alive()) && rec.status != DaemonStatus::Failed =>
+        {
             // Starting or restarting: the supervisor is on it.
             (wait_ready(state, &id, None, deadline, timeout)?, false)
         }
@@ -175,7 +183,9 @@ pub fn ensure(
             }
         }
     };
-    state.add_container(&id, container)?;
+    if let Some(container) = container {
+        state.add_container(&id, container)?;
+    }
     Ok(Ensured { record, started })
 }
 
@@ -189,7 +199,24 @@ pub fn release(state: &StateDir, daemon_id: Option<&str>, container_id: &str) ->
         .any(|id| state.remove_container(id, container_id).unwrap_or(false))
 }
 
-/// Whether `path` exists (for callers that only log).
-pub fn exists(path: &Path) -> bool {
-    path.exists()
+/// Stops one daemon: SIGTERM to its supervisor (which quits the daemon cleanly), SIGKILL
+/// past the grace period, then removes its directories and unmounts its shm tmpfs, all
+/// under the identity's lock so no create races the removal.
+pub fn stop(cfg: &Config, state: &StateDir, id: &str, grace: Duration) -> anyhow::Result<()> {
+    use nix::sys::signal::{kill, Signal};
+    let deadline = Instant::now() + cfg.mps.start_timeout + grace;
+    let _lock = state.lock(id, deadline)?;
+    if let Ok(Some(rec)) = state.read_record(id) {
+        if let Some(sup) = rec.supervisor.filter(|p| p.alive()) {
+            let _ = kill(nix::unistd::Pid::from_raw(sup.pid), Signal::SIGTERM);
+            let until = Instant::now() + grace;
+            while sup.alive() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        kill_stale(&rec);
+    }
+    state.remove_daemon_dir(id)?;
+    tracing::info!(daemon = %id, "MPS daemon stopped and removed");
+    Ok(())
 }

@@ -98,11 +98,24 @@ fn own_cgroup() {
 /// pins nothing), where the daemon's shm tmpfs is mounted over /dev/shm.
 fn private_dev_shm(shm: &Path) -> anyhow::Result<()> {
     use nix::mount::{mount, MsFlags};
-    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).context("unshare the mount namespace")?;
-    mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_SLAVE, None::<&str>)
-        .context("make / a slave mount")?;
-    mount(Some(shm), "/dev/shm", None::<&str>, MsFlags::MS_BIND, None::<&str>)
-        .with_context(|| format!("bind {} over /dev/shm", shm.display()))?;
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)
+        .context("unshare the mount namespace")?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_SLAVE,
+        None::<&str>,
+    )
+    .context("make / a slave mount")?;
+    mount(
+        Some(shm),
+        "/dev/shm",
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .with_context(|| format!("bind {} over /dev/shm", shm.display()))?;
     Ok(())
 }
 
@@ -187,10 +200,15 @@ impl Supervisor {
         let mut next = 0;
         loop {
             if let Some(status) = child.try_wait()? {
-                bail!("the MPS control daemon exited during start-up ({status}); see {}", self.state.log_dir(&self.id).display());
+                bail!(
+                    "the MPS control daemon exited during start-up ({status}); see {}",
+                    self.state.log_dir(&self.id).display()
+                );
             }
             if socket.exists() {
-                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+                let left = deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(100));
                 match self.control.command(&cmds[next], left) {
                     Ok(_) => {
                         next += 1;
@@ -237,7 +255,11 @@ enum Event {
 }
 
 /// Waits for a stop signal, the exit of `child` (when given) or the timeout.
-fn wait_event(sfd: &mut SignalFd, mut child: Option<&mut Child>, timeout: Option<Duration>) -> Event {
+fn wait_event(
+    sfd: &mut SignalFd,
+    mut child: Option<&mut Child>,
+    timeout: Option<Duration>,
+) -> Event {
     let deadline = timeout.map(|t| Instant::now() + t);
     loop {
         if let Some(c) = child.as_mut() {
@@ -251,7 +273,8 @@ fn wait_event(sfd: &mut SignalFd, mut child: Option<&mut Child>, timeout: Option
                 if left.is_zero() {
                     return Event::Timeout;
                 }
-                PollTimeout::try_from(left.as_millis().min(60_000) as u32).unwrap_or(PollTimeout::MAX)
+                PollTimeout::try_from(left.as_millis().min(60_000) as u32)
+                    .unwrap_or(PollTimeout::MAX)
             }
             None => PollTimeout::NONE,
         };
@@ -304,7 +327,12 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
         private_dev_shm(&sup.state.shm_dir(id))?;
         drop_inheritable_caps();
         let mut mask = SigSet::empty();
-        for s in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGCHLD, Signal::SIGHUP] {
+        for s in [
+            Signal::SIGTERM,
+            Signal::SIGINT,
+            Signal::SIGCHLD,
+            Signal::SIGHUP,
+        ] {
             mask.add(s);
         }
         mask.thread_block()?;
@@ -431,7 +459,11 @@ mod tests {
                 "set_default_device_pinned_mem_limit 1 4096M",
             ]
         );
-        let none = Identity { active_thread_percentage: None, pinned_memory_limit: None, ..ident };
+        let none = Identity {
+            active_thread_percentage: None,
+            pinned_memory_limit: None,
+            ..ident
+        };
         assert!(limit_commands(&none).is_empty());
     }
 }

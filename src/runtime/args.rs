@@ -89,15 +89,20 @@ pub fn scan(args: &[OsString]) -> Result<Invocation, ArgsError> {
             i += 1;
             break;
         }
-        let Some((name, inline)) = flag_parts(arg) else { break };
+        let Some((name, inline)) = flag_parts(arg) else {
+            break;
+        };
         i += 1;
         if GLOBAL_VALUE_FLAGS.contains(&name) {
             let value = match inline {
                 Some(v) => v.to_owned(),
                 None => {
-                    let v = args.get(i).cloned().ok_or_else(|| ArgsError::MissingValue {
-                        flag: name.to_owned(),
-                    })?;
+                    let v = args
+                        .get(i)
+                        .cloned()
+                        .ok_or_else(|| ArgsError::MissingValue {
+                            flag: name.to_owned(),
+                        })?;
                     i += 1;
                     v
                 }
@@ -109,7 +114,9 @@ pub fn scan(args: &[OsString]) -> Result<Invocation, ArgsError> {
             }
         }
     }
-    let Some(command) = args.get(i) else { return Ok(inv) };
+    let Some(command) = args.get(i) else {
+        return Ok(inv);
+    };
     inv.command = Some(command.to_string_lossy().into_owned());
     i += 1;
     if !inv.edits_spec() {
@@ -131,9 +138,12 @@ pub fn scan(args: &[OsString]) -> Result<Invocation, ArgsError> {
             let value = match inline {
                 Some(v) => v.to_owned(),
                 None => {
-                    let v = args.get(i).cloned().ok_or_else(|| ArgsError::MissingValue {
-                        flag: name.to_owned(),
-                    })?;
+                    let v = args
+                        .get(i)
+                        .cloned()
+                        .ok_or_else(|| ArgsError::MissingValue {
+                            flag: name.to_owned(),
+                        })?;
                     i += 1;
                     v
                 }
@@ -159,7 +169,15 @@ mod tests {
     #[test]
     fn table() {
         // (argv, command, bundle, container id, log, json)
-        let cases: &[(&str, Option<&str>, Option<&str>, Option<&str>, Option<&str>, bool)] = &[
+        type Case<'a> = (
+            &'a str,
+            Option<&'a str>,
+            Option<&'a str>,
+            Option<&'a str>,
+            Option<&'a str>,
+            bool,
+        );
+        let cases: &[Case] = &[
             ("create --bundle /b c1", Some("create"), Some("/b"), Some("c1"), None, false),
             ("create --bundle=/b c1", Some("create"), Some("/b"), Some("c1"), None, false),
             ("create -bundle /b c1", Some("create"), Some("/b"), Some("c1"), None, false),
@@ -197,7 +215,13 @@ mod tests {
 
     #[test]
     fn only_create_and_run_edit_the_spec() {
-        for (line, edits) in [("create c", true), ("run c", true), ("exec c ls", false), ("delete create", false), ("--root create state c", false)] {
+        for (line, edits) in [
+            ("create c", true),
+            ("run c", true),
+            ("exec c ls", false),
+            ("delete create", false),
+            ("--root create state c", false),
+        ] {
             assert_eq!(inv(line).edits_spec(), edits, "{line}");
         }
     }
@@ -205,7 +229,12 @@ mod tests {
     #[test]
     fn bundle_flag_without_value_is_an_error() {
         let args: Vec<OsString> = ["create", "--bundle"].iter().map(OsString::from).collect();
-        assert_eq!(scan(&args), Err(ArgsError::MissingValue { flag: "bundle".into() }));
+        assert_eq!(
+            scan(&args),
+            Err(ArgsError::MissingValue {
+                flag: "bundle".into()
+            })
+        );
         let args: Vec<OsString> = ["--log"].iter().map(OsString::from).collect();
         assert!(scan(&args).is_err());
     }
@@ -213,14 +242,22 @@ mod tests {
     #[test]
     fn spec_path_defaults_to_working_directory() {
         assert_eq!(inv("create c").spec_path(), PathBuf::from("./config.json"));
-        assert_eq!(inv("create -b /x c").spec_path(), PathBuf::from("/x/config.json"));
+        assert_eq!(
+            inv("create -b /x c").spec_path(),
+            PathBuf::from("/x/config.json")
+        );
     }
 
     #[test]
     fn non_utf8_values_survive() {
         use std::os::unix::ffi::OsStringExt;
         let weird = OsString::from_vec(vec![b'/', 0xff, b'b']);
-        let args = vec![OsString::from("create"), OsString::from("-b"), weird.clone(), OsString::from("c")];
+        let args = vec![
+            OsString::from("create"),
+            OsString::from("-b"),
+            weird.clone(),
+            OsString::from("c"),
+        ];
         assert_eq!(scan(&args).unwrap().bundle, Some(PathBuf::from(weird)));
     }
 }

@@ -92,11 +92,7 @@ fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
 /// Returns whether the spec was edited.
 pub fn prepare(cfg: &Config, spec_path: &Path, runtime: &Path) -> anyhow::Result<bool> {
     let mut spec = SpecFile::load(spec_path)?;
-    let Some(req) = request::parse(
-        |k| spec.annotation(k),
-        spec.env(),
-        cfg.accept_env_requests,
-    )?
+    let Some(req) = request::parse(|k| spec.annotation(k), spec.env(), cfg.accept_env_requests)?
     else {
         tracing::debug!("no gpushare request: passing through");
         return Ok(false);
@@ -120,10 +116,23 @@ pub fn prepare(cfg: &Config, spec_path: &Path, runtime: &Path) -> anyhow::Result
             state.ensure_root()?;
             state.lock(&id, deadline).map_err(|_| e)
         })?;
-        state.ensure_skeleton(&id, crate::mps::ensure::owner(&ident), &cfg.mps.shm_size.tmpfs_option())?;
+        state.ensure_skeleton(
+            &id,
+            crate::mps::ensure::owner(&ident),
+            &cfg.mps.shm_size.tmpfs_option(),
+        )?;
     }
 
-    let decision = decide(cfg, &state, &ident, (uid, gid), &req, ipc, runtime, &devices.uuids)?;
+    let decision = decide(
+        cfg,
+        &state,
+        &ident,
+        (uid, gid),
+        &req,
+        ipc,
+        runtime,
+        &devices.uuids,
+    )?;
     edits::apply_all(&mut spec.doc, &edits::plan(&decision))?;
     spec.save()?;
     tracing::info!(daemon = %id, uid, devices = %devices.uuids.join(","), ipc = %ipc, "spec edited for MPS");
@@ -194,7 +203,10 @@ fn decide(
         pipe_in_container.to_string_lossy().into_owned(),
     )];
     if let Some(dir) = &cfg.mps.container_log_dir {
-        env.push(("CUDA_MPS_LOG_DIRECTORY".into(), dir.to_string_lossy().into_owned()));
+        env.push((
+            "CUDA_MPS_LOG_DIRECTORY".into(),
+            dir.to_string_lossy().into_owned(),
+        ));
     }
     // Client-side limits: under "enforced" they repeat what the daemon applies (a tenant
     // can only lower them); under "advisory" they are the only limits.
@@ -206,7 +218,10 @@ fn decide(
         let per_device: Vec<String> = (0..uuids.len())
             .map(|i| format!("{i}={}", request::format_mps_size(bytes)))
             .collect();
-        env.push(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".into(), per_device.join(",")));
+        env.push((
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".into(),
+            per_device.join(","),
+        ));
     }
     if lowlevel::is_nvidia(runtime) {
         env.push(("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(",")));

@@ -23,7 +23,10 @@ fn shape_error(what: &str) -> SpecError {
 }
 
 /// `doc[key]` as an object, created when absent.
-fn object<'a>(doc: &'a mut Map<String, Value>, key: &str) -> Result<&'a mut Map<String, Value>, SpecError> {
+fn object<'a>(
+    doc: &'a mut Map<String, Value>,
+    key: &str,
+) -> Result<&'a mut Map<String, Value>, SpecError> {
     doc.entry(key)
         .or_insert_with(|| Value::Object(Map::new()))
         .as_object_mut()
@@ -51,7 +54,11 @@ impl SpecEdit for SetEnv {
             let name = e.as_str().and_then(|s| s.split_once('=')).map(|(n, _)| n);
             !self.0.iter().any(|(k, _)| Some(k.as_str()) == name)
         });
-        env.extend(self.0.iter().map(|(k, v)| Value::String(format!("{k}={v}"))));
+        env.extend(
+            self.0
+                .iter()
+                .map(|(k, v)| Value::String(format!("{k}={v}"))),
+        );
         Ok(())
     }
 }
@@ -67,7 +74,11 @@ pub struct SetMount {
 }
 
 impl SetMount {
-    pub fn bind(source: impl Into<String>, destination: impl Into<String>, options: &[&str]) -> Self {
+    pub fn bind(
+        source: impl Into<String>,
+        destination: impl Into<String>,
+        options: &[&str],
+    ) -> Self {
         SetMount {
             destination: destination.into(),
             typ: "bind".into(),
@@ -143,7 +154,14 @@ pub struct SetHooks {
 }
 
 /// Stages gpushare may have injected into in any version; all are cleaned.
-const OUR_STAGES: &[&str] = &["prestart", "createRuntime", "createContainer", "startContainer", "poststart", "poststop"];
+const OUR_STAGES: &[&str] = &[
+    "prestart",
+    "createRuntime",
+    "createContainer",
+    "startContainer",
+    "poststart",
+    "poststop",
+];
 
 fn is_gpushare_hook(h: &Value) -> bool {
     let args: Vec<&str> = h
@@ -222,18 +240,34 @@ pub fn plan(d: &Decision) -> Vec<Box<dyn SpecEdit>> {
     let path = |p: &PathBuf| p.to_string_lossy().into_owned();
     let mut edits: Vec<Box<dyn SpecEdit>> = vec![
         Box::new(SetEnv(d.env.clone())),
-        Box::new(SetMount::bind(path(&d.pipe.0), path(&d.pipe.1), DIR_OPTIONS)),
+        Box::new(SetMount::bind(
+            path(&d.pipe.0),
+            path(&d.pipe.1),
+            DIR_OPTIONS,
+        )),
     ];
     if let Some((host, container)) = &d.log {
-        edits.push(Box::new(SetMount::bind(path(host), path(container), DIR_OPTIONS)));
+        edits.push(Box::new(SetMount::bind(
+            path(host),
+            path(container),
+            DIR_OPTIONS,
+        )));
     }
     match &d.ipc {
         IpcPlan::Isolated { shm_dir } => {
-            edits.push(Box::new(SetMount::bind(path(shm_dir), "/dev/shm", DIR_OPTIONS)));
+            edits.push(Box::new(SetMount::bind(
+                path(shm_dir),
+                "/dev/shm",
+                DIR_OPTIONS,
+            )));
         }
         IpcPlan::Host => {
             edits.push(Box::new(RemoveNamespace("ipc")));
-            edits.push(Box::new(SetMount::bind("/dev/shm", "/dev/shm", &["rbind", "rprivate"])));
+            edits.push(Box::new(SetMount::bind(
+                "/dev/shm",
+                "/dev/shm",
+                &["rbind", "rprivate"],
+            )));
         }
     }
     edits.push(Box::new(d.hooks.clone()));
@@ -242,7 +276,10 @@ pub fn plan(d: &Decision) -> Vec<Box<dyn SpecEdit>> {
 }
 
 /// Applies a chain in order; the first error stops it.
-pub fn apply_all(doc: &mut Map<String, Value>, edits: &[Box<dyn SpecEdit>]) -> Result<(), SpecError> {
+pub fn apply_all(
+    doc: &mut Map<String, Value>,
+    edits: &[Box<dyn SpecEdit>],
+) -> Result<(), SpecError> {
     edits.iter().try_for_each(|e| e.apply(doc))
 }
 
@@ -261,24 +298,37 @@ mod tests {
                 ("CUDA_MPS_PIPE_DIRECTORY".into(), "/tmp/nvidia-mps".into()),
                 ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), "25".into()),
             ],
-            pipe: ("/run/gpushare/mps/0123456789ab/pipe".into(), "/tmp/nvidia-mps".into()),
+            pipe: (
+                "/run/gpushare/mps/0123456789ab/pipe".into(),
+                "/tmp/nvidia-mps".into(),
+            ),
             log: None,
             ipc,
             hooks: SetHooks {
                 binary: "/usr/local/bin/gpushare".into(),
                 env: vec!["PATH=/usr/bin:/bin".into()],
-                stages: vec![("createRuntime", "create-runtime", 15), ("poststop", "poststop", 10)],
+                stages: vec![
+                    ("createRuntime", "create-runtime", 15),
+                    ("poststop", "poststop", 10),
+                ],
             },
             annotations: vec![("gpushare.io/daemon".into(), "0123456789ab".into())],
         }
     }
 
     fn isolated() -> IpcPlan {
-        IpcPlan::Isolated { shm_dir: "/run/gpushare/mps/0123456789ab/shm".into() }
+        IpcPlan::Isolated {
+            shm_dir: "/run/gpushare/mps/0123456789ab/shm".into(),
+        }
     }
 
     fn mounts_at<'a>(d: &'a Map<String, Value>, dest: &str) -> Vec<&'a Value> {
-        d["mounts"].as_array().unwrap().iter().filter(|m| m["destination"] == dest).collect()
+        d["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["destination"] == dest)
+            .collect()
     }
 
     #[test]
@@ -304,9 +354,19 @@ mod tests {
         assert_eq!(shm.len(), 1);
         assert_eq!(shm[0]["source"], "/run/gpushare/mps/0123456789ab/shm");
         assert_eq!(shm[0]["type"], "bind");
-        let pos = |m: &Map<String, Value>| m["mounts"].as_array().unwrap().iter().position(|x| x["destination"] == "/dev/shm");
+        let pos = |m: &Map<String, Value>| {
+            m["mounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .position(|x| x["destination"] == "/dev/shm")
+        };
         assert_eq!(pos(&d), pos(&original), "same place in the mount order");
-        assert!(d["linux"]["namespaces"].as_array().unwrap().iter().any(|n| n["type"] == "ipc"));
+        assert!(d["linux"]["namespaces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["type"] == "ipc"));
         let pipe = mounts_at(&d, "/tmp/nvidia-mps");
         assert_eq!(pipe[0]["source"], "/run/gpushare/mps/0123456789ab/pipe");
     }
@@ -314,13 +374,29 @@ mod tests {
     #[test]
     fn env_is_set_once_and_replaces_earlier_values() {
         let mut d = doc("docker-20.10-config.json");
-        d["process"]["env"].as_array_mut().unwrap().push("CUDA_MPS_PIPE_DIRECTORY=/evil".into());
+        d["process"]["env"]
+            .as_array_mut()
+            .unwrap()
+            .push("CUDA_MPS_PIPE_DIRECTORY=/evil".into());
         apply_all(&mut d, &plan(&decision(isolated()))).unwrap();
-        let env: Vec<&str> = d["process"]["env"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-        assert_eq!(env.iter().filter(|e| e.starts_with("CUDA_MPS_PIPE_DIRECTORY=")).count(), 1);
+        let env: Vec<&str> = d["process"]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .collect();
+        assert_eq!(
+            env.iter()
+                .filter(|e| e.starts_with("CUDA_MPS_PIPE_DIRECTORY="))
+                .count(),
+            1
+        );
         assert!(env.contains(&"CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"));
         assert!(env.contains(&"GPUSHARE_DEVICE=0"), "other env kept");
-        assert_eq!(env[0], "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin");
+        assert_eq!(
+            env[0],
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        );
     }
 
     #[test]
@@ -334,7 +410,10 @@ mod tests {
         apply_all(&mut d, &plan(&decision(isolated()))).unwrap();
         let prestart = d["hooks"]["prestart"].as_array().unwrap();
         assert_eq!(prestart.len(), 1);
-        assert_eq!(prestart[0]["args"][0], "libnetwork-setkey", "Docker's own hook untouched");
+        assert_eq!(
+            prestart[0]["args"][0], "libnetwork-setkey",
+            "Docker's own hook untouched"
+        );
         let cr = d["hooks"]["createRuntime"].as_array().unwrap();
         assert_eq!(cr.len(), 2);
         assert_eq!(cr[0]["path"], "/usr/bin/other-hook");
@@ -371,7 +450,9 @@ mod tests {
     fn wrong_shapes_are_errors_not_panics() {
         let mut d = Map::new();
         d.insert("process".into(), json!({"env": 5}));
-        assert!(SetEnv(vec![("A".into(), "b".into())]).apply(&mut d).is_err());
+        assert!(SetEnv(vec![("A".into(), "b".into())])
+            .apply(&mut d)
+            .is_err());
         let mut d = Map::new();
         d.insert("mounts".into(), json!("x"));
         assert!(SetMount::bind("/a", "/b", &[]).apply(&mut d).is_err());

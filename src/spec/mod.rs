@@ -91,7 +91,11 @@ impl SpecFile {
 
     /// Looks up an annotation.
     pub fn annotation(&self, key: &str) -> Option<&str> {
-        self.typed.annotations().as_ref()?.get(key).map(String::as_str)
+        self.typed
+            .annotations()
+            .as_ref()?
+            .get(key)
+            .map(String::as_str)
     }
 
     /// `process.env`, empty when absent.
@@ -116,8 +120,9 @@ impl SpecFile {
             return Ok((uid, gid));
         };
         let userns = linux.namespaces().as_ref().is_some_and(|ns| {
-            ns.iter()
-                .any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::User && n.path().is_none())
+            ns.iter().any(|n| {
+                n.typ() == oci_spec::runtime::LinuxNamespaceType::User && n.path().is_none()
+            })
         });
         if !userns {
             return Ok((uid, gid));
@@ -167,8 +172,12 @@ mod tests {
     ];
 
     pub(crate) fn fixture(name: &str) -> Vec<u8> {
-        std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name))
-            .unwrap()
+        std::fs::read(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/fixtures")
+                .join(name),
+        )
+        .unwrap()
     }
 
     #[test]
@@ -194,9 +203,19 @@ mod tests {
 
     #[test]
     fn malformed_specs_are_refused() {
-        for bad in [&b"{"[..], b"[]", b"{\"ociVersion\": 5}", b"{\"ociVersion\":\"1.0.2\",\"process\":{\"env\":\"x\"}}"] {
-            let err = SpecFile::parse(Path::new("cfg"), bad, 0o644).err().expect("refused");
-            assert!(err.to_string().contains("not a valid OCI runtime spec"), "{err}");
+        for bad in [
+            &b"{"[..],
+            b"[]",
+            b"{\"ociVersion\": 5}",
+            b"{\"ociVersion\":\"1.0.2\",\"process\":{\"env\":\"x\"}}",
+        ] {
+            let err = SpecFile::parse(Path::new("cfg"), bad, 0o644)
+                .err()
+                .expect("refused");
+            assert!(
+                err.to_string().contains("not a valid OCI runtime spec"),
+                "{err}"
+            );
         }
     }
 
@@ -212,10 +231,16 @@ mod tests {
 
     #[test]
     fn reads_request_inputs_from_fixtures() {
-        let docker = SpecFile::parse(Path::new("d"), &fixture("docker-20.10-config.json"), 0o644).unwrap();
+        let docker =
+            SpecFile::parse(Path::new("d"), &fixture("docker-20.10-config.json"), 0o644).unwrap();
         assert!(docker.env().iter().any(|e| e == "GPUSHARE_DEVICE=0"));
         assert_eq!(docker.host_user().unwrap(), (1000, 1000));
-        let ctr = SpecFile::parse(Path::new("c"), &fixture("containerd-1.6-config.json"), 0o644).unwrap();
+        let ctr = SpecFile::parse(
+            Path::new("c"),
+            &fixture("containerd-1.6-config.json"),
+            0o644,
+        )
+        .unwrap();
         assert_eq!(ctr.annotation("gpushare.io/device"), Some("0"));
         assert_eq!(ctr.annotation("gpushare.io/nope"), None);
     }
@@ -225,14 +250,25 @@ mod tests {
         let mut v: Value = serde_json::from_slice(&fixture("containerd-1.6-config.json")).unwrap();
         v["process"]["user"]["uid"] = 1000.into();
         v["process"]["user"]["gid"] = 1000.into();
-        v["linux"]["namespaces"].as_array_mut().unwrap().push(serde_json::json!({"type": "user"}));
-        v["linux"]["uidMappings"] = serde_json::json!([{"containerID": 0, "hostID": 100000, "size": 65536}]);
-        v["linux"]["gidMappings"] = serde_json::json!([{"containerID": 0, "hostID": 200000, "size": 65536}]);
-        let spec = SpecFile::parse(Path::new("u"), &serde_json::to_vec(&v).unwrap(), 0o644).unwrap();
+        v["linux"]["namespaces"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({"type": "user"}));
+        v["linux"]["uidMappings"] =
+            serde_json::json!([{"containerID": 0, "hostID": 100000, "size": 65536}]);
+        v["linux"]["gidMappings"] =
+            serde_json::json!([{"containerID": 0, "hostID": 200000, "size": 65536}]);
+        let spec =
+            SpecFile::parse(Path::new("u"), &serde_json::to_vec(&v).unwrap(), 0o644).unwrap();
         assert_eq!(spec.host_user().unwrap(), (101000, 201000));
-        v["linux"]["uidMappings"] = serde_json::json!([{"containerID": 0, "hostID": 100000, "size": 10}]);
-        let spec = SpecFile::parse(Path::new("u"), &serde_json::to_vec(&v).unwrap(), 0o644).unwrap();
+        v["linux"]["uidMappings"] =
+            serde_json::json!([{"containerID": 0, "hostID": 100000, "size": 10}]);
+        let spec =
+            SpecFile::parse(Path::new("u"), &serde_json::to_vec(&v).unwrap(), 0o644).unwrap();
         let err = spec.host_user().unwrap_err().to_string();
-        assert!(err.contains("uid 1000") && err.contains("uidMappings"), "{err}");
+        assert!(
+            err.contains("uid 1000") && err.contains("uidMappings"),
+            "{err}"
+        );
     }
 }

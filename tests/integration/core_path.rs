@@ -16,13 +16,21 @@ fn container_gets_pipe_dir_and_daemon_shm_and_daemon_runs_as_its_user() {
         .container("c1")
         .uid(1000)
         .annotation("gpushare.io/device", "0")
-        .sh(&format!("echo PIPE=$CUDA_MPS_PIPE_DIRECTORY; ls $CUDA_MPS_PIPE_DIRECTORY; {CLIENT}"))
+        .sh(&format!(
+            "echo PIPE=$CUDA_MPS_PIPE_DIRECTORY; ls $CUDA_MPS_PIPE_DIRECTORY; {CLIENT}"
+        ))
         .create();
     let out = c.run();
     assert!(out.contains("PIPE=/tmp/nvidia-mps"), "{out}");
-    assert!(out.lines().any(|l| l == "control"), "control socket visible in the container:\n{out}");
+    assert!(
+        out.lines().any(|l| l == "control"),
+        "control socket visible in the container:\n{out}"
+    );
     let line = client_line(&out);
-    assert_eq!(line["shm"], "ok", "the container's /dev/shm is the daemon's: {out}");
+    assert_eq!(
+        line["shm"], "ok",
+        "the container's /dev/shm is the daemon's: {out}"
+    );
     assert_eq!(line["server_uid"], "1000");
 
     let ids = env.daemon_ids();
@@ -32,14 +40,22 @@ fn container_gets_pipe_dir_and_daemon_shm_and_daemon_runs_as_its_user() {
     let (uid, capeff) = uid_and_capeff(pid);
     assert_eq!(uid, 1000, "daemon runs as the container's uid");
     assert_eq!(capeff, 0, "daemon has no capabilities");
-    assert!(environ(pid).contains(&format!("CUDA_VISIBLE_DEVICES={GPU0}")), "{:?}", environ(pid));
+    assert!(
+        environ(pid).contains(&format!("CUDA_VISIBLE_DEVICES={GPU0}")),
+        "{:?}",
+        environ(pid)
+    );
     let shm = env.state.join("mps").join(id).join("shm");
     assert_eq!(
         dev_of(Path::new(&format!("/proc/{pid}/root/dev/shm"))),
         dev_of(&shm),
         "the daemon's /dev/shm is its shm tmpfs"
     );
-    assert_ne!(dev_of(&shm), dev_of(Path::new("/dev/shm")), "not the host's /dev/shm");
+    assert_ne!(
+        dev_of(&shm),
+        dev_of(Path::new("/dev/shm")),
+        "not the host's /dev/shm"
+    );
 
     // The spec carries what the hook needs, and status shows daemon and container.
     let cfg = c.config();
@@ -50,13 +66,21 @@ fn container_gets_pipe_dir_and_daemon_shm_and_daemon_runs_as_its_user() {
     assert_eq!(status[0]["alive"], true);
     assert_eq!(status[0]["containers"][0]["id"], "c1");
     c.delete();
-    assert!(env.status()[0]["containers"].as_array().unwrap().is_empty(), "poststop released the container");
+    assert!(
+        env.status()[0]["containers"].as_array().unwrap().is_empty(),
+        "poststop released the container"
+    );
 }
 
 #[test]
 fn env_request_works_like_the_annotation() {
     let env = Env::new();
-    let c = env.container("e1").uid(1000).env("GPUSHARE_DEVICE=1").sh(CLIENT).create();
+    let c = env
+        .container("e1")
+        .uid(1000)
+        .env("GPUSHARE_DEVICE=1")
+        .sh(CLIENT)
+        .create();
     let out = c.run();
     assert_eq!(client_line(&out)["shm"], "ok");
     let id = &env.daemon_ids()[0];
@@ -67,8 +91,18 @@ fn env_request_works_like_the_annotation() {
 fn two_users_get_their_servers_at_once() {
     let env = Env::new();
     let hold = "--hold 1.5";
-    let a = env.container("a").uid(1000).annotation("gpushare.io/device", "0").sh(&format!("{CLIENT} {hold}")).create();
-    let b = env.container("b").uid(2000).annotation("gpushare.io/device", "0").sh(&format!("{CLIENT} {hold}")).create();
+    let a = env
+        .container("a")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh(&format!("{CLIENT} {hold}"))
+        .create();
+    let b = env
+        .container("b")
+        .uid(2000)
+        .annotation("gpushare.io/device", "0")
+        .sh(&format!("{CLIENT} {hold}"))
+        .create();
     a.start();
     b.start();
     a.wait();
@@ -90,7 +124,10 @@ fn two_users_get_their_servers_at_once() {
 fn one_shared_daemon_makes_the_second_user_wait() {
     use std::os::unix::process::CommandExt;
     require_root_and_runc();
-    let dir = tempfile::Builder::new().prefix("gs").tempdir_in("/tmp").unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("gs")
+        .tempdir_in("/tmp")
+        .unwrap();
     let pipe = dir.path().join("pipe");
     let log = dir.path().join("log");
     // A host-wide daemon shared by several users needs a pipe dir they can all enter.
@@ -105,7 +142,9 @@ fn one_shared_daemon_makes_the_second_user_wait() {
         .spawn()
         .unwrap();
     let guard = scopeguard(daemon.id() as i32);
-    assert!(wait_until(Duration::from_secs(5), || pipe.join("control").exists()));
+    assert!(wait_until(Duration::from_secs(5), || pipe
+        .join("control")
+        .exists()));
     let client = |uid: u32| {
         Command::new(SIM)
             .args(["client", "--hold", "1.5"])
@@ -123,12 +162,21 @@ fn one_shared_daemon_makes_the_second_user_wait() {
     std::io::BufRead::read_line(&mut first_out, &mut first_line).unwrap();
     let second = client(2000).wait_with_output().unwrap();
     assert!(first.wait().unwrap().success());
-    let (l1, l2) = (client_line(&first_line), client_line(&String::from_utf8_lossy(&second.stdout)));
+    let (l1, l2) = (
+        client_line(&first_line),
+        client_line(&String::from_utf8_lossy(&second.stdout)),
+    );
     assert_eq!(l1["server_uid"], "1000");
     assert_eq!(l2["server_uid"], "2000");
     let waited: u64 = l2["waited_ms"].parse().unwrap();
-    assert!(waited >= 1000, "the second user queued behind the first: {l2:?}");
-    assert_ne!(l1["server"], l2["server"], "the server was replaced for the second user");
+    assert!(
+        waited >= 1000,
+        "the second user queued behind the first: {l2:?}"
+    );
+    assert_ne!(
+        l1["server"], l2["server"],
+        "the server was replaced for the second user"
+    );
     drop(guard);
     let _ = daemon.wait();
 }
@@ -187,7 +235,11 @@ fn sixteen_simultaneous_creates_start_exactly_one_daemon() {
         assert_eq!(l["shm"], "ok");
         servers.insert(l["server"].clone());
     }
-    assert_eq!(servers.len(), 1, "every container reached the same server: {servers:?}");
+    assert_eq!(
+        servers.len(),
+        1,
+        "every container reached the same server: {servers:?}"
+    );
     assert_eq!(env.status()[0]["containers"].as_array().unwrap().len(), 16);
 }
 
@@ -210,7 +262,9 @@ fn each_limit_profile_gets_its_own_daemon_with_limits_before_its_first_client() 
         .sh(CLIENT)
         .create();
     let (ll, lh) = (client_line(&low.run()), client_line(&high.run()));
-    let pct = |l: &std::collections::BTreeMap<String, String>| l["active_thread_percentage"].parse::<f64>().unwrap();
+    let pct = |l: &std::collections::BTreeMap<String, String>| {
+        l["active_thread_percentage"].parse::<f64>().unwrap()
+    };
     assert_eq!(pct(&ll), 25.0);
     assert!(ll["pinned_mem_limit"].contains("1024M"), "{ll:?}");
     assert_eq!(pct(&lh), 50.0);
@@ -219,19 +273,43 @@ fn each_limit_profile_gets_its_own_daemon_with_limits_before_its_first_client() 
     assert_eq!(ids.len(), 2, "{ids:?}");
     for id in &ids {
         let log = env.control_log(id);
-        let set = log.find("Cmd:set_default_active_thread_percentage").unwrap_or_else(|| panic!("limits applied:\n{log}"));
+        let set = log
+            .find("Cmd:set_default_active_thread_percentage")
+            .unwrap_or_else(|| panic!("limits applied:\n{log}"));
         // The first client makes the daemon start a server, which takes the defaults.
-        let client = log.find("Starting new server").unwrap_or_else(|| panic!("a client came:\n{log}"));
+        let client = log
+            .find("Starting new server")
+            .unwrap_or_else(|| panic!("a client came:\n{log}"));
         assert!(set < client, "limits before the first client:\n{log}");
     }
     let server_line = |c: &Container| {
-        let id = c.config()["annotations"]["gpushare.io/daemon"].as_str().unwrap().to_owned();
-        env.control_log(&id).lines().find(|l| l.contains("NEW SERVER")).unwrap_or_default().to_owned()
+        let id = c.config()["annotations"]["gpushare.io/daemon"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        env.control_log(&id)
+            .lines()
+            .find(|l| l.contains("NEW SERVER"))
+            .unwrap_or_default()
+            .to_owned()
     };
-    assert!(server_line(&low).contains("active_thread_percentage=25"), "{}", server_line(&low));
-    assert!(server_line(&high).contains("active_thread_percentage=50"), "{}", server_line(&high));
-    let low_id = low.config()["annotations"]["gpushare.io/daemon"].as_str().unwrap().to_owned();
-    assert!(env.control_log(&low_id).contains("Cmd:set_default_device_pinned_mem_limit 0 1024M"));
+    assert!(
+        server_line(&low).contains("active_thread_percentage=25"),
+        "{}",
+        server_line(&low)
+    );
+    assert!(
+        server_line(&high).contains("active_thread_percentage=50"),
+        "{}",
+        server_line(&high)
+    );
+    let low_id = low.config()["annotations"]["gpushare.io/daemon"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(env
+        .control_log(&low_id)
+        .contains("Cmd:set_default_device_pinned_mem_limit 0 1024M"));
 }
 
 #[test]
@@ -241,17 +319,37 @@ fn bad_requests_fail_create_cleanly() {
     // (key, value, text the error must contain besides key and value)
     let cases: &[(&str, &str, &str)] = &[
         ("gpushare.io/device", "7", "this node has GPUs 0, 1"),
-        ("gpushare.io/device", "GPU-00000000-0000-0000-0000-000000000000", "does not exist"),
+        (
+            "gpushare.io/device",
+            "GPU-00000000-0000-0000-0000-000000000000",
+            "does not exist",
+        ),
         ("gpushare.io/device", "0:5", "MIG device"),
-        ("gpushare.io/device", &format!("0,{MIG0}"), "must stand alone"),
+        (
+            "gpushare.io/device",
+            &format!("0,{MIG0}"),
+            "must stand alone",
+        ),
         ("gpushare.io/device", "../0", "allowed"),
         ("gpushare.io/device", "0/1", "allowed"),
         ("gpushare.io/device", &big, "allowed"),
         ("gpushare.io/active-thread-percentage", "0", "from 1 to 100"),
-        ("gpushare.io/active-thread-percentage", "101", "from 1 to 100"),
-        ("gpushare.io/active-thread-percentage", "abc", "from 1 to 100"),
+        (
+            "gpushare.io/active-thread-percentage",
+            "101",
+            "from 1 to 100",
+        ),
+        (
+            "gpushare.io/active-thread-percentage",
+            "abc",
+            "from 1 to 100",
+        ),
         ("gpushare.io/pinned-memory-limit", "0", "allowed"),
-        ("gpushare.io/pinned-memory-limit", "100G", "allowed is 1M up to 24G"),
+        (
+            "gpushare.io/pinned-memory-limit",
+            "100G",
+            "allowed is 1M up to 24G",
+        ),
         ("gpushare.io/pinned-memory-limit", "garbage", "allowed"),
         ("gpushare.io/ipc", "host", "allow-ipc-override"),
         ("gpushare.io/ipc", "shared", "allowed"),
@@ -265,44 +363,89 @@ fn bad_requests_fail_create_cleanly() {
         let before = c.config_bytes();
         let out = c.try_create();
         assert_eq!(out.status.code(), Some(1), "{key}={value}");
-        assert!(out.stdout.is_empty() && out.stderr.is_empty(), "the shim printed nothing: {out:?}");
+        assert!(
+            out.stdout.is_empty() && out.stderr.is_empty(),
+            "the shim printed nothing: {out:?}"
+        );
         let msg = c.last_error();
         let shown: String = value.chars().take(20).collect();
         assert!(msg.starts_with("gpushare: "), "{msg}");
-        assert!(msg.contains(key) && msg.contains(&shown) && msg.contains(expect), "{key}={value}: {msg}");
+        assert!(
+            msg.contains(key) && msg.contains(&shown) && msg.contains(expect),
+            "{key}={value}: {msg}"
+        );
         assert_eq!(msg.lines().count(), 1, "{msg}");
-        assert_eq!(c.config_bytes(), before, "config.json byte-identical for {key}={value}");
-        assert!(c.state().is_none(), "no container was created for {key}={value}");
+        assert_eq!(
+            c.config_bytes(),
+            before,
+            "config.json byte-identical for {key}={value}"
+        );
+        assert!(
+            c.state().is_none(),
+            "no container was created for {key}={value}"
+        );
     }
-    assert!(env.daemon_ids().is_empty(), "no daemon directory was created");
+    assert!(
+        env.daemon_ids().is_empty(),
+        "no daemon directory was created"
+    );
 }
 
 #[test]
 fn container_without_request_passes_through_untouched() {
     let env = Env::new();
-    let c = env.container("plain").uid(1000).annotation("other.io/x", "1").sh("echo hello").bundle();
+    let c = env
+        .container("plain")
+        .uid(1000)
+        .annotation("other.io/x", "1")
+        .sh("echo hello")
+        .bundle();
     let before = c.config_bytes();
     let out = c.try_create();
     assert!(out.status.success(), "{}", c.last_error());
     assert_eq!(c.config_bytes(), before, "config.json byte-identical");
     assert_eq!(c.run(), "hello\n");
-    assert!(!env.state.exists(), "no state created for a container without a request");
+    assert!(
+        !env.state.exists(),
+        "no state created for a container without a request"
+    );
 }
 
 #[test]
 fn killed_daemon_is_replaced_and_daemons_outlive_their_containers() {
     let env = Env::new();
-    let first = env.container("k1").uid(1000).annotation("gpushare.io/device", "0").sh(CLIENT).create();
+    let first = env
+        .container("k1")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh(CLIENT)
+        .create();
     assert_eq!(client_line(&first.run())["shm"], "ok");
     first.delete();
     let id = env.daemon_ids().remove(0);
     let pid = env.daemon_pid(&id);
-    assert!(alive(pid), "the daemon outlives the deletion of the container that started it");
+    assert!(
+        alive(pid),
+        "the daemon outlives the deletion of the container that started it"
+    );
 
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
     assert!(wait_until(Duration::from_secs(5), || !alive(pid)));
-    let second = env.container("k2").uid(1000).annotation("gpushare.io/device", "0").sh(CLIENT).create();
-    assert_eq!(client_line(&second.run())["shm"], "ok", "the next create got a working daemon");
+    let second = env
+        .container("k2")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(
+        client_line(&second.run())["shm"],
+        "ok",
+        "the next create got a working daemon"
+    );
     let new_pid = env.daemon_pid(&id);
     assert_ne!(new_pid, pid);
     assert!(alive(new_pid));
@@ -311,11 +454,23 @@ fn killed_daemon_is_replaced_and_daemons_outlive_their_containers() {
     let rec = env.record(&id);
     let sup = rec["supervisor"]["pid"].as_i64().unwrap() as i32;
     for p in [sup, new_pid] {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p), nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(p),
+            nix::sys::signal::Signal::SIGKILL,
+        );
     }
     assert!(wait_until(Duration::from_secs(5), || !alive(sup) && !alive(new_pid)));
-    let third = env.container("k3").uid(1000).annotation("gpushare.io/device", "0").sh(CLIENT).create();
+    let third = env
+        .container("k3")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh(CLIENT)
+        .create();
     assert_eq!(client_line(&third.run())["shm"], "ok");
     let rec = env.record(&id);
-    assert_ne!(rec["supervisor"]["pid"].as_i64().unwrap() as i32, sup, "a fresh supervisor");
+    assert_ne!(
+        rec["supervisor"]["pid"].as_i64().unwrap() as i32,
+        sup,
+        "a fresh supervisor"
+    );
 }

@@ -51,13 +51,21 @@ pub fn require_root_and_runc() {
 
 pub fn which(name: &str) -> Option<PathBuf> {
     std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
-        .chain(["/usr/sbin".into(), "/usr/bin".into(), "/sbin".into(), "/bin".into()])
+        .chain([
+            "/usr/sbin".into(),
+            "/usr/bin".into(),
+            "/sbin".into(),
+            "/bin".into(),
+        ])
         .map(|d| d.join(name))
         .find(|p| p.is_file())
 }
 
 fn busybox() -> Option<PathBuf> {
-    ["/bin/busybox", "/usr/bin/busybox"].iter().map(PathBuf::from).find(|p| p.is_file())
+    ["/bin/busybox", "/usr/bin/busybox"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
 }
 
 /// Copies `bin` and the shared libraries it needs (per ldd) into the rootfs.
@@ -124,7 +132,10 @@ impl Env {
     /// keys in `extra_mps`).
     pub fn with_config(extra_mps: &str) -> Env {
         rootfs();
-        let dir = tempfile::Builder::new().prefix("gs").tempdir_in("/tmp").unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix("gs")
+            .tempdir_in("/tmp")
+            .unwrap();
         let state = dir.path().join("s");
         let runc_root = dir.path().join("runc");
         let inventory = dir.path().join("inventory.json");
@@ -142,7 +153,13 @@ impl Env {
             ),
         )
         .unwrap();
-        Env { dir, config, state, runc_root, containers: Default::default() }
+        Env {
+            dir,
+            config,
+            state,
+            runc_root,
+            containers: Default::default(),
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -183,23 +200,31 @@ impl Env {
 
     pub fn daemon_ids(&self) -> Vec<String> {
         let mut ids: Vec<String> = std::fs::read_dir(self.state.join("mps"))
-            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
             .unwrap_or_default();
         ids.sort();
         ids
     }
 
     pub fn record(&self, id: &str) -> Value {
-        let text = std::fs::read_to_string(self.state.join("mps").join(id).join("daemon.json")).unwrap();
+        let text =
+            std::fs::read_to_string(self.state.join("mps").join(id).join("daemon.json")).unwrap();
         serde_json::from_str(&text).unwrap()
     }
 
     pub fn daemon_pid(&self, id: &str) -> i32 {
-        self.record(id)["daemon"]["pid"].as_i64().expect("daemon pid in record") as i32
+        self.record(id)["daemon"]["pid"]
+            .as_i64()
+            .expect("daemon pid in record") as i32
     }
 
     pub fn control_log(&self, id: &str) -> String {
-        std::fs::read_to_string(self.state.join("mps").join(id).join("log/control.log")).unwrap_or_default()
+        std::fs::read_to_string(self.state.join("mps").join(id).join("log/control.log"))
+            .unwrap_or_default()
     }
 
     pub fn gpushare_log(&self) -> String {
@@ -208,8 +233,16 @@ impl Env {
 
     /// `gpushare status --json`.
     pub fn status(&self) -> Value {
-        let out = self.cmd(GPUSHARE).args(["status", "--json"]).output().unwrap();
-        assert!(out.status.success(), "status failed: {}", String::from_utf8_lossy(&out.stderr));
+        let out = self
+            .cmd(GPUSHARE)
+            .args(["status", "--json"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "status failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         serde_json::from_slice(&out.stdout).unwrap()
     }
 }
@@ -217,7 +250,11 @@ impl Env {
 impl Drop for Env {
     fn drop(&mut self) {
         // Containers first (their poststop hooks run), then supervisors, then mounts.
-        let ids = self.containers.lock().map(|c| c.clone()).unwrap_or_default();
+        let ids = self
+            .containers
+            .lock()
+            .map(|c| c.clone())
+            .unwrap_or_default();
         for id in ids {
             let _ = Command::new(which("runc").unwrap())
                 .arg("--root")
@@ -227,8 +264,14 @@ impl Drop for Env {
                 .status();
         }
         for id in self.daemon_ids() {
-            let Ok(text) = std::fs::read_to_string(self.state.join("mps").join(&id).join("daemon.json")) else { continue };
-            let Ok(rec) = serde_json::from_str::<Value>(&text) else { continue };
+            let Ok(text) =
+                std::fs::read_to_string(self.state.join("mps").join(&id).join("daemon.json"))
+            else {
+                continue;
+            };
+            let Ok(rec) = serde_json::from_str::<Value>(&text) else {
+                continue;
+            };
             let sup = rec["supervisor"]["pid"].as_i64().map(|p| p as i32);
             let dae = rec["daemon"]["pid"].as_i64().map(|p| p as i32);
             if let Some(p) = sup {
@@ -261,7 +304,9 @@ pub fn alive(pid: i32) -> bool {
 /// SIGTERM, wait up to 5 s, then SIGKILL — only if `pid` is still the process we started.
 pub fn stop_process(pid: i32, expected_start: Option<u64>) {
     use nix::sys::signal::{kill, Signal};
-    let is_ours = || start_time(pid).is_some() && (expected_start.is_none() || start_time(pid) == expected_start);
+    let is_ours = || {
+        start_time(pid).is_some() && (expected_start.is_none() || start_time(pid) == expected_start)
+    };
     if !is_ours() {
         return;
     }
@@ -318,9 +363,19 @@ impl<'a> ContainerBuilder<'a> {
     pub fn bundle(self) -> Container<'a> {
         let bundle = self.env.path().join("bundles").join(&self.id);
         std::fs::create_dir_all(&bundle).unwrap();
-        let spec = Command::new(which("runc").unwrap()).arg("spec").current_dir(&bundle).output().unwrap();
-        assert!(spec.status.success(), "runc spec: {}", String::from_utf8_lossy(&spec.stderr));
-        let mut c: Value = serde_json::from_str(&std::fs::read_to_string(bundle.join("config.json")).unwrap()).unwrap();
+        let spec = Command::new(which("runc").unwrap())
+            .arg("spec")
+            .current_dir(&bundle)
+            .output()
+            .unwrap();
+        assert!(
+            spec.status.success(),
+            "runc spec: {}",
+            String::from_utf8_lossy(&spec.stderr)
+        );
+        let mut c: Value =
+            serde_json::from_str(&std::fs::read_to_string(bundle.join("config.json")).unwrap())
+                .unwrap();
         c["process"]["terminal"] = json!(false);
         c["process"]["args"] = json!(self.args);
         c["process"]["user"] = json!({"uid": self.uid, "gid": self.uid});
@@ -332,15 +387,28 @@ impl<'a> ContainerBuilder<'a> {
         if !self.annotations.is_empty() {
             c["annotations"] = json!(self.annotations);
         }
-        std::fs::write(bundle.join("config.json"), serde_json::to_vec_pretty(&c).unwrap()).unwrap();
-        Container { env: self.env, id: self.id, bundle }
+        std::fs::write(
+            bundle.join("config.json"),
+            serde_json::to_vec_pretty(&c).unwrap(),
+        )
+        .unwrap();
+        Container {
+            env: self.env,
+            id: self.id,
+            bundle,
+        }
     }
 
     /// Bundle + `gpushare-runtime create`; panics with the runtime's error if it fails.
     pub fn create(self) -> Container<'a> {
         let c = self.bundle();
         let out = c.try_create();
-        assert!(out.status.success(), "create {} failed: {}", c.id, c.last_error());
+        assert!(
+            out.status.success(),
+            "create {} failed: {}",
+            c.id,
+            c.last_error()
+        );
         c
     }
 }
@@ -384,7 +452,11 @@ impl Container<'_> {
             .stderr(stderr)
             .status()
             .unwrap();
-        Output { status, stdout: self.stdout().into_bytes(), stderr: std::fs::read(self.bundle.join("stderr")).unwrap_or_default() }
+        Output {
+            status,
+            stdout: self.stdout().into_bytes(),
+            stderr: std::fs::read(self.bundle.join("stderr")).unwrap_or_default(),
+        }
     }
 
     /// The last error line the runtime wrote to runc's log.
@@ -400,12 +472,20 @@ impl Container<'_> {
 
     pub fn start(&self) {
         let out = self.env.runtime(&["start", &self.id], &self.log());
-        assert!(out.status.success(), "start {}: {}", self.id, String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "start {}: {}",
+            self.id,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     pub fn state(&self) -> Option<Value> {
         let out = self.env.runtime(&["state", &self.id], &self.log());
-        out.status.success().then(|| serde_json::from_slice(&out.stdout).ok()).flatten()
+        out.status
+            .success()
+            .then(|| serde_json::from_slice(&out.stdout).ok())
+            .flatten()
     }
 
     /// Waits until the container's process has exited.
@@ -413,7 +493,12 @@ impl Container<'_> {
         let stopped = wait_until(Duration::from_secs(30), || {
             self.state().is_some_and(|s| s["status"] == "stopped")
         });
-        assert!(stopped, "container {} did not stop; stdout: {}", self.id, self.stdout());
+        assert!(
+            stopped,
+            "container {} did not stop; stdout: {}",
+            self.id,
+            self.stdout()
+        );
     }
 
     pub fn run(&self) -> String {
@@ -432,7 +517,12 @@ impl Container<'_> {
 
     pub fn delete(&self) {
         let out = self.env.runtime(&["delete", "-f", &self.id], &self.log());
-        assert!(out.status.success(), "delete {}: {}", self.id, String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "delete {}: {}",
+            self.id,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
@@ -457,8 +547,20 @@ pub fn dev_of(path: &Path) -> u64 {
 /// The `Uid:` line's real uid and the `CapEff:` mask of a process.
 pub fn uid_and_capeff(pid: i32) -> (u32, u64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let field = |name: &str| status.lines().find(|l| l.starts_with(name)).unwrap().split_whitespace().nth(1).unwrap().to_owned();
-    (field("Uid:").parse().unwrap(), u64::from_str_radix(&field("CapEff:"), 16).unwrap())
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap()
+            .split_whitespace()
+            .nth(1)
+            .unwrap()
+            .to_owned()
+    };
+    (
+        field("Uid:").parse().unwrap(),
+        u64::from_str_radix(&field("CapEff:"), 16).unwrap(),
+    )
 }
 
 pub fn environ(pid: i32) -> Vec<String> {

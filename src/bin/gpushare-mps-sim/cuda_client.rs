@@ -1,0 +1,192 @@
+//! `gpushare-mps-sim client`: a stand-in CUDA process. It does what the CUDA driver does at
+//! init under MPS, as far as a container runtime can observe: connect to the control daemon
+//! through CUDA_MPS_PIPE_DIRECTORY, wait for a server, check that the server's shared memory
+//! is visible in its own /dev/shm, then "run" for `--hold` seconds.
+//!
+//! Exit codes: 0 attached and ran; 1 could not connect, bad environment or refused by the
+//! daemon; 3 still queued when `--timeout` ran out; 4 the server's shm file is not visible,
+//! i.e. this process does not share /dev/shm with the daemon. CUDA error numbers in messages
+//! are the runtime's: 805 cudaErrorMpsConnectionFailed, 807 cudaErrorMpsServerNotReady.
+//!
+//! Invariant: on success exactly one line goes to stdout, flushed before the hold starts, so
+//! a test can read it while the client still holds its server.
+
+use std::io::{BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crate::limits::{DeviceLimits, Percentage};
+use crate::server::shm_path;
+use crate::wire::{self, Hello, Ready, WireError};
+
+const ME: &str = "gpushare-mps-sim client";
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClientOptions {
+    pub hold: Duration,
+    pub timeout: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            hold: Duration::ZERO,
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+pub fn run(pipe_dir: &Path, opts: &ClientOptions) -> u8 {
+    let hello = match hello_from_env() {
+        Ok(h) => h,
+        Err(msg) => {
+            eprintln!("{ME}: {msg}");
+            return 1;
+        }
+    };
+    let socket = pipe_dir.join("control");
+    let stream = match UnixStream::connect(&socket) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!(
+                "{ME}: cannot connect to MPS control daemon at {}: {e} (CUDA error 805)",
+                socket.display()
+            );
+            return 1;
+        }
+    };
+    if let Err(e) = (&stream).write_all(format!("{}\n", hello.to_line()).as_bytes()) {
+        eprintln!("{ME}: cannot talk to MPS control daemon: {e} (CUDA error 805)");
+        return 1;
+    }
+    let ready = match wait_ready(&stream, opts.timeout) {
+        Ok(r) => r,
+        Err(Waited::TimedOut) => {
+            eprintln!(
+                "{ME}: still queued for an MPS server after {} s (CUDA error 807)",
+                secs(opts.timeout)
+            );
+            return 3;
+        }
+        Err(Waited::Refused(msg)) => {
+            eprintln!("{ME}: MPS control daemon refused the client: {msg} (CUDA error 805)");
+            return 1;
+        }
+        Err(Waited::Broken(msg)) => {
+            eprintln!("{ME}: {msg} (CUDA error 805)");
+            return 1;
+        }
+    };
+    let shm = shm_path(ready.server_pid);
+    if std::fs::symlink_metadata(&shm).is_err() {
+        eprintln!(
+            "{ME}: MPS server {} shared memory {} not visible: /dev/shm is not shared with the MPS daemon (CUDA error 805)",
+            ready.server_pid,
+            shm.display()
+        );
+        return 4;
+    }
+    let line = format!(
+        "mps-client pid={} uid={} server={} server_uid={} waited_ms={} active_thread_percentage={} pinned_mem_limit={} shm=ok\n",
+        std::process::id(),
+        nix::unistd::getuid(),
+        ready.server_pid,
+        ready.server_uid,
+        ready.waited_ms,
+        ready.percentage,
+        ready.mem
+    );
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(line.as_bytes());
+        let _ = out.flush();
+    }
+    std::thread::sleep(opts.hold);
+    drop(stream);
+    0
+}
+
+fn secs(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s.fract() == 0.0 {
+        format!("{s:.0}")
+    } else {
+        format!("{s}")
+    }
+}
+
+fn hello_from_env() -> Result<Hello, String> {
+    let percentage = match non_empty_env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") {
+        None => None,
+        Some(v) => Some(
+            Percentage::parse(&v).map_err(|e| format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: {e}"))?,
+        ),
+    };
+    let mem = match non_empty_env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") {
+        None => DeviceLimits::default(),
+        Some(v) => {
+            DeviceLimits::parse(&v).map_err(|e| format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT: {e}"))?
+        }
+    };
+    Ok(Hello {
+        pid: std::process::id(),
+        percentage,
+        mem,
+    })
+}
+
+fn non_empty_env(name: &str) -> Option<String> {
+    std::env::var(name)
+        .ok()
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+}
+
+enum Waited {
+    TimedOut,
+    Refused(String),
+    Broken(String),
+}
+
+fn wait_ready(stream: &UnixStream, timeout: Duration) -> Result<Ready, Waited> {
+    let deadline = Instant::now() + timeout;
+    let mut reader = BufReader::new(stream);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Waited::TimedOut);
+        }
+        stream
+            .set_read_timeout(Some(left))
+            .map_err(|e| Waited::Broken(format!("set read timeout: {e}")))?;
+        let line = match wire::read_line(&mut reader) {
+            Ok(Some(line)) => line,
+            Ok(None) => {
+                return Err(Waited::Broken(
+                    "MPS control daemon closed the connection".to_string(),
+                ))
+            }
+            Err(WireError::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(Waited::TimedOut)
+            }
+            Err(e) => {
+                return Err(Waited::Broken(format!(
+                    "reading from MPS control daemon: {e}"
+                )))
+            }
+        };
+        if line == "QUEUED" {
+            continue;
+        }
+        if let Some(msg) = line.strip_prefix("ERROR ") {
+            return Err(Waited::Refused(msg.to_string()));
+        }
+        return Ready::parse(&line).map_err(|e| Waited::Broken(e.to_string()));
+    }
+}

@@ -1,0 +1,925 @@
+//! End-to-end tests of the simulator: the built binary run as real daemons, servers and
+//! clients in per-test temporary directories, other uids through `CommandExt::uid/gid`.
+//!
+//! They need the `gpushare-mps-sim` binary built next to this test executable (`cargo test`
+//! builds it whenever the package has integration tests; otherwise run `cargo build` first):
+//! Cargo sets `CARGO_BIN_EXE_*` only for integration tests, not for a binary's own tests.
+//! The tests that switch uids need root and skip with a printed reason otherwise.
+//!
+//! Invariants: nothing sleeps a fixed time to let something happen, everything polls with a
+//! deadline; every process a test starts is stopped by a guard's `Drop`, also when the test
+//! fails (daemons get SIGTERM first, so they stop their servers and remove their shm files).
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+const DAEMON_START: Duration = Duration::from_secs(10);
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn bin() -> PathBuf {
+    if let Some(path) = option_env!("CARGO_BIN_EXE_gpushare-mps-sim") {
+        return PathBuf::from(path);
+    }
+    let exe = std::env::current_exe().expect("current exe");
+    let path = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join("gpushare-mps-sim");
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build --bin gpushare-mps-sim` before these tests",
+        path.display()
+    );
+    path
+}
+
+fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Gone, or a zombie nobody reaped yet (the test's PID 1 may not reap orphans).
+fn process_gone(pid: i32) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .map(|(_, rest)| rest.trim_start().starts_with('Z'))
+            .unwrap_or(false),
+    }
+}
+
+fn stop_pid(pid: i32) {
+    let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !process_gone(pid) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if !process_gone(pid) {
+        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+    }
+}
+
+/// A child process killed and reaped on drop.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Proc {
+    fn pid(&self) -> i32 {
+        i32::try_from(self.0.id()).expect("pid fits i32")
+    }
+
+    /// The one stdout line a client prints once attached.
+    fn read_line(&mut self) -> String {
+        let out = self.0.stdout.as_mut().expect("stdout piped");
+        let mut line = String::new();
+        BufReader::new(out)
+            .read_line(&mut line)
+            .expect("read stdout");
+        line
+    }
+
+    fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.0.try_wait().expect("try_wait") {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "process did not exit in time");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn stderr(&mut self) -> String {
+        let mut text = String::new();
+        if let Some(err) = self.0.stderr.as_mut() {
+            let _ = err.read_to_string(&mut text);
+        }
+        text
+    }
+}
+
+/// Runs a command to completion with `input` on stdin; kills it after `timeout`.
+fn run_output(mut cmd: Command, input: &str, timeout: Duration) -> Output {
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn");
+    let pid = i32::try_from(child.id()).expect("pid");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let input = input.to_string();
+    let writer = std::thread::spawn(move || {
+        let _ = stdin.write_all(input.as_bytes());
+    });
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(timeout) {
+        Ok(out) => {
+            let _ = writer.join();
+            out.expect("wait for command")
+        }
+        Err(_) => {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            panic!("command did not finish within {timeout:?}");
+        }
+    }
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// `key=value` fields of a client line (`pinned_mem_limit=0=1G` keeps `0=1G`).
+fn fields(line: &str) -> HashMap<String, String> {
+    assert!(
+        line.starts_with("mps-client "),
+        "not a client line: {line:?}"
+    );
+    line.split_whitespace()
+        .skip(1)
+        .filter_map(|w| w.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// The real and effective uid of a process, from /proc.
+fn proc_uid(pid: &str) -> Option<(u32, u32)> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("Uid:"))?;
+    let mut ids = line.split_whitespace().skip(1).map(|v| v.parse().ok());
+    Some((ids.next()??, ids.next()??))
+}
+
+fn shm_file(server: &str) -> PathBuf {
+    PathBuf::from(format!("/dev/shm/cuda.shm.sim.{server}"))
+}
+
+/// One simulated node: pipe and log directories, the daemons started on them.
+struct Sim {
+    dir: tempfile::TempDir,
+    pipe: PathBuf,
+    log: PathBuf,
+    daemon: Option<Proc>,
+    /// Daemons started with -d: not our children, stopped by pid.
+    detached: Vec<i32>,
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        if let Some(daemon) = self.daemon.take() {
+            stop_pid(daemon.pid());
+            drop(daemon);
+        }
+        for pid in self.detached.drain(..) {
+            stop_pid(pid);
+        }
+    }
+}
+
+impl Sim {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Clients of other uids must reach the socket (the daemon leaves existing modes alone).
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).expect("chmod");
+        let pipe = dir.path().join("pipe");
+        fs::create_dir(&pipe).expect("mkdir pipe");
+        fs::set_permissions(&pipe, fs::Permissions::from_mode(0o755)).expect("chmod pipe");
+        let log = dir.path().join("log");
+        Sim {
+            dir,
+            pipe,
+            log,
+            daemon: None,
+            detached: Vec::new(),
+        }
+    }
+
+    fn cmd(&self) -> Command {
+        let mut cmd = Command::new(bin());
+        cmd.env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe)
+            .env("CUDA_MPS_LOG_DIRECTORY", &self.log)
+            .env_remove("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+            .env_remove("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+            .env_remove("CUDA_VISIBLE_DEVICES");
+        cmd
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.pipe.join("control")
+    }
+
+    fn pid_file(&self) -> PathBuf {
+        self.pipe.join("nvidia-cuda-mps-control.pid")
+    }
+
+    /// Starts `-f` with extra options and waits until it answers control commands.
+    fn start(&mut self, opts: &[&str], configure: impl FnOnce(&mut Command)) {
+        let mut cmd = self.cmd();
+        cmd.arg("-f").args(opts);
+        configure(&mut cmd);
+        let stderr = fs::File::create(self.dir.path().join("daemon.stderr")).expect("stderr file");
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr);
+        let mut daemon = Proc(cmd.spawn().expect("spawn daemon"));
+        let deadline = Instant::now() + DAEMON_START;
+        loop {
+            if let Some(status) = daemon.0.try_wait().expect("try_wait") {
+                panic!(
+                    "daemon exited with {status} before answering: {}",
+                    fs::read_to_string(self.dir.path().join("daemon.stderr")).unwrap_or_default()
+                );
+            }
+            if self.control("get_server_list").status.success() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "daemon did not answer in time");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.daemon = Some(daemon);
+    }
+
+    fn control(&self, input: &str) -> Output {
+        run_output(self.cmd(), &format!("{input}\n"), COMMAND_TIMEOUT)
+    }
+
+    /// A control command that must succeed; its stdout.
+    fn ok(&self, input: &str) -> String {
+        let out = self.control(input);
+        assert!(
+            out.status.success(),
+            "{input:?} failed: {} {}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+        text(&out.stdout)
+    }
+
+    /// Starts `client` with stdout and stderr piped, as `uid` (its gid the same) if given.
+    fn client(&self, args: &[&str], uid: Option<u32>, envs: &[(&str, &str)]) -> Proc {
+        let mut cmd = self.cmd();
+        cmd.arg("client")
+            .args(args)
+            .envs(envs.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(uid) = uid {
+            cmd.uid(uid).gid(uid);
+        }
+        Proc(cmd.spawn().expect("spawn client"))
+    }
+
+    /// Runs a client to completion and returns its fields; it must succeed.
+    fn attach(&self, envs: &[(&str, &str)]) -> HashMap<String, String> {
+        let mut cmd = self.cmd();
+        cmd.arg("client").envs(envs.iter().copied());
+        let out = run_output(cmd, "", COMMAND_TIMEOUT);
+        assert!(out.status.success(), "client failed: {}", text(&out.stderr));
+        let stdout = text(&out.stdout);
+        assert_eq!(stdout.lines().count(), 1, "one line expected: {stdout:?}");
+        fields(stdout.trim_end())
+    }
+
+    fn log_lines(&self) -> Vec<String> {
+        let text = fs::read_to_string(self.log.join("control.log")).unwrap_or_default();
+        text.lines()
+            .map(|l| {
+                // Strip `[date time.ms Control pid] `.
+                l.split_once("] ")
+                    .map_or_else(|| l.to_string(), |(_, m)| m.to_string())
+            })
+            .collect()
+    }
+
+    fn log_has(&self, message: &str) -> bool {
+        self.log_lines().iter().any(|l| l == message)
+    }
+
+    fn daemon_pid(&self) -> i32 {
+        self.daemon.as_ref().expect("daemon").pid()
+    }
+}
+
+#[test]
+fn version_and_unknown_option() {
+    let mut cmd = Command::new(bin());
+    cmd.arg("-v");
+    let out = run_output(cmd, "", COMMAND_TIMEOUT);
+    assert!(out.status.success());
+    let version = text(&out.stdout);
+    assert!(
+        version.starts_with("gpushare-mps-sim ")
+            && version
+                .trim_end()
+                .ends_with("(simulates nvidia-cuda-mps-control)"),
+        "{version:?}"
+    );
+    for bad in [
+        &["-x"][..],
+        &["-d", "-f"],
+        &["-M"],
+        &["client", "--hold", "x"],
+    ] {
+        let mut cmd = Command::new(bin());
+        cmd.args(bad);
+        let out = run_output(cmd, "", COMMAND_TIMEOUT);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}");
+        assert_eq!(text(&out.stderr).lines().count(), 1, "{bad:?}");
+    }
+}
+
+#[test]
+fn without_daemon_control_and_client_fail() {
+    let sim = Sim::new();
+    let out = sim.control("get_server_list");
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        text(&out.stdout),
+        "Cannot find MPS control daemon process\n"
+    );
+
+    let mut client = sim.client(&[], None, &[]);
+    assert_eq!(client.wait_exit(COMMAND_TIMEOUT).code(), Some(1));
+    let err = client.stderr();
+    let want = format!(
+        "gpushare-mps-sim client: cannot connect to MPS control daemon at {}: ",
+        sim.socket().display()
+    );
+    assert!(
+        err.starts_with(&want) && err.trim_end().ends_with("(CUDA error 805)"),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn foreground_daemon_files_log_and_commands() {
+    let mut sim = Sim::new();
+    sim.start(&[], |c| {
+        c.env("CUDA_VISIBLE_DEVICES", "GPU-1234");
+    });
+    let pid = sim.daemon_pid();
+    assert_eq!(
+        fs::read_to_string(sim.pid_file()).expect("pid file"),
+        format!("{pid}\n")
+    );
+    let mode = fs::metadata(sim.socket()).expect("socket").mode() & 0o777;
+    assert_eq!(mode, 0o666);
+    // Missing log dir is created 0700; the existing pipe dir keeps its 0755.
+    assert_eq!(
+        fs::metadata(&sim.log).expect("log dir").mode() & 0o777,
+        0o700
+    );
+    assert_eq!(
+        fs::metadata(&sim.pipe).expect("pipe dir").mode() & 0o777,
+        0o755
+    );
+
+    assert_eq!(sim.ok("get_default_active_thread_percentage"), "100.0\n");
+    assert_eq!(sim.ok("set_default_active_thread_percentage 25"), "");
+    assert_eq!(sim.ok("get_default_active_thread_percentage"), "25.0\n");
+    sim.ok("set_default_active_thread_percentage 25.5");
+    assert_eq!(sim.ok("get_default_active_thread_percentage"), "25.5\n");
+    sim.ok("set_default_device_pinned_mem_limit 0 4096M");
+    sim.ok("set_default_device_pinned_mem_limit GPU-1234 2G");
+    assert_eq!(sim.ok("get_default_device_pinned_mem_limit 0"), "4096M\n");
+    assert_eq!(
+        sim.ok("get_default_device_pinned_mem_limit GPU-1234"),
+        "2G\n"
+    );
+    assert_eq!(sim.ok("get_default_device_pinned_mem_limit 1"), "none\n");
+    assert_eq!(sim.ok("get_server_list"), "");
+    assert_eq!(sim.ok("ps"), "PID ID SERVER DEVICE NAMESPACE COMMAND\n");
+
+    for bad in [
+        "bogus_command",
+        "set_default_active_thread_percentage 0",
+        "set_default_active_thread_percentage 101",
+        "set_default_device_pinned_mem_limit 0 5T",
+        "get_server_status 999999",
+        "get_client_list 999999",
+    ] {
+        let out = sim.control(bad);
+        assert_eq!(out.status.code(), Some(1), "{bad}");
+        assert!(!text(&out.stdout).is_empty(), "{bad}: error text expected");
+    }
+    // Several commands in one session: all run, the exit code reports the failure.
+    let out = sim.control("get_default_active_thread_percentage\nbogus\nget_server_list");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stdout).starts_with("25.5\n"));
+    // The bad commands did not change anything.
+    assert_eq!(sim.ok("get_default_active_thread_percentage"), "25.5\n");
+
+    let socket = sim.socket();
+    let pipe = sim.pipe.display().to_string();
+    for want in [
+        format!("Starting control daemon using socket {}", socket.display()),
+        format!(
+            "To connect CUDA applications to this daemon, set env CUDA_MPS_PIPE_DIRECTORY={pipe}"
+        ),
+        "gpushare-sim: uid=0 gid=0 multiuser=false CUDA_VISIBLE_DEVICES=GPU-1234".to_string(),
+        "NEW UI".to_string(),
+        "Cmd:set_default_device_pinned_mem_limit 0 4096M".to_string(),
+        "UI closed".to_string(),
+    ] {
+        if want.contains("uid=0") && !is_root() {
+            continue;
+        }
+        assert!(
+            sim.log_has(&want),
+            "log lacks {want:?}: {:#?}",
+            sim.log_lines()
+        );
+    }
+    let raw = fs::read_to_string(sim.log.join("control.log")).expect("log");
+    let first = raw.lines().next().expect("a line");
+    // [YYYY-MM-DD HH:MM:SS.mmm Control <pid>] message
+    let head = format!(" Control {pid}] ");
+    assert!(first.starts_with('[') && first.contains(&head), "{first}");
+    let stamp = &first[1..first.find(" Control").expect("stamp")];
+    assert_eq!(stamp.len(), "2013-08-05 12:50:23.347".len(), "{stamp}");
+}
+
+#[test]
+fn defaults_reach_new_servers_and_clients() {
+    let mut sim = Sim::new();
+    sim.start(&[], |_| {});
+    sim.ok("set_default_active_thread_percentage 25");
+    sim.ok("set_default_device_pinned_mem_limit 0 1G");
+    let first = sim.attach(&[]);
+    assert_eq!(first["active_thread_percentage"], "25.0");
+    assert_eq!(first["pinned_mem_limit"], "0=1G");
+    assert_eq!(first["shm"], "ok");
+    assert!(first["waited_ms"].parse::<u64>().expect("ms") < 1000);
+    let server = first["server"].clone();
+    assert_eq!(sim.ok("get_server_list"), format!("{server}\n"));
+    assert_eq!(sim.ok(&format!("get_server_status {server}")), "ACTIVE\n");
+    assert!(shm_file(&server).exists());
+
+    // The server logged its limits when it became ready, before the client attached.
+    let lines = sim.log_lines();
+    let ready =
+        format!("NEW SERVER {server}: Ready active_thread_percentage=25.0 pinned_mem_limit=0=1G");
+    assert!(lines.contains(&format!(
+        "Starting new server {server} for user {}",
+        nix::unistd::getuid()
+    )));
+    assert!(lines.contains(&ready), "{lines:#?}");
+
+    // New defaults apply to later servers only: the lingering server keeps its settings.
+    sim.ok("set_default_active_thread_percentage 50");
+    let second = sim.attach(&[]);
+    assert_eq!(second["server"], server, "server lingers and is reused");
+    assert_eq!(second["active_thread_percentage"], "25.0");
+
+    // Per-server settings reach clients attaching afterwards.
+    sim.ok(&format!("set_active_thread_percentage {server} 40"));
+    assert_eq!(
+        sim.ok(&format!("get_active_thread_percentage {server}")),
+        "40.0\n"
+    );
+    sim.ok(&format!("set_device_pinned_mem_limit {server} 1 512M"));
+    assert_eq!(
+        sim.ok(&format!("get_device_pinned_mem_limit {server} 1")),
+        "512M\n"
+    );
+    assert_eq!(
+        sim.ok(&format!("get_device_pinned_mem_limit {server} 7")),
+        "none\n"
+    );
+    let third = sim.attach(&[]);
+    assert_eq!(third["active_thread_percentage"], "40.0");
+    assert_eq!(third["pinned_mem_limit"], "0=1G,1=512M");
+}
+
+#[test]
+fn daemon_environment_sets_initial_defaults() {
+    let mut sim = Sim::new();
+    sim.start(&[], |c| {
+        c.env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "30")
+            .env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=2G");
+    });
+    assert_eq!(sim.ok("get_default_active_thread_percentage"), "30.0\n");
+    assert_eq!(sim.ok("get_default_device_pinned_mem_limit 0"), "2G\n");
+}
+
+#[test]
+fn client_environment_only_lowers_limits() {
+    let mut sim = Sim::new();
+    sim.start(&[], |_| {});
+    sim.ok("set_default_active_thread_percentage 50");
+    sim.ok("set_default_device_pinned_mem_limit 0 1G");
+    let lower = sim.attach(&[
+        ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "20"),
+        ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=512MB,1=2G"),
+    ]);
+    assert_eq!(lower["active_thread_percentage"], "20.0");
+    assert_eq!(lower["pinned_mem_limit"], "0=512M,1=2G");
+    let higher = sim.attach(&[
+        ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "80"),
+        ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=4G"),
+    ]);
+    assert_eq!(higher["active_thread_percentage"], "50.0");
+    assert_eq!(higher["pinned_mem_limit"], "0=1G");
+    // A malformed client setting is the client's error, before it connects.
+    let mut bad = sim.client(&[], None, &[("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "lots")]);
+    assert_eq!(bad.wait_exit(COMMAND_TIMEOUT).code(), Some(1));
+}
+
+#[test]
+fn same_uid_clients_share_one_server_at_once() {
+    let mut sim = Sim::new();
+    sim.start(&[], |_| {});
+    let mut a = sim.client(&["--hold", "3"], None, &[]);
+    let fa = fields(a.read_line().trim_end());
+    let mut b = sim.client(&["--hold", "3"], None, &[]);
+    let fb = fields(b.read_line().trim_end());
+    assert_eq!(fa["server"], fb["server"]);
+    assert!(fb["waited_ms"].parse::<u64>().expect("ms") < 1000, "{fb:?}");
+    let server = &fa["server"];
+    let mut clients: Vec<String> = sim
+        .ok(&format!("get_client_list {server}"))
+        .lines()
+        .map(str::to_string)
+        .collect();
+    clients.sort();
+    let mut want = vec![a.pid().to_string(), b.pid().to_string()];
+    want.sort();
+    assert_eq!(clients, want);
+    let ps = sim.ok("ps");
+    let rows: Vec<&str> = ps.lines().skip(1).collect();
+    assert_eq!(rows.len(), 2, "{ps}");
+    for row in rows {
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(cols[2], server.as_str(), "{row}");
+        assert_eq!(cols[3], "sim", "{row}");
+        assert!(cols[4].parse::<u64>().expect("ns inode") > 0, "{row}");
+    }
+    assert!(sim.log_has(&format!(
+        "NEW CLIENT {} from user {}: Server already exists",
+        b.pid(),
+        nix::unistd::getuid()
+    )));
+    assert!(a.wait_exit(COMMAND_TIMEOUT).success());
+    assert!(b.wait_exit(COMMAND_TIMEOUT).success());
+    // Detached clients are gone from the server, which lingers.
+    wait_until("clients to detach", COMMAND_TIMEOUT, || {
+        sim.ok(&format!("get_client_list {server}")).is_empty()
+    });
+    assert_eq!(sim.ok("get_server_list"), format!("{server}\n"));
+}
+
+#[test]
+fn root_daemon_queues_other_uid_until_server_is_idle() {
+    if !is_root() {
+        eprintln!("skipped: needs root to run clients as other uids");
+        return;
+    }
+    let mut sim = Sim::new();
+    sim.start(&[], |_| {});
+    let mut a = sim.client(&["--hold", "1.5"], Some(1000), &[]);
+    let fa = fields(a.read_line().trim_end());
+    assert_eq!(fa["uid"], "1000");
+    assert_eq!(fa["server_uid"], "1000");
+    let server_a = fa["server"].clone();
+    assert_eq!(
+        proc_uid(&server_a),
+        Some((1000, 1000)),
+        "server runs as the client's uid"
+    );
+    let mut b = sim.client(&[], Some(2000), &[]);
+    let fb = fields(b.read_line().trim_end());
+    assert!(b.wait_exit(COMMAND_TIMEOUT).success());
+    assert_eq!(fb["uid"], "2000");
+    assert_eq!(fb["server_uid"], "2000");
+    assert_ne!(fb["server"], server_a, "a new server for the new uid");
+    let waited: u64 = fb["waited_ms"].parse().expect("ms");
+    assert!(
+        waited >= 1000,
+        "uid 2000 should wait for uid 1000's client: {waited} ms"
+    );
+    assert!(a.wait_exit(COMMAND_TIMEOUT).success());
+
+    let pid_a: i32 = server_a.parse().expect("pid");
+    wait_until("uid 1000's server to exit", COMMAND_TIMEOUT, || {
+        process_gone(pid_a)
+    });
+    assert!(!shm_file(&server_a).exists(), "server removes its shm file");
+    assert!(sim.log_has(&format!(
+        "NEW CLIENT {} from user 2000: Server is not ready, push client to pending list",
+        b.pid()
+    )));
+    assert!(sim.log_has(&format!("Server {server_a} exited with status 0")));
+    assert!(sim.log_has(&format!(
+        "Starting new server {} for user 2000",
+        fb["server"]
+    )));
+    // The uid 2000 server now lingers.
+    assert_eq!(sim.ok("get_server_list"), format!("{}\n", fb["server"]));
+}
+
+#[test]
+fn start_server_runs_as_requested_uid() {
+    if !is_root() {
+        eprintln!("skipped: needs root to start servers as other uids");
+        return;
+    }
+    let mut sim = Sim::new();
+    sim.start(&[], |_| {});
+    assert_eq!(sim.ok("start_server -uid 1000"), "");
+    let server = sim.ok("get_server_list").trim().to_string();
+    assert_eq!(proc_uid(&server), Some((1000, 1000)));
+    // Idempotent for the same uid, refused for another while this one runs.
+    assert_eq!(sim.ok("start_server -uid 1000"), "");
+    assert_eq!(sim.control("start_server -uid 2000").status.code(), Some(1));
+    let mut client = sim.client(&[], Some(1000), &[]);
+    let f = fields(client.read_line().trim_end());
+    assert_eq!(f["server"], server);
+    assert!(client.wait_exit(COMMAND_TIMEOUT).success());
+}
+
+#[test]
+fn multiuser_daemon_serves_all_uids_from_one_server() {
+    if !is_root() {
+        eprintln!("skipped: needs root to run clients as other uids");
+        return;
+    }
+    let mut sim = Sim::new();
+    sim.start(&["-M"], |_| {});
+    let mut a = sim.client(&["--hold", "1.5"], Some(1000), &[]);
+    let fa = fields(a.read_line().trim_end());
+    let mut b = sim.client(&[], Some(2000), &[]);
+    let fb = fields(b.read_line().trim_end());
+    assert_eq!(fa["server"], fb["server"]);
+    assert_eq!(fa["server_uid"], "0");
+    assert_eq!(fb["server_uid"], "0");
+    assert_eq!(fb["uid"], "2000");
+    assert!(fb["waited_ms"].parse::<u64>().expect("ms") < 1000, "{fb:?}");
+    assert_eq!(proc_uid(&fa["server"]), Some((0, 0)));
+    assert!(sim.log_has("gpushare-sim: uid=0 gid=0 multiuser=true CUDA_VISIBLE_DEVICES=unset"));
+    assert!(b.wait_exit(COMMAND_TIMEOUT).success());
+    assert!(a.wait_exit(COMMAND_TIMEOUT).success());
+}
+
+#[test]
+fn queued_client_times_out_and_leaves_the_queue() {
+    if !is_root() {
+        eprintln!("skipped: needs root to run clients as other uids");
+        return;
+    }
+    let mut sim = Sim::new();
+    sim.start(&[], |_| {});
+    let mut a = sim.client(&["--hold", "4"], Some(1000), &[]);
+    let fa = fields(a.read_line().trim_end());
+    let mut b = sim.client(&["--timeout", "0.5"], Some(2000), &[]);
+    assert_eq!(b.wait_exit(COMMAND_TIMEOUT).code(), Some(3));
+    let err = b.stderr();
+    assert!(
+        err.contains("still queued") && err.contains("0.5 s"),
+        "{err:?}"
+    );
+    // The gone client no longer blocks: uid 1000 attaches to its server again.
+    let mut c = sim.client(&[], Some(1000), &[]);
+    let fc = fields(c.read_line().trim_end());
+    assert_eq!(fc["server"], fa["server"]);
+    assert!(fc["waited_ms"].parse::<u64>().expect("ms") < 1000, "{fc:?}");
+    assert!(c.wait_exit(COMMAND_TIMEOUT).success());
+}
+
+#[test]
+fn non_root_daemon_refuses_other_uids() {
+    if !is_root() {
+        eprintln!("skipped: needs root to run the daemon as another uid");
+        return;
+    }
+    let mut sim = Sim::new();
+    let uid = nix::unistd::Uid::from_raw(1000);
+    let gid = nix::unistd::Gid::from_raw(1000);
+    fs::create_dir(&sim.log).expect("mkdir log");
+    for dir in [&sim.pipe, &sim.log] {
+        nix::unistd::chown(dir, Some(uid), Some(gid)).expect("chown");
+    }
+    sim.start(&[], |c| {
+        c.uid(1000).gid(1000);
+    });
+    let mut other = sim.client(&[], Some(2000), &[]);
+    assert_eq!(other.wait_exit(COMMAND_TIMEOUT).code(), Some(1));
+    let err = other.stderr();
+    assert!(err.contains("control daemon runs as user 1000"), "{err:?}");
+    assert!(sim.log_has("Server failed to start for user 2000: control daemon runs as user 1000"));
+    let mut own = sim.client(&[], Some(1000), &[]);
+    let f = fields(own.read_line().trim_end());
+    assert_eq!(f["server_uid"], "1000");
+    assert!(own.wait_exit(COMMAND_TIMEOUT).success());
+}
+
+#[test]
+fn quit_stops_server_and_removes_files() {
+    let mut sim = Sim::new();
+    sim.start(&[], |_| {});
+    let server = sim.attach(&[])["server"].clone();
+    assert!(shm_file(&server).exists());
+    assert_eq!(sim.ok("quit"), "");
+    // The answer comes after the cleanup, so no polling is needed for the files.
+    assert!(!sim.socket().exists(), "socket removed");
+    assert!(!sim.pid_file().exists(), "pid file removed");
+    let mut daemon = sim.daemon.take().expect("daemon");
+    assert!(daemon.wait_exit(COMMAND_TIMEOUT).success());
+    assert!(!shm_file(&server).exists(), "server stopped");
+    assert!(process_gone(server.parse().expect("pid")));
+    let lines = sim.log_lines();
+    assert_eq!(lines.last().map(String::as_str), Some("Exit"));
+    assert!(lines.contains(&format!("Server {server} exited with status 0")));
+    assert_eq!(
+        text(&sim.control("get_server_list").stdout),
+        "Cannot find MPS control daemon process\n"
+    );
+}
+
+#[test]
+fn sigterm_behaves_like_quit() {
+    let mut sim = Sim::new();
+    sim.start(&[], |_| {});
+    let server = sim.attach(&[])["server"].clone();
+    let mut daemon = sim.daemon.take().expect("daemon");
+    kill(Pid::from_raw(daemon.pid()), Signal::SIGTERM).expect("kill");
+    assert!(daemon.wait_exit(COMMAND_TIMEOUT).success());
+    assert!(!sim.socket().exists());
+    assert!(!sim.pid_file().exists());
+    assert!(!shm_file(&server).exists());
+    assert_eq!(sim.log_lines().last().map(String::as_str), Some("Exit"));
+}
+
+#[test]
+fn stale_socket_is_taken_over_and_live_daemon_is_not() {
+    let mut sim = Sim::new();
+    // A socket file nobody listens on, as a killed daemon leaves it.
+    drop(UnixListener::bind(sim.socket()).expect("bind"));
+    assert!(sim.socket().exists());
+    sim.start(&[], |_| {});
+    assert_eq!(sim.ok("get_server_list"), "");
+
+    // A second daemon on the same directory refuses to start and leaves the first alone.
+    let mut second = sim.cmd();
+    second.arg("-f");
+    let out = run_output(second, "", COMMAND_TIMEOUT);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(err.contains("another control daemon"), "{err:?}");
+    assert_eq!(err.lines().count(), 1);
+    assert_eq!(sim.ok("get_server_list"), "");
+}
+
+#[test]
+fn socket_answered_by_someone_else_is_not_replaced() {
+    let sim = Sim::new();
+    let _listener = UnixListener::bind(sim.socket()).expect("bind");
+    let mut cmd = sim.cmd();
+    cmd.arg("-f");
+    let out = run_output(cmd, "", COMMAND_TIMEOUT);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("another control daemon is answering"));
+    assert!(sim.socket().exists());
+}
+
+#[test]
+fn background_daemon_answers_when_launcher_returns() {
+    let mut sim = Sim::new();
+    let mut cmd = sim.cmd();
+    cmd.arg("-d");
+    let out = run_output(cmd, "", COMMAND_TIMEOUT);
+    let pid: i32 = fs::read_to_string(sim.pid_file())
+        .ok()
+        .and_then(|p| p.trim().parse().ok())
+        .expect("pid file written before -d returns");
+    sim.detached.push(pid);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // No polling: -d returns only once the socket listens.
+    assert_eq!(sim.ok("get_default_active_thread_percentage"), "100.0\n");
+    // Detached: its own session.
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    let after = stat.rsplit_once(')').expect("stat format").1;
+    let session: i32 = after
+        .split_whitespace()
+        .nth(3)
+        .and_then(|s| s.parse().ok())
+        .expect("session id");
+    assert_eq!(session, pid);
+    let client = sim.attach(&[]);
+    assert_eq!(client["shm"], "ok");
+
+    // -d against a running daemon fails with its reason and exit 1.
+    let mut again = sim.cmd();
+    again.arg("-d");
+    let out = run_output(again, "", COMMAND_TIMEOUT);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("another control daemon"));
+
+    assert_eq!(sim.ok("quit"), "");
+    wait_until("background daemon to exit", COMMAND_TIMEOUT, || {
+        process_gone(pid)
+    });
+}
+
+#[test]
+fn socket_path_too_long_is_named() {
+    let sim = Sim::new();
+    let long = sim.dir.path().join("p".repeat(110));
+    let mut cmd = sim.cmd();
+    cmd.env("CUDA_MPS_PIPE_DIRECTORY", &long).arg("-f");
+    let out = run_output(cmd, "", COMMAND_TIMEOUT);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(&long.join("control").display().to_string()) && err.contains("107"),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn client_without_shared_dev_shm_exits_4() {
+    let probe = Command::new("unshare")
+        .args(["-m", "sh", "-c", "mount -t tmpfs tmpfs /dev/shm"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    if !matches!(probe, Ok(s) if s.success()) {
+        eprintln!("skipped: cannot mount a private /dev/shm with unshare -m here");
+        return;
+    }
+    let mut sim = Sim::new();
+    sim.start(&[], |_| {});
+    let mut cmd = Command::new("unshare");
+    cmd.args([
+        "-m",
+        "sh",
+        "-c",
+        "mount -t tmpfs tmpfs /dev/shm && exec \"$0\" client",
+    ])
+    .arg(bin())
+    .env("CUDA_MPS_PIPE_DIRECTORY", &sim.pipe)
+    .env_remove("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    .env_remove("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT");
+    let out = run_output(cmd, "", COMMAND_TIMEOUT);
+    assert_eq!(out.status.code(), Some(4), "{}", text(&out.stderr));
+    let server = sim.ok("get_server_list").trim().to_string();
+    assert_eq!(
+        text(&out.stderr).trim_end(),
+        format!(
+            "gpushare-mps-sim client: MPS server {server} shared memory /dev/shm/cuda.shm.sim.{server} not visible: /dev/shm is not shared with the MPS daemon (CUDA error 805)"
+        )
+    );
+    assert!(text(&out.stdout).is_empty());
+}
+
+#[test]
+fn garbage_silence_and_bad_hello_do_not_hurt_the_daemon() {
+    let mut sim = Sim::new();
+    sim.start(&[], |_| {});
+    let exchange = |send: &[u8]| -> String {
+        let mut s = UnixStream::connect(sim.socket()).expect("connect");
+        s.set_read_timeout(Some(Duration::from_secs(20)))
+            .expect("timeout");
+        let _ = s.write_all(send);
+        let mut reply = String::new();
+        let _ = s.read_to_string(&mut reply);
+        reply
+    };
+    assert!(exchange(b"\x00\x01\xfe garbage\n").starts_with("ERR\n"));
+    assert!(exchange(&vec![b'x'; 10_000]).starts_with("ERR\n"));
+    assert!(exchange(b"CLIENT 1 500 -\n").starts_with("ERROR "));
+    assert!(exchange(b"CLIENT\n").starts_with("ERROR "));
+    // A peer that sends nothing is dropped after the first-line timeout.
+    let started = Instant::now();
+    assert_eq!(exchange(b""), "ERR\nno command received within 5 s\n");
+    assert!(started.elapsed() < Duration::from_secs(15));
+    assert_eq!(sim.ok("get_default_active_thread_percentage"), "100.0\n");
+    assert_eq!(sim.ok("get_server_list"), "");
+}
