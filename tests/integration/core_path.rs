@@ -474,3 +474,132 @@ fn killed_daemon_is_replaced_and_daemons_outlive_their_containers() {
         "a fresh supervisor"
     );
 }
+
+#[test]
+fn supervisor_is_detached_and_directories_have_owners_and_modes() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let env = Env::new();
+    let c = env
+        .container("d1")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh("sleep 30")
+        .create();
+    c.start();
+    let id = env.daemon_ids().remove(0);
+    let rec = env.record(&id);
+    let sup = rec["supervisor"]["pid"].as_i64().unwrap() as i32;
+    let daemon = env.daemon_pid(&id);
+
+    // Own session: the supervisor leads it.
+    let stat = std::fs::read_to_string(format!("/proc/{sup}/stat")).unwrap();
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    assert_eq!(
+        fields[3],
+        sup.to_string(),
+        "session id (field 6) is the supervisor's pid"
+    );
+    // stdio on /dev/null; every other fd is its own (signalfd, its log), none inherited.
+    for entry in std::fs::read_dir(format!("/proc/{sup}/fd"))
+        .unwrap()
+        .flatten()
+    {
+        let fd: i32 = entry.file_name().to_str().unwrap().parse().unwrap();
+        let target = std::fs::read_link(entry.path())
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        if fd <= 2 {
+            assert_eq!(target, "/dev/null", "fd {fd}");
+        } else {
+            assert!(
+                target.contains("signalfd") || target.ends_with("gpushare.log"),
+                "unexpected fd {fd} -> {target}"
+            );
+        }
+    }
+    // Not in the container's cgroup.
+    let init = c.state().unwrap()["pid"].as_i64().unwrap();
+    let container_cg = std::fs::read_to_string(format!("/proc/{init}/cgroup")).unwrap();
+    let sup_cg = std::fs::read_to_string(format!("/proc/{sup}/cgroup")).unwrap();
+    for line in sup_cg.lines().filter(|l| !l.ends_with(":/")) {
+        assert!(
+            !container_cg.lines().any(|l| l == line),
+            "supervisor shares {line} with the container"
+        );
+    }
+    // The daemon: the container's uid and gid, no supplementary groups, child of the supervisor.
+    let status = std::fs::read_to_string(format!("/proc/{daemon}/status")).unwrap();
+    let line = |k: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(k))
+            .unwrap()
+            .to_owned()
+    };
+    assert!(
+        line("Gid:").split_whitespace().skip(1).all(|g| g == "1000"),
+        "{}",
+        line("Gid:")
+    );
+    assert_eq!(line("Groups:").trim(), "Groups:");
+    assert!(line("PPid:").ends_with(&sup.to_string()));
+    assert_eq!(line("NoNewPrivs:").split_whitespace().nth(1), Some("1"));
+
+    let dir = env.state.join("mps").join(&id);
+    for (sub, uid, mode) in [
+        ("pipe", 1000, 0o700),
+        ("log", 1000, 0o700),
+        ("shm", 1000, 0o700),
+        ("containers", 0, 0o700),
+        ("", 0, 0o711),
+    ] {
+        let md = std::fs::metadata(dir.join(sub)).unwrap();
+        assert_eq!(
+            (md.uid(), md.permissions().mode() & 0o7777),
+            (uid, mode),
+            "{sub}"
+        );
+    }
+    let md = std::fs::metadata(&env.state).unwrap();
+    assert_eq!((md.uid(), md.permissions().mode() & 0o777), (0, 0o711));
+    c.delete();
+}
+
+#[test]
+fn poststop_never_fails() {
+    let env = Env::new();
+    for stdin in [
+        "",
+        "garbage",
+        r#"{"id":"../x"}"#,
+        r#"{"id":"ok","annotations":{"gpushare.io/daemon":"../../etc"}}"#,
+    ] {
+        let mut child = env
+            .cmd(GPUSHARE)
+            .args(["hook", "poststop"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), stdin.as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "poststop with {stdin:?}: {out:?}");
+    }
+    // create-runtime with the same input fails with one gpushare line.
+    let mut child = env
+        .cmd(GPUSHARE)
+        .args(["hook", "create-runtime"])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), br#"{"id":"ok"}"#).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("gpushare: ") && err.trim_end().lines().count() == 1,
+        "{err}"
+    );
+}
