@@ -195,30 +195,25 @@ fn daemon_start(
     tp: Option<String>,
     mem: Option<String>,
 ) -> anyhow::Result<()> {
-    use crate::request::{self, Request, Sourced};
+    use crate::request::{self, Request, RequestError, Sourced};
+    fn sourced<T>(
+        key: &'static str,
+        raw: String,
+        parse: fn(&'static str, &str) -> Result<T, RequestError>,
+    ) -> Result<Sourced<T>, RequestError> {
+        Ok(Sourced {
+            value: parse(key, &raw)?,
+            key,
+            raw,
+        })
+    }
     let req = Request {
-        device: Sourced {
-            value: request::parse_device("--device", device)?,
-            key: "--device",
-            raw: device.to_owned(),
-        },
+        device: sourced("--device", device.to_owned(), request::parse_device)?,
         active_thread_percentage: tp
-            .map(|raw| {
-                Ok::<_, request::RequestError>(Sourced {
-                    value: request::parse_percentage("--active-thread-percentage", &raw)?,
-                    key: "--active-thread-percentage",
-                    raw,
-                })
-            })
+            .map(|raw| sourced("--active-thread-percentage", raw, request::parse_percentage))
             .transpose()?,
         pinned_memory_limit: mem
-            .map(|raw| {
-                Ok::<_, request::RequestError>(Sourced {
-                    value: request::parse_size("--pinned-memory-limit", &raw)?,
-                    key: "--pinned-memory-limit",
-                    raw,
-                })
-            })
+            .map(|raw| sourced("--pinned-memory-limit", raw, request::parse_size))
             .transpose()?,
         ipc: None,
     };

@@ -78,6 +78,26 @@ fn flag_parts(arg: &OsStr) -> Option<(&str, Option<&OsStr>)> {
     Some((std::str::from_utf8(name).ok()?, value))
 }
 
+/// The value of a flag: inline (`--x=v`) or the next argument, which is then consumed.
+fn take_value(
+    args: &[OsString],
+    i: &mut usize,
+    name: &str,
+    inline: Option<&OsStr>,
+) -> Result<OsString, ArgsError> {
+    if let Some(v) = inline {
+        return Ok(v.to_owned());
+    }
+    let v = args
+        .get(*i)
+        .cloned()
+        .ok_or_else(|| ArgsError::MissingValue {
+            flag: name.to_owned(),
+        })?;
+    *i += 1;
+    Ok(v)
+}
+
 /// Scans runc's argv (without argv[0]).
 pub fn scan(args: &[OsString]) -> Result<Invocation, ArgsError> {
     let mut inv = Invocation::default();
@@ -94,19 +114,7 @@ pub fn scan(args: &[OsString]) -> Result<Invocation, ArgsError> {
         };
         i += 1;
         if GLOBAL_VALUE_FLAGS.contains(&name) {
-            let value = match inline {
-                Some(v) => v.to_owned(),
-                None => {
-                    let v = args
-                        .get(i)
-                        .cloned()
-                        .ok_or_else(|| ArgsError::MissingValue {
-                            flag: name.to_owned(),
-                        })?;
-                    i += 1;
-                    v
-                }
-            };
+            let value = take_value(args, &mut i, name, inline)?;
             match name {
                 "log" => inv.log = Some(PathBuf::from(value)),
                 "log-format" => inv.log_json = value == "json",
@@ -135,19 +143,7 @@ pub fn scan(args: &[OsString]) -> Result<Invocation, ArgsError> {
             return Ok(inv);
         };
         if CREATE_VALUE_FLAGS.contains(&name) {
-            let value = match inline {
-                Some(v) => v.to_owned(),
-                None => {
-                    let v = args
-                        .get(i)
-                        .cloned()
-                        .ok_or_else(|| ArgsError::MissingValue {
-                            flag: name.to_owned(),
-                        })?;
-                    i += 1;
-                    v
-                }
-            };
+            let value = take_value(args, &mut i, name, inline)?;
             if name == "bundle" || name == "b" {
                 inv.bundle = Some(PathBuf::from(value));
             }
