@@ -220,7 +220,11 @@ fn daemon_start(
     let inventory = crate::device::load(&crate::device::InventorySource::parse(&cfg.inventory)?)?;
     let devices = req.device.resolve(&inventory)?;
     request::check_against(&req, &devices)?;
-    let ident = crate::runtime::identity(cfg, &devices.uuids, uid, gid, &req);
+    let ipc = match cfg.mps.ipc {
+        crate::config::IpcConfig::Isolated => request::IpcMode::Isolated,
+        crate::config::IpcConfig::Host => request::IpcMode::Host,
+    };
+    let ident = crate::runtime::identity(cfg, &devices.uuids, (uid, gid), &req, ipc);
     let state = StateDir::new(&cfg.state_dir);
     let ensured = crate::mps::ensure::ensure(cfg, &state, &ident, None)?;
     println!(

@@ -288,6 +288,15 @@ pub enum DeviceError {
 
     #[error("{key}={} is invalid: a MIG device must stand alone, not in a list", quote(.value))]
     MigInList { key: &'static str, value: String },
+
+    /// CUDA cannot run on a GPU in MIG mode, only on its MIG devices.
+    #[error("{key}={} names GPU {gpu}, which is in MIG mode: allowed is one of its MIG devices ({})", quote(.value), .migs.join(", "))]
+    GpuInMigMode {
+        key: &'static str,
+        value: String,
+        gpu: u32,
+        migs: Vec<String>,
+    },
 }
 
 /// Quotes a user-supplied value for a one-line message: in double quotes, with NUL, newlines,
@@ -537,6 +546,18 @@ impl Inventory {
                     gpu: gpu.index,
                 });
             }
+            if !gpu.mig_devices.is_empty() {
+                return Err(DeviceError::GpuInMigMode {
+                    key,
+                    value: value.to_owned(),
+                    gpu: gpu.index,
+                    migs: gpu
+                        .mig_devices
+                        .iter()
+                        .map(|m| format!("{}:{}", gpu.index, m.index))
+                        .collect(),
+                });
+            }
             gpu_indices.push(gpu.index);
             uuids.push(gpu.uuid.clone());
             memory_bytes = memory_bytes.min(gpu.memory_bytes);
@@ -637,8 +658,9 @@ impl Inventory {
 
 /// Test data, public so that other modules' tests and the integration tests share it: one
 /// NVIDIA A30 (GPU 0, 24 GiB, MIG enabled with four `1g.6gb` devices of 6 GiB, indices 0–3) and
-/// one NVIDIA A100 80GB (GPU 1, 80 GiB, MIG disabled). GPU 0 and its MIG device 0 carry the
-/// UUIDs of DESIGN.md §6. Not a description of any real machine.
+/// one NVIDIA A100 80GB (GPU 1, 80 GiB, MIG disabled) and a second A30 (GPU 2, 24 GiB, MIG
+/// disabled). GPU 0 and its MIG device 0 carry the UUIDs of DESIGN.md §6. Not a description
+/// of any real machine.
 pub fn sample() -> Inventory {
     const GIB: u64 = 1 << 30;
     let mig = |index: u32, uuid: &str| MigDevice {
@@ -671,6 +693,15 @@ pub fn sample() -> Inventory {
                 memory_bytes: 80 * GIB,
                 compute_capability: "8.0".to_owned(),
                 compute_mode: ComputeMode::ExclusiveProcess,
+                mig_devices: Vec::new(),
+            },
+            Gpu {
+                index: 2,
+                uuid: "GPU-c0ffee00-1234-4abc-8def-0123456789ab".to_owned(),
+                name: "NVIDIA A30".to_owned(),
+                memory_bytes: 24 * GIB,
+                compute_capability: "8.0".to_owned(),
+                compute_mode: ComputeMode::Default,
                 mig_devices: Vec::new(),
             },
         ],
@@ -795,6 +826,7 @@ mod tests {
     const KEY: &str = "gpushare.io/device";
     const GPU0: &str = "GPU-8f8bff94-112e-9541-43da-cfd453333404";
     const GPU1: &str = "GPU-a1b2c3d4-e5f6-4789-9abc-def012345678";
+    const GPU2: &str = "GPU-c0ffee00-1234-4abc-8def-0123456789ab";
     const MIG0: &str = "MIG-22f0c05f-5cf2-5ea2-8297-789695656dc0";
     const MIG2: &str = "MIG-4c6d2a8f-1e5b-5b1f-8d72-3a2f9e8c7b12";
 
@@ -1100,7 +1132,7 @@ mod tests {
             mig_profile: Some("1g.6gb".to_owned()),
         };
         let cases: Vec<(DeviceRequest, ResolvedDevices)> = vec![
-            (req(&[Index(0)]), gpus(&[GPU0], &[0], 24 * GIB)),
+            (req(&[Index(2)]), gpus(&[GPU2], &[2], 24 * GIB)),
             (req(&[Index(1)]), gpus(&[GPU1], &[1], 80 * GIB)),
             (
                 req(&[GpuUuid(GPU1.to_owned())]),
@@ -1111,12 +1143,12 @@ mod tests {
                 gpus(&[GPU1], &[1], 80 * GIB),
             ),
             (
-                req(&[Index(1), Index(0)]),
-                gpus(&[GPU1, GPU0], &[1, 0], 24 * GIB),
+                req(&[Index(1), Index(2)]),
+                gpus(&[GPU1, GPU2], &[1, 2], 24 * GIB),
             ),
             (
-                req(&[GpuUuid(GPU0.to_owned()), Index(1)]),
-                gpus(&[GPU0, GPU1], &[0, 1], 24 * GIB),
+                req(&[GpuUuid(GPU2.to_owned()), Index(1)]),
+                gpus(&[GPU2, GPU1], &[2, 1], 24 * GIB),
             ),
             (req(&[MigUuid(MIG2.to_owned())]), mig(MIG2)),
             (req(&[MigUuid(MIG2.to_uppercase())]), mig(MIG2)),
@@ -1139,11 +1171,13 @@ mod tests {
         let inv = sample();
         let cases: Vec<(DeviceRequest, &str, String)> = vec![
             (req(&[]), "", "gpushare.io/device=\"\" is invalid: allowed is at least one device".into()),
-            (req(&[Index(2)]), "2", "gpushare.io/device=\"2\" names GPU 2, which does not exist: this node has GPUs 0, 1".into()),
+            (req(&[Index(3)]), "3", "gpushare.io/device=\"3\" names GPU 3, which does not exist: this node has GPUs 0, 1, 2".into()),
+            (req(&[Index(0)]), "0", "gpushare.io/device=\"0\" names GPU 0, which is in MIG mode: allowed is one of its MIG devices (0:0, 0:1, 0:2, 0:3)".into()),
+            (req(&[Index(1), GpuUuid(GPU0.into())]), "1,GPU-8f8b", "gpushare.io/device=\"1,GPU-8f8b\" names GPU 0, which is in MIG mode".into()),
             (
                 req(&[GpuUuid("GPU-8f8bff94".into())]),
                 "GPU-8f8bff94",
-                format!("gpushare.io/device=\"GPU-8f8bff94\" names GPU-8f8bff94, which does not exist: this node has GPUs {GPU0}, {GPU1}"),
+                format!("gpushare.io/device=\"GPU-8f8bff94\" names GPU-8f8bff94, which does not exist: this node has GPUs {GPU0}, {GPU1}, {GPU2}"),
             ),
             (
                 req(&[MigUuid("MIG-abc".into())]),
@@ -1163,9 +1197,9 @@ mod tests {
             (
                 req(&[MigIndex { gpu: 7, mig: 0 }]),
                 "7:0",
-                "gpushare.io/device=\"7:0\" names GPU 7, which does not exist: this node has GPUs 0, 1".into(),
+                "gpushare.io/device=\"7:0\" names GPU 7, which does not exist: this node has GPUs 0, 1, 2".into(),
             ),
-            (req(&[Index(0), Index(0)]), "0,0", "gpushare.io/device=\"0,0\" lists GPU 0 twice: allowed is each GPU at most once".into()),
+            (req(&[Index(2), Index(2)]), "2,2", "gpushare.io/device=\"2,2\" lists GPU 2 twice: allowed is each GPU at most once".into()),
             (
                 req(&[Index(1), GpuUuid(GPU1.into())]),
                 "1,GPU-a1b2",

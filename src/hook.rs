@@ -140,6 +140,7 @@ mod tests {
             multi_user: false,
             active_thread_percentage: Some(25),
             pinned_memory_limit: None,
+            ipc_host: false,
         }
     }
 

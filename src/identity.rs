@@ -23,6 +23,10 @@ pub struct Identity {
     pub active_thread_percentage: Option<u8>,
     /// Enforced on the daemon per device, in bytes (`set_default_device_pinned_mem_limit`).
     pub pinned_memory_limit: Option<u64>,
+    /// The daemon and its clients use the host's IPC namespace and /dev/shm
+    /// (`ipc = "host"`); otherwise the daemon's own shm tmpfs is everyone's /dev/shm.
+    #[serde(default)]
+    pub ipc_host: bool,
 }
 
 impl Identity {
@@ -30,12 +34,13 @@ impl Identity {
     pub fn canonical(&self) -> String {
         let opt = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |v| v.to_string());
         format!(
-            "v1|devices={}|uid={}|multi-user={}|tp={}|mem={}",
+            "v1|devices={}|uid={}|multi-user={}|tp={}|mem={}|ipc={}",
             self.devices.join(","),
             self.uid,
             self.multi_user,
             opt(self.active_thread_percentage.map(u64::from)),
             opt(self.pinned_memory_limit),
+            if self.ipc_host { "host" } else { "isolated" },
         )
     }
 
@@ -76,6 +81,7 @@ mod tests {
             multi_user: false,
             active_thread_percentage: tp,
             pinned_memory_limit: None,
+            ipc_host: false,
         }
     }
 
@@ -90,6 +96,15 @@ mod tests {
         assert_eq!(a.id(), other_gid.id());
         assert!(a.same_daemon(&other_gid));
         assert_eq!(a.id(), ident(1000, None).id(), "stable");
+        let host = Identity {
+            ipc_host: true,
+            ..a.clone()
+        };
+        assert_ne!(
+            a.id(),
+            host.id(),
+            "host-IPC clients need a daemon on the host's /dev/shm"
+        );
     }
 
     #[test]

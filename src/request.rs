@@ -489,6 +489,7 @@ mod tests {
     const GPU0: &str = "GPU-8f8bff94-112e-9541-43da-cfd453333404";
     const GPU1: &str = "GPU-a1b2c3d4-e5f6-4789-9abc-def012345678";
     const MIG0: &str = "MIG-22f0c05f-5cf2-5ea2-8297-789695656dc0";
+    const GPU2: &str = "GPU-c0ffee00-1234-4abc-8def-0123456789ab";
 
     /// Asserts a one-line message naming the key, the quoted value and `want`.
     fn assert_msg(err: &RequestError, key: &str, raw: &str, want: &str) {
@@ -1020,18 +1021,18 @@ mod tests {
         let key = "gpushare.io/pinned-memory-limit";
         // (device, limit, Ok or the error's tail)
         let cases: &[(&str, &str, Result<(), String>)] = &[
-            ("0", "24G", Ok(())),
-            ("0", "24576M", Ok(())),
+            ("2", "24G", Ok(())),
+            ("2", "24576M", Ok(())),
             ("1", "64G", Ok(())),
-            ("0,1", "24G", Ok(())),
+            ("2,1", "24G", Ok(())),
             ("0:1", "6G", Ok(())),
             ("0:1", "6144MiB", Ok(())),
-            ("0", "64G", Err(format!("exceeds the memory of {GPU0} (24 GiB): allowed is 1M up to 24G"))),
-            ("0", "24577M", Err(format!("exceeds the memory of {GPU0} (24 GiB): allowed is 1M up to 24G"))),
+            ("2", "64G", Err(format!("exceeds the memory of {GPU2} (24 GiB): allowed is 1M up to 24G"))),
+            ("2", "24577M", Err(format!("exceeds the memory of {GPU2} (24 GiB): allowed is 1M up to 24G"))),
             // MIG: the MIG device's own memory, not its GPU's 24 GiB.
             ("0:1", "8G", Err("exceeds the memory of MIG-3b5c1f7e-0d4a-5a0e-9c61-2f1e8d7b6a01 (6 GiB): allowed is 1M up to 6G".into())),
             (MIG0, "7G", Err(format!("exceeds the memory of {MIG0} (6 GiB): allowed is 1M up to 6G"))),
-            ("1,0", "32G", Err(format!("exceeds the memory of the smallest of {GPU1}, {GPU0} (24 GiB): allowed is 1M up to 24G"))),
+            ("1,2", "32G", Err(format!("exceeds the memory of the smallest of {GPU1}, {GPU2} (24 GiB): allowed is 1M up to 24G"))),
         ];
         for (device, limit, want) in cases {
             let req = request_with_limit(key, limit);
@@ -1078,7 +1079,7 @@ mod tests {
         );
         assert_eq!(
             req.resolve(&inv).expect_err("5").to_string(),
-            "GPUSHARE_DEVICE=\"5\" names GPU 5, which does not exist: this node has GPUs 0, 1"
+            "GPUSHARE_DEVICE=\"5\" names GPU 5, which does not exist: this node has GPUs 0, 1, 2"
         );
     }
 

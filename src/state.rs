@@ -133,6 +133,8 @@ pub struct Owner {
     pub gid: u32,
     /// Multi-user daemons are root's and serve everyone: pipe 0755, shm 1777.
     pub shared: bool,
+    /// The daemon has its own shm tmpfs (isolated IPC); host-IPC daemons use the host's.
+    pub shm: bool,
 }
 
 /// Checks that a container id can name a file: runc's own rule (`^[\w+-\.]+$`), not `.`
@@ -324,10 +326,10 @@ impl StateDir {
         }
     }
 
-    /// Whether the daemon's directories are in place with their tmpfs mounted: two stats,
-    /// the shim's whole warm path here.
-    pub fn skeleton_ready(&self, id: &str) -> bool {
-        self.shm_mounted(id) && self.pipe_dir(id).is_dir()
+    /// Whether the daemon's directories are in place, with its tmpfs mounted when it has
+    /// one: two or three stats, the shim's whole warm path here.
+    pub fn skeleton_ready(&self, id: &str, shm: bool) -> bool {
+        (!shm || self.shm_mounted(id)) && self.pipe_dir(id).is_dir()
     }
 
     /// Whether the shm tmpfs is mounted (its device differs from its parent's).
@@ -370,7 +372,7 @@ impl StateDir {
         Self::ensure_dir(&self.log_dir(id), pipe_mode, pipe_owner.0, pipe_owner.1)?;
         Self::ensure_dir(&self.containers_dir(id), 0o700, euid, 0)?;
         let shm = self.shm_dir(id);
-        if !self.shm_mounted(id) {
+        if owner.shm && !self.shm_mounted(id) {
             // Only the empty mount point is root's; once mounted, the tmpfs root is the
             // daemon user's and must not be touched here.
             Self::ensure_dir(&shm, 0o700, euid, 0)?;
@@ -522,6 +524,7 @@ mod tests {
             multi_user: false,
             active_thread_percentage: Some(50),
             pinned_memory_limit: None,
+            ipc_host: false,
         }
     }
 
@@ -661,6 +664,7 @@ mod tests {
                     uid: 0,
                     gid: 0,
                     shared: false,
+                    shm: true,
                 },
                 "1M",
             )

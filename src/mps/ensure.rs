@@ -22,6 +22,7 @@ pub fn owner(ident: &Identity) -> Owner {
         uid: ident.uid,
         gid: ident.gid,
         shared: ident.multi_user,
+        shm: !ident.ipc_host,
     }
 }
 

@@ -324,7 +324,9 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
     let setup = (|| -> anyhow::Result<SignalFd> {
         binary?;
         own_cgroup();
-        private_dev_shm(&sup.state.shm_dir(id))?;
+        if !sup.ident.ipc_host {
+            private_dev_shm(&sup.state.shm_dir(id))?;
+        }
         drop_inheritable_caps();
         let mut mask = SigSet::empty();
         for s in [
@@ -450,6 +452,7 @@ mod tests {
             multi_user: false,
             active_thread_percentage: Some(25),
             pinned_memory_limit: Some(4 << 30),
+            ipc_host: false,
         };
         assert_eq!(
             limit_commands(&ident),

@@ -103,12 +103,12 @@ pub fn prepare(cfg: &Config, spec_path: &Path, runtime: &Path) -> anyhow::Result
     request::check_against(&req, &devices)?;
     let ipc = decide_ipc(cfg, &req)?;
     let (uid, gid) = spec.host_user()?;
-    let ident = identity(cfg, &devices.uuids, uid, gid, &req);
+    let ident = identity(cfg, &devices.uuids, (uid, gid), &req, ipc);
     let id = ident.id();
 
     // Everything below acts on the host: the request is fully validated by now.
     let state = StateDir::new(&cfg.state_dir);
-    if !state.skeleton_ready(&id) {
+    if !state.skeleton_ready(&id, !ident.ipc_host) {
         // runc binds the daemon's directories before the createRuntime hook runs, so they
         // must exist now. Cold path only: the warm path is two stat calls, no lock.
         let deadline = std::time::Instant::now() + cfg.mps.start_timeout;
@@ -157,7 +157,13 @@ fn decide_ipc(cfg: &Config, req: &Request) -> anyhow::Result<IpcMode> {
 }
 
 /// The daemon identity for a container (DESIGN §5).
-pub fn identity(cfg: &Config, devices: &[String], uid: u32, gid: u32, req: &Request) -> Identity {
+pub fn identity(
+    cfg: &Config,
+    devices: &[String],
+    (uid, gid): (u32, u32),
+    req: &Request,
+    ipc: IpcMode,
+) -> Identity {
     let multi_user = cfg.mps.user_mode == UserMode::MultiUser;
     let (tp, mem) = limits_of(cfg, req);
     let enforced = cfg.mps.limits == Limits::Enforced;
@@ -168,6 +174,7 @@ pub fn identity(cfg: &Config, devices: &[String], uid: u32, gid: u32, req: &Requ
         multi_user,
         active_thread_percentage: tp.filter(|_| enforced),
         pinned_memory_limit: mem.filter(|_| enforced),
+        ipc_host: ipc == IpcMode::Host,
     }
 }
 

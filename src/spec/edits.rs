@@ -125,6 +125,23 @@ impl SpecEdit for SetMount {
     }
 }
 
+/// Removes every mount at `destination`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RemoveMount(pub &'static str);
+
+impl SpecEdit for RemoveMount {
+    fn apply(&self, doc: &mut Map<String, Value>) -> Result<(), SpecError> {
+        if let Some(mounts) = doc.get_mut("mounts").and_then(Value::as_array_mut) {
+            mounts.retain(|m| {
+                !m.get("destination")
+                    .and_then(Value::as_str)
+                    .is_some_and(|d| same_destination(d, self.0))
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Removes the namespace entries of one type from `linux.namespaces` (the container then
 /// inherits the runtime's namespace of that type: config-linux.md).
 #[derive(Debug, Clone, PartialEq)]
@@ -262,7 +279,10 @@ pub fn plan(d: &Decision) -> Vec<Box<dyn SpecEdit>> {
             )));
         }
         IpcPlan::Host => {
+            // Exactly moby's --ipc=host: no ipc namespace, the engine's own /dev/shm mount
+            // dropped, and the host's /dev/shm bound last (daemon/oci_linux.go).
             edits.push(Box::new(RemoveNamespace("ipc")));
+            edits.push(Box::new(RemoveMount("/dev/shm")));
             edits.push(Box::new(SetMount::bind(
                 "/dev/shm",
                 "/dev/shm",
@@ -436,6 +456,28 @@ mod tests {
         assert_eq!(shm.len(), 1);
         assert_eq!(shm[0]["source"], "/dev/shm");
         assert_eq!(shm[0]["options"], json!(["rbind", "rprivate"]));
+    }
+
+    /// The golden test: on Docker's own config.json, host IPC gives exactly what
+    /// `docker run --ipc=host` gave in the captured fixture, for the namespaces and every
+    /// mount (destinations in order; /dev/shm entry identical).
+    #[test]
+    fn host_ipc_is_exactly_dockers_ipc_host() {
+        let mut d = doc("docker-20.10-config.json");
+        apply_all(&mut d, &plan(&decision(IpcPlan::Host))).unwrap();
+        let golden = doc("docker-20.10-ipc-host-config.json");
+        assert_eq!(d["linux"]["namespaces"], golden["linux"]["namespaces"]);
+        let dests = |m: &Map<String, Value>| -> Vec<String> {
+            m["mounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x["destination"].as_str().unwrap().to_owned())
+                .filter(|x| x != "/tmp/nvidia-mps")
+                .collect()
+        };
+        assert_eq!(dests(&d), dests(&golden));
+        assert_eq!(mounts_at(&d, "/dev/shm"), mounts_at(&golden, "/dev/shm"));
     }
 
     #[test]

@@ -78,13 +78,13 @@ fn env_request_works_like_the_annotation() {
     let c = env
         .container("e1")
         .uid(1000)
-        .env("GPUSHARE_DEVICE=1")
+        .env("GPUSHARE_DEVICE=2")
         .sh(CLIENT)
         .create();
     let out = c.run();
     assert_eq!(client_line(&out)["shm"], "ok");
     let id = &env.daemon_ids()[0];
-    assert!(environ(env.daemon_pid(id)).contains(&format!("CUDA_VISIBLE_DEVICES={GPU1}")));
+    assert!(environ(env.daemon_pid(id)).contains(&format!("CUDA_VISIBLE_DEVICES={GPU2}")));
 }
 
 #[test]
@@ -318,13 +318,19 @@ fn bad_requests_fail_create_cleanly() {
     let big = "x".repeat(2000);
     // (key, value, text the error must contain besides key and value)
     let cases: &[(&str, &str, &str)] = &[
-        ("gpushare.io/device", "7", "this node has GPUs 0, 1"),
+        ("gpushare.io/device", "7", "this node has GPUs 0, 1, 2"),
+        (
+            "gpushare.io/device",
+            "1",
+            "in MIG mode: allowed is one of its MIG devices (1:0, 1:1, 1:2)",
+        ),
         (
             "gpushare.io/device",
             "GPU-00000000-0000-0000-0000-000000000000",
             "does not exist",
         ),
-        ("gpushare.io/device", "0:5", "MIG device"),
+        ("gpushare.io/device", "0:5", "GPU 0 has no MIG devices"),
+        ("gpushare.io/device", "1:5", "GPU 1 has MIG devices 0, 1, 2"),
         (
             "gpushare.io/device",
             &format!("0,{MIG0}"),

@@ -20,15 +20,22 @@ pub const SIM: &str = env!("CARGO_BIN_EXE_gpushare-mps-sim");
 
 pub const GPU0: &str = "GPU-8f8bff94-112e-9541-43da-cfd453333404";
 pub const GPU1: &str = "GPU-6a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9";
+pub const GPU2: &str = "GPU-7b2c3d4e-5f60-4182-93a4-b5c6d7e8f901";
 pub const MIG0: &str = "MIG-22f0c05f-5cf2-5ea2-8297-789695656dc0";
+pub const MIG1: &str = "MIG-33a1d16a-6d03-4fb3-a3a8-8a97a6767ed1";
+pub const MIG2: &str = "MIG-44b2e27b-7e14-40c4-b4b9-9ba8b7878fe2";
 
-/// Inventory for tests: an A30 (24 GiB) with one MIG device, and a second full GPU.
+/// Inventory for tests: GPU 0 an A30 (24 GiB, no MIG), GPU 1 an A100 80GB in MIG mode with
+/// three 1g.10gb devices (10 GiB each), GPU 2 a second A100 80GB without MIG.
 pub fn inventory_json() -> Value {
+    let mig = |index: u32, uuid: &str| json!({"index": index, "uuid": uuid, "profile": "1g.10gb", "memory_bytes": 10737418240u64});
     json!({"driver_version": "580.159.04", "gpus": [
         {"index": 0, "uuid": GPU0, "name": "NVIDIA A30", "memory_bytes": 25769803776u64,
+         "compute_capability": "8.0", "compute_mode": "default"},
+        {"index": 1, "uuid": GPU1, "name": "NVIDIA A100-SXM4-80GB", "memory_bytes": 85899345920u64,
          "compute_capability": "8.0", "compute_mode": "default",
-         "mig_devices": [{"index": 0, "uuid": MIG0, "profile": "1g.6gb", "memory_bytes": 6442450944u64}]},
-        {"index": 1, "uuid": GPU1, "name": "NVIDIA A100", "memory_bytes": 85899345920u64,
+         "mig_devices": [mig(0, MIG0), mig(1, MIG1), mig(2, MIG2)]},
+        {"index": 2, "uuid": GPU2, "name": "NVIDIA A100-SXM4-80GB", "memory_bytes": 85899345920u64,
          "compute_capability": "8.0", "compute_mode": "default"}
     ]})
 }
@@ -195,6 +202,7 @@ impl Env {
             args: vec!["true".into()],
             annotations: BTreeMap::new(),
             envs: Vec::new(),
+            userns: None,
         }
     }
 
@@ -214,6 +222,14 @@ impl Env {
         let text =
             std::fs::read_to_string(self.state.join("mps").join(id).join("daemon.json")).unwrap();
         serde_json::from_str(&text).unwrap()
+    }
+
+    /// The one daemon a container was given (from its decision annotation).
+    pub fn daemon_of(&self, c: &Container) -> String {
+        c.config()["annotations"]["gpushare.io/daemon"]
+            .as_str()
+            .expect("daemon annotation")
+            .to_owned()
     }
 
     pub fn daemon_pid(&self, id: &str) -> i32 {
@@ -339,9 +355,15 @@ pub struct ContainerBuilder<'a> {
     args: Vec<String>,
     annotations: BTreeMap<String, String>,
     envs: Vec<String>,
+    userns: Option<(u32, u32)>,
 }
 
 impl<'a> ContainerBuilder<'a> {
+    /// Runs the container in a user namespace mapping ids 0.. to host ids `base..base+size`.
+    pub fn userns(mut self, base: u32, size: u32) -> Self {
+        self.userns = Some((base, size));
+        self
+    }
     pub fn uid(mut self, uid: u32) -> Self {
         self.uid = uid;
         self
@@ -386,6 +408,14 @@ impl<'a> ContainerBuilder<'a> {
         c["hostname"] = json!(self.id);
         if !self.annotations.is_empty() {
             c["annotations"] = json!(self.annotations);
+        }
+        if let Some((base, size)) = self.userns {
+            c["linux"]["namespaces"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!({"type": "user"}));
+            c["linux"]["uidMappings"] = json!([{"containerID": 0, "hostID": base, "size": size}]);
+            c["linux"]["gidMappings"] = json!([{"containerID": 0, "hostID": base, "size": size}]);
         }
         std::fs::write(
             bundle.join("config.json"),
@@ -561,6 +591,15 @@ pub fn uid_and_capeff(pid: i32) -> (u32, u64) {
         field("Uid:").parse().unwrap(),
         u64::from_str_radix(&field("CapEff:"), 16).unwrap(),
     )
+}
+
+pub fn cmdline(pid: i32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .unwrap()
+        .split(|&b| b == 0)
+        .filter(|s| !s.is_empty())
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect()
 }
 
 pub fn environ(pid: i32) -> Vec<String> {

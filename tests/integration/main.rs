@@ -3,3 +3,4 @@
 
 mod core_path;
 mod harness;
+mod modes;

@@ -1,0 +1,313 @@
+//! Issue 3: every mode of the contract through real runc — multi-user, host IPC, advisory
+//! limits, MIG, device lists, user namespaces, restarts.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::harness::*;
+
+const CLIENT: &str = "gpushare-mps-sim client";
+
+fn same_ns(pid: i64, ns: &str) -> bool {
+    std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).unwrap()
+        == std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap()
+}
+
+#[test]
+fn multi_user_serves_every_uid_from_one_root_daemon_at_once() {
+    let env =
+        Env::with_config("user-mode = \"multi-user\"\nmulti-user-flag = \"-multiuser-server\"");
+    let a = env
+        .container("mu-a")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh(&format!("{CLIENT} --hold 1.5"))
+        .create();
+    let b = env
+        .container("mu-b")
+        .uid(2000)
+        .annotation("gpushare.io/device", "0")
+        .sh(&format!("{CLIENT} --hold 1.5"))
+        .create();
+    a.start();
+    b.start();
+    a.wait();
+    b.wait();
+    let (la, lb) = (client_line(&a.stdout()), client_line(&b.stdout()));
+    assert_eq!(la["server"], lb["server"], "one server for both users");
+    for l in [&la, &lb] {
+        assert!(l["waited_ms"].parse::<u64>().unwrap() < 1000, "{l:?}");
+        assert_eq!(l["server_uid"], "0");
+        assert_eq!(l["shm"], "ok");
+    }
+    assert_eq!(la["uid"], "1000");
+    assert_eq!(lb["uid"], "2000");
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    let pid = env.daemon_pid(&ids[0]);
+    assert_eq!(uid_and_capeff(pid).0, 0, "the multi-user daemon is root's");
+    assert!(
+        cmdline(pid).contains(&"-multiuser-server".to_owned()),
+        "{:?}",
+        cmdline(pid)
+    );
+    assert_eq!(env.status()[0]["multi_user"], true);
+}
+
+#[test]
+fn host_ipc_is_dockers_ipc_host_and_the_daemon_uses_the_hosts_shm() {
+    let env = Env::with_config("ipc = \"host\"");
+    let c = env
+        .container("h1")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh(&format!("{CLIENT} --hold 1"))
+        .create();
+    c.start();
+    let init = c.state().unwrap()["pid"].as_i64().unwrap();
+    assert!(
+        same_ns(init, "ipc"),
+        "the container is in the host's IPC namespace"
+    );
+    assert_eq!(
+        dev_of(Path::new(&format!("/proc/{init}/root/dev/shm"))),
+        dev_of(Path::new("/dev/shm"))
+    );
+    c.wait();
+    assert_eq!(
+        client_line(&c.stdout())["shm"],
+        "ok",
+        "the daemon's server shares the host /dev/shm"
+    );
+    let cfg = c.config();
+    assert!(!cfg["linux"]["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|n| n["type"] == "ipc"));
+    assert_eq!(cfg["annotations"]["gpushare.io/ipc-mode"], "host");
+}
+
+#[test]
+fn ipc_override_only_where_allowed() {
+    let env = Env::with_config("allow-ipc-override = true");
+    let iso = env
+        .container("o-iso")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh(CLIENT)
+        .create();
+    let host = env
+        .container("o-host")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .annotation("gpushare.io/ipc", "host")
+        .sh(&format!("{CLIENT} --hold 1"))
+        .create();
+    assert_eq!(client_line(&iso.run())["shm"], "ok");
+    host.start();
+    let init = host.state().unwrap()["pid"].as_i64().unwrap();
+    assert!(same_ns(init, "ipc"));
+    host.wait();
+    assert_eq!(client_line(&host.stdout())["shm"], "ok");
+    assert_ne!(
+        env.daemon_of(&iso),
+        env.daemon_of(&host),
+        "host-IPC clients get a daemon on the host /dev/shm"
+    );
+}
+
+#[test]
+fn advisory_limits_are_client_env_only_with_one_daemon_per_user() {
+    let env = Env::with_config("limits = \"advisory\"");
+    let run = |name: &str, tp: &str| {
+        let c = env
+            .container(name)
+            .uid(1000)
+            .annotation("gpushare.io/device", "0")
+            .annotation("gpushare.io/active-thread-percentage", tp)
+            .sh(&format!(
+                "echo ENV=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; {CLIENT}"
+            ))
+            .create();
+        let out = c.run();
+        assert!(out.contains(&format!("ENV={tp}")), "{out}");
+        client_line(&out)["active_thread_percentage"]
+            .parse::<f64>()
+            .unwrap()
+    };
+    assert_eq!(run("adv25", "25"), 25.0);
+    assert_eq!(run("adv50", "50"), 50.0);
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 1, "one daemon per (device, uid): {ids:?}");
+    let log = env.control_log(&ids[0]);
+    assert!(
+        !log.contains("Cmd:set_default"),
+        "no daemon-side limits under advisory:\n{log}"
+    );
+    assert_eq!(
+        env.status()[0]["active_thread_percentage"],
+        serde_json::Value::Null
+    );
+}
+
+#[test]
+fn mig_devices_get_one_daemon_each_with_their_own_memory_limit() {
+    let env = Env::new();
+    let a = env
+        .container("mig-a")
+        .uid(1000)
+        .annotation("gpushare.io/device", "1:0")
+        .annotation("gpushare.io/pinned-memory-limit", "8G")
+        .sh(CLIENT)
+        .create();
+    let b = env
+        .container("mig-b")
+        .uid(1000)
+        .annotation("gpushare.io/device", MIG1)
+        .sh(CLIENT)
+        .create();
+    assert_eq!(client_line(&a.run())["shm"], "ok");
+    assert_eq!(client_line(&b.run())["shm"], "ok");
+    let (da, db) = (env.daemon_of(&a), env.daemon_of(&b));
+    assert_ne!(da, db, "one daemon per MIG device");
+    assert!(environ(env.daemon_pid(&da)).contains(&format!("CUDA_VISIBLE_DEVICES={MIG0}")));
+    assert!(environ(env.daemon_pid(&db)).contains(&format!("CUDA_VISIBLE_DEVICES={MIG1}")));
+    assert!(env
+        .control_log(&da)
+        .contains("Cmd:set_default_device_pinned_mem_limit 0 8192M"));
+
+    // The limit is checked against the MIG device's 10 GiB, not the GPU's 80 GiB.
+    let big = env
+        .container("mig-big")
+        .uid(1000)
+        .annotation("gpushare.io/device", "1:2")
+        .annotation("gpushare.io/pinned-memory-limit", "12G")
+        .bundle();
+    assert_eq!(big.try_create().status.code(), Some(1));
+    let msg = big.last_error();
+    assert!(
+        msg.contains(MIG2) && msg.contains("allowed is 1M up to 10G"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_list_of_full_gpus_gets_one_daemon_for_the_set() {
+    let env = Env::new();
+    let c = env
+        .container("list")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0,2")
+        .annotation("gpushare.io/pinned-memory-limit", "2G")
+        .sh(&format!(
+            "echo MEM=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT; {CLIENT}"
+        ))
+        .create();
+    let out = c.run();
+    assert!(out.contains("MEM=0=2048M,1=2048M"), "{out}");
+    assert_eq!(client_line(&out)["shm"], "ok");
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 1);
+    assert!(
+        environ(env.daemon_pid(&ids[0])).contains(&format!("CUDA_VISIBLE_DEVICES={GPU0},{GPU2}"))
+    );
+    let log = env.control_log(&ids[0]);
+    for i in 0..2 {
+        assert!(
+            log.contains(&format!(
+                "Cmd:set_default_device_pinned_mem_limit {i} 2048M"
+            )),
+            "{log}"
+        );
+    }
+}
+
+#[test]
+fn user_namespaces_map_the_daemon_to_the_host_uid() {
+    let env = Env::new();
+    let c = env
+        .container("userns")
+        .uid(1000)
+        .userns(100000, 65536)
+        .annotation("gpushare.io/device", "0")
+        .sh(&format!("id -u; {CLIENT}"))
+        .create();
+    let out = c.run();
+    assert!(out.starts_with("1000\n"), "{out}");
+    let line = client_line(&out);
+    assert_eq!(line["shm"], "ok");
+    assert_eq!(
+        line["server_uid"], "101000",
+        "the server runs as the container user's host uid"
+    );
+    let id = env.daemon_of(&c);
+    assert_eq!(uid_and_capeff(env.daemon_pid(&id)).0, 101000);
+    assert_eq!(c.config()["annotations"]["gpushare.io/host-uid"], "101000");
+
+    let unmapped = env
+        .container("unmapped")
+        .uid(70000)
+        .userns(100000, 65536)
+        .annotation("gpushare.io/device", "0")
+        .bundle();
+    let before = unmapped.config_bytes();
+    assert_eq!(unmapped.try_create().status.code(), Some(1));
+    let msg = unmapped.last_error();
+    assert!(
+        msg.contains("70000") && msg.contains("uidMappings"),
+        "{msg}"
+    );
+    assert_eq!(unmapped.config_bytes(), before);
+}
+
+#[test]
+fn a_killed_daemon_is_restarted_with_its_limits_while_containers_use_it() {
+    let env = Env::new();
+    let holder = env
+        .container("hold")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .annotation("gpushare.io/active-thread-percentage", "30")
+        .sh("sleep 60")
+        .create();
+    holder.start();
+    let id = env.daemon_of(&holder);
+    let pid = env.daemon_pid(&id);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    // The supervisor restarts it on its own, within the start timeout.
+    let restarted = wait_until(Duration::from_secs(10), || {
+        let rec = env.record(&id);
+        rec["status"] == "ready"
+            && rec["daemon"]["pid"]
+                .as_i64()
+                .is_some_and(|p| p as i32 != pid)
+    });
+    assert!(restarted, "record: {}", env.record(&id));
+    assert_eq!(env.record(&id)["restarts"], 1);
+    let log = env.control_log(&id);
+    assert_eq!(
+        log.matches("Cmd:set_default_active_thread_percentage 30")
+            .count(),
+        2,
+        "limits re-applied:\n{log}"
+    );
+    let next = env
+        .container("after")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .annotation("gpushare.io/active-thread-percentage", "30")
+        .sh(CLIENT)
+        .create();
+    let line = client_line(&next.run());
+    assert_eq!(
+        line["active_thread_percentage"].parse::<f64>().unwrap(),
+        30.0
+    );
+    assert_eq!(env.daemon_of(&next), id);
+    holder.delete();
+}
