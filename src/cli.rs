@@ -36,6 +36,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Clean state left by crashes and reboots: stale container records, daemons whose
+    /// supervisor is gone, half-removed directories.
+    Gc,
     /// Manage MPS daemons directly.
     Daemon {
         #[command(subcommand)]
@@ -102,6 +105,14 @@ fn load_config() -> Result<Config, i32> {
 /// Entry point of the `gpushare` binary; returns the exit code.
 pub fn main() -> i32 {
     let cli = Cli::parse();
+    if let Command::Daemon {
+        command: DaemonCommand::Supervise { .. },
+    } = &cli.command
+    {
+        // Nothing inherited may stay open in a long-lived daemon; detach before opening
+        // the config or the log.
+        crate::mps::supervisor::detach();
+    }
     let cfg = match load_config() {
         Ok(c) => c,
         Err(code) => return code,
@@ -138,6 +149,7 @@ pub fn main() -> i32 {
             }
         }
         Command::Status { json } => status(&cfg, json),
+        Command::Gc => report(gc(&cfg)),
         Command::Daemon { command } => {
             match command {
                 DaemonCommand::Start {
@@ -264,6 +276,57 @@ fn daemon_stop(cfg: &Config, id: Option<String>, all: bool, force: bool) -> anyh
         }
         crate::mps::ensure::stop(cfg, &state, id, std::time::Duration::from_secs(5))?;
         println!("stopped daemon {id}");
+    }
+    Ok(())
+}
+
+/// `gpushare gc`: what a crash or a reboot left behind is detected and cleaned, never
+/// trusted. Prints one line per action.
+fn gc(cfg: &Config) -> anyhow::Result<()> {
+    use crate::mps::ensure;
+    let state = StateDir::new(&cfg.state_dir);
+    let grace = cfg.mps.pending_grace().as_secs();
+    for tomb in state.remove_tombstones()? {
+        println!("removed half-removed directory {}", tomb.display());
+    }
+    for id in state.daemon_ids()? {
+        let before = state.containers(&id)?.len();
+        let live = state.live_containers(&id, grace)?;
+        if before > live.len() {
+            println!(
+                "daemon {id}: removed {} stale container record(s)",
+                before - live.len()
+            );
+        }
+        let rec = match state.read_record(&id) {
+            Ok(r) => r,
+            Err(e) => {
+                println!("daemon {id}: unreadable record ({e}); treating it as stale");
+                None
+            }
+        };
+        let supervised = rec
+            .as_ref()
+            .is_some_and(|r| r.supervisor.is_some_and(|p| p.alive()));
+        if supervised {
+            continue;
+        }
+        if let Some(rec) = rec.as_ref().filter(|_| !live.is_empty()) {
+            // Containers still rely on it: bring the daemon back rather than drop them.
+            ensure::ensure(cfg, &state, &rec.identity, None)?;
+            println!(
+                "daemon {id}: supervisor was gone with {} container(s) using it; restarted",
+                live.len()
+            );
+            continue;
+        }
+        let _lock = state.lock(&id, std::time::Instant::now() + cfg.mps.start_timeout)?;
+        if let Some(rec) = &rec {
+            ensure::kill_stale(rec);
+        }
+        if state.remove_if_unused(&id, grace, |_| {})? {
+            println!("daemon {id}: supervisor gone and no containers; removed");
+        }
     }
     Ok(())
 }

@@ -376,6 +376,14 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
     })
 }
 
+impl MpsConfig {
+    /// How long a container record written by the shim (create pending, no pid yet) keeps
+    /// its daemon from idling: a create that has not reached the hook by then has failed.
+    pub fn pending_grace(&self) -> Duration {
+        self.start_timeout * 2 + Duration::from_secs(30)
+    }
+}
+
 fn parse_shm_size(s: &str) -> Option<ShmSize> {
     if let Some(p) = s.strip_suffix('%') {
         let p: u8 = p.parse().ok()?;

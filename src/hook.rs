@@ -103,6 +103,7 @@ pub fn create_runtime(cfg: &Config, state: &State) -> anyhow::Result<()> {
     let rec = ContainerRecord {
         id: state.id.clone(),
         pid: state.pid,
+        start_time: state.pid.and_then(crate::util::proc_start_time),
         bundle: state.bundle.clone(),
         created_at: crate::util::unix_now(),
     };

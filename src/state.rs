@@ -121,9 +121,27 @@ pub struct DaemonRecord {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ContainerRecord {
     pub id: String,
+    /// The container's init pid (runtime namespace); `None` while the create is pending
+    /// (written by the shim, before runc has started anything).
     pub pid: Option<i32>,
+    /// Start time of `pid` (see `ProcRef`): a reused pid never keeps a daemon alive.
+    #[serde(default)]
+    pub start_time: Option<u64>,
     pub bundle: Option<PathBuf>,
     pub created_at: u64,
+}
+
+impl ContainerRecord {
+    /// Whether the container may still use its daemon: its init process runs, or its
+    /// create is pending and younger than `pending_grace` seconds. A stopped container
+    /// (process gone, not yet deleted) no longer uses MPS.
+    pub fn live(&self, pending_grace: u64) -> bool {
+        match (self.pid, self.start_time) {
+            (Some(pid), Some(start_time)) => ProcRef { pid, start_time }.alive(),
+            (Some(pid), None) => util::proc_start_time(pid).is_some(),
+            (None, _) => util::unix_now().saturating_sub(self.created_at) <= pending_grace,
+        }
+    }
 }
 
 /// Ownership and modes of one daemon's directories.
@@ -294,14 +312,24 @@ impl StateDir {
         Self::check_id(id)?;
         let path = self.lock_path(id);
         let started = Instant::now();
-        let mut file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .mode(0o600)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .open(&path)
-            .map_err(io("open lock", &path))?;
+        let open = || {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .mode(0o600)
+                .custom_flags(nix::libc::O_NOFOLLOW)
+                .open(&path)
+        };
+        let mut file = match open() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                // First use of this state dir on this host.
+                self.ensure_root()?;
+                open()
+            }
+            other => other,
+        }
+        .map_err(io("open lock", &path))?;
         let mut pause = Duration::from_millis(1);
         loop {
             match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
@@ -456,7 +484,9 @@ impl StateDir {
     pub fn add_container(&self, id: &str, rec: &ContainerRecord) -> Result<(), StateError> {
         let path = self.container_path(id, &rec.id)?;
         let data = serde_json::to_vec(rec).unwrap_or_default();
-        util::write_atomic(&path, &data, 0o600).map_err(io("write", &path))
+        // Atomic but not fsynced: a container record does not outlive a reboot's meaning
+        // (the container is gone too), and the shim writes one on every create.
+        util::write_atomic_with(&path, &data, 0o600, false).map_err(io("write", &path))
     }
 
     /// Removes a container's record; `Ok(false)` if there was none.
@@ -491,6 +521,104 @@ impl StateDir {
             }
         }
         out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
+    }
+
+    /// The containers still using daemon `id`; stale records (see `ContainerRecord::live`)
+    /// are removed on the way.
+    pub fn live_containers(
+        &self,
+        id: &str,
+        pending_grace: u64,
+    ) -> Result<Vec<ContainerRecord>, StateError> {
+        let mut live = Vec::new();
+        for rec in self.containers(id)? {
+            if rec.live(pending_grace) {
+                live.push(rec);
+            } else {
+                let _ = self.remove_container(id, &rec.id);
+            }
+        }
+        Ok(live)
+    }
+
+    fn tombstone(&self, id: &str) -> PathBuf {
+        self.mps_dir().join(format!(".{id}.removing"))
+    }
+
+    /// Removes an unused daemon's directories without racing a create. Call with the
+    /// identity's lock held and the daemon stopped or about to be (`before_remove` runs
+    /// after the last check). The shim writes a pending container record *before* it
+    /// checks the directories (without the lock), so: rename the directory away
+    /// atomically, then look for records once more inside it; a create that saw the
+    /// directory wrote its record before the rename and is found here (the rename is
+    /// undone), and a create that did not see it takes the lock and rebuilds it.
+    /// Returns whether the directory was removed.
+    pub fn remove_if_unused(
+        &self,
+        id: &str,
+        pending_grace: u64,
+        before_remove: impl FnOnce(&Path),
+    ) -> Result<bool, StateError> {
+        Self::check_id(id)?;
+        if !self.live_containers(id, pending_grace)?.is_empty() {
+            return Ok(false);
+        }
+        let dir = self.daemon_dir(id);
+        let tomb = self.tombstone(id);
+        let _ = std::fs::remove_dir_all(&tomb);
+        match std::fs::rename(&dir, &tomb) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(true),
+            Err(e) => return Err(io("rename", &dir)(e)),
+        }
+        let late = std::fs::read_dir(tomb.join("containers"))
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| std::fs::read(e.path()).ok())
+                    .filter_map(|b| serde_json::from_slice::<ContainerRecord>(&b).ok())
+                    .any(|r| r.live(pending_grace))
+            })
+            .unwrap_or(false);
+        if late {
+            std::fs::rename(&tomb, &dir).map_err(io("rename", &tomb))?;
+            return Ok(false);
+        }
+        before_remove(&tomb);
+        self.remove_tombstone(&tomb)?;
+        Ok(true)
+    }
+
+    fn remove_tombstone(&self, tomb: &Path) -> Result<(), StateError> {
+        let shm = tomb.join("shm");
+        if let (Ok(d), Ok(s)) = (
+            std::fs::symlink_metadata(tomb),
+            std::fs::symlink_metadata(&shm),
+        ) {
+            if s.dev() != d.dev() {
+                let _ = nix::mount::umount2(&shm, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
+        match std::fs::remove_dir_all(tomb) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io("remove", tomb)(e)),
+        }
+    }
+
+    /// Removes directories left half-removed by a crash (`.<id>.removing`); returns them.
+    pub fn remove_tombstones(&self) -> Result<Vec<PathBuf>, StateError> {
+        let mut out = Vec::new();
+        let Ok(entries) = std::fs::read_dir(self.mps_dir()) else {
+            return Ok(out);
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') && name.ends_with(".removing") {
+                self.remove_tombstone(&e.path())?;
+                out.push(e.path());
+            }
+        }
         Ok(out)
     }
 
@@ -575,6 +703,7 @@ mod tests {
             let rec = ContainerRecord {
                 id: cid.into(),
                 pid: None,
+                start_time: None,
                 bundle: None,
                 created_at: 0,
             };
@@ -600,6 +729,7 @@ mod tests {
         let rec = ContainerRecord {
             id: "c1".into(),
             pid: Some(5),
+            start_time: None,
             bundle: None,
             created_at: 3,
         };
@@ -608,6 +738,57 @@ mod tests {
         assert!(state.remove_container(id, "c1").unwrap());
         assert!(!state.remove_container(id, "c1").unwrap());
         assert!(state.containers(id).unwrap().is_empty());
+    }
+
+    #[test]
+    fn liveness_of_container_records() {
+        let me = std::process::id() as i32;
+        let now = util::unix_now();
+        let rec = |pid, start_time, created_at| ContainerRecord {
+            id: "c".into(),
+            pid,
+            start_time,
+            bundle: None,
+            created_at,
+        };
+        assert!(rec(Some(me), util::proc_start_time(me), now).live(10));
+        assert!(!rec(Some(me), Some(1), now).live(10), "reused pid");
+        assert!(!rec(Some(i32::MAX), None, now).live(10), "dead pid");
+        assert!(rec(None, None, now).live(10), "pending and young");
+        assert!(!rec(None, None, now - 60).live(10), "pending and expired");
+    }
+
+    #[test]
+    fn removal_backs_off_while_a_create_is_pending() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path().join("s"));
+        let id = "0123456789ab";
+        std::fs::create_dir_all(state.containers_dir(id)).unwrap();
+        // A pending create's record, as the shim writes it: the directory stays.
+        let pending = ContainerRecord {
+            id: "p".into(),
+            pid: None,
+            start_time: None,
+            bundle: None,
+            created_at: util::unix_now(),
+        };
+        state.add_container(id, &pending).unwrap();
+        assert!(!state
+            .remove_if_unused(id, 30, |_| panic!("must not remove"))
+            .unwrap());
+        assert!(state.daemon_dir(id).exists());
+        // Once the pending record has expired, the directory goes through its tombstone.
+        let expired = ContainerRecord {
+            created_at: util::unix_now() - 100,
+            ..pending
+        };
+        state.add_container(id, &expired).unwrap();
+        let mut seen = PathBuf::new();
+        assert!(state
+            .remove_if_unused(id, 30, |p| seen = p.to_owned())
+            .unwrap());
+        assert!(seen.ends_with(".0123456789ab.removing"), "{seen:?}");
+        assert!(!state.daemon_dir(id).exists() && !seen.exists());
     }
 
     #[test]

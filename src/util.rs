@@ -45,6 +45,17 @@ pub fn unix_now() -> u64 {
 /// fsync of the directory. The temp file is created with O_EXCL, never follows a link,
 /// and gets `mode` before any byte is written.
 pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> std::io::Result<()> {
+    write_atomic_with(path, data, mode, true)
+}
+
+/// `write_atomic`, with the fsyncs only when `durable`: the rename is atomic either way,
+/// but without fsync a crash may lose the new content.
+pub fn write_atomic_with(
+    path: &Path,
+    data: &[u8],
+    mode: u32,
+    durable: bool,
+) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path
         .file_name()
@@ -61,9 +72,14 @@ pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> std::io::Result<()> 
         // The umask may have cut the mode: set it exactly.
         f.set_permissions(std::fs::Permissions::from_mode(mode))?;
         f.write_all(data)?;
-        f.sync_all()?;
+        if durable {
+            f.sync_all()?;
+        }
         std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
+        if durable {
+            std::fs::File::open(dir)?.sync_all()?;
+        }
+        Ok(())
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);

@@ -107,7 +107,8 @@ fn wait_ready(
     }
 }
 
-fn kill_stale(rec: &DaemonRecord) {
+/// Kills the processes a stale record names, if they are still those very processes.
+pub fn kill_stale(rec: &DaemonRecord) {
     use nix::sys::signal::{kill, Signal};
     for p in [rec.supervisor, rec.daemon].into_iter().flatten() {
         if p.alive() {

@@ -52,8 +52,9 @@ pub fn limit_commands(ident: &Identity) -> Vec<String> {
     cmds
 }
 
-/// Leaves the caller's session; closes every fd above stderr.
-fn detach() {
+/// Leaves the caller's session; closes every fd above stderr. Must run before the
+/// supervisor opens anything of its own (its log file included).
+pub fn detach() {
     let _ = nix::unistd::setsid();
     let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
         .map(|d| {
@@ -234,7 +235,13 @@ impl Supervisor {
     }
 
     fn quit(&self, child: &mut Child) {
-        let _ = self.control.command("quit", Duration::from_secs(2));
+        self.quit_via(&self.control, child);
+    }
+
+    /// Quits the daemon through `control` (its pipe dir may have been renamed), killing it
+    /// past the grace period.
+    fn quit_via(&self, control: &Control, child: &mut Child) {
+        let _ = control.command("quit", Duration::from_secs(2));
         let deadline = Instant::now() + QUIT_GRACE;
         while Instant::now() < deadline {
             if let Ok(Some(_)) = child.try_wait() {
@@ -292,9 +299,72 @@ fn wait_event(
     }
 }
 
+/// What ended the watch over a ready daemon.
+enum Watch {
+    Stop,
+    ChildExited,
+    /// Idle for `idle-timeout`: daemon quit and its directories removed.
+    Removed,
+}
+
+/// Watches a ready daemon: until a stop signal, its exit, or — with an idle timeout —
+/// until it has had no live container for that long, when it is quit and its
+/// directories removed under the identity's lock (`StateDir::remove_if_unused`).
+fn watch(
+    sup: &Supervisor,
+    sfd: &mut SignalFd,
+    child: &mut Child,
+    idle: Duration,
+    pending_grace: u64,
+) -> Watch {
+    let tick = (!idle.is_zero())
+        .then(|| (idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(5)));
+    let mut idle_since: Option<Instant> = None;
+    loop {
+        match wait_event(sfd, Some(&mut *child), tick) {
+            Event::Stop => return Watch::Stop,
+            Event::ChildExited => return Watch::ChildExited,
+            Event::Timeout => {}
+        }
+        let busy = sup
+            .state
+            .live_containers(&sup.id, pending_grace)
+            .map_or(true, |c| !c.is_empty());
+        if busy {
+            idle_since = None;
+            continue;
+        }
+        if idle_since.get_or_insert_with(Instant::now).elapsed() < idle {
+            continue;
+        }
+        // A create holding the lock is about to use the daemon: try again next tick.
+        let Ok(_lock) = sup
+            .state
+            .lock(&sup.id, Instant::now() + Duration::from_millis(200))
+        else {
+            continue;
+        };
+        let removed = sup.state.remove_if_unused(&sup.id, pending_grace, |tomb| {
+            let control = Control {
+                pipe_dir: tomb.join("pipe"),
+                ..sup.control.clone()
+            };
+            sup.quit_via(&control, child);
+        });
+        match removed {
+            Ok(true) => return Watch::Removed,
+            Ok(false) => idle_since = None,
+            Err(e) => {
+                tracing::warn!(daemon = %sup.id, error = %e, "cannot remove an idle daemon");
+                idle_since = None;
+            }
+        }
+    }
+}
+
 /// Runs the supervisor for daemon `id` until it is told to stop or gives up.
+/// The caller has already called `detach`.
 pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
-    detach();
     let state = StateDir::new(&cfg.state_dir);
     let rec = state
         .read_record(id)?
@@ -354,6 +424,8 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
 
     let mut backoff = BACKOFF_FIRST;
     let mut first = true;
+    let idle_timeout = cfg.mps.idle_timeout;
+    let pending_grace = cfg.mps.pending_grace().as_secs();
     loop {
         sup.clean_pipe_dir();
         let started = Instant::now();
@@ -407,12 +479,16 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
             }
         }
         first = false;
-        match wait_event(&mut sfd, Some(&mut child), None) {
-            Event::Stop => {
+        match watch(&sup, &mut sfd, &mut child, idle_timeout, pending_grace) {
+            Watch::Stop => {
                 sup.quit(&mut child);
                 break;
             }
-            Event::ChildExited | Event::Timeout => {
+            Watch::Removed => {
+                tracing::info!(daemon = %sup.id, "MPS control daemon stopped after {idle_timeout:?} without containers; directories removed");
+                return Ok(());
+            }
+            Watch::ChildExited => {
                 let status = child.try_wait().ok().flatten();
                 tracing::warn!(daemon = %sup.id, ?status, "MPS control daemon exited; restarting");
                 if started.elapsed() > STABLE_AFTER {

@@ -25,7 +25,7 @@ use crate::mps::control::SAFE_PATH;
 use crate::request::{self, IpcMode, Request};
 use crate::spec::edits::{self, Decision, IpcPlan, SetHooks};
 use crate::spec::SpecFile;
-use crate::state::StateDir;
+use crate::state::{valid_container_id, ContainerRecord, StateDir};
 
 /// Seconds runc gives the poststop hook.
 const POSTSTOP_TIMEOUT: u64 = 10;
@@ -84,13 +84,23 @@ fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
     let span = tracing::info_span!("create", container_id = %id);
     let _enter = span.enter();
     let runtime = lowlevel::resolve(&cfg.low_level_runtime)?;
-    prepare(&cfg, &inv.spec_path(), &runtime)?;
+    prepare(
+        &cfg,
+        &inv.spec_path(),
+        &runtime,
+        Some(id).filter(|s| !s.is_empty()),
+    )?;
     Ok(runtime)
 }
 
 /// Reads the request from the spec and, if there is one, edits and saves the spec.
 /// Returns whether the spec was edited.
-pub fn prepare(cfg: &Config, spec_path: &Path, runtime: &Path) -> anyhow::Result<bool> {
+pub fn prepare(
+    cfg: &Config,
+    spec_path: &Path,
+    runtime: &Path,
+    container_id: Option<&str>,
+) -> anyhow::Result<bool> {
     let mut spec = SpecFile::load(spec_path)?;
     let Some(req) = request::parse(|k| spec.annotation(k), spec.env(), cfg.accept_env_requests)?
     else {
@@ -106,21 +116,40 @@ pub fn prepare(cfg: &Config, spec_path: &Path, runtime: &Path) -> anyhow::Result
     let ident = identity(cfg, &devices.uuids, (uid, gid), &req, ipc);
     let id = ident.id();
 
+    let container_id = container_id
+        .filter(|c| valid_container_id(c))
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+            "container id {:?} is invalid: allowed is letters, digits and _ + - . (runc's rule)",
+            container_id.unwrap_or_default().chars().take(64).collect::<String>()
+        )
+        })?;
+
     // Everything below acts on the host: the request is fully validated by now.
     let state = StateDir::new(&cfg.state_dir);
+    // The pending record comes before the directory check: an idle daemon being removed
+    // either sees it and stays, or is gone before the check (StateDir::remove_if_unused).
+    let pending = ContainerRecord {
+        id: container_id.to_owned(),
+        pid: None,
+        start_time: None,
+        bundle: spec_path.parent().map(Path::to_owned),
+        created_at: crate::util::unix_now(),
+    };
+    let recorded = state.add_container(&id, &pending).is_ok();
     if !state.skeleton_ready(&id, !ident.ipc_host) {
         // runc binds the daemon's directories before the createRuntime hook runs, so they
         // must exist now. Cold path only: the warm path is two stat calls, no lock.
         let deadline = std::time::Instant::now() + cfg.mps.start_timeout;
-        let _lock = state.lock(&id, deadline).or_else(|e| {
-            state.ensure_root()?;
-            state.lock(&id, deadline).map_err(|_| e)
-        })?;
+        let _lock = state.lock(&id, deadline)?;
         state.ensure_skeleton(
             &id,
             crate::mps::ensure::owner(&ident),
             &cfg.mps.shm_size.tmpfs_option(),
         )?;
+        if !recorded {
+            state.add_container(&id, &pending)?;
+        }
     }
 
     let decision = decide(

@@ -506,6 +506,7 @@ fn supervisor_is_detached_and_directories_have_owners_and_modes() {
         "session id (field 6) is the supervisor's pid"
     );
     // stdio on /dev/null; every other fd is its own (signalfd, its log), none inherited.
+    let mut saw_log = false;
     for entry in std::fs::read_dir(format!("/proc/{sup}/fd"))
         .unwrap()
         .flatten()
@@ -517,12 +518,18 @@ fn supervisor_is_detached_and_directories_have_owners_and_modes() {
         if fd <= 2 {
             assert_eq!(target, "/dev/null", "fd {fd}");
         } else {
+            saw_log |= target.ends_with("gpushare.log");
             assert!(
                 target.contains("signalfd") || target.ends_with("gpushare.log"),
                 "unexpected fd {fd} -> {target}"
             );
         }
     }
+    assert!(saw_log, "the supervisor keeps its own log open");
+    assert!(
+        env.gpushare_log().contains("supervisor{daemon="),
+        "the supervisor's lines reach the log"
+    );
     // Not in the container's cgroup.
     let init = c.state().unwrap()["pid"].as_i64().unwrap();
     let container_cg = std::fs::read_to_string(format!("/proc/{init}/cgroup")).unwrap();

@@ -311,3 +311,243 @@ fn a_killed_daemon_is_restarted_with_its_limits_while_containers_use_it() {
     assert_eq!(env.daemon_of(&next), id);
     holder.delete();
 }
+
+fn gone(env: &Env, id: &str) -> bool {
+    !env.state.join("mps").join(id).exists()
+}
+
+#[test]
+fn an_idle_daemon_is_stopped_and_removed_and_comes_back_on_demand() {
+    let env = Env::with_config("idle-timeout = \"1s\"");
+    let c = env
+        .container("idle1")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(client_line(&c.run())["shm"], "ok");
+    let id = env.daemon_of(&c);
+    let rec = env.record(&id);
+    let (sup, daemon) = (
+        rec["supervisor"]["pid"].as_i64().unwrap() as i32,
+        env.daemon_pid(&id),
+    );
+    c.delete();
+    assert!(
+        wait_until(Duration::from_secs(10), || gone(&env, &id)),
+        "idle daemon removed"
+    );
+    assert!(
+        wait_until(Duration::from_secs(5), || !alive(sup) && !alive(daemon)),
+        "its processes ended"
+    );
+    let log = env.gpushare_log();
+    assert!(
+        log.contains("without containers; directories removed"),
+        "{log}"
+    );
+    let again = env
+        .container("idle2")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(
+        client_line(&again.run())["shm"],
+        "ok",
+        "a fresh daemon on the next create"
+    );
+}
+
+#[test]
+fn a_daemon_with_a_running_container_is_not_idle_but_a_stopped_one_does_not_count() {
+    let env = Env::with_config("idle-timeout = \"1s\"");
+    let holder = env
+        .container("busy")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh("sleep 60")
+        .create();
+    holder.start();
+    let id = env.daemon_of(&holder);
+    // Several idle periods pass while the container runs: the daemon stays.
+    assert!(
+        !wait_until(Duration::from_secs(3), || gone(&env, &id)),
+        "removed under a running container"
+    );
+    // Killed but not deleted (no poststop ran): its record is stale, the daemon goes idle.
+    let out = env.runtime(&["kill", "busy", "KILL"], &holder.log());
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        wait_until(Duration::from_secs(10), || gone(&env, &id)),
+        "a stopped container does not hold the daemon"
+    );
+}
+
+#[test]
+fn gc_cleans_what_a_crash_left() {
+    let env = Env::new();
+    let c = env
+        .container("gc1")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(client_line(&c.run())["shm"], "ok");
+    c.delete();
+    let id = env.daemon_of(&c);
+    let rec = env.record(&id);
+    let (sup, daemon) = (
+        rec["supervisor"]["pid"].as_i64().unwrap() as i32,
+        env.daemon_pid(&id),
+    );
+    // The crash: supervisor and daemon die, a container record stays behind for a
+    // container that no longer exists, and a removal was cut short.
+    for p in [sup, daemon] {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(p),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    assert!(wait_until(Duration::from_secs(5), || !alive(sup) && !alive(daemon)));
+    let containers = env.state.join("mps").join(&id).join("containers");
+    std::fs::write(
+        containers.join("ghost.json"),
+        r#"{"id":"ghost","pid":2147483647,"bundle":null,"created_at":1}"#,
+    )
+    .unwrap();
+    let tomb = env.state.join("mps").join(".0123456789ab.removing");
+    std::fs::create_dir_all(tomb.join("pipe")).unwrap();
+
+    let out = env.cmd(GPUSHARE).arg("gc").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(text.contains("removed 1 stale container record"), "{text}");
+    assert!(
+        text.contains(&format!(
+            "daemon {id}: supervisor gone and no containers; removed"
+        )),
+        "{text}"
+    );
+    assert!(text.contains("half-removed"), "{text}");
+    assert!(gone(&env, &id) && !tomb.exists());
+    assert!(
+        !std::fs::read_to_string("/proc/mounts")
+            .unwrap()
+            .contains(&env.state.display().to_string()),
+        "shm tmpfs unmounted"
+    );
+
+    // With a live container and a dead supervisor, gc brings the daemon back instead.
+    let holder = env
+        .container("gc2")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh("sleep 60")
+        .create();
+    holder.start();
+    let id2 = env.daemon_of(&holder);
+    let rec = env.record(&id2);
+    for key in ["supervisor", "daemon"] {
+        let p = rec[key]["pid"].as_i64().unwrap() as i32;
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(p),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    let old_sup = rec["supervisor"]["pid"].as_i64().unwrap() as i32;
+    assert!(wait_until(Duration::from_secs(5), || !alive(old_sup)));
+    let out = env.cmd(GPUSHARE).arg("gc").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("restarted"),
+        "{text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(env.record(&id2)["status"], "ready");
+    assert!(alive(env.daemon_pid(&id2)));
+    holder.delete();
+}
+
+#[test]
+fn operators_start_list_and_stop_daemons_outside_containers() {
+    let env = Env::new();
+    let out = env
+        .cmd(GPUSHARE)
+        .args([
+            "daemon",
+            "start",
+            "--device",
+            "0",
+            "--uid",
+            "1000",
+            "--active-thread-percentage",
+            "40",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success() && text.starts_with("started daemon "),
+        "{text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id = env.daemon_ids().remove(0);
+    assert!(
+        text.contains(&id) && text.contains("CUDA_MPS_PIPE_DIRECTORY="),
+        "{text}"
+    );
+    // A container with the same identity uses the pre-started daemon.
+    let c = env
+        .container("pre")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .annotation("gpushare.io/active-thread-percentage", "40")
+        .sh("sleep 60")
+        .create();
+    c.start();
+    assert_eq!(env.daemon_of(&c), id);
+    let list = env.cmd(GPUSHARE).args(["daemon", "list"]).output().unwrap();
+    let list = String::from_utf8_lossy(&list.stdout).into_owned();
+    assert!(
+        list.contains(&id) && list.contains("threads=40%") && list.contains("container pre"),
+        "{list}"
+    );
+    // Bad input is one line naming the flag.
+    let bad = env
+        .cmd(GPUSHARE)
+        .args([
+            "daemon",
+            "start",
+            "--device",
+            "0",
+            "--active-thread-percentage",
+            "101",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains("--active-thread-percentage=\"101\"") && err.contains("1 to 100"),
+        "{err}"
+    );
+    // Stop refuses while a container uses it, then stops with --force.
+    let refused = env
+        .cmd(GPUSHARE)
+        .args(["daemon", "stop", "--id", &id])
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("used by 1 container(s) (pre)"));
+    let pid = env.daemon_pid(&id);
+    let forced = env
+        .cmd(GPUSHARE)
+        .args(["daemon", "stop", "--all", "--force"])
+        .output()
+        .unwrap();
+    assert!(forced.status.success(), "{forced:?}");
+    assert!(!alive(pid) || wait_until(Duration::from_secs(5), || !alive(pid)));
+    assert!(gone(&env, &id));
+    c.delete();
+}
