@@ -36,6 +36,11 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Register gpushare-runtime with a container engine.
+    Install {
+        #[command(subcommand)]
+        engine: Engine,
+    },
     /// Clean state left by crashes and reboots: stale container records, daemons whose
     /// supervisor is gone, half-removed directories.
     Gc,
@@ -46,10 +51,46 @@ enum Command {
     },
 }
 
+#[derive(clap::Args)]
+struct InstallArgs {
+    /// The engine's config file.
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+    /// The shim to register (default: gpushare-runtime beside this binary).
+    #[arg(long)]
+    runtime_path: Option<std::path::PathBuf>,
+    /// Runtime name (Docker `--runtime`, containerd handler / RuntimeClass handler).
+    #[arg(long, default_value = "gpushare")]
+    name: String,
+    /// Print the resulting file instead of writing it.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+#[derive(Subcommand)]
+enum Engine {
+    /// Add `runtimes.<name>` to Docker's daemon.json (default /etc/docker/daemon.json).
+    Docker(InstallArgs),
+    /// Add a runc-v2 runtime with BinaryName to containerd's config.toml
+    /// (default /etc/containerd/config.toml).
+    Containerd {
+        #[command(flatten)]
+        args: InstallArgs,
+        /// Config version for a new file: 2 (containerd 1.x) or 3 (2.x); default: asks
+        /// `containerd --version`, else 2. An existing file's own version always wins.
+        #[arg(long, value_parser = clap::value_parser!(i64).range(2..=3))]
+        config_version: Option<i64>,
+    },
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum HookStage {
+    /// Injected by gpushare-runtime: ensure the daemon the shim decided.
     CreateRuntime,
+    /// Injected by gpushare-runtime or hooks.d: release the container.
     Poststop,
+    /// Hook-only mode (hooks.d, no shim): resolve, ensure, and mount into the container.
+    Prestart,
 }
 
 #[derive(Subcommand)]
@@ -146,10 +187,19 @@ pub fn main() -> i32 {
                     crate::hook::poststop(&cfg, &state);
                     0
                 }
+                HookStage::Prestart => match crate::hookonly::prestart(&cfg, &state) {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        tracing::error!("prestart: {e:#}");
+                        eprintln!("gpushare: {e:#}");
+                        1
+                    }
+                },
             }
         }
         Command::Status { json } => status(&cfg, json),
         Command::Gc => report(gc(&cfg)),
+        Command::Install { engine } => report(install(engine)),
         Command::Daemon { command } => {
             match command {
                 DaemonCommand::Start {
@@ -278,6 +328,95 @@ fn daemon_stop(cfg: &Config, id: Option<String>, all: bool, force: bool) -> anyh
         println!("stopped daemon {id}");
     }
     Ok(())
+}
+
+fn install(engine: Engine) -> anyhow::Result<()> {
+    use crate::install::{self, containerd, docker};
+    let (args, is_docker, version) = match engine {
+        Engine::Docker(a) => (a, true, 2),
+        Engine::Containerd {
+            args,
+            config_version,
+        } => {
+            let v = config_version.unwrap_or_else(installed_containerd_config_version);
+            (args, false, v)
+        }
+    };
+    let path = args.config.clone().unwrap_or_else(|| {
+        if is_docker {
+            "/etc/docker/daemon.json".into()
+        } else {
+            "/etc/containerd/config.toml".into()
+        }
+    });
+    let runtime = install::runtime_path(args.runtime_path)?;
+    if !runtime.is_file() {
+        eprintln!(
+            "gpushare: warning: {} does not exist (yet)",
+            runtime.display()
+        );
+    }
+    let text = install::read(&path)?;
+    let edited = if is_docker {
+        docker::edit(&path, &text, &args.name, &runtime)?
+    } else {
+        containerd::edit(&path, &text, &args.name, &runtime, version)?
+    };
+    let Some(new) = edited.text else {
+        println!(
+            "{} already registers runtime {} at {}; nothing to do",
+            path.display(),
+            args.name,
+            runtime.display()
+        );
+        return Ok(());
+    };
+    if args.dry_run {
+        print!("{new}");
+        return Ok(());
+    }
+    install::write(&path, &new)?;
+    println!(
+        "registered runtime {} ({}) in {}",
+        args.name,
+        runtime.display(),
+        path.display()
+    );
+    if is_docker {
+        println!("reload Docker to use it: `sudo kill -HUP $(pidof dockerd)` or `sudo systemctl reload docker`;");
+        println!("then: docker run --runtime {} -e GPUSHARE_DEVICE=0 …  (Docker ≥ 24: --annotation gpushare.io/device=0)", args.name);
+    } else {
+        println!("restart containerd to use it: `sudo systemctl restart containerd`;");
+        println!(
+            "Kubernetes: a RuntimeClass with handler: {} (see deploy/)",
+            args.name
+        );
+    }
+    Ok(())
+}
+
+/// The config version the installed containerd expects: 3 for 2.x, else 2.
+fn installed_containerd_config_version() -> i64 {
+    let out = std::process::Command::new("containerd")
+        .arg("--version")
+        .output();
+    let text = out
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    // "containerd github.com/containerd/containerd 1.6.20 <commit>" or "... v2.0.0 ..."
+    let major = text.split_whitespace().find_map(|w| {
+        w.trim_start_matches('v')
+            .split('.')
+            .next()?
+            .parse::<u32>()
+            .ok()
+            .filter(|_| w.contains('.'))
+    });
+    if major.is_some_and(|m| m >= 2) {
+        3
+    } else {
+        2
+    }
 }
 
 /// `gpushare gc`: what a crash or a reboot left behind is detected and cleaned, never

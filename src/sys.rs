@@ -1,10 +1,14 @@
-//! The one module with `unsafe`: code that must run in a forked child before exec.
+//! The one module with `unsafe`: code that must run in a forked child before exec, and the
+//! two mount syscalls (`open_tree`, `move_mount`) that neither std nor nix wraps.
 //!
-//! Everything here runs between fork and exec of a child of a (single-threaded)
-//! supervisor, where only async-signal-safe calls are allowed: plain syscalls through nix,
-//! no allocation, no locks.
+//! `harden_child` runs between fork and exec of a child of a (single-threaded) supervisor,
+//! where only async-signal-safe calls are allowed: plain syscalls, no allocation, no locks.
 
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::Command;
 
 use nix::sys::signal::Signal;
@@ -27,4 +31,55 @@ pub fn harden_child(cmd: &mut Command, parent: nix::unistd::Pid) {
             Ok(())
         });
     }
+}
+
+// Kernel ABI values (linux/mount.h), stable since Linux 5.2.
+const OPEN_TREE_CLONE: u32 = 1;
+const OPEN_TREE_CLOEXEC: u32 = nix::libc::O_CLOEXEC as u32;
+const MOVE_MOUNT_F_EMPTY_PATH: u32 = 0x04;
+const MOVE_MOUNT_T_EMPTY_PATH: u32 = 0x40;
+
+/// A detached copy of the mount tree at `path` (`open_tree(OPEN_TREE_CLONE)`): a bind
+/// mount not attached anywhere yet, which `attach_mount` can attach even in another mount
+/// namespace — the only way to bind a host directory into a container's namespace that
+/// cannot see the host's paths.
+pub fn clone_mount(path: &Path) -> nix::Result<OwnedFd> {
+    let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| nix::errno::Errno::EINVAL)?;
+    // SAFETY: `c` is a valid NUL-terminated string that outlives the call; the syscall
+    // takes plain integers otherwise and returns a new fd or -1.
+    let fd = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_open_tree,
+            nix::libc::AT_FDCWD,
+            c.as_ptr(),
+            OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(nix::errno::Errno::last());
+    }
+    // SAFETY: the kernel just returned this fd to us; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Attaches the detached mount `tree` onto the directory opened as `target` (both by fd,
+/// so no path is resolved again after the target was checked).
+pub fn attach_mount(tree: &OwnedFd, target: &OwnedFd) -> nix::Result<()> {
+    let empty = c"";
+    // SAFETY: both fds are open for the duration of the call; the empty path strings are
+    // valid NUL-terminated constants.
+    let rc = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            target.as_raw_fd(),
+            empty.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
+        )
+    };
+    if rc < 0 {
+        return Err(nix::errno::Errno::last());
+    }
+    Ok(())
 }

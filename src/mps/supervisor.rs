@@ -120,12 +120,19 @@ fn private_dev_shm(shm: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Drops the capabilities a child could inherit. Per-user daemons then run with none:
-/// setuid to a non-root UID clears the effective and permitted sets, and no_new_privs
-/// (sys::harden_child) keeps exec from granting any.
-fn drop_inheritable_caps() {
-    let _ = caps::clear(None, caps::CapSet::Ambient);
-    let _ = caps::clear(None, caps::CapSet::Inheritable);
+/// Drops the capabilities a child could get. Per-user daemons then run with none — even
+/// the daemon of a root container: setuid to a non-root UID clears the effective and
+/// permitted sets, but `setuid(0)` clears nothing and exec gives root the bounding set, so
+/// the bounding set is emptied too (the supervisor keeps its own effective set for its
+/// own work). no_new_privs (sys::harden_child) keeps exec from granting any. Multi-user
+/// daemons are root's by design and keep theirs.
+fn drop_child_caps(multi_user: bool) -> anyhow::Result<()> {
+    caps::clear(None, caps::CapSet::Ambient).context("clear ambient capabilities")?;
+    caps::clear(None, caps::CapSet::Inheritable).context("clear inheritable capabilities")?;
+    if !multi_user {
+        caps::clear(None, caps::CapSet::Bounding).context("clear the capability bounding set")?;
+    }
+    Ok(())
 }
 
 struct Supervisor {
@@ -397,7 +404,7 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
         if !sup.ident.ipc_host {
             private_dev_shm(&sup.state.shm_dir(id))?;
         }
-        drop_inheritable_caps();
+        drop_child_caps(sup.ident.multi_user)?;
         let mut mask = SigSet::empty();
         for s in [
             Signal::SIGTERM,

@@ -1,0 +1,158 @@
+//! Hook-only mode, for engines with `hooks.d` and no runtime shim (Podman, CRI-O):
+//! `gpushare hook prestart`, injected by `hooks/oci-hooks.d/gpushare.json` when a container
+//! has a `gpushare.io/device` annotation.
+//!
+//! Without the shim nothing prepared the spec, so the hook resolves the request itself,
+//! ensures the daemon, and bind-mounts the daemon's pipe directory at CUDA's default
+//! `/tmp/nvidia-mps` (a hook cannot set env vars) and its shm tmpfs over `/dev/shm` inside
+//! the container's mount namespace, before pivot_root. Invariants: the bind sources are
+//! cloned in the host's namespace (`open_tree`) and attached by fd (`move_mount`); the
+//! targets are opened with `openat2(RESOLVE_IN_ROOT)` under the container's rootfs, so a
+//! symlink in the image can never redirect a mount outside it; a container the shim
+//! already prepared (decision annotations present) is left alone.
+
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+use nix::sys::stat::Mode;
+
+use crate::config::Config;
+use crate::device::{load, InventorySource};
+use crate::hook::{State, ANN_DAEMON};
+use crate::request::{self, IpcMode};
+use crate::spec::SpecFile;
+use crate::state::{ContainerRecord, StateDir};
+
+/// Where the pipe directory appears in hook-only mode: CUDA's default.
+pub const PIPE_IN_CONTAINER: &str = "tmp/nvidia-mps";
+
+/// `prestart` in hook-only mode. Returns without doing anything for containers without
+/// a request or already prepared by gpushare-runtime.
+pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
+    if state.annotations.contains_key(ANN_DAEMON) {
+        tracing::debug!("prepared by gpushare-runtime: nothing to do in hook-only mode");
+        return Ok(());
+    }
+    let bundle = state
+        .bundle
+        .as_ref()
+        .filter(|b| b.is_absolute())
+        .context("the container state names no absolute bundle path")?;
+    let spec = SpecFile::load(&bundle.join("config.json"))?;
+    let Some(req) = request::parse(|k| spec.annotation(k), spec.env(), cfg.accept_env_requests)?
+    else {
+        return Ok(());
+    };
+    let inventory = load(&InventorySource::parse(&cfg.inventory)?)?;
+    let devices = req.device.resolve(&inventory)?;
+    request::check_against(&req, &devices)?;
+    let has_ipc_ns = spec
+        .typed
+        .linux()
+        .as_ref()
+        .and_then(|l| l.namespaces().as_ref())
+        .is_some_and(|ns| {
+            ns.iter()
+                .any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::Ipc)
+        });
+    let ipc = if has_ipc_ns {
+        IpcMode::Isolated
+    } else {
+        IpcMode::Host
+    };
+    if let Some(asked) = req.ipc.as_ref().filter(|a| a.value != ipc) {
+        bail!(
+            "{}={:?} cannot be honoured in hook-only mode: the container's IPC namespace is already {}; allowed is to ask the engine (e.g. podman --ipc=host) instead",
+            asked.key,
+            asked.raw,
+            if has_ipc_ns { "private" } else { "the host's" }
+        );
+    }
+    let host_user = spec.host_user()?;
+    let ident = crate::runtime::identity(cfg, &devices.uuids, host_user, &req, ipc);
+    let pid = state.pid.context("the container state has no pid")?;
+    let dirs = StateDir::new(&cfg.state_dir);
+    let rec = ContainerRecord {
+        id: state.id.clone(),
+        pid: Some(pid),
+        start_time: crate::util::proc_start_time(pid),
+        bundle: Some(bundle.clone()),
+        created_at: crate::util::unix_now(),
+    };
+    let ensured = crate::mps::ensure::ensure(cfg, &dirs, &ident, Some(&rec))?;
+    let id = ensured.record.id;
+    let root = spec
+        .typed
+        .root()
+        .as_ref()
+        .map(|r| r.path().clone())
+        .context("config.json has no root")?;
+    let rootfs = if root.is_absolute() {
+        root
+    } else {
+        bundle.join(root)
+    };
+    let mut binds = vec![(dirs.pipe_dir(&id), PIPE_IN_CONTAINER)];
+    if ipc == IpcMode::Isolated {
+        binds.push((dirs.shm_dir(&id), "dev/shm"));
+    }
+    mount_into(pid, &rootfs, &binds)?;
+    tracing::info!(daemon = %id, uid = ident.uid, "hook-only: daemon ensured and mounted into the container");
+    Ok(())
+}
+
+fn open_in_root(root: &OwnedFd, rel: &str) -> nix::Result<OwnedFd> {
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    nix::fcntl::openat2(root, rel, how)
+}
+
+/// Opens `rel` (a directory under the container's root), creating its last component
+/// if missing; every component is resolved inside the root.
+fn target_dir(root: &OwnedFd, rel: &str) -> anyhow::Result<OwnedFd> {
+    match open_in_root(root, rel) {
+        Ok(fd) => return Ok(fd),
+        Err(nix::errno::Errno::ENOENT) => {}
+        Err(e) => return Err(e).with_context(|| format!("open /{rel} in the container")),
+    }
+    let (parent, name) = rel.rsplit_once('/').unwrap_or(("", rel));
+    let parent_fd = open_in_root(root, if parent.is_empty() { "." } else { parent })
+        .with_context(|| format!("open /{parent} in the container"))?;
+    match nix::sys::stat::mkdirat(&parent_fd, name, Mode::from_bits_truncate(0o755)) {
+        Ok(()) | Err(nix::errno::Errno::EEXIST) => {}
+        Err(e) => return Err(e).with_context(|| format!("create /{rel} in the container")),
+    }
+    open_in_root(root, rel).with_context(|| format!("open /{rel} in the container"))
+}
+
+/// Binds host directories into the mount namespace of process `pid` under `rootfs`
+/// (before pivot_root, the container's root is its rootfs path in its own namespace).
+fn mount_into(pid: i32, rootfs: &Path, binds: &[(PathBuf, &str)]) -> anyhow::Result<()> {
+    // Clone the sources while we still see the host's paths.
+    let trees = binds
+        .iter()
+        .map(|(src, _)| {
+            crate::sys::clone_mount(src)
+                .with_context(|| format!("clone the mount of {}", src.display()))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt"))
+        .with_context(|| format!("open the mount namespace of container process {pid}"))?;
+    nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNS)
+        .context("enter the container's mount namespace")?;
+    let root = nix::fcntl::open(
+        rootfs,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .with_context(|| format!("open the container's rootfs {}", rootfs.display()))?;
+    for ((src, rel), tree) in binds.iter().zip(&trees) {
+        let target = target_dir(&root, rel)?;
+        crate::sys::attach_mount(tree, &target)
+            .with_context(|| format!("mount {} at /{rel} in the container", src.display()))?;
+    }
+    Ok(())
+}

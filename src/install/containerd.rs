@@ -1,0 +1,193 @@
+//! containerd: a runc-v2 runtime whose `BinaryName` is gpushare-runtime, with a
+//! `pod_annotations = ["gpushare.io/*"]` allowlist (CRI passes no pod annotation to the
+//! OCI spec unless allowed; runtime-facts.md §4). Config version 2 (containerd 1.6/1.7,
+//! CRI plugin `io.containerd.grpc.v1.cri`) and version 3 (2.x, `io.containerd.cri.v1.runtime`).
+
+use std::path::Path;
+
+use toml_edit::{value, Array, DocumentMut, Item, Table};
+
+use super::{Edited, InstallError};
+
+/// Where the runtimes table lives for each config version.
+fn cri_plugin(version: i64) -> Option<&'static str> {
+    match version {
+        2 => Some("io.containerd.grpc.v1.cri"),
+        3 => Some("io.containerd.cri.v1.runtime"),
+        _ => None,
+    }
+}
+
+/// `version` of a config: its `version` key; for a new (empty) file, `default_version`.
+fn version_of(doc: &DocumentMut, empty: bool, default_version: i64) -> Option<i64> {
+    match doc.get("version").and_then(Item::as_integer) {
+        Some(v) => Some(v),
+        None if empty => Some(default_version),
+        None => Some(1),
+    }
+}
+
+fn table<'a>(parent: &'a mut Table, key: &str) -> Option<&'a mut Table> {
+    if !parent.contains_key(key) {
+        let mut t = Table::new();
+        t.set_implicit(true);
+        parent.insert(key, Item::Table(t));
+    }
+    parent.get_mut(key)?.as_table_mut()
+}
+
+/// Adds or updates `[plugins."<cri>".containerd.runtimes.<name>]`, keeping the rest of
+/// the file byte for byte. `default_version` applies to an empty or missing file.
+pub fn edit(
+    path: &Path,
+    text: &str,
+    name: &str,
+    runtime: &Path,
+    default_version: i64,
+) -> Result<Edited, InstallError> {
+    let mut doc: DocumentMut =
+        text.parse()
+            .map_err(|e: toml_edit::TomlError| InstallError::Parse {
+                path: path.to_owned(),
+                format: "TOML",
+                message: e
+                    .to_string()
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            })?;
+    let empty = doc.as_table().is_empty();
+    let version = version_of(&doc, empty, default_version).unwrap_or(1);
+    let Some(plugin) = cri_plugin(version) else {
+        return Err(InstallError::Unsupported {
+            path: path.to_owned(),
+            message: format!(
+                "config version {version} is not supported: allowed are versions 2 (containerd 1.6/1.7) and 3 (2.x); run `containerd config migrate` first"
+            ),
+        });
+    };
+    if empty {
+        doc.insert("version", value(version));
+    }
+    let before = doc.to_string();
+    let shape = |what: &str| InstallError::Unsupported {
+        path: path.to_owned(),
+        message: format!("{what} is not a table"),
+    };
+    let plugins = table(doc.as_table_mut(), "plugins").ok_or_else(|| shape("plugins"))?;
+    let cri = table(plugins, plugin).ok_or_else(|| shape(plugin))?;
+    let ctrd = table(cri, "containerd").ok_or_else(|| shape("containerd"))?;
+    let runtimes = table(ctrd, "runtimes").ok_or_else(|| shape("runtimes"))?;
+    // The cgroup driver must match the node's: copy runc's SystemdCgroup if it is set.
+    let systemd = runtimes
+        .get("runc")
+        .and_then(|r| r.get("options"))
+        .and_then(|o| o.get("SystemdCgroup"))
+        .and_then(Item::as_bool);
+    let rt = table(runtimes, name).ok_or_else(|| shape(name))?;
+    rt.set_implicit(false);
+    rt.insert("runtime_type", value("io.containerd.runc.v2"));
+    let mut allow = Array::new();
+    allow.push("gpushare.io/*");
+    rt.insert("pod_annotations", value(allow));
+    let opts = table(rt, "options").ok_or_else(|| shape("options"))?;
+    opts.set_implicit(false);
+    opts.insert("BinaryName", value(runtime.to_string_lossy().as_ref()));
+    if let Some(systemd) = systemd {
+        opts.insert("SystemdCgroup", value(systemd));
+    }
+    let after = doc.to_string();
+    Ok(Edited {
+        text: (after != before || empty).then_some(after),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RT: &str = "/usr/local/bin/gpushare-runtime";
+
+    fn run(text: &str, default_version: i64) -> Result<Option<String>, InstallError> {
+        edit(
+            Path::new("config.toml"),
+            text,
+            "gpushare",
+            Path::new(RT),
+            default_version,
+        )
+        .map(|e| e.text)
+    }
+
+    const V2: &str = r#"# containerd 1.6 config, trimmed
+version = 2
+root = "/var/lib/containerd"
+
+[plugins]
+  [plugins."io.containerd.grpc.v1.cri"]
+    sandbox_image = "registry.k8s.io/pause:3.6"   # keep this comment
+    [plugins."io.containerd.grpc.v1.cri".containerd]
+      default_runtime_name = "runc"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+        runtime_type = "io.containerd.runc.v2"
+        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+          SystemdCgroup = true
+"#;
+
+    #[test]
+    fn version_2_keeps_the_file_and_adds_the_runtime() {
+        let out = run(V2, 2).unwrap().unwrap();
+        assert!(
+            out.starts_with(V2.trim_end()),
+            "the original text is kept:\n{out}"
+        );
+        assert!(out.contains("# keep this comment"));
+        let v: toml::Table = toml::from_str(&out).unwrap();
+        let rt = &v["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["gpushare"];
+        assert_eq!(rt["runtime_type"].as_str(), Some("io.containerd.runc.v2"));
+        assert_eq!(rt["pod_annotations"][0].as_str(), Some("gpushare.io/*"));
+        assert_eq!(rt["options"]["BinaryName"].as_str(), Some(RT));
+        assert_eq!(
+            rt["options"]["SystemdCgroup"].as_bool(),
+            Some(true),
+            "cgroup driver copied from runc"
+        );
+        assert_eq!(run(&out, 2).unwrap(), None, "second run changes nothing");
+    }
+
+    #[test]
+    fn version_3_and_new_files() {
+        let v3 = "version = 3\n";
+        let out = run(v3, 2).unwrap().unwrap();
+        let v: toml::Table = toml::from_str(&out).unwrap();
+        assert!(
+            v["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["gpushare"]
+                ["options"]["BinaryName"]
+                .is_str()
+        );
+        for (default, plugin) in [
+            (2, "io.containerd.grpc.v1.cri"),
+            (3, "io.containerd.cri.v1.runtime"),
+        ] {
+            let out = run("", default).unwrap().unwrap();
+            let v: toml::Table = toml::from_str(&out).unwrap();
+            assert_eq!(v["version"].as_integer(), Some(default));
+            assert!(
+                v["plugins"][plugin]["containerd"]["runtimes"]["gpushare"].is_table(),
+                "{out}"
+            );
+        }
+    }
+
+    #[test]
+    fn version_1_and_garbage_are_refused_with_a_reason() {
+        let err = run("[plugins.cri]\nx = 1\n", 2).err().unwrap().to_string();
+        assert!(
+            err.contains("config version 1 is not supported")
+                && err.contains("containerd config migrate"),
+            "{err}"
+        );
+        let err = run("version = 2\n[plugins\n", 2).err().unwrap().to_string();
+        assert!(err.contains("config.toml is not valid TOML"), "{err}");
+    }
+}

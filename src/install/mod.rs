@@ -1,0 +1,87 @@
+//! `gpushare install docker|containerd`: register gpushare-runtime with an engine.
+//!
+//! Invariants: every other key of the engine's config is kept (containerd's TOML with its
+//! comments and layout); running it twice changes nothing the second time; `--dry-run`
+//! prints the result and writes nothing; the write is atomic and keeps the file's mode.
+//! The edit itself is a pure function of the text, unit-tested on sample configs.
+
+pub mod containerd;
+pub mod docker;
+
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    #[error("cannot read {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not valid {format}: {message}")]
+    Parse {
+        path: PathBuf,
+        format: &'static str,
+        message: String,
+    },
+    #[error("{path}: {message}")]
+    Unsupported { path: PathBuf, message: String },
+    #[error("cannot write {path}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("runtime path {path} must be absolute")]
+    RelativeRuntime { path: PathBuf },
+}
+
+/// The outcome of an edit: the new text, or `None` when the file already says it.
+pub struct Edited {
+    pub text: Option<String>,
+}
+
+/// Reads an engine config; a missing file reads as empty.
+pub fn read(path: &Path) -> Result<String, InstallError> {
+    match std::fs::read_to_string(path) {
+        Ok(t) => Ok(t),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
+        Err(source) => Err(InstallError::Read {
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// Writes `text` atomically, keeping an existing file's mode (0644 for a new one).
+pub fn write(path: &Path, text: &str) -> Result<(), InstallError> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path)
+        .map(|m| m.permissions().mode() & 0o7777)
+        .unwrap_or(0o644);
+    let err = |source| InstallError::Write {
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    crate::util::write_atomic(path, text.as_bytes(), mode).map_err(|source| InstallError::Write {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// The shim to register: `--runtime-path`, else gpushare-runtime beside this binary.
+pub fn runtime_path(given: Option<PathBuf>) -> Result<PathBuf, InstallError> {
+    let path = match given {
+        Some(p) => p,
+        None => std::env::current_exe()
+            .map(|p| p.with_file_name("gpushare-runtime"))
+            .unwrap_or_else(|_| PathBuf::from("/usr/local/bin/gpushare-runtime")),
+    };
+    if !path.is_absolute() {
+        return Err(InstallError::RelativeRuntime { path });
+    }
+    Ok(path)
+}
