@@ -27,6 +27,9 @@ use crate::spec::edits::{self, Decision, IpcPlan, SetHooks};
 use crate::spec::SpecFile;
 use crate::state::{valid_container_id, ContainerRecord, StateDir};
 
+/// The pipe directory NVIDIA's container toolkit mounts from the host when present.
+pub const NVIDIA_HOST_PIPE_DIR: &str = "/tmp/nvidia-mps";
+
 /// Seconds runc gives the poststop hook.
 const POSTSTOP_TIMEOUT: u64 = 10;
 
@@ -261,6 +264,15 @@ fn decide(
     }
     if lowlevel::is_nvidia(runtime) {
         env.push(("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(",")));
+        // libnvidia-container binds a host /tmp/nvidia-mps into every GPU container when
+        // it exists (mps-facts.md §5), which would cover our pipe directory there.
+        if Path::new(NVIDIA_HOST_PIPE_DIR).exists()
+            && cfg.mps.container_pipe_dir == Path::new(NVIDIA_HOST_PIPE_DIR)
+        {
+            tracing::warn!(
+                "the host has {NVIDIA_HOST_PIPE_DIR}, which NVIDIA's container toolkit mounts into GPU containers over gpushare's pipe directory; remove it (stop the host-wide MPS daemon) or set mps.container-pipe-dir elsewhere"
+            );
+        }
     }
 
     let binary = std::env::current_exe()

@@ -2,5 +2,6 @@
 //! binaries through real runc, as root. Run them with the README's test command.
 
 mod core_path;
+mod engines;
 mod harness;
 mod modes;

@@ -1,0 +1,684 @@
+//! Issue 4: the real engines — a private dockerd configured by `gpushare install docker`,
+//! a private containerd driven by `ctr`, Podman with gpushare's hooks.d files (hook-only
+//! mode), and the chaining to NVIDIA's runtime. Each daemon is started by the test with
+//! its own sockets, roots and state under the test's temp dir and stopped at the end,
+//! even on failure; the machine's /etc/docker and /etc/containerd are never touched.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use crate::harness::*;
+
+const CLIENT: &str = "gpushare-mps-sim client";
+
+fn need(bin: &str, package: &str) -> PathBuf {
+    which(bin).unwrap_or_else(|| panic!("{bin} is not installed: the README's test command (./scripts/test) installs {package} with apt-get"))
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Unmounts everything mounted under `dir` (deepest first), whatever left it there.
+fn umount_below(dir: &Path) {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let prefix = dir.display().to_string();
+    let mut points: Vec<&str> = mounts
+        .lines()
+        .filter_map(|l| l.split(' ').nth(1))
+        .filter(|m| m.starts_with(&prefix))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    for p in points {
+        let _ = nix::mount::umount2(p, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+/// Stops a daemon we started: SIGTERM, then SIGKILL after `grace`.
+fn stop_child(child: &mut Child, grace: Duration) {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    if !wait_until(grace, || matches!(child.try_wait(), Ok(Some(_)))) {
+        let _ = child.kill();
+    }
+    let _ = child.wait();
+}
+
+/// A tarball of the test rootfs (busybox + the simulator's client).
+fn rootfs_tar(dir: &Path) -> PathBuf {
+    let tar = dir.join("rootfs.tar");
+    let st = Command::new("tar")
+        .arg("-C")
+        .arg(rootfs())
+        .args(["-cf"])
+        .arg(&tar)
+        .arg(".")
+        .status()
+        .unwrap();
+    assert!(st.success());
+    tar
+}
+
+struct Dockerd {
+    dir: PathBuf,
+    sock: String,
+    child: Child,
+}
+
+impl Dockerd {
+    fn start(env: &Env) -> Dockerd {
+        let dockerd = need("dockerd", "docker.io");
+        let dir = env.path().join("d");
+        std::fs::create_dir_all(&dir).unwrap();
+        // Configured by our own installer.
+        let daemon_json = dir.join("daemon.json");
+        let out = env
+            .cmd(GPUSHARE)
+            .args(["install", "docker", "--config"])
+            .arg(&daemon_json)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        assert!(
+            text(&out).contains("SIGHUP") || text(&out).contains("-HUP"),
+            "{}",
+            text(&out)
+        );
+        let log = std::fs::File::create(dir.join("dockerd.log")).unwrap();
+        let child = Command::new(dockerd)
+            .env("GPUSHARE_CONFIG", &env.config)
+            .arg("--data-root")
+            .arg(dir.join("data"))
+            .arg("--exec-root")
+            .arg(dir.join("exec"))
+            .arg("--pidfile")
+            .arg(dir.join("docker.pid"))
+            .arg("--host")
+            .arg(format!("unix://{}", dir.join("docker.sock").display()))
+            .arg("--config-file")
+            .arg(&daemon_json)
+            .args([
+                "--bridge",
+                "none",
+                "--iptables=false",
+                "--ip-masq=false",
+                "--ip-forward=false",
+                "--storage-driver",
+                "vfs",
+            ])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let d = Dockerd {
+            sock: format!("unix://{}", dir.join("docker.sock").display()),
+            dir,
+            child,
+        };
+        let up = wait_until(Duration::from_secs(60), || {
+            d.docker(&["version"]).status.success()
+        });
+        assert!(
+            up,
+            "dockerd did not come up:\n{}",
+            std::fs::read_to_string(d.dir.join("dockerd.log")).unwrap_or_default()
+        );
+        let tar = rootfs_tar(&d.dir);
+        let out = d.docker(&["import", tar.to_str().unwrap(), "gpushare-test:latest"]);
+        assert!(out.status.success(), "{}", text(&out));
+        d
+    }
+
+    fn docker(&self, args: &[&str]) -> Output {
+        Command::new("docker")
+            .arg("--host")
+            .arg(&self.sock)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+}
+
+impl Drop for Dockerd {
+    fn drop(&mut self) {
+        let ids = self.docker(&["ps", "-aq"]);
+        for id in String::from_utf8_lossy(&ids.stdout).split_whitespace() {
+            let _ = self.docker(&["rm", "-f", id]);
+        }
+        stop_child(&mut self.child, Duration::from_secs(20));
+        umount_below(&self.dir);
+    }
+}
+
+#[test]
+fn docker_runs_shared_gpu_containers_through_gpushare() {
+    let env = Env::new();
+    let d = Dockerd::start(&env);
+    let info = text(&d.docker(&["info"]));
+    assert!(
+        info.contains("gpushare"),
+        "the installed runtime is known to dockerd:\n{info}"
+    );
+
+    let run = |extra: &[&str], cmd: &str| {
+        let mut args = vec!["run", "--rm", "--runtime", "gpushare"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["gpushare-test", "sh", "-c", cmd]);
+        d.docker(&args)
+    };
+    // A request by env var (Docker 20.10 has no --annotation): daemon, mounts, a server.
+    let out = run(
+        &["-u", "1000", "-e", "GPUSHARE_DEVICE=0"],
+        &format!("echo PIPE=$CUDA_MPS_PIPE_DIRECTORY; {CLIENT}"),
+    );
+    let s = text(&out);
+    assert!(out.status.success(), "{s}");
+    assert!(s.contains("PIPE=/tmp/nvidia-mps"), "{s}");
+    assert_eq!(client_line(&s)["shm"], "ok");
+    assert_eq!(client_line(&s)["server_uid"], "1000");
+
+    // docker exec into a running gpushare container goes through the shim untouched.
+    let out = d.docker(&[
+        "run",
+        "-d",
+        "--runtime",
+        "gpushare",
+        "-u",
+        "1000",
+        "-e",
+        "GPUSHARE_DEVICE=0",
+        "gpushare-test",
+        "sleep",
+        "60",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let out = d.docker(&["exec", &id, "sh", "-c", CLIENT]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(client_line(&text(&out))["shm"], "ok");
+    let _ = d.docker(&["rm", "-f", &id]);
+
+    // A bad request: gpushare's line in docker's error output, nothing runs.
+    let out = run(
+        &[
+            "-u",
+            "1000",
+            "-e",
+            "GPUSHARE_DEVICE=0",
+            "-e",
+            "GPUSHARE_ACTIVE_THREAD_PERCENTAGE=101",
+        ],
+        "true",
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("gpushare: GPUSHARE_ACTIVE_THREAD_PERCENTAGE=\"101\" is invalid: allowed is an integer from 1 to 100"),
+        "{}",
+        text(&out)
+    );
+
+    // Without a request: unaffected.
+    let before = env.daemon_ids();
+    let out = run(&[], "echo plain");
+    assert!(
+        out.status.success() && text(&out).contains("plain"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(env.daemon_ids(), before);
+
+    // --shm-size does not break isolated mode: /dev/shm is the daemon's 64M tmpfs.
+    let out = run(
+        &[
+            "-u",
+            "2000",
+            "--shm-size",
+            "256m",
+            "-e",
+            "GPUSHARE_DEVICE=0",
+        ],
+        &format!("df -k /dev/shm | tail -1; {CLIENT}"),
+    );
+    let s = text(&out);
+    assert!(out.status.success(), "{s}");
+    assert_eq!(client_line(&s)["shm"], "ok");
+    let size: u64 = s
+        .lines()
+        .find(|l| l.contains("/dev/shm"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert_eq!(
+        size, 65536,
+        "the daemon's shm tmpfs, not Docker's 256m:\n{s}"
+    );
+}
+
+#[test]
+fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
+    let env = Env::new();
+    let containerd = need("containerd", "containerd");
+    need("ctr", "containerd");
+    let dir = env.path().join("c");
+    std::fs::create_dir_all(&dir).unwrap();
+
+    // The installer on a copy of a real containerd 1.6 config, and on a new file.
+    for (name, seed) in [
+        (
+            "copy.toml",
+            std::fs::read_to_string("/etc/containerd/config.toml").unwrap_or_default(),
+        ),
+        ("new.toml", String::new()),
+    ] {
+        let cfg = dir.join(name);
+        std::fs::write(&cfg, &seed).unwrap();
+        let out = env
+            .cmd(GPUSHARE)
+            .args(["install", "containerd", "--config"])
+            .arg(&cfg)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        // Every line of the original survives, in order (the new table goes beside its parent).
+        let after = std::fs::read_to_string(&cfg).unwrap();
+        let mut rest = after.lines();
+        for line in seed.lines() {
+            assert!(
+                rest.any(|l| l == line),
+                "{name}: line {line:?} of the original was lost:\n{after}"
+            );
+        }
+        let dump = Command::new(&containerd)
+            .arg("--config")
+            .arg(&cfg)
+            .args(["config", "dump"])
+            .output()
+            .unwrap();
+        let dump = text(&dump);
+        assert!(
+            dump.contains(r#"[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.gpushare]"#),
+            "{name}:\n{dump}"
+        );
+        assert!(
+            dump.contains(&format!(
+                "BinaryName = \"{}\"",
+                Path::new(RUNTIME).display()
+            )),
+            "{dump}"
+        );
+        assert!(
+            dump.contains(r#"pod_annotations = ["gpushare.io/*"]"#),
+            "{dump}"
+        );
+        let again = env
+            .cmd(GPUSHARE)
+            .args(["install", "containerd", "--config"])
+            .arg(&cfg)
+            .output()
+            .unwrap();
+        assert!(
+            text(&again).contains("nothing to do"),
+            "idempotent: {}",
+            text(&again)
+        );
+    }
+
+    // A private containerd; ctr runs a container with gpushare-runtime as its runc.
+    let sock = dir.join("c.sock");
+    let conf = dir.join("daemon.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            "version = 2\nroot = {:?}\nstate = {:?}\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n[grpc]\n  address = {:?}\n",
+            dir.join("root").display().to_string(),
+            dir.join("state").display().to_string(),
+            sock.display().to_string()
+        ),
+    )
+    .unwrap();
+    let log = std::fs::File::create(dir.join("containerd.log")).unwrap();
+    let mut child = Command::new(&containerd)
+        .env("GPUSHARE_CONFIG", &env.config)
+        .arg("--config")
+        .arg(&conf)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    struct Stop<'a>(&'a mut Child, PathBuf);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            stop_child(self.0, Duration::from_secs(10));
+            umount_below(&self.1);
+        }
+    }
+    let _stop = Stop(&mut child, dir.clone());
+    let ctr = |args: &[&str]| {
+        Command::new("ctr")
+            .arg("--address")
+            .arg(&sock)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    assert!(
+        wait_until(Duration::from_secs(30), || ctr(&["version"])
+            .status
+            .success()),
+        "containerd did not come up"
+    );
+    // ctr --rootfs uses the directory as is: give it its own copy.
+    let own_rootfs = dir.join("rootfs");
+    assert!(Command::new("cp")
+        .arg("-a")
+        .arg(rootfs())
+        .arg(&own_rootfs)
+        .status()
+        .unwrap()
+        .success());
+    let out = ctr(&[
+        "run",
+        "--rm",
+        "--rootfs",
+        "--runc-binary",
+        RUNTIME,
+        "--annotation",
+        "gpushare.io/device=0",
+        "--env",
+        "PATH=/usr/bin:/bin",
+        own_rootfs.to_str().unwrap(),
+        "ctr1",
+        "sh",
+        "-c",
+        &format!("echo PIPE=$CUDA_MPS_PIPE_DIRECTORY; {CLIENT}"),
+    ]);
+    let s = text(&out);
+    assert!(
+        out.status.success(),
+        "{s}\n{}",
+        std::fs::read_to_string(dir.join("containerd.log")).unwrap_or_default()
+    );
+    assert!(s.contains("PIPE=/tmp/nvidia-mps"), "{s}");
+    assert_eq!(client_line(&s)["shm"], "ok");
+    // ctr runs as root: that root container's daemon still has no capabilities.
+    let id = env.daemon_ids().remove(0);
+    assert_eq!(
+        uid_and_capeff(env.daemon_pid(&id)),
+        (0, 0),
+        "root's per-user daemon is capless"
+    );
+}
+
+#[test]
+fn podman_hook_only_mode_mounts_the_daemon_into_the_container() {
+    let env = Env::new();
+    let podman = need("podman", "podman");
+    let dir = env.path().join("p");
+    let hooks = dir.join("hooks.d");
+    std::fs::create_dir_all(&hooks).unwrap();
+    // gpushare's own hooks.d files, pointed at the binary under test and this env's config.
+    for name in ["gpushare.json", "gpushare-poststop.json"] {
+        let shipped = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("hooks/oci-hooks.d")
+            .join(name);
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(shipped).unwrap()).unwrap();
+        v["hook"]["path"] = GPUSHARE.into();
+        v["hook"]["env"]
+            .as_array_mut()
+            .unwrap()
+            .push(format!("GPUSHARE_CONFIG={}", env.config.display()).into());
+        std::fs::write(hooks.join(name), v.to_string()).unwrap();
+    }
+    let pm = |args: &[&str]| {
+        Command::new(&podman)
+            .arg("--root")
+            .arg(dir.join("storage"))
+            .arg("--runroot")
+            .arg(dir.join("run"))
+            .arg("--tmpdir")
+            .arg(dir.join("tmp"))
+            .arg("--hooks-dir")
+            .arg(&hooks)
+            .args([
+                "--storage-driver",
+                "vfs",
+                "--runtime",
+                "runc",
+                "--cgroup-manager",
+                "cgroupfs",
+                "--events-backend",
+                "file",
+            ])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    struct Cleanup<'a>(&'a dyn Fn(&[&str]) -> Output, PathBuf);
+    impl Drop for Cleanup<'_> {
+        fn drop(&mut self) {
+            let _ = (self.0)(&["rm", "-af"]);
+            umount_below(&self.1);
+        }
+    }
+    let _cleanup = Cleanup(&pm, dir.clone());
+    let tar = rootfs_tar(&dir);
+    let out = pm(&["import", tar.to_str().unwrap(), "gpushare-test"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let run = |user: &str, extra: &[&str], cmd: &str| {
+        let mut args = vec![
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "--user",
+            user,
+            "--ulimit",
+            "nofile=1024:1024",
+            "--ulimit",
+            "nproc=1024:1024",
+        ];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["gpushare-test", "sh", "-c", cmd]);
+        pm(&args)
+    };
+    let out = run(
+        "1000",
+        &["--annotation", "gpushare.io/device=0"],
+        &format!("ls /tmp/nvidia-mps; {CLIENT}"),
+    );
+    let s = text(&out);
+    assert!(out.status.success(), "{s}");
+    assert!(
+        s.lines().any(|l| l == "control"),
+        "the pipe dir is at CUDA's default path:\n{s}"
+    );
+    let line = client_line(&s);
+    assert_eq!(
+        (line["shm"].as_str(), line["server_uid"].as_str()),
+        ("ok", "1000")
+    );
+    let id = env.daemon_ids().remove(0);
+    assert_eq!(uid_and_capeff(env.daemon_pid(&id)).0, 1000);
+    // The poststop hook released the container.
+    assert!(wait_until(Duration::from_secs(5), || env.status()[0]
+        ["containers"]
+        .as_array()
+        .unwrap()
+        .is_empty()));
+
+    // A bad request fails the container with gpushare's line.
+    let out = run(
+        "1000",
+        &[
+            "--annotation",
+            "gpushare.io/device=0",
+            "--annotation",
+            "gpushare.io/pinned-memory-limit=99G",
+        ],
+        "true",
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("gpushare.io/pinned-memory-limit=\"99G\" exceeds the memory"),
+        "{}",
+        text(&out)
+    );
+    // Without the annotation the hook is not even run.
+    let out = run("1000", &[], "echo plain; ls /tmp/nvidia-mps 2>&1 | head -1");
+    assert!(
+        out.status.success() && text(&out).contains("plain"),
+        "{}",
+        text(&out)
+    );
+    assert!(!text(&out).contains("control"));
+}
+
+#[test]
+fn chaining_to_nvidia_container_runtime_passes_argv_and_visible_devices() {
+    let env = Env::new();
+    let dir = env.path().join("nv");
+    std::fs::create_dir_all(&dir).unwrap();
+    // A stand-in for NVIDIA's shim: records its argv and the spec it was given, then runs runc.
+    let stand_in = dir.join("nvidia-container-runtime");
+    let runc = which("runc").unwrap();
+    std::fs::write(
+        &stand_in,
+        format!(
+            "#!/bin/sh\nprintf '%s\\n' \"$@\" >> {dir}/argv\nb=.\nprev=\nfor a in \"$@\"; do [ \"$prev\" = --bundle ] && b=$a; prev=$a; done\ncase \" $* \" in *' create '*) cp \"$b/config.json\" {dir}/spec.json;; esac\nexec {runc} \"$@\"\n",
+            dir = dir.display(),
+            runc = runc.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &stand_in,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let cfg = std::fs::read_to_string(&env.config).unwrap();
+    let cfg = cfg.replace(
+        &format!("low-level-runtime = [{:?}]", runc.display().to_string()),
+        &format!(
+            "low-level-runtime = [{:?}, \"runc\"]",
+            stand_in.display().to_string()
+        ),
+    );
+    std::fs::write(&env.config, cfg).unwrap();
+
+    let c = env
+        .container("nv1")
+        .uid(1000)
+        .annotation("gpushare.io/device", "2")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(client_line(&c.run())["shm"], "ok");
+    let argv = std::fs::read_to_string(dir.join("argv")).unwrap();
+    let first: Vec<&str> = argv.lines().take(8).collect();
+    assert_eq!(
+        first,
+        [
+            "--root",
+            env.runc_root.to_str().unwrap(),
+            "--log",
+            c.log().to_str().unwrap(),
+            "--log-format",
+            "json",
+            "create",
+            "--bundle"
+        ],
+        "argv forwarded verbatim"
+    );
+    let spec: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("spec.json")).unwrap()).unwrap();
+    let env_list: Vec<&str> = spec["process"]["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v.as_str())
+        .collect();
+    assert!(
+        env_list.contains(&format!("NVIDIA_VISIBLE_DEVICES={GPU2}").as_str()),
+        "{env_list:?}"
+    );
+    assert!(
+        argv.lines().any(|l| l == "start"),
+        "other commands pass through the stand-in too"
+    );
+}
+
+#[test]
+fn deploy_manifests_are_valid() {
+    use yaml_rust2::YamlLoader;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy");
+    let rc = YamlLoader::load_from_str(
+        &std::fs::read_to_string(root.join("runtimeclass.yaml")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(rc[0]["apiVersion"].as_str(), Some("node.k8s.io/v1"));
+    assert_eq!(rc[0]["kind"].as_str(), Some("RuntimeClass"));
+    assert_eq!(rc[0]["handler"].as_str(), Some("gpushare"));
+    let handler = rc[0]["handler"].as_str().unwrap();
+    // DNS-1123 label, as Kubernetes requires for a handler.
+    assert!(
+        handler.len() <= 63
+            && handler
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    );
+
+    let pods =
+        YamlLoader::load_from_str(&std::fs::read_to_string(root.join("example-pod.yaml")).unwrap())
+            .unwrap();
+    assert_eq!(pods.len(), 2);
+    for pod in &pods {
+        assert_eq!(pod["kind"].as_str(), Some("Pod"));
+        assert_eq!(pod["spec"]["runtimeClassName"].as_str(), Some(handler));
+        let ann = pod["metadata"]["annotations"].as_hash().unwrap();
+        // Every gpushare annotation in the example is a valid request.
+        let get = |k: &str| {
+            ann.get(&yaml_rust2::Yaml::String(k.into()))
+                .and_then(|v| v.as_str())
+        };
+        let parsed = gpushare::request::parse(get, &[], true)
+            .unwrap()
+            .expect("a request");
+        assert_eq!(parsed.device.raw, "0");
+    }
+
+    let dropin: toml::Table =
+        toml::from_str(&std::fs::read_to_string(root.join("containerd-gpushare.toml")).unwrap())
+            .unwrap();
+    let rt = &dropin["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"][handler];
+    assert_eq!(rt["runtime_type"].as_str(), Some("io.containerd.runc.v2"));
+    assert_eq!(rt["pod_annotations"][0].as_str(), Some("gpushare.io/*"));
+    assert!(rt["options"]["BinaryName"]
+        .as_str()
+        .unwrap()
+        .ends_with("/gpushare-runtime"));
+
+    for name in ["gpushare.json", "gpushare-poststop.json"] {
+        let v: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(root.join("../hooks/oci-hooks.d").join(name)).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(v["version"], "1.0.0");
+        assert!(v["hook"]["path"].as_str().unwrap().starts_with('/'));
+        assert_eq!(v["when"]["annotations"]["^gpushare\\.io/device$"], ".+");
+        assert!(v["hook"]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| !e.as_str().unwrap().starts_with("LD_")));
+    }
+}
