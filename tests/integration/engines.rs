@@ -576,12 +576,24 @@ fn chaining_to_nvidia_container_runtime_passes_argv_and_visible_devices() {
     );
     std::fs::write(&env.config, cfg).unwrap();
 
+    // A host-wide MPS pipe dir that NVIDIA's toolkit would mount over ours: warned about.
+    let host_pipe = Path::new("/tmp/nvidia-mps");
+    let created = !host_pipe.exists() && std::fs::create_dir(host_pipe).is_ok();
     let c = env
         .container("nv1")
         .uid(1000)
         .annotation("gpushare.io/device", "2")
         .sh(CLIENT)
         .create();
+    if created {
+        let _ = std::fs::remove_dir(host_pipe);
+    }
+    let log = env.gpushare_log();
+    assert!(
+        log.contains("WARN")
+            && log.contains("NVIDIA's container toolkit mounts into GPU containers"),
+        "{log}"
+    );
     assert_eq!(client_line(&c.run())["shm"], "ok");
     let argv = std::fs::read_to_string(dir.join("argv")).unwrap();
     let first: Vec<&str> = argv.lines().take(8).collect();
