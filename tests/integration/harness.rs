@@ -138,6 +138,11 @@ impl Env {
     /// `extra` is appended to the generated config (top-level keys first, then `[mps]`
     /// keys in `extra_mps`).
     pub fn with_config(extra_mps: &str) -> Env {
+        Env::with_configs("", extra_mps)
+    }
+
+    /// `top` goes before `[mps]` (top-level keys), `extra_mps` into `[mps]`.
+    pub fn with_configs(top: &str, extra_mps: &str) -> Env {
         rootfs();
         let dir = tempfile::Builder::new()
             .prefix("gs")
@@ -152,7 +157,7 @@ impl Env {
         std::fs::write(
             &config,
             format!(
-                "low-level-runtime = [{runc:?}]\nstate-dir = {state:?}\nlog-file = {log:?}\nlog-level = \"debug\"\ninventory = \"file:{inv}\"\n[mps]\ncontrol-binary = {SIM:?}\nstart-timeout = \"10s\"\nshm-size = \"64M\"\n{extra_mps}\n",
+                "low-level-runtime = [{runc:?}]\nstate-dir = {state:?}\nlog-file = {log:?}\nlog-level = \"debug\"\ninventory = \"file:{inv}\"\n{top}\n[mps]\ncontrol-binary = {SIM:?}\nstart-timeout = \"10s\"\nshm-size = \"64M\"\n{extra_mps}\n",
                 runc = runc.display().to_string(),
                 state = state.display().to_string(),
                 log = dir.path().join("gpushare.log").display().to_string(),

@@ -5,3 +5,4 @@ mod core_path;
 mod engines;
 mod harness;
 mod modes;
+mod security;

@@ -14,6 +14,8 @@
 //! CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and CUDA_MPS_PINNED_DEVICE_MEM_LIMIT (daemon: initial
 //! defaults; client: its own, lower-only limits).
 
+#![forbid(unsafe_code)]
+
 mod args;
 mod control;
 mod control_client;

@@ -1,0 +1,405 @@
+//! Issue 7: hostile input and confinement, through real runc. Every test here fails when
+//! the protection it names is removed; SECURITY.md maps each claim to its test.
+
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use crate::harness::*;
+
+const CLIENT: &str = "gpushare-mps-sim client";
+
+/// Writes a bundle whose config.json is `bytes`, returns the container.
+fn raw_bundle<'a>(env: &'a Env, id: &str, edit: impl FnOnce(&mut Vec<u8>)) -> Container<'a> {
+    let c = env.container(id).uid(1000).bundle();
+    let mut bytes = c.config_bytes();
+    edit(&mut bytes);
+    std::fs::write(c.bundle.join("config.json"), &bytes).unwrap();
+    c
+}
+
+fn set_annotation(bytes: &mut Vec<u8>, key: &str, raw_json_value: &str) {
+    let text = String::from_utf8(bytes.clone()).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["annotations"] = serde_json::json!({});
+    let placeholder = "\"@@VALUE@@\"";
+    v["annotations"][key] = serde_json::Value::String("@@VALUE@@".into());
+    *bytes = serde_json::to_string(&v)
+        .unwrap()
+        .replace(placeholder, raw_json_value)
+        .into_bytes();
+}
+
+#[test]
+fn hostile_values_are_rejected_before_any_path_mount_or_command() {
+    let env = Env::new();
+    let huge = format!("\"{}\"", "0".repeat(1 << 20));
+    // Raw JSON string literals, as a hostile container author would write them.
+    let cases: Vec<(&str, String)> = vec![
+        ("gpushare.io/device", r#""0\u0000""#.into()),
+        ("gpushare.io/device", r#""0\n1""#.into()),
+        ("gpushare.io/device", r#""../../etc""#.into()),
+        ("gpushare.io/device", r#""/dev/nvidia0""#.into()),
+        ("gpushare.io/device", r#""0;touch /tmp/pwned""#.into()),
+        (
+            "gpushare.io/device",
+            r#""GPU-8f8bff94-112e-9541-43da-cfd453333404/../x""#.into(),
+        ),
+        ("gpushare.io/device", huge),
+        ("gpushare.io/pinned-memory-limit", r#""1G\u0000""#.into()),
+        ("gpushare.io/active-thread-percentage", r#""50\r""#.into()),
+    ];
+    for (i, (key, raw)) in cases.iter().enumerate() {
+        let c = raw_bundle(&env, &format!("h{i}"), |b| {
+            set_annotation(b, key, raw);
+            if *key != "gpushare.io/device" {
+                // Also ask for a device so the bad key is the one that fails.
+                let s = String::from_utf8(b.clone()).unwrap().replacen(
+                    "\"annotations\":{",
+                    "\"annotations\":{\"gpushare.io/device\":\"0\",",
+                    1,
+                );
+                *b = s.into_bytes();
+            }
+        });
+        let before = c.config_bytes();
+        let out = c.try_create();
+        assert_eq!(out.status.code(), Some(1), "{key}={raw:.40}");
+        let msg = c.last_error();
+        assert!(
+            msg.contains(key) && msg.contains("allowed"),
+            "{key}: {msg:.300}"
+        );
+        assert!(
+            !msg.contains('\n') && !msg.contains('\0'),
+            "one escaped line: {msg:?}"
+        );
+        assert!(
+            msg.len() < 600,
+            "a huge value is cut in the message ({} bytes)",
+            msg.len()
+        );
+        assert_eq!(c.config_bytes(), before);
+    }
+    // The same through the environment.
+    let c = env
+        .container("henv")
+        .uid(1000)
+        .env("GPUSHARE_DEVICE=0\n1")
+        .bundle();
+    assert_eq!(c.try_create().status.code(), Some(1));
+    assert!(
+        c.last_error().contains("GPUSHARE_DEVICE=\"0\\n1\""),
+        "{}",
+        c.last_error()
+    );
+    // Non-UTF-8 bytes inside an annotation: not JSON text at all, refused as such.
+    let c = raw_bundle(&env, "h-utf8", |b| {
+        set_annotation(b, "gpushare.io/device", "\"0@\"");
+        let at = b.iter().position(|&x| x == b'@').unwrap();
+        b[at] = 0xff;
+    });
+    let before = c.config_bytes();
+    assert_eq!(c.try_create().status.code(), Some(1));
+    assert!(
+        c.last_error().contains("not a valid OCI runtime spec"),
+        "{}",
+        c.last_error()
+    );
+    assert_eq!(c.config_bytes(), before);
+    assert!(
+        !env.state.exists(),
+        "nothing was created on the host for any of them"
+    );
+    assert!(!Path::new("/tmp/pwned").exists());
+}
+
+#[test]
+fn escaping_ids_and_planted_symlinks_are_refused() {
+    let env = Env::new();
+    // A container id built to escape the state directory.
+    let c = env
+        .container("esc")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .bundle();
+    let log = c.log();
+    let out = env
+        .cmd(RUNTIME)
+        .arg("--root")
+        .arg(&env.runc_root)
+        .arg("--log")
+        .arg(&log)
+        .args(["--log-format", "json", "create", "--bundle"])
+        .arg(&c.bundle)
+        .arg("../../gs-escape")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        c.last_error()
+            .contains("container id \"../../gs-escape\" is invalid"),
+        "{}",
+        c.last_error()
+    );
+    assert!(!env.state.exists() && !env.path().join("gs-escape.json").exists());
+
+    // config.json planted as a symlink to a file outside the bundle: refused, target untouched.
+    let outside = env.path().join("outside.json");
+    std::fs::copy(c.bundle.join("config.json"), &outside).unwrap();
+    let before = std::fs::read(&outside).unwrap();
+    std::fs::remove_file(c.bundle.join("config.json")).unwrap();
+    std::os::unix::fs::symlink(&outside, c.bundle.join("config.json")).unwrap();
+    assert_eq!(c.try_create().status.code(), Some(1));
+    assert!(
+        c.last_error().contains("a symlink is refused"),
+        "{}",
+        c.last_error()
+    );
+    assert_eq!(std::fs::read(&outside).unwrap(), before);
+
+    // A symlink planted inside the state directory: refused, nothing written through it.
+    let elsewhere = env.path().join("elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    std::fs::create_dir_all(&env.state).unwrap();
+    std::fs::set_permissions(
+        &env.state,
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(&elsewhere, env.state.join("mps")).unwrap();
+    let d = env
+        .container("sym")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .bundle();
+    assert_eq!(d.try_create().status.code(), Some(1));
+    assert!(
+        d.last_error().contains("unusable") && d.last_error().contains("symlink"),
+        "{}",
+        d.last_error()
+    );
+    assert_eq!(
+        std::fs::read_dir(&elsewhere).unwrap().count(),
+        0,
+        "nothing written through the link"
+    );
+
+    // A state dir that others can write: refused.
+    std::fs::remove_file(env.state.join("mps")).unwrap();
+    std::fs::set_permissions(
+        &env.state,
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let e = env
+        .container("open")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .bundle();
+    assert_eq!(e.try_create().status.code(), Some(1));
+    assert!(
+        e.last_error()
+            .contains("must not be writable by group or others"),
+        "{}",
+        e.last_error()
+    );
+}
+
+#[test]
+fn a_preload_library_in_the_container_env_never_reaches_hook_supervisor_or_daemon() {
+    let env = Env::new();
+    let marker = env.path().join("owned");
+    let src = env.path().join("evil.c");
+    let lib = env.path().join("evil.so");
+    std::fs::write(
+        &src,
+        format!(
+            "#include <stdio.h>\n#include <unistd.h>\n__attribute__((constructor)) static void owned(void) {{ FILE *f = fopen(\"{}\", \"a\"); if (f) {{ fprintf(f, \"%d\\n\", getpid()); fclose(f); }} }}\n",
+            marker.display()
+        ),
+    )
+    .unwrap();
+    let cc = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .output()
+        .expect("a C compiler (gcc) builds the planted library");
+    assert!(
+        cc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cc.stderr)
+    );
+    // Control: the library does announce itself when a process loads it.
+    assert!(Command::new("true")
+        .env("LD_PRELOAD", &lib)
+        .status()
+        .unwrap()
+        .success());
+    assert!(marker.exists(), "the planted library works when loaded");
+    std::fs::remove_file(&marker).unwrap();
+
+    let preload = format!("LD_PRELOAD={}", lib.display());
+    let libpath = format!("LD_LIBRARY_PATH={}", env.path().display());
+    let c = env
+        .container("preload")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .env(&preload)
+        .env(&libpath)
+        .sh("true") // busybox is static: the container itself never loads it either
+        .create();
+    c.run();
+    c.delete();
+    let id = env.daemon_of(&c);
+    assert!(
+        !environ(env.daemon_pid(&id))
+            .iter()
+            .any(|e| e.starts_with("LD_")),
+        "{:?}",
+        environ(env.daemon_pid(&id))
+    );
+    for hook in c.config()["hooks"]["createRuntime"].as_array().unwrap() {
+        assert!(hook["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| !e.as_str().unwrap().starts_with("LD_")));
+    }
+    assert!(
+        !marker.exists(),
+        "loaded by pid(s) {}",
+        std::fs::read_to_string(&marker).unwrap_or_default()
+    );
+}
+
+#[test]
+fn a_per_user_daemon_is_confined_to_its_own_directories() {
+    let env = Env::new();
+    let a = env
+        .container("ua")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh(CLIENT)
+        .create();
+    let b = env
+        .container("ub")
+        .uid(2000)
+        .annotation("gpushare.io/device", "0")
+        .sh(CLIENT)
+        .create();
+    a.run();
+    b.run();
+    let (ida, idb) = (env.daemon_of(&a), env.daemon_of(&b));
+    let mps = env.state.join("mps");
+    let as_uid = |uid: u32, script: &str| {
+        Command::new("/bin/sh")
+            .args(["-c", script])
+            .uid(uid)
+            .gid(uid)
+            .stderr(Stdio::null())
+            .status()
+            .unwrap()
+            .success()
+    };
+    // uid 1000 may write only its own daemon's directories.
+    for dir in [
+        env.state.clone(),
+        mps.clone(),
+        mps.join(&ida),
+        mps.join(&ida).join("containers"),
+        env.state.join("locks"),
+        mps.join(&idb).join("pipe"),
+        mps.join(&idb).join("shm"),
+    ] {
+        assert!(
+            !as_uid(1000, &format!("touch {}/x", dir.display())),
+            "uid 1000 wrote into {}",
+            dir.display()
+        );
+    }
+    for dir in [mps.join(&ida).join("pipe"), mps.join(&ida).join("shm")] {
+        assert!(
+            as_uid(
+                1000,
+                &format!("touch {}/x && rm {}/x", dir.display(), dir.display())
+            ),
+            "its own {}",
+            dir.display()
+        );
+    }
+    // Another uid cannot even reach the daemon's control socket.
+    let out = Command::new(SIM)
+        .arg("client")
+        .env("CUDA_MPS_PIPE_DIRECTORY", mps.join(&ida).join("pipe"))
+        .uid(2000)
+        .gid(2000)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Permission denied"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pid = env.daemon_pid(&ida);
+    let (uid, capeff) = uid_and_capeff(pid);
+    assert_eq!((uid, capeff), (1000, 0));
+}
+
+#[test]
+fn env_requests_are_refused_when_disabled() {
+    let env = Env::with_configs("accept-env-requests = false", "");
+    let c = env
+        .container("noenv")
+        .uid(1000)
+        .env("GPUSHARE_DEVICE=0")
+        .bundle();
+    let before = c.config_bytes();
+    assert_eq!(c.try_create().status.code(), Some(1));
+    let msg = c.last_error();
+    assert!(
+        msg.contains("GPUSHARE_DEVICE=\"0\" is refused")
+            && msg.contains("accept-env-requests = false")
+            && msg.contains("gpushare.io/device"),
+        "{msg}"
+    );
+    assert_eq!(c.config_bytes(), before);
+    // The annotation still works.
+    let ok = env
+        .container("ann")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(client_line(&ok.run())["shm"], "ok");
+}
+
+#[test]
+fn a_tenant_cannot_raise_enforced_limits_from_inside() {
+    let env = Env::new();
+    let c = env
+        .container("greedy")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .annotation("gpushare.io/active-thread-percentage", "25")
+        .annotation("gpushare.io/pinned-memory-limit", "1G")
+        .sh(&format!(
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20G {CLIENT}"
+        ))
+        .create();
+    let line = client_line(&c.run());
+    assert_eq!(
+        line["active_thread_percentage"].parse::<f64>().unwrap(),
+        25.0,
+        "{line:?}"
+    );
+    assert_eq!(line["pinned_mem_limit"], "0=1024M", "{line:?}");
+    let log = env.control_log(&env.daemon_of(&c));
+    assert!(
+        log.contains("active_thread_percentage=25"),
+        "the server was started with the enforced value:\n{log}"
+    );
+}
