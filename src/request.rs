@@ -353,11 +353,13 @@ pub fn parse_size(key: &'static str, raw: &str) -> Result<u64, RequestError> {
         ));
     }
     let lower = unit.to_ascii_lowercase();
-    let (shift, suffix) = match lower.split_at(1) {
-        ("k", s) => (10, s),
-        ("m", s) => (20, s),
-        ("g", s) => (30, s),
-        ("t", s) => (40, s),
+    // By char, not byte: the unit may start with a multibyte character (found by fuzzing).
+    let mut chars = lower.chars();
+    let (shift, suffix) = match (chars.next(), chars.as_str()) {
+        (Some('k'), s) => (10, s),
+        (Some('m'), s) => (20, s),
+        (Some('g'), s) => (30, s),
+        (Some('t'), s) => (40, s),
         _ => return Err(invalid(key, raw, SIZE_ALLOWED)),
     };
     if !matches!(suffix, "" | "i" | "ib" | "b") {
@@ -483,6 +485,20 @@ pub fn check_against(req: &Request, devices: &ResolvedDevices) -> Result<(), Req
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn multibyte_units_are_errors_not_panics() {
+        // Found by the `request` fuzz target: a unit starting with a multibyte character.
+        for raw in ["4\u{fffd}", "1é", "2Ｇ", "3💥B"] {
+            let err = parse_size("gpushare.io/pinned-memory-limit", raw)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("allowed is a size with a unit"),
+                "{raw}: {err}"
+            );
+        }
+    }
     use crate::device::sample;
     use std::collections::HashMap;
 

@@ -49,7 +49,14 @@ pub struct SetEnv(pub Vec<(String, String)>);
 
 impl SpecEdit for SetEnv {
     fn apply(&self, doc: &mut Map<String, Value>) -> Result<(), SpecError> {
-        let env = array(object(doc, "process")?, "env")?;
+        // Creating `process` would make an invalid spec (user and cwd are required); a
+        // container without one has nothing to run anyway (found by fuzzing).
+        let Some(process) = doc.get_mut("process").and_then(Value::as_object_mut) else {
+            return Err(SpecError::User {
+                message: "config.json has no process object: nothing to run, and nowhere to set CUDA_MPS_PIPE_DIRECTORY".into(),
+            });
+        };
+        let env = array(process, "env")?;
         env.retain(|e| {
             let name = e.as_str().and_then(|s| s.split_once('=')).map(|(n, _)| n);
             !self.0.iter().any(|(k, _)| Some(k.as_str()) == name)
@@ -489,9 +496,24 @@ mod tests {
     }
 
     #[test]
+    fn a_spec_without_process_is_refused_not_made_invalid() {
+        let mut d = doc("containerd-1.6-config.json");
+        d.remove("process");
+        let err = apply_all(&mut d, &plan(&decision(isolated())))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no process object"), "{err}");
+    }
+
+    #[test]
     fn wrong_shapes_are_errors_not_panics() {
         let mut d = Map::new();
         d.insert("process".into(), json!({"env": 5}));
+        assert!(SetEnv(vec![("A".into(), "b".into())])
+            .apply(&mut d)
+            .is_err());
+        let mut d = Map::new();
+        d.insert("process".into(), json!(null));
         assert!(SetEnv(vec![("A".into(), "b".into())])
             .apply(&mut d)
             .is_err());

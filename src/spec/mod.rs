@@ -71,6 +71,12 @@ impl SpecFile {
         Self::parse(path, &bytes, md.permissions().mode() & 0o7777)
     }
 
+    /// Parses config.json bytes (as `load` does after reading); `path` names it in errors
+    /// and is where `save` would write.
+    pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Self, SpecError> {
+        Self::parse(path, bytes, 0o644)
+    }
+
     fn parse(path: &Path, bytes: &[u8], mode: u32) -> Result<Self, SpecError> {
         let invalid = |message: String| SpecError::Invalid {
             path: path.to_owned(),

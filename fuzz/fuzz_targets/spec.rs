@@ -1,0 +1,38 @@
+//! config.json load -> edit -> save: no panic on any input; for an accepted spec the edit
+//! chain applies, applying it twice changes nothing, and the result loads again.
+#![no_main]
+use std::path::Path;
+
+use gpushare::spec::edits::{apply_all, plan, Decision, IpcPlan, SetHooks};
+use gpushare::spec::SpecFile;
+use libfuzzer_sys::fuzz_target;
+
+fn decision(host: bool) -> Decision {
+    Decision {
+        env: vec![("CUDA_MPS_PIPE_DIRECTORY".into(), "/tmp/nvidia-mps".into())],
+        pipe: ("/run/gpushare/mps/0123456789ab/pipe".into(), "/tmp/nvidia-mps".into()),
+        log: None,
+        ipc: if host { IpcPlan::Host } else { IpcPlan::Isolated { shm_dir: "/run/gpushare/mps/0123456789ab/shm".into() } },
+        hooks: SetHooks {
+            binary: "/usr/local/bin/gpushare".into(),
+            env: vec!["PATH=/usr/bin:/bin".into()],
+            stages: vec![("createRuntime", "create-runtime", 15), ("poststop", "poststop", 10)],
+        },
+        annotations: vec![("gpushare.io/daemon".into(), "0123456789ab".into())],
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(mut spec) = SpecFile::from_bytes(Path::new("config.json"), data) else { return };
+    let _ = spec.host_user();
+    let _ = spec.env();
+    let edits = plan(&decision(data.len() % 2 == 0));
+    if apply_all(&mut spec.doc, &edits).is_err() {
+        return;
+    }
+    let once = spec.doc.clone();
+    apply_all(&mut spec.doc, &edits).expect("a chain that applied once applies again");
+    assert_eq!(once, spec.doc, "applying twice changes nothing");
+    let bytes = spec.to_bytes();
+    SpecFile::from_bytes(Path::new("config.json"), &bytes).expect("an edited spec is still a spec");
+});
