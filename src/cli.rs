@@ -7,15 +7,14 @@
 use std::io::Write;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use serde::Serialize;
 
 use crate::config::Config;
-use crate::state::{DaemonRecord, DaemonStatus, StateDir};
+use crate::state::StateDir;
 
 #[derive(Parser)]
 #[command(
     name = "gpushare",
-    version,
+    version = crate::VERSION,
     about = "Share NVIDIA GPUs between containers through per-user CUDA MPS daemons"
 )]
 struct Cli {
@@ -30,11 +29,26 @@ enum Command {
         #[arg(value_enum)]
         stage: HookStage,
     },
-    /// Show MPS daemons and the containers using them.
+    /// Show MPS daemons, their health, and the containers using them.
     Status {
-        /// Machine-readable output.
+        /// Same as --format json.
         #[arg(long)]
         json: bool,
+        #[arg(long, value_enum, default_value_t = Format::Table)]
+        format: Format,
+        /// Write to this file atomically (for node-exporter's textfile collector).
+        #[arg(long)]
+        output: Option<std::path::PathBuf>,
+    },
+    /// Check this node: driver, MPS binary, compute modes, state dir, engines. Exit code
+    /// 0 all ok, 1 warnings, 2 failures.
+    Doctor {
+        /// Docker's daemon.json to check.
+        #[arg(long, default_value = "/etc/docker/daemon.json")]
+        docker_config: std::path::PathBuf,
+        /// containerd's config.toml to check.
+        #[arg(long, default_value = "/etc/containerd/config.toml")]
+        containerd_config: std::path::PathBuf,
     },
     /// Register gpushare-runtime with a container engine.
     Install {
@@ -49,6 +63,13 @@ enum Command {
         #[command(subcommand)]
         command: DaemonCommand,
     },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Format {
+    Table,
+    Json,
+    Prometheus,
 }
 
 #[derive(clap::Args)]
@@ -100,9 +121,15 @@ enum DaemonCommand {
         /// Device, as in gpushare.io/device: 0, GPU-<uuid>, MIG-<uuid>, 0:1, 0,1.
         #[arg(long)]
         device: String,
-        /// Host UID the daemon serves (ignored under user-mode = "multi-user").
-        #[arg(long, default_value_t = 0)]
-        uid: u32,
+        /// Host UID the daemon serves (required but under multi-user).
+        #[arg(long, required_unless_present = "multi_user")]
+        uid: Option<u32>,
+        /// One root daemon for every UID (as user-mode = "multi-user"), whatever the config says.
+        #[arg(long)]
+        multi_user: bool,
+        /// Print what was started as JSON (id, pids, the directories a client needs).
+        #[arg(long)]
+        json: bool,
         /// Host GID the daemon runs as (default: the UID).
         #[arg(long)]
         gid: Option<u32>,
@@ -197,8 +224,31 @@ pub fn main() -> i32 {
                 },
             }
         }
-        Command::Status { json } => status(&cfg, json),
+        Command::Status {
+            json,
+            format,
+            output,
+        } => status(
+            &cfg,
+            if json { Format::Json } else { format },
+            output.as_deref(),
+        ),
         Command::Gc => report(gc(&cfg)),
+        Command::Doctor {
+            docker_config,
+            containerd_config,
+        } => {
+            let checks = crate::doctor::run(
+                &cfg,
+                &crate::doctor::Paths {
+                    docker: docker_config,
+                    containerd: containerd_config,
+                },
+            );
+            let (text, code) = crate::doctor::report(&checks);
+            print!("{text}");
+            code
+        }
         Command::Install { engine } => report(install(engine)),
         Command::Daemon { command } => {
             match command {
@@ -206,18 +256,30 @@ pub fn main() -> i32 {
                     device,
                     uid,
                     gid,
+                    multi_user,
+                    json,
                     active_thread_percentage,
                     pinned_memory_limit,
-                } => report(daemon_start(
-                    &cfg,
-                    &device,
-                    uid,
-                    gid.unwrap_or(uid),
-                    active_thread_percentage,
-                    pinned_memory_limit,
-                )),
+                } => {
+                    let mut cfg = cfg.clone();
+                    if multi_user {
+                        cfg.mps.user_mode = crate::config::UserMode::MultiUser;
+                    }
+                    let uid = uid.unwrap_or(0);
+                    report(daemon_start(
+                        &cfg,
+                        &device,
+                        uid,
+                        gid.unwrap_or(uid),
+                        active_thread_percentage,
+                        pinned_memory_limit,
+                        json,
+                    ))
+                }
                 DaemonCommand::Stop { id, all, force } => report(daemon_stop(&cfg, id, all, force)),
-                DaemonCommand::List { json } => status(&cfg, json),
+                DaemonCommand::List { json } => {
+                    status(&cfg, if json { Format::Json } else { Format::Table }, None)
+                }
                 DaemonCommand::Supervise { id } => {
                     if !crate::identity::valid_id(&id) {
                         eprintln!("gpushare: daemon id {id:?} is invalid: allowed is 12 lowercase hex digits");
@@ -256,6 +318,7 @@ fn daemon_start(
     gid: u32,
     tp: Option<String>,
     mem: Option<String>,
+    json: bool,
 ) -> anyhow::Result<()> {
     use crate::request::{self, Request, RequestError, Sourced};
     fn sourced<T>(
@@ -289,15 +352,41 @@ fn daemon_start(
     let ident = crate::runtime::identity(cfg, &devices.uuids, (uid, gid), &req, ipc);
     let state = StateDir::new(&cfg.state_dir);
     let ensured = crate::mps::ensure::ensure(cfg, &state, &ident, None)?;
+    let id = &ensured.record.id;
+    if json {
+        let v = serde_json::json!({
+            "id": id,
+            "started": ensured.started,
+            "pid": ensured.record.daemon.map(|p| p.pid),
+            "uid": ident.uid,
+            "multi_user": ident.multi_user,
+            "devices": ident.devices,
+            "pipe_dir": state.pipe_dir(id),
+            "shm_dir": (!ident.ipc_host).then(|| state.shm_dir(id)),
+            "log_dir": state.log_dir(id),
+        });
+        println!("{v}");
+        return Ok(());
+    }
     println!(
-        "{} daemon {} (pid {}) for uid {} on {}: CUDA_MPS_PIPE_DIRECTORY={}",
+        "{} daemon {} (pid {}) for {} on {}: CUDA_MPS_PIPE_DIRECTORY={}",
         if ensured.started { "started" } else { "found" },
-        ensured.record.id,
+        id,
         ensured.record.daemon.map_or(0, |p| p.pid),
-        ident.uid,
+        if ident.multi_user {
+            "every uid".to_owned()
+        } else {
+            format!("uid {}", ident.uid)
+        },
         ident.devices.join(","),
-        state.pipe_dir(&ensured.record.id).display()
+        state.pipe_dir(id).display()
     );
+    if !ident.ipc_host {
+        println!(
+            "a client outside a container also needs {} as its /dev/shm",
+            state.shm_dir(id).display()
+        );
+    }
     Ok(())
 }
 
@@ -311,6 +400,12 @@ fn daemon_stop(cfg: &Config, id: Option<String>, all: bool, force: bool) -> anyh
     for id in &ids {
         if !crate::identity::valid_id(id) {
             anyhow::bail!("daemon id {id:?} is invalid: allowed is 12 lowercase hex digits (see gpushare daemon list)");
+        }
+        if !state.daemon_dir(id).exists() {
+            anyhow::bail!(
+                "no daemon {id} under {} (see gpushare daemon list)",
+                state.root().display()
+            );
         }
         let users = state.containers(id)?;
         if !users.is_empty() && !force {
@@ -470,125 +565,24 @@ fn gc(cfg: &Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One daemon as `status` shows it.
-#[derive(Debug, Serialize)]
-pub struct DaemonView {
-    pub id: String,
-    pub devices: Vec<String>,
-    pub uid: u32,
-    pub multi_user: bool,
-    pub active_thread_percentage: Option<u8>,
-    pub pinned_memory_limit: Option<u64>,
-    pub status: Option<DaemonStatus>,
-    pub pid: Option<i32>,
-    pub supervisor_pid: Option<i32>,
-    /// Supervisor and daemon are the processes the record names.
-    pub alive: bool,
-    pub restarts: u32,
-    pub error: Option<String>,
-    pub containers: Vec<crate::state::ContainerRecord>,
-}
-
-pub fn collect(state: &StateDir) -> Vec<DaemonView> {
-    let mut out = Vec::new();
-    for id in state.daemon_ids().unwrap_or_default() {
-        let Ok(Some(rec)) = state.read_record(&id) else {
-            continue;
-        };
-        let DaemonRecord {
-            identity,
-            status,
-            supervisor,
-            daemon,
-            restarts,
-            error,
-            ..
-        } = rec;
-        let alive = status == DaemonStatus::Ready
-            && supervisor.is_some_and(|p| p.alive())
-            && daemon.is_some_and(|p| p.alive());
-        out.push(DaemonView {
-            containers: state.containers(&id).unwrap_or_default(),
-            id,
-            devices: identity.devices,
-            uid: identity.uid,
-            multi_user: identity.multi_user,
-            active_thread_percentage: identity.active_thread_percentage,
-            pinned_memory_limit: identity.pinned_memory_limit,
-            status: Some(status),
-            pid: daemon.map(|p| p.pid),
-            supervisor_pid: supervisor.map(|p| p.pid),
-            alive,
-            restarts,
-            error,
-        });
-    }
-    out
-}
-
-fn status(cfg: &Config, json: bool) -> i32 {
-    let views = collect(&StateDir::new(&cfg.state_dir));
-    let mut out = std::io::stdout().lock();
-    if json {
-        let _ = writeln!(
-            out,
-            "{}",
-            serde_json::to_string_pretty(&views).unwrap_or_default()
-        );
-        return 0;
-    }
-    let _ = writeln!(
-        out,
-        "{:<12}  {:<16}  {:<6}  {:<18}  {:>7}  {:<5}  {:>10}",
-        "DAEMON", "DEVICE", "UID", "LIMITS", "PID", "ALIVE", "CONTAINERS"
-    );
-    for v in &views {
-        let device = v
-            .devices
-            .iter()
-            .map(|d| d.chars().take(12).collect::<String>())
-            .collect::<Vec<_>>()
-            .join(",");
-        let uid = if v.multi_user {
-            "multi".to_owned()
-        } else {
-            v.uid.to_string()
-        };
-        let mut limits = Vec::new();
-        if let Some(p) = v.active_thread_percentage {
-            limits.push(format!("threads={p}%"));
-        }
-        if let Some(m) = v.pinned_memory_limit {
-            limits.push(format!("mem={}", crate::request::format_mps_size(m)));
-        }
-        let limits = if limits.is_empty() {
-            "-".to_owned()
-        } else {
-            limits.join(",")
-        };
-        let pid = v.pid.map_or_else(|| "-".to_owned(), |p| p.to_string());
-        let _ = writeln!(
-            out,
-            "{:<12}  {:<16}  {:<6}  {:<18}  {:>7}  {:<5}  {:>10}",
-            v.id,
-            device,
-            uid,
-            limits,
-            pid,
-            if v.alive { "yes" } else { "no" },
-            v.containers.len()
-        );
-        for c in &v.containers {
-            let _ = writeln!(
-                out,
-                "  └ container {} (pid {})",
-                c.id,
-                c.pid.map_or_else(|| "-".into(), |p| p.to_string())
-            );
+fn status(cfg: &Config, format: Format, output: Option<&std::path::Path>) -> i32 {
+    let view = crate::status::collect(cfg);
+    let text = match format {
+        Format::Table => crate::status::table(&view),
+        Format::Json => serde_json::to_string_pretty(&view).unwrap_or_default() + "\n",
+        Format::Prometheus => crate::status::prometheus(&view),
+    };
+    match output {
+        Some(path) => match crate::util::write_atomic(path, text.as_bytes(), 0o644) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("gpushare: cannot write {}: {e}", path.display());
+                1
+            }
+        },
+        None => {
+            let _ = std::io::stdout().lock().write_all(text.as_bytes());
+            0
         }
     }
-    if views.is_empty() {
-        let _ = writeln!(out, "(no MPS daemons under {})", cfg.state_dir.display());
-    }
-    0
 }

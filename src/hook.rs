@@ -96,6 +96,27 @@ pub fn decided_identity(ann: &HashMap<String, String>) -> anyhow::Result<Identit
     Ok(ident)
 }
 
+/// Which engine created a container, from what engines leave in its state.
+pub fn engine_of(state: &State) -> String {
+    let ann = |k: &str| state.annotations.get(k).map(String::as_str);
+    let bundle = state
+        .bundle
+        .as_deref()
+        .map(|b| b.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if ann("io.kubernetes.cri.container-type").is_some() {
+        "kubernetes".into()
+    } else if ann("io.container.manager") == Some("libpod") {
+        "podman".into()
+    } else if bundle.contains("/moby/") {
+        "docker".into()
+    } else if bundle.contains("io.containerd.runtime.v2.task") {
+        "containerd".into()
+    } else {
+        "runc".into()
+    }
+}
+
 /// `createRuntime`: ensure the daemon, record the container.
 pub fn create_runtime(cfg: &Config, state: &State) -> anyhow::Result<()> {
     let ident = decided_identity(&state.annotations)?;
@@ -106,6 +127,7 @@ pub fn create_runtime(cfg: &Config, state: &State) -> anyhow::Result<()> {
         start_time: state.pid.and_then(crate::util::proc_start_time),
         bundle: state.bundle.clone(),
         created_at: crate::util::unix_now(),
+        engine: Some(crate::hook::engine_of(state)),
     };
     let ensured = ensure::ensure(cfg, &dirs, &ident, Some(&rec))?;
     tracing::info!(

@@ -80,6 +80,7 @@ pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
         start_time: crate::util::proc_start_time(pid),
         bundle: Some(bundle.clone()),
         created_at: crate::util::unix_now(),
+        engine: Some(crate::hook::engine_of(state)),
     };
     let ensured = crate::mps::ensure::ensure(cfg, &dirs, &ident, Some(&rec))?;
     let id = ensured.record.id;

@@ -13,9 +13,18 @@
 // carries a `// SAFETY:` comment.
 #![deny(unsafe_code)]
 
+/// `<crate version> (commit <git commit>)`, for `--version`.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("GPUSHARE_GIT_COMMIT"),
+    ")"
+);
+
 pub mod cli;
 pub mod config;
 pub mod device;
+pub mod doctor;
 pub mod hook;
 pub mod hookonly;
 pub mod identity;
@@ -26,6 +35,7 @@ pub mod request;
 pub mod runtime;
 pub mod spec;
 pub mod state;
+pub mod status;
 #[allow(unsafe_code)]
 pub mod sys;
 pub mod util;

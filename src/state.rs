@@ -127,6 +127,9 @@ pub struct ContainerRecord {
     /// Start time of `pid` (see `ProcRef`): a reused pid never keeps a daemon alive.
     #[serde(default)]
     pub start_time: Option<u64>,
+    /// Which engine created it (docker, containerd, kubernetes, podman, runc), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<String>,
     pub bundle: Option<PathBuf>,
     pub created_at: u64,
 }
@@ -706,6 +709,7 @@ mod tests {
                 start_time: None,
                 bundle: None,
                 created_at: 0,
+                engine: None,
             };
             assert!(
                 matches!(
@@ -732,6 +736,7 @@ mod tests {
             start_time: None,
             bundle: None,
             created_at: 3,
+            engine: None,
         };
         state.add_container(id, &rec).unwrap();
         assert_eq!(state.containers(id).unwrap(), vec![rec]);
@@ -750,6 +755,7 @@ mod tests {
             start_time,
             bundle: None,
             created_at,
+            engine: None,
         };
         assert!(rec(Some(me), util::proc_start_time(me), now).live(10));
         assert!(!rec(Some(me), Some(1), now).live(10), "reused pid");
@@ -771,6 +777,7 @@ mod tests {
             start_time: None,
             bundle: None,
             created_at: util::unix_now(),
+            engine: None,
         };
         state.add_container(id, &pending).unwrap();
         assert!(!state

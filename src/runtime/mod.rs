@@ -37,6 +37,10 @@ const POSTSTOP_TIMEOUT: u64 = 10;
 pub fn main(argv: Vec<OsString>) -> i32 {
     let rest = argv.get(1..).unwrap_or(&[]);
     let inv = args::scan(rest).unwrap_or_default();
+    if inv.command.is_none() && rest.iter().any(|a| a == "--version" || a == "-v") {
+        // Ours first, then the low-level runtime's own (as NVIDIA's shim does).
+        println!("gpushare-runtime version {}", crate::VERSION);
+    }
     if !inv.edits_spec() {
         return passthrough(rest, &inv);
     }
@@ -138,6 +142,7 @@ pub fn prepare(
         start_time: None,
         bundle: spec_path.parent().map(Path::to_owned),
         created_at: crate::util::unix_now(),
+        engine: None,
     };
     let recorded = state.add_container(&id, &pending).is_ok();
     if !state.skeleton_ready(&id, !ident.ipc_host) {

@@ -63,7 +63,7 @@ fn container_gets_pipe_dir_and_daemon_shm_and_daemon_runs_as_its_user() {
     assert_eq!(cfg["annotations"]["gpushare.io/host-uid"], "1000");
     let status = env.status();
     assert_eq!(status[0]["id"], id.as_str());
-    assert_eq!(status[0]["alive"], true);
+    assert_eq!(status[0]["health"], "ok");
     assert_eq!(status[0]["containers"][0]["id"], "c1");
     c.delete();
     assert!(

@@ -264,7 +264,9 @@ impl Env {
             "status failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        serde_json::from_slice(&out.stdout).unwrap()
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["schema"], "gpushare.status/v1");
+        v["daemons"].clone()
     }
 }
 

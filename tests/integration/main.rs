@@ -5,4 +5,5 @@ mod core_path;
 mod engines;
 mod harness;
 mod modes;
+mod operator;
 mod security;

@@ -521,6 +521,8 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
             "start",
             "--device",
             "0",
+            "--uid",
+            "1000",
             "--active-thread-percentage",
             "101",
         ])
@@ -532,6 +534,22 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
         err.contains("--active-thread-percentage=\"101\"") && err.contains("1 to 100"),
         "{err}"
     );
+    // Without --uid (and not multi-user) it refuses rather than serve root silently.
+    let no_uid = env
+        .cmd(GPUSHARE)
+        .args(["daemon", "start", "--device", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(no_uid.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&no_uid.stderr).contains("--uid"));
+    // Stopping a daemon that does not exist is an error, not a "stopped".
+    let none = env
+        .cmd(GPUSHARE)
+        .args(["daemon", "stop", "--id", "0123456789ab"])
+        .output()
+        .unwrap();
+    assert_eq!(none.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&none.stderr).contains("no daemon 0123456789ab"));
     // Stop refuses while a container uses it, then stops with --force.
     let refused = env
         .cmd(GPUSHARE)

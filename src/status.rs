@@ -1,0 +1,388 @@
+//! `gpushare status`: what runs where, in three formats — a table for people, JSON with a
+//! stable schema (`gpushare.status/v1`), and Prometheus metrics for node-exporter's
+//! textfile collector.
+//!
+//! Invariants: reads records without taking any lock a create could wait on; a daemon's
+//! health comes from its control interface (a record or a socket alone proves nothing);
+//! adding fields to the JSON keeps the schema name, renaming or removing one changes it.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::device::Inventory;
+use crate::mps::control::{resolve_binary, Control};
+use crate::state::{ContainerRecord, DaemonStatus, StateDir};
+
+pub const SCHEMA: &str = "gpushare.status/v1";
+
+/// One device of a daemon, described from the inventory when it can be read.
+#[derive(Debug, Serialize)]
+pub struct DeviceView {
+    pub uuid: String,
+    /// `GPU 0` or `MIG 1:0`.
+    pub name: Option<String>,
+    pub model: Option<String>,
+    pub mig_profile: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct DaemonView {
+    pub id: String,
+    pub devices: Vec<DeviceView>,
+    /// Host UID the daemon serves (0 and `multi_user` for a multi-user daemon).
+    pub uid: u32,
+    pub multi_user: bool,
+    pub ipc: &'static str,
+    pub active_thread_percentage: Option<u8>,
+    pub pinned_memory_limit_bytes: Option<u64>,
+    pub status: DaemonStatus,
+    pub pid: Option<i32>,
+    pub supervisor_pid: Option<i32>,
+    /// Seconds since the current daemon process became ready.
+    pub uptime_seconds: Option<u64>,
+    pub restarts: u32,
+    /// `ok` (processes alive and control interface answering), `unresponsive`, `down`.
+    pub health: &'static str,
+    pub servers: Option<usize>,
+    pub clients: Option<usize>,
+    pub error: Option<String>,
+    /// The directories a client needs (CUDA_MPS_PIPE_DIRECTORY, and /dev/shm unless ipc=host).
+    pub pipe_dir: String,
+    pub shm_dir: Option<String>,
+    pub log_dir: String,
+    pub containers: Vec<ContainerRecord>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct StatusView {
+    pub schema: &'static str,
+    pub state_dir: String,
+    pub daemons: Vec<DaemonView>,
+}
+
+fn describe(inventory: Option<&Inventory>, uuid: &str) -> DeviceView {
+    let mut v = DeviceView {
+        uuid: uuid.to_owned(),
+        name: None,
+        model: None,
+        mig_profile: None,
+    };
+    let Some(inv) = inventory else { return v };
+    for gpu in &inv.gpus {
+        if gpu.uuid.eq_ignore_ascii_case(uuid) {
+            v.name = Some(format!("GPU {}", gpu.index));
+            v.model = Some(gpu.name.clone());
+        }
+        for mig in &gpu.mig_devices {
+            if mig.uuid.eq_ignore_ascii_case(uuid) {
+                v.name = Some(format!("MIG {}:{}", gpu.index, mig.index));
+                v.model = Some(gpu.name.clone());
+                v.mig_profile = Some(mig.profile.clone());
+            }
+        }
+    }
+    v
+}
+
+/// Asks the daemon for its servers and their clients.
+fn probe(control: &Control) -> Option<(usize, usize)> {
+    let timeout = Duration::from_secs(2);
+    let servers: Vec<String> = control
+        .command("get_server_list", timeout)
+        .ok()?
+        .split_whitespace()
+        .filter(|s| s.parse::<u32>().is_ok())
+        .map(str::to_owned)
+        .collect();
+    let mut clients = 0;
+    for s in &servers {
+        clients += control
+            .command(&format!("get_client_list {s}"), timeout)
+            .map(|out| {
+                out.split_whitespace()
+                    .filter(|w| w.parse::<u32>().is_ok())
+                    .count()
+            })
+            .unwrap_or(0);
+    }
+    Some((servers.len(), clients))
+}
+
+/// Collects the view of every daemon under the state dir.
+pub fn collect(cfg: &Config) -> StatusView {
+    let state = StateDir::new(&cfg.state_dir);
+    let inventory = crate::device::InventorySource::parse(&cfg.inventory)
+        .ok()
+        .and_then(|src| crate::device::load(&src).ok());
+    let binary = resolve_binary(&cfg.mps.control_binary).ok();
+    let now = crate::util::unix_now();
+    let mut daemons = Vec::new();
+    for id in state.daemon_ids().unwrap_or_default() {
+        let Ok(Some(rec)) = state.read_record(&id) else {
+            continue;
+        };
+        let ident = &rec.identity;
+        let alive = rec.status == DaemonStatus::Ready
+            && rec.supervisor.is_some_and(|p| p.alive())
+            && rec.daemon.is_some_and(|p| p.alive());
+        let probed = binary.as_ref().filter(|_| alive).and_then(|b| {
+            probe(&Control {
+                binary: b.clone(),
+                pipe_dir: state.pipe_dir(&id),
+                user: (!ident.multi_user).then_some((ident.uid, ident.gid)),
+            })
+        });
+        daemons.push(DaemonView {
+            devices: ident
+                .devices
+                .iter()
+                .map(|u| describe(inventory.as_ref(), u))
+                .collect(),
+            uid: ident.uid,
+            multi_user: ident.multi_user,
+            ipc: if ident.ipc_host { "host" } else { "isolated" },
+            active_thread_percentage: ident.active_thread_percentage,
+            pinned_memory_limit_bytes: ident.pinned_memory_limit,
+            status: rec.status,
+            pid: rec.daemon.filter(|_| alive).map(|p| p.pid),
+            supervisor_pid: rec.supervisor.map(|p| p.pid),
+            uptime_seconds: rec
+                .ready_at
+                .filter(|_| alive)
+                .map(|t| now.saturating_sub(t)),
+            restarts: rec.restarts,
+            health: match (alive, probed.is_some()) {
+                (true, true) => "ok",
+                (true, false) => "unresponsive",
+                _ => "down",
+            },
+            servers: probed.map(|p| p.0),
+            clients: probed.map(|p| p.1),
+            error: rec.error.clone(),
+            pipe_dir: state.pipe_dir(&id).display().to_string(),
+            shm_dir: (!ident.ipc_host).then(|| state.shm_dir(&id).display().to_string()),
+            log_dir: state.log_dir(&id).display().to_string(),
+            containers: state.containers(&id).unwrap_or_default(),
+            id,
+        });
+    }
+    StatusView {
+        schema: SCHEMA,
+        state_dir: cfg.state_dir.display().to_string(),
+        daemons,
+    }
+}
+
+fn human_duration(secs: u64) -> String {
+    match secs {
+        s if s < 120 => format!("{s}s"),
+        s if s < 7200 => format!("{}m", s / 60),
+        s if s < 172_800 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86_400),
+    }
+}
+
+pub fn table(view: &StatusView) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<12}  {:<22}  {:<6}  {:<22}  {:>7}  {:>6}  {:>8}  {:<12}  {:>7}  {:>7}",
+        "DAEMON",
+        "DEVICE",
+        "UID",
+        "LIMITS",
+        "PID",
+        "UPTIME",
+        "RESTARTS",
+        "HEALTH",
+        "SERVERS",
+        "CLIENTS"
+    );
+    for d in &view.daemons {
+        let device = d
+            .devices
+            .iter()
+            .map(|v| match (&v.name, &v.mig_profile) {
+                (Some(n), Some(p)) => format!("{n} {p}"),
+                (Some(n), None) => n.clone(),
+                _ => v.uuid.chars().take(12).collect(),
+            })
+            .collect::<Vec<_>>()
+            .join(",");
+        let uid = if d.multi_user {
+            "multi".to_owned()
+        } else {
+            d.uid.to_string()
+        };
+        let mut limits = Vec::new();
+        if let Some(p) = d.active_thread_percentage {
+            limits.push(format!("threads={p}%"));
+        }
+        if let Some(m) = d.pinned_memory_limit_bytes {
+            limits.push(format!("mem={}", crate::request::format_mps_size(m)));
+        }
+        if d.ipc == "host" {
+            limits.push("ipc=host".into());
+        }
+        let dash = || "-".to_owned();
+        let _ = writeln!(
+            out,
+            "{:<12}  {:<22}  {:<6}  {:<22}  {:>7}  {:>6}  {:>8}  {:<12}  {:>7}  {:>7}",
+            d.id,
+            device,
+            uid,
+            if limits.is_empty() {
+                dash()
+            } else {
+                limits.join(",")
+            },
+            d.pid.map_or_else(dash, |p| p.to_string()),
+            d.uptime_seconds.map_or_else(dash, human_duration),
+            d.restarts,
+            if d.health == "ok" {
+                "ok".to_owned()
+            } else {
+                format!("{} ({:?})", d.health, d.status).to_lowercase()
+            },
+            d.servers.map_or_else(dash, |n| n.to_string()),
+            d.clients.map_or_else(dash, |n| n.to_string()),
+        );
+        for c in &d.containers {
+            let _ = writeln!(
+                out,
+                "  └ container {}  engine={}  pid={}",
+                c.id,
+                c.engine.as_deref().unwrap_or("-"),
+                c.pid.map_or_else(dash, |p| p.to_string())
+            );
+        }
+    }
+    if view.daemons.is_empty() {
+        let _ = writeln!(out, "(no MPS daemons under {})", view.state_dir);
+    }
+    out
+}
+
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Prometheus text exposition format (node-exporter textfile collector).
+pub fn prometheus(view: &StatusView) -> String {
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, rows: Vec<(String, String)>| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (labels, value) in rows {
+            let _ = writeln!(out, "{name}{labels} {value}");
+        }
+    };
+    let labels = |d: &DaemonView| {
+        let device = d
+            .devices
+            .iter()
+            .map(|v| v.uuid.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
+        let uid = if d.multi_user {
+            "multi".to_owned()
+        } else {
+            d.uid.to_string()
+        };
+        format!(
+            "{{daemon=\"{}\",device=\"{}\",uid=\"{}\"}}",
+            label(&d.id),
+            label(&device),
+            label(&uid)
+        )
+    };
+    metric(
+        "gpushare_daemons",
+        "gauge",
+        "MPS control daemons managed by gpushare on this node.",
+        vec![(String::new(), view.daemons.len().to_string())],
+    );
+    metric(
+        "gpushare_daemon_up",
+        "gauge",
+        "1 when the daemon's processes run and its control interface answers.",
+        view.daemons
+            .iter()
+            .map(|d| (labels(d), u8::from(d.health == "ok").to_string()))
+            .collect(),
+    );
+    metric(
+        "gpushare_daemon_restarts_total",
+        "counter",
+        "Restarts of the daemon by its supervisor.",
+        view.daemons
+            .iter()
+            .map(|d| (labels(d), d.restarts.to_string()))
+            .collect(),
+    );
+    metric(
+        "gpushare_containers",
+        "gauge",
+        "Containers recorded as using the daemon.",
+        view.daemons
+            .iter()
+            .map(|d| (labels(d), d.containers.len().to_string()))
+            .collect(),
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_escapes_labels_and_declares_types() {
+        let view = StatusView {
+            schema: SCHEMA,
+            state_dir: "/run/gpushare".into(),
+            daemons: vec![DaemonView {
+                id: "0123456789ab".into(),
+                devices: vec![DeviceView {
+                    uuid: "GPU-a\"b".into(),
+                    name: None,
+                    model: None,
+                    mig_profile: None,
+                }],
+                uid: 1000,
+                multi_user: false,
+                ipc: "isolated",
+                active_thread_percentage: None,
+                pinned_memory_limit_bytes: None,
+                status: DaemonStatus::Ready,
+                pid: Some(5),
+                supervisor_pid: Some(4),
+                uptime_seconds: Some(3),
+                restarts: 2,
+                health: "ok",
+                servers: Some(1),
+                clients: Some(1),
+                error: None,
+                pipe_dir: String::new(),
+                shm_dir: None,
+                log_dir: String::new(),
+                containers: vec![],
+            }],
+        };
+        let text = prometheus(&view);
+        assert!(text.contains("# TYPE gpushare_daemon_restarts_total counter"));
+        assert!(
+            text.contains(
+                "gpushare_daemon_up{daemon=\"0123456789ab\",device=\"GPU-a\\\"b\",uid=\"1000\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("gpushare_daemons 1\n"));
+        assert_eq!(human_duration(59), "59s");
+        assert_eq!(human_duration(7300), "2h");
+    }
+}

@@ -1,0 +1,227 @@
+//! Issue 5: what an operator sees — status in three formats, doctor on a broken setup,
+//! versions.
+
+use std::time::Duration;
+
+use crate::harness::*;
+
+#[test]
+fn status_shows_daemons_health_and_containers_in_three_formats() {
+    let env = Env::new();
+    let hold = "gpushare-mps-sim client --hold 30";
+    let cs = [
+        env.container("st-a")
+            .uid(1000)
+            .annotation("gpushare.io/device", "0")
+            .annotation("gpushare.io/active-thread-percentage", "50")
+            .sh(hold)
+            .create(),
+        env.container("st-b")
+            .uid(2000)
+            .annotation("gpushare.io/device", "0")
+            .sh(hold)
+            .create(),
+        env.container("st-m")
+            .uid(1000)
+            .annotation("gpushare.io/device", "1:0")
+            .sh(hold)
+            .create(),
+    ];
+    for c in &cs {
+        c.start();
+    }
+    for c in &cs {
+        assert!(
+            wait_until(Duration::from_secs(10), || c
+                .stdout()
+                .contains("mps-client")),
+            "{} attached",
+            c.id
+        );
+    }
+
+    let daemons = env.status();
+    assert_eq!(daemons.as_array().unwrap().len(), 3);
+    for d in daemons.as_array().unwrap() {
+        assert_eq!(d["health"], "ok", "{d}");
+        assert_eq!(
+            (d["servers"].as_u64(), d["clients"].as_u64()),
+            (Some(1), Some(1)),
+            "{d}"
+        );
+        assert!(d["uptime_seconds"].is_u64() && d["pid"].is_i64() && d["pipe_dir"].is_string());
+        assert_eq!(d["containers"][0]["engine"], "runc");
+    }
+    let mig = daemons
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["devices"][0]["uuid"] == MIG0)
+        .expect("the MIG daemon");
+    assert_eq!(mig["devices"][0]["name"], "MIG 1:0");
+    assert_eq!(mig["devices"][0]["mig_profile"], "1g.10gb");
+
+    let table =
+        String::from_utf8(env.cmd(GPUSHARE).arg("status").output().unwrap().stdout).unwrap();
+    for needle in [
+        "DAEMON",
+        "HEALTH",
+        "GPU 0",
+        "MIG 1:0 1g.10gb",
+        "threads=50%",
+        "1000",
+        "2000",
+        "container st-a  engine=runc",
+    ] {
+        assert!(table.contains(needle), "{needle:?} in:\n{table}");
+    }
+    assert_eq!(table.matches("  ok  ").count(), 3, "{table}");
+
+    let prom_file = env.path().join("gpushare.prom");
+    let out = env
+        .cmd(GPUSHARE)
+        .args(["status", "--format", "prometheus", "--output"])
+        .arg(&prom_file)
+        .output()
+        .unwrap();
+    assert!(out.status.success() && out.stdout.is_empty());
+    let prom = std::fs::read_to_string(&prom_file).unwrap();
+    assert!(
+        prom.contains("# TYPE gpushare_daemons gauge\ngpushare_daemons 3\n"),
+        "{prom}"
+    );
+    assert_eq!(
+        prom.lines()
+            .filter(|l| l.starts_with("gpushare_daemon_up{") && l.ends_with(" 1"))
+            .count(),
+        3,
+        "{prom}"
+    );
+    assert!(
+        prom.contains(&format!("device=\"{MIG0}\",uid=\"1000\"")),
+        "{prom}"
+    );
+    assert!(prom
+        .lines()
+        .any(|l| l.starts_with("gpushare_daemon_restarts_total{") && l.ends_with(" 0")));
+    assert_eq!(
+        prom.lines()
+            .filter(|l| l.starts_with("gpushare_containers{") && l.ends_with(" 1"))
+            .count(),
+        3
+    );
+
+    // A killed daemon shows as restarting/down, then ok with a restart counted.
+    let a = env.daemon_of(&cs[0]);
+    let pid = env.daemon_pid(&a);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    assert!(wait_until(Duration::from_secs(10), || {
+        env.status()
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|d| d["id"] == a.as_str() && d["restarts"] == 1 && d["health"] == "ok")
+    }));
+    for c in &cs {
+        c.delete();
+    }
+}
+
+#[test]
+fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
+    let env = Env::new();
+    // A state dir too long for MPS's socket paths, writable by everyone, and no MPS binary.
+    let long = env.path().join("x".repeat(90)).join("state");
+    std::fs::create_dir_all(&long).unwrap();
+    std::fs::set_permissions(&long, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let broken = env.path().join("broken.toml");
+    let text = std::fs::read_to_string(&env.config).unwrap();
+    let text = text
+        .replace(
+            &format!("state-dir = {:?}", env.state.display().to_string()),
+            &format!("state-dir = {:?}", long.display().to_string()),
+        )
+        .replace(
+            &format!("control-binary = {SIM:?}"),
+            "control-binary = \"/nonexistent/nvidia-cuda-mps-control\"",
+        );
+    std::fs::write(&broken, text).unwrap();
+    let out = std::process::Command::new(GPUSHARE)
+        .env("GPUSHARE_CONFIG", &broken)
+        .arg("doctor")
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{report}");
+    let fail_with_fix = |check: &str, fix: &str| {
+        let at = report
+            .find(&format!("FAIL  {check}"))
+            .unwrap_or_else(|| panic!("no FAIL for {check}:\n{report}"));
+        let next = &report[at..];
+        assert!(
+            next.lines()
+                .nth(1)
+                .is_some_and(|l| l.contains("fix:") && l.contains(fix)),
+            "{check}: {report}"
+        );
+    };
+    fail_with_fix("socket-path", "set state-dir to a path of at most");
+    fail_with_fix("state-dir", "chmod 0711");
+    fail_with_fix("mps-control", "mps.control-binary");
+    assert!(
+        report.contains("no NVIDIA driver on this machine"),
+        "says it runs without a GPU:\n{report}"
+    );
+
+    // The test setup itself: no failures (warnings for engines not configured here).
+    let out = env
+        .cmd(GPUSHARE)
+        .arg("doctor")
+        .args([
+            "--docker-config",
+            "/nonexistent",
+            "--containerd-config",
+            "/nonexistent",
+        ])
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    assert!(
+        report.contains("ok    mps-control")
+            && report.contains("ok    compute-mode")
+            && !report.contains("FAIL"),
+        "{report}"
+    );
+}
+
+#[test]
+fn both_binaries_report_their_version_and_the_shim_passes_runcs_through() {
+    let out = std::process::Command::new(RUNTIME)
+        .arg("--version")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(
+        text.starts_with(&format!(
+            "gpushare-runtime version {} (commit ",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("runc version"),
+        "runc's own version follows:\n{text}"
+    );
+    let out = std::process::Command::new(GPUSHARE)
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout)
+        .starts_with(&format!("gpushare {} (commit ", env!("CARGO_PKG_VERSION"))));
+}
