@@ -121,8 +121,9 @@ enum DaemonCommand {
         /// Device, as in gpushare.io/device: 0, GPU-<uuid>, MIG-<uuid>, 0:1, 0,1.
         #[arg(long)]
         device: String,
-        /// Host UID the daemon serves (required but under multi-user).
-        #[arg(long, required_unless_present = "multi_user")]
+        /// Host UID the daemon serves (required unless the daemon is multi-user, by
+        /// --multi-user or the config's user-mode).
+        #[arg(long)]
         uid: Option<u32>,
         /// One root daemon for every UID (as user-mode = "multi-user"), whatever the config says.
         #[arg(long)]
@@ -265,7 +266,11 @@ pub fn main() -> i32 {
                     if multi_user {
                         cfg.mps.user_mode = crate::config::UserMode::MultiUser;
                     }
-                    let uid = uid.unwrap_or(0);
+                    let multi = cfg.mps.user_mode == crate::config::UserMode::MultiUser;
+                    let Some(uid) = uid.or(multi.then_some(0)) else {
+                        eprintln!("gpushare: --uid is required for a per-user daemon (or pass --multi-user for one root daemon serving every uid)");
+                        return 2;
+                    };
                     report(daemon_start(
                         &cfg,
                         &device,
