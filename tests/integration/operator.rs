@@ -273,3 +273,52 @@ fn the_gpu_tier_skips_without_a_gpu_and_runs_against_the_simulator() {
         "{text}"
     );
 }
+
+#[test]
+fn json_logs_carry_the_container_id_and_passthrough_commands_log_nothing() {
+    let env = Env::with_configs("log-format = \"json\"", "");
+    let c = env
+        .container("lg1")
+        .uid(1000)
+        .annotation("gpushare.io/device", "0")
+        .sh("sleep 30")
+        .create();
+    c.start();
+    let log = env.gpushare_log();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let ours: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|v| v["span"]["name"] == "create" || v["span"]["name"] == "hook")
+        .collect();
+    assert!(ours.len() >= 2, "{log}");
+    for v in &ours {
+        assert_eq!(v["span"]["container_id"], "lg1", "{v}");
+    }
+    assert!(
+        lines
+            .iter()
+            .any(|v| v["fields"]["message"] == "spec edited for MPS"),
+        "{log}"
+    );
+    // Probes (state, exec, ps, kill 0) go straight to runc: the log does not grow.
+    let before = std::fs::metadata(env.path().join("gpushare.log"))
+        .unwrap()
+        .len();
+    for _ in 0..5 {
+        assert!(env.runtime(&["state", "lg1"], &c.log()).status.success());
+        assert!(env
+            .runtime(&["exec", "lg1", "true"], &c.log())
+            .status
+            .success());
+    }
+    assert_eq!(
+        std::fs::metadata(env.path().join("gpushare.log"))
+            .unwrap()
+            .len(),
+        before
+    );
+    c.delete();
+}
