@@ -56,6 +56,17 @@ pub struct DaemonView {
     pub containers: Vec<ContainerRecord>,
 }
 
+impl DaemonView {
+    /// The UID it serves, or `multi` for a multi-user daemon.
+    pub fn uid_label(&self) -> String {
+        if self.multi_user {
+            "multi".to_owned()
+        } else {
+            self.uid.to_string()
+        }
+    }
+}
+
 #[derive(Debug, Serialize)]
 pub struct StatusView {
     pub schema: &'static str,
@@ -212,11 +223,7 @@ pub fn table(view: &StatusView) -> String {
             })
             .collect::<Vec<_>>()
             .join(",");
-        let uid = if d.multi_user {
-            "multi".to_owned()
-        } else {
-            d.uid.to_string()
-        };
+        let uid = d.uid_label();
         let mut limits = Vec::new();
         if let Some(p) = d.active_thread_percentage {
             limits.push(format!("threads={p}%"));
@@ -288,11 +295,7 @@ pub fn prometheus(view: &StatusView) -> String {
             .map(|v| v.uuid.as_str())
             .collect::<Vec<_>>()
             .join(",");
-        let uid = if d.multi_user {
-            "multi".to_owned()
-        } else {
-            d.uid.to_string()
-        };
+        let uid = d.uid_label();
         format!(
             "{{daemon=\"{}\",device=\"{}\",uid=\"{}\"}}",
             label(&d.id),

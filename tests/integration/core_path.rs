@@ -15,7 +15,7 @@ fn container_gets_pipe_dir_and_daemon_shm_and_daemon_runs_as_its_user() {
     let c = env
         .container("c1")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(&format!(
             "echo PIPE=$CUDA_MPS_PIPE_DIRECTORY; ls $CUDA_MPS_PIPE_DIRECTORY; {CLIENT}"
         ))
@@ -94,13 +94,13 @@ fn two_users_get_their_servers_at_once() {
     let a = env
         .container("a")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(&format!("{CLIENT} {hold}"))
         .create();
     let b = env
         .container("b")
         .uid(2000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(&format!("{CLIENT} {hold}"))
         .create();
     a.start();
@@ -203,7 +203,7 @@ fn sixteen_simultaneous_creates_start_exactly_one_daemon() {
                     let c = env
                         .container(&format!("p{i}"))
                         .uid(1000)
-                        .annotation("gpushare.io/device", "0")
+                        .device("0")
                         .sh(CLIENT)
                         .bundle();
                     let out = c.try_create();
@@ -249,7 +249,7 @@ fn each_limit_profile_gets_its_own_daemon_with_limits_before_its_first_client() 
     let low = env
         .container("low")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .annotation("gpushare.io/active-thread-percentage", "25")
         .annotation("gpushare.io/pinned-memory-limit", "1G")
         .sh(CLIENT)
@@ -257,7 +257,7 @@ fn each_limit_profile_gets_its_own_daemon_with_limits_before_its_first_client() 
     let high = env
         .container("high")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .annotation("gpushare.io/active-thread-percentage", "50")
         .sh(CLIENT)
         .create();
@@ -363,7 +363,7 @@ fn bad_requests_fail_create_cleanly() {
     for (i, (key, value, expect)) in cases.iter().enumerate() {
         let mut b = env.container(&format!("bad{i}")).uid(1000);
         if *key != "gpushare.io/device" {
-            b = b.annotation("gpushare.io/device", "0");
+            b = b.device("0");
         }
         let c = b.annotation(key, value).bundle();
         let before = c.config_bytes();
@@ -423,7 +423,7 @@ fn killed_daemon_is_replaced_and_daemons_outlive_their_containers() {
     let first = env
         .container("k1")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(CLIENT)
         .create();
     assert_eq!(client_line(&first.run())["shm"], "ok");
@@ -444,7 +444,7 @@ fn killed_daemon_is_replaced_and_daemons_outlive_their_containers() {
     let second = env
         .container("k2")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(CLIENT)
         .create();
     assert_eq!(
@@ -469,7 +469,7 @@ fn killed_daemon_is_replaced_and_daemons_outlive_their_containers() {
     let third = env
         .container("k3")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(CLIENT)
         .create();
     assert_eq!(client_line(&third.run())["shm"], "ok");
@@ -488,7 +488,7 @@ fn supervisor_is_detached_and_directories_have_owners_and_modes() {
     let c = env
         .container("d1")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh("sleep 30")
         .create();
     c.start();

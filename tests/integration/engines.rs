@@ -582,7 +582,7 @@ fn chaining_to_nvidia_container_runtime_passes_argv_and_visible_devices() {
     let c = env
         .container("nv1")
         .uid(1000)
-        .annotation("gpushare.io/device", "2")
+        .device("2")
         .sh(CLIENT)
         .create();
     if created {

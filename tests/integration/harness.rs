@@ -379,6 +379,10 @@ impl<'a> ContainerBuilder<'a> {
         self.args = vec!["sh".into(), "-c".into(), script.into()];
         self
     }
+    /// The request annotation `gpushare.io/device`.
+    pub fn device(self, d: &str) -> Self {
+        self.annotation("gpushare.io/device", d)
+    }
     pub fn annotation(mut self, k: &str, v: &str) -> Self {
         self.annotations.insert(k.into(), v.into());
         self

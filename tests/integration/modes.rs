@@ -20,13 +20,13 @@ fn multi_user_serves_every_uid_from_one_root_daemon_at_once() {
     let a = env
         .container("mu-a")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(&format!("{CLIENT} --hold 1.5"))
         .create();
     let b = env
         .container("mu-b")
         .uid(2000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(&format!("{CLIENT} --hold 1.5"))
         .create();
     a.start();
@@ -60,7 +60,7 @@ fn host_ipc_is_dockers_ipc_host_and_the_daemon_uses_the_hosts_shm() {
     let c = env
         .container("h1")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(&format!("{CLIENT} --hold 1"))
         .create();
     c.start();
@@ -94,13 +94,13 @@ fn ipc_override_only_where_allowed() {
     let iso = env
         .container("o-iso")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(CLIENT)
         .create();
     let host = env
         .container("o-host")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .annotation("gpushare.io/ipc", "host")
         .sh(&format!("{CLIENT} --hold 1"))
         .create();
@@ -124,7 +124,7 @@ fn advisory_limits_are_client_env_only_with_one_daemon_per_user() {
         let c = env
             .container(name)
             .uid(1000)
-            .annotation("gpushare.io/device", "0")
+            .device("0")
             .annotation("gpushare.io/active-thread-percentage", tp)
             .sh(&format!(
                 "echo ENV=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; {CLIENT}"
@@ -157,14 +157,14 @@ fn mig_devices_get_one_daemon_each_with_their_own_memory_limit() {
     let a = env
         .container("mig-a")
         .uid(1000)
-        .annotation("gpushare.io/device", "1:0")
+        .device("1:0")
         .annotation("gpushare.io/pinned-memory-limit", "8G")
         .sh(CLIENT)
         .create();
     let b = env
         .container("mig-b")
         .uid(1000)
-        .annotation("gpushare.io/device", MIG1)
+        .device(MIG1)
         .sh(CLIENT)
         .create();
     assert_eq!(client_line(&a.run())["shm"], "ok");
@@ -181,7 +181,7 @@ fn mig_devices_get_one_daemon_each_with_their_own_memory_limit() {
     let big = env
         .container("mig-big")
         .uid(1000)
-        .annotation("gpushare.io/device", "1:2")
+        .device("1:2")
         .annotation("gpushare.io/pinned-memory-limit", "12G")
         .bundle();
     assert_eq!(big.try_create().status.code(), Some(1));
@@ -198,7 +198,7 @@ fn a_list_of_full_gpus_gets_one_daemon_for_the_set() {
     let c = env
         .container("list")
         .uid(1000)
-        .annotation("gpushare.io/device", "0,2")
+        .device("0,2")
         .annotation("gpushare.io/pinned-memory-limit", "2G")
         .sh(&format!(
             "echo MEM=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT; {CLIENT}"
@@ -230,7 +230,7 @@ fn user_namespaces_map_the_daemon_to_the_host_uid() {
         .container("userns")
         .uid(1000)
         .userns(100000, 65536)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(&format!("id -u; {CLIENT}"))
         .create();
     let out = c.run();
@@ -249,7 +249,7 @@ fn user_namespaces_map_the_daemon_to_the_host_uid() {
         .container("unmapped")
         .uid(70000)
         .userns(100000, 65536)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .bundle();
     let before = unmapped.config_bytes();
     assert_eq!(unmapped.try_create().status.code(), Some(1));
@@ -267,7 +267,7 @@ fn a_killed_daemon_is_restarted_with_its_limits_while_containers_use_it() {
     let holder = env
         .container("hold")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .annotation("gpushare.io/active-thread-percentage", "30")
         .sh("sleep 60")
         .create();
@@ -299,7 +299,7 @@ fn a_killed_daemon_is_restarted_with_its_limits_while_containers_use_it() {
     let next = env
         .container("after")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .annotation("gpushare.io/active-thread-percentage", "30")
         .sh(CLIENT)
         .create();
@@ -322,7 +322,7 @@ fn an_idle_daemon_is_stopped_and_removed_and_comes_back_on_demand() {
     let c = env
         .container("idle1")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(CLIENT)
         .create();
     assert_eq!(client_line(&c.run())["shm"], "ok");
@@ -349,7 +349,7 @@ fn an_idle_daemon_is_stopped_and_removed_and_comes_back_on_demand() {
     let again = env
         .container("idle2")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(CLIENT)
         .create();
     assert_eq!(
@@ -365,7 +365,7 @@ fn a_daemon_with_a_running_container_is_not_idle_but_a_stopped_one_does_not_coun
     let holder = env
         .container("busy")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh("sleep 60")
         .create();
     holder.start();
@@ -390,7 +390,7 @@ fn gc_cleans_what_a_crash_left() {
     let c = env
         .container("gc1")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(CLIENT)
         .create();
     assert_eq!(client_line(&c.run())["shm"], "ok");
@@ -442,7 +442,7 @@ fn gc_cleans_what_a_crash_left() {
     let holder = env
         .container("gc2")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh("sleep 60")
         .create();
     holder.start();
@@ -501,7 +501,7 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
     let c = env
         .container("pre")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .annotation("gpushare.io/active-thread-percentage", "40")
         .sh("sleep 60")
         .create();

@@ -12,18 +12,18 @@ fn status_shows_daemons_health_and_containers_in_three_formats() {
     let cs = [
         env.container("st-a")
             .uid(1000)
-            .annotation("gpushare.io/device", "0")
+            .device("0")
             .annotation("gpushare.io/active-thread-percentage", "50")
             .sh(hold)
             .create(),
         env.container("st-b")
             .uid(2000)
-            .annotation("gpushare.io/device", "0")
+            .device("0")
             .sh(hold)
             .create(),
         env.container("st-m")
             .uid(1000)
-            .annotation("gpushare.io/device", "1:0")
+            .device("1:0")
             .sh(hold)
             .create(),
     ];
@@ -280,7 +280,7 @@ fn json_logs_carry_the_container_id_and_passthrough_commands_log_nothing() {
     let c = env
         .container("lg1")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh("sleep 30")
         .create();
     c.start();

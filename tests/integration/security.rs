@@ -118,11 +118,7 @@ fn hostile_values_are_rejected_before_any_path_mount_or_command() {
 fn escaping_ids_and_planted_symlinks_are_refused() {
     let env = Env::new();
     // A container id built to escape the state directory.
-    let c = env
-        .container("esc")
-        .uid(1000)
-        .annotation("gpushare.io/device", "0")
-        .bundle();
+    let c = env.container("esc").uid(1000).device("0").bundle();
     let log = c.log();
     let out = env
         .cmd(RUNTIME)
@@ -169,11 +165,7 @@ fn escaping_ids_and_planted_symlinks_are_refused() {
     )
     .unwrap();
     std::os::unix::fs::symlink(&elsewhere, env.state.join("mps")).unwrap();
-    let d = env
-        .container("sym")
-        .uid(1000)
-        .annotation("gpushare.io/device", "0")
-        .bundle();
+    let d = env.container("sym").uid(1000).device("0").bundle();
     assert_eq!(d.try_create().status.code(), Some(1));
     assert!(
         d.last_error().contains("unusable") && d.last_error().contains("symlink"),
@@ -193,11 +185,7 @@ fn escaping_ids_and_planted_symlinks_are_refused() {
         std::os::unix::fs::PermissionsExt::from_mode(0o777),
     )
     .unwrap();
-    let e = env
-        .container("open")
-        .uid(1000)
-        .annotation("gpushare.io/device", "0")
-        .bundle();
+    let e = env.container("open").uid(1000).device("0").bundle();
     assert_eq!(e.try_create().status.code(), Some(1));
     assert!(
         e.last_error()
@@ -246,7 +234,7 @@ fn a_preload_library_in_the_container_env_never_reaches_hook_supervisor_or_daemo
     let c = env
         .container("preload")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .env(&preload)
         .env(&libpath)
         .sh("true") // busybox is static: the container itself never loads it either
@@ -281,13 +269,13 @@ fn a_per_user_daemon_is_confined_to_its_own_directories() {
     let a = env
         .container("ua")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(CLIENT)
         .create();
     let b = env
         .container("ub")
         .uid(2000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(CLIENT)
         .create();
     a.run();
@@ -371,7 +359,7 @@ fn env_requests_are_refused_when_disabled() {
     let ok = env
         .container("ann")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .sh(CLIENT)
         .create();
     assert_eq!(client_line(&ok.run())["shm"], "ok");
@@ -383,7 +371,7 @@ fn a_tenant_cannot_raise_enforced_limits_from_inside() {
     let c = env
         .container("greedy")
         .uid(1000)
-        .annotation("gpushare.io/device", "0")
+        .device("0")
         .annotation("gpushare.io/active-thread-percentage", "25")
         .annotation("gpushare.io/pinned-memory-limit", "1G")
         .sh(&format!(
