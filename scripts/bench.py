@@ -1,0 +1,872 @@
+#!/usr/bin/env python3
+"""gpushare's benchmark suite, driven by scripts/bench (which builds the release binaries).
+
+Every A/B benchmark runs A = runc directly and B = gpushare-runtime (the shim, which execs
+the same runc) on bundles of the same shape with fresh container ids, alternating per round
+(A then B on even rounds, B then A on odd ones, so neither side always runs on a warmer
+machine). Reported: median, p10 and p90 (linear interpolation) of each side and the ratio of
+the medians B/A, plus PASS/MISS against the targets of issue #6. Absolute times only matter
+for the cold start; everything else is a ratio against runc measured in the same run.
+
+Standard library only. Needs root, runc, busybox and GNU time. See BENCHMARKS.md.
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+REL = REPO / "target" / "release"
+RUNTIME = REL / "gpushare-runtime"
+GPUSHARE = REL / "gpushare"
+SIM = REL / "gpushare-mps-sim"
+GPU0 = "GPU-8f8bff94-112e-9541-43da-cfd453333404"
+MIB = 1024 * 1024
+
+# Issue #6 targets.
+T_NOREQ = 1.03  # create without request, median ratio
+T_PASS = 1.03  # passthrough commands, median ratio
+T_WARM = 1.15  # create with a warm daemon (shim + hook), median ratio
+T_COLD_MS = 100.0  # create of a new identity until its daemon is ready
+T_BURST_SPREAD = 3.0  # p99 <= 3 x p50
+T_SHIM_RSS = 8 * 1024  # KiB
+T_HOOK_RSS = 16 * 1024  # KiB
+
+# Host uids used per benchmark (each cold round / burst round gets a new identity).
+UID_WARM = 1000
+UID_COLD = 20000
+UID_BURST = 30000
+UID_RSS = 40000
+
+
+def which(name):
+    found = shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/usr/bin:/sbin:/bin")
+    if not found:
+        sys.exit(f"scripts/bench: {name} not found")
+    return found
+
+
+RUNC = which("runc")
+BUSYBOX = next(p for p in ("/bin/busybox", "/usr/bin/busybox") if os.path.exists(p))
+TRUE = which("true")
+
+
+def pct(xs, p):
+    """Percentile with linear interpolation between closest ranks (numpy's default)."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * p / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def ratio_ci(a, b, n=2000, seed=6):
+    """95% bootstrap interval of median(b)/median(a), resampling rounds (pairs) together."""
+    rng = random.Random(seed)
+    k = len(a)
+    rs = []
+    for _ in range(n):
+        idx = [rng.randrange(k) for _ in range(k)]
+        rs.append(statistics.median(b[i] for i in idx) / statistics.median(a[i] for i in idx))
+    return pct(rs, 2.5), pct(rs, 97.5)
+
+
+def ms(ns):
+    return ns / 1e6
+
+
+class BenchError(Exception):
+    pass
+
+
+class Suite:
+    def __init__(self, args):
+        self.args = args
+        self.work = Path(tempfile.mkdtemp(prefix="gsb.", dir="/tmp"))
+        # Per-user daemons run as their uid and must traverse to their pipe directory.
+        os.chmod(self.work, 0o711)
+        self.state = self.work / "s"
+        self.runc_root = self.work / "r"
+        self.cfg = self.work / "runtime.toml"
+        self.cfg_rss = self.work / "rss.toml"
+        self.log = self.work / "gpushare.log"
+        self.rootfs = self.work / "rootfs"
+        self.bundles = self.work / "b"
+        self.env = {
+            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "GPUSHARE_CONFIG": str(self.cfg),
+        }
+        self.results = {}
+        self.verdicts = []  # (name, value text, target text, ok)
+        self._base_spec = None
+        self.pt_container = None
+
+    # ---------------------------------------------------------------- set-up / clean-up
+
+    def setup(self):
+        for d in ("bin", "dev/shm", "proc", "sys", "tmp/nvidia-mps", "etc", "usr/bin"):
+            (self.rootfs / d).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(BUSYBOX, self.rootfs / "bin" / "busybox")
+        applets = subprocess.run([BUSYBOX, "--list"], capture_output=True, text=True).stdout.split()
+        for a in applets:
+            if a != "busybox":
+                try:
+                    os.symlink("busybox", self.rootfs / "bin" / a)
+                except FileExistsError:
+                    pass
+        (self.rootfs / "etc" / "passwd").write_text("root:x:0:0:root:/:/bin/sh\n")
+        inv = self.work / "inventory.json"
+        inv.write_text(json.dumps({
+            "driver_version": "580.159.04",
+            "gpus": [{"index": 0, "uuid": GPU0, "name": "NVIDIA A30",
+                      "memory_bytes": 25769803776, "compute_capability": "8.0",
+                      "compute_mode": "default"}]}))
+        common = (
+            f'state-dir = "{self.state}"\n'
+            f'log-file = "{self.log}"\n'
+            'log-level = "info"\n'
+            f'inventory = "file:{inv}"\n'
+            "[mps]\n"
+            f'control-binary = "{SIM}"\n'
+            'shm-size = "64M"\n'
+            'start-timeout = "10s"\n'
+        )
+        self.cfg.write_text(f'low-level-runtime = ["{RUNC}"]\n' + common)
+        # For peak RSS only: the shim execs `true` instead of runc, so the process's peak
+        # RSS (which survives exec) is the shim's own, not runc's. See BENCHMARKS.md.
+        self.cfg_rss.write_text(f'low-level-runtime = ["{TRUE}"]\n' + common)
+        spec_dir = self.work / "spec"
+        spec_dir.mkdir()
+        subprocess.run([RUNC, "spec"], cwd=spec_dir, check=True)
+        self._base_spec = json.loads((spec_dir / "config.json").read_text())
+
+    def cleanup(self):
+        # Creates still in flight (an interrupted burst) finish first, so none is missed.
+        for t in threading.enumerate():
+            if t is not threading.current_thread() and not t.daemon:
+                t.join(timeout=30)
+        # Containers first (their poststop hooks release daemons), then daemons, mounts, dir.
+        ids = set()
+        if self.runc_root.exists():
+            out = subprocess.run([RUNC, "--root", str(self.runc_root), "list", "-q"],
+                                 capture_output=True, text=True)
+            ids.update(out.stdout.split())
+        if ids:
+            with ThreadPoolExecutor(8) as ex:
+                list(ex.map(lambda c: subprocess.run(
+                    [RUNC, "--root", str(self.runc_root), "delete", "-f", c],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL, env=self.env), sorted(ids)))
+        if self.cfg.exists() and GPUSHARE.exists():
+            subprocess.run([str(GPUSHARE), "daemon", "stop", "--all", "--force"],
+                           env=self.env, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Whatever is still mounted under the work dir (deepest first).
+        mounts = []
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                mp = line.split()[4].replace("\\040", " ")
+                if mp == str(self.work) or mp.startswith(str(self.work) + "/"):
+                    mounts.append(mp)
+        for mp in sorted(mounts, key=len, reverse=True):
+            subprocess.run(["umount", "-l", mp], stderr=subprocess.DEVNULL)
+        if self.args.keep:
+            print(f"scripts/bench: kept {self.work}")
+        else:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    # ---------------------------------------------------------------- helpers
+
+    def spec(self, args, uid=0, annotations=None):
+        c = json.loads(json.dumps(self._base_spec))
+        c["process"]["terminal"] = False
+        c["process"]["args"] = args
+        c["process"]["user"] = {"uid": uid, "gid": uid}
+        c["root"] = {"path": str(self.rootfs), "readonly": True}
+        c["hostname"] = "bench"
+        if annotations:
+            c["annotations"] = annotations
+        return json.dumps(c, indent="\t").encode()
+
+    def request_spec(self, uid, args=("true",)):
+        return self.spec(list(args), uid, {"gpushare.io/device": "0"})
+
+    def bundle(self, cid, spec_bytes):
+        b = self.bundles / cid
+        b.mkdir(parents=True)
+        (b / "config.json").write_bytes(spec_bytes)
+        return b
+
+    def argv(self, side, b, rest):
+        exe = RUNC if side == "A" else str(RUNTIME)
+        return [exe, "--root", str(self.runc_root), "--log", str(b / "log.json"),
+                "--log-format", "json"] + rest
+
+    def pre(self):
+        """Puts the machine in the same state before every timed command (see
+        BENCHMARKS.md, "Noise"): an idle pause of --settle ms, then --primer execs of `true`."""
+        if self.args.settle:
+            time.sleep(self.args.settle / 1000.0)
+        for _ in range(self.args.primer):
+            subprocess.call([TRUE])
+
+    def run(self, side, b, rest, env=None, check=True, timed=True):
+        """Runs one runtime command; returns its wall time in ns. Container stdio -> files.
+        A timed command is preceded by `pre()`."""
+        argv = self.argv(side, b, rest)
+        if timed:
+            self.pre()
+        with open(b / "out", "ab") as out:
+            t0 = time.perf_counter_ns()
+            rc = subprocess.call(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                 env=env or self.env)
+            t1 = time.perf_counter_ns()
+        if check and rc != 0:
+            raise BenchError(f"{' '.join(argv)} exited {rc}: {self.last_error(b)}")
+        return t1 - t0 if rc == 0 else None
+
+    @staticmethod
+    def last_error(b):
+        try:
+            lines = (b / "log.json").read_text().splitlines()
+        except OSError:
+            lines = []
+        for line in reversed(lines):
+            try:
+                v = json.loads(line)
+            except ValueError:
+                continue
+            if v.get("level") == "error":
+                return v.get("msg", "")
+        out = (b / "out").read_text(errors="replace") if (b / "out").exists() else ""
+        return out.strip()[-500:] or "(no error line)"
+
+    @staticmethod
+    def wait_exit(pid, limit=10.0):
+        """Waits until a container's init has exited (gone or zombie), untimed."""
+        deadline = time.monotonic() + limit
+        path = f"/proc/{pid}/stat"
+        while time.monotonic() < deadline:
+            try:
+                with open(path) as f:
+                    st = f.read()
+                if st[st.rindex(")") + 2] in "ZX":
+                    return
+            except (OSError, ValueError):
+                return
+            time.sleep(0.0005)
+        raise BenchError(f"container init {pid} did not exit within {limit}s")
+
+    def daemon_ids(self):
+        d = self.state / "mps"
+        if not d.is_dir():
+            return []
+        return sorted(e.name for e in d.iterdir() if re.fullmatch(r"[0-9a-f]{12}", e.name))
+
+    def record(self, did):
+        return json.loads((self.state / "mps" / did / "daemon.json").read_text())
+
+    def stop_daemon(self, did):
+        subprocess.run([str(GPUSHARE), "daemon", "stop", "--id", did, "--force"],
+                       env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=True)
+
+    def stop_all_daemons(self):
+        subprocess.run([str(GPUSHARE), "daemon", "stop", "--all", "--force"],
+                       env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=True)
+
+    @staticmethod
+    def order(r):
+        return ("A", "B") if r % 2 == 0 else ("B", "A")
+
+    def summary(self, name, a, b, target=None, label=None):
+        """Stores and prints one A/B row; returns the ratio of medians."""
+        ma, mb = statistics.median(a), statistics.median(b)
+        ratio = mb / ma
+        lo, hi = ratio_ci(a, b)
+        row = {
+            "ratio_ci95": [lo, hi],
+            "A": {"median_ms": ms(ma), "p10_ms": ms(pct(a, 10)), "p90_ms": ms(pct(a, 90)), "n": len(a)},
+            "B": {"median_ms": ms(mb), "p10_ms": ms(pct(b, 10)), "p90_ms": ms(pct(b, 90)), "n": len(b)},
+            "ratio": ratio,
+            "paired_ratio_p10_p50_p90": [pct([y / x for x, y in zip(a, b)], p) for p in (10, 50, 90)],
+            "samples_ms": {"A": [ms(x) for x in a], "B": [ms(x) for x in b]},
+        }
+        self.results[name] = row
+        verdict = ""
+        if target is not None:
+            ok = ratio <= target
+            verdict = f"{'PASS' if ok else 'MISS'} (<= {target:.2f})"
+            if lo <= target <= hi:
+                verdict += " [CI straddles the target]"
+            self.verdicts.append((label or name, f"{ratio:.3f} x runc (CI {lo:.2f}-{hi:.2f})",
+                                  f"<= {target:.2f} x", ok))
+        print(f"  {name:<34} A {ms(ma):7.2f} [{ms(pct(a, 10)):6.2f}-{ms(pct(a, 90)):6.2f}]"
+              f"  B {ms(mb):7.2f} [{ms(pct(b, 10)):6.2f}-{ms(pct(b, 90)):6.2f}] ms"
+              f"  B/A {ratio:.3f} (95% CI {lo:.3f}-{hi:.3f})  {verdict}", flush=True)
+        return ratio
+
+    # ---------------------------------------------------------------- benchmarks
+
+    def lifecycle(self, name, spec_bytes, rounds, check_b):
+        """create + start + delete of a `true` container, A/B alternating. The container's
+        exit is awaited (untimed) before delete, so delete never hits runc's 100 ms kill
+        poll; the figure is the sum of the three commands' wall times."""
+        phases = ("create", "start", "delete", "total")
+        s = {side: {p: [] for p in phases} for side in "AB"}
+        warmup = 1
+        for r in range(-warmup, rounds):
+            for side in self.order(r):
+                cid = f"{name}{r + warmup}{side.lower()}"
+                b = self.bundle(cid, spec_bytes)
+                tc = self.run(side, b, ["create", "--bundle", str(b), "--pid-file", str(b / "pid"), cid])
+                pid = int((b / "pid").read_text())
+                ts = self.run(side, b, ["start", cid])
+                self.wait_exit(pid)
+                td = self.run(side, b, ["delete", cid])
+                if side == "B":
+                    check_b(b, spec_bytes)
+                if r >= 0:
+                    for p, v in zip(phases, (tc, ts, td, tc + ts + td)):
+                        s[side][p].append(v)
+        return s
+
+    def bench_noreq(self, rounds):
+        print("[1] create + start + delete, no request: runc vs gpushare-runtime", flush=True)
+        spec_bytes = self.spec(["true"])
+
+        def untouched(b, original):
+            if (b / "config.json").read_bytes() != original:
+                raise BenchError(f"{b}/config.json was edited for a container without request")
+
+        s = self.lifecycle("n", spec_bytes, rounds, untouched)
+        self.summary("noreq.create", s["A"]["create"], s["B"]["create"], T_NOREQ, "create, no request")
+        self.summary("noreq.start", s["A"]["start"], s["B"]["start"])
+        self.summary("noreq.delete", s["A"]["delete"], s["B"]["delete"])
+        self.summary("noreq.create+start+delete", s["A"]["total"], s["B"]["total"], T_NOREQ,
+                     "create+start+delete, no request")
+
+    def ensure_warm_daemon(self):
+        """Starts the daemon of uid 1000 (untimed) through a first container, once."""
+        if getattr(self, "warm_daemon", None):
+            return
+        b = self.bundle("warmup", self.request_spec(UID_WARM))
+        self.run("B", b, ["create", "--bundle", str(b), "--pid-file", str(b / "pid"), "warmup"], timed=False)
+        self.run("B", b, ["start", "warmup"], timed=False)
+        self.wait_exit(int((b / "pid").read_text()))
+        self.run("B", b, ["delete", "warmup"], timed=False)
+        daemons = self.daemon_ids()
+        if len(daemons) != 1 or self.record(daemons[0])["status"] != "ready":
+            raise BenchError(f"warm-up did not leave one ready daemon: {daemons}")
+        self.warm_daemon = daemons[0]
+
+    def bench_warm(self, rounds):
+        print("[2] create + start + delete with gpushare.io/device=0, daemon already running "
+              "(shim + createRuntime/poststop hooks) vs runc on the same bundle", flush=True)
+        spec_bytes = self.request_spec(UID_WARM)
+        self.ensure_warm_daemon()
+
+        def edited(b, _original):
+            ann = json.loads((b / "config.json").read_bytes()).get("annotations", {})
+            if ann.get("gpushare.io/daemon") != self.warm_daemon:
+                raise BenchError(f"{b}: not attached to the warm daemon: {ann}")
+
+        s = self.lifecycle("w", spec_bytes, rounds, edited)
+        if self.daemon_ids() != [self.warm_daemon]:
+            raise BenchError(f"warm benchmark started extra daemons: {self.daemon_ids()}")
+        rec = self.record(self.warm_daemon)
+        if rec["status"] != "ready" or rec.get("restarts", 0):
+            raise BenchError(f"warm daemon not steady: {rec}")
+        self.summary("warm.create", s["A"]["create"], s["B"]["create"], T_WARM,
+                     "create, warm daemon (shim + hook)")
+        self.summary("warm.start", s["A"]["start"], s["B"]["start"])
+        self.summary("warm.delete", s["A"]["delete"], s["B"]["delete"])
+        self.summary("warm.create+start+delete", s["A"]["total"], s["B"]["total"], T_WARM,
+                     "create+start+delete, warm daemon")
+
+    def start_pt_container(self):
+        """One long-running container (busybox sleep) for passthrough commands."""
+        if self.pt_container:
+            return
+        cid = "pt"
+        b = self.bundle(cid, self.spec(["sleep", "1000000"]))
+        self.run("A", b, ["create", "--bundle", str(b), "--pid-file", str(b / "pid"), cid], timed=False)
+        self.run("A", b, ["start", cid], timed=False)
+        self.pt_container = cid
+        self.pt_pid = int((b / "pid").read_text())
+
+    def bench_decompose(self, rounds):
+        """Where the warm create's extra time goes: four variants of one create, rotated
+        per round. A = runc, plain bundle; H = runc on the bundle as gpushare-runtime
+        edited it (so runc runs the createRuntime hook and does the extra mounts);
+        M = the same edited bundle without its hooks (mounts and env only); B = the shim."""
+        print("[8] warm create decomposition (informational): A runc plain | M runc + gpushare's "
+              "mounts/env | H runc + mounts + hook | B shim + mounts + hook", flush=True)
+        plain = self.request_spec(UID_WARM)
+        # The shim's edit of this bundle, captured once (the shim execs `true` here).
+        b = self.bundle("dz-edit", plain)
+        self.run("B", b, ["create", "--bundle", str(b), "dz-edit"],
+                 env=dict(self.env, GPUSHARE_CONFIG=str(self.cfg_rss)), timed=False)
+        edited = json.loads((b / "config.json").read_bytes())
+        subprocess.run([str(GPUSHARE), "hook", "poststop"], env=self.env, check=True,
+                       input=json.dumps({"id": "dz-edit", "annotations": edited["annotations"]}).encode())
+        no_hooks = dict(edited)
+        no_hooks.pop("hooks", None)
+        variants = {"A": ("A", plain), "M": ("A", json.dumps(no_hooks).encode()),
+                    "H": ("A", json.dumps(edited).encode()), "B": ("B", plain)}
+        keys = list(variants)
+        s = {k: [] for k in keys}
+        for r in range(-1, rounds):
+            rot = keys[r % 4:] + keys[:r % 4]
+            for k in rot:
+                side, spec_bytes = variants[k]
+                cid = f"d{r + 1}{k.lower()}"
+                b = self.bundle(cid, spec_bytes)
+                t = self.run(side, b, ["create", "--bundle", str(b), "--pid-file", str(b / "pid"), cid])
+                self.run(side, b, ["start", cid], timed=False)
+                self.wait_exit(int((b / "pid").read_text()))
+                self.run(side, b, ["delete", cid], timed=False)
+                if r >= 0:
+                    s[k].append(t)
+        med = {k: statistics.median(v) for k, v in s.items()}
+        self.results["decompose"] = {k: {"median_ms": ms(med[k]), "p10_ms": ms(pct(v, 10)),
+                                         "p90_ms": ms(pct(v, 90))} for k, v in s.items()}
+        for k in keys:
+            print(f"  {k}: create median {ms(med[k]):7.2f} ms [{ms(pct(s[k], 10)):6.2f}-{ms(pct(s[k], 90)):6.2f}]")
+        print(f"  mounts/env (M-A) {ms(med['M'] - med['A']):+.2f} ms, hook as run by runc (H-M) "
+              f"{ms(med['H'] - med['M']):+.2f} ms, shim (B-H) {ms(med['B'] - med['H']):+.2f} ms, "
+              f"total (B-A) {ms(med['B'] - med['A']):+.2f} ms", flush=True)
+
+    def bench_passthrough(self, rounds):
+        print("[3] passthrough commands on a running container: runc vs gpushare-runtime", flush=True)
+        self.start_pt_container()
+        cid, b = self.pt_container, self.bundles / self.pt_container
+        cmds = {"state": ["state", cid], "kill": ["kill", cid, "WINCH"]}  # WINCH: ignored by sleep
+        s = {k: {"A": [], "B": []} for k in cmds}
+        for r in range(-3, rounds * 3):  # cheap commands: 3x the rounds, 3 warm-up rounds
+            for k, rest in cmds.items():
+                for side in self.order(r):
+                    t = self.run(side, b, rest)
+                    if r >= 0:
+                        s[k][side].append(t)
+        self.summary("passthrough.state", s["state"]["A"], s["state"]["B"], T_PASS, "passthrough `state`")
+        self.summary("passthrough.kill", s["kill"]["A"], s["kill"]["B"], T_PASS, "passthrough `kill`")
+
+    def bench_cold(self, rounds):
+        print("[4] cold start: create of the first container of a new identity (new uid each "
+              "round) until it returns with the daemon ready; A = runc create of the same bundle", flush=True)
+        a, bs = [], []
+        for r in range(-1, rounds):
+            uid = UID_COLD + r + 1
+            spec_bytes = self.request_spec(uid)
+            for side in self.order(r):
+                cid = f"c{r + 1}{side.lower()}"
+                b = self.bundle(cid, spec_bytes)
+                before = set(self.daemon_ids())
+                t = self.run(side, b, ["create", "--bundle", str(b), "--pid-file", str(b / "pid"), cid])
+                new = [d for d in self.daemon_ids() if d not in before]
+                if side == "B":
+                    if len(new) != 1:
+                        raise BenchError(f"cold create made {len(new)} daemons: {new}")
+                    rec = self.record(new[0])
+                    if rec["status"] != "ready" or not rec.get("daemon"):
+                        raise BenchError(f"create returned before the daemon was ready: {rec}")
+                    if r >= 0:
+                        bs.append(t)
+                elif r >= 0:
+                    a.append(t)
+                self.run(side, b, ["start", cid], timed=False)
+                self.wait_exit(int((b / "pid").read_text()))
+                self.run(side, b, ["delete", cid], timed=False)
+                for d in new:
+                    self.stop_daemon(d)
+        self.summary("cold.create", a, bs)
+        med = ms(statistics.median(bs))
+        ok = med <= T_COLD_MS
+        self.results["cold.create"]["daemon_start_ms"] = med - ms(statistics.median(a))
+        self.verdicts.append(("cold start to ready daemon (simulator)", f"{med:.1f} ms",
+                              f"<= {T_COLD_MS:.0f} ms", ok))
+        print(f"  cold start median {med:.1f} ms (p90 {ms(pct(bs, 90)):.1f}); runc's own create "
+              f"{ms(statistics.median(a)):.1f} ms; daemon start adds "
+              f"{med - ms(statistics.median(a)):.1f} ms  {'PASS' if ok else 'MISS'} (<= {T_COLD_MS:.0f} ms)",
+              flush=True)
+
+    def burst_once(self, side, r, n):
+        uid = UID_BURST + r
+        spec_bytes = self.request_spec(uid)
+        bundles = [self.bundle(f"x{r}{side.lower()}{i}", spec_bytes) for i in range(n)]
+        before_log = self.log.stat().st_size if self.log.exists() else 0
+        before = set(self.daemon_ids())
+        lat = [None] * n
+        rcs = [None] * n
+        barrier = threading.Barrier(n)
+        exe = RUNC if side == "A" else str(RUNTIME)
+
+        def one(i):
+            b = bundles[i]
+            argv = [exe, "--root", str(self.runc_root), "--log", str(b / "log.json"),
+                    "--log-format", "json", "create", "--bundle", str(b), b.name]
+            with open(b / "out", "ab") as out:
+                barrier.wait()
+                t0 = time.perf_counter_ns()
+                rcs[i] = subprocess.call(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                         env=self.env)
+                lat[i] = time.perf_counter_ns() - t0
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        t0 = time.perf_counter_ns()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter_ns() - t0
+        failures = [bundles[i].name + ": " + self.last_error(bundles[i]) for i in range(n) if rcs[i] != 0]
+        new = [d for d in self.daemon_ids() if d not in before]
+        started = None
+        if side == "B":
+            with open(self.log, "rb") as f:
+                f.seek(before_log)
+                text = f.read().decode(errors="replace")
+            started = len(re.findall(r"started[=\":]+true", text))
+            attached = set()
+            for b in bundles:
+                ann = json.loads((b / "config.json").read_bytes()).get("annotations", {})
+                attached.add(ann.get("gpushare.io/daemon"))
+            if attached != set(new):
+                failures.append(f"containers attached to {attached}, new daemon dirs {new}")
+        # Clean up (untimed): delete the created containers, stop the daemon.
+        with ThreadPoolExecutor(8) as ex:
+            list(ex.map(lambda b: self.run(side, b, ["delete", "-f", b.name], check=False, timed=False),
+                        bundles))
+        for d in new:
+            self.stop_daemon(d)
+        return {"latencies_ms": [ms(x) for x in lat], "failures": failures, "daemons": len(new),
+                "started_in_log": started, "wall_ms": ms(wall),
+                "p50_ms": ms(pct(lat, 50)), "p99_ms": ms(pct(lat, 99)), "max_ms": ms(max(lat))}
+
+    def bench_burst(self, rounds, n=64):
+        print(f"[5] {n} simultaneous creates on one new identity (cold daemon), A = {n} runc creates", flush=True)
+        out = {"A": [], "B": []}
+        for r in range(rounds):
+            for side in self.order(r):
+                res = self.burst_once(side, r, n)
+                out[side].append(res)
+                extra = "" if side == "A" else (f"  daemons={res['daemons']} started(log)="
+                                                f"{res['started_in_log']}")
+                print(f"  round {r} {side}: p50 {res['p50_ms']:7.1f} ms  p99 {res['p99_ms']:7.1f} ms"
+                      f"  p99/p50 {res['p99_ms'] / res['p50_ms']:.2f}  wall {res['wall_ms']:7.1f} ms"
+                      f"  failures={len(res['failures'])}{extra}", flush=True)
+                for f in res["failures"][:5]:
+                    print(f"    failure: {f}")
+        self.results["burst"] = out
+        b = out["B"]
+        daemons_ok = all(x["daemons"] == 1 and x["started_in_log"] == 1 for x in b)
+        fail_ok = all(not x["failures"] for x in out["B"])
+        spread_b = statistics.median(x["p99_ms"] / x["p50_ms"] for x in b)
+        spread_a = statistics.median(x["p99_ms"] / x["p50_ms"] for x in out["A"])
+        p50_ratio = statistics.median(x["p50_ms"] for x in b) / statistics.median(x["p50_ms"] for x in out["A"])
+        p99_ratio = statistics.median(x["p99_ms"] for x in b) / statistics.median(x["p99_ms"] for x in out["A"])
+        self.results["burst_summary"] = {"spread_B": spread_b, "spread_A": spread_a,
+                                         "p50_ratio": p50_ratio, "p99_ratio": p99_ratio}
+        print(f"  B p99/p50 (median over rounds) {spread_b:.2f}, runc alone {spread_a:.2f}; "
+              f"B/A p50 {p50_ratio:.2f}, p99 {p99_ratio:.2f}", flush=True)
+        self.verdicts.append((f"{n} simultaneous creates: daemons started",
+                              ", ".join(str(x["daemons"]) for x in b), "1 per round", daemons_ok))
+        self.verdicts.append((f"{n} simultaneous creates: failures",
+                              ", ".join(str(len(x["failures"])) for x in b), "0", fail_ok))
+        self.verdicts.append((f"{n} simultaneous creates: p99/p50",
+                              f"{spread_b:.2f} (runc alone {spread_a:.2f})", "<= 3", spread_b <= T_BURST_SPREAD))
+
+    def bench_overhead(self, reps):
+        """The shim's and the hook's own cost in absolute terms: B = gpushare-runtime with
+        low-level-runtime = `true` (so B - A is everything the shim does before its exec),
+        A = `true` with the same argv; the hooks against `true` fed the same stdin."""
+        print("[7] own cost (informational): B = gpushare's binary, A = `true` with the same argv/stdin", flush=True)
+        env_t = dict(self.env, GPUSHARE_CONFIG=str(self.cfg_rss))
+
+        def timed(argv, env, data=None):
+            self.pre()
+            t0 = time.perf_counter_ns()
+            p = subprocess.run(argv, env=env, input=data, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+            t = time.perf_counter_ns() - t0
+            if p.returncode != 0:
+                raise BenchError(f"{argv} exited {p.returncode}")
+            return t
+
+        def ab(name, a_argv, b_argv, env, prep=None, after=None, data=None):
+            a, b = [], []
+            for r in range(-5, reps):
+                for side in self.order(r):
+                    if side == "A":
+                        t = timed(a_argv, env, data)
+                    else:
+                        ctx = prep() if prep else None
+                        argv = b_argv(ctx) if callable(b_argv) else b_argv
+                        t = timed(argv, env, data)
+                        if after:
+                            after(ctx)
+                    if r >= 0:
+                        (a if side == "A" else b).append(t)
+            self.summary(name, a, b)
+            self.results[name]["own_cost_us"] = (statistics.median(b) - statistics.median(a)) / 1e3
+            return (statistics.median(b) - statistics.median(a)) / 1e3
+
+        g = ["--root", str(self.runc_root), "--log", str(self.work / "ov.json"), "--log-format", "json"]
+        cost = {}
+        # The floor of any exec-through shim: a static C program that only execs `true`.
+        cc = shutil.which("cc") or shutil.which("gcc")
+        if cc:
+            src = self.work / "floor.c"
+            src.write_text('#include <unistd.h>\nint main(int c, char **v, char **e) '
+                           '{ (void)c; execve("%s", v, e); return 127; }\n' % TRUE)
+            floor = self.work / "floor"
+            if subprocess.run([cc, "-O2", "-static", "-o", str(floor), str(src)],
+                              stderr=subprocess.DEVNULL).returncode == 0:
+                cost["floor"] = ab("own.floor: static C exec-through", [TRUE] + g + ["state", "pt"],
+                                   [str(floor)] + g + ["state", "pt"], env_t)
+        else:
+            print("  (no C compiler: the exec-through floor row is skipped)")
+        cost["passthrough"] = ab("own.shim passthrough (state)", [TRUE] + g + ["state", "pt"],
+                                 [str(RUNTIME)] + g + ["state", "pt"], env_t)
+        b0 = self.bundle("ov0", self.spec(["true"]))
+        create0 = g + ["create", "--bundle", str(b0), "ov0"]
+        cost["create"] = ab("own.shim create, no request", [TRUE] + create0, [str(RUNTIME)] + create0, env_t)
+        req = self.request_spec(UID_WARM)
+        n = iter(range(100_000))
+        hook = [str(GPUSHARE), "hook"]
+
+        def state_of(b, cid):
+            ann = json.loads((b / "config.json").read_bytes())["annotations"]
+            return json.dumps({"ociVersion": "1.0.2", "id": cid, "status": "creating",
+                               "pid": self.pt_pid, "bundle": str(b), "annotations": ann}).encode()
+
+        def prep():
+            cid = f"ovw{next(n)}"
+            return self.bundle(cid, req), cid
+
+        def release(ctx):
+            b, cid = ctx
+            subprocess.run(hook + ["poststop"], env=self.env, input=state_of(b, cid), check=True)
+
+        cost["create_warm"] = ab("own.shim create, request (warm)", [TRUE] + create0,
+                                 lambda ctx: [str(RUNTIME)] + g + ["create", "--bundle", str(ctx[0]), ctx[1]],
+                                 env_t, prep=prep, after=release)
+        b1, cid1 = prep()
+        self.run("B", b1, ["create", "--bundle", str(b1), cid1], env=env_t, timed=False)  # edits, execs true
+        st = state_of(b1, cid1)
+        cost["hook_create_runtime"] = ab("own.hook create-runtime (warm)", [TRUE], hook + ["create-runtime"],
+                                         self.env, data=st)
+        cost["hook_poststop"] = ab("own.hook poststop", [TRUE], hook + ["poststop"], self.env, data=st)
+        self.results["own_cost_us"] = cost
+        print("  own cost (median B - median A): " +
+              ", ".join(f"{k} {v:.0f} us" for k, v in cost.items()), flush=True)
+        pt = self.results.get("passthrough.state")
+        if pt:
+            runc_ms = pt["A"]["median_ms"]
+            print(f"  implied passthrough ratio 1 + cost/runc state ({runc_ms:.2f} ms): shim "
+                  f"{1 + cost['passthrough'] / 1e3 / runc_ms:.3f}"
+                  + (f", floor {1 + cost['floor'] / 1e3 / runc_ms:.3f}" if "floor" in cost else ""),
+                  flush=True)
+
+    def maxrss(self, argv, env, stdin=None, reps=5):
+        """Peak RSS in KiB (GNU time's %M, wait4's ru_maxrss) of `argv`, max over reps."""
+        vals = []
+        for i in range(reps):
+            out = self.work / "time.out"
+            data = stdin(i) if callable(stdin) else stdin
+            p = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(out)] + argv, env=env,
+                               input=data, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            if p.returncode != 0:
+                raise BenchError(f"{argv} exited {p.returncode}: {p.stderr.decode(errors='replace')}")
+            vals.append(int(out.read_text().split()[-1]))
+        return vals
+
+    def bench_rss(self, reps):
+        print("[6] peak RSS (GNU time %M = ru_maxrss; the shim measured execing `true`, not runc)", flush=True)
+        env_rss = dict(self.env, GPUSHARE_CONFIG=str(self.cfg_rss))
+        rows = {}
+        rows["true (floor of any exec)"] = self.maxrss([TRUE], self.env, reps=reps)
+        rows["runc state (context)"] = self.maxrss(
+            [RUNC, "--root", str(self.runc_root), "state", self.pt_container], self.env, reps=reps)
+
+        plain = self.spec(["true"])
+        k = iter(range(10_000))
+
+        def shim_create(spec_bytes, prefix, n=reps):
+            vals, made = [], []
+            for _ in range(n):
+                cid = f"{prefix}{next(k)}"
+                b = self.bundle(cid, spec_bytes)
+                made.append((b, cid))
+                vals += self.maxrss([str(RUNTIME), "--root", str(self.runc_root), "--log",
+                                     str(b / "log.json"), "--log-format", "json", "create",
+                                     "--bundle", str(b), cid], env_rss, reps=1)
+            return vals, made
+
+        rows["shim create, no request"], _ = shim_create(plain, "m")
+        warm_vals, warm_made = shim_create(self.request_spec(UID_WARM), "mw")
+        rows["shim create, request (warm daemon)"] = warm_vals
+        rows["shim passthrough (state)"] = self.maxrss(
+            [str(RUNTIME), "--root", str(self.runc_root), "state", self.pt_container], env_rss, reps=reps)
+
+        def state_of(b, cid):
+            ann = json.loads((b / "config.json").read_bytes())["annotations"]
+            return json.dumps({"ociVersion": "1.0.2", "id": cid, "status": "creating",
+                               "pid": self.pt_pid, "bundle": str(b), "annotations": ann}).encode()
+
+        hook = [str(GPUSHARE), "hook"]
+        rows["hook create-runtime (warm daemon)"] = [
+            self.maxrss(hook + ["create-runtime"], self.env, stdin=state_of(b, cid), reps=1)[0]
+            for b, cid in warm_made]
+        rows["hook poststop"] = [
+            self.maxrss(hook + ["poststop"], self.env, stdin=state_of(b, cid), reps=1)[0]
+            for b, cid in warm_made]
+        # Cold: a new identity per rep; the hook starts the supervisor and waits for ready.
+        cold = []
+        for i in range(reps):
+            before = set(self.daemon_ids())
+            _, made = shim_create(self.request_spec(UID_RSS + i), "mc", 1)
+            (b, cid), = made
+            cold += self.maxrss(hook + ["create-runtime"], self.env, stdin=state_of(b, cid), reps=1)
+            self.maxrss(hook + ["poststop"], self.env, stdin=state_of(b, cid), reps=1)
+            for d in set(self.daemon_ids()) - before:
+                self.stop_daemon(d)
+        rows["hook create-runtime (cold: starts the daemon)"] = cold
+
+        self.results["rss_kib"] = rows
+        for name, v in rows.items():
+            print(f"  {name:<46} max {max(v) / 1024:6.2f} MiB  median {statistics.median(v) / 1024:6.2f} MiB")
+        shim = max(max(rows[k]) for k in rows if k.startswith("shim"))
+        hookv = max(max(rows[k]) for k in rows if k.startswith("hook"))
+        self.verdicts.append(("peak RSS, shim (max over create/passthrough)", f"{shim / 1024:.2f} MiB",
+                              "<= 8 MiB", shim <= T_SHIM_RSS))
+        self.verdicts.append(("peak RSS, hook (max over create-runtime/poststop)", f"{hookv / 1024:.2f} MiB",
+                              "<= 16 MiB", hookv <= T_HOOK_RSS))
+
+    # ---------------------------------------------------------------- report
+
+    def machine(self):
+        def sh(cmd):
+            try:
+                return subprocess.run(cmd, capture_output=True, text=True, shell=True).stdout.strip()
+            except OSError:
+                return "?"
+        cpu = "?"
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+        return {
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "nproc": os.cpu_count(),
+            "cpu": cpu,
+            "kernel": os.uname().release,
+            "runc": sh(f"{RUNC} --version | head -1"),
+            "rustc": sh("rustc -V"),
+            "loadavg": open("/proc/loadavg").read().split()[:3],
+            "mem_total": sh("grep MemTotal /proc/meminfo"),
+        }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=40, help="A/B rounds per benchmark (default 40)")
+    ap.add_argument("--burst-rounds", type=int, default=3, help="rounds of the 64-create burst (default 3)")
+    ap.add_argument("--burst", type=int, default=64, help="simultaneous creates (default 64)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 5 rounds, 1 burst round")
+    ap.add_argument("--settle", type=float, default=50.0,
+                    help="idle pause in ms before every timed command (default 50; see BENCHMARKS.md)")
+    ap.add_argument("--primer", type=int, default=0,
+                    help="execs of `true` right before every timed command (a busy-node regime; default 0)")
+    ap.add_argument("--only", default="", help="comma-separated subset: noreq,warm,passthrough,cold,burst,rss,overhead,decompose")
+    ap.add_argument("--json", help="also write every sample and result to this file")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, bundles) for inspection")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.burst_rounds = 5, 1
+    only = set(filter(None, args.only.split(","))) or {"noreq", "warm", "passthrough", "cold", "burst", "rss", "overhead", "decompose"}
+
+    suite = Suite(args)
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, on_signal)
+
+    code = 0
+    try:
+        info = suite.machine()
+        print(f"scripts/bench: {info['date']}  nproc={info['nproc']}  cpu={info['cpu']}  "
+              f"kernel={info['kernel']}  {info['runc']}  {info['rustc']}  load={' '.join(info['loadavg'])}")
+        print(f"scripts/bench: rounds={args.rounds} burst={args.burst}x{args.burst_rounds} "
+              f"settle={args.settle:g}ms primer={args.primer}  "
+              f"work dir {suite.work}  (times in ms: median [p10-p90])", flush=True)
+        suite.setup()
+        if "noreq" in only:
+            suite.bench_noreq(args.rounds)
+        if "warm" in only:
+            suite.bench_warm(args.rounds)
+        if "passthrough" in only:
+            suite.bench_passthrough(args.rounds)
+        if "cold" in only:
+            suite.bench_cold(args.rounds)
+        if "burst" in only:
+            suite.bench_burst(args.burst_rounds, args.burst)
+        if "rss" in only:
+            suite.ensure_warm_daemon()
+            suite.start_pt_container()
+            suite.bench_rss(5)
+        if "overhead" in only:
+            suite.ensure_warm_daemon()
+            suite.start_pt_container()
+            suite.bench_overhead(args.rounds * 3)
+        if "decompose" in only:
+            suite.ensure_warm_daemon()
+            suite.bench_decompose(args.rounds)
+        info["loadavg_end"] = open("/proc/loadavg").read().split()[:3]
+        print("\nscripts/bench: targets (issue #6)")
+        w = max(len(v[0]) for v in suite.verdicts) if suite.verdicts else 10
+        for name, value, target, ok in suite.verdicts:
+            print(f"  {'PASS' if ok else 'MISS'}  {name:<{w}}  {value:<28} target {target}")
+        missed = [v for v in suite.verdicts if not v[3]]
+        print(f"scripts/bench: {len(suite.verdicts) - len(missed)} PASS, {len(missed)} MISS; "
+              f"load at end {' '.join(info['loadavg_end'])}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({
+                "machine": info, "args": vars(args), "results": suite.results,
+                "verdicts": [{"name": n, "value": v, "target": t, "pass": ok}
+                             for n, v, t, ok in suite.verdicts]}, indent=1))
+            print(f"scripts/bench: wrote {args.json}")
+    except BenchError as e:
+        print(f"scripts/bench: FAILED: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt as e:
+        print(f"scripts/bench: interrupted ({e}); cleaning up", file=sys.stderr)
+        code = 130
+    finally:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        suite.cleanup()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
