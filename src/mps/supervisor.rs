@@ -88,6 +88,19 @@ fn own_cgroup() {
     for h in hierarchies {
         let dir = h.join("gpushare");
         let moved = std::fs::create_dir_all(&dir)
+            .and_then(|()| {
+                // A new cgroup-v1 cpuset is empty and refuses members (ENOSPC): give it its
+                // parent's CPUs and memory nodes first.
+                for file in ["cpuset.cpus", "cpuset.mems"] {
+                    let own = dir.join(file);
+                    if own.exists()
+                        && std::fs::read_to_string(&own).is_ok_and(|v| v.trim().is_empty())
+                    {
+                        std::fs::write(&own, std::fs::read_to_string(h.join(file))?)?;
+                    }
+                }
+                Ok(())
+            })
             .and_then(|()| std::fs::write(dir.join("cgroup.procs"), &pid));
         if let Err(e) = moved {
             tracing::warn!(cgroup = %dir.display(), error = %e, "cannot move the supervisor into its own cgroup");

@@ -530,6 +530,19 @@ fn supervisor_is_detached_and_directories_have_owners_and_modes() {
         env.gpushare_log().contains("supervisor{daemon="),
         "the supervisor's lines reach the log"
     );
+    // In its own cgroup in every hierarchy (cpuset included: it needs its CPUs set first).
+    let own = std::fs::read_to_string(format!("/proc/{sup}/cgroup")).unwrap();
+    assert!(
+        own.lines()
+            .filter(|l| !l.ends_with(":/"))
+            .all(|l| l.ends_with("/gpushare")),
+        "{own}"
+    );
+    assert!(
+        !env.gpushare_log().contains("cannot move the supervisor"),
+        "{}",
+        env.gpushare_log()
+    );
     // Not in the container's cgroup.
     let init = c.state().unwrap()["pid"].as_i64().unwrap();
     let container_cg = std::fs::read_to_string(format!("/proc/{init}/cgroup")).unwrap();
