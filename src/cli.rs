@@ -350,11 +350,7 @@ fn daemon_start(
     let inventory = crate::device::load(&crate::device::InventorySource::parse(&cfg.inventory)?)?;
     let devices = req.device.resolve(&inventory)?;
     request::check_against(&req, &devices)?;
-    let ipc = match cfg.mps.ipc {
-        crate::config::IpcConfig::Isolated => request::IpcMode::Isolated,
-        crate::config::IpcConfig::Host => request::IpcMode::Host,
-    };
-    let ident = crate::runtime::identity(cfg, &devices.uuids, (uid, gid), &req, ipc);
+    let ident = crate::runtime::identity(cfg, &devices.uuids, (uid, gid), &req, cfg.mps.ipc_mode());
     let state = StateDir::new(&cfg.state_dir);
     let ensured = crate::mps::ensure::ensure(cfg, &state, &ident, None)?;
     let id = &ensured.record.id;

@@ -377,6 +377,14 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
 }
 
 impl MpsConfig {
+    /// The configured IPC mode, in the request's terms.
+    pub fn ipc_mode(&self) -> crate::request::IpcMode {
+        match self.ipc {
+            IpcConfig::Isolated => crate::request::IpcMode::Isolated,
+            IpcConfig::Host => crate::request::IpcMode::Host,
+        }
+    }
+
     /// How long a container record written by the shim (create pending, no pid yet) keeps
     /// its daemon from idling: a create that has not reached the hook by then has failed.
     pub fn pending_grace(&self) -> Duration {

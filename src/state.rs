@@ -117,6 +117,15 @@ pub struct DaemonRecord {
     pub error: Option<String>,
 }
 
+impl DaemonRecord {
+    /// Ready, and the supervisor and the daemon are the very processes the record names.
+    pub fn live(&self) -> bool {
+        self.status == DaemonStatus::Ready
+            && self.supervisor.is_some_and(|p| p.alive())
+            && self.daemon.is_some_and(|p| p.alive())
+    }
+}
+
 /// `containers/<id>.json`: one container using a daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ContainerRecord {
@@ -156,6 +165,29 @@ pub struct Owner {
     pub shared: bool,
     /// The daemon has its own shm tmpfs (isolated IPC); host-IPC daemons use the host's.
     pub shm: bool,
+}
+
+/// Whether `<dir>/shm` is a mount point (its device differs from `dir`'s).
+fn shm_mounted_in(dir: &Path) -> bool {
+    match (
+        std::fs::symlink_metadata(dir),
+        std::fs::symlink_metadata(dir.join("shm")),
+    ) {
+        (Ok(d), Ok(s)) => s.is_dir() && s.dev() != d.dev(),
+        _ => false,
+    }
+}
+
+/// Unmounts `<dir>/shm` if mounted and removes `dir`; a missing `dir` is fine.
+fn remove_tree(dir: &Path) -> Result<(), StateError> {
+    if shm_mounted_in(dir) {
+        let _ = nix::mount::umount2(&dir.join("shm"), nix::mount::MntFlags::MNT_DETACH);
+    }
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io("remove", dir)(e)),
+    }
 }
 
 /// Checks that a container id can name a file: runc's own rule (`^[\w+-\.]+$`), not `.`
@@ -365,13 +397,7 @@ impl StateDir {
 
     /// Whether the shm tmpfs is mounted (its device differs from its parent's).
     pub fn shm_mounted(&self, id: &str) -> bool {
-        match (
-            std::fs::symlink_metadata(self.daemon_dir(id)),
-            std::fs::symlink_metadata(self.shm_dir(id)),
-        ) {
-            (Ok(dir), Ok(shm)) => shm.is_dir() && shm.dev() != dir.dev(),
-            _ => false,
-        }
+        shm_mounted_in(&self.daemon_dir(id))
     }
 
     /// Creates one daemon's directories and mounts its shm tmpfs, idempotently. Must be
@@ -431,16 +457,7 @@ impl StateDir {
     /// Unmounts the shm tmpfs and removes one daemon's directories (daemon stopped).
     pub fn remove_daemon_dir(&self, id: &str) -> Result<(), StateError> {
         Self::check_id(id)?;
-        let shm = self.shm_dir(id);
-        if self.shm_mounted(id) {
-            let _ = nix::mount::umount2(&shm, nix::mount::MntFlags::MNT_DETACH);
-        }
-        let dir = self.daemon_dir(id);
-        match std::fs::remove_dir_all(&dir) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(io("remove", &dir)(e)),
-        }
+        remove_tree(&self.daemon_dir(id))
     }
 
     pub fn read_record(&self, id: &str) -> Result<Option<DaemonRecord>, StateError> {
@@ -588,25 +605,8 @@ impl StateDir {
             return Ok(false);
         }
         before_remove(&tomb);
-        self.remove_tombstone(&tomb)?;
+        remove_tree(&tomb)?;
         Ok(true)
-    }
-
-    fn remove_tombstone(&self, tomb: &Path) -> Result<(), StateError> {
-        let shm = tomb.join("shm");
-        if let (Ok(d), Ok(s)) = (
-            std::fs::symlink_metadata(tomb),
-            std::fs::symlink_metadata(&shm),
-        ) {
-            if s.dev() != d.dev() {
-                let _ = nix::mount::umount2(&shm, nix::mount::MntFlags::MNT_DETACH);
-            }
-        }
-        match std::fs::remove_dir_all(tomb) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(io("remove", tomb)(e)),
-        }
     }
 
     /// Removes directories left half-removed by a crash (`.<id>.removing`); returns them.
@@ -618,7 +618,7 @@ impl StateDir {
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             if name.starts_with('.') && name.ends_with(".removing") {
-                self.remove_tombstone(&e.path())?;
+                remove_tree(&e.path())?;
                 out.push(e.path());
             }
         }

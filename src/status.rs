@@ -136,9 +136,7 @@ pub fn collect(cfg: &Config) -> StatusView {
             continue;
         };
         let ident = &rec.identity;
-        let alive = rec.status == DaemonStatus::Ready
-            && rec.supervisor.is_some_and(|p| p.alive())
-            && rec.daemon.is_some_and(|p| p.alive());
+        let alive = rec.live();
         let probed = binary.as_ref().filter(|_| alive).and_then(|b| {
             probe(&Control {
                 binary: b.clone(),

@@ -54,12 +54,6 @@ fn spawn_supervisor(cfg: &Config, id: &str) -> anyhow::Result<Child> {
         .with_context(|| format!("start the supervisor {}", exe.display()))
 }
 
-fn live(rec: &DaemonRecord) -> bool {
-    rec.status == DaemonStatus::Ready
-        && rec.supervisor.is_some_and(|p| p.alive())
-        && rec.daemon.is_some_and(|p| p.alive())
-}
-
 /// Polls the record until the daemon is ready, the supervisor fails, or the deadline.
 fn wait_ready(
     state: &StateDir,
@@ -73,7 +67,7 @@ fn wait_ready(
         let rec = state
             .read_record(id)?
             .context("the daemon record disappeared")?;
-        if live(&rec) {
+        if rec.live() {
             return Ok(rec);
         }
         if rec.status == DaemonStatus::Failed {
@@ -129,7 +123,11 @@ pub fn ensure(
     let timeout = cfg.mps.start_timeout;
     let deadline = Instant::now() + timeout;
     let _lock = state.lock(&id, deadline)?;
-    state.ensure_skeleton(&id, owner(ident), &cfg.mps.shm_size.tmpfs_option())?;
+    // Warm path: the same two-stat check the shim makes; the full build (with its
+    // ownership repairs) only when something is missing.
+    if !state.skeleton_ready(&id, !ident.ipc_host) {
+        state.ensure_skeleton(&id, owner(ident), &cfg.mps.shm_size.tmpfs_option())?;
+    }
     let existing = match state.read_record(&id) {
         Ok(r) => r,
         Err(e) => {
@@ -146,7 +144,7 @@ pub fn ensure(
         }
     }
     let (record, started) = match existing {
-        Some(rec) if live(&rec) => (rec, false),
+        Some(rec) if rec.live() => (rec, false),
         Some(rec)
             if rec.supervisor.is_some_and(|p| p.alive()) && rec.status != DaemonStatus::Failed =>
         {

@@ -33,8 +33,8 @@ fn executable(path: &Path) -> Option<std::fs::Metadata> {
 /// Resolves the first usable candidate, by absolute path or on `PATH`.
 pub fn resolve(candidates: &[String]) -> Result<PathBuf, LowLevelError> {
     let me = std::fs::metadata("/proc/self/exe").ok();
-    let path_var = std::env::var_os("PATH")
-        .unwrap_or_else(|| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
+    let path_var =
+        std::env::var_os("PATH").unwrap_or_else(|| crate::mps::control::SAFE_PATH.into());
     for cand in candidates {
         let found = if cand.contains('/') {
             let p = PathBuf::from(cand);

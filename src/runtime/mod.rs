@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 
-use crate::config::{Config, IpcConfig, Limits, UserMode};
+use crate::config::{Config, Limits, UserMode};
 use crate::device::{load, InventorySource};
 use crate::hook::{ANN_DAEMON, ANN_HOST_GID, ANN_HOST_UID, ANN_IDENTITY, ANN_IPC_MODE};
 use crate::identity::Identity;
@@ -177,10 +177,7 @@ pub fn prepare(
 }
 
 fn decide_ipc(cfg: &Config, req: &Request) -> anyhow::Result<IpcMode> {
-    let configured = match cfg.mps.ipc {
-        IpcConfig::Isolated => IpcMode::Isolated,
-        IpcConfig::Host => IpcMode::Host,
-    };
+    let configured = cfg.mps.ipc_mode();
     match &req.ipc {
         Some(asked) if asked.value != configured && !cfg.mps.allow_ipc_override => {
             anyhow::bail!(

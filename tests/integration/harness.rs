@@ -310,14 +310,7 @@ impl Drop for Env {
 }
 
 fn start_time(pid: i32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let mut f = rest.split(' ');
-    let state = f.next()?;
-    if state == "Z" {
-        return None;
-    }
-    f.nth(18)?.parse().ok()
+    gpushare::util::proc_start_time(pid)
 }
 
 pub fn alive(pid: i32) -> bool {

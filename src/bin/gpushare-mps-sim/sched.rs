@@ -292,17 +292,21 @@ impl Core {
     }
 
     /// Stops the current server, if any, and logs how it ended.
+    fn log_reaped(&self, pid: u32, reaped: std::io::Result<std::process::ExitStatus>) {
+        match reaped {
+            Ok(status) => self
+                .log
+                .log(&format!("Server {pid} {}", describe_exit(&status))),
+            Err(e) => self
+                .log
+                .log(&format!("Server {pid} could not be reaped: {e}")),
+        }
+    }
+
     pub fn stop_server(&self, st: &mut State) {
         if let Some(server) = st.server.take() {
             let pid = server.pid;
-            match server.process.stop() {
-                Ok(status) => self
-                    .log
-                    .log(&format!("Server {pid} {}", describe_exit(&status))),
-                Err(e) => self
-                    .log
-                    .log(&format!("Server {pid} could not be reaped: {e}")),
-            }
+            self.log_reaped(pid, server.process.stop());
         }
     }
 
@@ -325,14 +329,7 @@ impl Core {
             return;
         }
         if let Some(server) = st.server.take() {
-            match server.process.reap() {
-                Ok(status) => self
-                    .log
-                    .log(&format!("Server {pid} {}", describe_exit(&status))),
-                Err(e) => self
-                    .log
-                    .log(&format!("Server {pid} could not be reaped: {e}")),
-            }
+            self.log_reaped(pid, server.process.reap());
         }
         self.schedule(&mut st);
     }
