@@ -171,9 +171,70 @@ fn load_config() -> Result<Config, i32> {
     })
 }
 
+/// `gpushare hook <stage>`: the container state on stdin, one `gpushare: …` line on
+/// stderr and exit 1 on failure (poststop: always 0).
+fn hook(stage: HookStage) -> i32 {
+    let cfg = match load_config() {
+        Ok(c) => c,
+        Err(_) if matches!(stage, HookStage::Poststop) => return 0,
+        Err(code) => return code,
+    };
+    crate::logging::init(&cfg);
+    let state = match crate::hook::read_state(std::io::stdin().lock()) {
+        Ok(s) => s,
+        Err(e) if matches!(stage, HookStage::Poststop) => {
+            tracing::warn!("poststop: {e:#}");
+            return 0;
+        }
+        Err(e) => {
+            eprintln!("gpushare: {e:#}");
+            return 1;
+        }
+    };
+    let span = tracing::info_span!("hook", container_id = %state.id);
+    let _enter = span.enter();
+    match stage {
+        HookStage::CreateRuntime => match crate::hook::create_runtime(&cfg, &state) {
+            Ok(()) => 0,
+            Err(e) => {
+                tracing::error!("create-runtime: {e:#}");
+                eprintln!("gpushare: {e:#}");
+                1
+            }
+        },
+        HookStage::Poststop => {
+            crate::hook::poststop(&cfg, &state);
+            0
+        }
+        HookStage::Prestart => match crate::hookonly::prestart(&cfg, &state) {
+            Ok(()) => 0,
+            Err(e) => {
+                tracing::error!("prestart: {e:#}");
+                eprintln!("gpushare: {e:#}");
+                1
+            }
+        },
+    }
+}
+
 /// Entry point of the `gpushare` binary; returns the exit code.
 pub fn main() -> i32 {
+    // runc runs `gpushare hook <stage>` for every container: that exact argv skips clap,
+    // whose parser for the whole command line costs more than the warm hook's own work.
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().take(4).collect();
+    if let [_, word, stage] = &argv[..] {
+        if let Some(stage) = (word == "hook")
+            .then(|| stage.to_str())
+            .flatten()
+            .and_then(|s| HookStage::from_str(s, false).ok())
+        {
+            return hook(stage);
+        }
+    }
     let cli = Cli::parse();
+    if let Command::Hook { stage } = cli.command {
+        return hook(stage);
+    }
     if let Command::Daemon {
         command: DaemonCommand::Supervise { .. },
     } = &cli.command
@@ -188,43 +249,7 @@ pub fn main() -> i32 {
     };
     crate::logging::init(&cfg);
     match cli.command {
-        Command::Hook { stage } => {
-            let state = match crate::hook::read_state(std::io::stdin().lock()) {
-                Ok(s) => s,
-                Err(e) if matches!(stage, HookStage::Poststop) => {
-                    tracing::warn!("poststop: {e:#}");
-                    return 0;
-                }
-                Err(e) => {
-                    eprintln!("gpushare: {e:#}");
-                    return 1;
-                }
-            };
-            let span = tracing::info_span!("hook", container_id = %state.id);
-            let _enter = span.enter();
-            match stage {
-                HookStage::CreateRuntime => match crate::hook::create_runtime(&cfg, &state) {
-                    Ok(()) => 0,
-                    Err(e) => {
-                        tracing::error!("create-runtime: {e:#}");
-                        eprintln!("gpushare: {e:#}");
-                        1
-                    }
-                },
-                HookStage::Poststop => {
-                    crate::hook::poststop(&cfg, &state);
-                    0
-                }
-                HookStage::Prestart => match crate::hookonly::prestart(&cfg, &state) {
-                    Ok(()) => 0,
-                    Err(e) => {
-                        tracing::error!("prestart: {e:#}");
-                        eprintln!("gpushare: {e:#}");
-                        1
-                    }
-                },
-            }
-        }
+        Command::Hook { .. } => unreachable!("handled above"),
         Command::Status {
             json,
             format,

@@ -50,13 +50,9 @@ pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
     request::check_against(&req, &devices)?;
     let has_ipc_ns = spec
         .typed
-        .linux()
+        .linux
         .as_ref()
-        .and_then(|l| l.namespaces().as_ref())
-        .is_some_and(|ns| {
-            ns.iter()
-                .any(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::Ipc)
-        });
+        .is_some_and(|l| l.has_namespace(oci_spec::runtime::LinuxNamespaceType::Ipc, |_| true));
     let ipc = if has_ipc_ns {
         IpcMode::Isolated
     } else {
@@ -86,7 +82,7 @@ pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
     let id = ensured.record.id;
     let root = spec
         .typed
-        .root()
+        .root
         .as_ref()
         .map(|r| r.path().clone())
         .context("config.json has no root")?;

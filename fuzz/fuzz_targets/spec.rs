@@ -24,6 +24,8 @@ fn decision(host: bool) -> Decision {
 
 fuzz_target!(|data: &[u8]| {
     let Ok(mut spec) = SpecFile::from_bytes(Path::new("config.json"), data) else { return };
+    // The strict typed check is not on the create path; an edit must keep it passing.
+    let typed_ok = spec.check_typed().is_ok();
     let _ = spec.host_user();
     let _ = spec.env();
     let edits = plan(&decision(data.len() % 2 == 0));
@@ -34,5 +36,8 @@ fuzz_target!(|data: &[u8]| {
     apply_all(&mut spec.doc, &edits).expect("a chain that applied once applies again");
     assert_eq!(once, spec.doc, "applying twice changes nothing");
     let bytes = spec.to_bytes();
-    SpecFile::from_bytes(Path::new("config.json"), &bytes).expect("an edited spec is still a spec");
+    let again = SpecFile::from_bytes(Path::new("config.json"), &bytes).expect("an edited spec is still a spec");
+    if typed_ok {
+        again.check_typed().expect("an edited valid spec is still a valid spec");
+    }
 });

@@ -3,7 +3,8 @@
 //! Invariants: for every command but `create` and `run`, the shim reads nothing but the
 //! `low-level-runtime` key and execs the low-level runtime with argv untouched — no log
 //! file, no inventory, no spec. For `create`/`run` it reads config.json once; a container
-//! without a request is exec'd with config.json byte-for-byte untouched; a request is
+//! without a request is exec'd with config.json byte-for-byte untouched (and, when its
+//! bytes cannot spell one, exactly as a passthrough is: nothing parsed, no log); a request is
 //! validated completely (syntax, device, memory) before any directory is created or any
 //! byte written; on failure the shim writes one error line to runc's `--log`, logs to its
 //! own file, prints nothing (stdio belongs to the container) and exits 1.
@@ -85,7 +86,16 @@ fn passthrough(rest: &[OsString], inv: &args::Invocation) -> i32 {
 }
 
 /// The create path: returns the low-level runtime to exec once the spec is ready.
+///
+/// A config.json whose bytes cannot hold a request (`RawSpec::may_request`) is exec'd as
+/// a passthrough is: only `low-level-runtime` read, no log opened, nothing parsed. Any
+/// other one — and one that cannot be read, so that the error is logged — takes the full
+/// path.
 fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
+    let raw = SpecFile::read(&inv.spec_path());
+    if matches!(&raw, Ok(r) if !r.may_request()) {
+        return Ok(lowlevel::resolve(&crate::config::low_level_runtime()?)?);
+    }
     let cfg = crate::config::load()?;
     crate::logging::init(&cfg);
     let span = tracing::info_span!("create", container_id = %id);
@@ -93,7 +103,7 @@ fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
     let runtime = lowlevel::resolve(&cfg.low_level_runtime)?;
     prepare(
         &cfg,
-        &inv.spec_path(),
+        SpecFile::from_raw(&raw?)?,
         &runtime,
         Some(id).filter(|s| !s.is_empty()),
     )?;
@@ -104,11 +114,12 @@ fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
 /// Returns whether the spec was edited.
 pub fn prepare(
     cfg: &Config,
-    spec_path: &Path,
+    mut spec: SpecFile,
     runtime: &Path,
     container_id: Option<&str>,
 ) -> anyhow::Result<bool> {
-    let mut spec = SpecFile::load(spec_path)?;
+    let spec_path = spec.path().to_owned();
+    let spec_path = spec_path.as_path();
     let Some(req) = request::parse(|k| spec.annotation(k), spec.env(), cfg.accept_env_requests)?
     else {
         tracing::debug!("no gpushare request: passing through");

@@ -2,11 +2,15 @@
 //!
 //! Invariants: the file is read once and parsed once into a `serde_json::Value` that keeps
 //! key order and every field — including fields the oci-spec crate does not know — so a
-//! round trip loses nothing. The same parsed value is checked against the typed
-//! `oci_spec::runtime::Spec` (strict: a malformed spec is refused before any edit). A
-//! symlink in place of config.json is refused. The write is atomic (temp file in the
-//! bundle, fsync, rename) and keeps the file's mode; on any error before the rename the
-//! original is untouched.
+//! round trip loses nothing. The fields gpushare reads (`ociVersion`, `annotations`,
+//! `process.env`, `process.user`, `root`, `linux.namespaces`, `linux.*Mappings`) are
+//! deserialised from that value into typed views built from oci-spec's own types, so a
+//! malformed value in any of them is refused before any edit; the rest of the document is
+//! runc's to judge (a full typed `oci_spec::runtime::Spec` parse is `check_typed`, used
+//! by tests and fuzzing: on the create path it cost more than the edit itself and linked
+//! a regex engine into the shim — BENCHMARKS.md). A symlink in place of config.json is
+//! refused. The write is atomic (temp file in the bundle, rename) and keeps the file's
+//! mode; on any error before the rename the original is untouched.
 
 pub mod edits;
 
@@ -14,7 +18,9 @@ use std::io::Read;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use oci_spec::runtime::Spec;
+use std::collections::HashMap;
+
+use oci_spec::runtime::{LinuxIdMapping, LinuxNamespace, LinuxNamespaceType, Root, Spec, User};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -38,18 +44,105 @@ pub enum SpecError {
     User { message: String },
 }
 
+/// The parts of config.json gpushare reads, typed (unknown fields are ignored here and
+/// kept in `SpecFile::doc`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SpecView {
+    pub oci_version: String,
+    #[serde(default)]
+    pub annotations: Option<HashMap<String, String>>,
+    #[serde(default)]
+    pub process: Option<ProcessView>,
+    #[serde(default)]
+    pub root: Option<Root>,
+    #[serde(default)]
+    pub linux: Option<LinuxView>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct ProcessView {
+    #[serde(default)]
+    pub env: Option<Vec<String>>,
+    #[serde(default)]
+    pub user: User,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LinuxView {
+    #[serde(default)]
+    pub namespaces: Option<Vec<LinuxNamespace>>,
+    #[serde(default)]
+    pub uid_mappings: Option<Vec<LinuxIdMapping>>,
+    #[serde(default)]
+    pub gid_mappings: Option<Vec<LinuxIdMapping>>,
+}
+
+impl LinuxView {
+    /// Whether the container gets a namespace of this type of its own (no `path`).
+    pub fn new_namespace(&self, typ: LinuxNamespaceType) -> bool {
+        self.has_namespace(typ, |n| n.path().is_none())
+    }
+
+    /// Whether `linux.namespaces` lists this type at all (new or joined).
+    pub fn has_namespace(
+        &self,
+        typ: LinuxNamespaceType,
+        also: impl Fn(&LinuxNamespace) -> bool,
+    ) -> bool {
+        self.namespaces
+            .as_deref()
+            .unwrap_or(&[])
+            .iter()
+            .any(|n| n.typ() == typ && also(n))
+    }
+}
+
+/// config.json as read from disk, before parsing.
+pub struct RawSpec {
+    pub path: PathBuf,
+    pub mode: u32,
+    pub bytes: Vec<u8>,
+}
+
+impl RawSpec {
+    /// Whether the document may hold a gpushare request: it spells `gpushare` in some
+    /// case (the annotations' prefix and the `GPUSHARE_*` env vars), or holds a `\u`
+    /// escape, the only way JSON can spell those letters otherwise. False means it
+    /// certainly holds none, without parsing it.
+    pub fn may_request(&self) -> bool {
+        self.bytes.windows(2).any(|w| w == b"\\u")
+            || self
+                .bytes
+                .windows(8)
+                .any(|w| w.eq_ignore_ascii_case(b"gpushare"))
+    }
+}
+
 /// A loaded config.json.
 pub struct SpecFile {
     path: PathBuf,
     mode: u32,
     /// The document, always a JSON object.
     pub doc: Map<String, Value>,
-    /// The typed view of the same document as it was loaded.
-    pub typed: Spec,
+    /// The typed view of the fields gpushare reads, as loaded.
+    pub typed: SpecView,
 }
 
 impl SpecFile {
     pub fn load(path: &Path) -> Result<Self, SpecError> {
+        let raw = Self::read(path)?;
+        Self::parse(path, &raw.bytes, raw.mode)
+    }
+
+    /// Parses what `read` returned.
+    pub fn from_raw(raw: &RawSpec) -> Result<Self, SpecError> {
+        Self::parse(&raw.path, &raw.bytes, raw.mode)
+    }
+
+    /// Reads config.json (a symlink or a non-regular file is refused).
+    pub fn read(path: &Path) -> Result<RawSpec, SpecError> {
         let read_err = |source| SpecError::Read {
             path: path.to_owned(),
             source,
@@ -68,7 +161,11 @@ impl SpecFile {
         }
         let mut bytes = Vec::with_capacity(md.len() as usize + 1);
         f.read_to_end(&mut bytes).map_err(read_err)?;
-        Self::parse(path, &bytes, md.permissions().mode() & 0o7777)
+        Ok(RawSpec {
+            path: path.to_owned(),
+            mode: md.permissions().mode() & 0o7777,
+            bytes,
+        })
     }
 
     /// Parses config.json bytes (as `load` does after reading); `path` names it in errors
@@ -83,7 +180,7 @@ impl SpecFile {
             message,
         };
         let value: Value = serde_json::from_slice(bytes).map_err(|e| invalid(e.to_string()))?;
-        let typed = Spec::deserialize(&value).map_err(|e| invalid(e.to_string()))?;
+        let typed = SpecView::deserialize(&value).map_err(|e| invalid(e.to_string()))?;
         let Value::Object(doc) = value else {
             return Err(invalid("not a JSON object".into()));
         };
@@ -95,10 +192,24 @@ impl SpecFile {
         })
     }
 
+    /// The whole document checked against oci-spec's typed `Spec` (strict): what runc
+    /// will accept. Not on the create path (see the module doc).
+    pub fn check_typed(&self) -> Result<Spec, SpecError> {
+        Spec::deserialize(&Value::Object(self.doc.clone())).map_err(|e| SpecError::Invalid {
+            path: self.path.clone(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Where it was read from (and `save` writes).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// Looks up an annotation.
     pub fn annotation(&self, key: &str) -> Option<&str> {
         self.typed
-            .annotations()
+            .annotations
             .as_ref()?
             .get(key)
             .map(String::as_str)
@@ -107,9 +218,9 @@ impl SpecFile {
     /// `process.env`, empty when absent.
     pub fn env(&self) -> &[String] {
         self.typed
-            .process()
+            .process
             .as_ref()
-            .and_then(|p| p.env().as_deref())
+            .and_then(|p| p.env.as_deref())
             .unwrap_or(&[])
     }
 
@@ -118,22 +229,17 @@ impl SpecFile {
     pub fn host_user(&self) -> Result<(u32, u32), SpecError> {
         let (uid, gid) = self
             .typed
-            .process()
+            .process
             .as_ref()
-            .map(|p| (p.user().uid(), p.user().gid()))
+            .map(|p| (p.user.uid(), p.user.gid()))
             .unwrap_or((0, 0));
-        let Some(linux) = self.typed.linux().as_ref() else {
+        let Some(linux) = self.typed.linux.as_ref() else {
             return Ok((uid, gid));
         };
-        let userns = linux.namespaces().as_ref().is_some_and(|ns| {
-            ns.iter().any(|n| {
-                n.typ() == oci_spec::runtime::LinuxNamespaceType::User && n.path().is_none()
-            })
-        });
-        if !userns {
+        if !linux.new_namespace(LinuxNamespaceType::User) {
             return Ok((uid, gid));
         }
-        let map = |id: u32, maps: &Option<Vec<oci_spec::runtime::LinuxIdMapping>>, what: &str| {
+        let map = |id: u32, maps: &Option<Vec<LinuxIdMapping>>, what: &str| {
             let maps = maps.as_deref().unwrap_or(&[]);
             maps.iter()
                 .find(|m| id >= m.container_id() && id - m.container_id() < m.size())
@@ -145,8 +251,8 @@ impl SpecFile {
                 })
         };
         Ok((
-            map(uid, linux.uid_mappings(), "uid")?,
-            map(gid, linux.gid_mappings(), "gid")?,
+            map(uid, &linux.uid_mappings, "uid")?,
+            map(gid, &linux.gid_mappings, "gid")?,
         ))
     }
 
@@ -224,6 +330,49 @@ mod tests {
                 err.to_string().contains("not a valid OCI runtime spec"),
                 "{err}"
             );
+        }
+    }
+
+    #[test]
+    fn may_request_sees_every_spelling_and_only_those() {
+        let raw = |bytes: &[u8]| RawSpec {
+            path: "config.json".into(),
+            mode: 0o644,
+            bytes: bytes.to_vec(),
+        };
+        for name in FIXTURES {
+            // Real engines' specs: the fast path exactly for those without a request.
+            let bytes = fixture(name);
+            let spec = SpecFile::parse(Path::new(name), &bytes, 0o644).unwrap();
+            let asks = spec.annotation("gpushare.io/device").is_some()
+                || spec.env().iter().any(|e| e.starts_with("GPUSHARE_"));
+            assert_eq!(raw(&bytes).may_request(), asks, "{name}");
+        }
+        assert!(!raw(&fixture("docker-20.10-ipc-host-config.json")).may_request());
+        assert!(!raw(br#"{"ociVersion":"1.0.2","annotations":{"other.io/x":"1"}}"#).may_request());
+        for yes in [
+            &br#"{"annotations":{"gpushare.io/device":"0"}}"#[..],
+            br#"{"process":{"env":["GPUSHARE_DEVICE=0"]}}"#,
+            br#"{"annotations":{"GpuShare.io/device":"0"}}"#,
+            br#"{"annotations":{"\u0067pushare.io/device":"0"}}"#,
+        ] {
+            assert!(raw(yes).may_request(), "{}", String::from_utf8_lossy(yes));
+        }
+    }
+
+    #[test]
+    fn the_view_leaves_other_fields_to_runc_and_check_typed_does_not() {
+        let bytes = br#"{"ociVersion":"1.0.2","mounts":5,"process":{"user":{"uid":7,"gid":8}}}"#;
+        let spec = SpecFile::parse(Path::new("cfg"), bytes, 0o644).unwrap();
+        assert_eq!(spec.host_user().unwrap(), (7, 8));
+        let err = spec.check_typed().expect_err("mounts: 5 is not a spec");
+        assert!(
+            err.to_string().contains("not a valid OCI runtime spec"),
+            "{err}"
+        );
+        for name in FIXTURES {
+            let spec = SpecFile::parse(Path::new(name), &fixture(name), 0o644).unwrap();
+            spec.check_typed().unwrap();
         }
     }
 

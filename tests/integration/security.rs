@@ -115,6 +115,38 @@ fn hostile_values_are_rejected_before_any_path_mount_or_command() {
 }
 
 #[test]
+fn a_request_spelled_with_json_escapes_is_still_seen() {
+    // The shim skips parsing a config.json whose bytes cannot hold a request; JSON can
+    // spell "gpushare" without those letters, through \u escapes. Such a request must not
+    // slip past (it would run a GPU container without its MPS daemon).
+    let env = Env::new();
+    let c = raw_bundle(&env, "esc-u", |b| {
+        set_annotation(b, "gpushare.io/device", "\"0\"");
+        let text = String::from_utf8(b.clone()).unwrap();
+        let escaped = text.replace("\"gpushare.io/device\"", r#""\u0067pushare.io/device""#);
+        assert_ne!(escaped, text);
+        *b = escaped.into_bytes();
+    });
+    let bytes = c.config_bytes();
+    assert!(
+        !bytes
+            .to_ascii_lowercase()
+            .windows(8)
+            .any(|w| w == b"gpushare"),
+        "the bundle spells gpushare only through the escape: {}",
+        String::from_utf8_lossy(&bytes)
+    );
+    let out = c.try_create();
+    assert!(out.status.success(), "{}", c.last_error());
+    assert!(
+        c.config()["annotations"]["gpushare.io/daemon"].is_string(),
+        "the escaped request was served: {}",
+        c.config()
+    );
+    assert_eq!(env.daemon_ids().len(), 1);
+}
+
+#[test]
 fn escaping_ids_and_planted_symlinks_are_refused() {
     let env = Env::new();
     // A container id built to escape the state directory.
