@@ -628,4 +628,23 @@ fn poststop_never_fails() {
         err.starts_with("gpushare: ") && err.trim_end().lines().count() == 1,
         "{err}"
     );
+    // Not even when its config is unreadable (create-runtime fails then, naming it).
+    let broken = env.path().join("broken.toml");
+    std::fs::write(&broken, "no-such-key = 1\n").unwrap();
+    for (stage, code) in [("poststop", 0), ("create-runtime", 1)] {
+        let out = env
+            .cmd(GPUSHARE)
+            .env("GPUSHARE_CONFIG", &broken)
+            .args(["hook", stage])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(code), "{stage}: {out:?}");
+        if code != 0 {
+            assert!(
+                String::from_utf8_lossy(&out.stderr).contains("no-such-key"),
+                "{out:?}"
+            );
+        }
+    }
 }
