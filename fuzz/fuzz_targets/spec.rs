@@ -1,10 +1,11 @@
-//! config.json load -> edit -> save: no panic on any input; for an accepted spec the edit
-//! chain applies, applying it twice changes nothing, and the result loads again.
+//! config.json load -> edit -> save: no panic on any input; bytes the shim's scan passes
+//! over hold no request; for an accepted spec the edit chain applies, applying it twice
+//! changes nothing, and the result loads again.
 #![no_main]
 use std::path::Path;
 
 use gpushare::spec::edits::{apply_all, plan, Decision, IpcPlan, SetHooks};
-use gpushare::spec::SpecFile;
+use gpushare::spec::{RawSpec, SpecFile};
 use libfuzzer_sys::fuzz_target;
 
 fn decision(host: bool) -> Decision {
@@ -24,6 +25,12 @@ fn decision(host: bool) -> Decision {
 
 fuzz_target!(|data: &[u8]| {
     let Ok(mut spec) = SpecFile::from_bytes(Path::new("config.json"), data) else { return };
+    // The shim's fast path: bytes that cannot spell a request hold none.
+    let raw = RawSpec { path: "config.json".into(), mode: 0o644, bytes: data.to_vec() };
+    if !raw.may_request() {
+        let req = gpushare::request::parse(|k| spec.annotation(k), spec.env(), true);
+        assert!(matches!(req, Ok(None)), "a request the byte scan missed");
+    }
     // The strict typed check is not on the create path; an edit must keep it passing.
     let typed_ok = spec.check_typed().is_ok();
     let _ = spec.host_user();
