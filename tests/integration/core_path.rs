@@ -407,9 +407,27 @@ fn container_without_request_passes_through_untouched() {
         .sh("echo hello")
         .bundle();
     let before = c.config_bytes();
+    assert!(
+        !before
+            .to_ascii_lowercase()
+            .windows(8)
+            .any(|w| w == b"gpushare"),
+        "the bundle must not spell gpushare for this test to mean anything"
+    );
+    let log_len = || {
+        std::fs::metadata(env.path().join("gpushare.log"))
+            .map(|m| m.len())
+            .unwrap_or(0)
+    };
+    let logged = log_len();
     let out = c.try_create();
     assert!(out.status.success(), "{}", c.last_error());
     assert_eq!(c.config_bytes(), before, "config.json byte-identical");
+    assert_eq!(
+        log_len(),
+        logged,
+        "no request in its bytes: exec'd like a passthrough, nothing logged"
+    );
     assert_eq!(c.run(), "hello\n");
     assert!(
         !env.state.exists(),
