@@ -68,14 +68,16 @@ fn fail(inv: &args::Invocation, id: &str, e: &anyhow::Error) -> i32 {
     1
 }
 
+/// The low-level runtime from the one config key a passthrough reads.
+fn configured_runtime() -> anyhow::Result<PathBuf> {
+    Ok(lowlevel::resolve(&crate::config::low_level_runtime()?)?)
+}
+
 /// Any command but create/run: resolve the runtime and exec it, nothing else.
 fn passthrough(rest: &[OsString], inv: &args::Invocation) -> i32 {
-    let err: anyhow::Error = match crate::config::low_level_runtime() {
-        Ok(candidates) => match lowlevel::resolve(&candidates) {
-            Ok(runtime) => lowlevel::exec(&runtime, rest).into(),
-            Err(e) => e.into(),
-        },
-        Err(e) => e.into(),
+    let err: anyhow::Error = match configured_runtime() {
+        Ok(runtime) => lowlevel::exec(&runtime, rest).into(),
+        Err(e) => e,
     };
     // Not a create: stderr is runc's own channel for these commands.
     eprintln!("gpushare: {err:#}");
@@ -94,7 +96,7 @@ fn passthrough(rest: &[OsString], inv: &args::Invocation) -> i32 {
 fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
     let raw = SpecFile::read(&inv.spec_path());
     if matches!(&raw, Ok(r) if !r.may_request()) {
-        return Ok(lowlevel::resolve(&crate::config::low_level_runtime()?)?);
+        return configured_runtime();
     }
     let cfg = crate::config::load()?;
     crate::logging::init(&cfg);
@@ -118,8 +120,7 @@ pub fn prepare(
     runtime: &Path,
     container_id: Option<&str>,
 ) -> anyhow::Result<bool> {
-    let spec_path = spec.path().to_owned();
-    let spec_path = spec_path.as_path();
+    let bundle = spec.path().parent().map(Path::to_owned);
     let Some(req) = request::parse(|k| spec.annotation(k), spec.env(), cfg.accept_env_requests)?
     else {
         tracing::debug!("no gpushare request: passing through");
@@ -151,7 +152,7 @@ pub fn prepare(
         id: container_id.to_owned(),
         pid: None,
         start_time: None,
-        bundle: spec_path.parent().map(Path::to_owned),
+        bundle,
         created_at: crate::util::unix_now(),
         engine: None,
     };

@@ -14,11 +14,10 @@
 
 pub mod edits;
 
+use std::collections::HashMap;
 use std::io::Read;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-
-use std::collections::HashMap;
 
 use oci_spec::runtime::{LinuxIdMapping, LinuxNamespace, LinuxNamespaceType, Root, Spec, User};
 use serde::Deserialize;
