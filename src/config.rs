@@ -14,6 +14,9 @@ use serde::Deserialize;
 pub const DEFAULT_PATH: &str = "/etc/gpushare/runtime.toml";
 /// Environment variable naming another configuration file.
 pub const ENV_VAR: &str = "GPUSHARE_CONFIG";
+/// Daemons without containers stop after this long, so that short-lived containers with
+/// distinct limits cannot leave daemons behind forever (issue 18).
+pub const DEFAULT_IDLE_TIMEOUT: &str = "5m";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -114,6 +117,25 @@ pub struct MpsConfig {
     pub idle_timeout: Duration,
     pub default_active_thread_percentage: Option<u8>,
     pub default_pinned_memory_limit: Option<u64>,
+    /// Requests above these are refused (operator ceilings; `None`: no ceiling).
+    pub max_active_thread_percentage: Option<u8>,
+    pub max_pinned_memory_limit: Option<u64>,
+    /// The group every per-user daemon runs as; `None`: the group numbered like its UID.
+    /// Never the container's group (a container's `disk` or `video` must not reach a
+    /// daemon that sees the host).
+    pub daemon_gid: Option<u32>,
+    /// At most this many daemons on the node, and per host UID.
+    pub max_daemons: u32,
+    pub max_daemons_per_uid: u32,
+    /// Size of each daemon's log tmpfs (control.log and friends); the supervisor rotates
+    /// a log that passes half of it.
+    pub log_size: u64,
+    /// How often the supervisor checks that the daemon's limits are still the enforced
+    /// ones (a tenant can send control commands through its socket).
+    pub limit_check_interval: Duration,
+    /// cgroup limits of each supervisor with its daemon and servers (0: no limit).
+    pub daemon_memory_max: u64,
+    pub daemon_pids_max: u32,
 }
 
 #[derive(Deserialize, Default)]
@@ -146,6 +168,15 @@ struct RawMps {
     idle_timeout: Option<String>,
     default_active_thread_percentage: Option<u8>,
     default_pinned_memory_limit: Option<String>,
+    max_active_thread_percentage: Option<u8>,
+    max_pinned_memory_limit: Option<String>,
+    daemon_gid: Option<u32>,
+    max_daemons: Option<u32>,
+    max_daemons_per_uid: Option<u32>,
+    log_size: Option<String>,
+    limit_check_interval: Option<String>,
+    daemon_memory_max: Option<String>,
+    daemon_pids_max: Option<u32>,
 }
 
 /// The configuration file to read: `$GPUSHARE_CONFIG` if set, else the default path.
@@ -319,7 +350,7 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
                 "a duration from 1ms to 300s, like \"10s\" or \"500ms\"",
             )
         })?;
-    let idle_raw = m.idle_timeout.unwrap_or_else(|| "0".into());
+    let idle_raw = m.idle_timeout.unwrap_or_else(|| DEFAULT_IDLE_TIMEOUT.into());
     let idle_timeout = parse_duration(&idle_raw).ok_or_else(|| {
         bad(
             "mps.idle-timeout",
@@ -336,17 +367,71 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
             ));
         }
     }
-    let default_pinned_memory_limit = match m.default_pinned_memory_limit {
-        None => None,
-        Some(s) => Some(
-            crate::request::parse_size("mps.default-pinned-memory-limit", &s).map_err(|_| {
-                bad(
-                    "mps.default-pinned-memory-limit",
-                    &s,
-                    "a size with a unit, like 512M or 4G",
-                )
-            })?,
-        ),
+    let size = |key: &'static str, s: &str| {
+        crate::request::parse_size(key, s)
+            .map_err(|_| bad(key, s, "a size with a unit, like 512M or 4G"))
+    };
+    let default_pinned_memory_limit = m
+        .default_pinned_memory_limit
+        .map(|s| size("mps.default-pinned-memory-limit", &s))
+        .transpose()?;
+    if let Some(p) = m.max_active_thread_percentage {
+        if !(1..=100).contains(&p) {
+            return Err(bad(
+                "mps.max-active-thread-percentage",
+                &p.to_string(),
+                "an integer from 1 to 100",
+            ));
+        }
+        if m.default_active_thread_percentage.is_some_and(|d| d > p) {
+            return Err(bad(
+                "mps.default-active-thread-percentage",
+                &m.default_active_thread_percentage.unwrap_or(0).to_string(),
+                "at most mps.max-active-thread-percentage",
+            ));
+        }
+    }
+    let max_pinned_memory_limit = m
+        .max_pinned_memory_limit
+        .map(|s| size("mps.max-pinned-memory-limit", &s))
+        .transpose()?;
+    if let (Some(d), Some(max)) = (default_pinned_memory_limit, max_pinned_memory_limit) {
+        if d > max {
+            return Err(bad(
+                "mps.default-pinned-memory-limit",
+                &d.to_string(),
+                "at most mps.max-pinned-memory-limit",
+            ));
+        }
+    }
+    let count = |key: &'static str, v: Option<u32>, default: u32| {
+        let v = v.unwrap_or(default);
+        if v == 0 {
+            return Err(bad(key, "0", "an integer of at least 1"));
+        }
+        Ok(v)
+    };
+    let max_daemons = count("mps.max-daemons", m.max_daemons, 64)?;
+    let max_daemons_per_uid = count("mps.max-daemons-per-uid", m.max_daemons_per_uid, 8)?;
+    let log_size_raw = m.log_size.unwrap_or_else(|| "16M".into());
+    let log_size = size("mps.log-size", &log_size_raw)?;
+    if log_size < 1 << 20 {
+        return Err(bad("mps.log-size", &log_size_raw, "a size of at least 1M"));
+    }
+    let check_raw = m.limit_check_interval.unwrap_or_else(|| "2s".into());
+    let limit_check_interval = parse_duration(&check_raw)
+        .filter(|d| *d >= Duration::from_millis(100) && *d <= Duration::from_secs(60))
+        .ok_or_else(|| {
+            bad(
+                "mps.limit-check-interval",
+                &check_raw,
+                "a duration from 100ms to 60s, like \"2s\"",
+            )
+        })?;
+    let daemon_memory_max = match m.daemon_memory_max.as_deref() {
+        None => 4 << 30,
+        Some("0") => 0,
+        Some(s) => size("mps.daemon-memory-max", s)?,
     };
 
     Ok(Config {
@@ -372,6 +457,15 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
             idle_timeout,
             default_active_thread_percentage: m.default_active_thread_percentage,
             default_pinned_memory_limit,
+            max_active_thread_percentage: m.max_active_thread_percentage,
+            max_pinned_memory_limit,
+            daemon_gid: m.daemon_gid,
+            max_daemons,
+            max_daemons_per_uid,
+            log_size,
+            limit_check_interval,
+            daemon_memory_max,
+            daemon_pids_max: m.daemon_pids_max.unwrap_or(1024),
         },
     })
 }
