@@ -131,7 +131,7 @@ enum DaemonCommand {
         /// Print what was started as JSON (id, pids, the directories a client needs).
         #[arg(long)]
         json: bool,
-        /// Host GID the daemon runs as (default: the UID).
+        /// Host GID the daemon runs as (default: mps.daemon-gid, else the UID).
         #[arg(long)]
         gid: Option<u32>,
         #[arg(long)]
@@ -301,7 +301,7 @@ pub fn main() -> i32 {
                         &cfg,
                         &device,
                         uid,
-                        gid.unwrap_or(uid),
+                        gid,
                         active_thread_percentage,
                         pinned_memory_limit,
                         json,
@@ -346,7 +346,7 @@ fn daemon_start(
     cfg: &Config,
     device: &str,
     uid: u32,
-    gid: u32,
+    gid: Option<u32>,
     tp: Option<String>,
     mem: Option<String>,
     json: bool,
@@ -376,7 +376,11 @@ fn daemon_start(
     let inventory = crate::device::load(&crate::device::InventorySource::parse(&cfg.inventory)?)?;
     let devices = req.device.resolve(&inventory)?;
     request::check_against(&req, &devices)?;
-    let ident = crate::runtime::identity(cfg, &devices.uuids, (uid, gid), &req, cfg.mps.ipc_mode());
+    let mut ident = crate::runtime::identity(cfg, &devices.uuids, uid, &req, cfg.mps.ipc_mode());
+    // The operator's --gid wins over mps.daemon-gid (multi-user daemons stay root's).
+    if let Some(gid) = gid.filter(|_| !ident.multi_user) {
+        ident.gid = gid;
+    }
     let state = StateDir::new(&cfg.state_dir);
     let ensured = crate::mps::ensure::ensure(cfg, &state, &ident, None)?;
     let id = &ensured.record.id;

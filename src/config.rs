@@ -350,7 +350,9 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
                 "a duration from 1ms to 300s, like \"10s\" or \"500ms\"",
             )
         })?;
-    let idle_raw = m.idle_timeout.unwrap_or_else(|| DEFAULT_IDLE_TIMEOUT.into());
+    let idle_raw = m
+        .idle_timeout
+        .unwrap_or_else(|| DEFAULT_IDLE_TIMEOUT.into());
     let idle_timeout = parse_duration(&idle_raw).ok_or_else(|| {
         bad(
             "mps.idle-timeout",

@@ -5,7 +5,7 @@
 //! `harden_child` runs between fork and exec of a child of a (single-threaded) supervisor,
 //! where only async-signal-safe calls are allowed: plain syscalls, no allocation, no locks.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
@@ -109,30 +109,13 @@ pub enum MountAt<'a> {
     Fd(&'a OwnedFd),
 }
 
-/// `mount_setattr(2)`: sets the `set` and clears the `clr` `MOUNT_ATTR_*` flags of one
-/// mount, or of the whole tree below it with `recursive`. The one call that makes a mount
-/// tree read-only, nodev and nosuid at once, including a detached `clone_mount` tree
-/// before it is attached.
-pub fn set_mount_attr(at: MountAt<'_>, recursive: bool, set: u64, clr: u64) -> nix::Result<()> {
+/// The raw call, allocation-free so that a forked child may make it before exec.
+fn mount_setattr(dirfd: i32, path: &CStr, flags: u32, set: u64, clr: u64) -> nix::Result<()> {
     let attr = MountAttr {
         attr_set: set,
         attr_clr: clr,
         propagation: 0,
         userns_fd: 0,
-    };
-    let mut flags = nix::libc::AT_SYMLINK_NOFOLLOW as u32;
-    if recursive {
-        flags |= AT_RECURSIVE;
-    }
-    let (dirfd, path) = match at {
-        MountAt::Path(p) => (
-            nix::libc::AT_FDCWD,
-            CString::new(p.as_os_str().as_bytes()).map_err(|_| nix::errno::Errno::EINVAL)?,
-        ),
-        MountAt::Fd(fd) => {
-            flags |= nix::libc::AT_EMPTY_PATH as u32;
-            (fd.as_raw_fd(), CString::default())
-        }
     };
     // SAFETY: `path` is a valid NUL-terminated string and `attr` a properly laid out
     // `struct mount_attr`; both outlive the call, whose size argument matches `attr`.
@@ -150,4 +133,120 @@ pub fn set_mount_attr(at: MountAt<'_>, recursive: bool, set: u64, clr: u64) -> n
         return Err(nix::errno::Errno::last());
     }
     Ok(())
+}
+
+/// `mount_setattr(2)`: sets the `set` and clears the `clr` `MOUNT_ATTR_*` flags of one
+/// mount, or of the whole tree below it with `recursive`. The one call that makes a mount
+/// tree read-only, nodev and nosuid at once, including a detached `clone_mount` tree
+/// before it is attached.
+pub fn set_mount_attr(at: MountAt<'_>, recursive: bool, set: u64, clr: u64) -> nix::Result<()> {
+    let mut flags = nix::libc::AT_SYMLINK_NOFOLLOW as u32;
+    if recursive {
+        flags |= AT_RECURSIVE;
+    }
+    match at {
+        MountAt::Path(p) => {
+            let c =
+                CString::new(p.as_os_str().as_bytes()).map_err(|_| nix::errno::Errno::EINVAL)?;
+            mount_setattr(nix::libc::AT_FDCWD, &c, flags, set, clr)
+        }
+        MountAt::Fd(fd) => mount_setattr(
+            fd.as_raw_fd(),
+            c"",
+            flags | nix::libc::AT_EMPTY_PATH as u32,
+            set,
+            clr,
+        ),
+    }
+}
+
+/// The mount namespace a per-daemon child runs in (see `confine_child`): the whole host
+/// read-only, nosuid and nodev, except what is listed here.
+#[derive(Debug, Default)]
+pub struct Confinement {
+    /// Directories that stay writable (the daemon's pipe and log directories, /dev/shm).
+    pub writable: Vec<CString>,
+    /// Device nodes that stay usable (the GPU's, /dev/null and friends).
+    pub devices: Vec<CString>,
+}
+
+impl Confinement {
+    pub fn writable(&mut self, path: &Path) -> &mut Self {
+        if let Ok(c) = CString::new(path.as_os_str().as_bytes()) {
+            self.writable.push(c);
+        }
+        self
+    }
+    pub fn device(&mut self, path: &Path) -> &mut Self {
+        if let Ok(c) = CString::new(path.as_os_str().as_bytes()) {
+            self.devices.push(c);
+        }
+        self
+    }
+}
+
+/// Runs `cmd`'s child in a mount namespace of its own where the host is read-only, nosuid
+/// and nodev but for `conf`, then drops to `user` (uid, gid; no supplementary groups)
+/// when given, then applies `harden_child`'s parent-death signal and `no_new_privs`.
+///
+/// Everything happens in the child between fork and exec, in this order because each
+/// step needs the privileges the next one drops: mounts need CAP_SYS_ADMIN, and a change
+/// of credentials clears the parent-death signal (commit_creds), so that comes last.
+/// Do not also set `cmd.uid`/`cmd.gid`: std would switch users before these steps run.
+pub fn confine_child(
+    cmd: &mut Command,
+    conf: Confinement,
+    user: Option<(u32, u32)>,
+    parent: nix::unistd::Pid,
+) {
+    use nix::mount::MsFlags;
+    // SAFETY: the closure runs in the forked child of a single-threaded supervisor before
+    // exec and only makes plain syscalls on data prepared before the fork (`conf` owns
+    // its C strings): unshare, mount, mount_setattr, setgroups, setres[ug]id, prctl,
+    // getppid. It allocates nothing except the error for the parent-gone case.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)?;
+            // Each exception is bound onto itself, so that it is a mount of its own whose
+            // flags can differ from the tree's.
+            for p in conf.writable.iter().chain(&conf.devices) {
+                nix::mount::mount(
+                    Some(p.as_c_str()),
+                    p.as_c_str(),
+                    None::<&CStr>,
+                    MsFlags::MS_BIND,
+                    None::<&CStr>,
+                )?;
+            }
+            let nofollow = nix::libc::AT_SYMLINK_NOFOLLOW as u32;
+            mount_setattr(
+                nix::libc::AT_FDCWD,
+                c"/",
+                nofollow | AT_RECURSIVE,
+                MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+                0,
+            )?;
+            for p in &conf.writable {
+                mount_setattr(nix::libc::AT_FDCWD, p, nofollow, 0, MOUNT_ATTR_RDONLY)?;
+            }
+            for p in &conf.devices {
+                mount_setattr(nix::libc::AT_FDCWD, p, nofollow, 0, MOUNT_ATTR_NODEV)?;
+            }
+            if let Some((uid, gid)) = user {
+                let (uid, gid) = (
+                    nix::unistd::Uid::from_raw(uid),
+                    nix::unistd::Gid::from_raw(gid),
+                );
+                nix::unistd::setgroups(&[])?;
+                nix::unistd::setresgid(gid, gid, gid)?;
+                nix::unistd::setresuid(uid, uid, uid)?;
+            }
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+            if nix::unistd::getppid() != parent {
+                return Err(std::io::Error::other("parent exited before exec"));
+            }
+            nix::sys::prctl::set_no_new_privs()?;
+            Ok(())
+        });
+    }
 }

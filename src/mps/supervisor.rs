@@ -1,14 +1,29 @@
 //! The supervisor: one detached process per MPS control daemon.
 //!
 //! Started by the hook as `gpushare daemon supervise --id <id>` with stdio on /dev/null and
-//! an explicit environment. It leaves the hook's session and cgroup, closes every inherited
-//! fd, enters a private mount namespace in which the daemon's shm tmpfs is `/dev/shm`, and
-//! runs `<control-binary> -f` as the daemon's UID/GID with no capabilities (per-user) or as
-//! root with the multi-user flag. Limits are applied with control commands before the
-//! record says `ready`, and again after every restart (MPS forgets `set_default_*` when the
-//! daemon quits). A daemon that dies is restarted with exponential backoff; SIGTERM quits
-//! it cleanly. Invariant: the record's `daemon` is the live process or `None`.
+//! an explicit environment. It leaves the hook's session, closes every inherited fd, joins
+//! its own cgroup `gpushare/<id>` (memory and pids limits for itself, its daemon and the
+//! daemon's servers), enters a private mount namespace in which the daemon's shm tmpfs is
+//! `/dev/shm`, and runs `<control-binary> -f` as the daemon's UID and gpushare's GID (no
+//! supplementary groups, no capabilities) — or as root with the multi-user flag.
+//!
+//! Everything a tenant can write is hostile here (issue 18):
+//! - the daemon runs in a mount namespace of its own where the whole host is read-only,
+//!   nosuid and nodev, except its pipe and log directories, its /dev/shm and the GPU's
+//!   device nodes: a link planted where it writes cannot make it write a host file or
+//!   open a host device;
+//! - the supervisor (root) writes the daemon's output to `daemon.out` in the root-owned
+//!   daemon directory, and touches the log directory only through a directory fd, with
+//!   `O_NOFOLLOW`, to rotate logs past a quarter of `mps.log-size`;
+//! - limits are applied with control commands before the record says `ready`, again
+//!   after every restart (MPS forgets `set_default_*` when the daemon quits), and checked
+//!   every `mps.limit-check-interval`: a tenant that raised them through its control
+//!   socket finds them put back and its server shut down.
+//!
+//! A daemon that dies is restarted with exponential backoff; SIGTERM quits it cleanly.
+//! Invariant: the record's `daemon` is the live process or `None`.
 
+use std::io::Read;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -68,42 +83,103 @@ pub fn detach() {
     }
 }
 
-/// Moves this process into a `gpushare` cgroup at the root of every hierarchy, so that
-/// stopping the engine's or the shim's cgroup does not take the daemon with it. Best
-/// effort: a host that refuses keeps the daemon where it is, with a warning.
-fn own_cgroup() {
-    let pid = std::process::id().to_string();
+/// The cgroup limits of one daemon's group (`mps.daemon-memory-max`, `mps.daemon-pids-max`;
+/// 0: none).
+#[derive(Debug, Clone, Copy)]
+pub struct CgroupLimits {
+    pub memory: u64,
+    pub pids: u32,
+}
+
+/// The hierarchies to join: the unified one (cgroup v2) or every v1 hierarchy.
+fn cgroup_hierarchies() -> Vec<PathBuf> {
     let root = Path::new("/sys/fs/cgroup");
-    let mut hierarchies: Vec<PathBuf> = Vec::new();
     if root.join("cgroup.procs").exists() {
-        hierarchies.push(root.to_owned()); // cgroup v2
-    } else if let Ok(entries) = std::fs::read_dir(root) {
-        hierarchies.extend(
+        return vec![root.to_owned()];
+    }
+    std::fs::read_dir(root)
+        .map(|entries| {
             entries
                 .flatten()
                 .map(|e| e.path())
-                .filter(|p| p.join("cgroup.procs").exists() && !p.is_symlink()),
-        );
+                .filter(|p| p.join("cgroup.procs").exists() && !p.is_symlink())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Creates `dir` (a child of `parent`) as a cgroup ready for members. A new cgroup-v1
+/// cpuset is empty and refuses members (ENOSPC): it gets its parent's CPUs and memory
+/// nodes first.
+fn make_cgroup(parent: &Path, dir: &Path) -> std::io::Result<()> {
+    match std::fs::create_dir(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+        _ => {}
     }
-    for h in hierarchies {
-        let dir = h.join("gpushare");
-        let moved = std::fs::create_dir_all(&dir)
-            .and_then(|()| {
-                // A new cgroup-v1 cpuset is empty and refuses members (ENOSPC): give it its
-                // parent's CPUs and memory nodes first.
-                for file in ["cpuset.cpus", "cpuset.mems"] {
-                    let own = dir.join(file);
-                    if own.exists()
-                        && std::fs::read_to_string(&own).is_ok_and(|v| v.trim().is_empty())
-                    {
-                        std::fs::write(&own, std::fs::read_to_string(h.join(file))?)?;
-                    }
+    for file in ["cpuset.cpus", "cpuset.mems"] {
+        let own = dir.join(file);
+        if own.exists() && std::fs::read_to_string(&own).is_ok_and(|v| v.trim().is_empty()) {
+            std::fs::write(&own, std::fs::read_to_string(parent.join(file))?)?;
+        }
+    }
+    Ok(())
+}
+
+/// Moves this process into `gpushare/<id>` at the root of every hierarchy, so that
+/// stopping the engine's or the shim's cgroup does not take the daemon with it, and so
+/// that the supervisor, its daemon and the daemon's MPS servers share one memory and pids
+/// limit outside any tenant's. Best effort: a host that refuses keeps the daemon where it
+/// is, with a warning naming the hierarchy. Returns the cgroups joined.
+fn own_cgroup(id: &str, limits: CgroupLimits) -> Vec<PathBuf> {
+    let pid = std::process::id().to_string();
+    let mut joined = Vec::new();
+    for h in cgroup_hierarchies() {
+        let top = h.join("gpushare");
+        let dir = top.join(id);
+        let v2 = h.join("cgroup.controllers").exists();
+        let moved = (|| -> std::io::Result<()> {
+            make_cgroup(&h, &top)?;
+            if v2 {
+                // Controllers must be enabled top-down for the limit files to exist.
+                for (cg, ctl) in [(&h, "+memory +pids"), (&top, "+memory +pids")] {
+                    let _ = std::fs::write(cg.join("cgroup.subtree_control"), ctl);
                 }
-                Ok(())
-            })
-            .and_then(|()| std::fs::write(dir.join("cgroup.procs"), &pid));
-        if let Err(e) = moved {
-            tracing::warn!(cgroup = %dir.display(), error = %e, "cannot move the supervisor into its own cgroup");
+            }
+            make_cgroup(&top, &dir)?;
+            let (mem_file, pids_file) = if v2 {
+                ("memory.max", "pids.max")
+            } else {
+                ("memory.limit_in_bytes", "pids.max")
+            };
+            if limits.memory > 0 && dir.join(mem_file).exists() {
+                std::fs::write(dir.join(mem_file), limits.memory.to_string())?;
+            }
+            if limits.pids > 0 && dir.join(pids_file).exists() {
+                std::fs::write(dir.join(pids_file), limits.pids.to_string())?;
+            }
+            std::fs::write(dir.join("cgroup.procs"), &pid)
+        })();
+        match moved {
+            Ok(()) => joined.push(dir),
+            Err(e) => {
+                tracing::warn!(cgroup = %dir.display(), error = %e, "cannot move the supervisor into its own cgroup")
+            }
+        }
+    }
+    if joined.is_empty() {
+        tracing::warn!(daemon = %id, "the supervisor joined no cgroup of its own: its daemon shares the cgroup of whoever started it");
+    }
+    joined
+}
+
+/// Leaves the daemon's own cgroups (for `gpushare/`) and removes them; the supervisor's
+/// last step. Best effort: a cgroup with a member left is kept.
+fn leave_cgroups(joined: &[PathBuf]) {
+    let pid = std::process::id().to_string();
+    for dir in joined {
+        if let Some(top) = dir.parent() {
+            let _ = std::fs::write(top.join("cgroup.procs"), &pid);
+            let _ = std::fs::remove_dir(dir);
         }
     }
 }
@@ -148,6 +224,101 @@ fn drop_child_caps(multi_user: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The device nodes a daemon and its servers may open: the NVIDIA nodes
+/// (`/dev/nvidia*`, `/dev/nvidia-caps/*`) and the harmless character devices every
+/// process expects. Only character devices that exist are listed.
+fn gpu_device_nodes() -> Vec<PathBuf> {
+    use std::os::unix::fs::FileTypeExt;
+    let is_char =
+        |p: &Path| std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_char_device());
+    let mut nodes: Vec<PathBuf> = ["null", "zero", "full", "random", "urandom"]
+        .iter()
+        .map(|n| Path::new("/dev").join(n))
+        .collect();
+    for dir in ["/dev", "/dev/nvidia-caps"] {
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            nodes.extend(
+                entries
+                    .flatten()
+                    .filter(|e| {
+                        dir != "/dev" || e.file_name().to_string_lossy().starts_with("nvidia")
+                    })
+                    .map(|e| e.path()),
+            );
+        }
+    }
+    nodes.retain(|p| is_char(p));
+    nodes.sort();
+    nodes
+}
+
+/// Opens `<daemon dir>/daemon.out`, the daemon's stdout and stderr. It lives in the
+/// root-owned daemon directory, not in the log directory the daemon's user can write, and
+/// is opened without following a link and only if it is a regular file: a root process
+/// never writes through a name a tenant could have planted.
+fn open_daemon_out(daemon_dir: &Path) -> anyhow::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = daemon_dir.join(DAEMON_OUT);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o640)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(&path)
+        .with_context(|| format!("open the daemon's output file {}", path.display()))?;
+    if !file.metadata()?.is_file() {
+        bail!(
+            "{} is not a regular file; refusing to write to it",
+            path.display()
+        );
+    }
+    Ok(file)
+}
+
+/// The daemon's stdout and stderr, in its root-owned directory.
+pub const DAEMON_OUT: &str = "daemon.out";
+
+/// Keeps one log file under `max` bytes: past it, its content moves to `<name>.1` and the
+/// file is emptied in place (the daemon keeps its descriptor, opened for appending, and
+/// goes on at the new end). Every open is relative to `dir`, refuses links
+/// (`O_NOFOLLOW`) and anything but a regular file, and never blocks (`O_NONBLOCK`): the
+/// log directory is writable by the daemon's user, so a planted name is never followed.
+fn rotate(dir: &std::os::fd::OwnedFd, name: &str, max: u64) -> anyhow::Result<bool> {
+    use nix::fcntl::{openat, OFlag};
+    use nix::sys::stat::{fstat, Mode, SFlag};
+    let nofollow = OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
+    let log = match openat(dir, name, OFlag::O_RDWR | nofollow, Mode::empty()) {
+        Ok(fd) => std::fs::File::from(fd),
+        Err(nix::errno::Errno::ENOENT) => return Ok(false),
+        Err(e) => return Err(e).with_context(|| format!("open {name}")),
+    };
+    let st = fstat(&log)?;
+    if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG
+        || (st.st_size as u64) <= max
+    {
+        return Ok(false);
+    }
+    let old = format!("{name}.1");
+    let _ = nix::unistd::unlinkat(dir, old.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
+    let to = openat(
+        dir,
+        old.as_str(),
+        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | nofollow,
+        Mode::from_bits_truncate(0o640),
+    )
+    .with_context(|| format!("create {old}"))?;
+    let mut to = std::fs::File::from(to);
+    let mut from = &log;
+    // Only the last `max / 2` bytes are kept: what the daemon said most recently.
+    std::io::Seek::seek(
+        &mut from,
+        std::io::SeekFrom::Start(st.st_size as u64 - max / 2),
+    )?;
+    std::io::copy(&mut (&log).take(max / 2), &mut to)?;
+    log.set_len(0)?;
+    Ok(true)
+}
+
 struct Supervisor {
     state: StateDir,
     id: String,
@@ -156,6 +327,9 @@ struct Supervisor {
     multi_user_flag: String,
     start_timeout: Duration,
     control: Control,
+    log_size: u64,
+    /// How often limits are checked; `None` when there is nothing to enforce.
+    limit_check: Option<Duration>,
 }
 
 impl Supervisor {
@@ -179,13 +353,24 @@ impl Supervisor {
         }
     }
 
+    /// What stays writable and usable in the daemon's mount namespace: its own pipe and
+    /// log directories, its /dev/shm, and the device nodes a CUDA process opens. The rest
+    /// of the host is read-only, nosuid and nodev there, so a link planted in a directory
+    /// the daemon writes cannot make it write a host file or open a host device.
+    fn confinement(&self) -> crate::sys::Confinement {
+        let mut conf = crate::sys::Confinement::default();
+        conf.writable(&self.state.pipe_dir(&self.id))
+            .writable(&self.state.log_dir(&self.id))
+            .writable(Path::new("/dev/shm"));
+        for dev in gpu_device_nodes() {
+            conf.device(&dev);
+        }
+        conf
+    }
+
     fn spawn_daemon(&self) -> anyhow::Result<Child> {
         let log_dir = self.state.log_dir(&self.id);
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log_dir.join("daemon.out"))
-            .context("open the daemon's output file")?;
+        let out = open_daemon_out(&self.state.daemon_dir(&self.id))?;
         let mut cmd = Command::new(&self.binary);
         cmd.arg("-f");
         if self.ident.multi_user {
@@ -200,14 +385,17 @@ impl Supervisor {
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out);
-        if !self.ident.multi_user {
-            use std::os::unix::process::CommandExt;
-            // std also clears supplementary groups when root changes uid.
-            cmd.uid(self.ident.uid).gid(self.ident.gid);
-        }
-        crate::sys::harden_child(&mut cmd, nix::unistd::getpid());
-        cmd.spawn()
-            .with_context(|| format!("start {}", self.binary.display()))
+        // The daemon's group is gpushare's choice (mps.daemon-gid), never the container's,
+        // and it has no supplementary groups.
+        let user = (!self.ident.multi_user).then_some((self.ident.uid, self.ident.gid));
+        crate::sys::confine_child(&mut cmd, self.confinement(), user, nix::unistd::getpid());
+        cmd.spawn().with_context(|| {
+            format!(
+                "start {} as uid {} in a mount namespace where the host is read-only (mount_setattr needs Linux 5.12 or later)",
+                self.binary.display(),
+                self.ident.uid
+            )
+        })
     }
 
     /// Waits for the control socket, then applies the limits; the last command doubles as
@@ -258,6 +446,102 @@ impl Supervisor {
         self.quit_via(&self.control, child);
     }
 
+    /// Keeps the daemon's logs bounded: `control.log` and `server.log` in its log tmpfs
+    /// (a quarter of `mps.log-size` each, plus the kept half in `.1`), and `daemon.out`.
+    fn rotate_logs(&self) {
+        let dirs = [
+            (
+                self.state.log_dir(&self.id),
+                &["control.log", "server.log"][..],
+                self.log_size / 4,
+            ),
+            (
+                self.state.daemon_dir(&self.id),
+                &[DAEMON_OUT][..],
+                DAEMON_OUT_MAX,
+            ),
+        ];
+        for (dir, names, max) in dirs {
+            let Ok(fd) = nix::fcntl::open(
+                &dir,
+                nix::fcntl::OFlag::O_DIRECTORY
+                    | nix::fcntl::OFlag::O_NOFOLLOW
+                    | nix::fcntl::OFlag::O_CLOEXEC,
+                nix::sys::stat::Mode::empty(),
+            ) else {
+                continue;
+            };
+            for name in names {
+                match rotate(&fd, name, max) {
+                    Ok(true) => tracing::info!(daemon = %self.id, file = %name, "log rotated"),
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(daemon = %self.id, file = %name, error = %format!("{e:#}"), "cannot rotate a log")
+                    }
+                }
+            }
+        }
+    }
+
+    /// Checks that the daemon still enforces the identity's limits. A tenant reaches the
+    /// control socket through its pipe directory and may send `set_*` commands (whether
+    /// the real daemon accepts them from its own user is unverified, so this assumes it
+    /// does). Defaults that differ are set again; a server running above a limit is shut
+    /// down (`shutdown_server -f`: its clients fail, and the next ones get a server with
+    /// the enforced limits). Returns how many violations were found.
+    fn enforce_limits(&self) -> anyhow::Result<u32> {
+        let t = Duration::from_secs(2);
+        let ask = |cmd: &str| self.control.command(cmd, t);
+        let tp = self.ident.active_thread_percentage.map(f64::from);
+        let mem = self
+            .ident
+            .pinned_memory_limit
+            .and_then(|b| parse_mps_mem(&crate::request::format_mps_size(b)));
+        let devices = 0..self.ident.devices.len();
+        let mut defaults_off = false;
+        if let Some(p) = tp {
+            defaults_off |= parse_percentage(&ask("get_default_active_thread_percentage")?)
+                .is_none_or(|got| (got - p).abs() > 0.01);
+        }
+        if let Some(m) = mem {
+            for i in devices.clone() {
+                defaults_off |=
+                    parse_mps_mem(&ask(&format!("get_default_device_pinned_mem_limit {i}"))?)
+                        != Some(m);
+            }
+        }
+        let mut violations = 0;
+        if defaults_off {
+            violations += 1;
+            tracing::warn!(daemon = %self.id, "the daemon's default limits were changed through its control socket; setting them again");
+            for cmd in limit_commands(&self.ident) {
+                ask(&cmd)?;
+            }
+        }
+        for server in ask("get_server_list")?
+            .split_whitespace()
+            .filter_map(|w| w.parse::<u32>().ok())
+        {
+            let mut over = false;
+            if let Some(p) = tp {
+                let got = ask(&format!("get_active_thread_percentage {server}"));
+                over |= got.is_ok_and(|g| parse_percentage(&g).is_none_or(|g| g > p + 0.01));
+            }
+            if let Some(m) = mem {
+                for i in devices.clone() {
+                    let got = ask(&format!("get_device_pinned_mem_limit {server} {i}"));
+                    over |= got.is_ok_and(|g| parse_mps_mem(&g).is_none_or(|g| g > m));
+                }
+            }
+            if over {
+                violations += 1;
+                tracing::warn!(daemon = %self.id, server, "an MPS server runs above the enforced limits; shutting it down");
+                ask(&format!("shutdown_server {server} -f"))?;
+            }
+        }
+        Ok(violations)
+    }
+
     /// Quits the daemon through `control` (its pipe dir may have been renamed), killing it
     /// past the grace period.
     fn quit_via(&self, control: &Control, child: &mut Child) {
@@ -272,6 +556,36 @@ impl Supervisor {
         let _ = child.kill();
         let _ = child.wait();
     }
+}
+
+/// The largest `daemon.out` kept (it lives on the state dir's file system, not in the
+/// daemon's sized log tmpfs).
+const DAEMON_OUT_MAX: u64 = 1 << 20;
+/// How often the supervisor looks at the daemon's log sizes.
+const ROTATE_EVERY: Duration = Duration::from_secs(1);
+
+/// A percentage as the control daemon prints it (`25.0`); `None` if it is not one.
+fn parse_percentage(reply: &str) -> Option<f64> {
+    reply
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|p| (0.0..=100.0).contains(p))
+}
+
+/// A pinned memory limit as the control daemon prints it (`4096M`, `4G`; `none` or
+/// anything else: `None`), in bytes.
+fn parse_mps_mem(reply: &str) -> Option<u64> {
+    let r = reply.trim();
+    let split = r.find(|c: char| !c.is_ascii_digit())?;
+    let (n, unit) = r.split_at(split);
+    let n: u64 = n.parse().ok()?;
+    let mib = match unit.to_ascii_uppercase().as_str() {
+        "M" | "MB" => n,
+        "G" | "GB" => n.checked_mul(1024)?,
+        _ => return None,
+    };
+    mib.checked_mul(1 << 20)
 }
 
 /// What ended a wait on the signal fd.
@@ -337,14 +651,32 @@ fn watch(
     idle: Duration,
     pending_grace: u64,
 ) -> Watch {
-    let tick = (!idle.is_zero())
-        .then(|| (idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(5)));
+    let mut tick = ROTATE_EVERY;
+    if !idle.is_zero() {
+        tick = tick.min((idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(5)));
+    }
+    if let Some(every) = sup.limit_check {
+        tick = tick.min(every);
+    }
+    let mut next_check = sup.limit_check.map(|every| Instant::now() + every);
     let mut idle_since: Option<Instant> = None;
     loop {
-        match wait_event(sfd, Some(&mut *child), tick) {
+        match wait_event(sfd, Some(&mut *child), Some(tick)) {
             Event::Stop => return Watch::Stop,
             Event::ChildExited => return Watch::ChildExited,
             Event::Timeout => {}
+        }
+        sup.rotate_logs();
+        if let (Some(at), Some(every)) = (next_check, sup.limit_check) {
+            if Instant::now() >= at {
+                next_check = Some(Instant::now() + every);
+                if let Err(e) = sup.enforce_limits() {
+                    tracing::warn!(daemon = %sup.id, error = %e, "cannot check the daemon's limits");
+                }
+            }
+        }
+        if idle.is_zero() {
+            continue;
         }
         let busy = sup
             .state
@@ -382,6 +714,15 @@ fn watch(
     }
 }
 
+/// Leaves and removes the daemon's cgroups when the supervisor returns, whichever way.
+struct CgroupGuard(Vec<PathBuf>);
+
+impl Drop for CgroupGuard {
+    fn drop(&mut self) {
+        leave_cgroups(&self.0);
+    }
+}
+
 /// Runs the supervisor for daemon `id` until it is told to stop or gives up.
 /// The caller has already called `detach`.
 pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
@@ -401,9 +742,11 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
         binary: binary.as_ref().cloned().unwrap_or_default(),
         state,
         id: id.to_owned(),
-        ident,
         multi_user_flag: cfg.mps.multi_user_flag.clone(),
         start_timeout: cfg.mps.start_timeout,
+        log_size: cfg.mps.log_size,
+        limit_check: (!limit_commands(&ident).is_empty()).then_some(cfg.mps.limit_check_interval),
+        ident,
     };
     sup.update(|r| {
         r.supervisor = me;
@@ -413,7 +756,6 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
     })?;
     let setup = (|| -> anyhow::Result<SignalFd> {
         binary?;
-        own_cgroup();
         if !sup.ident.ipc_host {
             private_dev_shm(&sup.state.shm_dir(id))?;
         }
@@ -430,6 +772,13 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
         mask.thread_block()?;
         Ok(SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC)?)
     })();
+    let _cgroups = CgroupGuard(own_cgroup(
+        id,
+        CgroupLimits {
+            memory: cfg.mps.daemon_memory_max,
+            pids: cfg.mps.daemon_pids_max,
+        },
+    ));
     let mut sfd = match setup {
         Ok(s) => s,
         Err(e) => {

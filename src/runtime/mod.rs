@@ -132,7 +132,7 @@ pub fn prepare(
     request::check_against(&req, &devices)?;
     let ipc = decide_ipc(cfg, &req)?;
     let (uid, gid) = spec.host_user()?;
-    let ident = identity(cfg, &devices.uuids, (uid, gid), &req, ipc);
+    let ident = identity(cfg, &devices.uuids, uid, &req, ipc);
     let id = ident.id();
 
     let container_id = container_id
@@ -202,11 +202,14 @@ fn decide_ipc(cfg: &Config, req: &Request) -> anyhow::Result<IpcMode> {
     }
 }
 
-/// The daemon identity for a container (DESIGN §5).
+/// The daemon identity for a container (DESIGN §5). The daemon's group is the node's
+/// `mps.daemon-gid` (unset: the group numbered like the uid), never the container's: a
+/// container started with the `disk` or `video` group must not pass it to a process that
+/// sees the host.
 pub fn identity(
     cfg: &Config,
     devices: &[String],
-    (uid, gid): (u32, u32),
+    uid: u32,
     req: &Request,
     ipc: IpcMode,
 ) -> Identity {
@@ -216,7 +219,11 @@ pub fn identity(
     Identity {
         devices: devices.to_vec(),
         uid: if multi_user { 0 } else { uid },
-        gid: if multi_user { 0 } else { gid },
+        gid: if multi_user {
+            0
+        } else {
+            cfg.mps.daemon_gid.unwrap_or(uid)
+        },
         multi_user,
         active_thread_percentage: tp.filter(|_| enforced),
         pinned_memory_limit: mem.filter(|_| enforced),

@@ -550,10 +550,12 @@ fn supervisor_is_detached_and_directories_have_owners_and_modes() {
     );
     // In its own cgroup in every hierarchy (cpuset included: it needs its CPUs set first).
     let own = std::fs::read_to_string(format!("/proc/{sup}/cgroup")).unwrap();
+    let joined: Vec<&str> = own.lines().filter(|l| !l.ends_with(":/")).collect();
     assert!(
-        own.lines()
-            .filter(|l| !l.ends_with(":/"))
-            .all(|l| l.ends_with("/gpushare")),
+        !joined.is_empty()
+            && joined
+                .iter()
+                .all(|l| l.ends_with(&format!("/gpushare/{id}"))),
         "{own}"
     );
     assert!(

@@ -7,3 +7,4 @@ mod harness;
 mod modes;
 mod operator;
 mod security;
+mod tenant_daemon;

@@ -27,6 +27,11 @@ pub enum Command {
     GetServerStatus {
         server: u32,
     },
+    /// `shutdown_server <pid> [-f]`: the simulated server always stops at once, so `-f`
+    /// (forced, the only form gpushare's supervisor sends) and the graceful form behave alike.
+    ShutdownServer {
+        server: u32,
+    },
     Quit,
     SetDefaultPercentage(Percentage),
     GetDefaultPercentage,
@@ -103,6 +108,10 @@ pub fn parse(line: &str) -> Result<Command, CommandError> {
         ("get_client_list", _) => return Err(usage("get_client_list <server pid>")),
         ("get_server_status", [p]) => Command::GetServerStatus { server: pid(p)? },
         ("get_server_status", _) => return Err(usage("get_server_status <server pid>")),
+        ("shutdown_server", [p]) | ("shutdown_server", [p, "-f"]) => {
+            Command::ShutdownServer { server: pid(p)? }
+        }
+        ("shutdown_server", _) => return Err(usage("shutdown_server <server pid> [-f]")),
         // `quit -t <seconds>` forces servers down after a timeout on the real daemon; the
         // simulated servers always stop at once, so the timeout is accepted and unused.
         ("quit", []) => Command::Quit,
@@ -200,6 +209,13 @@ pub fn execute(core: &Arc<Core>, st: &mut State, cmd: Command) -> Result<String,
             Ok(s.clients.iter().map(|c| line(c.client.pid)).collect())
         }
         Command::GetServerStatus { server } => server_mut(st, server).map(|_| line("ACTIVE")),
+        Command::ShutdownServer { server } => {
+            server_mut(st, server)?;
+            core.stop_server(st);
+            // Clients queued for another user can have their server now.
+            core.schedule(st);
+            Ok(String::new())
+        }
         Command::Quit => Err("quit is handled by the connection".to_string()),
         Command::SetDefaultPercentage(p) => {
             st.defaults.percentage = p;
@@ -295,6 +311,11 @@ mod tests {
                 Command::GetServerStatus { server: 42 },
             ),
             ("quit", Command::Quit),
+            (
+                "shutdown_server 42 -f",
+                Command::ShutdownServer { server: 42 },
+            ),
+            ("shutdown_server 42", Command::ShutdownServer { server: 42 }),
             ("quit -t 5", Command::Quit),
             (
                 "set_default_active_thread_percentage 25.5",

@@ -1,0 +1,364 @@
+//! Issue 18, the daemon's side: what a tenant can make its MPS control daemon (or the root
+//! supervisor beside it) do. Each test replays an attack that worked before the fix and
+//! asserts the host is untouched; SECURITY.md maps each one to its defence.
+
+use std::io::Write;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use crate::harness::*;
+
+const CLIENT: &str = "gpushare-mps-sim client";
+
+/// Sends one control command to daemon `id` as `uid`, from the host: what a tenant does
+/// through the control socket mounted in its container (same socket, same uid).
+fn control_as(env: &Env, id: &str, uid: u32, cmd: &str) -> String {
+    let mut child = Command::new(SIM)
+        .env_clear()
+        .env(
+            "CUDA_MPS_PIPE_DIRECTORY",
+            env.state.join("mps").join(id).join("pipe"),
+        )
+        .uid(uid)
+        .gid(uid)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(format!("{cmd}\n").as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// A root-only file in a root-only directory of the test's temp dir: what a daemon must
+/// never be able to write or create files in.
+fn victim_dir(env: &Env) -> PathBuf {
+    let dir = env.path().join("root-only");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::write(dir.join("victim"), "original\n").unwrap();
+    std::fs::set_permissions(dir.join("victim"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    dir
+}
+
+#[test]
+fn a_daemon_cannot_write_host_files_or_open_host_devices() {
+    // The control binary is a wrapper that, as the daemon (`-f`), tries what a followed
+    // link would make it do: overwrite a root-only file, create one, open a device node
+    // outside the GPU's. A root container's daemon (uid 0, no capabilities) owns all of
+    // these by DAC, so only its mount namespace stops it.
+    let probe_env = Env::new();
+    let victims = victim_dir(&probe_env);
+    let node = probe_env.path().join("mem-like");
+    nix::sys::stat::mknod(
+        &node,
+        nix::sys::stat::SFlag::S_IFCHR,
+        nix::sys::stat::Mode::from_bits_truncate(0o600),
+        nix::sys::stat::makedev(1, 3),
+    )
+    .unwrap();
+    let wrapper = probe_env.path().join("mps-control");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\n\
+             if [ \"$1\" = -f ]; then\n\
+               out=$CUDA_MPS_LOG_DIRECTORY/probe\n\
+               {{ echo pwned > {victim} && echo victim=written || echo victim=denied\n\
+                  true > {new} && echo new=created || echo new=denied\n\
+                  true > {node} && echo node=opened || echo node=denied\n\
+                  true > /dev/null && echo null=ok || echo null=denied\n\
+                  true > $CUDA_MPS_PIPE_DIRECTORY/probe && echo pipe=ok || echo pipe=denied\n\
+                  true > /dev/shm/probe && echo shm=ok || echo shm=denied\n\
+               }} > $out 2>/dev/null\n\
+             fi\n\
+             exec {SIM} \"$@\"\n",
+            victim = victims.join("victim").display(),
+            new = victims.join("new").display(),
+            node = node.display(),
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let env = probe_env;
+    let cfg = std::fs::read_to_string(&env.config).unwrap();
+    std::fs::write(
+        &env.config,
+        cfg.replace(
+            &format!("control-binary = {SIM:?}"),
+            &format!("control-binary = {:?}", wrapper.display().to_string()),
+        ),
+    )
+    .unwrap();
+    let c = env.container("root").uid(0).device("0").sh(CLIENT).create();
+    let out = c.run();
+    assert!(client_line(&out).contains_key("server"), "{out}");
+    let id = env.daemon_of(&c);
+    let probe =
+        std::fs::read_to_string(env.state.join("mps").join(&id).join("log").join("probe")).unwrap();
+    assert_eq!(
+        probe, "victim=denied\nnew=denied\nnode=denied\nnull=ok\npipe=ok\nshm=ok\n",
+        "what the daemon could do"
+    );
+    assert_eq!(
+        std::fs::read_to_string(victims.join("victim")).unwrap(),
+        "original\n"
+    );
+    assert!(!victims.join("new").exists());
+    // Its mount namespace says why: the host read-only, nosuid, nodev.
+    let root = std::fs::read_to_string(format!("/proc/{}/mountinfo", env.daemon_pid(&id)))
+        .unwrap()
+        .lines()
+        .find(|l| l.split_whitespace().nth(4) == Some("/"))
+        .unwrap()
+        .to_owned();
+    let opts = root.split_whitespace().nth(5).unwrap();
+    for o in ["ro", "nosuid", "nodev"] {
+        assert!(opts.split(',').any(|x| x == o), "{root}");
+    }
+}
+
+#[test]
+fn links_planted_in_the_log_directory_are_never_followed_by_root() {
+    // Before: the root supervisor opened <log>/daemon.out with create+append on every
+    // restart, following a link the daemon's uid could plant there.
+    let env = Env::with_config("log-size = \"1M\"");
+    let victims = victim_dir(&env);
+    let victim = victims.join("victim");
+    let c = env
+        .container("a")
+        .uid(1000)
+        .device("0")
+        .sh(&format!("{CLIENT} --hold 0.2"))
+        .create();
+    c.run();
+    let id = env.daemon_of(&c);
+    let dir = env.state.join("mps").join(&id);
+    let log = dir.join("log");
+    // As the daemon's uid (a host user with the container's uid, or the container when
+    // the log directory is mounted into it).
+    let plant = |name: &str, to: &Path| {
+        let p = log.join(name);
+        let _ = std::fs::remove_file(&p);
+        std::os::unix::fs::symlink(to, &p).unwrap();
+        nix::unistd::fchownat(
+            nix::fcntl::AT_FDCWD,
+            &p,
+            Some(1000.into()),
+            Some(1000.into()),
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        )
+        .unwrap();
+    };
+    plant("daemon.out", &victim);
+    plant("control.log.1", &victim);
+    plant("server.log.1", &victims.join("created"));
+    // The daemon's output is in the root-owned daemon directory, where no tenant writes.
+    let out = dir.join("daemon.out");
+    assert!(std::fs::symlink_metadata(&out).unwrap().is_file());
+    assert_eq!(std::fs::metadata(&dir).unwrap().uid(), 0);
+    assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o022, 0);
+
+    // A restart reopens daemon.out; a full control.log is rotated into control.log.1.
+    let pid = env.daemon_pid(&id);
+    stop_process(pid, None);
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            env.record(&id)["status"] == "ready" && env.daemon_pid(&id) != pid
+        }),
+        "daemon not restarted: {}",
+        env.record(&id)
+    );
+    let junk = "x".repeat(4096) + "\n";
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(log.join("control.log"))
+        .unwrap();
+    for _ in 0..100 {
+        f.write_all(junk.as_bytes()).unwrap();
+    }
+    drop(f);
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            std::fs::metadata(log.join("control.log")).unwrap().len() < 256 << 10
+        }),
+        "control.log past a quarter of log-size is rotated"
+    );
+    let kept = std::fs::symlink_metadata(log.join("control.log.1")).unwrap();
+    assert!(
+        kept.is_file() && kept.uid() == 0 && kept.len() <= 128 << 10,
+        "{kept:?}"
+    );
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "original\n");
+    assert!(!victims.join("created").exists());
+    // What the planted daemon.out link got: nothing, it is not even looked at.
+    assert!(std::fs::symlink_metadata(log.join("daemon.out"))
+        .unwrap()
+        .file_type()
+        .is_symlink());
+}
+
+#[test]
+fn a_tenant_raising_limits_through_its_socket_is_put_back_and_its_server_shut_down() {
+    // Before: `set_default_active_thread_percentage 100` and friends, sent by the tenant
+    // through its own control socket, raised the limits for good, also for the next
+    // well-behaved container of the identity, while the record still said 25.
+    let env = Env::with_config("limit-check-interval = \"200ms\"");
+    let greedy = env
+        .container("greedy")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "25")
+        .annotation("gpushare.io/pinned-memory-limit", "1G")
+        .sh(&format!("{CLIENT} --hold 30"))
+        .create();
+    greedy.start();
+    let id = env.daemon_of(&greedy);
+    let ask = |cmd: &str| control_as(&env, &id, 1000, cmd);
+    assert!(
+        wait_until(Duration::from_secs(10), || !ask("get_server_list")
+            .is_empty()),
+        "the greedy client never got a server"
+    );
+    let server = ask("get_server_list");
+    ask("set_default_active_thread_percentage 100");
+    ask(&format!("set_active_thread_percentage {server} 100"));
+    ask("set_default_device_pinned_mem_limit 0 20G");
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            ask("get_default_active_thread_percentage") == "25.0"
+                && ask("get_default_device_pinned_mem_limit 0") == "1024M"
+                && !ask("get_server_list")
+                    .split_whitespace()
+                    .any(|s| s == server)
+        }),
+        "limits not put back or server {server} not shut down: default {} / {}, servers {:?}",
+        ask("get_default_active_thread_percentage"),
+        ask("get_default_device_pinned_mem_limit 0"),
+        ask("get_server_list")
+    );
+    let log = env.gpushare_log();
+    assert!(log.contains("default limits were changed"), "{log}");
+    assert!(log.contains("shutting it down"), "{log}");
+    let _ = Command::new(which("runc").unwrap())
+        .arg("--root")
+        .arg(&env.runc_root)
+        .args(["kill", "greedy", "KILL"])
+        .status();
+    greedy.wait();
+
+    // The next container of the identity gets the enforced limits.
+    let next = env
+        .container("next")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "25")
+        .annotation("gpushare.io/pinned-memory-limit", "1G")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(env.daemon_of(&next), id);
+    let line = client_line(&next.run());
+    assert_eq!(
+        line["active_thread_percentage"].parse::<f64>().unwrap(),
+        25.0,
+        "{line:?}"
+    );
+    assert_eq!(line["pinned_mem_limit"], "0=1024M", "{line:?}");
+}
+
+/// The daemon's `Gid:` and `Groups:` lines from /proc.
+fn daemon_groups(env: &Env, id: &str) -> (String, String) {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", env.daemon_pid(id))).unwrap();
+    let line = |k: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(k))
+            .unwrap()
+            .split_whitespace()
+            .skip(1)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    (line("Gid:"), line("Groups:"))
+}
+
+/// A container of uid 1000 running with group 6 (`disk` on Debian) and more.
+fn disk_group_container<'a>(env: &'a Env, id: &str) -> Container<'a> {
+    let c = env.container(id).uid(1000).device("0").sh(CLIENT).bundle();
+    let mut v = c.config();
+    v["process"]["user"] = serde_json::json!({"uid": 1000, "gid": 6, "additionalGids": [6, 44]});
+    std::fs::write(c.bundle.join("config.json"), v.to_string()).unwrap();
+    let out = c.try_create();
+    assert!(out.status.success(), "{}", c.last_error());
+    c
+}
+
+#[test]
+fn the_daemon_group_is_the_nodes_choice_never_the_containers() {
+    let env = Env::new();
+    let c = disk_group_container(&env, "disk");
+    let id = env.daemon_of(&c);
+    assert_eq!(
+        daemon_groups(&env, &id),
+        ("1000 1000 1000 1000".into(), String::new())
+    );
+    c.run();
+
+    let env = Env::with_config("daemon-gid = 44");
+    let c = disk_group_container(&env, "disk");
+    let id = env.daemon_of(&c);
+    assert_eq!(
+        daemon_groups(&env, &id),
+        ("44 44 44 44".into(), String::new())
+    );
+    c.run();
+}
+
+#[test]
+fn the_daemon_runs_in_its_own_cgroup_with_memory_and_pids_limits() {
+    let env = Env::with_config("daemon-memory-max = \"512M\"\ndaemon-pids-max = 200");
+    let c = env.container("a").uid(1000).device("0").sh(CLIENT).create();
+    c.run();
+    let id = env.daemon_of(&c);
+    let cg = std::fs::read_to_string(format!("/proc/{}/cgroup", env.daemon_pid(&id))).unwrap();
+    let path_of = |controller: &str| {
+        cg.lines()
+            .find(|l| {
+                let mut f = l.splitn(3, ':');
+                let ctl = f.nth(1).unwrap_or_default();
+                ctl.split(',').any(|c| c == controller) || (ctl.is_empty() && controller.is_empty())
+            })
+            .map(|l| l.splitn(3, ':').nth(2).unwrap().to_owned())
+    };
+    let v2 = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    let (mem, pids) = if v2 {
+        let p = path_of("").expect("a v2 cgroup");
+        (
+            format!("/sys/fs/cgroup{p}/memory.max"),
+            format!("/sys/fs/cgroup{p}/pids.max"),
+        )
+    } else {
+        (
+            format!(
+                "/sys/fs/cgroup/memory{}/memory.limit_in_bytes",
+                path_of("memory").unwrap()
+            ),
+            format!("/sys/fs/cgroup/pids{}/pids.max", path_of("pids").unwrap()),
+        )
+    };
+    assert!(mem.contains(&format!("/gpushare/{id}/")), "{cg}");
+    assert_eq!(
+        std::fs::read_to_string(&mem).unwrap().trim(),
+        (512u64 << 20).to_string()
+    );
+    assert_eq!(std::fs::read_to_string(&pids).unwrap().trim(), "200");
+}
