@@ -25,20 +25,6 @@ fn text(o: &Output) -> String {
 }
 
 /// Unmounts everything mounted under `dir` (deepest first), whatever left it there.
-fn umount_below(dir: &Path) {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    let prefix = dir.display().to_string();
-    let mut points: Vec<&str> = mounts
-        .lines()
-        .filter_map(|l| l.split(' ').nth(1))
-        .filter(|m| m.starts_with(&prefix))
-        .collect();
-    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
-    for p in points {
-        let _ = nix::mount::umount2(p, nix::mount::MntFlags::MNT_DETACH);
-    }
-}
-
 /// Stops a daemon we started: SIGTERM, then SIGKILL after `grace`.
 fn stop_child(child: &mut Child, grace: Duration) {
     let pid = nix::unistd::Pid::from_raw(child.id() as i32);

@@ -96,13 +96,41 @@ fn install_with_libs(bin: &Path, rootfs: &Path, dest: &str) {
     }
 }
 
+/// Unmounts every mount at or below `dir`, deepest first (lazily: a busy one goes when
+/// its last user does).
+pub fn umount_below(dir: &Path) {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let prefix = dir.display().to_string();
+    let mut points: Vec<&str> = mounts
+        .lines()
+        .filter_map(|l| l.split(' ').nth(1))
+        .filter(|m| m.starts_with(&prefix))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    for p in points {
+        let _ = nix::mount::umount2(p, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
 /// A busybox rootfs with the simulator's client at /usr/bin/gpushare-mps-sim, shared
-/// read-only by every container of this test run.
+/// read-only by every container of this test run. It lives in cargo's temp dir for tests,
+/// whose path may spell "gpushare" (a clone named `gpushare/`): containers see it through
+/// a bind mount in their `Env`'s own temp dir (`Env::rootfs`), so that no bundle spells it.
 pub fn rootfs() -> &'static Path {
     static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
     ROOTFS.get_or_init(|| {
         require_root_and_runc();
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("rootfs-{}", std::process::id()));
+        let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+        // Rootfs dirs of earlier runs whose test process is gone.
+        for e in std::fs::read_dir(&tmp).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(pid) = name.strip_prefix("rootfs-").and_then(|p| p.parse::<i32>().ok()) {
+                if !alive(pid) {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        let dir = tmp.join(format!("rootfs-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         for d in ["bin", "dev/shm", "proc", "sys", "tmp/nvidia-mps", "etc", "usr/bin"] {
             std::fs::create_dir_all(dir.join(d)).unwrap();
@@ -127,6 +155,8 @@ pub struct Env {
     pub config: PathBuf,
     pub state: PathBuf,
     pub runc_root: PathBuf,
+    /// The shared rootfs, bound read-only into this env's temp dir.
+    pub rootfs: PathBuf,
     containers: std::sync::Mutex<Vec<String>>,
 }
 
@@ -143,11 +173,21 @@ impl Env {
 
     /// `top` goes before `[mps]` (top-level keys), `extra_mps` into `[mps]`.
     pub fn with_configs(top: &str, extra_mps: &str) -> Env {
-        rootfs();
+        let shared = rootfs();
         let dir = tempfile::Builder::new()
             .prefix("gs")
             .tempdir_in("/tmp")
             .unwrap();
+        let own_rootfs = dir.path().join("rootfs");
+        std::fs::create_dir(&own_rootfs).unwrap();
+        nix::mount::mount(
+            Some(shared),
+            &own_rootfs,
+            None::<&str>,
+            nix::mount::MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .expect("bind the test rootfs into the env's temp dir");
         let state = dir.path().join("s");
         let runc_root = dir.path().join("runc");
         let inventory = dir.path().join("inventory.json");
@@ -170,6 +210,7 @@ impl Env {
             config,
             state,
             runc_root,
+            rootfs: own_rootfs,
             containers: Default::default(),
         }
     }
@@ -303,9 +344,9 @@ impl Drop for Env {
             if let Some(p) = dae {
                 stop_process(p, rec["daemon"]["start_time"].as_u64());
             }
-            let shm = self.state.join("mps").join(&id).join("shm");
-            let _ = nix::mount::umount2(&shm, nix::mount::MntFlags::MNT_DETACH);
         }
+        // The daemons' tmpfs mounts and the rootfs bind: nothing stays mounted.
+        umount_below(self.dir.path());
     }
 }
 
@@ -408,7 +449,7 @@ impl<'a> ContainerBuilder<'a> {
         for e in &self.envs {
             c["process"]["env"].as_array_mut().unwrap().push(json!(e));
         }
-        c["root"] = json!({"path": rootfs(), "readonly": true});
+        c["root"] = json!({"path": self.env.rootfs, "readonly": true});
         c["hostname"] = json!(self.id);
         if !self.annotations.is_empty() {
             c["annotations"] = json!(self.annotations);
