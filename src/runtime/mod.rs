@@ -31,12 +31,25 @@ use crate::state::{valid_container_id, ContainerRecord, StateDir};
 /// The pipe directory NVIDIA's container toolkit mounts from the host when present.
 pub const NVIDIA_HOST_PIPE_DIR: &str = "/tmp/nvidia-mps";
 
+/// What `gpushare-runtime` without arguments prints.
+const USAGE: &str =
+    "usage: gpushare-runtime [runc's global options] <runc command> [options] [args]\n\
+gpushare-runtime is the OCI runtime that Docker, containerd and Kubernetes call in place of runc:\n\
+it takes runc's command line, adds the MPS share a container asks for on create, and runs the\n\
+low-level runtime (runc) for everything. It is not meant to be run by hand: see `gpushare --help`\n\
+and `gpushare-runtime --help` (runc's own help).";
+
 /// Seconds runc gives the poststop hook.
 const POSTSTOP_TIMEOUT: u64 = 10;
 
 /// The shim's entry point: returns the exit code when it does not exec.
 pub fn main(argv: Vec<OsString>) -> i32 {
     let rest = argv.get(1..).unwrap_or(&[]);
+    if rest.is_empty() {
+        // Engines always pass a command; a person typing the name gets ours, not runc's.
+        eprintln!("{USAGE}");
+        return 2;
+    }
     let inv = args::scan(rest).unwrap_or_default();
     if inv.command.is_none() && rest.iter().any(|a| a == "--version" || a == "-v") {
         // Ours first, then the low-level runtime's own (as NVIDIA's shim does).

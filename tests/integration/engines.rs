@@ -3,6 +3,10 @@
 //! mode), and the chaining to NVIDIA's runtime. Each daemon is started by the test with
 //! its own sockets, roots and state under the test's temp dir and stopped at the end,
 //! even on failure; the machine's /etc/docker and /etc/containerd are never touched.
+//! Engines also write where no flag moves them (dockerd's /etc/docker/key.json and
+//! /run/docker/plugins, the containerd shim's /run/containerd/{s,fifo,runc}, Podman's
+//! /var/lib/containers/cache and /var/cache/containers): each engine runs in a mount
+//! namespace of its own (`PrivateMounts`) where those places are empty tmpfs.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -24,7 +28,59 @@ fn text(o: &Output) -> String {
     )
 }
 
-/// Unmounts everything mounted under `dir` (deepest first), whatever left it there.
+/// A mount namespace for one engine test: a slave of the host's (the host's mounts reach
+/// it, none of its own reach the host) with a tmpfs over each place engines write outside
+/// the roots their flags name. Every engine process is started in it through `cmd`.
+struct PrivateMounts {
+    holder: Child,
+}
+
+impl PrivateMounts {
+    const COVERED: &'static [&'static str] =
+        &["/run", "/etc/docker", "/etc/cni", "/var/lib", "/var/cache"];
+
+    fn new() -> PrivateMounts {
+        let script = format!(
+            "for d in {}; do if [ -d \"$d\" ]; then mount -t tmpfs -o mode=0755 gs-engine \"$d\" || exit 1; fi; done; echo ready; exec sleep 3600",
+            Self::COVERED.join(" ")
+        );
+        let mut holder = Command::new(need("unshare", "util-linux"))
+            .args(["--mount", "--propagation", "slave", "sh", "-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(holder.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert_eq!(
+            line.trim(),
+            "ready",
+            "the engine's mount namespace was not set up"
+        );
+        PrivateMounts { holder }
+    }
+
+    /// `program` run inside the namespace (nsenter execs it: the pid is the program's).
+    fn cmd(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut c = Command::new(need("nsenter", "util-linux"));
+        c.arg(format!("--mount=/proc/{}/ns/mnt", self.holder.id()))
+            .arg("--")
+            .arg(program);
+        c
+    }
+}
+
+impl Drop for PrivateMounts {
+    fn drop(&mut self) {
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
+}
+
 /// Stops a daemon we started: SIGTERM, then SIGKILL after `grace`.
 fn stop_child(child: &mut Child, grace: Duration) {
     let pid = nix::unistd::Pid::from_raw(child.id() as i32);
@@ -57,7 +113,7 @@ struct Dockerd {
 }
 
 impl Dockerd {
-    fn start(env: &Env) -> Dockerd {
+    fn start(env: &Env, ns: &PrivateMounts) -> Dockerd {
         let dockerd = need("dockerd", "docker.io");
         let dir = env.path().join("d");
         std::fs::create_dir_all(&dir).unwrap();
@@ -76,7 +132,8 @@ impl Dockerd {
             text(&out)
         );
         let log = std::fs::File::create(dir.join("dockerd.log")).unwrap();
-        let child = Command::new(dockerd)
+        let child = ns
+            .cmd(dockerd)
             .env("GPUSHARE_CONFIG", &env.config)
             .arg("--data-root")
             .arg(dir.join("data"))
@@ -146,7 +203,8 @@ impl Drop for Dockerd {
 #[test]
 fn docker_runs_shared_gpu_containers_through_gpushare() {
     let env = Env::new();
-    let d = Dockerd::start(&env);
+    let ns = PrivateMounts::new();
+    let d = Dockerd::start(&env, &ns);
     let info = text(&d.docker(&["info"]));
     assert!(
         info.contains("gpushare"),
@@ -330,7 +388,9 @@ fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
     )
     .unwrap();
     let log = std::fs::File::create(dir.join("containerd.log")).unwrap();
-    let mut child = Command::new(&containerd)
+    let ns = PrivateMounts::new();
+    let mut child = ns
+        .cmd(&containerd)
         .env("GPUSHARE_CONFIG", &env.config)
         .arg("--config")
         .arg(&conf)
@@ -348,7 +408,7 @@ fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
     }
     let _stop = Stop(&mut child, dir.clone());
     let ctr = |args: &[&str]| {
-        Command::new("ctr")
+        ns.cmd("ctr")
             .arg("--address")
             .arg(&sock)
             .args(args)
@@ -408,6 +468,7 @@ fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
 fn podman_hook_only_mode_mounts_the_daemon_into_the_container() {
     let env = Env::new();
     let podman = need("podman", "podman");
+    let ns = PrivateMounts::new();
     let dir = env.path().join("p");
     let hooks = dir.join("hooks.d");
     std::fs::create_dir_all(&hooks).unwrap();
@@ -426,7 +487,7 @@ fn podman_hook_only_mode_mounts_the_daemon_into_the_container() {
         std::fs::write(hooks.join(name), v.to_string()).unwrap();
     }
     let pm = |args: &[&str]| {
-        Command::new(&podman)
+        ns.cmd(&podman)
             .arg("--root")
             .arg(dir.join("storage"))
             .arg("--runroot")
