@@ -44,10 +44,10 @@ enum Command {
     /// 0 all ok, 1 warnings, 2 failures.
     Doctor {
         /// Docker's daemon.json to check.
-        #[arg(long, default_value = "/etc/docker/daemon.json")]
+        #[arg(long, default_value = crate::install::DEFAULT_DOCKER_CONFIG)]
         docker_config: std::path::PathBuf,
         /// containerd's config.toml to check.
-        #[arg(long, default_value = "/etc/containerd/config.toml")]
+        #[arg(long, default_value = crate::install::DEFAULT_CONTAINERD_CONFIG)]
         containerd_config: std::path::PathBuf,
     },
     /// Register gpushare-runtime with a container engine.
@@ -244,11 +244,32 @@ pub fn main() -> i32 {
         // the config or the log.
         crate::mps::supervisor::detach();
     }
-    let cfg = match load_config() {
+    let cfg = match crate::config::load() {
         Ok(c) => c,
-        Err(code) => return code,
+        Err(e) if matches!(cli.command, Command::Doctor { .. }) => {
+            let check = crate::doctor::config_failure(&format!("{:#}", anyhow::Error::new(e)));
+            let (text, code) = crate::doctor::report(&[check]);
+            print!("{text}");
+            return code;
+        }
+        Err(e) => {
+            eprintln!("gpushare: {:#}", anyhow::Error::new(e));
+            return 1;
+        }
     };
-    crate::logging::init(&cfg);
+    // Only commands that change something log; status, doctor and daemon list only read
+    // (and must not even create the log file).
+    let reads_only = matches!(
+        cli.command,
+        Command::Status { .. }
+            | Command::Doctor { .. }
+            | Command::Daemon {
+                command: DaemonCommand::List { .. }
+            }
+    );
+    if !reads_only {
+        crate::logging::init(&cfg);
+    }
     match cli.command {
         Command::Hook { .. } => unreachable!("handled above"),
         Command::Status {
@@ -270,6 +291,7 @@ pub fn main() -> i32 {
                 &crate::doctor::Paths {
                     docker: docker_config,
                     containerd: containerd_config,
+                    ..Default::default()
                 },
             );
             let (text, code) = crate::doctor::report(&checks);
@@ -470,9 +492,9 @@ fn install(engine: Engine) -> anyhow::Result<()> {
     };
     let path = args.config.clone().unwrap_or_else(|| {
         if is_docker {
-            "/etc/docker/daemon.json".into()
+            crate::install::DEFAULT_DOCKER_CONFIG.into()
         } else {
-            "/etc/containerd/config.toml".into()
+            crate::install::DEFAULT_CONTAINERD_CONFIG.into()
         }
     });
     let runtime = install::runtime_path(args.runtime_path)?;

@@ -1,7 +1,8 @@
-//! `gpushare doctor`: is this node ready to share GPUs? Each check says ok, warn or fail,
-//! with one line of evidence and, when not ok, one line saying how to fix it. The exit
-//! code is the worst result: 0 ok, 1 warn, 2 fail. Works on a machine without a GPU and
-//! says so. Reads only: it changes nothing.
+//! `gpushare doctor`: is this node ready to share GPUs? Every check prints one line, ok,
+//! warn or FAIL, with its evidence and, when not ok, one line saying how to fix it. The
+//! exit code is the worst result: 0 ok, 1 warn, 2 fail (a config that does not load is a
+//! `FAIL config` line and exit 2). Works on a machine without a GPU and says so. Reads
+//! only: it changes nothing, not even gpushare's log file.
 
 use std::path::{Path, PathBuf};
 
@@ -52,13 +53,18 @@ fn fail(name: &'static str, detail: impl Into<String>, fix: impl Into<String>) -
 pub struct Paths {
     pub docker: PathBuf,
     pub containerd: PathBuf,
+    /// Whether an engine runs here at all is told by its socket.
+    pub docker_socket: PathBuf,
+    pub containerd_socket: PathBuf,
 }
 
 impl Default for Paths {
     fn default() -> Self {
         Paths {
-            docker: "/etc/docker/daemon.json".into(),
-            containerd: "/etc/containerd/config.toml".into(),
+            docker: crate::install::DEFAULT_DOCKER_CONFIG.into(),
+            containerd: crate::install::DEFAULT_CONTAINERD_CONFIG.into(),
+            docker_socket: "/run/docker.sock".into(),
+            containerd_socket: "/run/containerd/containerd.sock".into(),
         }
     }
 }
@@ -76,7 +82,18 @@ fn inventory_checks(cfg: &Config, out: &mut Vec<Check>) -> Option<Inventory> {
         (_, Err(_)) => out.push(ok("driver", format!("no NVIDIA driver on this machine; inventory = {:?} stands in for it (test mode)", cfg.inventory))),
     }
     match InventorySource::parse(&cfg.inventory).and_then(|s| crate::device::load(&s)) {
-        Ok(inv) => Some(inv),
+        Ok(inv) => {
+            let migs: usize = inv.gpus.iter().map(|g| g.mig_devices.len()).sum();
+            out.push(ok(
+                "inventory",
+                format!(
+                    "{} GPU(s), {migs} MIG device(s) from {}",
+                    inv.gpus.len(),
+                    cfg.inventory
+                ),
+            ));
+            Some(inv)
+        }
         Err(e) => {
             if cfg.inventory != "nvml" {
                 out.push(fail(
@@ -109,6 +126,14 @@ fn gpu_checks(cfg: &Config, inv: &Inventory, out: &mut Vec<Check>) {
                     "expect limits to be ignored on this GPU; prefer Volta or newer",
                 ));
             }
+        } else {
+            out.push(ok(
+                "gpu-generation",
+                format!(
+                    "{name}: compute capability {} (Volta or newer: limits and multi-user MPS)",
+                    gpu.compute_capability
+                ),
+            ));
         }
         match (gpu.compute_mode, cfg.mps.user_mode) {
             (ComputeMode::Default, _) => out.push(ok("compute-mode", format!("{name}: DEFAULT"))),
@@ -129,7 +154,7 @@ fn gpu_checks(cfg: &Config, inv: &Inventory, out: &mut Vec<Check>) {
 
 fn control_binary_check(cfg: &Config) -> Check {
     match crate::mps::control::resolve_binary(&cfg.mps.control_binary) {
-        Ok(path) if path.is_file() => {
+        Ok(path) => {
             let version = std::process::Command::new(&path)
                 .arg("-v")
                 .env_clear()
@@ -140,11 +165,6 @@ fn control_binary_check(cfg: &Config) -> Check {
                 .filter(|v| !v.is_empty());
             ok("mps-control", format!("{} ({})", path.display(), version.as_deref().unwrap_or("version not reported")))
         }
-        Ok(path) => fail(
-            "mps-control",
-            format!("{} does not exist", path.display()),
-            "install the NVIDIA driver's nvidia-cuda-mps-control, or point mps.control-binary at it",
-        ),
         Err(e) => fail("mps-control", e.to_string(), "install nvidia-cuda-mps-control (NVIDIA driver utilities) or set mps.control-binary to its absolute path"),
     }
 }
@@ -233,12 +253,30 @@ fn host_pipe_check() -> Check {
     }
 }
 
+/// Whether an engine serves on this node: its socket exists.
+fn serving(socket: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata(socket).is_ok_and(|m| m.file_type().is_socket())
+}
+
 fn engine_checks(paths: &Paths, out: &mut Vec<Check>) {
     match std::fs::read_to_string(&paths.docker) {
+        Err(_) if !serving(&paths.docker_socket) => out.push(ok(
+            "docker",
+            format!(
+                "Docker does not run here (no {}, no {}): nothing to configure",
+                paths.docker.display(),
+                paths.docker_socket.display()
+            ),
+        )),
         Err(_) => out.push(warn(
             "docker",
-            format!("{} not found", paths.docker.display()),
-            "if Docker runs here: sudo gpushare install docker",
+            format!(
+                "dockerd serves {} but {} does not exist",
+                paths.docker_socket.display(),
+                paths.docker.display()
+            ),
+            "gpushare install docker, then reload dockerd (SIGHUP)",
         )),
         Ok(text) => {
             let has = serde_json::from_str::<serde_json::Value>(&text)
@@ -262,19 +300,41 @@ fn engine_checks(paths: &Paths, out: &mut Vec<Check>) {
                         "{} does not register runtime gpushare",
                         paths.docker.display()
                     ),
-                    "sudo gpushare install docker, then reload dockerd (SIGHUP)",
+                    "gpushare install docker, then reload dockerd (SIGHUP)",
                 )),
             }
         }
     }
     match std::fs::read_to_string(&paths.containerd) {
+        Err(_) if !serving(&paths.containerd_socket) => out.push(ok(
+            "containerd",
+            format!(
+                "containerd does not run here (no {}, no {}): nothing to configure",
+                paths.containerd.display(),
+                paths.containerd_socket.display()
+            ),
+        )),
         Err(_) => out.push(warn(
             "containerd",
-            format!("{} not found", paths.containerd.display()),
-            "if containerd runs here: sudo gpushare install containerd",
+            format!(
+                "containerd serves {} but {} does not exist",
+                paths.containerd_socket.display(),
+                paths.containerd.display()
+            ),
+            "gpushare install containerd, then restart containerd",
         )),
         Ok(text) => {
             let v: Option<toml::Table> = toml::from_str(&text).ok();
+            // Docker's own containerd (Debian's docker.io installs the package) serves no
+            // Kubernetes: without a running containerd with its CRI plugin there is
+            // nothing for gpushare to configure.
+            let cri_disabled = v
+                .as_ref()
+                .and_then(|v| v.get("disabled_plugins")?.as_array().cloned())
+                .is_some_and(|d| {
+                    d.iter()
+                        .any(|p| matches!(p.as_str(), Some("cri" | "io.containerd.grpc.v1.cri")))
+                });
             let found = v.as_ref().and_then(|v| {
                 ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.runtime"]
                     .iter()
@@ -298,10 +358,25 @@ fn engine_checks(paths: &Paths, out: &mut Vec<Check>) {
                         paths.containerd.display()
                     ),
                 )),
+                None if cri_disabled || !serving(&paths.containerd_socket) => out.push(ok(
+                    "containerd",
+                    format!(
+                        "{} has no gpushare runtime, and {}: nothing for Kubernetes to use here",
+                        paths.containerd.display(),
+                        if cri_disabled {
+                            "its CRI plugin is disabled (Docker's containerd)".to_owned()
+                        } else {
+                            format!(
+                                "containerd does not run (no {})",
+                                paths.containerd_socket.display()
+                            )
+                        }
+                    ),
+                )),
                 None => out.push(warn(
                     "containerd",
                     format!("{} has no gpushare runtime", paths.containerd.display()),
-                    "sudo gpushare install containerd, then restart containerd",
+                    "gpushare install containerd, then restart containerd",
                 )),
             }
         }
@@ -324,17 +399,56 @@ pub fn run(cfg: &Config, paths: &Paths) -> Vec<Check> {
     state_dir_checks(cfg, &mut out);
     out.push(host_pipe_check());
     engine_checks(paths, &mut out);
-    out.push(
-        match crate::runtime::lowlevel::resolve(&cfg.low_level_runtime) {
-            Ok(p) => ok("low-level-runtime", format!("{}", p.display())),
-            Err(e) => fail(
-                "low-level-runtime",
-                e.to_string(),
-                "install runc (apt-get install runc) or fix low-level-runtime",
-            ),
-        },
-    );
+    out.push(low_level_runtime_check(cfg));
     out
+}
+
+/// The low-level runtime resolves, and not to gpushare-runtime: the shim would exec
+/// itself and every create would fail (the shim refuses to; here it is caught before).
+fn low_level_runtime_check(cfg: &Config) -> Check {
+    use std::os::unix::fs::MetadataExt;
+    let shim = std::env::current_exe()
+        .ok()
+        .map(|p| p.with_file_name("gpushare-runtime"))
+        .and_then(|p| std::fs::metadata(p).ok());
+    match crate::runtime::lowlevel::resolve(&cfg.low_level_runtime) {
+        Ok(p) => {
+            let is_shim = p.file_name().is_some_and(|n| n == "gpushare-runtime")
+                || std::fs::metadata(&p)
+                    .ok()
+                    .zip(shim)
+                    .is_some_and(|(a, b)| a.dev() == b.dev() && a.ino() == b.ino());
+            if is_shim {
+                fail(
+                    "low-level-runtime",
+                    format!(
+                        "{} is gpushare-runtime itself: every create would fail",
+                        p.display()
+                    ),
+                    "point low-level-runtime at runc, crun or nvidia-container-runtime",
+                )
+            } else {
+                ok("low-level-runtime", format!("{}", p.display()))
+            }
+        }
+        Err(e) => fail(
+            "low-level-runtime",
+            e.to_string(),
+            "install runc (apt-get install runc) or fix low-level-runtime",
+        ),
+    }
+}
+
+/// The report for a config that does not load: one FAIL line (exit 2).
+pub fn config_failure(error: &str) -> Check {
+    fail(
+        "config",
+        error.to_owned(),
+        format!(
+            "fix the file (config/runtime.toml documents every key), or unset {}",
+            crate::config::ENV_VAR
+        ),
+    )
 }
 
 /// Prints the checks; returns the exit code (0 ok, 1 warn, 2 fail).

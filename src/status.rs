@@ -44,8 +44,12 @@ pub struct DaemonView {
     /// Seconds since the current daemon process became ready.
     pub uptime_seconds: Option<u64>,
     pub restarts: u32,
-    /// `ok` (processes alive and control interface answering), `unresponsive`, `down`.
+    /// `ok` (processes alive and control interface answering), `unresponsive` (alive,
+    /// not answering), `unknown` (alive, but the control binary to ask with is missing),
+    /// `down`.
     pub health: &'static str,
+    /// Why the health is not `ok`; `None` when it is.
+    pub health_reason: Option<String>,
     pub servers: Option<usize>,
     pub clients: Option<usize>,
     pub error: Option<String>,
@@ -98,12 +102,12 @@ fn describe(inventory: Option<&Inventory>, uuid: &str) -> DeviceView {
     v
 }
 
-/// Asks the daemon for its servers and their clients.
-fn probe(control: &Control) -> Option<(usize, usize)> {
+/// Asks the daemon for its servers and their clients; the error says why it could not.
+fn probe(control: &Control) -> Result<(usize, usize), String> {
     let timeout = Duration::from_secs(2);
     let servers: Vec<String> = control
         .command("get_server_list", timeout)
-        .ok()?
+        .map_err(|e| e.to_string())?
         .split_whitespace()
         .filter(|s| s.parse::<u32>().is_ok())
         .map(str::to_owned)
@@ -119,7 +123,7 @@ fn probe(control: &Control) -> Option<(usize, usize)> {
             })
             .unwrap_or(0);
     }
-    Some((servers.len(), clients))
+    Ok((servers.len(), clients))
 }
 
 /// Collects the view of every daemon under the state dir.
@@ -128,7 +132,7 @@ pub fn collect(cfg: &Config) -> StatusView {
     let inventory = crate::device::InventorySource::parse(&cfg.inventory)
         .ok()
         .and_then(|src| crate::device::load(&src).ok());
-    let binary = resolve_binary(&cfg.mps.control_binary).ok();
+    let binary = resolve_binary(&cfg.mps.control_binary).map_err(|e| e.to_string());
     let now = crate::util::unix_now();
     let mut daemons = Vec::new();
     for id in state.daemon_ids().unwrap_or_default() {
@@ -137,13 +141,36 @@ pub fn collect(cfg: &Config) -> StatusView {
         };
         let ident = &rec.identity;
         let alive = rec.live();
-        let probed = binary.as_ref().filter(|_| alive).and_then(|b| {
-            probe(&Control {
-                binary: b.clone(),
-                pipe_dir: state.pipe_dir(&id),
-                user: (!ident.multi_user).then_some((ident.uid, ident.gid)),
+        let probed = alive.then(|| {
+            binary.clone().map(|b| {
+                probe(&Control {
+                    binary: b,
+                    pipe_dir: state.pipe_dir(&id),
+                    user: (!ident.multi_user).then_some((ident.uid, ident.gid)),
+                })
             })
         });
+        let (health, health_reason) = match &probed {
+            Some(Ok(Ok(_))) => ("ok", None),
+            Some(Ok(Err(e))) => ("unresponsive", Some(e.clone())),
+            Some(Err(e)) => ("unknown", Some(format!("cannot ask the daemon: {e}"))),
+            None => (
+                "down",
+                Some(rec.error.clone().unwrap_or_else(|| {
+                    format!(
+                        "{:?}: {}",
+                        rec.status,
+                        if rec.supervisor.is_some_and(|p| p.alive()) {
+                            "the daemon process is gone"
+                        } else {
+                            "its supervisor is gone"
+                        }
+                    )
+                    .to_lowercase()
+                })),
+            ),
+        };
+        let probed = probed.and_then(Result::ok).and_then(Result::ok);
         daemons.push(DaemonView {
             devices: ident
                 .devices
@@ -163,11 +190,8 @@ pub fn collect(cfg: &Config) -> StatusView {
                 .filter(|_| alive)
                 .map(|t| now.saturating_sub(t)),
             restarts: rec.restarts,
-            health: match (alive, probed.is_some()) {
-                (true, true) => "ok",
-                (true, false) => "unresponsive",
-                _ => "down",
-            },
+            health,
+            health_reason,
             servers: probed.map(|p| p.0),
             clients: probed.map(|p| p.1),
             error: rec.error.clone(),
@@ -182,6 +206,16 @@ pub fn collect(cfg: &Config) -> StatusView {
         schema: SCHEMA,
         state_dir: cfg.state_dir.display().to_string(),
         daemons,
+    }
+}
+
+/// The first 12 characters of a 64-hex-digit engine id (as `docker ps` and `crictl ps`
+/// show them); any other id in full.
+fn short_container_id(id: &str) -> &str {
+    if id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        &id[..12]
+    } else {
+        id
     }
 }
 
@@ -247,19 +281,19 @@ pub fn table(view: &StatusView) -> String {
             d.pid.map_or_else(dash, |p| p.to_string()),
             d.uptime_seconds.map_or_else(dash, human_duration),
             d.restarts,
-            if d.health == "ok" {
-                "ok".to_owned()
-            } else {
-                format!("{} ({:?})", d.health, d.status).to_lowercase()
-            },
+            d.health,
             d.servers.map_or_else(dash, |n| n.to_string()),
             d.clients.map_or_else(dash, |n| n.to_string()),
         );
+        if let Some(why) = &d.health_reason {
+            let _ = writeln!(out, "  └ {}: {why}", d.health);
+        }
         for c in &d.containers {
+            // Engines' ids are 64 hex digits; 12 identify a container as `docker ps` shows.
             let _ = writeln!(
                 out,
                 "  └ container {}  engine={}  pid={}",
-                c.id,
+                short_container_id(&c.id),
                 c.engine.as_deref().unwrap_or("-"),
                 c.pid.map_or_else(dash, |p| p.to_string())
             );
@@ -339,6 +373,16 @@ pub fn prometheus(view: &StatusView) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::short_container_id;
+
+    #[test]
+    fn engine_ids_are_shortened_like_docker_ps_and_others_kept() {
+        let long = "28d3f31c1da9e220f4ff0d667ffe0881aaac3c6b708dae20229b81e67002ffee";
+        assert_eq!(short_container_id(long), "28d3f31c1da9");
+        assert_eq!(short_container_id("st-a"), "st-a");
+        assert_eq!(short_container_id(&"z".repeat(64)), "z".repeat(64));
+    }
+
     use super::*;
 
     #[test]
@@ -365,6 +409,7 @@ mod tests {
                 uptime_seconds: Some(3),
                 restarts: 2,
                 health: "ok",
+                health_reason: None,
                 servers: Some(1),
                 clients: Some(1),
                 error: None,

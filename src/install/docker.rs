@@ -26,7 +26,14 @@ pub fn edit(path: &Path, text: &str, name: &str, runtime: &Path) -> Result<Edite
         .entry("runtimes")
         .or_insert_with(|| Value::Object(Map::new()));
     let Value::Object(runtimes) = runtimes else {
-        return Err(parse("\"runtimes\" is not an object".into()));
+        // Valid JSON, but not what Docker accepts there: say what is wrong, not "invalid".
+        return Err(InstallError::Unsupported {
+            path: path.to_owned(),
+            message: format!(
+                "\"runtimes\" is {}, not an object; Docker expects {{\"runtimes\": {{\"<name>\": {{\"path\": …}}}}}}: fix or remove that key",
+                runtimes
+            ),
+        });
     };
     let wanted = runtime.to_string_lossy().into_owned();
     let entry = runtimes.get(name).and_then(Value::as_object).cloned();
@@ -99,7 +106,20 @@ mod tests {
 
     #[test]
     fn bad_files_are_errors_naming_the_file() {
-        for bad in ["{", "[]", r#"{"runtimes": 5}"#] {
+        let err = edit(
+            Path::new("/etc/docker/daemon.json"),
+            r#"{"runtimes": 5}"#,
+            "gpushare",
+            Path::new(RT),
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert_eq!(
+            err,
+            "/etc/docker/daemon.json: \"runtimes\" is 5, not an object; Docker expects {\"runtimes\": {\"<name>\": {\"path\": …}}}: fix or remove that key"
+        );
+        for bad in ["{", "[]"] {
             let err = edit(
                 Path::new("/etc/docker/daemon.json"),
                 bad,

@@ -8,6 +8,10 @@
 pub mod containerd;
 pub mod docker;
 
+/// Where the engines keep their configs on a standard install.
+pub const DEFAULT_DOCKER_CONFIG: &str = "/etc/docker/daemon.json";
+pub const DEFAULT_CONTAINERD_CONFIG: &str = "/etc/containerd/config.toml";
+
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]

@@ -17,6 +17,8 @@ pub const SAFE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/
 pub enum ControlError {
     #[error("MPS control binary {binary:?} not found on PATH ({SAFE_PATH}); set mps.control-binary to its absolute path")]
     NotFound { binary: String },
+    #[error("MPS control binary {path} does not exist; set mps.control-binary to where nvidia-cuda-mps-control is")]
+    Missing { path: PathBuf },
     #[error("cannot run {binary}")]
     Spawn {
         binary: PathBuf,
@@ -33,10 +35,15 @@ pub enum ControlError {
     Timeout { command: String, timeout: Duration },
 }
 
-/// Resolves `mps.control-binary`: an absolute path as is, a name on the safe PATH.
+/// Resolves `mps.control-binary`: an absolute path that exists, a name on the safe PATH.
 pub fn resolve_binary(binary: &str) -> Result<PathBuf, ControlError> {
     if binary.contains('/') {
-        return Ok(PathBuf::from(binary));
+        let path = PathBuf::from(binary);
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(ControlError::Missing { path })
+        };
     }
     std::env::split_paths(SAFE_PATH)
         .map(|d| d.join(binary))

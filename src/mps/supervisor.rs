@@ -858,8 +858,12 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
                 return Ok(());
             }
             Watch::ChildExited => {
-                let status = child.try_wait().ok().flatten();
-                tracing::warn!(daemon = %sup.id, ?status, "MPS control daemon exited; restarting");
+                let status = child
+                    .try_wait()
+                    .ok()
+                    .flatten()
+                    .map_or_else(|| "unknown status".to_owned(), |s| s.to_string());
+                tracing::warn!(daemon = %sup.id, %status, "MPS control daemon exited; restarting");
                 if started.elapsed() > STABLE_AFTER {
                     backoff = BACKOFF_FIRST;
                 }

@@ -77,6 +77,33 @@ fn status_shows_daemons_health_and_containers_in_three_formats() {
     }
     assert_eq!(table.matches("  ok  ").count(), 3, "{table}");
 
+    // Without the control binary the health is unknown, with the reason beside it.
+    let no_binary = env.path().join("no-binary.toml");
+    std::fs::write(
+        &no_binary,
+        std::fs::read_to_string(&env.config).unwrap().replace(
+            &format!("control-binary = {SIM:?}"),
+            "control-binary = \"/nonexistent/nvidia-cuda-mps-control\"",
+        ),
+    )
+    .unwrap();
+    let table = String::from_utf8(
+        env.cmd(GPUSHARE)
+            .env("GPUSHARE_CONFIG", &no_binary)
+            .arg("status")
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    assert_eq!(table.matches("  unknown  ").count(), 3, "{table}");
+    assert!(
+        table.contains(
+            "└ unknown: cannot ask the daemon: MPS control binary /nonexistent/nvidia-cuda-mps-control does not exist"
+        ),
+        "{table}"
+    );
+
     let prom_file = env.path().join("gpushare.prom");
     let out = env
         .cmd(GPUSHARE)
@@ -177,7 +204,10 @@ fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
         "says it runs without a GPU:\n{report}"
     );
 
-    // The test setup itself: no failures (warnings for engines not configured here).
+    // The test setup itself: every check printed and ok (no engine runs here: nothing to
+    // configure), and doctor writes nothing, not even the log file.
+    let log = env.path().join("gpushare.log");
+    let _ = std::fs::remove_file(&log);
     let out = env
         .cmd(GPUSHARE)
         .arg("doctor")
@@ -190,11 +220,72 @@ fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
         .output()
         .unwrap();
     let report = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert_eq!(out.status.code(), Some(1), "{report}");
+    assert_eq!(out.status.code(), Some(0), "{report}");
+    for check in [
+        "config",
+        "driver",
+        "inventory",
+        "gpu-generation",
+        "compute-mode",
+        "mps-control",
+        "socket-path",
+        "state-dir",
+        "host-mps-pipe",
+        "docker",
+        "containerd",
+        "low-level-runtime",
+    ] {
+        assert!(
+            report.contains(&format!("ok    {check} ")),
+            "{check}:\n{report}"
+        );
+    }
+    let out = env.cmd(GPUSHARE).arg("status").output().unwrap();
+    assert!(out.status.success());
+    assert!(!log.exists(), "doctor and status wrote {}", log.display());
+
+    // A config that does not load is a FAIL line and exit 2, not an error and exit 1.
+    let bad = env.path().join("bad.toml");
+    std::fs::write(&bad, "no-such-key = 1\n").unwrap();
+    let out = env
+        .cmd(GPUSHARE)
+        .env("GPUSHARE_CONFIG", &bad)
+        .arg("doctor")
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{report}");
     assert!(
-        report.contains("ok    mps-control")
-            && report.contains("ok    compute-mode")
-            && !report.contains("FAIL"),
+        report.starts_with("FAIL  config") && report.contains("no-such-key"),
+        "{report}"
+    );
+
+    // A low-level runtime that is gpushare-runtime itself would fail every create.
+    let looping = env.path().join("looping.toml");
+    let text = std::fs::read_to_string(&env.config).unwrap();
+    let first = text.lines().next().unwrap().to_owned();
+    assert!(first.starts_with("low-level-runtime"), "{first}");
+    std::fs::write(
+        &looping,
+        text.replacen(&first, &format!("low-level-runtime = [{RUNTIME:?}]"), 1),
+    )
+    .unwrap();
+    let out = env
+        .cmd(GPUSHARE)
+        .env("GPUSHARE_CONFIG", &looping)
+        .args([
+            "doctor",
+            "--docker-config",
+            "/nonexistent",
+            "--containerd-config",
+            "/nonexistent",
+        ])
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{report}");
+    assert!(
+        report.contains("FAIL  low-level-runtime") && report.contains("gpushare-runtime itself"),
         "{report}"
     );
 }
