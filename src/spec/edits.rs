@@ -326,7 +326,7 @@ mod tests {
                 ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), "25".into()),
             ],
             pipe: (
-                "/run/gpushare/mps/0123456789ab/pipe".into(),
+                "/run/gpushare/mps/0123456789abcdef0123456789abcdef/pipe".into(),
                 "/tmp/nvidia-mps".into(),
             ),
             log: None,
@@ -339,13 +339,13 @@ mod tests {
                     ("poststop", "poststop", 10),
                 ],
             },
-            annotations: vec![("gpushare.io/daemon".into(), "0123456789ab".into())],
+            annotations: vec![("gpushare.io/daemon".into(), "0123456789abcdef0123456789abcdef".into())],
         }
     }
 
     fn isolated() -> IpcPlan {
         IpcPlan::Isolated {
-            shm_dir: "/run/gpushare/mps/0123456789ab/shm".into(),
+            shm_dir: "/run/gpushare/mps/0123456789abcdef0123456789abcdef/shm".into(),
         }
     }
 
@@ -379,7 +379,7 @@ mod tests {
         apply_all(&mut d, &plan(&decision(isolated()))).unwrap();
         let shm = mounts_at(&d, "/dev/shm");
         assert_eq!(shm.len(), 1);
-        assert_eq!(shm[0]["source"], "/run/gpushare/mps/0123456789ab/shm");
+        assert_eq!(shm[0]["source"], "/run/gpushare/mps/0123456789abcdef0123456789abcdef/shm");
         assert_eq!(shm[0]["type"], "bind");
         let pos = |m: &Map<String, Value>| {
             m["mounts"]
@@ -395,7 +395,7 @@ mod tests {
             .iter()
             .any(|n| n["type"] == "ipc"));
         let pipe = mounts_at(&d, "/tmp/nvidia-mps");
-        assert_eq!(pipe[0]["source"], "/run/gpushare/mps/0123456789ab/pipe");
+        assert_eq!(pipe[0]["source"], "/run/gpushare/mps/0123456789abcdef0123456789abcdef/pipe");
     }
 
     #[test]
@@ -492,7 +492,7 @@ mod tests {
         let mut d = doc("docker-20.10-config.json");
         assert!(!d.contains_key("annotations"));
         apply_all(&mut d, &plan(&decision(isolated()))).unwrap();
-        assert_eq!(d["annotations"]["gpushare.io/daemon"], "0123456789ab");
+        assert_eq!(d["annotations"]["gpushare.io/daemon"], "0123456789abcdef0123456789abcdef");
     }
 
     #[test]
