@@ -28,7 +28,6 @@ use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 use nix::sys::stat::Mode;
 
 use crate::config::Config;
-use crate::device::{load, InventorySource};
 use crate::hook::{State, ANN_DAEMON};
 use crate::request::{self, IpcMode};
 use crate::spec::SpecFile;
@@ -54,9 +53,7 @@ pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
     else {
         return Ok(());
     };
-    let inventory = load(&InventorySource::parse(&cfg.inventory)?)?;
-    let devices = req.device.resolve(&inventory)?;
-    request::check_against(&req, &devices)?;
+    let devices = crate::runtime::resolve_request(cfg, &req)?;
     let has_ipc_ns = spec
         .typed
         .linux
