@@ -554,8 +554,7 @@ fn podman_hook_only_mode_mounts_the_daemon_into_the_container() {
     ] {
         let options = s
             .lines()
-            .filter(|l| l.split(' ').nth(4) == Some(at))
-            .last()
+            .rfind(|l| l.split(' ').nth(4) == Some(at))
             .and_then(|l| l.split(' ').nth(5))
             .unwrap_or_default();
         assert!(

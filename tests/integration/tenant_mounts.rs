@@ -39,8 +39,7 @@ fn mount_options(out: &str, mount_point: &str) -> Vec<String> {
         .1;
     let line = text
         .lines()
-        .filter(|l| l.split(' ').nth(4) == Some(mount_point))
-        .last()
+        .rfind(|l| l.split(' ').nth(4) == Some(mount_point))
         .unwrap_or_else(|| panic!("nothing mounted at {mount_point}:\n{text}"));
     line.split(' ')
         .nth(5)
