@@ -794,7 +794,10 @@ mod tests {
         assert!(state
             .remove_if_unused(id, 30, |p| seen = p.to_owned())
             .unwrap());
-        assert!(seen.ends_with(".0123456789abcdef0123456789abcdef.removing"), "{seen:?}");
+        assert!(
+            seen.ends_with(".0123456789abcdef0123456789abcdef.removing"),
+            "{seen:?}"
+        );
         assert!(!state.daemon_dir(id).exists() && !seen.exists());
     }
 
