@@ -275,7 +275,7 @@ class Suite:
         d = self.state / "mps"
         if not d.is_dir():
             return []
-        return sorted(e.name for e in d.iterdir() if re.fullmatch(r"[0-9a-f]{12}", e.name))
+        return sorted(e.name for e in d.iterdir() if re.fullmatch(r"[0-9a-f]{32}", e.name))
 
     def record(self, did):
         return json.loads((self.state / "mps" / did / "daemon.json").read_text())

@@ -17,7 +17,7 @@ use serde::Deserialize;
 
 use crate::config::Config;
 use crate::device::is_well_formed_uuid;
-use crate::identity::{valid_id, Identity};
+use crate::identity::{valid_id, Identity, ID_ALLOWED};
 use crate::mps::ensure;
 use crate::state::{valid_container_id, ContainerRecord, StateDir};
 
@@ -68,7 +68,7 @@ pub fn decided_identity(ann: &HashMap<String, String>) -> anyhow::Result<Identit
         .get(ANN_DAEMON)
         .with_context(|| format!("annotation {ANN_DAEMON} is missing: the container was not prepared by gpushare-runtime"))?;
     if !valid_id(id) {
-        bail!("annotation {ANN_DAEMON}={id:?} is invalid: allowed is 12 lowercase hex digits");
+        bail!("annotation {ANN_DAEMON}={id:?} is invalid: allowed is {ID_ALLOWED}");
     }
     let raw = ann
         .get(ANN_IDENTITY)

@@ -10,6 +10,15 @@
 //! targets are opened with `openat2(RESOLVE_IN_ROOT)` under the container's rootfs, so a
 //! symlink in the image can never redirect a mount outside it; a container the shim
 //! already prepared (decision annotations present) is left alone.
+//!
+//! The clones are made read-only, nosuid, nodev and noexec (`mount_setattr`) before they
+//! are attached, so the container never sees them writable, even for an instant (issue
+//! 18): the pipe directory read-only, because whatever a tenant plants there (a symlink
+//! onto `nvidia-cuda-mps-control.pid` or `control_lock`, a directory, a replaced `control`
+//! socket) is later followed by the daemon, and a CUDA client only connect()s to the
+//! socket, which needs no write permission on the mount (unix(7); mps-facts §9.5); the
+//! shm writable (clients map the server's shared memory there) but nosuid, nodev and
+//! noexec, as Docker's own /dev/shm.
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -19,7 +28,6 @@ use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 use nix::sys::stat::Mode;
 
 use crate::config::Config;
-use crate::device::{load, InventorySource};
 use crate::hook::{State, ANN_DAEMON};
 use crate::request::{self, IpcMode};
 use crate::spec::SpecFile;
@@ -45,9 +53,7 @@ pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
     else {
         return Ok(());
     };
-    let inventory = load(&InventorySource::parse(&cfg.inventory)?)?;
-    let devices = req.device.resolve(&inventory)?;
-    request::check_against(&req, &devices)?;
+    let devices = crate::runtime::resolve_request(cfg, &req)?;
     let has_ipc_ns = spec
         .typed
         .linux
@@ -91,9 +97,17 @@ pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
     } else {
         bundle.join(root)
     };
-    let mut binds = vec![(dirs.pipe_dir(&id), PIPE_IN_CONTAINER)];
+    let mut binds = vec![Bind {
+        source: dirs.pipe_dir(&id),
+        target: PIPE_IN_CONTAINER,
+        read_only: true,
+    }];
     if ipc == IpcMode::Isolated {
-        binds.push((dirs.shm_dir(&id), "dev/shm"));
+        binds.push(Bind {
+            source: dirs.shm_dir(&id),
+            target: "dev/shm",
+            read_only: false,
+        });
     }
     mount_into(pid, &rootfs, &binds)?;
     tracing::info!(daemon = %id, uid = ident.uid, "hook-only: daemon ensured and mounted into the container");
@@ -125,15 +139,40 @@ fn target_dir(root: &OwnedFd, rel: &str) -> anyhow::Result<OwnedFd> {
     open_in_root(root, rel).with_context(|| format!("open /{rel} in the container"))
 }
 
+/// One host directory to bind into the container.
+struct Bind {
+    source: PathBuf,
+    /// Relative to the container's root.
+    target: &'static str,
+    read_only: bool,
+}
+
 /// Binds host directories into the mount namespace of process `pid` under `rootfs`
 /// (before pivot_root, the container's root is its rootfs path in its own namespace).
-fn mount_into(pid: i32, rootfs: &Path, binds: &[(PathBuf, &str)]) -> anyhow::Result<()> {
+/// Every bind is nosuid, nodev and noexec, and read-only where it says so, before it is
+/// attached.
+fn mount_into(pid: i32, rootfs: &Path, binds: &[Bind]) -> anyhow::Result<()> {
+    use crate::sys::{
+        MountAt, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY,
+    };
     // Clone the sources while we still see the host's paths.
     let trees = binds
         .iter()
-        .map(|(src, _)| {
-            crate::sys::clone_mount(src)
-                .with_context(|| format!("clone the mount of {}", src.display()))
+        .map(|b| {
+            let tree = crate::sys::clone_mount(&b.source)
+                .with_context(|| format!("clone the mount of {}", b.source.display()))?;
+            let mut set = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
+            if b.read_only {
+                set |= MOUNT_ATTR_RDONLY;
+            }
+            crate::sys::set_mount_attr(MountAt::Fd(&tree), true, set, 0).with_context(|| {
+                format!(
+                    "make the clone of {} {}nosuid, nodev and noexec",
+                    b.source.display(),
+                    if b.read_only { "read-only, " } else { "" }
+                )
+            })?;
+            Ok(tree)
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt"))
@@ -146,10 +185,15 @@ fn mount_into(pid: i32, rootfs: &Path, binds: &[(PathBuf, &str)]) -> anyhow::Res
         Mode::empty(),
     )
     .with_context(|| format!("open the container's rootfs {}", rootfs.display()))?;
-    for ((src, rel), tree) in binds.iter().zip(&trees) {
-        let target = target_dir(&root, rel)?;
-        crate::sys::attach_mount(tree, &target)
-            .with_context(|| format!("mount {} at /{rel} in the container", src.display()))?;
+    for (b, tree) in binds.iter().zip(&trees) {
+        let target = target_dir(&root, b.target)?;
+        crate::sys::attach_mount(tree, &target).with_context(|| {
+            format!(
+                "mount {} at /{} in the container",
+                b.source.display(),
+                b.target
+            )
+        })?;
     }
     Ok(())
 }

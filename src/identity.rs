@@ -2,12 +2,25 @@
 //!
 //! DESIGN §5: a daemon is identified by (device set, host UID, limit profile). Under
 //! `user-mode = "multi-user"` the UID is 0 for everyone (one root daemon per device set);
-//! under `limits = "advisory"` the profile is empty. The id is a short hash of the
-//! canonical form so `<state-dir>/mps/<id>/pipe/control` stays far below the 108-byte
-//! socket limit; the full identity is stored in the daemon's record and compared, so a
-//! hash collision is an error, never a shared daemon.
+//! under `limits = "advisory"` the profile is empty. The id is 32 lowercase hex digits:
+//! the first 128 bits of SHA-256 over the canonical form. Every identity a container can
+//! ask for is a tenant's choice, so the id must not be collidable: with a 48-bit unkeyed
+//! hash a tenant could find an identity whose id equals a victim's and, started first,
+//! make every create of the victim fail (the record compares the full identity, so a
+//! collision is an error, never a shared daemon — but a refused create is still a denial
+//! of service). 128 bits of SHA-256 make finding one infeasible. The id keeps
+//! `<state-dir>/mps/<id>/pipe/control` under the 108-byte socket limit (63 bytes with the
+//! default `/run/gpushare`; longer state dirs are refused by the socket-length check).
+
+use std::fmt::Write;
 
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// Length of a daemon id: 32 lowercase hex digits (128 bits).
+pub const ID_LEN: usize = 32;
+/// What a daemon id may be, for error messages.
+pub const ID_ALLOWED: &str = "32 lowercase hex digits";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Identity {
@@ -44,14 +57,17 @@ impl Identity {
         )
     }
 
-    /// 12 hex digits of FNV-1a 64 over the canonical form.
+    /// [`ID_LEN`] lowercase hex digits: the first 128 bits of SHA-256 over the canonical
+    /// form.
     pub fn id(&self) -> String {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in self.canonical().bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        format!("{:012x}", h >> 16)
+        let digest = Sha256::digest(self.canonical().as_bytes());
+        digest[..ID_LEN / 2]
+            .iter()
+            .fold(String::with_capacity(ID_LEN), |mut s, b| {
+                // Writing to a String cannot fail.
+                let _ = write!(s, "{b:02x}");
+                s
+            })
     }
 
     /// Whether a container of this identity may use a daemon created for `other`
@@ -61,10 +77,10 @@ impl Identity {
     }
 }
 
-/// Whether `s` looks like a daemon id (12 lowercase hex digits). Ids reach paths, so
-/// anything else is refused wherever one is read back from a record or an annotation.
+/// Whether `s` looks like a daemon id ([`ID_LEN`] lowercase hex digits). Ids reach paths,
+/// so anything else is refused wherever one is read back from a record or an annotation.
 pub fn valid_id(s: &str) -> bool {
-    s.len() == 12
+    s.len() == ID_LEN
         && s.bytes()
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
@@ -108,14 +124,31 @@ mod tests {
     }
 
     #[test]
+    fn id_is_128_bits_of_sha256_over_the_canonical_form() {
+        let a = ident(1000, None);
+        assert_eq!(
+            a.canonical(),
+            "v1|devices=GPU-8f8bff94-112e-9541-43da-cfd453333404|uid=1000|multi-user=false|tp=-|mem=-|ipc=isolated",
+            "the canonical form is stable across versions"
+        );
+        // `printf %s "<canonical>" | sha256sum | cut -c1-32`
+        assert_eq!(a.id(), "2d3ff58269c1d56e621ea79962171817");
+        assert_eq!(a.id().len(), ID_LEN);
+        assert_eq!(ID_LEN, 32);
+    }
+
+    #[test]
     fn id_validation() {
-        assert!(valid_id("0123456789ab"));
+        assert!(valid_id("0123456789abcdef0123456789abcdef"));
         for bad in [
             "",
-            "0123456789AB",
-            "0123456789a",
+            "0123456789ab",
+            "0123456789ABCDEF0123456789ABCDEF",
+            "0123456789abcdef0123456789abcde",
+            "0123456789abcdef0123456789abcdef0",
+            "0123456789abcdef0123456789abcdeg",
             "../../etc/x",
-            "0123456789abc",
+            "0123456789abcdef/../456789abcdef",
         ] {
             assert!(!valid_id(bad), "{bad}");
         }

@@ -22,6 +22,11 @@
 //!   `iB` or `B`, all meaning powers of 1024 as MPS does. A size without a unit is refused as
 //!   ambiguous; the minimum is 1M; a size that is not a whole MiB is rounded down by
 //!   [`format_mps_size`].
+//! - [`check`] is the one place a parsed request meets the node: the devices' memory and
+//!   the operator's ceilings (`mps.max-active-thread-percentage`,
+//!   `mps.max-pinned-memory-limit`). A request above a ceiling is refused, never lowered
+//!   silently; a limit not given is not checked (the configured default applies, and the
+//!   config refuses a default above its ceiling).
 
 use std::fmt;
 use std::str::FromStr;
@@ -174,7 +179,31 @@ pub enum RequestError {
         device: String,
         memory_bytes: u64,
     },
+
+    #[error("{key}={} is above this node's {ceiling_key} = {ceiling}; allowed is {min} to {ceiling}", quote(.value))]
+    AboveCeiling {
+        key: &'static str,
+        value: String,
+        /// The config key that sets the ceiling.
+        ceiling_key: &'static str,
+        /// The ceiling in the config's syntax (`50`, `4G`).
+        ceiling: String,
+        /// The smallest value the key accepts (`1`, `1M`).
+        min: &'static str,
+    },
 }
+
+/// The operator's ceilings on what a request may ask for (`mps.max-*`); `None`: none.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ceilings {
+    pub active_thread_percentage: Option<u8>,
+    /// Bytes.
+    pub pinned_memory_limit: Option<u64>,
+}
+
+/// The config keys of the ceilings, as errors name them.
+pub const MAX_ACTIVE_THREAD_PERCENTAGE_KEY: &str = "mps.max-active-thread-percentage";
+pub const MAX_PINNED_MEMORY_LIMIT_KEY: &str = "mps.max-pinned-memory-limit";
 
 /// `24 GiB` for a whole number of GiB, else whole MiB rounded down (`5952 MiB`).
 fn human_size(bytes: u64) -> String {
@@ -459,9 +488,61 @@ pub fn parse<'a>(
     }))
 }
 
+/// Checks a parsed request against this node, for every path that serves one (the shim,
+/// hook-only mode, `gpushare daemon start`), before anything is created: the devices'
+/// memory ([`check_against`]) and the operator's ceilings ([`check_ceilings`]). Of two
+/// bounds on the pinned memory limit the tighter one is checked first, so that the
+/// refusal's "allowed" range is one that passes.
+pub fn check(
+    req: &Request,
+    devices: &ResolvedDevices,
+    ceilings: &Ceilings,
+) -> Result<(), RequestError> {
+    let ceiling_is_tighter = ceilings
+        .pinned_memory_limit
+        .is_some_and(|c| c < devices.memory_bytes);
+    if ceiling_is_tighter {
+        check_ceilings(req, ceilings)?;
+        check_against(req, devices)
+    } else {
+        check_against(req, devices)?;
+        check_ceilings(req, ceilings)
+    }
+}
+
+/// Refuses a limit above the operator's ceiling for it; a limit not given is not checked.
+pub fn check_ceilings(req: &Request, ceilings: &Ceilings) -> Result<(), RequestError> {
+    if let (Some(asked), Some(max)) = (
+        &req.active_thread_percentage,
+        ceilings.active_thread_percentage,
+    ) {
+        if asked.value > max {
+            return Err(RequestError::AboveCeiling {
+                key: asked.key,
+                value: asked.raw.clone(),
+                ceiling_key: MAX_ACTIVE_THREAD_PERCENTAGE_KEY,
+                ceiling: max.to_string(),
+                min: "1",
+            });
+        }
+    }
+    if let (Some(asked), Some(max)) = (&req.pinned_memory_limit, ceilings.pinned_memory_limit) {
+        if asked.value > max {
+            return Err(RequestError::AboveCeiling {
+                key: asked.key,
+                value: asked.raw.clone(),
+                ceiling_key: MAX_PINNED_MEMORY_LIMIT_KEY,
+                ceiling: short_size(max),
+                min: "1M",
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Checks the request against the devices it resolved to: the pinned memory limit must be at
 /// most the device memory (for a MIG device its own memory; for a GPU list the smallest GPU's,
-/// since MPS applies the limit to each device).
+/// since MPS applies the limit to each device). Part of [`check`].
 pub fn check_against(req: &Request, devices: &ResolvedDevices) -> Result<(), RequestError> {
     if let Some(limit) = &req.pinned_memory_limit {
         if limit.value > devices.memory_bytes {
@@ -1083,6 +1164,72 @@ mod tests {
         let mut none = request_with_limit(key, "1M");
         none.pinned_memory_limit = None;
         check_against(&none, &odd).expect("no limit");
+    }
+
+    /// Issue 18: the operator's ceilings refuse a request above them with one line naming
+    /// the key, the value and the ceiling; a limit not given, or at the ceiling, passes.
+    #[test]
+    fn ceilings_refuse_requests_above_them() {
+        let inv = sample();
+        let gpu2 = src(
+            parse_device("gpushare.io/device", "2").expect("2"),
+            "gpushare.io/device",
+            "2",
+        )
+        .resolve(&inv)
+        .expect("GPU 2, 24 GiB");
+        let req = |tp: Option<(&'static str, &str)>, mem: Option<(&'static str, &str)>| Request {
+            device: src(DeviceRequest(vec![]), "gpushare.io/device", "2"),
+            active_thread_percentage: tp
+                .map(|(k, raw)| src(parse_percentage(k, raw).expect(raw), k, raw)),
+            pinned_memory_limit: mem.map(|(k, raw)| src(parse_size(k, raw).expect(raw), k, raw)),
+            ipc: None,
+        };
+        let ceil = |tp: Option<u8>, mem: Option<u64>| Ceilings {
+            active_thread_percentage: tp,
+            pinned_memory_limit: mem,
+        };
+        let tp_key = ACTIVE_THREAD_PERCENTAGE.annotation;
+        let mem_key = PINNED_MEMORY_LIMIT.annotation;
+        #[rustfmt::skip]
+        let cases: Vec<(Request, Ceilings, Result<(), String>)> = vec![
+            // Threads.
+            (req(Some((tp_key, "80")), None), ceil(Some(50), None),
+             Err("gpushare.io/active-thread-percentage=\"80\" is above this node's mps.max-active-thread-percentage = 50; allowed is 1 to 50".into())),
+            (req(Some(("GPUSHARE_ACTIVE_THREAD_PERCENTAGE", "51")), None), ceil(Some(50), None),
+             Err("GPUSHARE_ACTIVE_THREAD_PERCENTAGE=\"51\" is above this node's mps.max-active-thread-percentage = 50; allowed is 1 to 50".into())),
+            (req(Some((tp_key, "50")), None), ceil(Some(50), None), Ok(())),
+            (req(None, None), ceil(Some(50), Some(GIB)), Ok(())),
+            (req(Some((tp_key, "100")), None), ceil(None, Some(GIB)), Ok(())),
+            // Memory: the ceiling in the config's syntax.
+            (req(None, Some((mem_key, "8G"))), ceil(None, Some(4 * GIB)),
+             Err("gpushare.io/pinned-memory-limit=\"8G\" is above this node's mps.max-pinned-memory-limit = 4G; allowed is 1M to 4G".into())),
+            (req(None, Some((mem_key, "4097M"))), ceil(None, Some(4 * GIB)),
+             Err("gpushare.io/pinned-memory-limit=\"4097M\" is above this node's mps.max-pinned-memory-limit = 4G; allowed is 1M to 4G".into())),
+            (req(None, Some((mem_key, "2G"))), ceil(None, Some(1536 * MIB)),
+             Err("gpushare.io/pinned-memory-limit=\"2G\" is above this node's mps.max-pinned-memory-limit = 1536M; allowed is 1M to 1536M".into())),
+            (req(None, Some((mem_key, "4GiB"))), ceil(None, Some(4 * GIB)), Ok(())),
+            // Both asked, the threads refused first.
+            (req(Some((tp_key, "90")), Some((mem_key, "8G"))), ceil(Some(50), Some(4 * GIB)),
+             Err("gpushare.io/active-thread-percentage=\"90\" is above this node's mps.max-active-thread-percentage = 50; allowed is 1 to 50".into())),
+            // Of the ceiling and the device's 24 GiB, the tighter bound speaks.
+            (req(None, Some((mem_key, "30G"))), ceil(None, Some(16 * GIB)),
+             Err("gpushare.io/pinned-memory-limit=\"30G\" is above this node's mps.max-pinned-memory-limit = 16G; allowed is 1M to 16G".into())),
+            (req(None, Some((mem_key, "30G"))), ceil(None, Some(32 * GIB)),
+             Err(format!("gpushare.io/pinned-memory-limit=\"30G\" exceeds the memory of {GPU2} (24 GiB): allowed is 1M up to 24G"))),
+            (req(None, Some((mem_key, "40G"))), ceil(None, Some(32 * GIB)),
+             Err(format!("gpushare.io/pinned-memory-limit=\"40G\" exceeds the memory of {GPU2} (24 GiB): allowed is 1M up to 24G"))),
+            (req(None, Some((mem_key, "24G"))), ceil(None, Some(32 * GIB)), Ok(())),
+            // No ceilings: the device check alone.
+            (req(Some((tp_key, "100")), Some((mem_key, "24G"))), Ceilings::default(), Ok(())),
+        ];
+        for (r, c, want) in cases {
+            let got = check(&r, &gpu2, &c).map_err(|e| e.to_string());
+            assert_eq!(got, want, "{r:?} {c:?}");
+            if let Err(msg) = got {
+                assert!(!msg.contains('\n'), "{msg:?}");
+            }
+        }
     }
 
     #[test]

@@ -250,7 +250,7 @@ impl StateDir {
             Err(StateError::Name {
                 what: "daemon id",
                 value: id.chars().take(64).collect(),
-                allowed: "12 lowercase hex digits",
+                allowed: crate::identity::ID_ALLOWED,
             })
         }
     }
@@ -681,7 +681,7 @@ mod tests {
         state.write_record(&rec).unwrap();
         assert_eq!(state.read_record(&id).unwrap(), Some(rec.clone()));
         // A record planted under another id is corrupt, not trusted.
-        let other = "0123456789ab";
+        let other = "0123456789abcdef0123456789abcdef";
         std::fs::create_dir_all(state.daemon_dir(other)).unwrap();
         std::fs::copy(state.record_path(&id), state.record_path(other)).unwrap();
         assert!(matches!(
@@ -713,7 +713,7 @@ mod tests {
             };
             assert!(
                 matches!(
-                    state.add_container("0123456789ab", &rec),
+                    state.add_container("0123456789abcdef0123456789abcdef", &rec),
                     Err(StateError::Name { .. })
                 ),
                 "{cid:?}"
@@ -728,7 +728,7 @@ mod tests {
     fn container_records() {
         let dir = tempfile::tempdir().unwrap();
         let state = StateDir::new(dir.path());
-        let id = "0123456789ab";
+        let id = "0123456789abcdef0123456789abcdef";
         std::fs::create_dir_all(state.containers_dir(id)).unwrap();
         let rec = ContainerRecord {
             id: "c1".into(),
@@ -768,7 +768,7 @@ mod tests {
     fn removal_backs_off_while_a_create_is_pending() {
         let dir = tempfile::tempdir().unwrap();
         let state = StateDir::new(dir.path().join("s"));
-        let id = "0123456789ab";
+        let id = "0123456789abcdef0123456789abcdef";
         std::fs::create_dir_all(state.containers_dir(id)).unwrap();
         // A pending create's record, as the shim writes it: the directory stays.
         let pending = ContainerRecord {
@@ -794,7 +794,10 @@ mod tests {
         assert!(state
             .remove_if_unused(id, 30, |p| seen = p.to_owned())
             .unwrap());
-        assert!(seen.ends_with(".0123456789ab.removing"), "{seen:?}");
+        assert!(
+            seen.ends_with(".0123456789abcdef0123456789abcdef.removing"),
+            "{seen:?}"
+        );
         assert!(!state.daemon_dir(id).exists() && !seen.exists());
     }
 
@@ -816,7 +819,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let state = StateDir::new(dir.path().join("s"));
         state.ensure_root().unwrap();
-        let id = "0123456789ab";
+        let id = "0123456789abcdef0123456789abcdef";
         let held = state.lock(id, Instant::now()).unwrap();
         let err = state
             .lock(id, Instant::now() + Duration::from_millis(30))
@@ -847,7 +850,7 @@ mod tests {
         let long = format!("/tmp/{}", "x".repeat(100));
         let err = StateDir::new(long)
             .ensure_skeleton(
-                "0123456789ab",
+                "0123456789abcdef0123456789abcdef",
                 Owner {
                     uid: 0,
                     gid: 0,

@@ -232,7 +232,7 @@ pub fn table(view: &StatusView) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<12}  {:<22}  {:<6}  {:<22}  {:>7}  {:>6}  {:>8}  {:<12}  {:>7}  {:>7}",
+        "{:<32}  {:<22}  {:<6}  {:<22}  {:>7}  {:>6}  {:>8}  {:<12}  {:>7}  {:>7}",
         "DAEMON",
         "DEVICE",
         "UID",
@@ -269,7 +269,7 @@ pub fn table(view: &StatusView) -> String {
         let dash = || "-".to_owned();
         let _ = writeln!(
             out,
-            "{:<12}  {:<22}  {:<6}  {:<22}  {:>7}  {:>6}  {:>8}  {:<12}  {:>7}  {:>7}",
+            "{:<32}  {:<22}  {:<6}  {:<22}  {:>7}  {:>6}  {:>8}  {:<12}  {:>7}  {:>7}",
             d.id,
             device,
             uid,
@@ -391,7 +391,7 @@ mod tests {
             schema: SCHEMA,
             state_dir: "/run/gpushare".into(),
             daemons: vec![DaemonView {
-                id: "0123456789ab".into(),
+                id: "0123456789abcdef0123456789abcdef".into(),
                 devices: vec![DeviceView {
                     uuid: "GPU-a\"b".into(),
                     name: None,
@@ -423,7 +423,7 @@ mod tests {
         assert!(text.contains("# TYPE gpushare_daemon_restarts_total counter"));
         assert!(
             text.contains(
-                "gpushare_daemon_up{daemon=\"0123456789ab\",device=\"GPU-a\\\"b\",uid=\"1000\"} 1"
+                "gpushare_daemon_up{daemon=\"0123456789abcdef0123456789abcdef\",device=\"GPU-a\\\"b\",uid=\"1000\"} 1"
             ),
             "{text}"
         );

@@ -11,15 +11,15 @@ use libfuzzer_sys::fuzz_target;
 fn decision(host: bool) -> Decision {
     Decision {
         env: vec![("CUDA_MPS_PIPE_DIRECTORY".into(), "/tmp/nvidia-mps".into())],
-        pipe: ("/run/gpushare/mps/0123456789ab/pipe".into(), "/tmp/nvidia-mps".into()),
+        pipe: ("/run/gpushare/mps/0123456789abcdef0123456789abcdef/pipe".into(), "/tmp/nvidia-mps".into()),
         log: None,
-        ipc: if host { IpcPlan::Host } else { IpcPlan::Isolated { shm_dir: "/run/gpushare/mps/0123456789ab/shm".into() } },
+        ipc: if host { IpcPlan::Host } else { IpcPlan::Isolated { shm_dir: "/run/gpushare/mps/0123456789abcdef0123456789abcdef/shm".into() } },
         hooks: SetHooks {
             binary: "/usr/local/bin/gpushare".into(),
             env: vec!["PATH=/usr/bin:/bin".into()],
             stages: vec![("createRuntime", "create-runtime", 15), ("poststop", "poststop", 10)],
         },
-        annotations: vec![("gpushare.io/daemon".into(), "0123456789ab".into())],
+        annotations: vec![("gpushare.io/daemon".into(), "0123456789abcdef0123456789abcdef".into())],
     }
 }
 

@@ -5,9 +5,11 @@
 //! file, no inventory, no spec. For `create`/`run` it reads config.json once; a container
 //! without a request is exec'd with config.json byte-for-byte untouched (and, when its
 //! bytes cannot spell one, exactly as a passthrough is: nothing parsed, no log); a request is
-//! validated completely (syntax, device, memory) before any directory is created or any
-//! byte written; on failure the shim writes one error line to runc's `--log`, logs to its
-//! own file, prints nothing (stdio belongs to the container) and exits 1.
+//! validated completely (syntax, device, memory, the operator's ceilings:
+//! [`resolve_request`], shared with hook-only mode and `gpushare daemon start`) before any
+//! directory is created or any byte written; on failure the shim writes one error line to
+//! runc's `--log`, logs to its own file, prints nothing (stdio belongs to the container)
+//! and exits 1.
 
 pub mod args;
 pub mod lowlevel;
@@ -19,7 +21,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 
 use crate::config::{Config, Limits, UserMode};
-use crate::device::{load, InventorySource};
+use crate::device::{load, InventorySource, ResolvedDevices};
 use crate::hook::{ANN_DAEMON, ANN_HOST_GID, ANN_HOST_UID, ANN_IDENTITY, ANN_IPC_MODE};
 use crate::identity::Identity;
 use crate::mps::control::SAFE_PATH;
@@ -139,10 +141,7 @@ pub fn prepare(
         tracing::debug!("no gpushare request: passing through");
         return Ok(false);
     };
-    let source = InventorySource::parse(&cfg.inventory)?;
-    let inventory = load(&source)?;
-    let devices = req.device.resolve(&inventory)?;
-    request::check_against(&req, &devices)?;
+    let devices = resolve_request(cfg, &req)?;
     let ipc = decide_ipc(cfg, &req)?;
     let (uid, gid) = spec.host_user()?;
     let ident = identity(cfg, &devices.uuids, uid, &req, ipc);
@@ -213,6 +212,25 @@ fn decide_ipc(cfg: &Config, req: &Request) -> anyhow::Result<IpcMode> {
         Some(asked) => Ok(asked.value),
         None => Ok(configured),
     }
+}
+
+/// The operator's ceilings on requests, from the config.
+pub fn ceilings(cfg: &Config) -> request::Ceilings {
+    request::Ceilings {
+        active_thread_percentage: cfg.mps.max_active_thread_percentage,
+        pinned_memory_limit: cfg.mps.max_pinned_memory_limit,
+    }
+}
+
+/// The request pipeline's node half, shared by every path that serves a request (the
+/// shim, hook-only mode, `gpushare daemon start`): the inventory, the devices the request
+/// resolves to, and [`request::check`] against their memory and the operator's ceilings.
+/// Creates nothing.
+pub fn resolve_request(cfg: &Config, req: &Request) -> anyhow::Result<ResolvedDevices> {
+    let inventory = load(&InventorySource::parse(&cfg.inventory)?)?;
+    let devices = req.device.resolve(&inventory)?;
+    request::check(req, &devices, &ceilings(cfg))?;
+    Ok(devices)
 }
 
 /// The daemon identity for a container (DESIGN §5). The daemon's group is the node's

@@ -4,6 +4,17 @@
 //! the captured engine fixtures; applying a plan twice gives the same document as applying
 //! it once; an edit touches only the fields it names and keeps every other entry (other
 //! hooks, mounts, env) where it was, in order.
+//!
+//! Mounts of the daemon's directories (issue 18): whatever a container can write there is
+//! read by the daemon, its servers and root's tools, so a container gets no more than it
+//! needs. The pipe directory and the optional log directory are bound read-only: a CUDA
+//! client only connect()s to `<pipe>/control`, which needs write permission on the socket
+//! inode, not on the mount (unix(7); mps-facts §9.5), and read-only stops a tenant from
+//! planting symlinks or directories (onto `nvidia-cuda-mps-control.pid`, `control_lock`,
+//! `log`) that the daemon would follow, or from replacing the `control` socket. The
+//! daemon's shm stays writable (clients map the server's shared memory there). All three
+//! are `nosuid,nodev,noexec`, as Docker's own /dev/shm: nothing in them is a program or a
+//! device.
 
 use std::path::PathBuf;
 
@@ -256,8 +267,12 @@ pub struct Decision {
     pub annotations: Vec<(String, String)>,
 }
 
-/// Mount options for the daemon's directories: no devices, no setuid, no exec.
-const DIR_OPTIONS: &[&str] = &["rbind", "rprivate", "nosuid", "nodev", "noexec"];
+/// Mount options for the daemon's pipe and log directories: read-only, no devices, no
+/// setuid, no exec (see the module doc).
+const READ_ONLY_DIR_OPTIONS: &[&str] = &["rbind", "rprivate", "ro", "nosuid", "nodev", "noexec"];
+/// Mount options for the daemon's shm over /dev/shm: writable, no devices, no setuid, no
+/// exec (as Docker's own /dev/shm).
+const SHM_OPTIONS: &[&str] = &["rbind", "rprivate", "nosuid", "nodev", "noexec"];
 
 /// The edit chain for one decision, in the order they apply.
 pub fn plan(d: &Decision) -> Vec<Box<dyn SpecEdit>> {
@@ -267,14 +282,14 @@ pub fn plan(d: &Decision) -> Vec<Box<dyn SpecEdit>> {
         Box::new(SetMount::bind(
             path(&d.pipe.0),
             path(&d.pipe.1),
-            DIR_OPTIONS,
+            READ_ONLY_DIR_OPTIONS,
         )),
     ];
     if let Some((host, container)) = &d.log {
         edits.push(Box::new(SetMount::bind(
             path(host),
             path(container),
-            DIR_OPTIONS,
+            READ_ONLY_DIR_OPTIONS,
         )));
     }
     match &d.ipc {
@@ -282,7 +297,7 @@ pub fn plan(d: &Decision) -> Vec<Box<dyn SpecEdit>> {
             edits.push(Box::new(SetMount::bind(
                 path(shm_dir),
                 "/dev/shm",
-                DIR_OPTIONS,
+                SHM_OPTIONS,
             )));
         }
         IpcPlan::Host => {
@@ -326,7 +341,7 @@ mod tests {
                 ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), "25".into()),
             ],
             pipe: (
-                "/run/gpushare/mps/0123456789ab/pipe".into(),
+                "/run/gpushare/mps/0123456789abcdef0123456789abcdef/pipe".into(),
                 "/tmp/nvidia-mps".into(),
             ),
             log: None,
@@ -339,13 +354,16 @@ mod tests {
                     ("poststop", "poststop", 10),
                 ],
             },
-            annotations: vec![("gpushare.io/daemon".into(), "0123456789ab".into())],
+            annotations: vec![(
+                "gpushare.io/daemon".into(),
+                "0123456789abcdef0123456789abcdef".into(),
+            )],
         }
     }
 
     fn isolated() -> IpcPlan {
         IpcPlan::Isolated {
-            shm_dir: "/run/gpushare/mps/0123456789ab/shm".into(),
+            shm_dir: "/run/gpushare/mps/0123456789abcdef0123456789abcdef/shm".into(),
         }
     }
 
@@ -362,12 +380,21 @@ mod tests {
     fn applying_twice_changes_nothing_on_every_fixture() {
         for name in FIXTURES {
             for ipc in [isolated(), IpcPlan::Host] {
-                let edits = plan(&decision(ipc));
-                let mut once = doc(name);
-                apply_all(&mut once, &edits).unwrap();
-                let mut twice = once.clone();
-                apply_all(&mut twice, &edits).unwrap();
-                assert_eq!(once, twice, "{name}");
+                for log in [false, true] {
+                    let mut dec = decision(ipc.clone());
+                    if log {
+                        dec.log = Some((
+                            "/run/gpushare/mps/0123456789abcdef0123456789abcdef/log".into(),
+                            "/var/log/nvidia-mps".into(),
+                        ));
+                    }
+                    let edits = plan(&dec);
+                    let mut once = doc(name);
+                    apply_all(&mut once, &edits).unwrap();
+                    let mut twice = once.clone();
+                    apply_all(&mut twice, &edits).unwrap();
+                    assert_eq!(once, twice, "{name}");
+                }
             }
         }
     }
@@ -379,7 +406,10 @@ mod tests {
         apply_all(&mut d, &plan(&decision(isolated()))).unwrap();
         let shm = mounts_at(&d, "/dev/shm");
         assert_eq!(shm.len(), 1);
-        assert_eq!(shm[0]["source"], "/run/gpushare/mps/0123456789ab/shm");
+        assert_eq!(
+            shm[0]["source"],
+            "/run/gpushare/mps/0123456789abcdef0123456789abcdef/shm"
+        );
         assert_eq!(shm[0]["type"], "bind");
         let pos = |m: &Map<String, Value>| {
             m["mounts"]
@@ -395,7 +425,57 @@ mod tests {
             .iter()
             .any(|n| n["type"] == "ipc"));
         let pipe = mounts_at(&d, "/tmp/nvidia-mps");
-        assert_eq!(pipe[0]["source"], "/run/gpushare/mps/0123456789ab/pipe");
+        assert_eq!(
+            pipe[0]["source"],
+            "/run/gpushare/mps/0123456789abcdef0123456789abcdef/pipe"
+        );
+    }
+
+    /// Issue 18: the pipe and log directories are read-only, the shm writable, all three
+    /// nosuid,nodev,noexec; an engine's read-write mount at the same place is replaced.
+    #[test]
+    fn daemon_directories_are_read_only_and_nothing_is_suid_dev_or_exec() {
+        for name in FIXTURES {
+            let mut d = doc(name);
+            // A mount an engine or a user put at the pipe directory, read-write.
+            array(&mut d, "mounts").unwrap().push(json!({
+                "destination": "/tmp/nvidia-mps/", "type": "bind",
+                "source": "/somewhere", "options": ["rbind", "rw"]
+            }));
+            let mut dec = decision(isolated());
+            dec.log = Some((
+                "/run/gpushare/mps/0123456789abcdef0123456789abcdef/log".into(),
+                "/var/log/nvidia-mps".into(),
+            ));
+            apply_all(&mut d, &plan(&dec)).unwrap();
+            let options = |dest: &str| -> Vec<String> {
+                let at = mounts_at(&d, dest);
+                assert_eq!(at.len(), 1, "{name}: {dest}");
+                serde_json::from_value(at[0]["options"].clone()).unwrap()
+            };
+            for dest in ["/tmp/nvidia-mps", "/var/log/nvidia-mps"] {
+                let o = options(dest);
+                assert!(o.iter().any(|x| x == "ro"), "{name}: {dest} {o:?}");
+                assert!(!o.iter().any(|x| x == "rw"), "{name}: {dest} {o:?}");
+            }
+            assert!(
+                !options("/dev/shm").iter().any(|x| x == "ro"),
+                "{name}: clients write the server's shared memory"
+            );
+            for dest in ["/tmp/nvidia-mps", "/var/log/nvidia-mps", "/dev/shm"] {
+                let o = options(dest);
+                for flag in ["nosuid", "nodev", "noexec", "rbind"] {
+                    assert!(
+                        o.iter().any(|x| x == flag),
+                        "{name}: {dest} lacks {flag}: {o:?}"
+                    );
+                }
+            }
+            assert!(
+                mounts_at(&d, "/tmp/nvidia-mps/").is_empty(),
+                "{name}: the engine's read-write mount was replaced"
+            );
+        }
     }
 
     #[test]
@@ -492,7 +572,10 @@ mod tests {
         let mut d = doc("docker-20.10-config.json");
         assert!(!d.contains_key("annotations"));
         apply_all(&mut d, &plan(&decision(isolated()))).unwrap();
-        assert_eq!(d["annotations"]["gpushare.io/daemon"], "0123456789ab");
+        assert_eq!(
+            d["annotations"]["gpushare.io/daemon"],
+            "0123456789abcdef0123456789abcdef"
+        );
     }
 
     #[test]

@@ -542,10 +542,26 @@ fn podman_hook_only_mode_mounts_the_daemon_into_the_container() {
     let out = run(
         "1000",
         &["--annotation", "gpushare.io/device=0"],
-        &format!("ls /tmp/nvidia-mps; {CLIENT}"),
+        &format!("ls /tmp/nvidia-mps; {CLIENT}; cat /proc/self/mountinfo"),
     );
     let s = text(&out);
     assert!(out.status.success(), "{s}");
+    // Issue 18: the pipe directory read-only, both mounts nosuid,nodev,noexec (the topmost
+    // mount at each place; tenant_mounts.rs tests the same through plain runc).
+    for (at, want) in [
+        ("/tmp/nvidia-mps", "ro,nosuid,nodev,noexec"),
+        ("/dev/shm", "rw,nosuid,nodev,noexec"),
+    ] {
+        let options = s
+            .lines()
+            .rfind(|l| l.split(' ').nth(4) == Some(at))
+            .and_then(|l| l.split(' ').nth(5))
+            .unwrap_or_default();
+        assert!(
+            options.starts_with(want),
+            "{at} is mounted {options:?}:\n{s}"
+        );
+    }
     assert!(
         s.lines().any(|l| l == "control"),
         "the pipe dir is at CUDA's default path:\n{s}"

@@ -8,3 +8,4 @@ mod modes;
 mod operator;
 mod security;
 mod tenant_daemon;
+mod tenant_mounts;

@@ -416,7 +416,10 @@ fn gc_cleans_what_a_crash_left() {
         r#"{"id":"ghost","pid":2147483647,"bundle":null,"created_at":1}"#,
     )
     .unwrap();
-    let tomb = env.state.join("mps").join(".0123456789ab.removing");
+    let tomb = env
+        .state
+        .join("mps")
+        .join(".0123456789abcdef0123456789abcdef.removing");
     std::fs::create_dir_all(tomb.join("pipe")).unwrap();
 
     let out = env.cmd(GPUSHARE).arg("gc").output().unwrap();
@@ -545,11 +548,12 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
     // Stopping a daemon that does not exist is an error, not a "stopped".
     let none = env
         .cmd(GPUSHARE)
-        .args(["daemon", "stop", "--id", "0123456789ab"])
+        .args(["daemon", "stop", "--id", "0123456789abcdef0123456789abcdef"])
         .output()
         .unwrap();
     assert_eq!(none.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&none.stderr).contains("no daemon 0123456789ab"));
+    assert!(String::from_utf8_lossy(&none.stderr)
+        .contains("no daemon 0123456789abcdef0123456789abcdef"));
     // Stop refuses while a container uses it, then stops with --force.
     let refused = env
         .cmd(GPUSHARE)
