@@ -299,57 +299,58 @@ pub fn main() -> i32 {
             code
         }
         Command::Install { engine } => report(install(engine)),
-        Command::Daemon { command } => {
-            match command {
-                DaemonCommand::Start {
-                    device,
+        Command::Daemon { command } => match command {
+            DaemonCommand::Start {
+                device,
+                uid,
+                gid,
+                multi_user,
+                json,
+                active_thread_percentage,
+                pinned_memory_limit,
+            } => {
+                let mut cfg = cfg.clone();
+                if multi_user {
+                    cfg.mps.user_mode = crate::config::UserMode::MultiUser;
+                }
+                let multi = cfg.mps.user_mode == crate::config::UserMode::MultiUser;
+                let Some(uid) = uid.or(multi.then_some(0)) else {
+                    eprintln!("gpushare: --uid is required for a per-user daemon (or pass --multi-user for one root daemon serving every uid)");
+                    return 2;
+                };
+                report(daemon_start(
+                    &cfg,
+                    &device,
                     uid,
                     gid,
-                    multi_user,
-                    json,
                     active_thread_percentage,
                     pinned_memory_limit,
-                } => {
-                    let mut cfg = cfg.clone();
-                    if multi_user {
-                        cfg.mps.user_mode = crate::config::UserMode::MultiUser;
-                    }
-                    let multi = cfg.mps.user_mode == crate::config::UserMode::MultiUser;
-                    let Some(uid) = uid.or(multi.then_some(0)) else {
-                        eprintln!("gpushare: --uid is required for a per-user daemon (or pass --multi-user for one root daemon serving every uid)");
-                        return 2;
-                    };
-                    report(daemon_start(
-                        &cfg,
-                        &device,
-                        uid,
-                        gid,
-                        active_thread_percentage,
-                        pinned_memory_limit,
-                        json,
-                    ))
+                    json,
+                ))
+            }
+            DaemonCommand::Stop { id, all, force } => report(daemon_stop(&cfg, id, all, force)),
+            DaemonCommand::List { json } => {
+                status(&cfg, if json { Format::Json } else { Format::Table }, None)
+            }
+            DaemonCommand::Supervise { id } => {
+                if !crate::identity::valid_id(&id) {
+                    eprintln!(
+                        "gpushare: daemon id {id:?} is invalid: allowed is {}",
+                        crate::identity::ID_ALLOWED
+                    );
+                    return 2;
                 }
-                DaemonCommand::Stop { id, all, force } => report(daemon_stop(&cfg, id, all, force)),
-                DaemonCommand::List { json } => {
-                    status(&cfg, if json { Format::Json } else { Format::Table }, None)
-                }
-                DaemonCommand::Supervise { id } => {
-                    if !crate::identity::valid_id(&id) {
-                        eprintln!("gpushare: daemon id {id:?} is invalid: allowed is 12 lowercase hex digits");
-                        return 2;
-                    }
-                    let span = tracing::info_span!("supervisor", daemon = %id);
-                    let _enter = span.enter();
-                    match crate::mps::supervisor::run(&cfg, &id) {
-                        Ok(()) => 0,
-                        Err(e) => {
-                            tracing::error!("supervisor: {e:#}");
-                            1
-                        }
+                let span = tracing::info_span!("supervisor", daemon = %id);
+                let _enter = span.enter();
+                match crate::mps::supervisor::run(&cfg, &id) {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        tracing::error!("supervisor: {e:#}");
+                        1
                     }
                 }
             }
-        }
+        },
     }
 }
 
@@ -395,9 +396,7 @@ fn daemon_start(
             .transpose()?,
         ipc: None,
     };
-    let inventory = crate::device::load(&crate::device::InventorySource::parse(&cfg.inventory)?)?;
-    let devices = req.device.resolve(&inventory)?;
-    request::check_against(&req, &devices)?;
+    let devices = crate::runtime::resolve_request(cfg, &req)?;
     let mut ident = crate::runtime::identity(cfg, &devices.uuids, uid, &req, cfg.mps.ipc_mode());
     // The operator's --gid wins over mps.daemon-gid (multi-user daemons stay root's).
     if let Some(gid) = gid.filter(|_| !ident.multi_user) {
@@ -452,7 +451,10 @@ fn daemon_stop(cfg: &Config, id: Option<String>, all: bool, force: bool) -> anyh
     };
     for id in &ids {
         if !crate::identity::valid_id(id) {
-            anyhow::bail!("daemon id {id:?} is invalid: allowed is 12 lowercase hex digits (see gpushare daemon list)");
+            anyhow::bail!(
+                "daemon id {id:?} is invalid: allowed is {} (see gpushare daemon list)",
+                crate::identity::ID_ALLOWED
+            );
         }
         if !state.daemon_dir(id).exists() {
             anyhow::bail!(
