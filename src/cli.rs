@@ -134,15 +134,19 @@ enum DaemonCommand {
         /// Host GID the daemon runs as (default: mps.daemon-gid, else the UID).
         #[arg(long)]
         gid: Option<u32>,
+        /// Share of the GPU's threads each client may use, 1-100 (as
+        /// gpushare.io/active-thread-percentage); default: mps.default-active-thread-percentage.
         #[arg(long)]
         active_thread_percentage: Option<String>,
+        /// Pinned device memory per client and device, like 4G or 1536MiB (as
+        /// gpushare.io/pinned-memory-limit); default: mps.default-pinned-memory-limit.
         #[arg(long)]
         pinned_memory_limit: Option<String>,
     },
-    /// Stop daemons and remove their directories.
+    /// Stop daemons and remove their directories: one with --id <ID>, or every one with --all.
     Stop {
         /// The daemon to stop (see `gpushare daemon list`).
-        #[arg(long, conflicts_with = "all", required_unless_present = "all")]
+        #[arg(long, conflicts_with = "all")]
         id: Option<String>,
         /// Stop every daemon.
         #[arg(long)]
@@ -444,10 +448,12 @@ fn daemon_start(
 
 fn daemon_stop(cfg: &Config, id: Option<String>, all: bool, force: bool) -> anyhow::Result<()> {
     let state = StateDir::new(&cfg.state_dir);
-    let ids = if all {
-        state.daemon_ids()?
-    } else {
-        id.into_iter().collect()
+    let ids = match (id, all) {
+        (_, true) => state.daemon_ids()?,
+        (Some(id), false) => vec![id],
+        (None, false) => anyhow::bail!(
+            "daemon stop needs --id <ID> (one daemon; see gpushare daemon list) or --all (every daemon)"
+        ),
     };
     for id in &ids {
         if !crate::identity::valid_id(id) {

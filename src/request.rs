@@ -50,7 +50,11 @@ const GIB: u64 = 1 << 30;
 
 const DEVICE_ALLOWED: &str = "a GPU index like 0, GPU-<uuid>, MIG-<uuid>, <gpu>:<mig> like 0:1, or a comma-separated list of GPU indices and GPU-<uuid>s";
 const PERCENTAGE_ALLOWED: &str = "an integer from 1 to 100";
-const SIZE_ALLOWED: &str = "a size with a unit, like 512M, 4G, 4GiB or 1536MiB";
+/// Every unit is binary (1024-based), whatever its spelling — `4G`, `4GiB` and `4GB` are
+/// all 4 GiB — because MPS itself reads `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4GB` that way
+/// (decided for issue 13; documented in docs/requests.md).
+const SIZE_ALLOWED: &str =
+    "a size with a unit, like 512M, 4G, 4GiB or 1536MiB (K, M, G, T; every unit is 1024-based, so 4GB is 4GiB)";
 const IPC_ALLOWED: &str = "isolated or host";
 
 /// A request key: its annotation and its env var.
@@ -768,7 +772,12 @@ mod tests {
         }
         assert_eq!(
             parse_size(key, "abc").expect_err("abc").to_string(),
-            "GPUSHARE_PINNED_MEMORY_LIMIT=\"abc\" is invalid: allowed is a size with a unit, like 512M, 4G, 4GiB or 1536MiB"
+            "GPUSHARE_PINNED_MEMORY_LIMIT=\"abc\" is invalid: allowed is a size with a unit, like 512M, 4G, 4GiB or 1536MiB (K, M, G, T; every unit is 1024-based, so 4GB is 4GiB)"
+        );
+        assert_eq!(
+            parse_size(key, "4GB").ok(),
+            Some(4 << 30),
+            "4GB is binary, as MPS reads it"
         );
     }
 
