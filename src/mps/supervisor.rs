@@ -522,15 +522,26 @@ impl Supervisor {
             .split_whitespace()
             .filter_map(|w| w.parse::<u32>().ok())
         {
+            // A reply that cannot be read is reported, not taken for a violation: shutting
+            // servers down on a driver whose format differs would stop every job.
+            let unreadable = |cmd: &str, reply: &str| {
+                tracing::error!(daemon = %self.id, command = cmd, reply = reply.trim(), "cannot read a server's limit back; it is not checked");
+                false
+            };
             let mut over = false;
             if let Some(p) = tp {
-                let got = ask(&format!("get_active_thread_percentage {server}"));
-                over |= got.is_ok_and(|g| parse_percentage(&g).is_none_or(|g| g > p + 0.01));
+                let cmd = format!("get_active_thread_percentage {server}");
+                if let Ok(g) = ask(&cmd) {
+                    over |=
+                        parse_percentage(&g).map_or_else(|| unreadable(&cmd, &g), |g| g > p + 0.01);
+                }
             }
             if let Some(m) = mem {
                 for i in devices.clone() {
-                    let got = ask(&format!("get_device_pinned_mem_limit {server} {i}"));
-                    over |= got.is_ok_and(|g| parse_mps_mem(&g).is_none_or(|g| g > m));
+                    let cmd = format!("get_device_pinned_mem_limit {server} {i}");
+                    if let Ok(g) = ask(&cmd) {
+                        over |= parse_mps_mem(&g).map_or_else(|| unreadable(&cmd, &g), |g| g > m);
+                    }
                 }
             }
             if over {
