@@ -2,7 +2,8 @@
 //!
 //! Invariants: a hook failure is one line `gpushare: …` on stderr and exit 1 (runc shows
 //! it to the user); `poststop` always exits 0; `status` reads state without taking any
-//! lock a create could wait on.
+//! lock a create could wait on; `gc` cleans everything it can, prints one line on stderr
+//! for each thing it could not (naming it and why), and exits 1 if there was any.
 
 use std::io::Write;
 
@@ -56,7 +57,10 @@ enum Command {
         engine: Engine,
     },
     /// Clean state left by crashes and reboots: stale container records, daemons whose
-    /// supervisor is gone, half-removed directories.
+    /// supervisor is gone, half-removed directories. What cannot be cleaned is one line
+    /// `gpushare: gc: <daemon or directory>: <reason>` on stderr and the rest is still
+    /// cleaned. Exit code 0 when everything stale was cleaned (or nothing was stale), 1 when
+    /// anything could not be.
     Gc,
     /// Manage MPS daemons directly.
     Daemon {
@@ -285,7 +289,7 @@ pub fn main() -> i32 {
             if json { Format::Json } else { format },
             output.as_deref(),
         ),
-        Command::Gc => report(gc(&cfg)),
+        Command::Gc => gc(&cfg),
         Command::Doctor {
             docker_config,
             containerd_config,
@@ -576,52 +580,83 @@ fn installed_containerd_config_version() -> i64 {
 }
 
 /// `gpushare gc`: what a crash or a reboot left behind is detected and cleaned, never
-/// trusted. Prints one line per action.
-fn gc(cfg: &Config) -> anyhow::Result<()> {
-    use crate::mps::ensure;
+/// trusted. Prints one line per action on stdout and one line per failure on stderr; a
+/// daemon or directory that cannot be cleaned stops none of the others. Returns the exit
+/// code: 1 if anything could not be cleaned, else 0.
+fn gc(cfg: &Config) -> i32 {
     let state = StateDir::new(&cfg.state_dir);
-    let grace = cfg.mps.pending_grace().as_secs();
-    for tomb in state.remove_tombstones()? {
-        println!("removed half-removed directory {}", tomb.display());
+    let mut failures = 0;
+    let mut failed = |what: String, e: anyhow::Error| {
+        tracing::error!("gc: {what}: {e:#}");
+        eprintln!("gpushare: gc: {what}: {e:#}");
+        failures += 1;
+    };
+    for (tomb, removed) in state.remove_tombstones() {
+        match removed {
+            Ok(()) => println!("removed half-removed directory {}", tomb.display()),
+            Err(e) => failed(
+                format!("half-removed directory {}", tomb.display()),
+                e.into(),
+            ),
+        }
     }
-    for id in state.daemon_ids()? {
-        let before = state.containers(&id)?.len();
-        let live = state.live_containers(&id, grace)?;
-        if before > live.len() {
-            println!(
-                "daemon {id}: removed {} stale container record(s)",
-                before - live.len()
-            );
-        }
-        let rec = match state.read_record(&id) {
-            Ok(r) => r,
-            Err(e) => {
-                println!("daemon {id}: unreadable record ({e}); treating it as stale");
-                None
+    match state.daemon_ids() {
+        Ok(ids) => {
+            for id in ids {
+                if let Err(e) = gc_daemon(cfg, &state, &id) {
+                    failed(format!("daemon {id}"), e);
+                }
             }
-        };
-        let supervised = rec
-            .as_ref()
-            .is_some_and(|r| r.supervisor.is_some_and(|p| p.alive()));
-        if supervised {
-            continue;
         }
-        if let Some(rec) = rec.as_ref().filter(|_| !live.is_empty()) {
-            // Containers still rely on it: bring the daemon back rather than drop them.
-            ensure::ensure(cfg, &state, &rec.identity, None)?;
-            println!(
-                "daemon {id}: supervisor was gone with {} container(s) using it; restarted",
-                live.len()
-            );
-            continue;
+        Err(e) => failed(
+            format!("state directory {}", state.root().display()),
+            e.into(),
+        ),
+    }
+    i32::from(failures > 0)
+}
+
+/// `gc` for one daemon: its stale container records, then the daemon itself if its
+/// supervisor is gone (restarted when containers still use it, else removed).
+fn gc_daemon(cfg: &Config, state: &StateDir, id: &str) -> anyhow::Result<()> {
+    use crate::mps::ensure;
+    let grace = cfg.mps.pending_grace().as_secs();
+    let before = state.containers(id)?.len();
+    let live = state.live_containers(id, grace)?;
+    if before > live.len() {
+        println!(
+            "daemon {id}: removed {} stale container record(s)",
+            before - live.len()
+        );
+    }
+    let rec = match state.read_record(id) {
+        Ok(r) => r,
+        Err(e) => {
+            println!("daemon {id}: unreadable record ({e}); treating it as stale");
+            None
         }
-        let _lock = state.lock(&id, std::time::Instant::now() + cfg.mps.start_timeout)?;
-        if let Some(rec) = &rec {
-            ensure::kill_stale(rec);
-        }
-        if state.remove_if_unused(&id, grace, |_| {})? {
-            println!("daemon {id}: supervisor gone and no containers; removed");
-        }
+    };
+    let supervised = rec
+        .as_ref()
+        .is_some_and(|r| r.supervisor.is_some_and(|p| p.alive()));
+    if supervised {
+        return Ok(());
+    }
+    if let Some(rec) = rec.as_ref().filter(|_| !live.is_empty()) {
+        // Containers still rely on it: bring the daemon back rather than drop them.
+        ensure::ensure(cfg, state, &rec.identity, None)?;
+        println!(
+            "daemon {id}: supervisor was gone with {} container(s) using it; restarted",
+            live.len()
+        );
+        return Ok(());
+    }
+    let _lock = state.lock(id, std::time::Instant::now() + cfg.mps.start_timeout)?;
+    if let Some(rec) = &rec {
+        ensure::kill_stale(rec);
+    }
+    if state.remove_if_unused(id, grace, |_| {})? {
+        println!("daemon {id}: supervisor gone and no containers; removed");
     }
     Ok(())
 }

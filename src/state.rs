@@ -4,17 +4,24 @@
 //! ```text
 //! <state-dir>/                 0711 root   (refused if writable by group/others or a symlink)
 //!   locks/<id>.lock            0600 root   flock per daemon identity; never removed
+//!   locks/node.lock            0600 root   flock held while a new daemon's directories are made
 //!   mps/                       0711 root
 //!     <id>/                    0711 root
 //!       daemon.json            0644 root   record of the daemon (identity, pids, status)
 //!       pipe/                  0700 uid    CUDA_MPS_PIPE_DIRECTORY (multi-user: 0755 root)
-//!       log/                   0700 uid    CUDA_MPS_LOG_DIRECTORY
+//!       log/                   tmpfs of mps.log-size, 0700 uid (multi-user: 0755 root): CUDA_MPS_LOG_DIRECTORY
 //!       shm/                   tmpfs, 0700 uid (multi-user: 1777): the daemon's and the clients' /dev/shm
 //!       containers/<cid>.json  0700 root   one record per container using the daemon
+//!     .<id>.removing/          a daemon directory being removed (gc finishes it after a crash)
 //! ```
 //! Invariants: every parent is traversable by the daemon's UID and writable by root only;
 //! records are written atomically and read without locks; every name that reaches a path
-//! (daemon id, container id) is validated first.
+//! (daemon id, container id) is validated first. What a tenant can write (pipe/, and log/
+//! and shm/ when mounted into containers) is on its own sized tmpfs or emptied and removed
+//! with `util::remove_contents`/`remove_all`, which never follow a link and need a fixed
+//! number of fds whatever was planted. A new daemon directory is made only under the node
+//! lock, after counting the daemons against `mps.max-daemons` and
+//! `mps.max-daemons-per-uid`; the warm path (directories present) takes no lock.
 
 use std::fs::{DirBuilder, File};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -42,8 +49,9 @@ pub enum StateError {
         "timed out after {waited:?} waiting for the lock {path}: another gpushare process holds it"
     )]
     LockTimeout { path: PathBuf, waited: Duration },
-    #[error("cannot mount the shm tmpfs on {path}")]
+    #[error("cannot mount the {what} tmpfs on {path}")]
     Mount {
+        what: &'static str,
         path: PathBuf,
         #[source]
         source: nix::Error,
@@ -58,6 +66,15 @@ pub enum StateError {
     SocketPathTooLong { path: PathBuf, len: usize },
     #[error("corrupt record {path}: {message}")]
     Corrupt { path: PathBuf, message: String },
+    #[error("cannot start another MPS daemon {scope}: {key} = {cap} reached ({count} daemons); stopped daemons free their place (gpushare daemon list / gc), or raise it in {config}")]
+    DaemonCap {
+        /// `for uid 1000`, `on this node`.
+        scope: String,
+        key: &'static str,
+        cap: u32,
+        count: usize,
+        config: PathBuf,
+    },
 }
 
 fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StateError + 'a {
@@ -167,27 +184,52 @@ pub struct Owner {
     pub shm: bool,
 }
 
-/// Whether `<dir>/shm` is a mount point (its device differs from `dir`'s).
-fn shm_mounted_in(dir: &Path) -> bool {
+/// What a new daemon may take on this node (`[mps]` in the config): the sizes of its
+/// tmpfs mounts and the caps on the number of daemons.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Budget {
+    /// The shm tmpfs `size=` option (`50%`, or bytes).
+    pub shm_size: String,
+    /// Bytes of the log tmpfs.
+    pub log_size: u64,
+    /// `mps.max-daemons`: daemon directories on the node.
+    pub max_daemons: u32,
+    /// `mps.max-daemons-per-uid`: daemon directories whose pipe directory a UID owns
+    /// (multi-user daemons are root's, uid 0).
+    pub max_daemons_per_uid: u32,
+    /// How long a new daemon waits for the node lock.
+    pub lock_wait: Duration,
+    /// The config file a refusal names.
+    pub config: PathBuf,
+}
+
+/// Files the log tmpfs may hold: the daemon's few logs and their rotations. Bounds the
+/// kernel memory a flood of empty files could take, which `size=` does not count.
+const LOG_INODES: u32 = 1024;
+
+/// The tmpfs mounts of a daemon directory, unmounted before it is removed.
+const MOUNTS: [&str; 2] = ["shm", "log"];
+
+/// Whether `<dir>/<name>` is a mount point (its device differs from `dir`'s).
+fn mounted_in(dir: &Path, name: &str) -> bool {
     match (
         std::fs::symlink_metadata(dir),
-        std::fs::symlink_metadata(dir.join("shm")),
+        std::fs::symlink_metadata(dir.join(name)),
     ) {
         (Ok(d), Ok(s)) => s.is_dir() && s.dev() != d.dev(),
         _ => false,
     }
 }
 
-/// Unmounts `<dir>/shm` if mounted and removes `dir`; a missing `dir` is fine.
+/// Unmounts `<dir>/shm` and `<dir>/log` if mounted and removes `dir`, whatever a tenant
+/// planted in it (`util::remove_all`); a missing `dir` is fine.
 fn remove_tree(dir: &Path) -> Result<(), StateError> {
-    if shm_mounted_in(dir) {
-        let _ = nix::mount::umount2(&dir.join("shm"), nix::mount::MntFlags::MNT_DETACH);
+    for name in MOUNTS {
+        if mounted_in(dir, name) {
+            let _ = nix::mount::umount2(&dir.join(name), nix::mount::MntFlags::MNT_DETACH);
+        }
     }
-    match std::fs::remove_dir_all(dir) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(io("remove", dir)(e)),
-    }
+    util::remove_all(dir).map_err(io("remove", dir))
 }
 
 /// Checks that a container id can name a file: runc's own rule (`^[\w+-\.]+$`), not `.`
@@ -238,6 +280,10 @@ impl StateDir {
     }
     pub fn lock_path(&self, id: &str) -> PathBuf {
         self.root.join("locks").join(format!("{id}.lock"))
+    }
+    /// The node lock: not a daemon id, so no identity's lock can be it.
+    pub fn node_lock_path(&self) -> PathBuf {
+        self.root.join("locks").join("node.lock")
     }
     pub fn control_socket(&self, id: &str) -> PathBuf {
         self.pipe_dir(id).join("control")
@@ -345,7 +391,16 @@ impl StateDir {
     /// Takes the exclusive lock of one daemon identity, waiting until `deadline`.
     pub fn lock(&self, id: &str, deadline: Instant) -> Result<Flock<File>, StateError> {
         Self::check_id(id)?;
-        let path = self.lock_path(id);
+        self.lock_file(self.lock_path(id), deadline)
+    }
+
+    /// Takes the node lock, which serializes the creation of new daemon directories (so
+    /// two creates cannot both pass a cap). Taken after an identity's lock, never before.
+    pub fn lock_node(&self, deadline: Instant) -> Result<Flock<File>, StateError> {
+        self.lock_file(self.node_lock_path(), deadline)
+    }
+
+    fn lock_file(&self, path: PathBuf, deadline: Instant) -> Result<Flock<File>, StateError> {
         let started = Instant::now();
         let open = || {
             std::fs::OpenOptions::new()
@@ -389,24 +444,41 @@ impl StateDir {
         }
     }
 
-    /// Whether the daemon's directories are in place, with its tmpfs mounted when it has
-    /// one: two or three stats, the shim's whole warm path here.
+    /// Whether the daemon's directories are in place, with its log tmpfs mounted and its
+    /// shm tmpfs when it has one: three or four stats, the shim's whole warm path here.
     pub fn skeleton_ready(&self, id: &str, shm: bool) -> bool {
-        (!shm || self.shm_mounted(id)) && self.pipe_dir(id).is_dir()
+        let dir = self.daemon_dir(id);
+        let Ok(d) = std::fs::symlink_metadata(&dir) else {
+            return false;
+        };
+        let mounted = |name: &str| {
+            std::fs::symlink_metadata(dir.join(name))
+                .is_ok_and(|m| m.is_dir() && m.dev() != d.dev())
+        };
+        (!shm || mounted("shm")) && mounted("log") && self.pipe_dir(id).is_dir()
     }
 
     /// Whether the shm tmpfs is mounted (its device differs from its parent's).
     pub fn shm_mounted(&self, id: &str) -> bool {
-        shm_mounted_in(&self.daemon_dir(id))
+        mounted_in(&self.daemon_dir(id), "shm")
     }
 
-    /// Creates one daemon's directories and mounts its shm tmpfs, idempotently. Must be
-    /// called with the daemon's lock held (the tmpfs mount is not idempotent by itself).
+    /// Whether the log tmpfs is mounted.
+    pub fn log_mounted(&self, id: &str) -> bool {
+        mounted_in(&self.daemon_dir(id), "log")
+    }
+
+    /// Creates one daemon's directories and mounts its log tmpfs and (`owner.shm`) its shm
+    /// tmpfs, idempotently. Must be called with the daemon's lock held (a mount is not
+    /// idempotent by itself). A daemon whose directory does not exist yet is new: it is
+    /// counted against the caps of `budget` under the node lock and refused with
+    /// `StateError::DaemonCap` before anything is made; a new directory that cannot be
+    /// completed is removed again.
     pub fn ensure_skeleton(
         &self,
         id: &str,
         owner: Owner,
-        shm_size: &str,
+        budget: &Budget,
     ) -> Result<(), StateError> {
         Self::check_id(id)?;
         let socket = self.control_socket(id);
@@ -419,45 +491,131 @@ impl StateDir {
             self.check_traversable()?;
         }
         let euid = nix::unistd::geteuid().as_raw();
-        Self::ensure_dir(&self.daemon_dir(id), 0o711, euid, 0)?;
         let (pipe_owner, pipe_mode) = if owner.shared {
             ((euid, 0), 0o755)
         } else {
             ((owner.uid, owner.gid), 0o700)
         };
-        Self::ensure_dir(&self.pipe_dir(id), pipe_mode, pipe_owner.0, pipe_owner.1)?;
-        Self::ensure_dir(&self.log_dir(id), pipe_mode, pipe_owner.0, pipe_owner.1)?;
-        Self::ensure_dir(&self.containers_dir(id), 0o700, euid, 0)?;
-        let shm = self.shm_dir(id);
-        if owner.shm && !self.shm_mounted(id) {
-            // Only the empty mount point is root's; once mounted, the tmpfs root is the
-            // daemon user's and must not be touched here.
-            Self::ensure_dir(&shm, 0o700, euid, 0)?;
-            let mode = if owner.shared { "1777" } else { "0700" };
-            let data = format!(
-                "size={shm_size},mode={mode},uid={},gid={}",
-                owner.uid, owner.gid
-            );
-            use nix::mount::{mount, MsFlags};
-            mount(
-                Some("gpushare-shm"),
-                &shm,
-                Some("tmpfs"),
-                MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-                Some(data.as_str()),
-            )
-            .map_err(|source| StateError::Mount {
-                path: shm.clone(),
-                source,
-            })?;
+        let dir = self.daemon_dir(id);
+        let node_lock = match std::fs::symlink_metadata(&dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let lock = self.lock_node(Instant::now() + budget.lock_wait)?;
+                self.check_caps(pipe_owner.0, budget)?;
+                Some(lock)
+            }
+            // Present (ensure_dir refuses anything but a directory) or unreadable.
+            _ => None,
+        };
+        let built = (|| {
+            Self::ensure_dir(&dir, 0o711, euid, 0)?;
+            Self::ensure_dir(&self.pipe_dir(id), pipe_mode, pipe_owner.0, pipe_owner.1)?;
+            Self::ensure_dir(&self.containers_dir(id), 0o700, euid, 0)?;
+            // Only an empty mount point is root's; once mounted, a tmpfs root is the daemon
+            // user's and must not be touched here.
+            if !self.log_mounted(id) {
+                let mode = if owner.shared { "0755" } else { "0700" };
+                self.mount_tmpfs(
+                    "log",
+                    &self.log_dir(id),
+                    &format!(
+                        "size={},nr_inodes={LOG_INODES},mode={mode},uid={},gid={}",
+                        budget.log_size, pipe_owner.0, pipe_owner.1
+                    ),
+                )?;
+            }
+            if owner.shm && !self.shm_mounted(id) {
+                let mode = if owner.shared { "1777" } else { "0700" };
+                self.mount_tmpfs(
+                    "shm",
+                    &self.shm_dir(id),
+                    &format!(
+                        "size={},mode={mode},uid={},gid={}",
+                        budget.shm_size, owner.uid, owner.gid
+                    ),
+                )?;
+            }
+            Ok(())
+        })();
+        if built.is_err() && node_lock.is_some() {
+            // Nothing half-made is left of a new daemon.
+            let _ = remove_tree(&dir);
+        }
+        built
+    }
+
+    /// Mounts a daemon's tmpfs on `path` (made a root-owned empty directory first):
+    /// no setuid, no devices, no executables.
+    fn mount_tmpfs(&self, what: &'static str, path: &Path, data: &str) -> Result<(), StateError> {
+        let euid = nix::unistd::geteuid().as_raw();
+        Self::ensure_dir(path, 0o700, euid, 0)?;
+        use nix::mount::{mount, MsFlags};
+        mount(
+            Some(format!("gpushare-{what}").as_str()),
+            path,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            Some(data),
+        )
+        .map_err(|source| StateError::Mount {
+            what,
+            path: path.to_owned(),
+            source,
+        })
+    }
+
+    /// Refuses a new daemon for `uid` (the owner of its pipe directory) once the node
+    /// or that uid has its cap of daemon directories. Call with the node lock held.
+    fn check_caps(&self, uid: u32, budget: &Budget) -> Result<(), StateError> {
+        let ids = self.daemon_ids()?;
+        let refuse = |scope: String, key, cap, count| StateError::DaemonCap {
+            scope,
+            key,
+            cap,
+            count,
+            config: budget.config.clone(),
+        };
+        if ids.len() >= budget.max_daemons as usize {
+            return Err(refuse(
+                "on this node".into(),
+                "mps.max-daemons",
+                budget.max_daemons,
+                ids.len(),
+            ));
+        }
+        let of_uid = ids
+            .iter()
+            .filter(|id| std::fs::symlink_metadata(self.pipe_dir(id)).is_ok_and(|m| m.uid() == uid))
+            .count();
+        if of_uid >= budget.max_daemons_per_uid as usize {
+            return Err(refuse(
+                format!("for uid {uid}"),
+                "mps.max-daemons-per-uid",
+                budget.max_daemons_per_uid,
+                of_uid,
+            ));
         }
         Ok(())
     }
 
-    /// Unmounts the shm tmpfs and removes one daemon's directories (daemon stopped).
+    /// Unmounts the log and shm tmpfs and removes one daemon's directories (daemon
+    /// stopped), whatever was planted in them.
     pub fn remove_daemon_dir(&self, id: &str) -> Result<(), StateError> {
         Self::check_id(id)?;
         remove_tree(&self.daemon_dir(id))
+    }
+
+    /// Empties daemon `id`'s pipe directory in place (it is bind-mounted into running
+    /// containers): a socket, a pid file or anything else a tenant or a dead daemon left
+    /// there, a directory planted under a name the daemon needs (`control`) included.
+    /// A missing pipe directory is fine; a symlink in its place is refused.
+    pub fn clean_pipe_dir(&self, id: &str) -> Result<(), StateError> {
+        Self::check_id(id)?;
+        let pipe = self.pipe_dir(id);
+        match util::remove_contents(&pipe) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io("empty", &pipe)(e)),
+        }
     }
 
     pub fn read_record(&self, id: &str) -> Result<Option<DaemonRecord>, StateError> {
@@ -586,7 +744,7 @@ impl StateDir {
         }
         let dir = self.daemon_dir(id);
         let tomb = self.tombstone(id);
-        let _ = std::fs::remove_dir_all(&tomb);
+        let _ = remove_tree(&tomb);
         match std::fs::rename(&dir, &tomb) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(true),
@@ -609,20 +767,23 @@ impl StateDir {
         Ok(true)
     }
 
-    /// Removes directories left half-removed by a crash (`.<id>.removing`); returns them.
-    pub fn remove_tombstones(&self) -> Result<Vec<PathBuf>, StateError> {
+    /// Removes directories left half-removed by a crash (`.<id>.removing`): each one
+    /// with whether it went, so that one that cannot be removed stops none of the others.
+    pub fn remove_tombstones(&self) -> Vec<(PathBuf, Result<(), StateError>)> {
         let mut out = Vec::new();
         let Ok(entries) = std::fs::read_dir(self.mps_dir()) else {
-            return Ok(out);
+            return out;
         };
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             if name.starts_with('.') && name.ends_with(".removing") {
-                remove_tree(&e.path())?;
-                out.push(e.path());
+                let path = e.path();
+                let result = remove_tree(&path);
+                out.push((path, result));
             }
         }
-        Ok(out)
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
     }
 
     /// Ids of every daemon directory, sorted; names that are not ids are ignored.
@@ -845,6 +1006,17 @@ mod tests {
         assert!(state.check_traversable().is_ok());
     }
 
+    fn budget(max_daemons: u32, max_daemons_per_uid: u32) -> Budget {
+        Budget {
+            shm_size: "1M".into(),
+            log_size: 1 << 20,
+            max_daemons,
+            max_daemons_per_uid,
+            lock_wait: Duration::from_secs(1),
+            config: "/etc/gpushare/runtime.toml".into(),
+        }
+    }
+
     #[test]
     fn socket_path_limit_is_checked() {
         let long = format!("/tmp/{}", "x".repeat(100));
@@ -857,9 +1029,109 @@ mod tests {
                     shared: false,
                     shm: true,
                 },
-                "1M",
+                &budget(64, 8),
             )
             .unwrap_err();
         assert!(matches!(err, StateError::SocketPathTooLong { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_new_daemon_past_a_cap_is_refused_before_anything_is_made() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path().join("s"));
+        state.ensure_root().unwrap();
+        let euid = nix::unistd::geteuid().as_raw();
+        // Two daemons of this uid, one of another (its pipe directory owned by it).
+        for id in [
+            "0000000000000000000000000000000a",
+            "0000000000000000000000000000000b",
+            "0000000000000000000000000000000c",
+        ] {
+            std::fs::create_dir_all(state.pipe_dir(id)).unwrap();
+        }
+        let other = euid.wrapping_add(1);
+        if euid == 0 {
+            nix::unistd::chown(
+                &state.pipe_dir("0000000000000000000000000000000c"),
+                Some(other.into()),
+                None,
+            )
+            .unwrap();
+        }
+        let owner = Owner {
+            uid: euid,
+            gid: 0,
+            shared: false,
+            shm: true,
+        };
+        let new = "0123456789abcdef0123456789abcdef";
+        let err = state
+            .ensure_skeleton(new, owner, &budget(64, 2))
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("cannot start another MPS daemon for uid {euid}: mps.max-daemons-per-uid = 2 reached (2 daemons); stopped daemons free their place (gpushare daemon list / gc), or raise it in /etc/gpushare/runtime.toml")
+        );
+        let err = state
+            .ensure_skeleton(new, owner, &budget(3, 8))
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "cannot start another MPS daemon on this node: mps.max-daemons = 3 reached (3 daemons); stopped daemons free their place (gpushare daemon list / gc), or raise it in /etc/gpushare/runtime.toml"
+        );
+        assert!(matches!(
+            err,
+            StateError::DaemonCap {
+                cap: 3,
+                count: 3,
+                ..
+            }
+        ));
+        assert!(!state.daemon_dir(new).exists(), "nothing made");
+        assert!(state.node_lock_path().exists());
+        assert_ne!(state.node_lock_path(), state.lock_path(new));
+    }
+
+    #[test]
+    fn clean_pipe_dir_takes_a_planted_control_directory_and_keeps_the_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path().join("s"));
+        let id = "0123456789abcdef0123456789abcdef";
+        let pipe = state.pipe_dir(id);
+        std::fs::create_dir_all(pipe.join("control/deeper")).unwrap();
+        std::fs::write(pipe.join("control/deeper/f"), "").unwrap();
+        std::fs::write(pipe.join("nvidia-cuda-mps-control.pid"), "1").unwrap();
+        let outside = dir.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("keep"), "").unwrap();
+        std::os::unix::fs::symlink(&outside, pipe.join("control_lock")).unwrap();
+        state.clean_pipe_dir(id).unwrap();
+        assert!(pipe.is_dir());
+        assert_eq!(std::fs::read_dir(&pipe).unwrap().count(), 0);
+        assert!(outside.join("keep").exists());
+        // Missing is fine; bad ids never reach a path.
+        state
+            .clean_pipe_dir("0000000000000000000000000000000a")
+            .unwrap();
+        assert!(matches!(
+            state.clean_pipe_dir("../x"),
+            Err(StateError::Name { .. })
+        ));
+    }
+
+    #[test]
+    fn tombstones_are_removed_one_by_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path().join("s"));
+        for id in [
+            "0000000000000000000000000000000a",
+            "0000000000000000000000000000000b",
+        ] {
+            std::fs::create_dir_all(state.tombstone(id).join("pipe/control/x")).unwrap();
+        }
+        let removed = state.remove_tombstones();
+        assert_eq!(removed.len(), 2);
+        assert!(removed.iter().all(|(p, r)| r.is_ok() && !p.exists()));
+        assert!(state.remove_tombstones().is_empty());
     }
 }

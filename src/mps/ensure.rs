@@ -14,7 +14,7 @@ use anyhow::{bail, Context};
 use super::control::SAFE_PATH;
 use crate::config::Config;
 use crate::identity::Identity;
-use crate::state::{ContainerRecord, DaemonRecord, DaemonStatus, Owner, StateDir};
+use crate::state::{Budget, ContainerRecord, DaemonRecord, DaemonStatus, Owner, StateDir};
 
 /// Ownership of an identity's directories.
 pub fn owner(ident: &Identity) -> Owner {
@@ -23,6 +23,21 @@ pub fn owner(ident: &Identity) -> Owner {
         gid: ident.gid,
         shared: ident.multi_user,
         shm: !ident.ipc_host,
+    }
+}
+
+/// What a new daemon may take, from `[mps]`: tmpfs sizes and the daemon caps.
+pub fn budget(cfg: &Config) -> Budget {
+    Budget {
+        shm_size: cfg.mps.shm_size.tmpfs_option(),
+        log_size: cfg.mps.log_size,
+        max_daemons: cfg.mps.max_daemons,
+        max_daemons_per_uid: cfg.mps.max_daemons_per_uid,
+        lock_wait: cfg.mps.start_timeout,
+        config: cfg
+            .path
+            .clone()
+            .unwrap_or_else(|| crate::config::DEFAULT_PATH.into()),
     }
 }
 
@@ -126,7 +141,7 @@ pub fn ensure(
     // Warm path: the same two-stat check the shim makes; the full build (with its
     // ownership repairs) only when something is missing.
     if !state.skeleton_ready(&id, !ident.ipc_host) {
-        state.ensure_skeleton(&id, owner(ident), &cfg.mps.shm_size.tmpfs_option())?;
+        state.ensure_skeleton(&id, owner(ident), &budget(cfg))?;
     }
     let existing = match state.read_record(&id) {
         Ok(r) => r,
@@ -200,7 +215,7 @@ pub fn release(state: &StateDir, daemon_id: Option<&str>, container_id: &str) ->
 }
 
 /// Stops one daemon: SIGTERM to its supervisor (which quits the daemon cleanly), SIGKILL
-/// past the grace period, then removes its directories and unmounts its shm tmpfs, all
+/// past the grace period, then removes its directories and unmounts its tmpfs mounts, all
 /// under the identity's lock so no create races the removal.
 pub fn stop(cfg: &Config, state: &StateDir, id: &str, grace: Duration) -> anyhow::Result<()> {
     use nix::sys::signal::{kill, Signal};

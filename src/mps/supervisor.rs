@@ -343,13 +343,11 @@ impl Supervisor {
         Ok(())
     }
 
-    /// Empties the pipe directory: a socket or pid file left by a dead daemon is stale.
+    /// Empties the pipe directory: a socket or pid file left by a dead daemon is stale,
+    /// and anything a tenant planted (a directory named `control`) goes too.
     fn clean_pipe_dir(&self) {
-        let pipe = self.state.pipe_dir(&self.id);
-        if let Ok(entries) = std::fs::read_dir(&pipe) {
-            for e in entries.flatten() {
-                let _ = std::fs::remove_file(e.path());
-            }
+        if let Err(e) = self.state.clean_pipe_dir(&self.id) {
+            tracing::warn!(daemon = %self.id, error = %e, "cannot empty the pipe directory");
         }
     }
 

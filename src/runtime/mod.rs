@@ -171,13 +171,14 @@ pub fn prepare(
     let recorded = state.add_container(&id, &pending).is_ok();
     if !state.skeleton_ready(&id, !ident.ipc_host) {
         // runc binds the daemon's directories before the createRuntime hook runs, so they
-        // must exist now. Cold path only: the warm path is two stat calls, no lock.
+        // must exist now. Cold path only: the warm path is a few stat calls, no lock. A
+        // new daemon is counted against the daemon caps here, before anything is made.
         let deadline = std::time::Instant::now() + cfg.mps.start_timeout;
         let _lock = state.lock(&id, deadline)?;
         state.ensure_skeleton(
             &id,
             crate::mps::ensure::owner(&ident),
-            &cfg.mps.shm_size.tmpfs_option(),
+            &crate::mps::ensure::budget(cfg),
         )?;
         if !recorded {
             state.add_container(&id, &pending)?;
