@@ -9,3 +9,4 @@ mod operator;
 mod security;
 mod tenant_daemon;
 mod tenant_mounts;
+mod tenant_state;
