@@ -142,8 +142,10 @@ fn one_shared_daemon_makes_the_second_user_wait() {
         .spawn()
         .unwrap();
     let guard = scopeguard(daemon.id() as i32);
+    // The pid file comes after the socket's chmod 0666: before it, another uid's connect
+    // may be refused (seen under load).
     assert!(wait_until(Duration::from_secs(5), || pipe
-        .join("control")
+        .join("nvidia-cuda-mps-control.pid")
         .exists()));
     let client = |uid: u32| {
         Command::new(SIM)
