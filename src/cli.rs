@@ -543,10 +543,12 @@ fn install(engine: Engine) -> anyhow::Result<()> {
         path.display()
     );
     if is_docker {
-        println!("reload Docker to use it: `sudo kill -HUP $(pidof dockerd)` or `sudo systemctl reload docker`;");
+        println!(
+            "reload Docker to use it: `kill -HUP $(pidof dockerd)` or `systemctl reload docker`;"
+        );
         println!("then: docker run --runtime {} -e GPUSHARE_DEVICE=0 …  (Docker ≥ 24: --annotation gpushare.io/device=0)", args.name);
     } else {
-        println!("restart containerd to use it: `sudo systemctl restart containerd`;");
+        println!("restart containerd to use it: `systemctl restart containerd`;");
         println!(
             "Kubernetes: a RuntimeClass with handler: {} (see deploy/)",
             args.name

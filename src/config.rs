@@ -128,7 +128,7 @@ pub struct MpsConfig {
     pub max_daemons: u32,
     pub max_daemons_per_uid: u32,
     /// Size of each daemon's log tmpfs (control.log and friends); the supervisor rotates
-    /// a log that passes half of it.
+    /// a log that passes a quarter of it (keeping its last part in `<name>.1`).
     pub log_size: u64,
     /// How often the supervisor checks that the daemon's limits are still the enforced
     /// ones (a tenant can send control commands through its socket).
@@ -183,7 +183,12 @@ struct RawMps {
 /// The flag says whether the file must exist.
 pub fn location() -> (PathBuf, bool) {
     match std::env::var_os(ENV_VAR) {
-        Some(p) if !p.is_empty() => (PathBuf::from(p), true),
+        // Absolute, so that processes started elsewhere (supervisors run in `/`) read the
+        // same file.
+        Some(p) if !p.is_empty() => {
+            let p = PathBuf::from(p);
+            (std::path::absolute(&p).unwrap_or(p), true)
+        }
         _ => (PathBuf::from(DEFAULT_PATH), false),
     }
 }

@@ -230,9 +230,10 @@ pub enum DeviceError {
     #[error("inventory {origin} lists {count} GPUs: allowed is at most {MAX_GPUS}")]
     TooManyGpus { origin: String, count: usize },
 
-    #[error("cannot initialise NVML (is the NVIDIA driver installed and loaded?)")]
+    // The NVML error is shown, not chained: its Display already carries its own source
+    // (a library-loading error), which a chain would print a second time.
+    #[error("cannot initialise NVML (is the NVIDIA driver installed and loaded?): {error}")]
     NvmlInit {
-        #[source]
         error: nvml_wrapper::error::NvmlError,
     },
 

@@ -69,13 +69,25 @@ impl Default for Paths {
     }
 }
 
+/// An error with its causes, on one line (`{:#}` on a plain error prints only its own).
+fn explain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
+}
+
 fn inventory_checks(cfg: &Config, out: &mut Vec<Check>) -> Option<Inventory> {
     let nvml = crate::device::load(&InventorySource::Nvml);
     match (&cfg.inventory[..], &nvml) {
         ("nvml", Ok(inv)) => out.push(ok("driver", format!("NVML answers: driver {}, {} GPU(s)", inv.driver_version, inv.gpus.len()))),
         ("nvml", Err(e)) => out.push(fail(
             "driver",
-            format!("{e:#}"),
+            explain(e),
             "install and load the NVIDIA driver (nvidia-smi must work), or set inventory = \"file:<path>\" on a machine without a GPU",
         )),
         (_, Ok(inv)) => out.push(ok("driver", format!("NVML answers (driver {}), but inventory = {:?} is used", inv.driver_version, cfg.inventory))),
@@ -98,7 +110,7 @@ fn inventory_checks(cfg: &Config, out: &mut Vec<Check>) -> Option<Inventory> {
             if cfg.inventory != "nvml" {
                 out.push(fail(
                     "inventory",
-                    format!("{e:#}"),
+                    explain(&e),
                     "fix the inventory file named by `inventory` in the config",
                 ));
             }
@@ -152,8 +164,23 @@ fn gpu_checks(cfg: &Config, inv: &Inventory, out: &mut Vec<Check>) {
     }
 }
 
+/// Whether any user may execute `path`: o+x on the file and on every parent directory.
+fn runnable_by_others(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let ox = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.permissions().mode() & 0o001 != 0);
+    ox(path) && path.ancestors().skip(1).all(ox)
+}
+
 fn control_binary_check(cfg: &Config) -> Check {
     match crate::mps::control::resolve_binary(&cfg.mps.control_binary) {
+        Ok(path) if cfg.mps.user_mode == UserMode::PerUser && !runnable_by_others(&path) => fail(
+            "mps-control",
+            format!(
+                "{} cannot be run by other users (it or a parent directory lacks o+x), but per-user daemons run as the containers' UIDs",
+                path.display()
+            ),
+            "install it where every user can run it (e.g. /usr/local/bin, mode 0755), or chmod o+x the file and its parents",
+        ),
         Ok(path) => {
             let version = std::process::Command::new(&path)
                 .arg("-v")

@@ -389,7 +389,7 @@ impl Supervisor {
         crate::sys::confine_child(&mut cmd, self.confinement(), user, nix::unistd::getpid());
         cmd.spawn().with_context(|| {
             format!(
-                "start {} as uid {} in a mount namespace where the host is read-only (mount_setattr needs Linux 5.12 or later)",
+                "start {} as uid {} (the binary must be executable by that uid; the mount namespace it runs in needs Linux 5.12 or later)",
                 self.binary.display(),
                 self.ident.uid
             )

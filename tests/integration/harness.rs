@@ -347,6 +347,21 @@ impl Drop for Env {
         }
         // The daemons' tmpfs mounts and the rootfs bind: nothing stays mounted.
         umount_below(self.dir.path());
+        // A supervisor killed here cannot remove its cgroup `gpushare/<id>`: do it for it
+        // (rmdir only takes an empty cgroup).
+        for id in self.daemon_ids() {
+            for h in std::fs::read_dir("/sys/fs/cgroup")
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let cg = h.path().join("gpushare").join(&id);
+                let _ = wait_until(Duration::from_secs(2), || {
+                    std::fs::remove_dir(&cg).is_ok() || !cg.exists()
+                });
+            }
+            let _ = std::fs::remove_dir(Path::new("/sys/fs/cgroup/gpushare").join(&id));
+        }
     }
 }
 
