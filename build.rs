@@ -2,7 +2,7 @@
 //! a git checkout.
 //!
 //! Cargo reruns this when HEAD moves: the HEAD file of the checkout's git dir and the
-//! branch refs of its common dir (asked from git, so that a worktree, whose `.git` is a
+//! ref of the branch it names, in its common dir (asked from git, so that a worktree, whose `.git` is a
 //! file, works too). A path that does not exist would make cargo rebuild every time, so
 //! only existing ones are named; outside a checkout, only this file.
 fn git(args: &[&str]) -> Option<String> {
@@ -27,9 +27,11 @@ fn main() {
             std::env::current_dir().unwrap_or_default().join(p)
         }
     });
+    // The branch HEAD names, not every branch: another branch's commits change nothing here.
+    let branch = git(&["symbolic-ref", "-q", "HEAD"]);
     let watched = [
         dir.map(|d| std::path::PathBuf::from(d).join("HEAD")),
-        common.as_ref().map(|c| c.join("refs/heads")),
+        common.as_ref().zip(branch).map(|(c, b)| c.join(b)),
         common.map(|c| c.join("packed-refs")),
     ];
     for path in watched.into_iter().flatten().filter(|p| p.exists()) {
