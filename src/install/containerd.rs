@@ -77,7 +77,20 @@ pub fn edit(
     let plugins = table(doc.as_table_mut(), "plugins").ok_or_else(|| shape("plugins"))?;
     let cri = table(plugins, plugin).ok_or_else(|| shape(plugin))?;
     let ctrd = table(cri, "containerd").ok_or_else(|| shape("containerd"))?;
+    let default_runtime = ctrd
+        .get("default_runtime_name")
+        .and_then(Item::as_str)
+        .unwrap_or("runc")
+        .to_owned();
     let runtimes = table(ctrd, "runtimes").ok_or_else(|| shape("runtimes"))?;
+    // A config that names no runtimes runs on containerd's built-in `runc`; once the file
+    // has a runtimes table, that built-in entry is gone and the CRI plugin cannot find its
+    // default runtime (it does not load). Keep it, as containerd's own default spells it.
+    if default_runtime == "runc" && !runtimes.contains_key("runc") {
+        let runc = table(runtimes, "runc").ok_or_else(|| shape("runc"))?;
+        runc.set_implicit(false);
+        runc.insert("runtime_type", value("io.containerd.runc.v2"));
+    }
     // The cgroup driver must match the node's: copy runc's SystemdCgroup if it is set.
     let systemd = runtimes
         .get("runc")
@@ -153,6 +166,39 @@ root = "/var/lib/containerd"
             "cgroup driver copied from runc"
         );
         assert_eq!(run(&out, 2).unwrap(), None, "second run changes nothing");
+    }
+
+    #[test]
+    fn containerds_default_runc_is_kept_where_the_file_named_no_runtime() {
+        let runc = |out: &str, plugin: &str| {
+            let v: toml::Table = toml::from_str(out).unwrap();
+            v["plugins"][plugin]["containerd"]["runtimes"]
+                .get("runc")
+                .map(|r| r["runtime_type"].as_str().unwrap_or_default().to_owned())
+        };
+        // New file, and a file of non-CRI settings only: containerd was on its built-ins.
+        for (text, plugin) in [
+            ("", "io.containerd.grpc.v1.cri"),
+            (
+                "version = 2\nroot = \"/var/lib/containerd\"\n",
+                "io.containerd.grpc.v1.cri",
+            ),
+            ("version = 3\n", "io.containerd.cri.v1.runtime"),
+        ] {
+            let out = run(text, 2).unwrap().unwrap();
+            assert_eq!(
+                runc(&out, plugin).as_deref(),
+                Some("io.containerd.runc.v2"),
+                "{out}"
+            );
+        }
+        // A runc of the operator's stays as it is (V2 has SystemdCgroup on it).
+        let out = run(V2, 2).unwrap().unwrap();
+        assert!(out.starts_with(V2.trim_end()));
+        // Another default runtime: runc is none of ours to add.
+        let crun = "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  default_runtime_name = \"crun\"\n";
+        let out = run(crun, 2).unwrap().unwrap();
+        assert_eq!(runc(&out, "io.containerd.grpc.v1.cri"), None, "{out}");
     }
 
     #[test]
