@@ -1490,6 +1490,66 @@ mod tests {
     }
 
     #[test]
+    fn allocated_needs_a_container() {
+        let err = parse_device_without_container("--device", "allocated", "gpushare daemon start")
+            .expect_err("no container")
+            .to_string();
+        assert_eq!(
+            err,
+            "--device=\"allocated\" is refused: allocated means the devices allocated to a container, and gpushare daemon start has no container; allowed is a GPU index like 0, GPU-<uuid>, MIG-<uuid>, <gpu>:<mig> like 0:1, or a comma-separated list of GPU indices and GPU-<uuid>s"
+        );
+        // Other values parse as named devices, and errors do not offer allocated.
+        assert_eq!(
+            parse_device_without_container("--device", "0:1", "x").expect("0:1"),
+            DeviceRequest(vec![DeviceSelector::MigIndex { gpu: 0, mig: 1 }])
+        );
+        let err = parse_device_without_container("--device", "x", "x")
+            .expect_err("x")
+            .to_string();
+        assert!(
+            err.ends_with("or a comma-separated list of GPU indices and GPU-<uuid>s"),
+            "{err}"
+        );
+        // Where a container is at hand, the allowed text names allocated.
+        let err = run(&[("gpushare.io/device", "alocated")], &[], true)
+            .expect_err("typo")
+            .to_string();
+        assert!(
+            err.ends_with("or allocated (the devices the scheduler allocated to the container)"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn sandbox_markers() {
+        let map = |pairs: &[(&str, &str)]| -> HashMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        for (key, value) in SANDBOX_MARKERS {
+            let m = map(&[(key, value), ("gpushare.io/device", "0")]);
+            assert_eq!(
+                sandbox_marker(|k| m.get(k).map(String::as_str)),
+                Some((key, value))
+            );
+            assert_eq!(
+                run(&[(key, value), ("gpushare.io/device", "bogus")], &[], true).expect(key),
+                None
+            );
+        }
+        for other in ["container", "Sandbox", "sandbox ", ""] {
+            let m = map(&[("io.kubernetes.cri.container-type", other)]);
+            assert_eq!(
+                sandbox_marker(|k| m.get(k).map(String::as_str)),
+                None,
+                "{other:?}"
+            );
+        }
+    }
+
+    #[test]
     fn keys_are_consistent() {
         for key in KEYS {
             assert!(key.annotation.starts_with("gpushare.io/"));

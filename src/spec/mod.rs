@@ -418,6 +418,88 @@ mod tests {
     }
 
     #[test]
+    fn may_hold_allocation_sees_nvidia_in_any_case_and_escapes() {
+        let raw = |bytes: &[u8]| RawSpec {
+            path: "config.json".into(),
+            mode: 0o644,
+            bytes: bytes.to_vec(),
+        };
+        for name in FIXTURES {
+            // None of the captured engines' specs mentions an NVIDIA device.
+            assert!(!raw(&fixture(name)).may_hold_allocation(), "{name}");
+        }
+        for yes in [
+            &br#"{"process":{"env":["NVIDIA_VISIBLE_DEVICES=0"]}}"#[..],
+            br#"{"mounts":[{"destination":"/var/run/nvidia-container-devices/0"}]}"#,
+            br#"{"linux":{"devices":[{"path":"\/dev\/nvidia0","type":"c"}]}}"#,
+            br#"{"annotations":{"cdi.k8s.io/x":"nvidia.com/gpu=0"}}"#,
+            br#"{"process":{"env":["NVIDIA_VISIBLE_DEVICES=0"]}}"#,
+        ] {
+            assert!(
+                raw(yes).may_hold_allocation(),
+                "{}",
+                String::from_utf8_lossy(yes)
+            );
+        }
+        assert!(!raw(br#"{"process":{"env":["NVIDI_VISIBLE=0"]}}"#).may_hold_allocation());
+    }
+
+    #[test]
+    fn request_inputs_read_mounts_devices_and_privilege() {
+        let mut v: Value = serde_json::from_slice(&fixture("containerd-1.6-config.json")).unwrap();
+        let spec = |v: &Value| {
+            SpecFile::parse(Path::new("c"), &serde_json::to_vec(v).unwrap(), 0o644).unwrap()
+        };
+        let s = spec(&v);
+        let inputs = s.request_inputs();
+        assert_eq!(inputs.mounts.len(), 7);
+        assert_eq!(inputs.mounts[3].destination(), Path::new("/dev/shm"));
+        assert!(inputs.devices.is_empty());
+        assert_eq!(inputs.annotation("gpushare.io/device"), Some("0"));
+        // Its device rules allow some devices, not every one.
+        assert!(!inputs.all_devices_allowed);
+        v["linux"]["devices"] =
+            serde_json::json!([{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]);
+        for (rules, all) in [
+            (serde_json::json!([{"allow": true, "access": "rwm"}]), true),
+            (
+                serde_json::json!([{"allow": true, "type": "a", "access": "rwm"}]),
+                true,
+            ),
+            (
+                serde_json::json!([{"allow": false, "access": "rwm"}, {"allow": true, "access": "rwm"}]),
+                true,
+            ),
+            (
+                serde_json::json!([{"allow": false, "access": "rwm"}]),
+                false,
+            ),
+            (
+                serde_json::json!([{"allow": true, "type": "c", "access": "rwm"}]),
+                false,
+            ),
+            (
+                serde_json::json!([{"allow": true, "major": 195, "access": "rwm"}]),
+                false,
+            ),
+        ] {
+            v["linux"]["resources"]["devices"] = rules.clone();
+            let s = spec(&v);
+            assert_eq!(s.request_inputs().all_devices_allowed, all, "{rules}");
+            assert_eq!(s.request_inputs().devices[0].minor(), 0);
+        }
+        // A malformed field the request reads is refused before any edit.
+        v["linux"]["devices"] = serde_json::json!([{"path": "/dev/nvidia0"}]);
+        let err = SpecFile::parse(Path::new("c"), &serde_json::to_vec(&v).unwrap(), 0o644)
+            .err()
+            .expect("a device without a type");
+        assert!(
+            err.to_string().contains("not a valid OCI runtime spec"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn the_view_leaves_other_fields_to_runc_and_check_typed_does_not() {
         let bytes = br#"{"ociVersion":"1.0.2","hostname":5,"process":{"user":{"uid":7,"gid":8}}}"#;
         let spec = SpecFile::parse(Path::new("cfg"), bytes, 0o644).unwrap();
