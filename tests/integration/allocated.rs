@@ -107,6 +107,16 @@ fn assert_no_state(env: &Env, what: &str) {
     );
 }
 
+/// config.json is byte-for-byte what it was (shown as text when it is not).
+fn assert_untouched(c: &Container, before: &[u8], what: &str) {
+    let now = c.config_bytes();
+    assert!(
+        now == before,
+        "{what}: config.json changed:\n{}",
+        String::from_utf8_lossy(&now)
+    );
+}
+
 fn log_len(env: &Env) -> u64 {
     std::fs::metadata(env.path().join("gpushare.log"))
         .map(|m| m.len())
@@ -138,7 +148,7 @@ fn a_sandbox_with_pod_annotations_is_left_untouched() {
         let logged = log_len(&env);
         let out = c.try_create();
         assert!(out.status.success(), "{id}: {}", c.last_error());
-        assert_eq!(c.config_bytes(), before, "{id}: config.json byte-identical");
+        assert_untouched(&c, &before, id);
         assert_eq!(
             log_len(&env),
             logged,
@@ -162,7 +172,7 @@ fn a_sandbox_with_pod_annotations_is_left_untouched() {
         "{}",
         w.last_error()
     );
-    assert_eq!(w.config_bytes(), before);
+    assert_untouched(&w, &before, "workload-bad");
     assert_no_state(&env, "workload-bad");
 }
 
@@ -285,7 +295,7 @@ fn each_strategy_brings_its_gpu_and_mig_device_to_their_daemon() {
         c.last_error(),
         format!("gpushare: gpushare.io/device=\"allocated\" cannot use the container's allocation: linux.devices=\"/dev/nvidia{GPU1_MINOR}\" comes with /dev/nvidia-caps/nvidia-cap21, a MIG device's capability node, and gpushare cannot tell which MIG device it is; allowed is an allocation that names its MIG device (cdi.k8s.io/* annotations, which containerd passes with container_annotations = [\"cdi.k8s.io/*\"]; NVIDIA_VISIBLE_DEVICES; volume mounts), or gpushare.io/device=MIG-<uuid>")
     );
-    assert_eq!(c.config_bytes(), before);
+    assert_untouched(&c, &before, "mig-nodes");
     assert_eq!(env.daemon_ids(), daemons);
 }
 
@@ -305,7 +315,7 @@ fn no_allocation_is_refused_naming_what_was_looked_at() {
         c.last_error(),
         "gpushare: gpushare.io/device=\"allocated\" found no devices allocated to the container: no cdi.k8s.io/* annotation names an NVIDIA GPU, no mount is under /var/run/nvidia-container-devices/, NVIDIA_VISIBLE_DEVICES names no device (all, none, void and empty are no allocation), and linux.devices holds no /dev/nvidia<N> (not read in a privileged container); allowed is allocated in a container given GPUs by a device plugin or DRA driver, or devices named explicitly (0, GPU-<uuid>, MIG-<uuid>, 0:1)"
     );
-    assert_eq!(c.config_bytes(), before);
+    assert_untouched(&c, &before, "none");
     assert_no_state(&env, "none");
 }
 
@@ -336,7 +346,7 @@ fn the_allocators_own_mps_is_refused_and_nothing_is_touched() {
         c.last_error(),
         "gpushare: gpushare.io/device=\"allocated\" is refused: the container's allocation already carries its allocator's MPS (CUDA_MPS_PIPE_DIRECTORY=\"/mps/nvidia.com/gpu/pipe\" with a mount there from \"/run/nvidia/mps/nvidia.com/gpu/pipe\"), and gpushare never stacks a second MPS on it; allowed is an allocation without the allocator's MPS sharing (device plugin sharing.mps, DRA driver MPS)"
     );
-    assert_eq!(c.config_bytes(), before, "config.json byte-identical");
+    assert_untouched(&c, &before, "plugin-mps");
     assert_no_state(&env, "plugin-mps");
 }
 
@@ -385,7 +395,7 @@ fn default_device_allocated_shares_allocated_containers_and_passes_the_rest_thro
         let logged = log_len(&env);
         let out = c.try_create();
         assert!(out.status.success(), "{}: {}", c.id, c.last_error());
-        assert_eq!(c.config_bytes(), before, "{}: byte-identical", c.id);
+        assert_untouched(c, &before, &c.id);
         if c.id == "plain" {
             assert_eq!(log_len(&env), logged, "plain: exec'd unparsed");
         }
