@@ -122,7 +122,8 @@ enum HookStage {
 enum DaemonCommand {
     /// Start (or find) the daemon for an identity, outside any container.
     Start {
-        /// Device, as in gpushare.io/device: 0, GPU-<uuid>, MIG-<uuid>, 0:1, 0,1.
+        /// Device, as in gpushare.io/device: 0, GPU-<uuid>, MIG-<uuid>, 0:1, 0,1 (not
+        /// `allocated`: there is no container here).
         #[arg(long)]
         device: String,
         /// Host UID the daemon serves (required unless the daemon is multi-user, by
@@ -382,7 +383,7 @@ fn daemon_start(
     mem: Option<String>,
     json: bool,
 ) -> anyhow::Result<()> {
-    use crate::request::{self, Request, RequestError, Sourced};
+    use crate::request::{self, DeviceValue, Request, RequestError, Sourced};
     fn sourced<T>(
         key: &'static str,
         raw: String,
@@ -395,7 +396,11 @@ fn daemon_start(
         })
     }
     let req = Request {
-        device: sourced("--device", device.to_owned(), request::parse_device)?,
+        // `allocated` needs a container to take the allocation from: refused here.
+        device: sourced("--device", device.to_owned(), |key, raw| {
+            request::parse_device_without_container(key, raw, "gpushare daemon start")
+                .map(DeviceValue::Named)
+        })?,
         active_thread_percentage: tp
             .map(|raw| sourced("--active-thread-percentage", raw, request::parse_percentage))
             .transpose()?,

@@ -98,6 +98,9 @@ pub struct Config {
     pub log_level: String,
     pub log_format: LogFormat,
     pub accept_env_requests: bool,
+    /// What a container without a device key asks for (`default-device`); `None`: nothing,
+    /// it passes through.
+    pub default_device: Option<crate::request::DefaultDevice>,
     pub inventory: String,
     pub mps: MpsConfig,
 }
@@ -147,6 +150,7 @@ struct RawConfig {
     log_level: Option<String>,
     log_format: Option<LogFormat>,
     accept_env_requests: Option<bool>,
+    default_device: Option<String>,
     inventory: Option<String>,
     #[serde(default)]
     mps: RawMps,
@@ -215,26 +219,58 @@ pub fn load_from(path: &Path, required: bool) -> Result<Config, ConfigError> {
 /// it passes through untouched. Reads nothing but this key, so a passthrough costs one
 /// small file read.
 pub fn low_level_runtime() -> Result<Vec<String>, ConfigError> {
+    fast_path().map(|f| f.low_level_runtime)
+}
+
+/// The settings the shim's no-request path reads, from one file read: the low-level
+/// runtime, and whether `default-device` is set (then a spec whose bytes spell no request
+/// may still hold an allocation that is one). Its value is judged by [`load`], on the
+/// path that uses it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FastPath {
+    pub low_level_runtime: Vec<String>,
+    pub default_device: bool,
+}
+
+/// Reads [`FastPath`]'s keys from the usual location and nothing else.
+pub fn fast_path() -> Result<FastPath, ConfigError> {
     let (path, required) = location();
-    let text = match std::fs::read_to_string(&path) {
+    fast_path_from(&path, required)
+}
+
+/// [`fast_path`] from `path`; when it does not exist and `required` is false, the defaults.
+pub fn fast_path_from(path: &Path, required: bool) -> Result<FastPath, ConfigError> {
+    let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => {
-            return Ok(default_runtimes())
+            return Ok(FastPath {
+                low_level_runtime: default_runtimes(),
+                default_device: false,
+            })
         }
-        Err(source) => return Err(ConfigError::Read { path, source }),
+        Err(source) => {
+            return Err(ConfigError::Read {
+                path: path.to_owned(),
+                source,
+            })
+        }
     };
     #[derive(Deserialize)]
     #[serde(rename_all = "kebab-case")]
     struct Only {
         low_level_runtime: Option<Vec<String>>,
+        default_device: Option<serde::de::IgnoredAny>,
     }
     let only: Only = toml::from_str(&text).map_err(|e| ConfigError::Parse {
-        path: path.clone(),
+        path: path.to_owned(),
         message: one_line(&e.to_string()),
     })?;
     let list = only.low_level_runtime.unwrap_or_else(default_runtimes);
-    check_runtimes(&path, &list)?;
-    Ok(list)
+    check_runtimes(path, &list)?;
+    Ok(FastPath {
+        low_level_runtime: list,
+        default_device: only.default_device.is_some(),
+    })
 }
 
 fn default_runtimes() -> Vec<String> {
@@ -300,6 +336,17 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
             "one of error, warn, info, debug, trace",
         ));
     }
+    let default_device = match raw.default_device.as_deref() {
+        None => None,
+        Some(crate::request::ALLOCATED) => Some(crate::request::DefaultDevice::Allocated),
+        Some(other) => {
+            return Err(bad(
+                crate::request::DEFAULT_DEVICE_KEY,
+                other,
+                "\"allocated\" (the devices a device plugin or DRA driver allocated to the container), or unset",
+            ))
+        }
+    };
     let inventory = raw.inventory.unwrap_or_else(|| "nvml".into());
     if inventory != "nvml" && !inventory.starts_with("file:/") {
         return Err(bad(
@@ -449,6 +496,7 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         log_level,
         log_format: raw.log_format.unwrap_or(LogFormat::Text),
         accept_env_requests: raw.accept_env_requests.unwrap_or(true),
+        default_device,
         inventory,
         mps: MpsConfig {
             control_binary,
@@ -584,11 +632,58 @@ mod tests {
                 "single option",
             ),
             ("[mps]\nuser-mode = \"shared\"", "user-mode", "per-user"),
+            (
+                "default-device = \"0\"",
+                "default-device = \"0\"",
+                "\"allocated\" (the devices a device plugin or DRA driver allocated to the container), or unset",
+            ),
+            ("default-device = \"Allocated\"", "default-device", "\"allocated\""),
+            ("default-device = \"\"", "default-device", "or unset"),
         ];
         for (text, key, allowed) in cases {
             let err = parse(text, None).unwrap_err().to_string();
             assert!(err.contains(key) && err.contains(allowed), "{text}: {err}");
         }
+    }
+
+    #[test]
+    fn default_device_is_unset_or_allocated() {
+        assert_eq!(parse("", None).unwrap().default_device, None);
+        assert_eq!(
+            parse("default-device = \"allocated\"\n", None)
+                .unwrap()
+                .default_device,
+            Some(crate::request::DefaultDevice::Allocated)
+        );
+        // A top-level key: under [mps] it is unknown.
+        let err = parse("[mps]\ndefault-device = \"allocated\"\n", None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("default-device"), "{err}");
+        // Not a string: the parser names the key.
+        let err = parse("default-device = 0\n", None).unwrap_err().to_string();
+        assert!(err.contains("default-device"), "{err}");
+    }
+
+    #[test]
+    fn fast_path_reads_the_runtime_and_whether_default_device_is_set() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("runtime.toml");
+        let shipped = include_str!("../config/runtime.toml");
+        for (text, want) in [
+            (shipped.to_owned(), false),
+            (format!("default-device = \"allocated\"\n{shipped}"), true),
+            // Its value is judged where it is used, not on the fast path.
+            (format!("default-device = \"bogus\"\n{shipped}"), true),
+        ] {
+            std::fs::write(&path, &text).unwrap();
+            let got = fast_path_from(&path, true).unwrap();
+            assert_eq!(got.default_device, want, "{text}");
+            assert_eq!(got.low_level_runtime, vec!["runc", "crun"]);
+        }
+        let absent = dir.path().join("absent.toml");
+        assert!(!fast_path_from(&absent, false).unwrap().default_device);
+        assert!(fast_path_from(&absent, true).is_err());
     }
 
     #[test]

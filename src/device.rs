@@ -14,6 +14,11 @@
 //! - The device selectors ([`DeviceSelector`], [`DeviceRequest`]) live here, not in `request`,
 //!   so that dependencies flow one way (`request` → `device`); `request` re-exports them and
 //!   owns their parsing and validation.
+//! - A GPU's `minor` is the minor number of its device node `/dev/nvidia<minor>` (NVML's
+//!   `nvmlDeviceGetMinorNumber`). It is optional, so that inventory files written before it
+//!   existed stay valid; when given, it is unique among the GPUs. Only a request for the
+//!   devices a container was allocated through CDI-injected device nodes needs it
+//!   ([`Inventory::gpus_by_minor`]): without it such a request is refused, nothing else is.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -55,6 +60,10 @@ pub struct Gpu {
     /// CUDA compute capability, `"major.minor"`.
     pub compute_capability: String,
     pub compute_mode: ComputeMode,
+    /// Minor number of the GPU's device node `/dev/nvidia<minor>`; `None` in inventory files
+    /// that do not give it (then device nodes cannot be mapped to this GPU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minor: Option<u32>,
     /// Empty when MIG is disabled (or enabled with no instance created).
     #[serde(default)]
     pub mig_devices: Vec<MigDevice>,
@@ -280,6 +289,17 @@ pub enum DeviceError {
         existing: Vec<u32>,
     },
 
+    #[error("{key}={} names the GPU with minor number {minor} (/dev/nvidia{minor}), which does not exist: {}", quote(.value), minor_list(.existing, *.unknown))]
+    NoSuchGpuMinor {
+        key: &'static str,
+        value: String,
+        minor: u32,
+        /// The minor numbers the inventory gives.
+        existing: Vec<u32>,
+        /// How many GPUs of the inventory give no minor number.
+        unknown: usize,
+    },
+
     #[error("{key}={} lists GPU {gpu} twice: allowed is each GPU at most once", quote(.value))]
     DuplicateGpu {
         key: &'static str,
@@ -329,6 +349,18 @@ fn uuid_list(what: &str, existing: &[String]) -> String {
         format!("this node has no {what}")
     } else {
         format!("this node has {what} {}", join_capped(existing))
+    }
+}
+
+fn minor_list(existing: &[u32], unknown: usize) -> String {
+    match (existing.is_empty(), unknown) {
+        (true, 0) => "this node has no GPUs".to_owned(),
+        (true, _) => "this node's inventory gives no minor numbers (an inventory file needs \"minor\" on each GPU)".to_owned(),
+        (false, 0) => format!("this node's GPUs have minor numbers {}", join_capped(existing)),
+        (false, n) => format!(
+            "this node's GPUs have minor numbers {}, and {n} give none (an inventory file needs \"minor\" on each GPU)",
+            join_capped(existing)
+        ),
     }
 }
 
@@ -428,6 +460,7 @@ impl Inventory {
             value,
         };
         let mut gpu_indices = Vec::new();
+        let mut minors = Vec::new();
         let mut uuids: Vec<String> = Vec::new();
         let mut check_uuid = |entry: &str, uuid: &str| {
             let lower = uuid.to_ascii_lowercase();
@@ -443,6 +476,12 @@ impl Inventory {
                 return Err(duplicate(entry, "index", gpu.index.to_string()));
             }
             gpu_indices.push(gpu.index);
+            if let Some(minor) = gpu.minor {
+                if minors.contains(&minor) {
+                    return Err(duplicate(entry, "minor", minor.to_string()));
+                }
+                minors.push(minor);
+            }
             if !is_well_formed_uuid(&gpu.uuid, "GPU-") {
                 return Err(invalid(
                     entry,
@@ -572,6 +611,34 @@ impl Inventory {
         })
     }
 
+    /// The GPUs whose device nodes are `/dev/nvidia<minor>` for these minors, as a request
+    /// naming them by UUID in the same order (then [`Inventory::resolve`] applies the usual
+    /// rules: each GPU once, none in MIG mode). `key` and `value` only appear in errors.
+    pub fn gpus_by_minor(
+        &self,
+        key: &'static str,
+        value: &str,
+        minors: &[u32],
+    ) -> Result<DeviceRequest, DeviceError> {
+        minors
+            .iter()
+            .map(|&minor| {
+                self.gpus
+                    .iter()
+                    .find(|g| g.minor == Some(minor))
+                    .map(|g| DeviceSelector::GpuUuid(g.uuid.clone()))
+                    .ok_or_else(|| DeviceError::NoSuchGpuMinor {
+                        key,
+                        value: value.to_owned(),
+                        minor,
+                        existing: self.gpus.iter().filter_map(|g| g.minor).collect(),
+                        unknown: self.gpus.iter().filter(|g| g.minor.is_none()).count(),
+                    })
+            })
+            .collect::<Result<_, _>>()
+            .map(DeviceRequest)
+    }
+
     fn find_gpu(
         &self,
         key: &'static str,
@@ -660,8 +727,9 @@ impl Inventory {
 /// Test data, public so that other modules' tests and the integration tests share it: one
 /// NVIDIA A30 (GPU 0, 24 GiB, MIG enabled with four `1g.6gb` devices of 6 GiB, indices 0–3) and
 /// one NVIDIA A100 80GB (GPU 1, 80 GiB, MIG disabled) and a second A30 (GPU 2, 24 GiB, MIG
-/// disabled). GPU 0 and its MIG device 0 carry the UUIDs of DESIGN.md §6. Not a description
-/// of any real machine.
+/// disabled). GPU 0 and its MIG device 0 carry the UUIDs of DESIGN.md §6. Their device nodes
+/// are `/dev/nvidia0`, `/dev/nvidia1` and `/dev/nvidia3` (minor numbers need not follow the
+/// index). Not a description of any real machine.
 pub fn sample() -> Inventory {
     const GIB: u64 = 1 << 30;
     let mig = |index: u32, uuid: &str| MigDevice {
@@ -680,6 +748,7 @@ pub fn sample() -> Inventory {
                 memory_bytes: 24 * GIB,
                 compute_capability: "8.0".to_owned(),
                 compute_mode: ComputeMode::Default,
+                minor: Some(0),
                 mig_devices: vec![
                     mig(0, "MIG-22f0c05f-5cf2-5ea2-8297-789695656dc0"),
                     mig(1, "MIG-3b5c1f7e-0d4a-5a0e-9c61-2f1e8d7b6a01"),
@@ -694,6 +763,7 @@ pub fn sample() -> Inventory {
                 memory_bytes: 80 * GIB,
                 compute_capability: "8.0".to_owned(),
                 compute_mode: ComputeMode::ExclusiveProcess,
+                minor: Some(1),
                 mig_devices: Vec::new(),
             },
             Gpu {
@@ -703,6 +773,8 @@ pub fn sample() -> Inventory {
                 memory_bytes: 24 * GIB,
                 compute_capability: "8.0".to_owned(),
                 compute_mode: ComputeMode::Default,
+                // Not 2: minor numbers need not follow NVML's enumeration order.
+                minor: Some(3),
                 mig_devices: Vec::new(),
             },
         ],
@@ -764,6 +836,13 @@ mod nvml {
             memory_bytes: device.memory_info().map_err(op(what("memory")))?.total,
             compute_capability: format!("{}.{}", capability.major, capability.minor),
             compute_mode,
+            minor: match device.minor_number() {
+                Ok(minor) => Some(minor),
+                // Not on every platform (NVML documents it for Linux only): the GPU stays
+                // usable by every request but one that names its device node.
+                Err(NvmlError::NotSupported) => None,
+                Err(error) => return Err(op(what("minor number"))(error)),
+            },
             mig_devices: mig_devices(index, device)?,
         })
     }
@@ -948,6 +1027,63 @@ mod tests {
         assert_eq!(gpu.compute_mode, ComputeMode::Default);
         assert_eq!(gpu.mig_devices[0].profile, "1g.6gb");
         assert_eq!(gpu.mig_devices[0].memory_bytes, 6 * GIB);
+        // Written before `minor` existed: still valid, the minor unknown.
+        assert_eq!(gpu.minor, None);
+    }
+
+    #[test]
+    fn minor_numbers_load_validate_and_map_device_nodes() {
+        let with_minor = DESIGN_JSON.replace(
+            "\"compute_mode\": \"default\"",
+            "\"compute_mode\": \"default\", \"minor\": 7",
+        );
+        let (_file, result) = load_text(&with_minor);
+        assert_eq!(result.expect("loads").gpus[0].minor, Some(7));
+        let (_file, result) = load_text(&DESIGN_JSON.replace(
+            "\"compute_mode\": \"default\"",
+            "\"compute_mode\": \"default\", \"minor\": -1",
+        ));
+        assert!(chain(&result.expect_err("negative")).contains("cannot parse inventory file"));
+
+        let mut dup = sample();
+        dup.gpus[2].minor = Some(0);
+        let msg = dup.validate("t").expect_err("dup minor").to_string();
+        assert_eq!(
+            msg,
+            "inventory t: gpus[2] (GPU 2) repeats minor \"0\": allowed is each minor once"
+        );
+
+        let inv = sample();
+        let key = "linux.devices";
+        use DeviceSelector::GpuUuid;
+        assert_eq!(
+            inv.gpus_by_minor(key, "/dev/nvidia3,/dev/nvidia1", &[3, 1])
+                .expect("3, 1"),
+            req(&[GpuUuid(GPU2.into()), GpuUuid(GPU1.into())])
+        );
+        let err = |inv: &Inventory, minors: &[u32]| {
+            inv.gpus_by_minor(key, "/dev/nvidia9", minors)
+                .expect_err("absent")
+                .to_string()
+        };
+        assert_eq!(
+            err(&inv, &[1, 9]),
+            "linux.devices=\"/dev/nvidia9\" names the GPU with minor number 9 (/dev/nvidia9), which does not exist: this node's GPUs have minor numbers 0, 1, 3"
+        );
+        let mut partial = sample();
+        partial.gpus[0].minor = None;
+        assert!(err(&partial, &[9]).ends_with("this node's GPUs have minor numbers 1, 3, and 1 give none (an inventory file needs \"minor\" on each GPU)"));
+        let mut none = sample();
+        for g in &mut none.gpus {
+            g.minor = None;
+        }
+        assert!(err(&none, &[0]).ends_with("which does not exist: this node's inventory gives no minor numbers (an inventory file needs \"minor\" on each GPU)"));
+        // The mapped GPUs then meet the usual rules: GPU 0 is in MIG mode.
+        let gpu0 = inv.gpus_by_minor(key, "/dev/nvidia0", &[0]).expect("0");
+        assert!(matches!(
+            inv.resolve(key, "/dev/nvidia0", &gpu0),
+            Err(DeviceError::GpuInMigMode { gpu: 0, .. })
+        ));
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //! cloned in the host's namespace (`open_tree`) and attached by fd (`move_mount`); the
 //! targets are opened with `openat2(RESOLVE_IN_ROOT)` under the container's rootfs, so a
 //! symlink in the image can never redirect a mount outside it; a container the shim
-//! already prepared (decision annotations present) is left alone.
+//! already prepared (decision annotations present) is left alone, and so is a pod's
+//! sandbox, checked first on the state's own annotations (`request::sandbox_marker`).
 //!
 //! The clones are made read-only, nosuid, nodev and noexec (`mount_setattr`) before they
 //! are attached, so the container never sees them writable, even for an instant (issue
@@ -36,9 +37,16 @@ use crate::state::{ContainerRecord, StateDir};
 /// Where the pipe directory appears in hook-only mode: CUDA's default.
 pub const PIPE_IN_CONTAINER: &str = "tmp/nvidia-mps";
 
-/// `prestart` in hook-only mode. Returns without doing anything for containers without
-/// a request or already prepared by gpushare-runtime.
+/// `prestart` in hook-only mode. Returns without doing anything for a pod's sandbox
+/// (known from the state's annotations, before config.json is read), for containers
+/// without a request, and for those already prepared by gpushare-runtime.
 pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
+    if let Some((key, value)) =
+        request::sandbox_marker(|k| state.annotations.get(k).map(String::as_str))
+    {
+        tracing::debug!("{key}={value}: a pod's sandbox is never a request");
+        return Ok(());
+    }
     if state.annotations.contains_key(ANN_DAEMON) {
         tracing::debug!("prepared by gpushare-runtime: nothing to do in hook-only mode");
         return Ok(());
@@ -49,8 +57,7 @@ pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
         .filter(|b| b.is_absolute())
         .context("the container state names no absolute bundle path")?;
     let spec = SpecFile::load(&bundle.join("config.json"))?;
-    let Some(req) = request::parse(|k| spec.annotation(k), spec.env(), cfg.accept_env_requests)?
-    else {
+    let Some(req) = crate::runtime::read_request(cfg, &spec)? else {
         return Ok(());
     };
     let devices = crate::runtime::resolve_request(cfg, &req)?;

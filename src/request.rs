@@ -10,8 +10,25 @@
 //!   what is allowed.
 //! - An annotation wins over the env var of the same key, key by key; for env, the last
 //!   `NAME=` entry wins, as with execve. Env entries without `=` are ignored.
+//! - A pod's sandbox ("pause") container is never a request, whatever annotations or env it
+//!   carries ([`sandbox_marker`]: containerd's `io.kubernetes.cri.container-type=sandbox`,
+//!   CRI-O's `io.kubernetes.cri-o.ContainerType=sandbox`, dockershim's
+//!   `io.kubernetes.docker.type=podsandbox`). [`parse`] checks this before anything else, so
+//!   the pod annotations that containerd and CRI-O copy into the sandbox's spec are neither
+//!   acted on nor judged there: a bad value is reported when the workload container is
+//!   created. A marker can only ever turn gpushare off for a container, never on.
 //! - No device key (annotation or accepted env var) means no request: the container passes
 //!   through, and the other keys are not read (DESIGN §3: gpushare can be the default runtime).
+//!   The one exception is the node's `default-device = "allocated"`: then a container without
+//!   a device key but with an allocation is a request for it, named by that config key in
+//!   errors, and one without an allocation passes through.
+//! - The device value `allocated` means "the devices this container was allocated": what
+//!   NVIDIA's device plugin or DRA driver wrote into the spec, found by [`allocation`] under
+//!   the rules documented there (no I/O; the sources in a fixed order, the first that names
+//!   devices wins; an image's own `NVIDIA_VISIBLE_DEVICES=all` never counts). Asking for it
+//!   in a container without an allocation, or in one whose allocation carries the allocator's
+//!   own MPS, is refused when the request is parsed. The devices found then meet exactly the
+//!   rules of named devices ([`Sourced::resolve`]: a list of full GPUs, or one MIG device).
 //! - With `accept_env == false`, any of the four `GPUSHARE_*` request variables in the env is
 //!   refused, even when the annotation of the same key is also present or no device is asked
 //!   for: a tenant must learn that the variable is not honoured rather than be ignored silently.
@@ -28,15 +45,94 @@
 //!   silently; a limit not given is not checked (the configured default applies, and the
 //!   config refuses a default above its ceiling).
 
+mod allocation;
+
+use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
 
+use oci_spec::runtime::{LinuxDevice, Mount};
 use serde::{Deserialize, Serialize};
 
 use crate::device::{
     is_well_formed_uuid, quote, DeviceError, DeviceKind, Inventory, ResolvedDevices,
 };
 pub use crate::device::{DeviceRequest, DeviceSelector};
+pub use allocation::{allocation, AllocatedDevices, Allocation, AllocationSource};
+
+/// The device value meaning "the devices this container was allocated".
+pub const ALLOCATED: &str = "allocated";
+/// The config key that makes [`ALLOCATED`] every container's default; a default request's
+/// errors name it.
+pub const DEFAULT_DEVICE_KEY: &str = "default-device";
+
+/// Annotations that mark a pod's sandbox ("pause") container, engine by engine
+/// (k8s-facts.md §3): containerd CRI, CRI-O, and the dockershim/cri-dockerd label should an
+/// engine ever copy it into annotations (Kata reads the same three). Podman's infra
+/// container carries no marker in its spec (its infra flag lives in libpod's database).
+pub const SANDBOX_MARKERS: [(&str, &str); 3] = [
+    ("io.kubernetes.cri.container-type", "sandbox"),
+    ("io.kubernetes.cri-o.ContainerType", "sandbox"),
+    ("io.kubernetes.docker.type", "podsandbox"),
+];
+
+/// The marker annotation, if the container is a pod's sandbox: three map lookups, so that
+/// every path checks it first. The values are compared exactly, as the engines write them.
+/// A marker only ever takes gpushare away from a container (a tenant who sets one on a
+/// workload container opts out of its own share), never grants anything.
+pub fn sandbox_marker<'a>(
+    annotation: impl Fn(&str) -> Option<&'a str>,
+) -> Option<(&'static str, &'static str)> {
+    SANDBOX_MARKERS
+        .into_iter()
+        .find(|(key, value)| annotation(key) == Some(*value))
+}
+
+/// What the request pipeline reads from a container's spec: plain data borrowed from it
+/// (`SpecFile::request_inputs`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Inputs<'a> {
+    pub annotations: Option<&'a HashMap<String, String>>,
+    /// `process.env`.
+    pub env: &'a [String],
+    /// `mounts`.
+    pub mounts: &'a [Mount],
+    /// `linux.devices`.
+    pub devices: &'a [LinuxDevice],
+    /// `linux.resources.devices` allows every device: a privileged container, which sees
+    /// every device node of the host, so its device nodes are no allocation.
+    pub all_devices_allowed: bool,
+}
+
+impl<'a> Inputs<'a> {
+    pub fn annotation(&self, key: &str) -> Option<&'a str> {
+        self.annotations?.get(key).map(String::as_str)
+    }
+}
+
+/// A node's default for containers without a device key (`default-device`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DefaultDevice {
+    /// The devices the container was allocated, if it was allocated any.
+    Allocated,
+}
+
+/// How [`parse`] reads a container: the node's settings that bear on it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Options {
+    /// `accept-env-requests`.
+    pub accept_env: bool,
+    /// `default-device`.
+    pub default_device: Option<DefaultDevice>,
+}
+
+/// A device key's value: devices named by the request, or the container's allocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeviceValue {
+    Named(DeviceRequest),
+    /// `allocated`, with what was found in the spec.
+    Allocated(Allocation),
+}
 
 /// Longest value accepted for any key, in bytes: room for 16 full GPU UUIDs and commas.
 pub const MAX_VALUE_LEN: usize = 1024;
@@ -48,7 +144,10 @@ pub const MIN_PINNED_MEMORY_LIMIT: u64 = MIB;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
-const DEVICE_ALLOWED: &str = "a GPU index like 0, GPU-<uuid>, MIG-<uuid>, <gpu>:<mig> like 0:1, or a comma-separated list of GPU indices and GPU-<uuid>s";
+const DEVICE_ALLOWED: &str = "a GPU index like 0, GPU-<uuid>, MIG-<uuid>, <gpu>:<mig> like 0:1, a comma-separated list of GPU indices and GPU-<uuid>s, or allocated (the devices the scheduler allocated to the container)";
+/// What a device key allows where there is no container to take an allocation from
+/// (`gpushare daemon start --device`).
+const NAMED_DEVICE_ALLOWED: &str = "a GPU index like 0, GPU-<uuid>, MIG-<uuid>, <gpu>:<mig> like 0:1, or a comma-separated list of GPU indices and GPU-<uuid>s";
 const PERCENTAGE_ALLOWED: &str = "an integer from 1 to 100";
 /// Every unit is binary (1024-based), whatever its spelling — `4G`, `4GiB` and `4GB` are
 /// all 4 GiB — because MPS itself reads `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4GB` that way
@@ -122,17 +221,32 @@ pub struct Sourced<T> {
     pub raw: String,
 }
 
-impl Sourced<DeviceRequest> {
-    /// Resolves the device request against the inventory; errors name this key and value.
-    pub fn resolve(&self, inventory: &Inventory) -> Result<ResolvedDevices, DeviceError> {
-        inventory.resolve(self.key, &self.raw, &self.value)
+impl Sourced<DeviceValue> {
+    /// Resolves the device value against the inventory, under the same rules whether the
+    /// devices were named or allocated. Errors about named devices name this key and value;
+    /// about an allocation, this key and value and then the source and what it said.
+    pub fn resolve(&self, inventory: &Inventory) -> Result<ResolvedDevices, RequestError> {
+        match &self.value {
+            DeviceValue::Named(req) => inventory
+                .resolve(self.key, &self.raw, req)
+                .map_err(|e| RequestError::Device(Box::new(e))),
+            DeviceValue::Allocated(found) => {
+                found
+                    .resolve(inventory)
+                    .map_err(|source| RequestError::AllocationUnusable {
+                        key: self.key,
+                        value: self.raw.clone(),
+                        source: Box::new(source),
+                    })
+            }
+        }
     }
 }
 
 /// A validated share request. Limits not given are `None` (the config's defaults apply).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
-    pub device: Sourced<DeviceRequest>,
+    pub device: Sourced<DeviceValue>,
     pub active_thread_percentage: Option<Sourced<u8>>,
     /// Bytes, at least [`MIN_PINNED_MEMORY_LIMIT`].
     pub pinned_memory_limit: Option<Sourced<u64>>,
@@ -167,6 +281,51 @@ pub enum RequestError {
 
     #[error("{key}={} is invalid: a MIG device must stand alone, not in a list", quote(.value))]
     MigInList { key: &'static str, value: String },
+
+    #[error("{key}={} is refused: {ALLOCATED} means the devices allocated to a container, and {what} has no container; allowed is {NAMED_DEVICE_ALLOWED}", quote(.value))]
+    AllocatedWithoutContainer {
+        key: &'static str,
+        value: String,
+        /// What was asked to take it (`gpushare daemon start`).
+        what: &'static str,
+    },
+
+    #[error("{key}={} found no devices allocated to the container: {}; allowed is {ALLOCATED} in a container given GPUs by a device plugin or DRA driver, or devices named explicitly (0, GPU-<uuid>, MIG-<uuid>, 0:1)", quote(.value), allocation::LOOKED_AT)]
+    NoAllocation { key: &'static str, value: String },
+
+    #[error("{key}={} is refused: the container's allocation already carries its allocator's MPS (CUDA_MPS_PIPE_DIRECTORY={} with a mount there from {}), and gpushare never stacks a second MPS on it; allowed is an allocation without the allocator's MPS sharing (device plugin sharing.mps, DRA driver MPS)", quote(.value), quote(.pipe), quote(.mount_source))]
+    AllocatorMps {
+        key: &'static str,
+        value: String,
+        /// `CUDA_MPS_PIPE_DIRECTORY` in the container's env.
+        pipe: String,
+        /// The host side of the mount at that directory.
+        mount_source: String,
+    },
+
+    #[error("{key}={} cannot use the container's allocation: {source_key}={} {problem}; allowed is {allowed}", quote(.value), quote(.found))]
+    AllocationUnreadable {
+        key: &'static str,
+        value: String,
+        /// Where the allocation was read ([`AllocationSource::key`]).
+        source_key: &'static str,
+        /// What it said.
+        found: String,
+        problem: String,
+        allowed: &'static str,
+    },
+
+    #[error("{key}={} takes the devices allocated to the container", quote(.value))]
+    AllocationUnusable {
+        key: &'static str,
+        value: String,
+        /// Boxed: an NVML error inside would make every `RequestError` large.
+        #[source]
+        source: Box<DeviceError>,
+    },
+
+    #[error(transparent)]
+    Device(Box<DeviceError>),
 
     #[error("{key}={} is refused: env requests are disabled by accept-env-requests = false; use the annotation {annotation} instead", quote(.value))]
     EnvDisabled {
@@ -305,12 +464,39 @@ fn parse_selector(entry: &str) -> Option<DeviceSelector> {
     }
 }
 
-/// Parses a device value: `0`, `GPU-<uuid>`, `MIG-<uuid>`, `0:1`, or a comma-separated list of
+/// Parses named devices: `0`, `GPU-<uuid>`, `MIG-<uuid>`, `0:1`, or a comma-separated list of
 /// at most [`MAX_DEVICES`] full GPUs. The `GPU-`/`MIG-` prefixes are case-sensitive, the hex is
 /// kept as written (resolution matches it case-insensitively). Duplicates are found by
-/// resolution, which knows that `0` and `GPU-…` may be the same GPU.
+/// resolution, which knows that `0` and `GPU-…` may be the same GPU. [`ALLOCATED`] is not
+/// a device here: [`parse`] reads it before, with the container at hand.
 pub fn parse_device(key: &'static str, raw: &str) -> Result<DeviceRequest, RequestError> {
-    check_raw(key, raw, DEVICE_ALLOWED)?;
+    parse_device_with(key, raw, DEVICE_ALLOWED)
+}
+
+/// [`parse_device`] where no container is at hand (`gpushare daemon start --device`, named
+/// `what` in the refusal): [`ALLOCATED`] is refused with a line of its own, and errors
+/// do not offer it.
+pub fn parse_device_without_container(
+    key: &'static str,
+    raw: &str,
+    what: &'static str,
+) -> Result<DeviceRequest, RequestError> {
+    if raw == ALLOCATED {
+        return Err(RequestError::AllocatedWithoutContainer {
+            key,
+            value: raw.to_owned(),
+            what,
+        });
+    }
+    parse_device_with(key, raw, NAMED_DEVICE_ALLOWED)
+}
+
+fn parse_device_with(
+    key: &'static str,
+    raw: &str,
+    allowed: &'static str,
+) -> Result<DeviceRequest, RequestError> {
+    check_raw(key, raw, allowed)?;
     let count = raw.split(',').count();
     if count > MAX_DEVICES {
         return Err(rejected(
@@ -324,13 +510,13 @@ pub fn parse_device(key: &'static str, raw: &str) -> Result<DeviceRequest, Reque
     for (n, entry) in raw.split(',').enumerate() {
         let selector = match parse_selector(entry) {
             Some(selector) => selector,
-            None if count == 1 => return Err(invalid(key, raw, DEVICE_ALLOWED)),
+            None if count == 1 => return Err(invalid(key, raw, allowed)),
             None if entry.is_empty() => {
                 return Err(rejected(
                     key,
                     raw,
                     format!("entry {} is empty", n + 1),
-                    DEVICE_ALLOWED,
+                    allowed,
                 ))
             }
             None => {
@@ -338,7 +524,7 @@ pub fn parse_device(key: &'static str, raw: &str) -> Result<DeviceRequest, Reque
                     key,
                     raw,
                     format!("entry {} ({}) is not a device", n + 1, quote(entry)),
-                    DEVICE_ALLOWED,
+                    allowed,
                 ))
             }
         };
@@ -437,18 +623,19 @@ fn env_lookup<'a>(env: &'a [String], name: &str) -> Option<&'a str> {
         .map(|(_, v)| v)
 }
 
-/// Reads the request from a container's annotations and `process.env`.
+/// Reads the request from a container's spec: its annotations and `process.env`, and, for
+/// [`ALLOCATED`], what the allocator wrote ([`allocation`]).
 ///
-/// `annotation(name)` looks up a container annotation; `env` is the container's `process.env`
-/// (`K=V` strings; the last occurrence of a name wins, as with execve). Returns `Ok(None)` when
-/// neither `gpushare.io/device` nor an accepted `GPUSHARE_DEVICE` is present: the container
-/// passes through. An annotation wins over the env var of the same key. With
-/// `accept_env == false`, any `GPUSHARE_*` request variable is refused.
-pub fn parse<'a>(
-    annotation: impl Fn(&str) -> Option<&'a str>,
-    env: &'a [String],
-    accept_env: bool,
-) -> Result<Option<Request>, RequestError> {
+/// Returns `Ok(None)` for a pod's sandbox ([`sandbox_marker`], checked first), and when
+/// neither `gpushare.io/device` nor an accepted `GPUSHARE_DEVICE` is present and the node's
+/// default does not apply: the container passes through. In `process.env` the last
+/// occurrence of a name wins, as with execve. An annotation wins over the env var of the same
+/// key. With `accept_env == false`, any `GPUSHARE_*` request variable is refused.
+pub fn parse(c: &Inputs<'_>, opts: &Options) -> Result<Option<Request>, RequestError> {
+    if sandbox_marker(|k| c.annotation(k)).is_some() {
+        return Ok(None);
+    }
+    let (env, accept_env) = (c.env, opts.accept_env);
     if !accept_env {
         for key in KEYS {
             if let Some(value) = env_lookup(env, key.env) {
@@ -460,8 +647,8 @@ pub fn parse<'a>(
             }
         }
     }
-    let lookup = |key: Key| -> Option<(&'static str, &'a str)> {
-        match annotation(key.annotation) {
+    let lookup = |key: Key| -> Option<(&'static str, &str)> {
+        match c.annotation(key.annotation) {
             Some(raw) => Some((key.annotation, raw)),
             None if accept_env => env_lookup(env, key.env).map(|raw| (key.env, raw)),
             None => None,
@@ -481,8 +668,34 @@ pub fn parse<'a>(
             })
             .transpose()
     }
-    let Some(device) = sourced(lookup(DEVICE), parse_device)? else {
-        return Ok(None);
+    let allocated = |key: &'static str, raw: &str| {
+        allocation(c, key, raw).map(|found| {
+            found.map(|found| Sourced {
+                value: DeviceValue::Allocated(found),
+                key,
+                raw: raw.to_owned(),
+            })
+        })
+    };
+    let device = match lookup(DEVICE) {
+        Some((key, raw)) if raw == ALLOCATED => {
+            allocated(key, raw)?.ok_or_else(|| RequestError::NoAllocation {
+                key,
+                value: raw.to_owned(),
+            })?
+        }
+        Some((key, raw)) => Sourced {
+            value: DeviceValue::Named(parse_device(key, raw)?),
+            key,
+            raw: raw.to_owned(),
+        },
+        None => match opts.default_device {
+            Some(DefaultDevice::Allocated) => match allocated(DEFAULT_DEVICE_KEY, ALLOCATED)? {
+                Some(device) => device,
+                None => return Ok(None),
+            },
+            None => return Ok(None),
+        },
     };
     Ok(Some(Request {
         device,
@@ -645,7 +858,7 @@ mod tests {
     fn device_bad() {
         let key = "gpushare.io/device";
         let cases: Vec<(String, &str)> = vec![
-            ("".into(), "it is empty; allowed is a GPU index like 0, GPU-<uuid>, MIG-<uuid>, <gpu>:<mig> like 0:1, or a comma-separated list"),
+            ("".into(), "it is empty; allowed is a GPU index like 0, GPU-<uuid>, MIG-<uuid>, <gpu>:<mig> like 0:1, a comma-separated list of GPU indices and GPU-<uuid>s, or allocated (the devices the scheduler allocated to the container)"),
             ("x".into(), "is invalid: allowed is a GPU index like 0"),
             ("-1".into(), "allowed is a GPU index"),
             ("+1".into(), "allowed is a GPU index"),
@@ -863,7 +1076,18 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        parse(|k| map.get(k).map(String::as_str), env, accept_env)
+        let inputs = Inputs {
+            annotations: Some(&map),
+            env,
+            ..Inputs::default()
+        };
+        parse(
+            &inputs,
+            &Options {
+                accept_env,
+                default_device: None,
+            },
+        )
     }
 
     fn src<T>(value: T, key: &'static str, raw: &str) -> Sourced<T> {
@@ -877,7 +1101,9 @@ mod tests {
     #[test]
     fn parse_sources() {
         use DeviceSelector::*;
-        let dev = |v: Vec<DeviceSelector>, key, raw: &str| src(DeviceRequest(v), key, raw);
+        let dev = |v: Vec<DeviceSelector>, key, raw: &str| {
+            src(DeviceValue::Named(DeviceRequest(v)), key, raw)
+        };
         struct Case {
             name: &'static str,
             annotations: &'static [(&'static str, &'static str)],
@@ -1105,7 +1331,11 @@ mod tests {
 
     fn request_with_limit(key: &'static str, raw: &str) -> Request {
         Request {
-            device: src(DeviceRequest(vec![]), "gpushare.io/device", ""),
+            device: src(
+                DeviceValue::Named(DeviceRequest(vec![])),
+                "gpushare.io/device",
+                "",
+            ),
             active_thread_percentage: None,
             pinned_memory_limit: Some(src(parse_size(key, raw).expect(raw), key, raw)),
             ipc: None,
@@ -1117,7 +1347,7 @@ mod tests {
         let inv = sample();
         let resolve = |raw: &str| {
             src(
-                parse_device("gpushare.io/device", raw).expect(raw),
+                DeviceValue::Named(parse_device("gpushare.io/device", raw).expect(raw)),
                 "gpushare.io/device",
                 raw,
             )
@@ -1181,14 +1411,18 @@ mod tests {
     fn ceilings_refuse_requests_above_them() {
         let inv = sample();
         let gpu2 = src(
-            parse_device("gpushare.io/device", "2").expect("2"),
+            DeviceValue::Named(parse_device("gpushare.io/device", "2").expect("2")),
             "gpushare.io/device",
             "2",
         )
         .resolve(&inv)
         .expect("GPU 2, 24 GiB");
         let req = |tp: Option<(&'static str, &str)>, mem: Option<(&'static str, &str)>| Request {
-            device: src(DeviceRequest(vec![]), "gpushare.io/device", "2"),
+            device: src(
+                DeviceValue::Named(DeviceRequest(vec![])),
+                "gpushare.io/device",
+                "2",
+            ),
             active_thread_percentage: tp
                 .map(|(k, raw)| src(parse_percentage(k, raw).expect(raw), k, raw)),
             pinned_memory_limit: mem.map(|(k, raw)| src(parse_size(k, raw).expect(raw), k, raw)),
@@ -1245,7 +1479,7 @@ mod tests {
     fn sourced_resolve_names_key() {
         let inv = sample();
         let req = src(
-            parse_device("GPUSHARE_DEVICE", "5").expect("5"),
+            DeviceValue::Named(parse_device("GPUSHARE_DEVICE", "5").expect("5")),
             "GPUSHARE_DEVICE",
             "5",
         );
@@ -1253,6 +1487,66 @@ mod tests {
             req.resolve(&inv).expect_err("5").to_string(),
             "GPUSHARE_DEVICE=\"5\" names GPU 5, which does not exist: this node has GPUs 0, 1, 2"
         );
+    }
+
+    #[test]
+    fn allocated_needs_a_container() {
+        let err = parse_device_without_container("--device", "allocated", "gpushare daemon start")
+            .expect_err("no container")
+            .to_string();
+        assert_eq!(
+            err,
+            "--device=\"allocated\" is refused: allocated means the devices allocated to a container, and gpushare daemon start has no container; allowed is a GPU index like 0, GPU-<uuid>, MIG-<uuid>, <gpu>:<mig> like 0:1, or a comma-separated list of GPU indices and GPU-<uuid>s"
+        );
+        // Other values parse as named devices, and errors do not offer allocated.
+        assert_eq!(
+            parse_device_without_container("--device", "0:1", "x").expect("0:1"),
+            DeviceRequest(vec![DeviceSelector::MigIndex { gpu: 0, mig: 1 }])
+        );
+        let err = parse_device_without_container("--device", "x", "x")
+            .expect_err("x")
+            .to_string();
+        assert!(
+            err.ends_with("or a comma-separated list of GPU indices and GPU-<uuid>s"),
+            "{err}"
+        );
+        // Where a container is at hand, the allowed text names allocated.
+        let err = run(&[("gpushare.io/device", "alocated")], &[], true)
+            .expect_err("typo")
+            .to_string();
+        assert!(
+            err.ends_with("or allocated (the devices the scheduler allocated to the container)"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn sandbox_markers() {
+        let map = |pairs: &[(&str, &str)]| -> HashMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        for (key, value) in SANDBOX_MARKERS {
+            let m = map(&[(key, value), ("gpushare.io/device", "0")]);
+            assert_eq!(
+                sandbox_marker(|k| m.get(k).map(String::as_str)),
+                Some((key, value))
+            );
+            assert_eq!(
+                run(&[(key, value), ("gpushare.io/device", "bogus")], &[], true).expect(key),
+                None
+            );
+        }
+        for other in ["container", "Sandbox", "sandbox ", ""] {
+            let m = map(&[("io.kubernetes.cri.container-type", other)]);
+            assert_eq!(
+                sandbox_marker(|k| m.get(k).map(String::as_str)),
+                None,
+                "{other:?}"
+            );
+        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The request parser and the size/device/percentage parsers: lines `KEY=VALUE` become
-//! annotations (keys with '/') and env entries. No panic; every error is one line; an
-//! accepted request resolves or fails cleanly against a sample inventory.
+//! annotations (keys with '/') and env entries; the second byte's low bit turns on
+//! `default-device = "allocated"`. No panic; every error is one line; an accepted request
+//! resolves or fails cleanly against a sample inventory.
 #![no_main]
 use std::collections::HashMap;
 
@@ -20,7 +21,19 @@ fuzz_target!(|data: &[u8]| {
             }
         }
     }
-    match gpushare::request::parse(|k| ann.get(k).map(String::as_str), &env, accept_env) {
+    let inputs = gpushare::request::Inputs {
+        annotations: Some(&ann),
+        env: &env,
+        ..Default::default()
+    };
+    let opts = gpushare::request::Options {
+        accept_env,
+        default_device: data
+            .get(1)
+            .is_some_and(|b| b & 1 == 1)
+            .then_some(gpushare::request::DefaultDevice::Allocated),
+    };
+    match gpushare::request::parse(&inputs, &opts) {
         Ok(Some(req)) => {
             let inv = gpushare::device::sample();
             if let Ok(devices) = req.device.resolve(&inv) {
@@ -28,7 +41,14 @@ fuzz_target!(|data: &[u8]| {
             }
         }
         Ok(None) => {}
-        Err(e) => assert!(!e.to_string().contains('\n')),
+        Err(e) => {
+            // The whole chain, as the shim prints it.
+            let mut err: Option<&dyn std::error::Error> = Some(&e);
+            while let Some(e) = err {
+                assert!(!e.to_string().contains('\n'));
+                err = e.source();
+            }
+        }
     }
     if let Err(e) = gpushare::request::parse_size("k", &text) {
         assert!(!e.to_string().contains('\n'));

@@ -1,6 +1,7 @@
 //! config.json load -> edit -> save: no panic on any input; bytes the shim's scan passes
-//! over hold no request; for an accepted spec the edit chain applies, applying it twice
-//! changes nothing, and the result loads again.
+//! over hold no request (with `default-device = "allocated"`, nor an allocation); for an
+//! accepted spec the edit chain applies, applying it twice changes nothing, and the result
+//! loads again.
 #![no_main]
 use std::path::Path;
 
@@ -27,9 +28,16 @@ fuzz_target!(|data: &[u8]| {
     let Ok(mut spec) = SpecFile::from_bytes(Path::new("config.json"), data) else { return };
     // The shim's fast path: bytes that cannot spell a request hold none.
     let raw = RawSpec { path: "config.json".into(), mode: 0o644, bytes: data.to_vec() };
+    let parse = |default_device| {
+        let opts = gpushare::request::Options { accept_env: true, default_device };
+        gpushare::request::parse(&spec.request_inputs(), &opts)
+    };
     if !raw.may_request() {
-        let req = gpushare::request::parse(|k| spec.annotation(k), spec.env(), true);
-        assert!(matches!(req, Ok(None)), "a request the byte scan missed");
+        assert!(matches!(parse(None), Ok(None)), "a request the byte scan missed");
+        if !raw.may_hold_allocation() {
+            let with_default = parse(Some(gpushare::request::DefaultDevice::Allocated));
+            assert!(matches!(with_default, Ok(None)), "an allocation the byte scan missed");
+        }
     }
     // The strict typed check is not on the create path; an edit must keep it passing.
     let typed_ok = spec.check_typed().is_ok();

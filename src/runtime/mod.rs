@@ -4,7 +4,10 @@
 //! `low-level-runtime` key and execs the low-level runtime with argv untouched — no log
 //! file, no inventory, no spec. For `create`/`run` it reads config.json once; a container
 //! without a request is exec'd with config.json byte-for-byte untouched (and, when its
-//! bytes cannot spell one, exactly as a passthrough is: nothing parsed, no log); a request is
+//! bytes cannot spell one, exactly as a passthrough is: nothing parsed, no log — with
+//! `default-device` set, "spell one" includes an allocation, `RawSpec::may_hold_allocation`);
+//! a pod's sandbox is exec'd as a passthrough is once its annotations are parsed, before
+//! the full config is read or a log opened (`request::sandbox_marker`); a request is
 //! validated completely (syntax, device, memory, the operator's ceilings:
 //! [`resolve_request`], shared with hook-only mode and `gpushare daemon start`) before any
 //! directory is created or any byte written; on failure the shim writes one error line to
@@ -25,7 +28,7 @@ use crate::device::{load, InventorySource, ResolvedDevices};
 use crate::hook::{ANN_DAEMON, ANN_HOST_GID, ANN_HOST_UID, ANN_IDENTITY, ANN_IPC_MODE};
 use crate::identity::Identity;
 use crate::mps::control::SAFE_PATH;
-use crate::request::{self, IpcMode, Request};
+use crate::request::{self, DeviceValue, IpcMode, Request};
 use crate::spec::edits::{self, Decision, IpcPlan, SetHooks};
 use crate::spec::SpecFile;
 use crate::state::{valid_container_id, ContainerRecord, StateDir};
@@ -104,13 +107,24 @@ fn passthrough(rest: &[OsString], inv: &args::Invocation) -> i32 {
 
 /// The create path: returns the low-level runtime to exec once the spec is ready.
 ///
-/// A config.json whose bytes cannot hold a request (`RawSpec::may_request`) is exec'd as
-/// a passthrough is: only `low-level-runtime` read, no log opened, nothing parsed. Any
-/// other one — and one that cannot be read, so that the error is logged — takes the full
-/// path.
+/// A config.json whose bytes cannot hold a request (`RawSpec::may_request`, and with
+/// `default-device` set `RawSpec::may_hold_allocation`) is exec'd as a passthrough is:
+/// only the fast-path keys read, no log opened, nothing parsed. Without `default-device`
+/// that is exactly the work it always was (one scan, one config read). A pod's sandbox is
+/// exec'd the same way once parsed. Any other one — and one that cannot be read or
+/// parsed, so that the error is logged — takes the full path.
 fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
     let raw = SpecFile::read(&inv.spec_path());
-    if matches!(&raw, Ok(r) if !r.may_request()) {
+    if let Ok(r) = &raw {
+        if !r.may_request() {
+            let fast = crate::config::fast_path()?;
+            if !(fast.default_device && r.may_hold_allocation()) {
+                return Ok(lowlevel::resolve(&fast.low_level_runtime)?);
+            }
+        }
+    }
+    let spec = raw.and_then(|r| SpecFile::from_raw(&r));
+    if matches!(&spec, Ok(s) if request::sandbox_marker(|k| s.annotation(k)).is_some()) {
         return configured_runtime();
     }
     let cfg = crate::config::load()?;
@@ -118,13 +132,24 @@ fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
     let span = tracing::info_span!("create", container_id = %id);
     let _enter = span.enter();
     let runtime = lowlevel::resolve(&cfg.low_level_runtime)?;
-    prepare(
-        &cfg,
-        SpecFile::from_raw(&raw?)?,
-        &runtime,
-        Some(id).filter(|s| !s.is_empty()),
-    )?;
+    prepare(&cfg, spec?, &runtime, Some(id).filter(|s| !s.is_empty()))?;
     Ok(runtime)
+}
+
+/// The request in a container's spec under this node's config, for every path that reads
+/// one from a spec (the shim, hook-only mode): [`request::parse`] with the node's options.
+/// `Ok(None)`: no request (a sandbox, no device key and no default that applies).
+pub fn read_request(
+    cfg: &Config,
+    spec: &SpecFile,
+) -> Result<Option<Request>, request::RequestError> {
+    request::parse(
+        &spec.request_inputs(),
+        &request::Options {
+            accept_env: cfg.accept_env_requests,
+            default_device: cfg.default_device,
+        },
+    )
 }
 
 /// Reads the request from the spec and, if there is one, edits and saves the spec.
@@ -136,8 +161,7 @@ pub fn prepare(
     container_id: Option<&str>,
 ) -> anyhow::Result<bool> {
     let bundle = spec.path().parent().map(Path::to_owned);
-    let Some(req) = request::parse(|k| spec.annotation(k), spec.env(), cfg.accept_env_requests)?
-    else {
+    let Some(req) = read_request(cfg, &spec)? else {
         tracing::debug!("no gpushare request: passing through");
         return Ok(false);
     };
@@ -230,6 +254,16 @@ pub fn ceilings(cfg: &Config) -> request::Ceilings {
 pub fn resolve_request(cfg: &Config, req: &Request) -> anyhow::Result<ResolvedDevices> {
     let inventory = load(&InventorySource::parse(&cfg.inventory)?)?;
     let devices = req.device.resolve(&inventory)?;
+    if let DeviceValue::Allocated(found) = &req.device.value {
+        tracing::debug!(
+            source = %found.source,
+            found = %found.found,
+            devices = %devices.uuids.join(","),
+            "{}={} resolved from the container's allocation",
+            req.device.key,
+            req.device.raw
+        );
+    }
     request::check(req, &devices, &ceilings(cfg))?;
     Ok(devices)
 }

@@ -3,7 +3,8 @@
 //! Invariants: the file is read once and parsed once into a `serde_json::Value` that keeps
 //! key order and every field — including fields the oci-spec crate does not know — so a
 //! round trip loses nothing. The fields gpushare reads (`ociVersion`, `annotations`,
-//! `process.env`, `process.user`, `root`, `linux.namespaces`, `linux.*Mappings`) are
+//! `process.env`, `process.user`, `root`, `mounts`, `linux.namespaces`, `linux.*Mappings`,
+//! `linux.devices`, `linux.resources.devices`) are
 //! deserialised from that value into typed views built from oci-spec's own types, so a
 //! malformed value in any of them is refused before any edit; the rest of the document is
 //! runc's to judge (a full typed `oci_spec::runtime::Spec` parse is `check_typed`, used
@@ -19,7 +20,10 @@ use std::io::Read;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use oci_spec::runtime::{LinuxIdMapping, LinuxNamespace, LinuxNamespaceType, Root, Spec, User};
+use oci_spec::runtime::{
+    LinuxDevice, LinuxDeviceCgroup, LinuxDeviceType, LinuxIdMapping, LinuxNamespace,
+    LinuxNamespaceType, Mount, Root, Spec, User,
+};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -56,6 +60,8 @@ pub struct SpecView {
     #[serde(default)]
     pub root: Option<Root>,
     #[serde(default)]
+    pub mounts: Option<Vec<Mount>>,
+    #[serde(default)]
     pub linux: Option<LinuxView>,
 }
 
@@ -76,6 +82,16 @@ pub struct LinuxView {
     pub uid_mappings: Option<Vec<LinuxIdMapping>>,
     #[serde(default)]
     pub gid_mappings: Option<Vec<LinuxIdMapping>>,
+    #[serde(default)]
+    pub devices: Option<Vec<LinuxDevice>>,
+    #[serde(default)]
+    pub resources: Option<ResourcesView>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct ResourcesView {
+    #[serde(default)]
+    pub devices: Option<Vec<LinuxDeviceCgroup>>,
 }
 
 impl LinuxView {
@@ -111,14 +127,25 @@ impl RawSpec {
     /// escape, the only way JSON can spell those letters otherwise. False means it
     /// certainly holds none, without parsing it.
     pub fn may_request(&self) -> bool {
-        // One pass, touching each byte once (a config.json is a few KB; this runs for
-        // every container without a request).
+        self.spells(b"gpushare")
+    }
+
+    /// Whether the document may hold an allocation (`request::allocation`): it spells
+    /// `nvidia` in some case, as every allocation source does, or holds a `\u` escape.
+    /// Only asked when the node's `default-device` makes an allocation a request.
+    pub fn may_hold_allocation(&self) -> bool {
+        self.spells(b"nvidia")
+    }
+
+    /// One pass, touching each byte once (a config.json is a few KB; this runs for every
+    /// container without a request): `word` (lowercase ASCII) in any case, or `\u`.
+    fn spells(&self, word: &[u8]) -> bool {
         let b = &self.bytes;
         (0..b.len()).any(|i| match b[i] {
             b'\\' => b.get(i + 1) == Some(&b'u'),
-            c if c | 0x20 == b'g' => b
-                .get(i..i + 8)
-                .is_some_and(|w| w.eq_ignore_ascii_case(b"gpushare")),
+            c if c | 0x20 == word[0] => b
+                .get(i..i + word.len())
+                .is_some_and(|w| w.eq_ignore_ascii_case(word)),
             _ => false,
         })
     }
@@ -228,6 +255,23 @@ impl SpecFile {
             .unwrap_or(&[])
     }
 
+    /// What the request pipeline reads (`request::parse`), borrowed from the typed view.
+    pub fn request_inputs(&self) -> crate::request::Inputs<'_> {
+        let linux = self.typed.linux.as_ref();
+        crate::request::Inputs {
+            annotations: self.typed.annotations.as_ref(),
+            env: self.env(),
+            mounts: self.typed.mounts.as_deref().unwrap_or(&[]),
+            devices: linux.and_then(|l| l.devices.as_deref()).unwrap_or(&[]),
+            all_devices_allowed: linux
+                .and_then(|l| l.resources.as_ref())
+                .and_then(|r| r.devices.as_deref())
+                .unwrap_or(&[])
+                .iter()
+                .any(allows_every_device),
+        }
+    }
+
     /// The container user's host UID and GID: `process.user` mapped through
     /// `linux.uidMappings` / `gidMappings` when the container has a user namespace.
     pub fn host_user(&self) -> Result<(u32, u32), SpecError> {
@@ -276,6 +320,15 @@ impl SpecFile {
             },
         )
     }
+}
+
+/// A device cgroup rule that allows every device, as engines write for a privileged
+/// container (`{"allow": true, "access": "rwm"}`).
+fn allows_every_device(rule: &LinuxDeviceCgroup) -> bool {
+    rule.allow()
+        && matches!(rule.typ(), None | Some(LinuxDeviceType::A))
+        && rule.major().is_none_or(|m| m < 0)
+        && rule.minor().is_none_or(|m| m < 0)
 }
 
 #[cfg(test)]
@@ -365,11 +418,93 @@ mod tests {
     }
 
     #[test]
+    fn may_hold_allocation_sees_nvidia_in_any_case_and_escapes() {
+        let raw = |bytes: &[u8]| RawSpec {
+            path: "config.json".into(),
+            mode: 0o644,
+            bytes: bytes.to_vec(),
+        };
+        for name in FIXTURES {
+            // None of the captured engines' specs mentions an NVIDIA device.
+            assert!(!raw(&fixture(name)).may_hold_allocation(), "{name}");
+        }
+        for yes in [
+            &br#"{"process":{"env":["NVIDIA_VISIBLE_DEVICES=0"]}}"#[..],
+            br#"{"mounts":[{"destination":"/var/run/nvidia-container-devices/0"}]}"#,
+            br#"{"linux":{"devices":[{"path":"\/dev\/nvidia0","type":"c"}]}}"#,
+            br#"{"annotations":{"cdi.k8s.io/x":"nvidia.com/gpu=0"}}"#,
+            br#"{"process":{"env":["NVIDIA_VISIBLE_DEVICES=0"]}}"#,
+        ] {
+            assert!(
+                raw(yes).may_hold_allocation(),
+                "{}",
+                String::from_utf8_lossy(yes)
+            );
+        }
+        assert!(!raw(br#"{"process":{"env":["NVIDI_VISIBLE=0"]}}"#).may_hold_allocation());
+    }
+
+    #[test]
+    fn request_inputs_read_mounts_devices_and_privilege() {
+        let mut v: Value = serde_json::from_slice(&fixture("containerd-1.6-config.json")).unwrap();
+        let spec = |v: &Value| {
+            SpecFile::parse(Path::new("c"), &serde_json::to_vec(v).unwrap(), 0o644).unwrap()
+        };
+        let s = spec(&v);
+        let inputs = s.request_inputs();
+        assert_eq!(inputs.mounts.len(), 7);
+        assert_eq!(inputs.mounts[3].destination(), Path::new("/dev/shm"));
+        assert!(inputs.devices.is_empty());
+        assert_eq!(inputs.annotation("gpushare.io/device"), Some("0"));
+        // Its device rules allow some devices, not every one.
+        assert!(!inputs.all_devices_allowed);
+        v["linux"]["devices"] =
+            serde_json::json!([{"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0}]);
+        for (rules, all) in [
+            (serde_json::json!([{"allow": true, "access": "rwm"}]), true),
+            (
+                serde_json::json!([{"allow": true, "type": "a", "access": "rwm"}]),
+                true,
+            ),
+            (
+                serde_json::json!([{"allow": false, "access": "rwm"}, {"allow": true, "access": "rwm"}]),
+                true,
+            ),
+            (
+                serde_json::json!([{"allow": false, "access": "rwm"}]),
+                false,
+            ),
+            (
+                serde_json::json!([{"allow": true, "type": "c", "access": "rwm"}]),
+                false,
+            ),
+            (
+                serde_json::json!([{"allow": true, "major": 195, "access": "rwm"}]),
+                false,
+            ),
+        ] {
+            v["linux"]["resources"]["devices"] = rules.clone();
+            let s = spec(&v);
+            assert_eq!(s.request_inputs().all_devices_allowed, all, "{rules}");
+            assert_eq!(s.request_inputs().devices[0].minor(), 0);
+        }
+        // A malformed field the request reads is refused before any edit.
+        v["linux"]["devices"] = serde_json::json!([{"path": "/dev/nvidia0"}]);
+        let err = SpecFile::parse(Path::new("c"), &serde_json::to_vec(&v).unwrap(), 0o644)
+            .err()
+            .expect("a device without a type");
+        assert!(
+            err.to_string().contains("not a valid OCI runtime spec"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn the_view_leaves_other_fields_to_runc_and_check_typed_does_not() {
-        let bytes = br#"{"ociVersion":"1.0.2","mounts":5,"process":{"user":{"uid":7,"gid":8}}}"#;
+        let bytes = br#"{"ociVersion":"1.0.2","hostname":5,"process":{"user":{"uid":7,"gid":8}}}"#;
         let spec = SpecFile::parse(Path::new("cfg"), bytes, 0o644).unwrap();
         assert_eq!(spec.host_user().unwrap(), (7, 8));
-        let err = spec.check_typed().expect_err("mounts: 5 is not a spec");
+        let err = spec.check_typed().expect_err("hostname: 5 is not a spec");
         assert!(
             err.to_string().contains("not a valid OCI runtime spec"),
             "{err}"

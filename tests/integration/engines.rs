@@ -721,11 +721,19 @@ fn deploy_manifests_are_valid() {
         assert_eq!(pod["spec"]["runtimeClassName"].as_str(), Some(handler));
         let ann = pod["metadata"]["annotations"].as_hash().unwrap();
         // Every gpushare annotation in the example is a valid request.
-        let get = |k: &str| {
-            ann.get(&yaml_rust2::Yaml::String(k.into()))
-                .and_then(|v| v.as_str())
+        let ann: std::collections::HashMap<String, String> = ann
+            .iter()
+            .filter_map(|(k, v)| Some((k.as_str()?.to_owned(), v.as_str()?.to_owned())))
+            .collect();
+        let inputs = gpushare::request::Inputs {
+            annotations: Some(&ann),
+            ..Default::default()
         };
-        let parsed = gpushare::request::parse(get, &[], true)
+        let opts = gpushare::request::Options {
+            accept_env: true,
+            default_device: None,
+        };
+        let parsed = gpushare::request::parse(&inputs, &opts)
             .unwrap()
             .expect("a request");
         assert_eq!(parsed.device.raw, "0");

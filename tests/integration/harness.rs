@@ -26,19 +26,26 @@ pub const MIG1: &str = "MIG-33a1d16a-6d03-4fb3-a3a8-8a97a6767ed1";
 pub const MIG2: &str = "MIG-44b2e27b-7e14-40c4-b4b9-9ba8b7878fe2";
 
 /// Inventory for tests: GPU 0 an A30 (24 GiB, no MIG), GPU 1 an A100 80GB in MIG mode with
-/// three 1g.10gb devices (10 GiB each), GPU 2 a second A100 80GB without MIG.
+/// three 1g.10gb devices (10 GiB each), GPU 2 a second A100 80GB without MIG. Their device
+/// nodes are `/dev/nvidia[GPU0_MINOR]` and so on: minor numbers that are not the indices,
+/// as on machines where the driver probed the GPUs in another order than NVML enumerates.
 pub fn inventory_json() -> Value {
     let mig = |index: u32, uuid: &str| json!({"index": index, "uuid": uuid, "profile": "1g.10gb", "memory_bytes": 10737418240u64});
     json!({"driver_version": "580.159.04", "gpus": [
         {"index": 0, "uuid": GPU0, "name": "NVIDIA A30", "memory_bytes": 25769803776u64,
-         "compute_capability": "8.0", "compute_mode": "default"},
+         "compute_capability": "8.0", "compute_mode": "default", "minor": GPU0_MINOR},
         {"index": 1, "uuid": GPU1, "name": "NVIDIA A100-SXM4-80GB", "memory_bytes": 85899345920u64,
-         "compute_capability": "8.0", "compute_mode": "default",
+         "compute_capability": "8.0", "compute_mode": "default", "minor": GPU1_MINOR,
          "mig_devices": [mig(0, MIG0), mig(1, MIG1), mig(2, MIG2)]},
         {"index": 2, "uuid": GPU2, "name": "NVIDIA A100-SXM4-80GB", "memory_bytes": 85899345920u64,
-         "compute_capability": "8.0", "compute_mode": "default"}
+         "compute_capability": "8.0", "compute_mode": "default", "minor": GPU2_MINOR}
     ]})
 }
+
+/// The minor numbers of the test inventory's GPUs (`/dev/nvidia<minor>`).
+pub const GPU0_MINOR: u32 = 2;
+pub const GPU1_MINOR: u32 = 0;
+pub const GPU2_MINOR: u32 = 1;
 
 /// Fails the test loudly when it cannot run here; never skips silently.
 pub fn require_root_and_runc() {
@@ -132,7 +139,8 @@ pub fn rootfs() -> &'static Path {
         }
         let dir = tmp.join(format!("rootfs-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        for d in ["bin", "dev/shm", "proc", "sys", "tmp/nvidia-mps", "etc", "usr/bin"] {
+        // var/run: where tests mount a tmpfs for /var/run/nvidia-container-devices.
+        for d in ["bin", "dev/shm", "proc", "sys", "tmp/nvidia-mps", "etc", "usr/bin", "var/run"] {
             std::fs::create_dir_all(dir.join(d)).unwrap();
         }
         let bb = busybox().unwrap();

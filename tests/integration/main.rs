@@ -1,6 +1,7 @@
 //! Integration tests: the real `gpushare-runtime`, `gpushare` and `gpushare-mps-sim`
 //! binaries through real runc, as root. Run them with the README's test command.
 
+mod allocated;
 mod core_path;
 mod engines;
 mod harness;

@@ -150,7 +150,7 @@ fn through_the_shim_the_pipe_dir_is_read_only_and_clients_still_reach_the_daemon
 
 /// Creates a container with plain runc (no shim) whose config.json carries gpushare's
 /// hook-only hooks, as `hooks/oci-hooks.d` gives them to Podman and CRI-O.
-fn hook_only_create(env: &Env, c: &Container) -> Output {
+pub fn hook_only_create(env: &Env, c: &Container) -> Output {
     let mut spec = c.config();
     let hook = |stage: &str, timeout: u64| {
         serde_json::json!({
@@ -194,7 +194,7 @@ fn hook_only_create(env: &Env, c: &Container) -> Output {
 
 /// Deletes the containers created with plain runc (the harness's Env deletes only those
 /// it created through the shim); declared after the Env, so it runs first.
-struct RuncDelete<'a>(&'a Env, Vec<String>);
+pub struct RuncDelete<'a>(pub &'a Env, pub Vec<String>);
 
 impl Drop for RuncDelete<'_> {
     fn drop(&mut self) {

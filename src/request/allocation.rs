@@ -1,0 +1,999 @@
+//! `allocated`: the devices a container was allocated, read from what NVIDIA's device plugin
+//! or DRA driver wrote into its spec (k8s-facts.md §1.2, §1.3, §1.6, §2, §6.2).
+//!
+//! Invariants:
+//! - Plain data in, plain data out, no I/O: [`allocation`] reads the spec's annotations, env,
+//!   mounts and device nodes; device nodes become GPUs only against the inventory
+//!   ([`Allocation::resolve`], by minor number).
+//! - The sources are read in this order, and the first that names any device is the
+//!   allocation (the others are not read). 1–3 are NVIDIA's toolkit's own precedence
+//!   (`VisibleDevices()`); device nodes come last because they name GPUs only, never a MIG
+//!   device:
+//!   1. `cdi.k8s.io/*` annotations (device plugin `cdi-annotations`; the key's suffix is
+//!      random): every entry `k8s.device-plugin.nvidia.com/gpu=<id>` or `nvidia.com/gpu=<id>`
+//!      of their comma-separated values, keys in sorted order. Other vendors and classes
+//!      (a DRA claim, `…/gdrcopy=all`, IMEX channels) and the CDI `all` device are not read.
+//!   2. mounts at `/var/run/nvidia-container-devices/<id>` (`volume-mounts`), in mount
+//!      order; deeper paths (`imex/<channel>`, `cdi/…`) are not devices.
+//!   3. `NVIDIA_VISIBLE_DEVICES` (`envvar`), the last entry of the name, comma-separated.
+//!   4. `/dev/nvidia<N>` nodes in `linux.devices` (`cdi-cri`, the DRA driver): the GPUs with
+//!      minor number N, in spec order. Not read in a privileged container (one whose
+//!      `linux.resources.devices` allows every device), which holds every node of the host.
+//! - An id is what the device plugin writes: `GPU-<uuid>`, `MIG-<uuid>`, an index `0` or
+//!   `<gpu>:<mig>` (its replicas' `::<n>` suffix is stripped before the spec). The ids then
+//!   meet the rules of named devices, so a list of MIG devices is refused.
+//! - Not an allocation: `NVIDIA_VISIBLE_DEVICES` that is empty, `void`, `none`, `all`, or a
+//!   list holding one of them (the toolkit reads such a list as that word), or the
+//!   volume-mounts marker `/var/run/nvidia-container-devices` itself. `all` is the one
+//!   ambiguous value: CUDA base images set `NVIDIA_VISIBLE_DEVICES=all` in their own env,
+//!   which stays in the spec whenever the device plugin uses CDI strategies only; and the
+//!   device plugin never writes `all` (it writes the ids it allocated), nor does the DRA
+//!   driver (it writes no `NVIDIA_VISIBLE_DEVICES`). So `all` never counts, whoever set it,
+//!   and a value naming devices always does: an image that bakes in specific ids is read as
+//!   allocated those.
+//! - MIG devices are read from names only. A MIG device injected by CDI (`cdi-cri`, DRA) is
+//!   its parent's `/dev/nvidia<N>` plus `/dev/nvidia-caps/nvidia-cap<M>` nodes for its GPU and
+//!   compute instances; nothing gpushare reads maps a cap number to a MIG device, and the
+//!   parent GPU is in MIG mode, where CUDA cannot run, so such an allocation is refused
+//!   rather than resolved to the parent.
+//! - Old MIG UUIDs `MIG-GPU-<uuid>/<gi>/<ci>` (drivers before R470) are refused: the
+//!   inventory knows MIG devices by `MIG-<uuid>` only.
+//! - An allocation that carries its allocator's MPS — `CUDA_MPS_PIPE_DIRECTORY=<dir>` in the
+//!   env and a mount at `<dir>`, as the device plugin's `sharing.mps` and the DRA driver's
+//!   MPS both add — is refused: gpushare never stacks a second MPS on it.
+//! - Every source spells `nvidia` (`NVIDIA_VISIBLE_DEVICES`, `nvidia-container-devices`,
+//!   `/dev/nvidia`, the two CDI vendors): a spec whose bytes cannot spell it holds no
+//!   allocation (`RawSpec::may_hold_allocation` relies on this).
+
+use std::fmt;
+use std::path::Path;
+
+use super::{
+    env_lookup, parse_index, parse_selector, quote, DeviceError, DeviceRequest, Inputs, Inventory,
+    RequestError, ResolvedDevices, MAX_DEVICES,
+};
+
+/// What [`RequestError::NoAllocation`] says was looked at.
+pub(super) const LOOKED_AT: &str = "no cdi.k8s.io/* annotation names an NVIDIA GPU, no mount is under /var/run/nvidia-container-devices/, NVIDIA_VISIBLE_DEVICES names no device (all, none, void and empty are no allocation), and linux.devices holds no /dev/nvidia<N> (not read in a privileged container)";
+
+const VOLUME_DIR: &str = "/var/run/nvidia-container-devices";
+const CDI_PREFIX: &str = "cdi.k8s.io/";
+/// The CDI kinds whose devices are NVIDIA GPUs named by device-plugin ids: the device
+/// plugin's, and the toolkit's own (`nvidia-ctk cdi generate`, Docker's `--gpus`).
+const CDI_KINDS: [&str; 2] = ["k8s.device-plugin.nvidia.com/gpu", "nvidia.com/gpu"];
+const VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
+const PIPE_ENV: &str = "CUDA_MPS_PIPE_DIRECTORY";
+
+const IDS_ALLOWED: &str = "device ids as NVIDIA's device plugin writes them: GPU-<uuid>, MIG-<uuid>, a GPU index like 0 or <gpu>:<mig> like 0:1, comma-separated, at most 16";
+const OLD_MIG_ALLOWED: &str = "MIG-<uuid>, the MIG device names of NVIDIA drivers R470 and later";
+const NODES_ALLOWED: &str = "device nodes as CDI injects them: /dev/nvidia<N> with minor number N";
+const MIG_NODES_ALLOWED: &str = "an allocation that names its MIG device (cdi.k8s.io/* annotations, which containerd passes with container_annotations = [\"cdi.k8s.io/*\"]; NVIDIA_VISIBLE_DEVICES; volume mounts), or gpushare.io/device=MIG-<uuid>";
+
+/// Where an allocation was read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AllocationSource {
+    CdiAnnotations,
+    VolumeMounts,
+    Env,
+    DeviceNodes,
+}
+
+impl AllocationSource {
+    /// How errors name it, in place of a request key.
+    pub fn key(self) -> &'static str {
+        match self {
+            Self::CdiAnnotations => "cdi.k8s.io/*",
+            Self::VolumeMounts => "/var/run/nvidia-container-devices/*",
+            Self::Env => VISIBLE_DEVICES,
+            Self::DeviceNodes => "linux.devices",
+        }
+    }
+}
+
+impl fmt::Display for AllocationSource {
+    /// The device plugin's strategy names, for logs.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::CdiAnnotations => "cdi-annotations",
+            Self::VolumeMounts => "volume-mounts",
+            Self::Env => "envvar",
+            Self::DeviceNodes => "device-nodes",
+        })
+    }
+}
+
+/// The devices of an allocation, as the spec gives them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AllocatedDevices {
+    /// By device-plugin id.
+    Named(DeviceRequest),
+    /// By the minor number of `/dev/nvidia<N>`, deduplicated, in spec order.
+    Minors(Vec<u32>),
+}
+
+/// What [`allocation`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Allocation {
+    pub source: AllocationSource,
+    /// What the source says, for errors: the ids joined by `,` (for device nodes, their paths).
+    pub found: String,
+    pub devices: AllocatedDevices,
+}
+
+impl Allocation {
+    /// The devices against the inventory, under the rules of named devices; errors name the
+    /// source and what it said.
+    pub fn resolve(&self, inventory: &Inventory) -> Result<ResolvedDevices, DeviceError> {
+        let key = self.source.key();
+        match &self.devices {
+            AllocatedDevices::Named(req) => inventory.resolve(key, &self.found, req),
+            AllocatedDevices::Minors(minors) => inventory.resolve(
+                key,
+                &self.found,
+                &inventory.gpus_by_minor(key, &self.found, minors)?,
+            ),
+        }
+    }
+}
+
+/// Why a source's allocation cannot be read.
+struct Unreadable {
+    source: AllocationSource,
+    found: String,
+    problem: String,
+    allowed: &'static str,
+}
+
+/// The devices this container was allocated, or `None` when no source names any (see the
+/// module doc for the sources, their order and what does not count). `key` and `value` are
+/// the request's (`gpushare.io/device=allocated`, `default-device`), for errors.
+pub fn allocation(
+    c: &Inputs<'_>,
+    key: &'static str,
+    value: &str,
+) -> Result<Option<Allocation>, RequestError> {
+    let found = from_cdi_annotations(c)
+        .transpose()
+        .or_else(|| from_volume_mounts(c).transpose())
+        .or_else(|| from_env(c).transpose())
+        .or_else(|| from_device_nodes(c).transpose())
+        .transpose()
+        .map_err(|u| RequestError::AllocationUnreadable {
+            key,
+            value: value.to_owned(),
+            source_key: u.source.key(),
+            found: u.found,
+            problem: u.problem,
+            allowed: u.allowed,
+        })?;
+    if found.is_some() {
+        if let Some(pipe) = env_lookup(c.env, PIPE_ENV).filter(|p| !p.is_empty()) {
+            if let Some(mount) = c.mounts.iter().find(|m| m.destination() == Path::new(pipe)) {
+                return Err(RequestError::AllocatorMps {
+                    key,
+                    value: value.to_owned(),
+                    pipe: pipe.to_owned(),
+                    mount_source: mount
+                        .source()
+                        .as_deref()
+                        .map(|s| s.display().to_string())
+                        .unwrap_or_default(),
+                });
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// Device-plugin ids → named devices; `found` is what errors show.
+fn named(source: AllocationSource, found: String, ids: &[&str]) -> Result<Allocation, Unreadable> {
+    let unreadable = |problem: String, allowed| Unreadable {
+        source,
+        found: found.clone(),
+        problem,
+        allowed,
+    };
+    if ids.len() > MAX_DEVICES {
+        return Err(unreadable(
+            format!("lists {} devices", ids.len()),
+            IDS_ALLOWED,
+        ));
+    }
+    let mut selectors = Vec::with_capacity(ids.len());
+    for (n, id) in ids.iter().enumerate() {
+        if id.starts_with("MIG-GPU-") && id.contains('/') {
+            return Err(unreadable(
+                format!(
+                    "has entry {} ({}), a MIG device named as drivers before R470 did (MIG-GPU-<uuid>/<gi>/<ci>), which the inventory cannot map",
+                    n + 1,
+                    quote(id)
+                ),
+                OLD_MIG_ALLOWED,
+            ));
+        }
+        match parse_selector(id) {
+            Some(selector) => selectors.push(selector),
+            None if id.is_empty() => {
+                return Err(unreadable(
+                    format!("has entry {} empty", n + 1),
+                    IDS_ALLOWED,
+                ))
+            }
+            None => {
+                return Err(unreadable(
+                    format!("has entry {} ({}), which is not a device", n + 1, quote(id)),
+                    IDS_ALLOWED,
+                ))
+            }
+        }
+    }
+    Ok(Allocation {
+        source,
+        found,
+        devices: AllocatedDevices::Named(DeviceRequest(selectors)),
+    })
+}
+
+fn from_cdi_annotations(c: &Inputs<'_>) -> Result<Option<Allocation>, Unreadable> {
+    let Some(annotations) = c.annotations else {
+        return Ok(None);
+    };
+    let mut keys: Vec<&String> = annotations
+        .keys()
+        .filter(|k| k.starts_with(CDI_PREFIX))
+        .collect();
+    keys.sort();
+    let ids: Vec<&str> = keys
+        .iter()
+        .flat_map(|k| annotations[*k].split(','))
+        .filter_map(|entry| entry.split_once('='))
+        .filter(|(kind, name)| CDI_KINDS.contains(kind) && *name != "all")
+        .map(|(_, name)| name)
+        .collect();
+    if ids.is_empty() {
+        return Ok(None);
+    }
+    named(AllocationSource::CdiAnnotations, ids.join(","), &ids).map(Some)
+}
+
+fn from_volume_mounts(c: &Inputs<'_>) -> Result<Option<Allocation>, Unreadable> {
+    let ids: Vec<&str> = c
+        .mounts
+        .iter()
+        .filter_map(|m| {
+            m.destination()
+                .to_str()?
+                .strip_prefix(VOLUME_DIR)?
+                .strip_prefix('/')
+        })
+        .filter(|id| !id.is_empty() && !id.contains('/'))
+        .collect();
+    if ids.is_empty() {
+        return Ok(None);
+    }
+    named(AllocationSource::VolumeMounts, ids.join(","), &ids).map(Some)
+}
+
+fn from_env(c: &Inputs<'_>) -> Result<Option<Allocation>, Unreadable> {
+    let Some(value) = env_lookup(c.env, VISIBLE_DEVICES) else {
+        return Ok(None);
+    };
+    let ids: Vec<&str> = value.split(',').collect();
+    if value.is_empty()
+        || value == VOLUME_DIR
+        || ids.iter().any(|id| matches!(*id, "all" | "none" | "void"))
+    {
+        return Ok(None);
+    }
+    named(AllocationSource::Env, value.to_owned(), &ids).map(Some)
+}
+
+fn from_device_nodes(c: &Inputs<'_>) -> Result<Option<Allocation>, Unreadable> {
+    if c.all_devices_allowed {
+        return Ok(None);
+    }
+    let mut minors = Vec::new();
+    let mut paths = Vec::new();
+    let mut cap = None;
+    for node in c.devices {
+        let Some(path) = node.path().to_str() else {
+            continue;
+        };
+        if path.starts_with("/dev/nvidia-caps/") {
+            cap.get_or_insert(path);
+            continue;
+        }
+        // Not /dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia-modeset, …: only GPUs.
+        let Some(minor) = path.strip_prefix("/dev/nvidia").and_then(parse_index) else {
+            continue;
+        };
+        // runc makes the node from major/minor; the path is only its name. nvcdi writes
+        // the host's own node, whose name is its minor number.
+        if node.major() != 0 && node.minor() != i64::from(minor) {
+            return Err(Unreadable {
+                source: AllocationSource::DeviceNodes,
+                found: path.to_owned(),
+                problem: format!("has {path} with minor number {}", node.minor()),
+                allowed: NODES_ALLOWED,
+            });
+        }
+        if !minors.contains(&minor) {
+            minors.push(minor);
+            paths.push(path);
+        }
+    }
+    if minors.is_empty() {
+        return Ok(None);
+    }
+    let found = paths.join(",");
+    if let Some(cap) = cap {
+        return Err(Unreadable {
+            source: AllocationSource::DeviceNodes,
+            found,
+            problem: format!(
+                "comes with {cap}, a MIG device's capability node, and gpushare cannot tell which MIG device it is"
+            ),
+            allowed: MIG_NODES_ALLOWED,
+        });
+    }
+    Ok(Some(Allocation {
+        source: AllocationSource::DeviceNodes,
+        found,
+        devices: AllocatedDevices::Minors(minors),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    //! Every strategy of k8s-facts.md, as the spec shapes it names, on top of the captured
+    //! engine fixtures, through the real spec parsing (`SpecFile`) and request parsing.
+
+    use std::path::Path;
+
+    use serde_json::{json, Value};
+
+    use crate::device::{sample, DeviceKind};
+    use crate::request::{
+        parse, DefaultDevice, DeviceValue, Options, Request, RequestError, ALLOCATED,
+    };
+    use crate::spec::{RawSpec, SpecFile};
+
+    use super::*;
+
+    // The sample inventory: GPU 0 (minor 0) an A30 in MIG mode, GPU 1 (minor 1) and GPU 2
+    // (minor 3) without MIG.
+    const GPU1: &str = "GPU-a1b2c3d4-e5f6-4789-9abc-def012345678";
+    const GPU2: &str = "GPU-c0ffee00-1234-4abc-8def-0123456789ab";
+    const MIG1: &str = "MIG-3b5c1f7e-0d4a-5a0e-9c61-2f1e8d7b6a01";
+    const MIG2: &str = "MIG-4c6d2a8f-1e5b-5b1f-8d72-3a2f9e8c7b12";
+    /// The device plugin's cdi-annotations key: a fresh random UUID per response.
+    const CDI_KEY: &str = "cdi.k8s.io/nvidia-device-plugin_4b0c2d7e-9a51-4f39-8e3a-55d1f0c2a6b7";
+    /// What CUDA base images put in their own env.
+    const IMAGE_ALL: &str = "NVIDIA_VISIBLE_DEVICES=all";
+
+    fn fixture(name: &str) -> Value {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name);
+        serde_json::from_slice(&std::fs::read(path).expect("fixture")).expect("fixture json")
+    }
+
+    /// containerd's captured spec without its gpushare annotations: a CRI container as
+    /// the kubelet asks containerd for one, before any allocation.
+    fn cri() -> Value {
+        let mut v = fixture("containerd-1.6-config.json");
+        v["annotations"] = json!({
+            "io.kubernetes.cri.container-type": "container",
+            "io.kubernetes.cri.container-name": "cuda",
+            "io.kubernetes.cri.sandbox-id": "5a3f0c8f2b1e4d6c9a7b8e0f1d2c3b4a5f6e7d8c9b0a1f2e3d4c5b6a7f8e9d0c",
+        });
+        v
+    }
+
+    fn push_env(v: &mut Value, entries: &[&str]) {
+        let env = v["process"]["env"].as_array_mut().expect("env");
+        env.extend(entries.iter().map(|e| json!(e)));
+    }
+
+    fn push_mount(v: &mut Value, source: &str, destination: &str, options: &[&str]) {
+        v["mounts"].as_array_mut().expect("mounts").push(json!({
+            "destination": destination, "type": "bind", "source": source, "options": options,
+        }));
+    }
+
+    /// A CDI-injected device node, as containerd and CRI-O write it into `linux.devices`
+    /// (with its device cgroup rule).
+    fn push_node(v: &mut Value, path: &str, major: i64, minor: i64) {
+        let devices = v["linux"]
+            .as_object_mut()
+            .expect("linux")
+            .entry("devices")
+            .or_insert_with(|| json!([]));
+        devices.as_array_mut().expect("devices").push(json!({
+            "path": path, "type": "c", "major": major, "minor": minor, "fileMode": 438, "uid": 0, "gid": 0,
+        }));
+        v["linux"]["resources"]["devices"]
+            .as_array_mut()
+            .expect("device rules")
+            .push(json!({"allow": true, "type": "c", "major": major, "minor": minor, "access": "rwm"}));
+    }
+
+    /// nvcdi's common edits plus one GPU's: `/dev/nvidiactl`, uvm, and `/dev/nvidia<minor>`.
+    fn push_cdi_gpu(v: &mut Value, minor: i64) {
+        push_node(v, "/dev/nvidiactl", 195, 255);
+        push_node(v, "/dev/nvidia-uvm", 508, 0);
+        push_node(v, "/dev/nvidia-uvm-tools", 508, 1);
+        push_node(v, &format!("/dev/nvidia{minor}"), 195, minor);
+        push_env(v, &["NVIDIA_CTK_LIBCUDA_DIR=/usr/lib/x86_64-linux-gnu"]);
+    }
+
+    fn annotate(v: &mut Value, key: &str, value: &str) {
+        v["annotations"][key] = json!(value);
+    }
+
+    struct Parsed {
+        bytes: Vec<u8>,
+        result: Result<Option<Request>, RequestError>,
+    }
+
+    fn run(v: &Value, default_device: Option<DefaultDevice>) -> Parsed {
+        let bytes = serde_json::to_vec(v).expect("json");
+        let spec = SpecFile::from_bytes(Path::new("config.json"), &bytes).expect("a spec");
+        let result = parse(
+            &spec.request_inputs(),
+            &Options {
+                accept_env: true,
+                default_device,
+            },
+        );
+        Parsed { bytes, result }
+    }
+
+    /// `gpushare.io/device=allocated` on the spec.
+    fn asked(mut v: Value) -> Parsed {
+        annotate(&mut v, "gpushare.io/device", ALLOCATED);
+        run(&v, None)
+    }
+
+    fn found(p: &Parsed) -> Allocation {
+        match p.result.as_ref().expect("parses") {
+            Some(Request {
+                device:
+                    crate::request::Sourced {
+                        value: DeviceValue::Allocated(found),
+                        ..
+                    },
+                ..
+            }) => found.clone(),
+            other => panic!("not an allocated request: {other:?}"),
+        }
+    }
+
+    fn refusal(p: &Parsed) -> String {
+        let err = p.result.as_ref().expect_err("refused");
+        let msg = err.to_string();
+        assert!(!msg.contains('\n'), "{msg}");
+        msg
+    }
+
+    /// The allocation's devices against the sample inventory: UUIDs and kind.
+    fn resolved(p: &Parsed) -> (Vec<String>, DeviceKind) {
+        let req = p
+            .result
+            .as_ref()
+            .expect("parses")
+            .as_ref()
+            .expect("request");
+        let d = req.device.resolve(&sample()).expect("resolves");
+        (d.uuids, d.kind)
+    }
+
+    #[test]
+    fn envvar_strategy_ids_as_the_device_plugin_writes_them() {
+        use AllocationSource::Env;
+        // (NVIDIA_VISIBLE_DEVICES, devices, kind)
+        let cases: &[(&str, &[&str], DeviceKind)] = &[
+            // --device-id-strategy=uuid
+            (GPU1, &[GPU1], DeviceKind::Gpus),
+            (&format!("{GPU2},{GPU1}"), &[GPU2, GPU1], DeviceKind::Gpus),
+            // --device-id-strategy=index
+            ("1", &[GPU1], DeviceKind::Gpus),
+            ("1,2", &[GPU1, GPU2], DeviceKind::Gpus),
+            // MIG strategies single/mixed: MIG UUIDs, or gpu:mig under index.
+            (MIG1, &[MIG1], DeviceKind::Mig),
+            ("0:2", &[MIG2], DeviceKind::Mig),
+        ];
+        for (value, want, kind) in cases {
+            let mut v = cri();
+            // The image's own value first, the kubelet's after it: the last one counts.
+            push_env(
+                &mut v,
+                &[IMAGE_ALL, &format!("NVIDIA_VISIBLE_DEVICES={value}")],
+            );
+            let p = asked(v);
+            let a = found(&p);
+            assert_eq!((a.source, a.found.as_str()), (Env, *value));
+            let want: Vec<String> = want.iter().map(|s| s.to_string()).collect();
+            assert_eq!(resolved(&p), (want, *kind), "{value}");
+            assert!(RawSpec::from(&p).may_hold_allocation());
+        }
+        // Docker's --gpus fallback on the Docker fixture, as a Docker user would ask.
+        let mut v = fixture("docker-20.10-config.json");
+        v["process"]["env"] = json!(["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=2"]);
+        let p = asked(v);
+        assert_eq!(resolved(&p).0, vec![GPU2]);
+    }
+
+    #[test]
+    fn what_is_not_an_allocation() {
+        // The image's own all (CDI-only strategies leave it in the spec), none, void, empty,
+        // a list holding one of them, and the volume-mounts marker without mounts.
+        for value in [
+            "all",
+            "none",
+            "void",
+            "",
+            "0,void",
+            "all,1",
+            "/var/run/nvidia-container-devices",
+        ] {
+            let mut v = cri();
+            push_env(&mut v, &[&format!("NVIDIA_VISIBLE_DEVICES={value}")]);
+            let p = asked(v.clone());
+            let msg = refusal(&p);
+            assert_eq!(
+                msg,
+                format!("gpushare.io/device=\"allocated\" found no devices allocated to the container: {LOOKED_AT}; allowed is allocated in a container given GPUs by a device plugin or DRA driver, or devices named explicitly (0, GPU-<uuid>, MIG-<uuid>, 0:1)"),
+                "{value}"
+            );
+            // With the node's default, the same container passes through.
+            assert!(run(&v, Some(DefaultDevice::Allocated))
+                .result
+                .expect(value)
+                .is_none());
+        }
+        // Nothing at all: the bare fixtures.
+        for name in [
+            "containerd-1.6-config.json",
+            "docker-20.10-config.json",
+            "podman-4.3-config.json",
+        ] {
+            let mut v = fixture(name);
+            v["annotations"] = json!({});
+            v["process"]["env"] = json!(["PATH=/bin"]);
+            assert!(refusal(&asked(v.clone())).contains("found no devices allocated"));
+            let p = run(&v, Some(DefaultDevice::Allocated));
+            assert!(p.result.as_ref().expect(name).is_none());
+            assert!(!RawSpec::from(&p).may_hold_allocation(), "{name}");
+        }
+    }
+
+    #[test]
+    fn malformed_and_old_ids_are_refused_naming_the_source() {
+        #[rustfmt::skip]
+        let cases: &[(&str, &str)] = &[
+            ("foo", "NVIDIA_VISIBLE_DEVICES=\"foo\" has entry 1 (\"foo\"), which is not a device; allowed is device ids as NVIDIA's device plugin writes them"),
+            ("1,,2", "NVIDIA_VISIBLE_DEVICES=\"1,,2\" has entry 2 empty; allowed is device ids"),
+            ("GPU-x", "has entry 1 (\"GPU-x\"), which is not a device"),
+            // The replicas' ::n suffix never reaches a spec.
+            ("GPU-a1b2c3d4-e5f6-4789-9abc-def012345678::1", "which is not a device"),
+            ("MIG-GPU-8f8bff94-112e-9541-43da-cfd453333404/1/0", "has entry 1 (\"MIG-GPU-8f8bff94-112e-9541-43da-cfd453333404/1/0\"), a MIG device named as drivers before R470 did (MIG-GPU-<uuid>/<gi>/<ci>), which the inventory cannot map; allowed is MIG-<uuid>, the MIG device names of NVIDIA drivers R470 and later"),
+            ("0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16", "lists 17 devices; allowed is device ids"),
+        ];
+        for (value, want) in cases {
+            let mut v = cri();
+            push_env(&mut v, &[&format!("NVIDIA_VISIBLE_DEVICES={value}")]);
+            let msg = refusal(&asked(v));
+            assert!(
+                msg.starts_with("gpushare.io/device=\"allocated\" cannot use the container's allocation: NVIDIA_VISIBLE_DEVICES="),
+                "{msg}"
+            );
+            assert!(msg.contains(want), "{msg}\n lacks {want}");
+        }
+        // The ids then meet the rules of named devices: MIG devices stand alone, a GPU in
+        // MIG mode is refused, an unknown GPU is named.
+        #[rustfmt::skip]
+        let unusable: &[(&str, &str)] = &[
+            (&format!("{MIG1},{MIG2}"), "NVIDIA_VISIBLE_DEVICES=\"MIG-3b5c1f7e-0d4a-5a0e-9c61-2f1e8d7b6a01,MIG-4c6d2a8f-1e5b-5b1f-…\" is invalid: a MIG device must stand alone, not in a list"),
+            ("0", "NVIDIA_VISIBLE_DEVICES=\"0\" names GPU 0, which is in MIG mode: allowed is one of its MIG devices (0:0, 0:1, 0:2, 0:3)"),
+            ("7", "NVIDIA_VISIBLE_DEVICES=\"7\" names GPU 7, which does not exist: this node has GPUs 0, 1, 2"),
+        ];
+        for (value, want) in unusable {
+            let mut v = cri();
+            push_env(&mut v, &[&format!("NVIDIA_VISIBLE_DEVICES={value}")]);
+            let p = asked(v);
+            let req = p.result.expect("parses").expect("request");
+            let err = req.device.resolve(&sample()).expect_err(value);
+            let line = format!("{:#}", anyhow::Error::new(err));
+            assert_eq!(
+                line,
+                format!("gpushare.io/device=\"allocated\" takes the devices allocated to the container: {want}")
+            );
+        }
+    }
+
+    #[test]
+    fn volume_mounts_strategy() {
+        let mut v = cri();
+        push_env(
+            &mut v,
+            &["NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices"],
+        );
+        for id in [GPU2, GPU1] {
+            push_mount(
+                &mut v,
+                "/dev/null",
+                &format!("/var/run/nvidia-container-devices/{id}"),
+                &["ro", "nosuid", "nodev", "bind"],
+            );
+        }
+        // IMEX channels sit deeper and are no GPU.
+        push_mount(
+            &mut v,
+            "/dev/null",
+            "/var/run/nvidia-container-devices/imex/0",
+            &["ro", "bind"],
+        );
+        let p = asked(v);
+        let a = found(&p);
+        assert_eq!(a.source, AllocationSource::VolumeMounts);
+        assert_eq!(a.found, format!("{GPU2},{GPU1}"));
+        assert_eq!(
+            resolved(&p),
+            (vec![GPU2.to_owned(), GPU1.to_owned()], DeviceKind::Gpus)
+        );
+        // A MIG device by index.
+        let mut v = cri();
+        push_env(
+            &mut v,
+            &["NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices"],
+        );
+        push_mount(
+            &mut v,
+            "/dev/null",
+            "/var/run/nvidia-container-devices/0:1",
+            &["ro", "bind"],
+        );
+        assert_eq!(
+            resolved(&asked(v)),
+            (vec![MIG1.to_owned()], DeviceKind::Mig)
+        );
+    }
+
+    #[test]
+    fn cdi_annotations_strategy() {
+        // The device plugin's annotation, with the image's own all still in the env; other
+        // vendors, other NVIDIA classes and DRA claims are not read.
+        let mut v = cri();
+        push_env(&mut v, &[IMAGE_ALL]);
+        annotate(
+            &mut v,
+            CDI_KEY,
+            &format!(
+                "k8s.device-plugin.nvidia.com/gpu={GPU1},k8s.device-plugin.nvidia.com/gdrcopy=all"
+            ),
+        );
+        annotate(&mut v, "cdi.k8s.io/other_9f1c", "vendor.example/gpu=0");
+        annotate(
+            &mut v,
+            "cdi.k8s.io/dra_1",
+            "k8s.gpu.nvidia.com/claim=6d1c0b3a-gpu-1",
+        );
+        let p = asked(v);
+        let a = found(&p);
+        assert_eq!(
+            (a.source, a.found.as_str()),
+            (AllocationSource::CdiAnnotations, GPU1)
+        );
+        assert_eq!(resolved(&p), (vec![GPU1.to_owned()], DeviceKind::Gpus));
+
+        // The operator's default, cdi-annotations,cdi-cri: the annotation and the injected
+        // node agree; the annotation names the device and wins. A MIG device by UUID.
+        let mut v = cri();
+        push_env(&mut v, &[IMAGE_ALL]);
+        annotate(
+            &mut v,
+            CDI_KEY,
+            &format!("k8s.device-plugin.nvidia.com/gpu={MIG2}"),
+        );
+        push_cdi_gpu(&mut v, 0);
+        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap21", 511, 21);
+        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap22", 511, 22);
+        let p = asked(v);
+        assert_eq!(found(&p).source, AllocationSource::CdiAnnotations);
+        assert_eq!(resolved(&p), (vec![MIG2.to_owned()], DeviceKind::Mig));
+
+        // Two annotations (two resources): every GPU, keys in sorted order; index ids; the
+        // toolkit's own vendor.
+        let mut v = cri();
+        annotate(
+            &mut v,
+            "cdi.k8s.io/nvidia-device-plugin_b",
+            "nvidia.com/gpu=2",
+        );
+        annotate(
+            &mut v,
+            "cdi.k8s.io/nvidia-device-plugin_a",
+            "k8s.device-plugin.nvidia.com/gpu=1",
+        );
+        let p = asked(v);
+        assert_eq!(found(&p).found, "1,2");
+        assert_eq!(resolved(&p).0, vec![GPU1, GPU2]);
+
+        // Only other kinds: no allocation.
+        let mut v = cri();
+        annotate(&mut v, CDI_KEY, "k8s.device-plugin.nvidia.com/gpu=all");
+        assert!(refusal(&asked(v)).contains("found no devices allocated"));
+    }
+
+    #[test]
+    fn cdi_cri_and_dra_device_nodes() {
+        // cdi-cri (and the DRA driver): only the applied edits, the image's all in the env.
+        let mut v = cri();
+        push_env(&mut v, &[IMAGE_ALL]);
+        push_cdi_gpu(&mut v, 3);
+        let p = asked(v.clone());
+        let a = found(&p);
+        assert_eq!(a.source, AllocationSource::DeviceNodes);
+        assert_eq!(a.found, "/dev/nvidia3");
+        assert_eq!(a.devices, AllocatedDevices::Minors(vec![3]));
+        assert_eq!(resolved(&p), (vec![GPU2.to_owned()], DeviceKind::Gpus));
+        // Two GPUs, in spec order; the common nodes once.
+        push_cdi_gpu(&mut v, 1);
+        let p = asked(v);
+        assert_eq!(found(&p).found, "/dev/nvidia3,/dev/nvidia1");
+        assert_eq!(resolved(&p).0, vec![GPU2, GPU1]);
+
+        // DRA MIG: the parent node and the GI/CI capability nodes; no name anywhere.
+        let mut v = cri();
+        push_cdi_gpu(&mut v, 0);
+        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap21", 511, 21);
+        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap22", 511, 22);
+        assert_eq!(
+            refusal(&asked(v)),
+            "gpushare.io/device=\"allocated\" cannot use the container's allocation: linux.devices=\"/dev/nvidia0\" comes with /dev/nvidia-caps/nvidia-cap21, a MIG device's capability node, and gpushare cannot tell which MIG device it is; allowed is an allocation that names its MIG device (cdi.k8s.io/* annotations, which containerd passes with container_annotations = [\"cdi.k8s.io/*\"]; NVIDIA_VISIBLE_DEVICES; volume mounts), or gpushare.io/device=MIG-<uuid>"
+        );
+
+        // A node whose path and minor disagree was not written by nvcdi.
+        let mut v = cri();
+        push_node(&mut v, "/dev/nvidia1", 195, 3);
+        assert!(refusal(&asked(v)).contains("linux.devices=\"/dev/nvidia1\" has /dev/nvidia1 with minor number 3; allowed is device nodes as CDI injects them"));
+
+        // A minor the inventory does not know, resolved with the source named.
+        let mut v = cri();
+        push_cdi_gpu(&mut v, 9);
+        let req = asked(v).result.expect("parses").expect("request");
+        let line = format!(
+            "{:#}",
+            anyhow::Error::new(req.device.resolve(&sample()).expect_err("9"))
+        );
+        assert_eq!(line, "gpushare.io/device=\"allocated\" takes the devices allocated to the container: linux.devices=\"/dev/nvidia9\" names the GPU with minor number 9 (/dev/nvidia9), which does not exist: this node's GPUs have minor numbers 0, 1, 3");
+    }
+
+    #[test]
+    fn a_privileged_containers_device_nodes_are_no_allocation() {
+        // containerd's privileged container: every host device, every device allowed.
+        let mut v = cri();
+        push_cdi_gpu(&mut v, 1);
+        push_cdi_gpu(&mut v, 3);
+        v["linux"]["resources"]["devices"] = json!([{"allow": true, "access": "rwm"}]);
+        assert!(refusal(&asked(v.clone())).contains("found no devices allocated"));
+        assert!(run(&v, Some(DefaultDevice::Allocated))
+            .result
+            .expect("passes")
+            .is_none());
+        // Its env allocation still counts.
+        push_env(&mut v, &["NVIDIA_VISIBLE_DEVICES=1"]);
+        assert_eq!(resolved(&asked(v)).0, vec![GPU1]);
+    }
+
+    #[test]
+    fn the_allocators_own_mps_is_refused() {
+        // Device plugin sharing.mps: env, pipe and shm mounts of its own.
+        let mut plugin = cri();
+        push_env(
+            &mut plugin,
+            &[
+                &format!("NVIDIA_VISIBLE_DEVICES={GPU1}"),
+                "CUDA_MPS_PIPE_DIRECTORY=/mps/nvidia.com/gpu/pipe",
+            ],
+        );
+        push_mount(
+            &mut plugin,
+            "/run/nvidia/mps/nvidia.com/gpu/pipe",
+            "/mps/nvidia.com/gpu/pipe",
+            &["rbind"],
+        );
+        push_mount(&mut plugin, "/run/nvidia/mps/shm", "/dev/shm", &["rbind"]);
+        // DRA driver MPS: the applied edits only.
+        let mut dra = cri();
+        push_cdi_gpu(&mut dra, 1);
+        push_env(&mut dra, &["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"]);
+        let dir = "/var/lib/kubelet/plugins/gpu.nvidia.com/mps/6d1c0b3a";
+        push_mount(&mut dra, &format!("{dir}/shm"), "/dev/shm", &["rbind"]);
+        push_mount(
+            &mut dra,
+            &format!("{dir}/pipe"),
+            "/tmp/nvidia-mps",
+            &["rbind"],
+        );
+        for (v, pipe, source) in [
+            (
+                plugin,
+                "/mps/nvidia.com/gpu/pipe",
+                "/run/nvidia/mps/nvidia.com/gpu/pipe".to_owned(),
+            ),
+            (dra, "/tmp/nvidia-mps", format!("{dir}/pipe")),
+        ] {
+            let tail = format!("is refused: the container's allocation already carries its allocator's MPS (CUDA_MPS_PIPE_DIRECTORY=\"{pipe}\" with a mount there from {}), and gpushare never stacks a second MPS on it; allowed is an allocation without the allocator's MPS sharing (device plugin sharing.mps, DRA driver MPS)", crate::device::quote(&source));
+            assert_eq!(
+                refusal(&asked(v.clone())),
+                format!("gpushare.io/device=\"allocated\" {tail}")
+            );
+            assert_eq!(
+                refusal(&run(&v, Some(DefaultDevice::Allocated))),
+                format!("default-device=\"allocated\" {tail}")
+            );
+        }
+        // The variable alone (an image's own, say) is no allocator's MPS.
+        let mut v = cri();
+        push_env(
+            &mut v,
+            &[
+                "NVIDIA_VISIBLE_DEVICES=1",
+                "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
+            ],
+        );
+        assert_eq!(resolved(&asked(v)).0, vec![GPU1]);
+    }
+
+    #[test]
+    fn default_device_makes_an_allocation_a_request() {
+        let mut v = cri();
+        push_env(&mut v, &[IMAGE_ALL]);
+        push_cdi_gpu(&mut v, 3);
+        let p = run(&v, Some(DefaultDevice::Allocated));
+        let req = p
+            .result
+            .as_ref()
+            .expect("parses")
+            .as_ref()
+            .expect("a request");
+        assert_eq!(
+            (req.device.key, req.device.raw.as_str()),
+            ("default-device", "allocated")
+        );
+        assert_eq!(resolved(&p).0, vec![GPU2]);
+        // Without the default: no request, whatever the allocation.
+        assert!(run(&v, None).result.expect("parses").is_none());
+        // A device key still wins over the default, and the other keys are read.
+        annotate(&mut v, "gpushare.io/device", "1");
+        annotate(&mut v, "gpushare.io/active-thread-percentage", "30");
+        let p = run(&v, Some(DefaultDevice::Allocated));
+        assert_eq!(resolved(&p).0, vec![GPU1]);
+        let req = p.result.expect("parses").expect("request");
+        assert_eq!(req.active_thread_percentage.map(|s| s.value), Some(30));
+        // The env spelling, and its refusal where env requests are off.
+        let mut v = cri();
+        push_env(
+            &mut v,
+            &["NVIDIA_VISIBLE_DEVICES=2", "GPUSHARE_DEVICE=allocated"],
+        );
+        assert_eq!(resolved(&run(&v, None)).0, vec![GPU2]);
+        let bytes = serde_json::to_vec(&v).expect("json");
+        let spec = SpecFile::from_bytes(Path::new("c"), &bytes).expect("spec");
+        let off = Options {
+            accept_env: false,
+            default_device: Some(DefaultDevice::Allocated),
+        };
+        let err = parse(&spec.request_inputs(), &off)
+            .expect_err("env off")
+            .to_string();
+        assert!(
+            err.starts_with("GPUSHARE_DEVICE=\"allocated\" is refused: env requests are disabled"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn sandboxes_are_never_a_request() {
+        // The pod annotations containerd (pod_annotations) and CRI-O copy into the pause
+        // container's spec, a bad value among them, and an allocation too.
+        let markers = [
+            ("io.kubernetes.cri.container-type", "sandbox"),
+            ("io.kubernetes.cri-o.ContainerType", "sandbox"),
+            ("io.kubernetes.docker.type", "podsandbox"),
+        ];
+        for (key, value) in markers {
+            for name in [
+                "containerd-1.6-config.json",
+                "podman-4.3-config.json",
+                "docker-20.10-config.json",
+            ] {
+                let mut v = fixture(name);
+                annotate(&mut v, "gpushare.io/device", "allocated");
+                annotate(&mut v, "gpushare.io/pinned-memory-limit", "bogus");
+                push_env(
+                    &mut v,
+                    &["GPUSHARE_IPC=nonsense", "NVIDIA_VISIBLE_DEVICES=1"],
+                );
+                annotate(&mut v, key, value);
+                for default_device in [None, Some(DefaultDevice::Allocated)] {
+                    assert!(
+                        run(&v, default_device).result.expect("no error").is_none(),
+                        "{name} {key}"
+                    );
+                }
+                // Env requests refused on the node: still nothing, not an error.
+                let bytes = serde_json::to_vec(&v).expect("json");
+                let spec = SpecFile::from_bytes(Path::new("s"), &bytes).expect("spec");
+                let off = Options {
+                    accept_env: false,
+                    default_device: None,
+                };
+                assert!(parse(&spec.request_inputs(), &off)
+                    .expect("no error")
+                    .is_none());
+            }
+        }
+        // The workload container of the same pod: the request, and its bad value reported.
+        for (key, value) in [
+            ("io.kubernetes.cri.container-type", "container"),
+            ("io.kubernetes.cri-o.ContainerType", "container"),
+            ("io.kubernetes.docker.type", "container"),
+            ("io.kubernetes.cri.container-type", "Sandbox"),
+        ] {
+            let mut v = cri();
+            annotate(&mut v, key, value);
+            annotate(&mut v, "gpushare.io/device", "1");
+            annotate(&mut v, "gpushare.io/pinned-memory-limit", "bogus");
+            let msg = refusal(&run(&v, None));
+            assert!(
+                msg.starts_with("gpushare.io/pinned-memory-limit=\"bogus\" is invalid"),
+                "{msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_source_spells_nvidia() {
+        // What the fast path relies on: a spec holding an allocation spells "nvidia".
+        let mut shapes = Vec::new();
+        let mut v = cri();
+        push_env(&mut v, &["NVIDIA_VISIBLE_DEVICES=1"]);
+        shapes.push(v);
+        let mut v = cri();
+        push_mount(
+            &mut v,
+            "/dev/null",
+            &format!("/var/run/nvidia-container-devices/{GPU1}"),
+            &["bind"],
+        );
+        shapes.push(v);
+        let mut v = cri();
+        annotate(&mut v, CDI_KEY, "nvidia.com/gpu=1");
+        shapes.push(v);
+        let mut v = cri();
+        push_node(&mut v, "/dev/nvidia1", 195, 1);
+        shapes.push(v);
+        for v in shapes {
+            let p = run(&v, Some(DefaultDevice::Allocated));
+            assert!(p.result.as_ref().expect("parses").is_some());
+            assert!(RawSpec::from(&p).may_hold_allocation());
+            assert!(
+                !RawSpec::from(&p).may_request(),
+                "no gpushare in these bytes"
+            );
+        }
+    }
+
+    impl From<&Parsed> for RawSpec {
+        fn from(p: &Parsed) -> RawSpec {
+            RawSpec {
+                path: "config.json".into(),
+                mode: 0o644,
+                bytes: p.bytes.clone(),
+            }
+        }
+    }
+}
