@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -622,6 +622,110 @@ impl Container<'_> {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+pub fn need(bin: &str, package: &str) -> PathBuf {
+    which(bin).unwrap_or_else(|| panic!("{bin} is not installed: the README's test command (./scripts/test) installs {package} with apt-get"))
+}
+
+pub fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A mount namespace for one engine test: a slave of the host's (the host's mounts reach
+/// it, none of its own reach the host) with a tmpfs over each place engines write outside
+/// the roots their flags name. Every engine process is started in it through `cmd`.
+pub struct PrivateMounts {
+    holder: Child,
+}
+
+impl PrivateMounts {
+    const COVERED: &'static [&'static str] =
+        &["/run", "/etc/docker", "/etc/cni", "/var/lib", "/var/cache"];
+
+    pub fn new() -> PrivateMounts {
+        let script = format!(
+            "for d in {}; do if [ -d \"$d\" ]; then mount -t tmpfs -o mode=0755 gs-engine \"$d\" || exit 1; fi; done; echo ready; exec sleep 3600",
+            Self::COVERED.join(" ")
+        );
+        let mut holder = Command::new(need("unshare", "util-linux"))
+            .args(["--mount", "--propagation", "slave", "sh", "-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(holder.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert_eq!(
+            line.trim(),
+            "ready",
+            "the engine's mount namespace was not set up"
+        );
+        PrivateMounts { holder }
+    }
+
+    /// The pid of the process that holds the namespace.
+    pub fn holder_pid(&self) -> u32 {
+        self.holder.id()
+    }
+
+    /// `program` run inside the namespace (nsenter execs it: the pid is the program's).
+    pub fn cmd(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut c = Command::new(need("nsenter", "util-linux"));
+        c.arg(format!("--mount=/proc/{}/ns/mnt", self.holder.id()))
+            .arg("--")
+            .arg(program);
+        c
+    }
+}
+
+impl Drop for PrivateMounts {
+    fn drop(&mut self) {
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
+}
+
+/// Stops a daemon we started: SIGTERM, then SIGKILL after `grace`.
+pub fn stop_child(child: &mut Child, grace: Duration) {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    if !wait_until(grace, || matches!(child.try_wait(), Ok(Some(_)))) {
+        let _ = child.kill();
+    }
+    let _ = child.wait();
+}
+
+/// A tarball of the test rootfs (busybox + the simulator's client).
+pub fn rootfs_tar(dir: &Path) -> PathBuf {
+    let tar = dir.join("rootfs.tar");
+    let st = Command::new("tar")
+        .arg("-C")
+        .arg(rootfs())
+        .args(["-cf"])
+        .arg(&tar)
+        .arg(".")
+        .status()
+        .unwrap();
+    assert!(st.success());
+    tar
+}
+
+/// The config table that moves containerd's `opt` plugin into `dir`: by default it creates
+/// /opt/containerd on the host, a place no namespace of ours covers.
+pub fn containerd_opt_plugin(dir: &Path) -> String {
+    format!(
+        "[plugins.\"io.containerd.internal.v1.opt\"]\n  path = {:?}\n",
+        dir.join("opt").display().to_string()
+    )
 }
 
 /// Parses the simulator client's line `mps-client pid=… server=… waited_ms=… …`.
