@@ -3,6 +3,8 @@
 
 mod allocated;
 mod core_path;
+mod cri;
+mod cri_api;
 mod engines;
 mod harness;
 mod modes;

@@ -1,0 +1,1125 @@
+//! Issue 12: the Kubernetes path, as a kubelet drives it. A private containerd 1.6 with its
+//! CRI plugin (own root, state, socket and cgroup parent; no CNI, so host-network pods; an
+//! offline pause image) is configured by the real `gpushare install containerd` and driven
+//! over the CRI gRPC API (cri_api.rs): pods, containers, restarts, removal. The workload
+//! image is the test rootfs (busybox + the simulator's client); the MPS control binary is
+//! the simulator, through GPUSHARE_CONFIG in containerd's environment.
+//!
+//! containerd and the image imports run in a mount namespace of their own
+//! (`PrivateMounts`): /run, /var/lib, /var/cache, /etc/cni are empty tmpfs there, so
+//! nothing reaches the host's. Everything is stopped and removed in `Drop`, even when a
+//! test fails: pods through CRI, then containerd, leftover shims, the cgroup parent.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::cri_api::*;
+use crate::harness::*;
+
+const HANDLER: &str = "gpushare";
+const PAUSE: &str = "gpushare.test/pause:1";
+const IMAGE: &str = "gpushare.test/sim:1";
+const CLIENT: &str = "gpushare-mps-sim client";
+
+/// The CRI plugin's table for a private containerd under `dir`. No `gpushare` runtime:
+/// `gpushare install containerd` adds that.
+fn base_config(dir: &Path) -> String {
+    let p = |name: &str| format!("{:?}", dir.join(name).display().to_string());
+    // Without CAP_SYS_RESOURCE (a container as the test machine) root cannot raise
+    // oom_score_adj: containerd must keep the sandbox's at its own.
+    let restrict_oom = !caps::has_cap(
+        None,
+        caps::CapSet::Effective,
+        caps::Capability::CAP_SYS_RESOURCE,
+    )
+    .unwrap_or(false);
+    format!(
+        r#"version = 2
+root = {root}
+state = {state}
+
+[grpc]
+  address = {sock}
+
+{opt}
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{PAUSE}"
+  restrict_oom_score_adj = {restrict_oom}
+  # No AppArmor profile loaded into the host's kernel, no SELinux labels.
+  disable_apparmor = true
+  enable_selinux = false
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    # Works on any filesystem (overlayfs does not on overlayfs).
+    snapshotter = "native"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = {cni_bin}
+    conf_dir = {cni_conf}
+"#,
+        root = p("root"),
+        state = p("state"),
+        sock = p("c.sock"),
+        opt = containerd_opt_plugin(dir),
+        cni_bin = p("cni/bin"),
+        cni_conf = p("cni/net.d"),
+    )
+}
+
+/// A docker-archive (`docker save` format) of one image: `layer` as its only layer.
+fn image_tar(dir: &Path, name: &str, layer: &Path, config: Value) -> PathBuf {
+    use sha2::Digest;
+    let stem = format!("img-{}", name.replace(['/', ':', '.'], "_"));
+    let work = dir.join(&stem);
+    std::fs::create_dir_all(&work).unwrap();
+    std::fs::copy(layer, work.join("layer.tar")).unwrap();
+    let digest = hex(&sha2::Sha256::digest(std::fs::read(layer).unwrap()));
+    let arch = match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    };
+    let config = serde_json::json!({
+        "architecture": arch, "os": "linux", "config": config,
+        "rootfs": {"type": "layers", "diff_ids": [format!("sha256:{digest}")]},
+    });
+    std::fs::write(work.join("config.json"), config.to_string()).unwrap();
+    let manifest = serde_json::json!([
+        {"Config": "config.json", "RepoTags": [name], "Layers": ["layer.tar"]}
+    ]);
+    std::fs::write(work.join("manifest.json"), manifest.to_string()).unwrap();
+    let tar = dir.join(format!("{stem}.tar"));
+    let st = Command::new("tar")
+        .arg("-C")
+        .arg(&work)
+        .arg("-cf")
+        .arg(&tar)
+        .args(["manifest.json", "config.json", "layer.tar"])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let _ = std::fs::remove_dir_all(&work);
+    tar
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The pause image, built offline: a static busybox whose shell waits until SIGTERM/SIGINT
+/// (what registry.k8s.io/pause does), as uid 65535 like pause ≥ 3.5.
+fn pause_tar(dir: &Path) -> PathBuf {
+    let root = dir.join("pause-rootfs");
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    let bb = ["/bin/busybox", "/usr/bin/busybox"]
+        .into_iter()
+        .find(|p| Path::new(p).is_file())
+        .expect("busybox");
+    std::fs::copy(bb, root.join("bin/busybox")).unwrap();
+    for applet in ["sh", "sleep"] {
+        std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
+    }
+    let layer = dir.join("pause-layer.tar");
+    let st = Command::new("tar")
+        .arg("-C")
+        .arg(&root)
+        .arg("-cf")
+        .arg(&layer)
+        .arg(".")
+        .status()
+        .unwrap();
+    assert!(st.success());
+    image_tar(
+        dir,
+        PAUSE,
+        &layer,
+        serde_json::json!({
+            "User": "65535:65535",
+            "Entrypoint": ["/bin/sh", "-c", "trap 'exit 0' TERM INT; sleep 2147483647 & wait"],
+        }),
+    )
+}
+
+/// One pod as the tests ask for it.
+#[derive(Default, Clone)]
+struct PodSpec<'a> {
+    name: &'a str,
+    annotations: &'a [(&'a str, &'a str)],
+    /// The pod's `securityContext.runAsUser` (the sandbox's user; kubelet also copies it
+    /// to every container that sets none, which `ContainerSpec::user` does by hand).
+    run_as_user: Option<i64>,
+}
+
+#[derive(Debug)]
+struct Pod {
+    id: String,
+    config: PodSandboxConfig,
+}
+
+#[derive(Default, Clone)]
+struct ContainerSpec<'a> {
+    name: &'a str,
+    attempt: u32,
+    script: &'a str,
+    run_as_user: Option<i64>,
+    envs: &'a [(&'a str, &'a str)],
+    devices: &'a [&'a str],
+}
+
+/// A private containerd with the CRI plugin, in its own mount namespace.
+struct Node<'e> {
+    env: &'e Env,
+    dir: PathBuf,
+    config: PathBuf,
+    sock: PathBuf,
+    log: PathBuf,
+    cgroup: String,
+    child: Option<Child>,
+    cri: Option<Cri>,
+    ns: Option<PrivateMounts>,
+    pods: usize,
+}
+
+impl<'e> Node<'e> {
+    /// containerd on `config` (already written), in a new namespace; `prepare` runs in it
+    /// before containerd starts (extra mounts).
+    fn start_with(env: &'e Env, dir: PathBuf, config: PathBuf, prepare: &[&[&str]]) -> Node<'e> {
+        need("containerd", "containerd");
+        need("ctr", "containerd");
+        std::fs::create_dir_all(&dir).unwrap();
+        let ns = PrivateMounts::new();
+        for args in prepare {
+            let st = ns.cmd(args[0]).args(&args[1..]).status().unwrap();
+            assert!(st.success(), "{args:?}");
+        }
+        let mut node = Node {
+            env,
+            sock: dir.join("c.sock"),
+            log: dir.join("containerd.log"),
+            cgroup: format!(
+                "/gs-cri-{}-{}",
+                std::process::id(),
+                dir.file_name().unwrap().to_string_lossy()
+            ),
+            dir,
+            config,
+            child: None,
+            cri: None,
+            ns: Some(ns),
+            pods: 0,
+        };
+        node.restart();
+        node
+    }
+
+    /// A node configured like a fresh one: the base config, then `gpushare install
+    /// containerd` (the binary under test) adds the runtime, pointed at the shim under test.
+    fn start(env: &'e Env) -> Node<'e> {
+        let dir = env.path().join("k");
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("config.toml");
+        std::fs::write(&config, base_config(&dir)).unwrap();
+        let out = env
+            .cmd(GPUSHARE)
+            .args(["install", "containerd", "--config"])
+            .arg(&config)
+            .arg("--runtime-path")
+            .arg(RUNTIME)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        let node = Node::start_with(env, dir, config, &[]);
+        node.import_images();
+        node
+    }
+
+    fn ns(&self) -> &PrivateMounts {
+        self.ns.as_ref().unwrap()
+    }
+
+    fn cri(&self) -> &Cri {
+        self.cri.as_ref().expect("containerd is running")
+    }
+
+    /// (Re)starts containerd on its config, as a service manager would, and waits for CRI.
+    fn restart(&mut self) {
+        assert!(self.child.is_none(), "containerd is still running");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = self
+            .ns()
+            .cmd(need("containerd", "containerd"))
+            .env("GPUSHARE_CONFIG", &self.env.config)
+            .arg("--config")
+            .arg(&self.config)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let mut last = String::new();
+        let up = wait_until(Duration::from_secs(60), || {
+            match Cri::connect(&self.sock).and_then(|c| c.version().map(|v| (c, v))) {
+                Ok((c, v)) => {
+                    assert_eq!(v.runtime_name, "containerd");
+                    self.cri = Some(c);
+                    true
+                }
+                Err(e) => {
+                    last = e.to_string();
+                    assert!(
+                        !self
+                            .log_text()
+                            .contains("failed to load plugin io.containerd.grpc.v1.cri"),
+                        "containerd's CRI plugin did not load:\n{}",
+                        self.log_text()
+                    );
+                    false
+                }
+            }
+        });
+        assert!(
+            up,
+            "containerd's CRI did not come up ({last}):\n{}",
+            self.log_text()
+        );
+    }
+
+    /// The pid of the running containerd (nsenter execs it: the child is containerd).
+    fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    /// Waits for containerd to exit (after someone else signalled it); its exit status.
+    fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("containerd was running");
+        self.cri = None;
+        let mut status = None;
+        let gone = wait_until(limit, || {
+            status = child.try_wait().unwrap();
+            status.is_some()
+        });
+        if !gone {
+            stop_child(&mut child, Duration::from_secs(5));
+            panic!("containerd did not exit:\n{}", self.log_text());
+        }
+        status.unwrap()
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn import_images(&self) {
+        let tars = [rootfs_image(&self.dir), pause_tar(&self.dir)];
+        for tar in &tars {
+            let out = self
+                .ns()
+                .cmd("ctr")
+                .arg("--address")
+                .arg(&self.sock)
+                .args([
+                    "-n",
+                    "k8s.io",
+                    "images",
+                    "import",
+                    "--snapshotter",
+                    "native",
+                ])
+                .arg(tar)
+                .stdin(Stdio::null())
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "ctr images import: {}", text(&out));
+            let _ = std::fs::remove_file(tar);
+        }
+        // CRI learns about imported images from containerd's events.
+        for image in [IMAGE, PAUSE] {
+            let known = wait_until(Duration::from_secs(20), || {
+                matches!(self.cri().image_status(image), Ok(Some(_)))
+            });
+            assert!(known, "CRI does not see the imported image {image}");
+        }
+    }
+
+    fn bundle(&self, id: &str) -> PathBuf {
+        self.dir
+            .join("state/io.containerd.runtime.v2.task/k8s.io")
+            .join(id)
+    }
+
+    /// The config.json the runtime was given (and the shim may have edited).
+    fn bundle_spec(&self, id: &str) -> Value {
+        let path = self.bundle(id).join("config.json");
+        serde_json::from_slice(
+            &std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+        )
+        .unwrap()
+    }
+
+    fn pod_config(&mut self, spec: &PodSpec) -> PodSandboxConfig {
+        self.pods += 1;
+        let logs = self.dir.join("logs").join(spec.name);
+        std::fs::create_dir_all(&logs).unwrap();
+        PodSandboxConfig {
+            metadata: Some(PodSandboxMetadata {
+                name: spec.name.into(),
+                uid: format!("uid-{}-{}", spec.name, self.pods),
+                namespace: "default".into(),
+                attempt: 0,
+            }),
+            // None for a host-network pod (kubelet sets it only with a pod network).
+            log_directory: logs.display().to_string(),
+            annotations: spec
+                .annotations
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            linux: Some(LinuxPodSandboxConfig {
+                cgroup_parent: self.cgroup.clone(),
+                security_context: Some(LinuxSandboxSecurityContext {
+                    // hostNetwork: true (no CNI here).
+                    namespace_options: Some(NamespaceOption {
+                        network: NAMESPACE_NODE,
+                        pid: 1,
+                        ipc: 0,
+                    }),
+                    run_as_user: spec.run_as_user.map(|value| Int64Value { value }),
+                    run_as_group: spec.run_as_user.map(|value| Int64Value { value }),
+                }),
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn try_pod(&mut self, spec: &PodSpec) -> Result<Pod, Status> {
+        let config = self.pod_config(spec);
+        let id = self.cri().run_pod(&config, HANDLER)?;
+        Ok(Pod { id, config })
+    }
+
+    fn pod(&mut self, spec: &PodSpec) -> Pod {
+        self.try_pod(spec)
+            .unwrap_or_else(|e| panic!("RunPodSandbox {}: {e}\n{}", spec.name, self.log_text()))
+    }
+
+    fn create(&self, pod: &Pod, c: &ContainerSpec) -> Result<String, Status> {
+        let config = ContainerConfig {
+            metadata: Some(ContainerMetadata {
+                name: c.name.into(),
+                attempt: c.attempt,
+            }),
+            image: Some(ImageSpec {
+                image: IMAGE.into(),
+            }),
+            command: vec!["sh".into(), "-c".into(), c.script.into()],
+            envs: c
+                .envs
+                .iter()
+                .map(|(k, v)| KeyValue {
+                    key: k.to_string(),
+                    value: v.to_string(),
+                })
+                .collect(),
+            devices: c
+                .devices
+                .iter()
+                .map(|d| Device {
+                    container_path: d.to_string(),
+                    host_path: d.to_string(),
+                    permissions: "rw".into(),
+                })
+                .collect(),
+            log_path: format!("{}_{}.log", c.name, c.attempt),
+            linux: Some(LinuxContainerConfig {
+                security_context: Some(LinuxContainerSecurityContext {
+                    run_as_user: c.run_as_user.map(|value| Int64Value { value }),
+                    run_as_group: c.run_as_user.map(|value| Int64Value { value }),
+                }),
+            }),
+            ..Default::default()
+        };
+        self.cri().create_container(&pod.id, &config, &pod.config)
+    }
+
+    /// CreateContainer + StartContainer (where the runtime's `create` runs).
+    fn try_run(&self, pod: &Pod, c: &ContainerSpec) -> Result<String, Status> {
+        let id = self.create(pod, c)?;
+        self.cri().start_container(&id)?;
+        Ok(id)
+    }
+
+    fn run(&self, pod: &Pod, c: &ContainerSpec) -> String {
+        self.try_run(pod, c)
+            .unwrap_or_else(|e| panic!("container {}: {e}\n{}", c.name, self.log_text()))
+    }
+
+    /// The container's output so far (CRI log lines `<time> <stream> <tag> <text>`).
+    fn output(&self, pod: &Pod, c: &ContainerSpec) -> String {
+        let path =
+            Path::new(&pod.config.log_directory).join(format!("{}_{}.log", c.name, c.attempt));
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.splitn(4, ' ').nth(3))
+            .map(|l| format!("{l}\n"))
+            .collect()
+    }
+
+    /// Waits for the simulator client's line in the container's output.
+    fn client_line(
+        &self,
+        pod: &Pod,
+        c: &ContainerSpec,
+    ) -> std::collections::BTreeMap<String, String> {
+        let ok = wait_until(Duration::from_secs(30), || {
+            self.output(pod, c).contains("mps-client ")
+        });
+        assert!(
+            ok,
+            "no client line from {}: {}\n{}",
+            c.name,
+            self.output(pod, c),
+            self.env.gpushare_log()
+        );
+        client_line(&self.output(pod, c))
+    }
+
+    fn wait_state(&self, id: &str, state: i32) {
+        let ok = wait_until(Duration::from_secs(30), || {
+            self.cri()
+                .container_status(id)
+                .ok()
+                .and_then(|s| s.status)
+                .is_some_and(|s| s.state == state)
+        });
+        assert!(ok, "container {id} did not reach state {state}");
+    }
+
+    /// The spec containerd generated (CRI verbose info), before any runtime saw it.
+    fn generated_spec(info: &HashMap<String, String>) -> Value {
+        let info: Value = serde_json::from_str(info.get("info").expect("verbose info")).unwrap();
+        info["runtimeSpec"].clone()
+    }
+
+    /// Runs `runc list` in the namespace, on the root containerd's shim gives runc.
+    fn runc_ids(&self) -> String {
+        let out = self
+            .ns()
+            .cmd("sh")
+            .args(["-c", "ls /run/containerd/runc/k8s.io 2>/dev/null; true"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Every container record gpushare keeps, as (daemon, container id).
+    fn gpushare_records(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for d in self.env.daemon_ids() {
+            let dir = self.env.state.join("mps").join(&d).join("containers");
+            for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                out.push((d.clone(), name.trim_end_matches(".json").to_owned()));
+            }
+        }
+        out
+    }
+
+    /// Daemon id → the container ids `gpushare status` lists for it.
+    fn status_containers(&self) -> HashMap<String, Vec<String>> {
+        self.env
+            .status()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| {
+                (
+                    d["id"].as_str().unwrap().to_owned(),
+                    d["containers"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|c| c["id"].as_str().unwrap().to_owned())
+                        .collect(),
+                )
+            })
+            .collect()
+    }
+
+    fn daemon_of(&self, container: &str) -> Option<String> {
+        self.status_containers()
+            .into_iter()
+            .find(|(_, cs)| cs.iter().any(|c| c == container))
+            .map(|(d, _)| d)
+    }
+
+    /// Stops and removes every pod (and so every container), best effort.
+    fn remove_all(&self) {
+        let Some(cri) = self.cri.as_ref() else { return };
+        for c in cri.list_containers().unwrap_or_default() {
+            let _ = cri.stop_container(&c.id, 0);
+            let _ = cri.remove_container(&c.id);
+        }
+        for p in cri.list_pods().unwrap_or_default() {
+            let _ = cri.stop_pod(&p.id);
+            let _ = cri.remove_pod(&p.id);
+        }
+    }
+}
+
+/// The workload image: the test rootfs (busybox + the simulator's client).
+fn rootfs_image(dir: &Path) -> PathBuf {
+    let layer = rootfs_tar(dir);
+    let tar = image_tar(
+        dir,
+        IMAGE,
+        &layer,
+        serde_json::json!({"Env": ["PATH=/usr/bin:/bin"], "Cmd": ["sh"]}),
+    );
+    let _ = std::fs::remove_file(layer);
+    tar
+}
+
+impl Drop for Node<'_> {
+    fn drop(&mut self) {
+        self.remove_all();
+        self.cri = None;
+        if let Some(mut child) = self.child.take() {
+            stop_child(&mut child, Duration::from_secs(20));
+        }
+        // Shims and containers that outlived a failed removal: every process of the
+        // namespace but its holder and gpushare's own (Env stops those by their records).
+        if let Some(ns) = self.ns.as_ref() {
+            let ours = std::fs::read_link(format!("/proc/{}/ns/mnt", ns.holder_pid())).ok();
+            for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+                let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+                    continue;
+                };
+                if pid as u32 == ns.holder_pid()
+                    || std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok() != ours
+                {
+                    continue;
+                }
+                // gpushare's supervisors and daemons, wherever the binary was run from.
+                let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
+                let name = exe.file_name().unwrap_or_default();
+                if name == "gpushare" || name == "gpushare-mps-sim" {
+                    continue;
+                }
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+        remove_cgroup(&self.cgroup);
+        // The namespace goes with its last process (gpushare's daemons: Env stops them).
+        self.ns = None;
+    }
+}
+
+/// Removes the pods' cgroup parent (and what runc left below it) from every hierarchy.
+fn remove_cgroup(parent: &str) {
+    let root = Path::new("/sys/fs/cgroup");
+    let mut bases = vec![root.to_path_buf()];
+    for e in std::fs::read_dir(root).into_iter().flatten().flatten() {
+        if e.path().join("cgroup.procs").exists() && !e.path().is_symlink() {
+            bases.push(e.path());
+        }
+    }
+    for base in bases {
+        let dir = base.join(parent.trim_start_matches('/'));
+        if !dir.is_dir() {
+            continue;
+        }
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            if e.path().is_dir() {
+                let _ = wait_until(Duration::from_secs(5), || {
+                    std::fs::remove_dir(e.path()).is_ok()
+                });
+            }
+        }
+        let _ = wait_until(Duration::from_secs(5), || std::fs::remove_dir(&dir).is_ok());
+    }
+}
+
+fn hold(seconds: u32) -> String {
+    format!("{CLIENT} --hold {seconds}; exec sleep 3600")
+}
+
+#[test]
+fn cri_pods_of_two_users_share_gpu_0_at_once_on_their_own_daemons() {
+    let env = Env::new();
+    let mut node = Node::start(&env);
+    let ann = [("gpushare.io/device", "0")];
+
+    // runAsUser on the pod (kubelet copies it to the container).
+    let alice = node.pod(&PodSpec {
+        name: "alice",
+        annotations: &ann,
+        run_as_user: Some(1000),
+    });
+    let a = ContainerSpec {
+        name: "cuda",
+        script: &hold(60),
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let a_id = node.run(&alice, &a);
+    let la = node.client_line(&alice, &a);
+    assert_eq!(la["server_uid"], "1000", "{la:?}");
+
+    // While alice's client holds its server: bob (uid 2000) is served at once, by his own.
+    let bob = node.pod(&PodSpec {
+        name: "bob",
+        annotations: &ann,
+        run_as_user: Some(2000),
+    });
+    let b = ContainerSpec {
+        name: "cuda",
+        script: &hold(60),
+        run_as_user: Some(2000),
+        ..Default::default()
+    };
+    let b_id = node.run(&bob, &b);
+    let lb = node.client_line(&bob, &b);
+    assert_eq!(lb["server_uid"], "2000", "{lb:?}");
+    assert!(
+        lb["waited_ms"].parse::<u64>().unwrap() < 1000,
+        "bob waited for alice's server: {lb:?}"
+    );
+    assert_ne!(la["server"], lb["server"]);
+    let (da, db) = (node.daemon_of(&a_id), node.daemon_of(&b_id));
+    assert!(da.is_some() && db.is_some() && da != db, "{da:?} {db:?}");
+    // The edited spec names the same daemon as the record.
+    assert_eq!(
+        node.bundle_spec(&a_id)["annotations"]["gpushare.io/daemon"].as_str(),
+        da.as_deref()
+    );
+    let pipe_env = node.bundle_spec(&b_id)["process"]["env"].clone();
+    assert!(
+        pipe_env
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e == "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"),
+        "{pipe_env}"
+    );
+
+    // runAsUser only on the container: the pause runs as the image's 65535, the container
+    // as 1000 — alice's identity, so alice's daemon and server.
+    let carol = node.pod(&PodSpec {
+        name: "carol",
+        annotations: &ann,
+        run_as_user: None,
+    });
+    let c = ContainerSpec {
+        name: "cuda",
+        script: &hold(0),
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let c_id = node.run(&carol, &c);
+    let lc = node.client_line(&carol, &c);
+    assert_eq!(
+        (lc["server_uid"].as_str(), lc["server"].as_str()),
+        ("1000", la["server"].as_str()),
+        "{lc:?}"
+    );
+    assert!(lc["waited_ms"].parse::<u64>().unwrap() < 1000, "{lc:?}");
+    assert_eq!(
+        node.bundle_spec(&c_id)["annotations"]["gpushare.io/daemon"].as_str(),
+        da.as_deref()
+    );
+    assert_eq!(
+        node.bundle_spec(&c_id)["process"]["user"]["uid"],
+        1000,
+        "the container's own user"
+    );
+}
+
+#[test]
+fn cri_restarted_container_reattaches_and_removal_leaves_nothing() {
+    let env = Env::new();
+    let mut node = Node::start(&env);
+    let pod = node.pod(&PodSpec {
+        name: "restarts",
+        annotations: &[
+            ("gpushare.io/device", "0"),
+            ("gpushare.io/active-thread-percentage", "50"),
+        ],
+        run_as_user: Some(1000),
+    });
+    let first = ContainerSpec {
+        name: "cuda",
+        attempt: 0,
+        script: &hold(0),
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let id0 = node.run(&pod, &first);
+    let l0 = node.client_line(&pod, &first);
+    assert_eq!(l0["active_thread_percentage"], "50.0", "{l0:?}");
+    let daemon = node.daemon_of(&id0).expect("the container is attached");
+    let daemon_pid = env.daemon_pid(&daemon);
+
+    // The container dies (as an OOM kill or a failed probe would end it); the kubelet
+    // starts attempt 1 in the same sandbox: a new container id, the same daemon.
+    node.cri().stop_container(&id0, 0).unwrap();
+    node.wait_state(&id0, CONTAINER_EXITED);
+    assert!(
+        wait_until(Duration::from_secs(10), || node.daemon_of(&id0).is_none()),
+        "the poststop hook released {id0}"
+    );
+    let second = ContainerSpec {
+        attempt: 1,
+        ..first.clone()
+    };
+    let id1 = node.run(&pod, &second);
+    assert_ne!(id0, id1);
+    let l1 = node.client_line(&pod, &second);
+    assert_eq!(node.daemon_of(&id1).as_deref(), Some(daemon.as_str()));
+    assert_eq!(
+        env.daemon_pid(&daemon),
+        daemon_pid,
+        "the same daemon process"
+    );
+    assert_eq!(
+        (
+            l1["server_uid"].as_str(),
+            l1["active_thread_percentage"].as_str()
+        ),
+        ("1000", "50.0")
+    );
+    // kubelet removes the dead attempt.
+    node.cri().remove_container(&id0).unwrap();
+
+    // Removal: the container, then the pod.
+    node.cri().stop_container(&id1, 0).unwrap();
+    node.cri().remove_container(&id1).unwrap();
+    node.cri().stop_pod(&pod.id).unwrap();
+    node.cri().remove_pod(&pod.id).unwrap();
+    assert_eq!(node.cri().list_containers().unwrap(), vec![]);
+    assert_eq!(node.cri().list_pods().unwrap(), vec![]);
+    let runc = node.runc_ids();
+    for id in [&id0, &id1, &pod.id] {
+        assert!(
+            !runc.contains(id.as_str()),
+            "runc state of {id} is left:\n{runc}"
+        );
+        assert!(!node.bundle(id).exists(), "the bundle of {id} is left");
+    }
+    assert_eq!(
+        node.gpushare_records(),
+        vec![],
+        "no container record is left"
+    );
+    let status = node.status_containers();
+    assert!(
+        status.values().all(|cs| cs.is_empty()),
+        "no daemon references a container: {status:?}"
+    );
+    assert!(
+        status.contains_key(&daemon),
+        "the daemon outlives its containers (idle-timeout)"
+    );
+}
+
+#[test]
+fn cri_plain_pods_pass_through_and_a_bad_request_fails_the_container_with_gpushare_s_line() {
+    let env = Env::new();
+    let mut node = Node::start(&env);
+
+    // No gpushare annotation under the gpushare handler: runc gets containerd's own spec.
+    let plain = node.pod(&PodSpec {
+        name: "plain",
+        annotations: &[("example.com/other", "x")],
+        run_as_user: Some(1000),
+    });
+    let c = ContainerSpec {
+        name: "app",
+        script: "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset}; exec sleep 3600",
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let id = node.run(&plain, &c);
+    assert!(wait_until(Duration::from_secs(20), || node
+        .output(&plain, &c)
+        .contains("PIPE=unset")));
+    let generated = Node::generated_spec(&node.cri().container_status(&id).unwrap().info);
+    assert_eq!(
+        node.bundle_spec(&id),
+        generated,
+        "the container's spec is untouched"
+    );
+    let generated = Node::generated_spec(&node.cri().pod_status(&plain.id).unwrap().info);
+    assert_eq!(
+        node.bundle_spec(&plain.id),
+        generated,
+        "the sandbox's spec is untouched"
+    );
+    assert_eq!(env.daemon_ids(), Vec::<String>::new());
+
+    // A bad request (by env, as an engine without annotations sends it): the container's
+    // create fails with gpushare's one line in the CRI error (StartContainer is where
+    // containerd runs the runtime's `create`). The annotation form: in
+    // cri_sandboxes_are_never_requests, where the pod's sandbox carries it too.
+    let c = ContainerSpec {
+        name: "bad",
+        script: CLIENT,
+        run_as_user: Some(1000),
+        envs: &[
+            ("GPUSHARE_DEVICE", "0"),
+            ("GPUSHARE_ACTIVE_THREAD_PERCENTAGE", "101"),
+        ],
+        ..Default::default()
+    };
+    let err = node
+        .try_run(&plain, &c)
+        .expect_err("a bad request must fail");
+    assert!(
+        err.message.contains(
+            "gpushare: GPUSHARE_ACTIVE_THREAD_PERCENTAGE=\"101\" is invalid: allowed is an integer from 1 to 100"
+        ),
+        "{err}"
+    );
+    assert_eq!(
+        env.daemon_ids(),
+        Vec::<String>::new(),
+        "no daemon is started"
+    );
+}
+
+#[test]
+#[ignore = "pod sandboxes are still handled as requests (edited, given a daemon, failed by a bad pod annotation): issue 12 item 1, on branch wp-alloc"]
+fn cri_sandboxes_are_never_requests() {
+    println!("runs once issue 12 item 1 (pod sandbox containers pass through) is on main: branch wp-alloc");
+    let env = Env::new();
+    let mut node = Node::start(&env);
+    let ann = [
+        ("gpushare.io/device", "0"),
+        ("gpushare.io/pinned-memory-limit", "2G"),
+    ];
+    // A pod with a pod-level user and one without (the pause then runs as 65535).
+    let mut pods = Vec::new();
+    for (name, user) in [("with-user", Some(1000)), ("image-user", None)] {
+        pods.push(node.pod(&PodSpec {
+            name,
+            annotations: &ann,
+            run_as_user: user,
+        }));
+    }
+    for pod in &pods {
+        let generated = Node::generated_spec(&node.cri().pod_status(&pod.id).unwrap().info);
+        assert_eq!(
+            node.bundle_spec(&pod.id),
+            generated,
+            "sandbox {} was edited",
+            pod.config.metadata.as_ref().unwrap().name
+        );
+    }
+    assert_eq!(
+        env.daemon_ids(),
+        Vec::<String>::new(),
+        "no sandbox is given a daemon"
+    );
+    assert_eq!(node.gpushare_records(), vec![], "no sandbox is recorded");
+
+    // Their containers are requests, and only they are recorded.
+    let c = ContainerSpec {
+        name: "cuda",
+        script: &hold(30),
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let ids: Vec<String> = pods.iter().map(|p| node.run(p, &c)).collect();
+    for pod in &pods {
+        assert_eq!(node.client_line(pod, &c)["server_uid"], "1000");
+    }
+    let mut recorded: Vec<String> = node
+        .gpushare_records()
+        .into_iter()
+        .map(|(_, c)| c)
+        .collect();
+    recorded.sort();
+    let mut want = ids.clone();
+    want.sort();
+    assert_eq!(
+        recorded, want,
+        "exactly the workload containers are recorded"
+    );
+    for pod in &pods {
+        let generated = Node::generated_spec(&node.cri().pod_status(&pod.id).unwrap().info);
+        assert_eq!(node.bundle_spec(&pod.id), generated);
+    }
+
+    // A bad pod annotation: the sandbox runs (it is no request), the container's create
+    // fails with gpushare's one line in the CRI error, and nothing is started for it.
+    let daemons = env.daemon_ids();
+    let bad = node.pod(&PodSpec {
+        name: "bad",
+        annotations: &[
+            ("gpushare.io/device", "0"),
+            ("gpushare.io/active-thread-percentage", "101"),
+        ],
+        run_as_user: Some(1000),
+    });
+    let err = node.try_run(&bad, &c).expect_err("a bad request must fail");
+    assert!(
+        err.message.contains(
+            "gpushare: gpushare.io/active-thread-percentage=\"101\" is invalid: allowed is an integer from 1 to 100"
+        ),
+        "{err}"
+    );
+    assert_eq!(env.daemon_ids(), daemons, "no daemon is started");
+}
+
+/// deploy/node-installer/entrypoint.sh, as the DaemonSet runs it, against a fake host root
+/// whose containerd is this test's: the binaries land in the host's /usr/local/bin, the
+/// host's config.toml gets the runtime, containerd is restarted and then serves the
+/// `gpushare` handler through the installed shim; a second run changes nothing.
+#[test]
+fn node_installer_registers_gpushare_and_restarts_the_host_s_containerd() {
+    let env = Env::new();
+    let dir = env.path().join("n");
+    let host = dir.join("host");
+    let host_bin = host.join("usr/local/bin");
+    std::fs::create_dir_all(&host_bin).unwrap();
+    std::fs::create_dir_all(host.join("etc/containerd")).unwrap();
+    let config = host.join("etc/containerd/config.toml");
+    std::fs::write(&config, base_config(&dir)).unwrap();
+    let original = std::fs::read_to_string(&config).unwrap();
+    // The image's /opt/gpushare: the binaries under test and the shipped config.
+    let image = dir.join("image");
+    std::fs::create_dir_all(&image).unwrap();
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for (from, name) in [
+        (Path::new(GPUSHARE), "gpushare"),
+        (Path::new(RUNTIME), "gpushare-runtime"),
+        (&repo.join("config/runtime.toml"), "runtime.toml"),
+    ] {
+        std::fs::copy(from, image.join(name)).unwrap();
+    }
+    // containerd sees the fake host's /usr/local/bin at /usr/local/bin (in its namespace
+    // only), as the real host sees what the installer copied there.
+    let bin = host_bin.display().to_string();
+    let mut node = Node::start_with(
+        &env,
+        dir.clone(),
+        config.clone(),
+        &[&["mount", "--bind", &bin, "/usr/local/bin"]],
+    );
+    node.import_images();
+    let spec = PodSpec {
+        name: "before",
+        annotations: &[("gpushare.io/device", "0")],
+        run_as_user: Some(1000),
+    };
+    let err = node.try_pod(&spec).expect_err("no gpushare runtime yet");
+    assert!(
+        err.message
+            .contains("no runtime for \"gpushare\" is configured"),
+        "{err}"
+    );
+
+    let installer = |pid: u32| {
+        Command::new("sh")
+            .arg(repo.join("deploy/node-installer/entrypoint.sh"))
+            .arg("--once")
+            .env("HOST_ROOT", &host)
+            .env("SOURCE_DIR", &image)
+            .env("RESTART_MODE", "signal")
+            .env("CONTAINERD_PID", pid.to_string())
+            // Where the installer's own log goes (a pod has its own /var/log).
+            .env("GPUSHARE_CONFIG", &env.config)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let out = installer(node.pid());
+    let s = text(&out);
+    assert!(out.status.success(), "{s}");
+    assert!(s.contains("SIGTERM to pid"), "{s}");
+    assert!(
+        !s.contains("does not exist"),
+        "the container-view warning is dropped: {s}"
+    );
+    let exit = node.wait_exit(Duration::from_secs(10));
+    assert!(
+        exit.success(),
+        "containerd shut down cleanly on SIGTERM: {exit:?}"
+    );
+    for name in ["gpushare", "gpushare-runtime"] {
+        let installed = host_bin.join(name);
+        assert_eq!(
+            std::fs::read(&installed).unwrap(),
+            std::fs::read(image.join(name)).unwrap()
+        );
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            std::fs::metadata(&installed).unwrap().permissions().mode() & 0o7777,
+            0o755
+        );
+    }
+    assert_eq!(
+        std::fs::read(host.join("etc/gpushare/runtime.toml")).unwrap(),
+        std::fs::read(repo.join("config/runtime.toml")).unwrap()
+    );
+    assert!(!host
+        .join("etc/gpushare/.containerd-restart-pending")
+        .exists());
+    let after = std::fs::read_to_string(&config).unwrap();
+    let mut rest = after.lines();
+    for line in original.lines() {
+        assert!(
+            rest.any(|l| l == line),
+            "line {line:?} of the host's config was lost:\n{after}"
+        );
+    }
+    let v: toml::Table = toml::from_str(&after).unwrap();
+    assert_eq!(
+        v["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["gpushare"]["options"]
+            ["BinaryName"]
+            .as_str(),
+        Some("/usr/local/bin/gpushare-runtime"),
+        "the host's path, not the pod's view of it"
+    );
+
+    // The service manager starts containerd again: the handler now runs pods, through the
+    // installed shim (its hooks are the gpushare beside it).
+    node.restart();
+    let pod = node.pod(&PodSpec {
+        name: "after",
+        ..spec.clone()
+    });
+    let c = ContainerSpec {
+        name: "cuda",
+        script: &hold(30),
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let id = node.run(&pod, &c);
+    assert_eq!(node.client_line(&pod, &c)["server_uid"], "1000");
+    assert_eq!(
+        node.bundle_spec(&id)["hooks"]["createRuntime"][0]["path"],
+        "/usr/local/bin/gpushare"
+    );
+
+    // A second run (a restarted pod): nothing changes, containerd keeps running.
+    let out = installer(node.pid());
+    let s = text(&out);
+    assert!(out.status.success(), "{s}");
+    assert!(s.contains("containerd is not restarted"), "{s}");
+    assert_eq!(std::fs::read_to_string(&config).unwrap(), after);
+    assert!(node.cri().version().is_ok(), "containerd still serves");
+}
