@@ -603,18 +603,35 @@ fn chaining_to_nvidia_container_runtime_passes_argv_and_visible_devices() {
     );
 }
 
+/// Every file in deploy/ (and its directories) is parsed and checked for what it must say;
+/// a file of a kind this test does not know fails it, so nothing there goes unchecked.
 #[test]
 fn deploy_manifests_are_valid() {
-    use yaml_rust2::YamlLoader;
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy");
-    let rc = YamlLoader::load_from_str(
-        &std::fs::read_to_string(root.join("runtimeclass.yaml")).unwrap(),
-    )
-    .unwrap();
-    assert_eq!(rc[0]["apiVersion"].as_str(), Some("node.k8s.io/v1"));
-    assert_eq!(rc[0]["kind"].as_str(), Some("RuntimeClass"));
-    assert_eq!(rc[0]["handler"].as_str(), Some("gpushare"));
-    let handler = rc[0]["handler"].as_str().unwrap();
+    use yaml_rust2::{Yaml, YamlLoader};
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = repo.join("deploy");
+    let mut files = Vec::new();
+    let mut dirs = vec![root.clone()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    let read = |p: &Path| std::fs::read_to_string(p).unwrap();
+    let y = |v: &Yaml, path: &str| -> Yaml { path.split('.').fold(v.clone(), |v, k| v[k].clone()) };
+    let s = |v: &Yaml, path: &str| y(v, path).as_str().map(str::to_owned);
+
+    let rc = YamlLoader::load_from_str(&read(&root.join("runtimeclass.yaml"))).unwrap();
+    assert_eq!(s(&rc[0], "apiVersion").as_deref(), Some("node.k8s.io/v1"));
+    assert_eq!(s(&rc[0], "kind").as_deref(), Some("RuntimeClass"));
+    let handler = s(&rc[0], "handler").unwrap();
+    assert_eq!(handler, "gpushare");
     // DNS-1123 label, as Kubernetes requires for a handler.
     assert!(
         handler.len() <= 63
@@ -622,48 +639,109 @@ fn deploy_manifests_are_valid() {
                 .bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
     );
+    let node_selector = y(&rc[0], "scheduling.nodeSelector");
+    assert!(node_selector.as_hash().is_some_and(|h| !h.is_empty()));
 
-    let pods =
-        YamlLoader::load_from_str(&std::fs::read_to_string(root.join("example-pod.yaml")).unwrap())
-            .unwrap();
-    assert_eq!(pods.len(), 2);
-    for pod in &pods {
-        assert_eq!(pod["kind"].as_str(), Some("Pod"));
-        assert_eq!(pod["spec"]["runtimeClassName"].as_str(), Some(handler));
-        let ann = pod["metadata"]["annotations"].as_hash().unwrap();
-        // Every gpushare annotation in the example is a valid request.
-        let ann: std::collections::HashMap<String, String> = ann
-            .iter()
-            .filter_map(|(k, v)| Some((k.as_str()?.to_owned(), v.as_str()?.to_owned())))
-            .collect();
-        let inputs = gpushare::request::Inputs {
-            annotations: Some(&ann),
-            ..Default::default()
-        };
-        let opts = gpushare::request::Options {
-            accept_env: true,
-            default_device: None,
-        };
-        let parsed = gpushare::request::parse(&inputs, &opts)
-            .unwrap()
-            .expect("a request");
-        assert_eq!(parsed.device.raw, "0");
+    let mut seen = std::collections::BTreeMap::<String, usize>::new();
+    let mut entrypoint_in_image = None;
+    let mut daemonset_command = None;
+    for file in &files {
+        let name = file.strip_prefix(&root).unwrap().display().to_string();
+        let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("");
+        let fname = file.file_name().unwrap().to_str().unwrap();
+        match (ext, fname) {
+            ("yaml" | "yml", _) => {
+                for doc in
+                    YamlLoader::load_from_str(&read(file)).unwrap_or_else(|e| panic!("{name}: {e}"))
+                {
+                    let kind = s(&doc, "kind").unwrap_or_else(|| panic!("{name}: no kind"));
+                    assert!(s(&doc, "apiVersion").is_some(), "{name}: no apiVersion");
+                    assert!(
+                        s(&doc, "metadata.name").is_some(),
+                        "{name}: no metadata.name"
+                    );
+                    *seen.entry(kind.clone()).or_default() += 1;
+                    match kind.as_str() {
+                        "RuntimeClass" => assert_eq!(s(&doc, "handler"), Some(handler.clone())),
+                        "Pod" => check_pod(&name, &doc, &handler),
+                        "DaemonSet" => {
+                            daemonset_command = Some(check_daemonset(&name, &doc, &node_selector));
+                        }
+                        "ConfigMap" => check_device_plugin_config(&name, &doc),
+                        other => panic!("{name}: a {other} this test does not check"),
+                    }
+                }
+            }
+            ("toml", _) => {
+                let dropin: toml::Table =
+                    toml::from_str(&read(file)).unwrap_or_else(|e| panic!("{name}: {e}"));
+                let rt = &dropin["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+                    [handler.as_str()];
+                assert_eq!(rt["runtime_type"].as_str(), Some("io.containerd.runc.v2"));
+                assert_eq!(rt["pod_annotations"][0].as_str(), Some("gpushare.io/*"));
+                assert!(rt["options"]["BinaryName"]
+                    .as_str()
+                    .unwrap()
+                    .ends_with("/gpushare-runtime"));
+                *seen.entry("containerd drop-in".into()).or_default() += 1;
+            }
+            ("sh", _) => {
+                let st = Command::new("sh").arg("-n").arg(file).status().unwrap();
+                assert!(st.success(), "{name}: sh -n");
+                use std::os::unix::fs::PermissionsExt;
+                let mode = std::fs::metadata(file).unwrap().permissions().mode();
+                assert!(mode & 0o111 != 0, "{name} is executable");
+                *seen.entry("script".into()).or_default() += 1;
+            }
+            (_, "Dockerfile") => {
+                // Every COPY source is in the repository or is a binary of this package.
+                let text = read(file);
+                for line in text.lines().filter(|l| l.starts_with("COPY ")) {
+                    let words: Vec<&str> = line.split_whitespace().skip(1).collect();
+                    let (dest, sources) = words.split_last().unwrap();
+                    for src in sources {
+                        match src.strip_prefix("target/release/") {
+                            Some(bin) => assert!(
+                                ["gpushare", "gpushare-runtime"].contains(&bin),
+                                "{name}: {src}"
+                            ),
+                            None => assert!(repo.join(src).is_file(), "{name}: {src} is missing"),
+                        }
+                        if src.ends_with("entrypoint.sh") {
+                            entrypoint_in_image = Some(dest.to_string());
+                        }
+                    }
+                }
+                let entry = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("ENTRYPOINT "))
+                    .expect("an ENTRYPOINT");
+                let entry: Vec<String> = serde_json::from_str(entry).unwrap();
+                assert_eq!(Some(&entry[0]), entrypoint_in_image.as_ref(), "{name}");
+                *seen.entry("Dockerfile".into()).or_default() += 1;
+            }
+            _ => panic!("{name}: a file this test does not check"),
+        }
     }
-
-    let dropin: toml::Table =
-        toml::from_str(&std::fs::read_to_string(root.join("containerd-gpushare.toml")).unwrap())
-            .unwrap();
-    let rt = &dropin["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"][handler];
-    assert_eq!(rt["runtime_type"].as_str(), Some("io.containerd.runc.v2"));
-    assert_eq!(rt["pod_annotations"][0].as_str(), Some("gpushare.io/*"));
-    assert!(rt["options"]["BinaryName"]
-        .as_str()
-        .unwrap()
-        .ends_with("/gpushare-runtime"));
+    // The DaemonSet runs the script the image holds.
+    assert_eq!(daemonset_command, entrypoint_in_image.map(|e| vec![e]));
+    let want: std::collections::BTreeMap<String, usize> = [
+        ("RuntimeClass", 1),
+        ("Pod", 4),
+        ("DaemonSet", 1),
+        ("ConfigMap", 1),
+        ("containerd drop-in", 1),
+        ("script", 1),
+        ("Dockerfile", 1),
+    ]
+    .into_iter()
+    .map(|(k, n)| (k.to_owned(), n))
+    .collect();
+    assert_eq!(seen, want);
 
     for name in ["gpushare.json", "gpushare-poststop.json"] {
         let v: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(root.join("../hooks/oci-hooks.d").join(name)).unwrap(),
+            &std::fs::read_to_string(repo.join("hooks/oci-hooks.d").join(name)).unwrap(),
         )
         .unwrap();
         assert_eq!(v["version"], "1.0.0");
@@ -675,4 +753,150 @@ fn deploy_manifests_are_valid() {
             .iter()
             .all(|e| !e.as_str().unwrap().starts_with("LD_")));
     }
+}
+
+/// A pod names the RuntimeClass and asks in one of the two ways: a `gpushare.io/device`
+/// annotation naming devices, or a device plugin's `nvidia.com/gpu` (with `allocated`, or
+/// no device annotation and the node's `default-device = "allocated"`). Each is parsed as
+/// the node would parse its container — for an `nvidia.com/gpu` pod, with the
+/// `NVIDIA_VISIBLE_DEVICES=<uuid>` that deploy/nvidia-device-plugin-config.yaml's
+/// strategy writes — and must be a valid request.
+fn check_pod(name: &str, pod: &yaml_rust2::Yaml, handler: &str) {
+    use gpushare::request::{DefaultDevice, Inputs, Options};
+    assert_eq!(
+        pod["spec"]["runtimeClassName"].as_str(),
+        Some(handler),
+        "{name}"
+    );
+    let containers = pod["spec"]["containers"].as_vec().expect("containers");
+    assert!(!containers.is_empty());
+    let ann: std::collections::HashMap<String, String> = pod["metadata"]["annotations"]
+        .as_hash()
+        .into_iter()
+        .flatten()
+        .filter_map(|(k, v)| Some((k.as_str()?.to_owned(), v.as_str()?.to_owned())))
+        .collect();
+    let device = ann.get("gpushare.io/device").map(String::as_str);
+    let plugin_env = [format!("NVIDIA_VISIBLE_DEVICES={GPU0}")];
+    for c in containers {
+        let allocated = !c["resources"]["limits"]["nvidia.com/gpu"].is_badvalue();
+        if matches!(device, None | Some("allocated")) {
+            assert!(
+                allocated,
+                "{name}: asks the device plugin for nvidia.com/gpu"
+            );
+        }
+        let inputs = Inputs {
+            annotations: Some(&ann),
+            env: if allocated { &plugin_env } else { &[] },
+            ..Default::default()
+        };
+        let opts = Options {
+            accept_env: true,
+            default_device: device.is_none().then_some(DefaultDevice::Allocated),
+        };
+        gpushare::request::parse(&inputs, &opts)
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+            .expect("a request");
+    }
+}
+
+/// The node installer: runs where the RuntimeClass schedules, mounts each host directory
+/// at `HOST_ROOT` + its host path (what entrypoint.sh expects), sees the host's pids.
+fn check_daemonset(
+    name: &str,
+    ds: &yaml_rust2::Yaml,
+    node_selector: &yaml_rust2::Yaml,
+) -> Vec<String> {
+    let spec = &ds["spec"]["template"]["spec"];
+    let labels = ds["spec"]["template"]["metadata"]["labels"]
+        .as_hash()
+        .unwrap();
+    for (k, v) in ds["spec"]["selector"]["matchLabels"].as_hash().unwrap() {
+        assert_eq!(
+            labels.get(k),
+            Some(v),
+            "{name}: the selector matches the pods"
+        );
+    }
+    assert_eq!(
+        &spec["nodeSelector"], node_selector,
+        "{name}: the RuntimeClass's nodes"
+    );
+    assert_eq!(spec["hostPID"].as_bool(), Some(true), "{name}");
+    let c = &spec["containers"][0];
+    assert!(c["image"].as_str().is_some_and(|i| !i.is_empty()));
+    assert_eq!(c["securityContext"]["privileged"].as_bool(), Some(true));
+    let env: std::collections::HashMap<&str, &str> = c["env"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|e| (e["name"].as_str().unwrap(), e["value"].as_str().unwrap()))
+        .collect();
+    let host_root = env["HOST_ROOT"];
+    let volumes: std::collections::HashMap<&str, &str> = spec["volumes"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            (
+                v["name"].as_str().unwrap(),
+                v["hostPath"]["path"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    let mut mounted = Vec::new();
+    for m in c["volumeMounts"].as_vec().unwrap() {
+        let host = volumes[m["name"].as_str().unwrap()];
+        assert!(host.starts_with('/'));
+        assert_eq!(
+            m["mountPath"].as_str().unwrap(),
+            format!("{host_root}{host}"),
+            "{name}"
+        );
+        mounted.push(host);
+    }
+    for (key, is_dir) in [("INSTALL_DIR", true), ("CONTAINERD_CONFIG", false)] {
+        let path = Path::new(env[key]);
+        let dir = if is_dir { path } else { path.parent().unwrap() };
+        assert!(
+            mounted.contains(&dir.to_str().unwrap()),
+            "{name}: {key} is mounted"
+        );
+    }
+    assert!(
+        mounted.contains(&"/etc/gpushare"),
+        "{name}: the config's directory"
+    );
+    c["command"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// NVIDIA's device plugin config: time-slicing replicas of nvidia.com/gpu (the share
+/// count), the GPU's UUID in NVIDIA_VISIBLE_DEVICES, and never the plugin's own MPS.
+fn check_device_plugin_config(name: &str, cm: &yaml_rust2::Yaml) {
+    let text = cm["data"]["config"].as_str().expect("data.config");
+    let cfg = &yaml_rust2::YamlLoader::load_from_str(text).unwrap()[0];
+    assert_eq!(cfg["version"].as_str(), Some("v1"), "{name}");
+    assert!(
+        cfg["sharing"]["mps"].is_badvalue(),
+        "{name}: the plugin's own MPS is refused by gpushare"
+    );
+    assert_eq!(
+        cfg["flags"]["plugin"]["deviceListStrategy"].as_str(),
+        Some("envvar")
+    );
+    assert_eq!(
+        cfg["flags"]["plugin"]["deviceIDStrategy"].as_str(),
+        Some("uuid")
+    );
+    let ts = &cfg["sharing"]["timeSlicing"];
+    assert_eq!(ts["failRequestsGreaterThanOne"].as_bool(), Some(true));
+    let r = &ts["resources"][0];
+    assert_eq!(r["name"].as_str(), Some("nvidia.com/gpu"));
+    assert!(r["replicas"].as_i64().is_some_and(|n| n > 1), "{name}");
 }
