@@ -9,7 +9,8 @@
 #      one is never touched);
 #   3. runs `gpushare install containerd` on the host's containerd config (adds the
 #      runtime `gpushare`; every other line of the file is kept; a second run changes
-#      nothing);
+#      nothing). A config without CRI runtimes (containerd on its built-in defaults) is
+#      refused before anything is changed: the node needs `containerd config default`;
 #   4. restarts containerd when its config changed — containerd has no config reload.
 #      Running containers are not affected: they belong to their shims, not to containerd;
 #   5. then waits, so the DaemonSet's pod stays Running (`--once`: exits instead).
@@ -19,8 +20,6 @@
 #   INSTALL_DIR        binaries, as the host sees the path (/usr/local/bin)
 #   SOURCE_DIR         this image's gpushare, gpushare-runtime and runtime.toml (/opt/gpushare)
 #   CONTAINERD_CONFIG  containerd's config, as the host sees the path (/etc/containerd/config.toml)
-#   CONTAINERD_CONFIG_VERSION  2 (containerd 1.x) or 3 (2.x): only used when that file is
-#                      missing or empty; an existing file's own `version` wins
 #   RUNTIME_NAME       the containerd runtime, the RuntimeClass's handler (gpushare)
 #   RESTART_MODE       auto (default): systemd when the host's pid 1 is systemd, else signal
 #                      systemd: `systemctl restart containerd` in the host's mount namespace
@@ -63,6 +62,14 @@ for f in gpushare gpushare-runtime; do
     [ -x "$SOURCE_DIR/$f" ] || die "$SOURCE_DIR/$f is missing"
 done
 
+config="$HOST_ROOT$CONTAINERD_CONFIG"
+# A config without a CRI runtimes table (or no config: containerd on its built-in
+# defaults) would end up with gpushare's runtime only: containerd's default `runc` would
+# be gone and its CRI plugin would not load. Such a node needs its defaults written first.
+if ! grep -q 'containerd\.runtimes\.' "$config" 2>/dev/null; then
+    die "$CONTAINERD_CONFIG has no CRI runtimes table (containerd runs on its built-in defaults): on the node, run \`containerd config default > $CONTAINERD_CONFIG\` (and keep your changes), then restart this pod"
+fi
+
 # 1. Binaries: a temp file in the target directory, renamed over the old one.
 copy() { # copy SRC DST MODE: only when DST differs
     if cmp -s "$1" "$2"; then
@@ -94,13 +101,9 @@ fi
 
 # 3. The containerd runtime. The runtime path is the host's; the installer's warning that
 # it does not exist refers to this container's view and can be ignored.
-config="$HOST_ROOT$CONTAINERD_CONFIG"
 before=$(cksum "$config" 2>/dev/null || echo none)
 set -- install containerd --config "$config" --runtime-path "$INSTALL_DIR/gpushare-runtime" \
     --name "$RUNTIME_NAME"
-if [ -n "${CONTAINERD_CONFIG_VERSION:-}" ]; then
-    set -- "$@" --config-version "$CONTAINERD_CONFIG_VERSION"
-fi
 if ! out=$("$SOURCE_DIR/gpushare" "$@" 2>&1); then
     printf '%s\n' "$out" >&2
     die "gpushare install containerd failed on $CONTAINERD_CONFIG"

@@ -1049,6 +1049,33 @@ fn node_installer_registers_gpushare_and_restarts_the_host_s_containerd() {
             .output()
             .unwrap()
     };
+    // A node on containerd's built-in defaults (no config file): refused, nothing changed.
+    let bare = dir.join("bare-host");
+    std::fs::create_dir_all(&bare).unwrap();
+    let out = Command::new("sh")
+        .arg(repo.join("deploy/node-installer/entrypoint.sh"))
+        .arg("--once")
+        .env("HOST_ROOT", &bare)
+        .env("SOURCE_DIR", &image)
+        .env("RESTART_MODE", "signal")
+        .env("CONTAINERD_PID", node.pid().to_string())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("has no CRI runtimes table")
+            && text(&out).contains("containerd config default"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(
+        std::fs::read_dir(&bare).unwrap().count(),
+        0,
+        "nothing was written"
+    );
+    assert!(node.cri().version().is_ok(), "containerd was not signalled");
+
     let out = installer(node.pid());
     let s = text(&out);
     assert!(out.status.success(), "{s}");
