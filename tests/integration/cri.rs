@@ -987,7 +987,7 @@ fn cri_sandboxes_are_never_requests() {
     assert_eq!(env.daemon_ids(), daemons, "no daemon is started");
 }
 
-/// deploy/node-installer/entrypoint.sh, as the DaemonSet runs it, against a fake host root
+/// deploy/node-installer.sh, as the DaemonSet runs it, against a fake host root
 /// whose containerd is this test's: the binaries land in the host's /usr/local/bin, the
 /// host's config.toml gets the runtime, containerd is restarted and then serves the
 /// `gpushare` handler through the installed shim; a second run changes nothing.
@@ -1037,7 +1037,7 @@ fn node_installer_registers_gpushare_and_restarts_the_host_s_containerd() {
 
     let installer = |pid: u32| {
         Command::new("sh")
-            .arg(repo.join("deploy/node-installer/entrypoint.sh"))
+            .arg(repo.join("deploy/node-installer.sh"))
             .arg("--once")
             .env("HOST_ROOT", &host)
             .env("SOURCE_DIR", &image)
@@ -1053,7 +1053,7 @@ fn node_installer_registers_gpushare_and_restarts_the_host_s_containerd() {
     let bare = dir.join("bare-host");
     std::fs::create_dir_all(&bare).unwrap();
     let out = Command::new("sh")
-        .arg(repo.join("deploy/node-installer/entrypoint.sh"))
+        .arg(repo.join("deploy/node-installer.sh"))
         .arg("--once")
         .env("HOST_ROOT", &bare)
         .env("SOURCE_DIR", &image)

@@ -693,7 +693,7 @@ fn deploy_manifests_are_valid() {
                 assert!(mode & 0o111 != 0, "{name} is executable");
                 *seen.entry("script".into()).or_default() += 1;
             }
-            (_, "Dockerfile") => {
+            ("Dockerfile", _) => {
                 // Every COPY source is in the repository or is a binary of this package.
                 let text = read(file);
                 for line in text.lines().filter(|l| l.starts_with("COPY ")) {
@@ -707,7 +707,7 @@ fn deploy_manifests_are_valid() {
                             ),
                             None => assert!(repo.join(src).is_file(), "{name}: {src} is missing"),
                         }
-                        if src.ends_with("entrypoint.sh") {
+                        if src.ends_with(".sh") {
                             entrypoint_in_image = Some(dest.to_string());
                         }
                     }

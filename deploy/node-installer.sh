@@ -1,7 +1,7 @@
 #!/bin/sh
 # gpushare node installer: sets up one Kubernetes node for the gpushare RuntimeClass, the
 # way NVIDIA's toolkit container sets up its runtime. It runs in the privileged pod of
-# deploy/node-installer/daemonset.yaml, with the host's directories mounted under
+# deploy/node-installer.yaml, with the host's directories mounted under
 # $HOST_ROOT, and
 #   1. copies gpushare and gpushare-runtime into the host's $INSTALL_DIR (only when they
 #      changed; a temp file renamed into place, so running daemons keep their binary);
