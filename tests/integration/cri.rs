@@ -514,7 +514,8 @@ impl<'e> Node<'e> {
         info["runtimeSpec"].clone()
     }
 
-    /// Runs `runc list` in the namespace, on the root containerd's shim gives runc.
+    /// The container ids with runc state under the `--root` containerd's shim gives runc
+    /// (`/run/containerd/runc/k8s.io`, in the namespace's /run).
     fn runc_ids(&self) -> String {
         let out = self
             .ns()
