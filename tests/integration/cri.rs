@@ -154,7 +154,7 @@ struct PodSpec<'a> {
     name: &'a str,
     annotations: &'a [(&'a str, &'a str)],
     /// The pod's `securityContext.runAsUser` (the sandbox's user; kubelet also copies it
-    /// to every container that sets none, which `ContainerSpec::user` does by hand).
+    /// to every container that sets none, which the tests do by hand in `ContainerSpec::run_as_user`).
     run_as_user: Option<i64>,
 }
 
