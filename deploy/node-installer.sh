@@ -9,8 +9,7 @@
 #      one is never touched);
 #   3. runs `gpushare install containerd` on the host's containerd config (adds the
 #      runtime `gpushare`; every other line of the file is kept; a second run changes
-#      nothing). A config without CRI runtimes (containerd on its built-in defaults) is
-#      refused before anything is changed: the node needs `containerd config default`;
+#      nothing; a node on containerd's built-in defaults keeps its default runtime);
 #   4. restarts containerd when its config changed — containerd has no config reload.
 #      Running containers are not affected: they belong to their shims, not to containerd;
 #   5. then waits, so the DaemonSet's pod stays Running (`--once`: exits instead).
@@ -63,13 +62,6 @@ for f in gpushare gpushare-runtime; do
 done
 
 config="$HOST_ROOT$CONTAINERD_CONFIG"
-# A config without a CRI runtimes table (or no config: containerd on its built-in
-# defaults) would end up with gpushare's runtime only: containerd's default `runc` would
-# be gone and its CRI plugin would not load. Such a node needs its defaults written first.
-if ! grep -q 'containerd\.runtimes\.' "$config" 2>/dev/null; then
-    die "$CONTAINERD_CONFIG has no CRI runtimes table (containerd runs on its built-in defaults): on the node, run \`containerd config default > $CONTAINERD_CONFIG\` (and keep your changes), then restart this pod"
-fi
-
 # 1. Binaries: a temp file in the target directory, renamed over the old one.
 copy() { # copy SRC DST MODE: only when DST differs
     if cmp -s "$1" "$2"; then

@@ -905,9 +905,7 @@ fn cri_plain_pods_pass_through_and_a_bad_request_fails_the_container_with_gpusha
 }
 
 #[test]
-#[ignore = "pod sandboxes are still handled as requests (edited, given a daemon, failed by a bad pod annotation): issue 12 item 1, on branch wp-alloc"]
 fn cri_sandboxes_are_never_requests() {
-    println!("runs once issue 12 item 1 (pod sandbox containers pass through) is on main: branch wp-alloc");
     let env = Env::new();
     let mut node = Node::start(&env);
     let ann = [
@@ -1001,7 +999,14 @@ fn node_installer_registers_gpushare_and_restarts_the_host_s_containerd() {
     std::fs::create_dir_all(&host_bin).unwrap();
     std::fs::create_dir_all(host.join("etc/containerd")).unwrap();
     let config = host.join("etc/containerd/config.toml");
-    std::fs::write(&config, base_config(&dir)).unwrap();
+    // A node whose CRI runtimes are containerd's built-in ones (no runtimes table).
+    let runc = r#"    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+"#;
+    let host_config = base_config(&dir);
+    assert!(host_config.contains(runc));
+    std::fs::write(&config, host_config.replace(runc, "")).unwrap();
     let original = std::fs::read_to_string(&config).unwrap();
     // The image's /opt/gpushare: the binaries under test and the shipped config.
     let image = dir.join("image");
@@ -1050,7 +1055,8 @@ fn node_installer_registers_gpushare_and_restarts_the_host_s_containerd() {
             .output()
             .unwrap()
     };
-    // A node on containerd's built-in defaults (no config file): refused, nothing changed.
+    // A node without a containerd config at all (containerd on its built-in defaults),
+    // and no restart wanted: the config is written with containerd's runc kept.
     let bare = dir.join("bare-host");
     std::fs::create_dir_all(&bare).unwrap();
     let out = Command::new("sh")
@@ -1058,24 +1064,30 @@ fn node_installer_registers_gpushare_and_restarts_the_host_s_containerd() {
         .arg("--once")
         .env("HOST_ROOT", &bare)
         .env("SOURCE_DIR", &image)
-        .env("RESTART_MODE", "signal")
-        .env("CONTAINERD_PID", node.pid().to_string())
+        .env("RESTART_MODE", "none")
+        .env("GPUSHARE_CONFIG", &env.config)
         .stdin(Stdio::null())
         .output()
         .unwrap();
-    assert!(!out.status.success());
+    assert!(out.status.success(), "{}", text(&out));
     assert!(
-        text(&out).contains("has no CRI runtimes table")
-            && text(&out).contains("containerd config default"),
+        text(&out).contains("restart containerd on this node"),
         "{}",
         text(&out)
     );
-    assert_eq!(
-        std::fs::read_dir(&bare).unwrap().count(),
-        0,
-        "nothing was written"
+    let v: toml::Table =
+        toml::from_str(&std::fs::read_to_string(bare.join("etc/containerd/config.toml")).unwrap())
+            .unwrap();
+    let runtimes = &v["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"];
+    assert!(
+        runtimes.get("runc").is_some() && runtimes.get("gpushare").is_some(),
+        "{v}"
     );
-    assert!(node.cri().version().is_ok(), "containerd was not signalled");
+    assert!(bare.join("usr/local/bin/gpushare-runtime").is_file());
+    assert!(
+        node.cri().version().is_ok(),
+        "the test's containerd was not signalled"
+    );
 
     let out = installer(node.pid());
     let s = text(&out);
@@ -1157,12 +1169,11 @@ fn node_installer_registers_gpushare_and_restarts_the_host_s_containerd() {
 
 /// A node whose containerd runs on the CRI plugin's built-in defaults (no CRI table in its
 /// config, or no config file at all): `gpushare install containerd` must leave its CRI
-/// plugin loading. Today the new runtimes table replaces containerd's built-in one, so
-/// `runc` (default_runtime_name) is gone and the CRI plugin refuses to load
-/// ("no corresponding runtime configured in `containerd.runtimes` for `containerd`
-/// `default_runtime_name = \"runc\"`"): every pod of the node fails.
+/// plugin loading. A runtimes table with `gpushare` only would replace containerd's
+/// built-in one, `runc` (default_runtime_name) would be gone and the CRI plugin would
+/// refuse to load ("no corresponding runtime configured in `containerd.runtimes` for
+/// `containerd` `default_runtime_name = \"runc\"`"): every pod of the node would fail.
 #[test]
-#[ignore = "product bug: gpushare install containerd on a config without a CRI runtimes table drops containerd's default runc runtime, and the CRI plugin does not load"]
 fn cri_install_on_a_config_without_cri_tables_keeps_the_plugin_loading() {
     let env = Env::new();
     let dir = env.path().join("d");
@@ -1180,4 +1191,64 @@ fn cri_install_on_a_config_without_cri_tables_keeps_the_plugin_loading() {
     assert!(out.status.success(), "{}", text(&out));
     // Panics unless containerd's CRI plugin loads and answers.
     let _node = Node::start_with(&env, dir, config, &[]);
+}
+
+/// Issue 12 item 3 through CRI: on a node whose config says `default-device =
+/// "allocated"`, a pod without gpushare annotations is served the GPU NVIDIA's device
+/// plugin allocated to it — here as the plugin's default strategy writes it, the GPU's
+/// UUID in the CRI container config's `envs` — with the pod's limit annotations; a
+/// container without an allocation, in the same pod, passes through untouched.
+#[test]
+fn cri_an_allocation_by_nvidia_s_device_plugin_is_served_on_a_node_that_defaults_to_it() {
+    let env = Env::with_configs("default-device = \"allocated\"\n", "");
+    let mut node = Node::start(&env);
+    let pod = node.pod(&PodSpec {
+        name: "allocated",
+        annotations: &[("gpushare.io/active-thread-percentage", "25")],
+        run_as_user: Some(1000),
+    });
+    let c = ContainerSpec {
+        name: "cuda",
+        script: &hold(30),
+        run_as_user: Some(1000),
+        envs: &[("NVIDIA_VISIBLE_DEVICES", GPU2)],
+        ..Default::default()
+    };
+    let id = node.run(&pod, &c);
+    let l = node.client_line(&pod, &c);
+    assert_eq!(
+        (
+            l["server_uid"].as_str(),
+            l["active_thread_percentage"].as_str()
+        ),
+        ("1000", "25.0"),
+        "{l:?}"
+    );
+    let daemon = node.daemon_of(&id).expect("the container is attached");
+    assert_eq!(
+        env.record(&daemon)["identity"]["devices"],
+        serde_json::json!([GPU2]),
+        "the allocated GPU, not GPU 0"
+    );
+    let generated = Node::generated_spec(&node.cri().pod_status(&pod.id).unwrap().info);
+    assert_eq!(
+        node.bundle_spec(&pod.id),
+        generated,
+        "the sandbox is untouched"
+    );
+
+    // No allocation: no request, whatever the node's default.
+    let plain = ContainerSpec {
+        name: "sidecar",
+        script: "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset}; exec sleep 3600",
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let plain_id = node.run(&pod, &plain);
+    assert!(wait_until(Duration::from_secs(20), || node
+        .output(&pod, &plain)
+        .contains("PIPE=unset")));
+    let generated = Node::generated_spec(&node.cri().container_status(&plain_id).unwrap().info);
+    assert_eq!(node.bundle_spec(&plain_id), generated);
+    assert_eq!(env.daemon_ids(), vec![daemon]);
 }
