@@ -1,6 +1,8 @@
 //! containerd: a runc-v2 runtime whose `BinaryName` is gpushare-runtime, with a
 //! `pod_annotations = ["gpushare.io/*"]` allowlist (CRI passes no pod annotation to the
-//! OCI spec unless allowed; runtime-facts.md §4). Config version 2 (containerd 1.6/1.7,
+//! OCI spec unless allowed; runtime-facts.md §4) and `container_annotations =
+//! ["cdi.k8s.io/*"]`, so that NVIDIA's device plugin's `cdi-annotations` allocation
+//! reaches `gpushare.io/device: allocated`. Config version 2 (containerd 1.6/1.7,
 //! CRI plugin `io.containerd.grpc.v1.cri`) and version 3 (2.x, `io.containerd.cri.v1.runtime`).
 
 use std::path::Path;
@@ -103,6 +105,9 @@ pub fn edit(
     let mut allow = Array::new();
     allow.push("gpushare.io/*");
     rt.insert("pod_annotations", value(allow));
+    let mut cdi = Array::new();
+    cdi.push("cdi.k8s.io/*");
+    rt.insert("container_annotations", value(cdi));
     let opts = table(rt, "options").ok_or_else(|| shape("options"))?;
     opts.set_implicit(false);
     opts.insert("BinaryName", value(runtime.to_string_lossy().as_ref()));
@@ -159,6 +164,10 @@ root = "/var/lib/containerd"
         let rt = &v["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["gpushare"];
         assert_eq!(rt["runtime_type"].as_str(), Some("io.containerd.runc.v2"));
         assert_eq!(rt["pod_annotations"][0].as_str(), Some("gpushare.io/*"));
+        assert_eq!(
+            rt["container_annotations"][0].as_str(),
+            Some("cdi.k8s.io/*")
+        );
         assert_eq!(rt["options"]["BinaryName"].as_str(), Some(RT));
         assert_eq!(
             rt["options"]["SystemdCgroup"].as_bool(),
