@@ -79,6 +79,16 @@ pub struct MigDevice {
     /// Profile name such as `1g.6gb`, or [`UNKNOWN_MIG_PROFILE`].
     pub profile: String,
     pub memory_bytes: u64,
+    /// Minor number of `/dev/nvidia-caps/nvidia-cap<minor>`, the access node of this MIG
+    /// device's GPU instance (`gpu<minor>/gi<id>/access` in
+    /// `/proc/driver/nvidia-caps/mig-minors`); shared by the MIG devices of one GPU
+    /// instance. `None` where unknown (then the device cannot be found by its nodes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gi_caps_minor: Option<u32>,
+    /// Minor number of the access node of this MIG device's compute instance
+    /// (`gpu<minor>/gi<id>/ci<id>/access`): one MIG device's own. `None` where unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ci_caps_minor: Option<u32>,
 }
 
 /// NVML compute mode. NVML's removed `EXCLUSIVE_THREAD` is reported as `ExclusiveProcess`, the
@@ -300,6 +310,27 @@ pub enum DeviceError {
         unknown: usize,
     },
 
+    #[error("{key}={} holds /dev/nvidia-caps/nvidia-cap{cap}, which is the access node of no MIG device: {}", quote(.value), cap_list(.existing, *.unknown))]
+    NoSuchCapMinor {
+        key: &'static str,
+        value: String,
+        cap: u32,
+        /// The cap minors the inventory gives (GPU and compute instances).
+        existing: Vec<u32>,
+        /// How many MIG devices of the inventory give no cap minors.
+        unknown: usize,
+    },
+
+    #[error("{key}={} holds /dev/nvidia-caps/nvidia-cap{cap}, an access node of MIG device {uuid} of GPU {gpu}, without its GPU's node {}: allowed is a MIG device's nodes as CDI injects them, its GPU's /dev/nvidia<N> with them", quote(.value), parent_node(*.minor))]
+    MigWithoutParentNode {
+        key: &'static str,
+        value: String,
+        cap: u32,
+        uuid: String,
+        gpu: u32,
+        minor: Option<u32>,
+    },
+
     #[error("{key}={} lists GPU {gpu} twice: allowed is each GPU at most once", quote(.value))]
     DuplicateGpu {
         key: &'static str,
@@ -361,6 +392,32 @@ fn minor_list(existing: &[u32], unknown: usize) -> String {
             "this node's GPUs have minor numbers {}, and {n} give none (an inventory file needs \"minor\" on each GPU)",
             join_capped(existing)
         ),
+    }
+}
+
+fn cap_list(existing: &[u32], unknown: usize) -> String {
+    const NEEDS: &str =
+        "an inventory file needs \"gi_caps_minor\" and \"ci_caps_minor\" on each MIG device";
+    match (existing.is_empty(), unknown) {
+        (true, 0) => "this node has no MIG devices".to_owned(),
+        (true, _) => {
+            format!("this node's inventory gives no cap minors for its MIG devices ({NEEDS})")
+        }
+        (false, 0) => format!(
+            "this node's MIG devices have cap minors {}",
+            join_capped(existing)
+        ),
+        (false, n) => format!(
+            "this node's MIG devices have cap minors {}, and {n} give none ({NEEDS})",
+            join_capped(existing)
+        ),
+    }
+}
+
+fn parent_node(minor: Option<u32>) -> String {
+    match minor {
+        Some(minor) => format!("/dev/nvidia{minor}"),
+        None => "(the inventory gives that GPU no minor number)".to_owned(),
     }
 }
 
@@ -461,6 +518,9 @@ impl Inventory {
         };
         let mut gpu_indices = Vec::new();
         let mut minors = Vec::new();
+        let mut ci_caps: Vec<u32> = Vec::new();
+        // (position of the GPU, minor)
+        let mut gi_caps: Vec<(usize, u32)> = Vec::new();
         let mut uuids: Vec<String> = Vec::new();
         let mut check_uuid = |entry: &str, uuid: &str| {
             let lower = uuid.to_ascii_lowercase();
@@ -504,6 +564,40 @@ impl Inventory {
             }
             let mut mig_indices = Vec::new();
             for (mpos, mig) in gpu.mig_devices.iter().enumerate() {
+                let here = format!(
+                    "gpus[{pos}].mig_devices[{mpos}] (GPU {} MIG device {})",
+                    gpu.index, mig.index
+                );
+                // A compute instance's node is one MIG device's; a GPU instance's node is
+                // shared only by the MIG devices of that instance, so of one GPU; no node is
+                // both.
+                if let Some(ci) = mig.ci_caps_minor {
+                    if ci_caps.contains(&ci) {
+                        return Err(duplicate(here, "ci_caps_minor", ci.to_string()));
+                    }
+                    if gi_caps.iter().any(|&(_, gi)| gi == ci) {
+                        return Err(invalid(
+                            here,
+                            "ci_caps_minor",
+                            &ci.to_string(),
+                            "a minor that no gi_caps_minor uses",
+                        ));
+                    }
+                    ci_caps.push(ci);
+                }
+                if let Some(gi) = mig.gi_caps_minor {
+                    if ci_caps.contains(&gi)
+                        || gi_caps.iter().any(|&(g, other)| other == gi && g != pos)
+                    {
+                        return Err(invalid(
+                            here,
+                            "gi_caps_minor",
+                            &gi.to_string(),
+                            "a minor that no ci_caps_minor and no other GPU's MIG device uses",
+                        ));
+                    }
+                    gi_caps.push((pos, gi));
+                }
                 let entry = format!(
                     "gpus[{pos}].mig_devices[{mpos}] (GPU {} MIG device {})",
                     gpu.index, mig.index
@@ -639,6 +733,90 @@ impl Inventory {
             .map(DeviceRequest)
     }
 
+    /// The devices whose nodes a container holds: GPU nodes `/dev/nvidia<minor>` and MIG
+    /// access nodes `/dev/nvidia-caps/nvidia-cap<cap>`, as a request for [`Inventory::resolve`]
+    /// (which then applies the usual rules: a MIG device stands alone, each GPU once, none
+    /// in MIG mode). A compute instance's cap names its MIG device; a GPU instance's cap
+    /// that comes without the cap of any of its compute instances names every MIG device of
+    /// that instance. A named MIG device needs its GPU's node among `minors`, and that node
+    /// then stands for the MIG device, not for the GPU. Without caps this is
+    /// [`Inventory::gpus_by_minor`]. `key` and `value` only appear in errors.
+    pub fn devices_by_nodes(
+        &self,
+        key: &'static str,
+        value: &str,
+        minors: &[u32],
+        caps: &[u32],
+    ) -> Result<DeviceRequest, DeviceError> {
+        let migs = || {
+            self.gpus
+                .iter()
+                .flat_map(|g| g.mig_devices.iter().map(move |m| (g, m)))
+        };
+        // (GPU, MIG device, the cap that named it), in the order of the caps.
+        let mut named: Vec<(&Gpu, &MigDevice, u32)> = Vec::new();
+        let mut gi_only = Vec::new();
+        for &cap in caps {
+            if let Some((g, m)) = migs().find(|(_, m)| m.ci_caps_minor == Some(cap)) {
+                if !named.iter().any(|(_, n, _)| n.uuid == m.uuid) {
+                    named.push((g, m, cap));
+                }
+            } else if migs().any(|(_, m)| m.gi_caps_minor == Some(cap)) {
+                gi_only.push(cap);
+            } else {
+                let mut existing: Vec<u32> = migs()
+                    .flat_map(|(_, m)| [m.gi_caps_minor, m.ci_caps_minor])
+                    .flatten()
+                    .collect();
+                existing.sort_unstable();
+                existing.dedup();
+                return Err(DeviceError::NoSuchCapMinor {
+                    key,
+                    value: value.to_owned(),
+                    cap,
+                    existing,
+                    unknown: migs()
+                        .filter(|(_, m)| m.gi_caps_minor.is_none() || m.ci_caps_minor.is_none())
+                        .count(),
+                });
+            }
+        }
+        for &cap in &gi_only {
+            if named.iter().any(|(_, m, _)| m.gi_caps_minor == Some(cap)) {
+                continue;
+            }
+            for (g, m) in migs().filter(|(_, m)| m.gi_caps_minor == Some(cap)) {
+                if !named.iter().any(|(_, n, _)| n.uuid == m.uuid) {
+                    named.push((g, m, cap));
+                }
+            }
+        }
+        for &(g, m, cap) in &named {
+            if !g.minor.is_some_and(|minor| minors.contains(&minor)) {
+                return Err(DeviceError::MigWithoutParentNode {
+                    key,
+                    value: value.to_owned(),
+                    cap,
+                    uuid: m.uuid.clone(),
+                    gpu: g.index,
+                    minor: g.minor,
+                });
+            }
+        }
+        let gpu_minors: Vec<u32> = minors
+            .iter()
+            .copied()
+            .filter(|&minor| !named.iter().any(|(g, _, _)| g.minor == Some(minor)))
+            .collect();
+        let mut request = self.gpus_by_minor(key, value, &gpu_minors)?;
+        request.0.extend(
+            named
+                .iter()
+                .map(|(_, m, _)| DeviceSelector::MigUuid(m.uuid.clone())),
+        );
+        Ok(request)
+    }
+
     fn find_gpu(
         &self,
         key: &'static str,
@@ -724,6 +902,20 @@ impl Inventory {
     }
 }
 
+/// The minor number that the driver's `/proc/driver/nvidia-caps/mig-minors` text gives for
+/// `name` (`gpu<gpu minor>/gi<gpu instance id>/access` or
+/// `gpu<gpu minor>/gi<id>/ci<compute instance id>/access`): its lines are `<name> <minor>`.
+/// `None` when no line names it (or its number is not one).
+pub fn mig_cap_minor(text: &str, name: &str) -> Option<u32> {
+    text.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        match (fields.next(), fields.next(), fields.next()) {
+            (Some(n), Some(minor), None) if n == name => minor.parse().ok(),
+            _ => None,
+        }
+    })
+}
+
 /// Test data, public so that other modules' tests and the integration tests share it: one
 /// NVIDIA A30 (GPU 0, 24 GiB, MIG enabled with four `1g.6gb` devices of 6 GiB, indices 0–3) and
 /// one NVIDIA A100 80GB (GPU 1, 80 GiB, MIG disabled) and a second A30 (GPU 2, 24 GiB, MIG
@@ -733,6 +925,11 @@ impl Inventory {
 pub fn sample() -> Inventory {
     const GIB: u64 = 1 << 30;
     let mig = |index: u32, uuid: &str| MigDevice {
+        // MIG device i on GPU instance i + 1, compute instance 0, numbered as the driver's
+        // mig-minors does on GPU minor 0 (`gpu0/gi1/access 12`, `gpu0/gi1/ci0/access 13`,
+        // nine minors per GPU instance): 12/13, 21/22, 30/31, 39/40.
+        gi_caps_minor: Some(12 + 9 * index),
+        ci_caps_minor: Some(13 + 9 * index),
         index,
         uuid: uuid.to_owned(),
         profile: "1g.6gb".to_owned(),
@@ -804,12 +1001,14 @@ mod nvml {
         let count = nvml
             .device_count()
             .map_err(op("count the GPUs".to_owned()))?;
+        // Without the file (no MIG support, another platform) MIG devices get no cap minors.
+        let mig_minors = std::fs::read_to_string(MIG_MINORS).unwrap_or_default();
         let mut gpus = Vec::new();
         for index in 0..count {
             let device = nvml
                 .device_by_index(index)
                 .map_err(op(format!("open GPU {index}")))?;
-            gpus.push(gpu(index, &device)?);
+            gpus.push(gpu(index, &device, &mig_minors)?);
         }
         Ok(Inventory {
             driver_version,
@@ -817,7 +1016,7 @@ mod nvml {
         })
     }
 
-    fn gpu(index: u32, device: &Device<'_>) -> Result<Gpu, DeviceError> {
+    fn gpu(index: u32, device: &Device<'_>, mig_minors: &str) -> Result<Gpu, DeviceError> {
         let what = |field: &str| format!("read the {field} of GPU {index}");
         let capability = device
             .cuda_compute_capability()
@@ -829,6 +1028,13 @@ mod nvml {
             }
             NvmlComputeMode::Prohibited => ComputeMode::Prohibited,
         };
+        let minor = match device.minor_number() {
+            Ok(minor) => Some(minor),
+            // Not on every platform (NVML documents it for Linux only): the GPU stays
+            // usable by every request but one that names its device node.
+            Err(NvmlError::NotSupported) => None,
+            Err(error) => return Err(op(what("minor number"))(error)),
+        };
         Ok(Gpu {
             index,
             uuid: device.uuid().map_err(op(what("UUID")))?,
@@ -836,18 +1042,17 @@ mod nvml {
             memory_bytes: device.memory_info().map_err(op(what("memory")))?.total,
             compute_capability: format!("{}.{}", capability.major, capability.minor),
             compute_mode,
-            minor: match device.minor_number() {
-                Ok(minor) => Some(minor),
-                // Not on every platform (NVML documents it for Linux only): the GPU stays
-                // usable by every request but one that names its device node.
-                Err(NvmlError::NotSupported) => None,
-                Err(error) => return Err(op(what("minor number"))(error)),
-            },
-            mig_devices: mig_devices(index, device)?,
+            minor,
+            mig_devices: mig_devices(index, device, minor, mig_minors)?,
         })
     }
 
-    fn mig_devices(index: u32, device: &Device<'_>) -> Result<Vec<MigDevice>, DeviceError> {
+    fn mig_devices(
+        index: u32,
+        device: &Device<'_>,
+        minor: Option<u32>,
+        mig_minors: &str,
+    ) -> Result<Vec<MigDevice>, DeviceError> {
         match device.mig_mode() {
             Ok(mode) if mode.current == MIG_ENABLED => {}
             // GPUs without MIG support answer NotSupported: no MIG devices.
@@ -870,7 +1075,22 @@ mod nvml {
             let what = |field: &str| format!("read the {field} of GPU {index} MIG device {slot}");
             // A MIG device's name is "<GPU name> MIG <profile>", e.g. "NVIDIA A30 MIG 1g.6gb".
             let name = mig.name().map_err(op(what("name")))?;
+            // The cap minors are optional data: a driver without the instance-id calls, or
+            // a mig-minors without the entry, leaves the device usable by name only.
+            let (gi_caps_minor, ci_caps_minor) =
+                match (minor, crate::sys::nvml_mig_instance_ids(&mig)) {
+                    (Some(minor), Some((gi, ci))) => (
+                        super::mig_cap_minor(mig_minors, &format!("gpu{minor}/gi{gi}/access")),
+                        super::mig_cap_minor(
+                            mig_minors,
+                            &format!("gpu{minor}/gi{gi}/ci{ci}/access"),
+                        ),
+                    ),
+                    _ => (None, None),
+                };
             out.push(MigDevice {
+                gi_caps_minor,
+                ci_caps_minor,
                 index: slot,
                 uuid: mig.uuid().map_err(op(what("UUID")))?,
                 profile: profile_from_name(&name),
@@ -879,6 +1099,9 @@ mod nvml {
         }
         Ok(out)
     }
+
+    /// The file where the NVIDIA driver lists the minor numbers of `/dev/nvidia-caps/nvidia-cap*`.
+    pub(super) const MIG_MINORS: &str = "/proc/driver/nvidia-caps/mig-minors";
 
     /// `"NVIDIA A30 MIG 1g.6gb"` → `"1g.6gb"`; anything else → [`UNKNOWN_MIG_PROFILE`].
     pub(super) fn profile_from_name(name: &str) -> String {
@@ -1408,6 +1631,161 @@ mod tests {
         for (request, want) in cases {
             assert_eq!(&request.to_string(), want);
         }
+    }
+
+    /// What a driver publishes for GPU minor 0 with GPU instances 1 and 2, one compute
+    /// instance each, and GPU minor 1 with GPU instance 1 (the shape of
+    /// `/proc/driver/nvidia-caps/mig-minors`).
+    const MIG_MINORS: &str = "config 1\nmonitor 2\ngpu0/gi0/access 3\ngpu0/gi0/ci0/access 4\ngpu0/gi1/access 12\ngpu0/gi1/ci0/access 13\ngpu0/gi1/ci1/access 14\ngpu0/gi2/access 21\ngpu0/gi2/ci0/access 22\ngpu1/gi1/access 147\ngpu1/gi1/ci0/access 148\n";
+
+    #[test]
+    fn mig_minors_parse() {
+        let cases: &[(&str, Option<u32>)] = &[
+            ("gpu0/gi1/access", Some(12)),
+            ("gpu0/gi1/ci0/access", Some(13)),
+            ("gpu0/gi1/ci1/access", Some(14)),
+            ("gpu0/gi2/ci0/access", Some(22)),
+            ("gpu1/gi1/access", Some(147)),
+            ("gpu1/gi1/ci0/access", Some(148)),
+            ("config", Some(1)),
+            // Absent entries, and no prefix match.
+            ("gpu0/gi3/access", None),
+            ("gpu1/gi1/ci1/access", None),
+            ("gpu0/gi1", None),
+            ("gpu0/gi1/ci0/acces", None),
+            ("gpu10/gi1/access", None),
+        ];
+        for (name, want) in cases {
+            assert_eq!(mig_cap_minor(MIG_MINORS, name), *want, "{name}");
+        }
+        // A missing file reads as empty text; odd lines are skipped, not errors.
+        assert_eq!(mig_cap_minor("", "gpu0/gi1/access"), None);
+        let odd =
+            "gpu0/gi1/access\ngpu0/gi1/access x\ngpu0/gi1/access 12 13\n  gpu0/gi1/access   12  \n";
+        assert_eq!(mig_cap_minor(odd, "gpu0/gi1/access"), Some(12));
+        assert_eq!(mig_cap_minor("gpu0/gi1/access -1", "gpu0/gi1/access"), None);
+    }
+
+    #[test]
+    fn caps_minors_in_files() {
+        // Old inventories (no caps) still load; the fields round-trip.
+        let (_f, inv) = load_text(DESIGN_JSON);
+        assert_eq!(
+            inv.expect("old inventory").gpus[0].mig_devices[0].ci_caps_minor,
+            None
+        );
+        let with = DESIGN_JSON.replace(
+            r#""memory_bytes": 6442450944}"#,
+            r#""memory_bytes": 6442450944, "gi_caps_minor": 12, "ci_caps_minor": 13}"#,
+        );
+        assert_ne!(with, DESIGN_JSON);
+        let (_f, inv) = load_text(&with);
+        let inv = inv.expect("with caps");
+        let mig = &inv.gpus[0].mig_devices[0];
+        assert_eq!((mig.gi_caps_minor, mig.ci_caps_minor), (Some(12), Some(13)));
+        let text = serde_json::to_string(&inv).expect("ser");
+        assert!(
+            text.contains(r#""gi_caps_minor":12,"ci_caps_minor":13"#),
+            "{text}"
+        );
+        sample().validate("t").expect("the sample is valid");
+
+        // Two MIG devices of one GPU instance share its node; a compute instance's is one
+        // device's; no node is both; a GPU instance's node is one GPU's.
+        let mut shared_gi = sample();
+        shared_gi.gpus[0].mig_devices[1].gi_caps_minor = Some(12);
+        shared_gi
+            .validate("t")
+            .expect("one GPU instance, two compute instances");
+        let mut dup_ci = sample();
+        dup_ci.gpus[0].mig_devices[1].ci_caps_minor = Some(13);
+        let mut ci_is_gi = sample();
+        ci_is_gi.gpus[0].mig_devices[1].ci_caps_minor = Some(12);
+        let mut gi_is_ci = sample();
+        gi_is_ci.gpus[0].mig_devices[1].gi_caps_minor = Some(13);
+        let mut gi_two_gpus = sample();
+        gi_two_gpus.gpus[1].mig_devices = vec![MigDevice {
+            index: 0,
+            uuid: "MIG-6e8f4cab-3a7d-5d3b-af94-5c4b1a0e9d34".to_owned(),
+            profile: "1g.10gb".to_owned(),
+            memory_bytes: 10 * GIB,
+            gi_caps_minor: Some(12),
+            ci_caps_minor: Some(148),
+        }];
+        let cases: Vec<(Inventory, &str)> = vec![
+            (dup_ci, "inventory t: gpus[0].mig_devices[1] (GPU 0 MIG device 1) repeats ci_caps_minor \"13\": allowed is each ci_caps_minor once"),
+            (ci_is_gi, "inventory t: gpus[0].mig_devices[1] (GPU 0 MIG device 1) has ci_caps_minor \"12\""),
+            (gi_is_ci, "inventory t: gpus[0].mig_devices[1] (GPU 0 MIG device 1) has gi_caps_minor \"13\""),
+            (gi_two_gpus, "inventory t: gpus[1].mig_devices[0] (GPU 1 MIG device 0) has gi_caps_minor \"12\""),
+        ];
+        for (inv, want) in cases {
+            let msg = inv.validate("t").expect_err(want).to_string();
+            assert!(msg.contains(want), "{msg:?} lacks {want:?}");
+        }
+    }
+
+    #[test]
+    fn devices_by_nodes_maps_caps() {
+        let inv = sample();
+        let key = "linux.devices";
+        let mig = |uuid: &str| DeviceRequest(vec![DeviceSelector::MigUuid(uuid.to_owned())]);
+        // Without caps: the GPUs.
+        assert_eq!(
+            inv.devices_by_nodes(key, "v", &[3, 1], &[]).expect("gpus"),
+            inv.gpus_by_minor(key, "v", &[3, 1]).expect("gpus")
+        );
+        // gi + ci, ci alone, gi alone (one compute instance): the MIG device; the parent's
+        // node stands for it.
+        for caps in [&[12, 13][..], &[13], &[12], &[13, 12]] {
+            assert_eq!(
+                inv.devices_by_nodes(key, "v", &[0], caps).expect("mig"),
+                mig(MIG0),
+                "{caps:?}"
+            );
+        }
+        // Two compute instances of one GPU instance: its node alone names both.
+        let mut two_ci = sample();
+        two_ci.gpus[0].mig_devices[1].gi_caps_minor = Some(12);
+        assert_eq!(
+            two_ci
+                .devices_by_nodes(key, "v", &[0], &[12])
+                .expect("both")
+                .0
+                .len(),
+            2
+        );
+        assert_eq!(
+            two_ci
+                .devices_by_nodes(key, "v", &[0], &[12, 22])
+                .expect("one"),
+            mig("MIG-3b5c1f7e-0d4a-5a0e-9c61-2f1e8d7b6a01")
+        );
+        // Another GPU's node with it: a list, refused by `resolve`.
+        let req = inv
+            .devices_by_nodes(key, "v", &[1, 0], &[12, 13])
+            .expect("list");
+        assert!(matches!(
+            inv.resolve(key, "v", &req),
+            Err(DeviceError::MigInList { .. })
+        ));
+        // Unknown cap, parent missing.
+        assert!(matches!(
+            inv.devices_by_nodes(key, "v", &[0], &[2]),
+            Err(DeviceError::NoSuchCapMinor {
+                cap: 2,
+                unknown: 0,
+                ..
+            })
+        ));
+        assert!(matches!(
+            inv.devices_by_nodes(key, "v", &[1], &[13]),
+            Err(DeviceError::MigWithoutParentNode {
+                cap: 13,
+                gpu: 0,
+                minor: Some(0),
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -250,3 +250,23 @@ pub fn confine_child(
         });
     }
 }
+
+/// A MIG device's GPU instance id and compute instance id (`nvmlDeviceGetGpuInstanceId`,
+/// `nvmlDeviceGetComputeInstanceId`, which nvml-wrapper 0.13 does not wrap). `mig` must be a
+/// MIG device handle; `None` when the driver lacks either call or answers an error.
+pub fn nvml_mig_instance_ids(mig: &nvml_wrapper::Device<'_>) -> Option<(u32, u32)> {
+    let lib = mig.nvml().lib();
+    let gi_fn = lib.nvmlDeviceGetGpuInstanceId.as_ref().ok()?;
+    let ci_fn = lib.nvmlDeviceGetComputeInstanceId.as_ref().ok()?;
+    let (mut gi, mut ci) = (0u32, 0u32);
+    // SAFETY: the handle comes from a live `Device` borrowed for the whole call (its NVML is
+    // initialised for as long as it lives); both symbols were resolved from that library;
+    // each writes one `unsigned int` through a pointer to a local that outlives the call.
+    let (gi_rc, ci_rc) = unsafe {
+        let handle = mig.handle();
+        (gi_fn(handle, &mut gi), ci_fn(handle, &mut ci))
+    };
+    nvml_wrapper::error::nvml_try(gi_rc).ok()?;
+    nvml_wrapper::error::nvml_try(ci_rc).ok()?;
+    Some((gi, ci))
+}
