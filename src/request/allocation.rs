@@ -7,8 +7,8 @@
 //!   ([`Allocation::resolve`], by minor number).
 //! - The sources are read in this order, and the first that names any device is the
 //!   allocation (the others are not read). 1–3 are NVIDIA's toolkit's own precedence
-//!   (`VisibleDevices()`); device nodes come last because they name GPUs only, never a MIG
-//!   device:
+//!   (`VisibleDevices()`); device nodes come last because they name devices only through the
+//!   inventory's minor numbers:
 //!   1. `cdi.k8s.io/*` annotations (device plugin `cdi-annotations`; the key's suffix is
 //!      random): every entry `k8s.device-plugin.nvidia.com/gpu=<id>` or `nvidia.com/gpu=<id>`
 //!      of their comma-separated values, keys in sorted order. Other vendors and classes
@@ -17,8 +17,10 @@
 //!      order; deeper paths (`imex/<channel>`, `cdi/…`) are not devices.
 //!   3. `NVIDIA_VISIBLE_DEVICES` (`envvar`), the last entry of the name, comma-separated.
 //!   4. `/dev/nvidia<N>` nodes in `linux.devices` (`cdi-cri`, the DRA driver): the GPUs with
-//!      minor number N, in spec order. Not read in a privileged container (one whose
-//!      `linux.resources.devices` allows every device), which holds every node of the host.
+//!      minor number N, in spec order, and with them the MIG access nodes
+//!      `/dev/nvidia-caps/nvidia-cap<M>` (see below). Read only when a `/dev/nvidia<N>` is
+//!      there. Not read in a privileged container (one whose `linux.resources.devices` allows
+//!      every device), which holds every node of the host.
 //! - An id is what the device plugin writes: `GPU-<uuid>`, `MIG-<uuid>`, an index `0` or
 //!   `<gpu>:<mig>` (its replicas' `::<n>` suffix is stripped before the spec). The ids then
 //!   meet the rules of named devices, so a list of MIG devices is refused.
@@ -31,11 +33,18 @@
 //!   driver (it writes no `NVIDIA_VISIBLE_DEVICES`). So `all` never counts, whoever set it,
 //!   and a value naming devices always does: an image that bakes in specific ids is read as
 //!   allocated those.
-//! - MIG devices are read from names only. A MIG device injected by CDI (`cdi-cri`, DRA) is
-//!   its parent's `/dev/nvidia<N>` plus `/dev/nvidia-caps/nvidia-cap<M>` nodes for its GPU and
-//!   compute instances; nothing gpushare reads maps a cap number to a MIG device, and the
-//!   parent GPU is in MIG mode, where CUDA cannot run, so such an allocation is refused
-//!   rather than resolved to the parent.
+//! - A MIG device injected by CDI (`cdi-cri`, DRA) is its parent's `/dev/nvidia<N>` plus the
+//!   `/dev/nvidia-caps/nvidia-cap<M>` access nodes of its GPU instance and compute instance,
+//!   M as the driver's `/proc/driver/nvidia-caps/mig-minors` gives them
+//!   (`gpu<N>/gi<gi>/access`, `gpu<N>/gi<gi>/ci<ci>/access`), which the inventory records
+//!   per MIG device (`gi_caps_minor`, `ci_caps_minor`). [`Inventory::devices_by_nodes`] maps
+//!   them: a compute instance's node names its MIG device, a GPU instance's node without any
+//!   of its compute instances' names every MIG device of that instance, and the parent's
+//!   node then stands for the MIG device (it must be there). The result meets the rules of
+//!   named devices, so two MIG devices, or a MIG device and a GPU, are refused; a cap node
+//!   the inventory gives no MIG device for (a file inventory without cap minors, the
+//!   driver's `config`/`monitor` nodes) is refused, never resolved to the parent, which is
+//!   in MIG mode, where CUDA cannot run.
 //! - Old MIG UUIDs `MIG-GPU-<uuid>/<gi>/<ci>` (drivers before R470) are refused: the
 //!   inventory knows MIG devices by `MIG-<uuid>` only.
 //! - An allocation that carries its allocator's MPS — `CUDA_MPS_PIPE_DIRECTORY=<dir>` in the
@@ -67,7 +76,9 @@ const PIPE_ENV: &str = "CUDA_MPS_PIPE_DIRECTORY";
 const IDS_ALLOWED: &str = "device ids as NVIDIA's device plugin writes them: GPU-<uuid>, MIG-<uuid>, a GPU index like 0 or <gpu>:<mig> like 0:1, comma-separated, at most 16";
 const OLD_MIG_ALLOWED: &str = "MIG-<uuid>, the MIG device names of NVIDIA drivers R470 and later";
 const NODES_ALLOWED: &str = "device nodes as CDI injects them: /dev/nvidia<N> with minor number N";
-const MIG_NODES_ALLOWED: &str = "an allocation that names its MIG device (cdi.k8s.io/* annotations, which containerd passes with container_annotations = [\"cdi.k8s.io/*\"]; NVIDIA_VISIBLE_DEVICES; volume mounts), or gpushare.io/device=MIG-<uuid>";
+const CAP_NODES_ALLOWED: &str =
+    "MIG access nodes as CDI injects them: /dev/nvidia-caps/nvidia-cap<M> with minor number M";
+const CAPS_DIR: &str = "/dev/nvidia-caps/";
 
 /// Where an allocation was read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,8 +118,9 @@ impl fmt::Display for AllocationSource {
 pub enum AllocatedDevices {
     /// By device-plugin id.
     Named(DeviceRequest),
-    /// By the minor number of `/dev/nvidia<N>`, deduplicated, in spec order.
-    Minors(Vec<u32>),
+    /// By device node, deduplicated, in spec order: the minor numbers of `/dev/nvidia<N>`
+    /// (`gpus`) and of `/dev/nvidia-caps/nvidia-cap<M>` (`caps`).
+    Nodes { gpus: Vec<u32>, caps: Vec<u32> },
 }
 
 /// What [`allocation`] found.
@@ -127,10 +139,10 @@ impl Allocation {
         let key = self.source.key();
         match &self.devices {
             AllocatedDevices::Named(req) => inventory.resolve(key, &self.found, req),
-            AllocatedDevices::Minors(minors) => inventory.resolve(
+            AllocatedDevices::Nodes { gpus, caps } => inventory.resolve(
                 key,
                 &self.found,
-                &inventory.gpus_by_minor(key, &self.found, minors)?,
+                &inventory.devices_by_nodes(key, &self.found, gpus, caps)?,
             ),
         }
     }
@@ -294,13 +306,33 @@ fn from_device_nodes(c: &Inputs<'_>) -> Result<Option<Allocation>, Unreadable> {
     }
     let mut minors = Vec::new();
     let mut paths = Vec::new();
-    let mut cap = None;
+    let mut caps = Vec::new();
+    let mut cap_paths = Vec::new();
     for node in c.devices {
         let Some(path) = node.path().to_str() else {
             continue;
         };
-        if path.starts_with("/dev/nvidia-caps/") {
-            cap.get_or_insert(path);
+        if let Some(name) = path.strip_prefix(CAPS_DIR) {
+            let cap = name.strip_prefix("nvidia-cap").and_then(parse_index);
+            let problem = match cap {
+                None => Some(format!("has {path}, which is not a MIG access node")),
+                Some(cap) if node.major() != 0 && node.minor() != i64::from(cap) => {
+                    Some(format!("has {path} with minor number {}", node.minor()))
+                }
+                Some(_) => None,
+            };
+            if let Some(problem) = problem {
+                return Err(Unreadable {
+                    source: AllocationSource::DeviceNodes,
+                    found: path.to_owned(),
+                    problem,
+                    allowed: CAP_NODES_ALLOWED,
+                });
+            }
+            if let Some(cap) = cap.filter(|cap| !caps.contains(cap)) {
+                caps.push(cap);
+                cap_paths.push(path);
+            }
             continue;
         }
         // Not /dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia-modeset, …: only GPUs.
@@ -325,21 +357,11 @@ fn from_device_nodes(c: &Inputs<'_>) -> Result<Option<Allocation>, Unreadable> {
     if minors.is_empty() {
         return Ok(None);
     }
-    let found = paths.join(",");
-    if let Some(cap) = cap {
-        return Err(Unreadable {
-            source: AllocationSource::DeviceNodes,
-            found,
-            problem: format!(
-                "comes with {cap}, a MIG device's capability node, and gpushare cannot tell which MIG device it is"
-            ),
-            allowed: MIG_NODES_ALLOWED,
-        });
-    }
+    paths.extend(cap_paths);
     Ok(Some(Allocation {
         source: AllocationSource::DeviceNodes,
-        found,
-        devices: AllocatedDevices::Minors(minors),
+        found: paths.join(","),
+        devices: AllocatedDevices::Nodes { gpus: minors, caps },
     }))
 }
 
@@ -474,6 +496,20 @@ mod tests {
         let msg = err.to_string();
         assert!(!msg.contains('\n'), "{msg}");
         msg
+    }
+
+    /// Why the allocation's devices do not resolve against the sample inventory, on one line.
+    fn resolve_refusal(p: &Parsed) -> String {
+        let req = p
+            .result
+            .as_ref()
+            .expect("parses")
+            .as_ref()
+            .expect("request");
+        format!(
+            "{:#}",
+            anyhow::Error::new(req.device.resolve(&sample()).expect_err("refused"))
+        )
     }
 
     /// The allocation's devices against the sample inventory: UUIDs and kind.
@@ -697,8 +733,8 @@ mod tests {
             &format!("k8s.device-plugin.nvidia.com/gpu={MIG2}"),
         );
         push_cdi_gpu(&mut v, 0);
-        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap21", 511, 21);
-        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap22", 511, 22);
+        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap30", 511, 30);
+        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap31", 511, 31);
         let p = asked(v);
         assert_eq!(found(&p).source, AllocationSource::CdiAnnotations);
         assert_eq!(resolved(&p), (vec![MIG2.to_owned()], DeviceKind::Mig));
@@ -736,7 +772,13 @@ mod tests {
         let a = found(&p);
         assert_eq!(a.source, AllocationSource::DeviceNodes);
         assert_eq!(a.found, "/dev/nvidia3");
-        assert_eq!(a.devices, AllocatedDevices::Minors(vec![3]));
+        assert_eq!(
+            a.devices,
+            AllocatedDevices::Nodes {
+                gpus: vec![3],
+                caps: vec![]
+            }
+        );
         assert_eq!(resolved(&p), (vec![GPU2.to_owned()], DeviceKind::Gpus));
         // Two GPUs, in spec order; the common nodes once.
         push_cdi_gpu(&mut v, 1);
@@ -744,15 +786,112 @@ mod tests {
         assert_eq!(found(&p).found, "/dev/nvidia3,/dev/nvidia1");
         assert_eq!(resolved(&p).0, vec![GPU2, GPU1]);
 
-        // DRA MIG: the parent node and the GI/CI capability nodes; no name anywhere.
+        // DRA MIG: the parent node and the GI/CI access nodes; no name anywhere. The sample
+        // gives MIG device 0:1 caps 21 (gi) and 22 (ci).
         let mut v = cri();
         push_cdi_gpu(&mut v, 0);
         push_node(&mut v, "/dev/nvidia-caps/nvidia-cap21", 511, 21);
         push_node(&mut v, "/dev/nvidia-caps/nvidia-cap22", 511, 22);
+        let p = asked(v.clone());
+        let a = found(&p);
         assert_eq!(
-            refusal(&asked(v)),
-            "gpushare.io/device=\"allocated\" cannot use the container's allocation: linux.devices=\"/dev/nvidia0\" comes with /dev/nvidia-caps/nvidia-cap21, a MIG device's capability node, and gpushare cannot tell which MIG device it is; allowed is an allocation that names its MIG device (cdi.k8s.io/* annotations, which containerd passes with container_annotations = [\"cdi.k8s.io/*\"]; NVIDIA_VISIBLE_DEVICES; volume mounts), or gpushare.io/device=MIG-<uuid>"
+            a.found,
+            "/dev/nvidia0,/dev/nvidia-caps/nvidia-cap21,/dev/nvidia-caps/nvidia-cap22"
         );
+        assert_eq!(
+            a.devices,
+            AllocatedDevices::Nodes {
+                gpus: vec![0],
+                caps: vec![21, 22]
+            }
+        );
+        assert_eq!(resolved(&p), (vec![MIG1.to_owned()], DeviceKind::Mig));
+        // The same with the nodes in another order, and the GPU instance's node alone
+        // (its one compute instance).
+        let mut w = cri();
+        push_node(&mut w, "/dev/nvidia-caps/nvidia-cap22", 511, 22);
+        push_cdi_gpu(&mut w, 0);
+        assert_eq!(
+            resolved(&asked(w)),
+            (vec![MIG1.to_owned()], DeviceKind::Mig)
+        );
+        let mut w = cri();
+        push_cdi_gpu(&mut w, 0);
+        push_node(&mut w, "/dev/nvidia-caps/nvidia-cap30", 511, 30);
+        assert_eq!(
+            resolved(&asked(w)),
+            (vec![MIG2.to_owned()], DeviceKind::Mig)
+        );
+
+        // Two MIG devices: refused as a named list of them is.
+        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap30", 511, 30);
+        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap31", 511, 31);
+        assert_eq!(
+            resolve_refusal(&asked(v)),
+            "gpushare.io/device=\"allocated\" takes the devices allocated to the container: linux.devices=\"/dev/nvidia0,/dev/nvidia-caps/nvidia-cap21,/dev/nvidia-caps/nvid…\" is invalid: a MIG device must stand alone, not in a list"
+        );
+        // A MIG device with a full GPU: the same.
+        let mut v = cri();
+        push_cdi_gpu(&mut v, 0);
+        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap21", 511, 21);
+        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap22", 511, 22);
+        push_cdi_gpu(&mut v, 1);
+        assert!(resolve_refusal(&asked(v))
+            .ends_with("is invalid: a MIG device must stand alone, not in a list"));
+
+        // A cap node no MIG device has (the driver's config node, say): refused, never the
+        // parent; with an inventory that gives no cap minors too.
+        let mut v = cri();
+        push_cdi_gpu(&mut v, 0);
+        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap1", 511, 1);
+        let p = asked(v);
+        assert_eq!(
+            resolve_refusal(&p),
+            "gpushare.io/device=\"allocated\" takes the devices allocated to the container: linux.devices=\"/dev/nvidia0,/dev/nvidia-caps/nvidia-cap1\" holds /dev/nvidia-caps/nvidia-cap1, which is the access node of no MIG device: this node's MIG devices have cap minors 12, 13, 21, 22, 30, 31, 39, 40"
+        );
+        let mut bare = sample();
+        for gpu in &mut bare.gpus {
+            for mig in &mut gpu.mig_devices {
+                (mig.gi_caps_minor, mig.ci_caps_minor) = (None, None);
+            }
+        }
+        let req = p
+            .result
+            .as_ref()
+            .expect("parses")
+            .as_ref()
+            .expect("request");
+        let line = format!(
+            "{:#}",
+            anyhow::Error::new(req.device.resolve(&bare).expect_err("no caps"))
+        );
+        assert!(line.ends_with("holds /dev/nvidia-caps/nvidia-cap1, which is the access node of no MIG device: this node's inventory gives no cap minors for its MIG devices (an inventory file needs \"gi_caps_minor\" and \"ci_caps_minor\" on each MIG device)"), "{line}");
+
+        // A MIG device's caps without its GPU's node.
+        let mut v = cri();
+        push_cdi_gpu(&mut v, 1);
+        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap21", 511, 21);
+        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap22", 511, 22);
+        assert_eq!(
+            resolve_refusal(&asked(v)),
+            format!("gpushare.io/device=\"allocated\" takes the devices allocated to the container: linux.devices=\"/dev/nvidia1,/dev/nvidia-caps/nvidia-cap21,/dev/nvidia-caps/nvid…\" holds /dev/nvidia-caps/nvidia-cap22, an access node of MIG device {MIG1} of GPU 0, without its GPU's node /dev/nvidia0: allowed is a MIG device's nodes as CDI injects them, its GPU's /dev/nvidia<N> with them")
+        );
+
+        // The parent alone is the GPU, in MIG mode: refused as a name of it is.
+        let mut v = cri();
+        push_cdi_gpu(&mut v, 0);
+        assert!(resolve_refusal(&asked(v)).contains("names GPU 0, which is in MIG mode"));
+
+        // A cap node whose path and minor disagree, or a path that is no access node.
+        let mut v = cri();
+        push_cdi_gpu(&mut v, 0);
+        push_node(&mut v, "/dev/nvidia-caps/nvidia-cap21", 511, 22);
+        assert_eq!(refusal(&asked(v)), "gpushare.io/device=\"allocated\" cannot use the container's allocation: linux.devices=\"/dev/nvidia-caps/nvidia-cap21\" has /dev/nvidia-caps/nvidia-cap21 with minor number 22; allowed is MIG access nodes as CDI injects them: /dev/nvidia-caps/nvidia-cap<M> with minor number M");
+        let mut v = cri();
+        push_cdi_gpu(&mut v, 0);
+        push_node(&mut v, "/dev/nvidia-caps/other", 511, 3);
+        assert!(refusal(&asked(v))
+            .contains("has /dev/nvidia-caps/other, which is not a MIG access node"));
 
         // A node whose path and minor disagree was not written by nvcdi.
         let mut v = cri();

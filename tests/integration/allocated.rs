@@ -276,26 +276,56 @@ fn each_strategy_brings_its_gpu_and_mig_device_to_their_daemon() {
     // GPU 0 and GPU 2 twice each, three MIG devices: five daemons.
     assert_eq!(env.daemon_ids().len(), 5);
 
-    // A MIG device injected by CDI is its parent's node and capability nodes, which name
-    // no MIG device: refused, config.json untouched, no daemon.
+    // A MIG device injected by CDI (cdi-cri, the DRA driver) is its parent's node and the
+    // access nodes of its GPU and compute instances, which the inventory's cap minors map
+    // to MIG device 1:1: it reaches that MIG device's daemon, the one the volume-mounts
+    // container above started.
     let c = env
         .container("mig-nodes")
+        .uid(1000)
+        .device("allocated")
+        .sh(CLIENT)
+        .bundle();
+    let (gi, ci) = mig_caps_minors(1);
+    edit(&c, |v| {
+        allocate(v, Strategy::DeviceNodes, &GPU1_MINOR.to_string());
+        push_node(v, &format!("/dev/nvidia-caps/nvidia-cap{gi}"), 511, gi);
+        push_node(v, &format!("/dev/nvidia-caps/nvidia-cap{ci}"), 511, ci);
+    });
+    let out = c.try_create();
+    assert!(out.status.success(), "mig-nodes: {}", c.last_error());
+    let stdout = c.run();
+    let line = client_line(&stdout);
+    assert_eq!(line["shm"], "ok", "mig-nodes: {stdout}");
+    assert_eq!(line["server_uid"], "1000");
+    let daemon = env.daemon_of(&c);
+    assert_eq!(env.record(&daemon)["identity"]["devices"], json!([MIG1]));
+    assert!(environ(env.daemon_pid(&daemon)).contains(&format!("CUDA_VISIBLE_DEVICES={MIG1}")));
+    assert_eq!(env.daemon_ids().len(), 5, "MIG device 1:1's daemon, shared");
+
+    // Two MIG devices by their nodes: refused as a list of them is, config.json untouched,
+    // no daemon.
+    let c = env
+        .container("migs-nodes")
         .uid(1000)
         .device("allocated")
         .bundle();
     edit(&c, |v| {
         allocate(v, Strategy::DeviceNodes, &GPU1_MINOR.to_string());
-        push_node(v, "/dev/nvidia-caps/nvidia-cap21", 511, 21);
-        push_node(v, "/dev/nvidia-caps/nvidia-cap22", 511, 22);
+        for index in [0, 2] {
+            let (gi, ci) = mig_caps_minors(index);
+            push_node(v, &format!("/dev/nvidia-caps/nvidia-cap{gi}"), 511, gi);
+            push_node(v, &format!("/dev/nvidia-caps/nvidia-cap{ci}"), 511, ci);
+        }
     });
     let before = c.config_bytes();
     let daemons = env.daemon_ids();
     assert_eq!(c.try_create().status.code(), Some(1));
     assert_eq!(
         c.last_error(),
-        format!("gpushare: gpushare.io/device=\"allocated\" cannot use the container's allocation: linux.devices=\"/dev/nvidia{GPU1_MINOR}\" comes with /dev/nvidia-caps/nvidia-cap21, a MIG device's capability node, and gpushare cannot tell which MIG device it is; allowed is an allocation that names its MIG device (cdi.k8s.io/* annotations, which containerd passes with container_annotations = [\"cdi.k8s.io/*\"]; NVIDIA_VISIBLE_DEVICES; volume mounts), or gpushare.io/device=MIG-<uuid>")
+        format!("gpushare: gpushare.io/device=\"allocated\" takes the devices allocated to the container: linux.devices=\"/dev/nvidia{GPU1_MINOR},/dev/nvidia-caps/nvidia-cap12,/dev/nvidia-caps/nvid…\" is invalid: a MIG device must stand alone, not in a list")
     );
-    assert_untouched(&c, &before, "mig-nodes");
+    assert_untouched(&c, &before, "migs-nodes");
     assert_eq!(env.daemon_ids(), daemons);
 }
 

@@ -26,11 +26,18 @@ pub const MIG1: &str = "MIG-33a1d16a-6d03-4fb3-a3a8-8a97a6767ed1";
 pub const MIG2: &str = "MIG-44b2e27b-7e14-40c4-b4b9-9ba8b7878fe2";
 
 /// Inventory for tests: GPU 0 an A30 (24 GiB, no MIG), GPU 1 an A100 80GB in MIG mode with
-/// three 1g.10gb devices (10 GiB each), GPU 2 a second A100 80GB without MIG. Their device
+/// three 1g.10gb devices (10 GiB each, access nodes as [`mig_caps_minors`] gives them),
+/// GPU 2 a second A100 80GB without MIG. Their device
 /// nodes are `/dev/nvidia[GPU0_MINOR]` and so on: minor numbers that are not the indices,
 /// as on machines where the driver probed the GPUs in another order than NVML enumerates.
 pub fn inventory_json() -> Value {
-    let mig = |index: u32, uuid: &str| json!({"index": index, "uuid": uuid, "profile": "1g.10gb", "memory_bytes": 10737418240u64});
+    // MIG device i is GPU instance i + 1, compute instance 0, on GPU 1 (minor 0): its access
+    // nodes as the driver's mig-minors numbers them (`gpu0/gi1/access 12`,
+    // `gpu0/gi1/ci0/access 13`, nine minors per GPU instance).
+    let mig = |index: u32, uuid: &str| {
+        json!({"index": index, "uuid": uuid, "profile": "1g.10gb", "memory_bytes": 10737418240u64,
+        "gi_caps_minor": mig_caps_minors(index).0, "ci_caps_minor": mig_caps_minors(index).1})
+    };
     json!({"driver_version": "580.159.04", "gpus": [
         {"index": 0, "uuid": GPU0, "name": "NVIDIA A30", "memory_bytes": 25769803776u64,
          "compute_capability": "8.0", "compute_mode": "default", "minor": GPU0_MINOR},
@@ -40,6 +47,12 @@ pub fn inventory_json() -> Value {
         {"index": 2, "uuid": GPU2, "name": "NVIDIA A100-SXM4-80GB", "memory_bytes": 85899345920u64,
          "compute_capability": "8.0", "compute_mode": "default", "minor": GPU2_MINOR}
     ]})
+}
+
+/// The minor numbers of MIG device `index` of GPU 1's access nodes
+/// `/dev/nvidia-caps/nvidia-cap<minor>`: (GPU instance, compute instance).
+pub fn mig_caps_minors(index: u32) -> (u32, u32) {
+    (12 + 9 * index, 13 + 9 * index)
 }
 
 /// The minor numbers of the test inventory's GPUs (`/dev/nvidia<minor>`).
