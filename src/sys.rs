@@ -1,6 +1,7 @@
-//! The one module with `unsafe`: code that must run in a forked child before exec, and the
-//! three mount syscalls (`open_tree`, `move_mount`, `mount_setattr`) that neither std nor
-//! nix wraps.
+//! The one module with `unsafe`: code that must run in a forked child before exec (the
+//! daemon's confinement and credential drop), the three mount syscalls (`open_tree`,
+//! `move_mount`, `mount_setattr`) that neither std nor nix wraps, and the two NVML calls
+//! nvml-wrapper does not wrap (a MIG device's instance ids).
 //!
 //! `harden_child` runs between fork and exec of a child of a (single-threaded) supervisor,
 //! where only async-signal-safe calls are allowed: plain syscalls, no allocation, no locks.
