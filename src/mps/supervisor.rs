@@ -172,14 +172,23 @@ fn own_cgroup(id: &str, limits: CgroupLimits) -> Vec<PathBuf> {
     joined
 }
 
+/// How long the supervisor's last step waits for the daemon's MPS servers (forked by the
+/// daemon, in its cgroup) to be gone before it gives up removing the cgroup.
+const CGROUP_DRAIN: Duration = Duration::from_secs(2);
+
 /// Leaves the daemon's own cgroups (for `gpushare/`) and removes them; the supervisor's
-/// last step. Best effort: a cgroup with a member left is kept.
+/// last step. A cgroup is removable only once empty: servers still exiting are waited for
+/// up to `CGROUP_DRAIN`; past it the cgroup is kept (an empty one goes with the next
+/// supervisor of the identity, or at reboot).
 fn leave_cgroups(joined: &[PathBuf]) {
     let pid = std::process::id().to_string();
+    let deadline = Instant::now() + CGROUP_DRAIN;
     for dir in joined {
         if let Some(top) = dir.parent() {
             let _ = std::fs::write(top.join("cgroup.procs"), &pid);
-            let _ = std::fs::remove_dir(dir);
+            while std::fs::remove_dir(dir).is_err() && dir.exists() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
     }
 }

@@ -571,5 +571,21 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
     assert!(forced.status.success(), "{forced:?}");
     assert!(!alive(pid) || wait_until(Duration::from_secs(5), || !alive(pid)));
     assert!(gone(&env, &id));
+    // The supervisor's last step removes its cgroup `gpushare/<id>` in every hierarchy,
+    // once the daemon's servers have left it.
+    let cgroups: Vec<std::path::PathBuf> = std::fs::read_dir("/sys/fs/cgroup")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|h| h.path().join("gpushare").join(&id))
+        .chain([std::path::Path::new("/sys/fs/cgroup/gpushare").join(&id)])
+        .collect();
+    assert!(
+        wait_until(Duration::from_secs(5), || cgroups
+            .iter()
+            .all(|c| !c.exists())),
+        "left: {:?}",
+        cgroups.iter().filter(|c| c.exists()).collect::<Vec<_>>()
+    );
     c.delete();
 }
