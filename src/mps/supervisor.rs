@@ -2,7 +2,7 @@
 //!
 //! Started by the hook as `gpushare daemon supervise --id <id>` with stdio on /dev/null and
 //! an explicit environment. It leaves the hook's session, closes every inherited fd, joins
-//! its own cgroup `gpushare/<id>` (memory and pids limits for itself, its daemon and the
+//! its own cgroup `gpushare/<id>-<pid>` (memory and pids limits for itself, its daemon and the
 //! daemon's servers), enters a private mount namespace in which the daemon's shm tmpfs is
 //! `/dev/shm`, and runs `<control-binary> -f` as the daemon's UID and gpushare's GID (no
 //! supplementary groups, no capabilities) — or as root with the multi-user flag.
@@ -125,7 +125,7 @@ fn make_cgroup(parent: &Path, dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Moves this process into `gpushare/<id>` at the root of every hierarchy, so that
+/// Moves this process into `gpushare/<id>-<pid>` at the root of every hierarchy, so that
 /// stopping the engine's or the shim's cgroup does not take the daemon with it, and so
 /// that the supervisor, its daemon and the daemon's MPS servers share one memory and pids
 /// limit outside any tenant's. Best effort: a host that refuses keeps the daemon where it
@@ -135,7 +135,9 @@ fn own_cgroup(id: &str, limits: CgroupLimits) -> Vec<PathBuf> {
     let mut joined = Vec::new();
     for h in cgroup_hierarchies() {
         let top = h.join("gpushare");
-        let dir = top.join(id);
+        // Named by the supervisor too: two state dirs on one host (a node install beside
+        // a test run) may hold daemons of one identity, and each needs its own cgroup.
+        let dir = top.join(format!("{id}-{pid}"));
         let v2 = h.join("cgroup.controllers").exists();
         let moved = (|| -> std::io::Result<()> {
             make_cgroup(&h, &top)?;

@@ -557,7 +557,7 @@ fn supervisor_is_detached_and_directories_have_owners_and_modes() {
         !joined.is_empty()
             && joined
                 .iter()
-                .all(|l| l.ends_with(&format!("/gpushare/{id}"))),
+                .all(|l| l.ends_with(&format!("/gpushare/{id}-{sup}"))),
         "{own}"
     );
     assert!(

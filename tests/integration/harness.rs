@@ -116,6 +116,31 @@ fn install_with_libs(bin: &Path, rootfs: &Path, dest: &str) {
     }
 }
 
+/// The cgroups `gpushare/<id>-<pid>` of these supervisor pids, in every hierarchy (v1
+/// hierarchies and the v2 root).
+pub fn daemon_cgroups(supervisors: &[i32]) -> Vec<PathBuf> {
+    let root = Path::new("/sys/fs/cgroup");
+    let tops = std::fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|h| h.path().join("gpushare"))
+        .chain([root.join("gpushare")]);
+    let mut out = Vec::new();
+    for top in tops {
+        for e in std::fs::read_dir(&top).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let pid = name
+                .rsplit_once('-')
+                .and_then(|(_, p)| p.parse::<i32>().ok());
+            if pid.is_some_and(|p| supervisors.contains(&p)) {
+                out.push(e.path());
+            }
+        }
+    }
+    out
+}
+
 /// Unmounts every mount at or below `dir`, deepest first (lazily: a busy one goes when
 /// its last user does).
 pub fn umount_below(dir: &Path) {
@@ -348,6 +373,7 @@ impl Drop for Env {
                 .stderr(Stdio::null())
                 .status();
         }
+        let mut supervisors = Vec::new();
         for id in self.daemon_ids() {
             let Ok(text) =
                 std::fs::read_to_string(self.state.join("mps").join(&id).join("daemon.json"))
@@ -360,6 +386,7 @@ impl Drop for Env {
             let sup = rec["supervisor"]["pid"].as_i64().map(|p| p as i32);
             let dae = rec["daemon"]["pid"].as_i64().map(|p| p as i32);
             if let Some(p) = sup {
+                supervisors.push(p);
                 stop_process(p, rec["supervisor"]["start_time"].as_u64());
             }
             if let Some(p) = dae {
@@ -368,20 +395,12 @@ impl Drop for Env {
         }
         // The daemons' tmpfs mounts and the rootfs bind: nothing stays mounted.
         umount_below(self.dir.path());
-        // A supervisor killed here cannot remove its cgroup `gpushare/<id>`: do it for it
-        // (rmdir only takes an empty cgroup).
-        for id in self.daemon_ids() {
-            for h in std::fs::read_dir("/sys/fs/cgroup")
-                .into_iter()
-                .flatten()
-                .flatten()
-            {
-                let cg = h.path().join("gpushare").join(&id);
-                let _ = wait_until(Duration::from_secs(2), || {
-                    std::fs::remove_dir(&cg).is_ok() || !cg.exists()
-                });
-            }
-            let _ = std::fs::remove_dir(Path::new("/sys/fs/cgroup/gpushare").join(&id));
+        // A supervisor killed here cannot remove its cgroup `gpushare/<id>-<pid>`: do it
+        // for it (rmdir only takes an empty cgroup).
+        for cg in daemon_cgroups(&supervisors) {
+            let _ = wait_until(Duration::from_secs(2), || {
+                std::fs::remove_dir(&cg).is_ok() || !cg.exists()
+            });
         }
     }
 }

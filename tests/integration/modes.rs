@@ -563,6 +563,11 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
     assert_eq!(refused.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("used by 1 container(s) (pre)"));
     let pid = env.daemon_pid(&id);
+    let sup = env.record(&id)["supervisor"]["pid"].as_i64().unwrap() as i32;
+    assert!(
+        !daemon_cgroups(&[sup]).is_empty(),
+        "the supervisor has cgroups of its own"
+    );
     let forced = env
         .cmd(GPUSHARE)
         .args(["daemon", "stop", "--all", "--force"])
@@ -571,21 +576,12 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
     assert!(forced.status.success(), "{forced:?}");
     assert!(!alive(pid) || wait_until(Duration::from_secs(5), || !alive(pid)));
     assert!(gone(&env, &id));
-    // The supervisor's last step removes its cgroup `gpushare/<id>` in every hierarchy,
-    // once the daemon's servers have left it.
-    let cgroups: Vec<std::path::PathBuf> = std::fs::read_dir("/sys/fs/cgroup")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|h| h.path().join("gpushare").join(&id))
-        .chain([std::path::Path::new("/sys/fs/cgroup/gpushare").join(&id)])
-        .collect();
+    // The supervisor's last step removes its cgroup `gpushare/<id>-<pid>` in every
+    // hierarchy, once the daemon's servers have left it.
     assert!(
-        wait_until(Duration::from_secs(5), || cgroups
-            .iter()
-            .all(|c| !c.exists())),
+        wait_until(Duration::from_secs(5), || daemon_cgroups(&[sup]).is_empty()),
         "left: {:?}",
-        cgroups.iter().filter(|c| c.exists()).collect::<Vec<_>>()
+        daemon_cgroups(&[sup])
     );
     c.delete();
 }

@@ -355,7 +355,8 @@ fn the_daemon_runs_in_its_own_cgroup_with_memory_and_pids_limits() {
             format!("/sys/fs/cgroup/pids{}/pids.max", path_of("pids").unwrap()),
         )
     };
-    assert!(mem.contains(&format!("/gpushare/{id}/")), "{cg}");
+    let sup = env.record(&id)["supervisor"]["pid"].as_i64().unwrap();
+    assert!(mem.contains(&format!("/gpushare/{id}-{sup}/")), "{cg}");
     assert_eq!(
         std::fs::read_to_string(&mem).unwrap().trim(),
         (512u64 << 20).to_string()
