@@ -676,8 +676,14 @@ pub struct PrivateMounts {
 }
 
 impl PrivateMounts {
-    const COVERED: &'static [&'static str] =
-        &["/run", "/etc/docker", "/etc/cni", "/var/lib", "/var/cache"];
+    const COVERED: &'static [&'static str] = &[
+        "/run",
+        "/etc/docker",
+        "/etc/cni",
+        "/var/lib",
+        "/var/cache",
+        "/opt",
+    ];
 
     pub fn new() -> PrivateMounts {
         let script = format!(
