@@ -1145,17 +1145,7 @@ mod tests {
         (file, result)
     }
 
-    /// The error and its sources on one line, as `{:#}` with anyhow prints it.
-    fn chain(error: &dyn std::error::Error) -> String {
-        let mut out = error.to_string();
-        let mut source = error.source();
-        while let Some(s) = source {
-            out.push_str(": ");
-            out.push_str(&s.to_string());
-            source = s.source();
-        }
-        out
-    }
+    use crate::util::error_chain as chain;
 
     #[test]
     fn source_parse() {

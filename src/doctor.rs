@@ -69,25 +69,13 @@ impl Default for Paths {
     }
 }
 
-/// An error with its causes, on one line (`{:#}` on a plain error prints only its own).
-fn explain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        text.push_str(": ");
-        text.push_str(&c.to_string());
-        cause = c.source();
-    }
-    text
-}
-
 fn inventory_checks(cfg: &Config, out: &mut Vec<Check>) -> Option<Inventory> {
     let nvml = crate::device::load(&InventorySource::Nvml);
     match (&cfg.inventory[..], &nvml) {
         ("nvml", Ok(inv)) => out.push(ok("driver", format!("NVML answers: driver {}, {} GPU(s)", inv.driver_version, inv.gpus.len()))),
         ("nvml", Err(e)) => out.push(fail(
             "driver",
-            explain(e),
+            crate::util::error_chain(e),
             "install and load the NVIDIA driver (nvidia-smi must work), or set inventory = \"file:<path>\" on a machine without a GPU",
         )),
         (_, Ok(inv)) => out.push(ok("driver", format!("NVML answers (driver {}), but inventory = {:?} is used", inv.driver_version, cfg.inventory))),
@@ -110,7 +98,7 @@ fn inventory_checks(cfg: &Config, out: &mut Vec<Check>) -> Option<Inventory> {
             if cfg.inventory != "nvml" {
                 out.push(fail(
                     "inventory",
-                    explain(&e),
+                    crate::util::error_chain(&e),
                     "fix the inventory file named by `inventory` in the config",
                 ));
             }

@@ -47,6 +47,19 @@ pub fn rfc3339_now() -> String {
     rfc3339(SystemTime::now())
 }
 
+/// An error and its causes on one line, as anyhow's `{:#}` prints them (`{:#}` on a plain
+/// error prints only its own message).
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
+}
+
 pub fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

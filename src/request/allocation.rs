@@ -458,6 +458,17 @@ mod tests {
         result: Result<Option<Request>, RequestError>,
     }
 
+    impl Parsed {
+        /// The request it parsed to; panics when it did not parse or was none.
+        fn request(&self) -> &Request {
+            self.result
+                .as_ref()
+                .expect("parses")
+                .as_ref()
+                .expect("request")
+        }
+    }
+
     fn run(v: &Value, default_device: Option<DefaultDevice>) -> Parsed {
         let bytes = serde_json::to_vec(v).expect("json");
         let spec = SpecFile::from_bytes(Path::new("config.json"), &bytes).expect("a spec");
@@ -500,12 +511,7 @@ mod tests {
 
     /// Why the allocation's devices do not resolve against the sample inventory, on one line.
     fn resolve_refusal(p: &Parsed) -> String {
-        let req = p
-            .result
-            .as_ref()
-            .expect("parses")
-            .as_ref()
-            .expect("request");
+        let req = p.request();
         format!(
             "{:#}",
             anyhow::Error::new(req.device.resolve(&sample()).expect_err("refused"))
@@ -514,12 +520,7 @@ mod tests {
 
     /// The allocation's devices against the sample inventory: UUIDs and kind.
     fn resolved(p: &Parsed) -> (Vec<String>, DeviceKind) {
-        let req = p
-            .result
-            .as_ref()
-            .expect("parses")
-            .as_ref()
-            .expect("request");
+        let req = p.request();
         let d = req.device.resolve(&sample()).expect("resolves");
         (d.uuids, d.kind)
     }
@@ -855,12 +856,7 @@ mod tests {
                 (mig.gi_caps_minor, mig.ci_caps_minor) = (None, None);
             }
         }
-        let req = p
-            .result
-            .as_ref()
-            .expect("parses")
-            .as_ref()
-            .expect("request");
+        let req = p.request();
         let line = format!(
             "{:#}",
             anyhow::Error::new(req.device.resolve(&bare).expect_err("no caps"))
