@@ -102,6 +102,9 @@ pub struct Config {
     /// it passes through.
     pub default_device: Option<crate::request::DefaultDevice>,
     pub inventory: String,
+    /// How long the create path may use the cached NVML inventory (`inventory_cache`);
+    /// zero: never.
+    pub inventory_cache_ttl: Duration,
     pub mps: MpsConfig,
 }
 
@@ -152,6 +155,7 @@ struct RawConfig {
     accept_env_requests: Option<bool>,
     default_device: Option<String>,
     inventory: Option<String>,
+    inventory_cache_ttl: Option<String>,
     #[serde(default)]
     mps: RawMps,
 }
@@ -355,6 +359,16 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
             "\"nvml\" or \"file:<absolute path>\"",
         ));
     }
+    let ttl_raw = raw.inventory_cache_ttl.unwrap_or_else(|| "30s".into());
+    let inventory_cache_ttl = parse_duration(&ttl_raw)
+        .filter(|d| *d <= Duration::from_secs(3600))
+        .ok_or_else(|| {
+            bad(
+                "inventory-cache-ttl",
+                &ttl_raw,
+                "a duration up to 1h such as \"30s\", or \"0\" to load the NVML inventory on every create",
+            )
+        })?;
 
     let m = raw.mps;
     let control_binary = m
@@ -498,6 +512,7 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         accept_env_requests: raw.accept_env_requests.unwrap_or(true),
         default_device,
         inventory,
+        inventory_cache_ttl,
         mps: MpsConfig {
             control_binary,
             user_mode: m.user_mode.unwrap_or(UserMode::PerUser),
@@ -598,6 +613,11 @@ mod tests {
             ("state-dir = \"run/x\"", "state-dir", "absolute"),
             ("state-dir = \"/run/../x\"", "state-dir", "absolute"),
             ("log-level = \"loud\"", "log-level", "one of"),
+            (
+                "inventory-cache-ttl = \"2h\"",
+                "inventory-cache-ttl",
+                "a duration up to 1h",
+            ),
             (
                 "inventory = \"file:rel\"",
                 "inventory",

@@ -6,7 +6,8 @@
 //! - `hook` (createRuntime / poststop)
 //! - `mps` (control interface, supervisor, ensure)
 //! - `spec` (config.json load/edit/save), `state` (the state directory)
-//! - `request` (annotations/env → request), `device` (inventory), `identity`, `config`
+//! - `request` (annotations/env → request), `inventory_cache`, `device` (inventory),
+//!   `identity`, `config`
 //! - `util`, `sys` (the only `unsafe`), `logging`
 
 // `unsafe` is refused everywhere but in `sys`, the one audited module, where every block
@@ -29,6 +30,7 @@ pub mod hook;
 pub mod hookonly;
 pub mod identity;
 pub mod install;
+pub mod inventory_cache;
 pub mod logging;
 pub mod mps;
 pub mod request;

@@ -161,8 +161,19 @@ pub fn set_mount_attr(at: MountAt<'_>, recursive: bool, set: u64, clr: u64) -> n
     }
 }
 
+/// The parts of /proc that stay read-only in a confined child although /proc itself is
+/// writable: the host-wide ones Docker keeps read-only in every container.
+pub const PROC_READONLY: [&str; 5] = [
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+];
+
 /// The mount namespace a per-daemon child runs in (see `confine_child`): the whole host
-/// read-only, nosuid and nodev, except what is listed here.
+/// read-only, nosuid and nodev, except what is listed here and /proc (writable but for
+/// [`PROC_READONLY`]).
 #[derive(Debug, Default)]
 pub struct Confinement {
     /// Directories that stay writable (the daemon's pipe and log directories, /dev/shm).
@@ -201,6 +212,14 @@ pub fn confine_child(
     parent: nix::unistd::Pid,
 ) {
     use nix::mount::MsFlags;
+    // /proc stays writable (the kernel checks each file against the process), but for the
+    // host-wide paths Docker also keeps read-only: a root daemon without capabilities may
+    // still write /proc/sys and /proc/sysrq-trigger by DAC alone.
+    let proc_ro: Vec<CString> = PROC_READONLY
+        .iter()
+        .filter(|p| Path::new(p).exists())
+        .filter_map(|p| CString::new(*p).ok())
+        .collect();
     // SAFETY: the closure runs in the forked child of a single-threaded supervisor before
     // exec and only makes plain syscalls on data prepared before the fork (`conf` owns
     // its C strings): unshare, mount, mount_setattr, setgroups, setres[ug]id, prctl,
@@ -210,7 +229,7 @@ pub fn confine_child(
             nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)?;
             // Each exception is bound onto itself, so that it is a mount of its own whose
             // flags can differ from the tree's.
-            for p in conf.writable.iter().chain(&conf.devices) {
+            for p in conf.writable.iter().chain(&conf.devices).chain(&proc_ro) {
                 nix::mount::mount(
                     Some(p.as_c_str()),
                     p.as_c_str(),
@@ -230,6 +249,18 @@ pub fn confine_child(
             for p in &conf.writable {
                 mount_setattr(nix::libc::AT_FDCWD, p, nofollow, 0, MOUNT_ATTR_RDONLY)?;
             }
+            // The real MPS server writes into /proc while the driver initialises: with a
+            // read-only /proc it exits with "Driver initialization failed with: OS call
+            // failed or operation not supported on this OS" (seen on driver 580.159.04,
+            // docs/gpu-validation.md). Only the /proc mount itself: the binds of
+            // PROC_READONLY below it keep the tree's read-only flag.
+            mount_setattr(
+                nix::libc::AT_FDCWD,
+                c"/proc",
+                nofollow,
+                0,
+                MOUNT_ATTR_RDONLY,
+            )?;
             for p in &conf.devices {
                 mount_setattr(nix::libc::AT_FDCWD, p, nofollow, 0, MOUNT_ATTR_NODEV)?;
             }

@@ -9,16 +9,17 @@
 //!
 //! Everything a tenant can write is hostile here (issue 18):
 //! - the daemon runs in a mount namespace of its own where the whole host is read-only,
-//!   nosuid and nodev, except its pipe and log directories, its /dev/shm and the GPU's
-//!   device nodes: a link planted where it writes cannot make it write a host file or
-//!   open a host device;
+//!   nosuid and nodev, except its pipe and log directories, its /dev/shm, the GPU's
+//!   device nodes and /proc (the real MPS server writes there at start; /proc/sys and
+//!   the other host-wide parts stay read-only, `sys::PROC_READONLY`): a link planted where
+//!   it writes cannot make it write a host file or open a host device;
 //! - the supervisor (root) writes the daemon's output to `daemon.out` in the root-owned
 //!   daemon directory, and touches the log directory only through a directory fd, with
 //!   `O_NOFOLLOW`, to rotate logs past a quarter of `mps.log-size`;
 //! - limits are applied with control commands before the record says `ready`, again
 //!   after every restart (MPS forgets `set_default_*` when the daemon quits), and checked
 //!   every `mps.limit-check-interval`: a tenant that raised them through its control
-//!   socket finds them put back and its server shut down.
+//!   socket finds them set back, the defaults and each running server's.
 //!
 //! A daemon that dies is restarted with exponential backoff; SIGTERM quits it cleanly.
 //! Invariant: the record's `daemon` is the live process or `None`.
@@ -110,11 +111,17 @@ fn cgroup_hierarchies() -> Vec<PathBuf> {
 
 /// Creates `dir` (a child of `parent`) as a cgroup ready for members. A new cgroup-v1
 /// cpuset is empty and refuses members (ENOSPC): it gets its parent's CPUs and memory
-/// nodes first.
-fn make_cgroup(parent: &Path, dir: &Path) -> std::io::Result<()> {
+/// nodes first. A v2 cpuset's empty `cpuset.cpus` means "the parent's", and the v2 root
+/// has no `cpuset.cpus` to copy: on a host whose root enables the cpuset controller (the
+/// GPU machine of docs/gpu-validation.md) copying failed with ENOENT and the daemon ran
+/// without its cgroup.
+fn make_cgroup(parent: &Path, dir: &Path, v2: bool) -> std::io::Result<()> {
     match std::fs::create_dir(dir) {
         Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
         _ => {}
+    }
+    if v2 {
+        return Ok(());
     }
     for file in ["cpuset.cpus", "cpuset.mems"] {
         let own = dir.join(file);
@@ -140,14 +147,14 @@ fn own_cgroup(id: &str, limits: CgroupLimits) -> Vec<PathBuf> {
         let dir = top.join(format!("{id}-{pid}"));
         let v2 = h.join("cgroup.controllers").exists();
         let moved = (|| -> std::io::Result<()> {
-            make_cgroup(&h, &top)?;
+            make_cgroup(&h, &top, v2)?;
             if v2 {
                 // Controllers must be enabled top-down for the limit files to exist.
                 for (cg, ctl) in [(&h, "+memory +pids"), (&top, "+memory +pids")] {
                     let _ = std::fs::write(cg.join("cgroup.subtree_control"), ctl);
                 }
             }
-            make_cgroup(&top, &dir)?;
+            make_cgroup(&top, &dir, v2)?;
             let (mem_file, pids_file) = if v2 {
                 ("memory.max", "pids.max")
             } else {
@@ -261,6 +268,39 @@ fn gpu_device_nodes() -> Vec<PathBuf> {
     nodes.retain(|p| is_char(p));
     nodes.sort();
     nodes
+}
+
+/// The daemon's PATH: the control binary's own directory first, then [`SAFE_PATH`]. The
+/// control daemon starts `nvidia-cuda-mps-server` by name, and drivers install the two side
+/// by side, often outside SAFE_PATH (`/usr/local/nvidia/bin` in GPU images, the toolkit's
+/// injected binaries); an operator who names the control binary by its absolute path gets
+/// the server beside it.
+/// The commands that set one running server's limits back to the identity's.
+fn server_limit_commands(ident: &Identity, server: u32) -> Vec<String> {
+    let mut cmds = Vec::new();
+    if let Some(p) = ident.active_thread_percentage {
+        cmds.push(format!("set_active_thread_percentage {server} {p}"));
+    }
+    if let Some(m) = ident.pinned_memory_limit {
+        let m = crate::request::format_mps_size(m);
+        for i in 0..ident.devices.len() {
+            cmds.push(format!("set_device_pinned_mem_limit {server} {i} {m}"));
+        }
+    }
+    cmds
+}
+
+fn daemon_path(binary: &Path) -> String {
+    match binary.parent().and_then(Path::to_str) {
+        Some(dir)
+            if dir.starts_with('/')
+                && !dir.contains(':')
+                && !SAFE_PATH.split(':').any(|d| d == dir) =>
+        {
+            format!("{dir}:{SAFE_PATH}")
+        }
+        _ => SAFE_PATH.to_string(),
+    }
 }
 
 /// Opens `<daemon dir>/daemon.out`, the daemon's stdout and stderr. It lives in the
@@ -386,7 +426,7 @@ impl Supervisor {
             cmd.arg(&self.multi_user_flag);
         }
         cmd.env_clear()
-            .env("PATH", SAFE_PATH)
+            .env("PATH", daemon_path(&self.binary))
             .env("CUDA_MPS_PIPE_DIRECTORY", self.state.pipe_dir(&self.id))
             .env("CUDA_MPS_LOG_DIRECTORY", &log_dir)
             .env("CUDA_VISIBLE_DEVICES", self.ident.devices.join(","))
@@ -493,11 +533,15 @@ impl Supervisor {
     }
 
     /// Checks that the daemon still enforces the identity's limits. A tenant reaches the
-    /// control socket through its pipe directory and may send `set_*` commands (whether
-    /// the real daemon accepts them from its own user is unverified, so this assumes it
-    /// does). Defaults that differ are set again; a server running above a limit is shut
-    /// down (`shutdown_server -f`: its clients fail, and the next ones get a server with
-    /// the enforced limits). Returns how many violations were found.
+    /// control socket through its pipe directory and may send `set_*` commands: the real
+    /// daemon accepts them from its own user (driver 580, docs/gpu-validation.md).
+    /// Defaults that differ are set again; a server whose limits were raised gets them set
+    /// back. A server's limits apply to the clients it creates afterwards, so only clients
+    /// that connected between the raise and this check (at most `limit-check-interval`)
+    /// keep the raised limits, until they exit. Shutting such a server down
+    /// (`shutdown_server -f`) was tried and is worse on the real driver: the server kept
+    /// its clients, stopped answering, and the identity's next client waited behind it.
+    /// Returns how many violations were found.
     fn enforce_limits(&self) -> anyhow::Result<u32> {
         let t = Duration::from_secs(2);
         let ask = |cmd: &str| self.control.command(cmd, t);
@@ -555,8 +599,10 @@ impl Supervisor {
             }
             if over {
                 violations += 1;
-                tracing::warn!(daemon = %self.id, server, "an MPS server runs above the enforced limits; shutting it down");
-                ask(&format!("shutdown_server {server} -f"))?;
+                tracing::warn!(daemon = %self.id, server, "an MPS server's limits were raised through the control socket; setting them back");
+                for cmd in server_limit_commands(&self.ident, server) {
+                    ask(&cmd)?;
+                }
             }
         }
         Ok(violations)
@@ -911,6 +957,46 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_v2_cgroup_never_copies_its_parents_cpuset() {
+        // The v2 root enables cpuset for its children but has no cpuset.cpus of its own.
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("child");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(dir.join("cpuset.cpus"), "").unwrap();
+        make_cgroup(tmp.path(), &dir, true).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.join("cpuset.cpus")).unwrap(),
+            ""
+        );
+        // v1: an empty cpuset gets the parent's, and a parent without one is an error.
+        assert!(make_cgroup(tmp.path(), &dir, false).is_err());
+        std::fs::write(tmp.path().join("cpuset.cpus"), "0-3\n").unwrap();
+        std::fs::write(tmp.path().join("cpuset.mems"), "0\n").unwrap();
+        make_cgroup(tmp.path(), &dir, false).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.join("cpuset.cpus")).unwrap(),
+            "0-3\n"
+        );
+    }
+
+    #[test]
+    fn daemon_path_puts_the_control_binarys_directory_first() {
+        assert_eq!(
+            daemon_path(Path::new("/usr/local/nvidia/bin/nvidia-cuda-mps-control")),
+            format!("/usr/local/nvidia/bin:{SAFE_PATH}")
+        );
+        assert_eq!(
+            daemon_path(Path::new("/usr/bin/nvidia-cuda-mps-control")),
+            SAFE_PATH
+        );
+        assert_eq!(
+            daemon_path(Path::new("/a:b/nvidia-cuda-mps-control")),
+            SAFE_PATH
+        );
+        assert_eq!(daemon_path(Path::new("nvidia-cuda-mps-control")), SAFE_PATH);
+    }
 
     #[test]
     fn limit_commands_per_device_by_ordinal() {

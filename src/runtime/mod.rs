@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 
 use crate::config::{Config, Limits, UserMode};
-use crate::device::{load, InventorySource, ResolvedDevices};
+use crate::device::{InventorySource, ResolvedDevices};
 use crate::hook::{ANN_DAEMON, ANN_HOST_GID, ANN_HOST_UID, ANN_IDENTITY, ANN_IPC_MODE};
 use crate::identity::Identity;
 use crate::mps::control::SAFE_PATH;
@@ -252,7 +252,8 @@ pub fn ceilings(cfg: &Config) -> request::Ceilings {
 /// resolves to, and [`request::check`] against their memory and the operator's ceilings.
 /// Creates nothing.
 pub fn resolve_request(cfg: &Config, req: &Request) -> anyhow::Result<ResolvedDevices> {
-    let inventory = load(&InventorySource::parse(&cfg.inventory)?)?;
+    let source = InventorySource::parse(&cfg.inventory)?;
+    let inventory = crate::inventory_cache::load(&source, &cfg.state_dir, cfg.inventory_cache_ttl)?;
     let devices = req.device.resolve(&inventory)?;
     if let DeviceValue::Allocated(found) = &req.device.value {
         tracing::debug!(

@@ -247,8 +247,11 @@ pub fn execute(core: &Arc<Core>, st: &mut State, cmd: Command) -> Result<String,
     }
 }
 
+/// A pinned-memory read-back as driver 580.159.04 prints it (docs/gpu-validation.md): a
+/// whole number of GiB as `<n>G` whatever unit set it (`2048M` reads back `2G`), and an
+/// empty line where no limit is set.
 fn mem_line(limit: Option<&MemLimit>) -> String {
-    limit.map_or_else(|| line("none"), line)
+    limit.map_or_else(|| line(""), |m| line(m.read_back()))
 }
 
 fn start_server(core: &Arc<Core>, st: &mut State, uid: u32) -> Result<String, String> {

@@ -100,6 +100,15 @@ impl MemLimit {
             text: format!("{number}{letter}"),
         })
     }
+
+    /// What the control daemon prints for this limit: whole GiB as `<n>G`, else `<n>M`.
+    pub fn read_back(&self) -> String {
+        if self.mib % 1024 == 0 {
+            format!("{}G", self.mib / 1024)
+        } else {
+            format!("{}M", self.mib)
+        }
+    }
 }
 
 impl fmt::Display for MemLimit {

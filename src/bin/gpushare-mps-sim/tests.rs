@@ -409,12 +409,14 @@ fn foreground_daemon_files_log_and_commands() {
     assert_eq!(sim.ok("get_default_active_thread_percentage"), "25.5\n");
     sim.ok("set_default_device_pinned_mem_limit 0 4096M");
     sim.ok("set_default_device_pinned_mem_limit GPU-1234 2G");
-    assert_eq!(sim.ok("get_default_device_pinned_mem_limit 0"), "4096M\n");
+    assert_eq!(sim.ok("get_default_device_pinned_mem_limit 0"), "4G\n");
     assert_eq!(
         sim.ok("get_default_device_pinned_mem_limit GPU-1234"),
         "2G\n"
     );
-    assert_eq!(sim.ok("get_default_device_pinned_mem_limit 1"), "none\n");
+    assert_eq!(sim.ok("get_default_device_pinned_mem_limit 1"), "\n");
+    sim.ok("set_default_device_pinned_mem_limit 1 1536M");
+    assert_eq!(sim.ok("get_default_device_pinned_mem_limit 1"), "1536M\n");
     assert_eq!(sim.ok("get_server_list"), "");
     assert_eq!(sim.ok("ps"), "PID ID SERVER DEVICE NAMESPACE COMMAND\n");
 
@@ -512,7 +514,7 @@ fn defaults_reach_new_servers_and_clients() {
     );
     assert_eq!(
         sim.ok(&format!("get_device_pinned_mem_limit {server} 7")),
-        "none\n"
+        "\n"
     );
     let third = sim.attach(&[]);
     assert_eq!(third["active_thread_percentage"], "40.0");
