@@ -66,6 +66,12 @@ pub enum StateError {
     SocketPathTooLong { path: PathBuf, len: usize },
     #[error("corrupt record {path}: {message}")]
     Corrupt { path: PathBuf, message: String },
+    #[error("cannot serialise the record {path}")]
+    Serialise {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
     #[error("cannot start another MPS daemon {scope}: {key} = {cap} reached ({count} daemons); stopped daemons free their place (gpushare daemon list / gc), or raise it in {config}")]
     DaemonCap {
         /// `for uid 1000`, `on this node`.
@@ -80,6 +86,13 @@ pub enum StateError {
 fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StateError + 'a {
     move |source| StateError::Io {
         op,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+fn serialise(path: &Path) -> impl FnOnce(serde_json::Error) -> StateError + '_ {
+    move |source| StateError::Serialise {
         path: path.to_owned(),
         source,
     }
@@ -640,10 +653,11 @@ impl StateDir {
         Ok(Some(rec))
     }
 
+    /// Writes a daemon's record atomically; nothing if it does not serialise.
     pub fn write_record(&self, rec: &DaemonRecord) -> Result<(), StateError> {
         Self::check_id(&rec.id)?;
         let path = self.record_path(&rec.id);
-        let data = serde_json::to_vec_pretty(rec).unwrap_or_default();
+        let data = serde_json::to_vec_pretty(rec).map_err(serialise(&path))?;
         util::write_atomic(&path, &data, 0o644).map_err(io("write", &path))
     }
 
@@ -659,9 +673,11 @@ impl StateDir {
         Ok(self.containers_dir(id).join(format!("{cid}.json")))
     }
 
+    /// Writes a container's record atomically; nothing if it does not serialise (a bundle
+    /// path that is not UTF-8 does not).
     pub fn add_container(&self, id: &str, rec: &ContainerRecord) -> Result<(), StateError> {
         let path = self.container_path(id, &rec.id)?;
-        let data = serde_json::to_vec(rec).unwrap_or_default();
+        let data = serde_json::to_vec(rec).map_err(serialise(&path))?;
         // Atomic but not fsynced: a container record does not outlive a reboot's meaning
         // (the container is gone too), and the shim writes one on every create.
         util::write_atomic_with(&path, &data, 0o600, false).map_err(io("write", &path))
@@ -904,6 +920,32 @@ mod tests {
         assert!(state.remove_container(id, "c1").unwrap());
         assert!(!state.remove_container(id, "c1").unwrap());
         assert!(state.containers(id).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_record_that_does_not_serialise_writes_nothing() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let id = "0123456789abcdef0123456789abcdef";
+        std::fs::create_dir_all(state.containers_dir(id)).unwrap();
+        let good = ContainerRecord {
+            id: "c1".into(),
+            pid: Some(5),
+            start_time: None,
+            bundle: Some("/run/bundle".into()),
+            created_at: 3,
+            engine: None,
+        };
+        state.add_container(id, &good).unwrap();
+        // serde refuses a path that is not UTF-8; the record on disk stays as it was.
+        let bad = ContainerRecord {
+            bundle: Some(std::ffi::OsStr::from_bytes(b"/run/\xff").into()),
+            ..good.clone()
+        };
+        let err = state.add_container(id, &bad).unwrap_err();
+        assert!(matches!(err, StateError::Serialise { .. }), "{err}");
+        assert_eq!(state.containers(id).unwrap(), vec![good]);
     }
 
     #[test]

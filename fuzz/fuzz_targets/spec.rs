@@ -50,7 +50,7 @@ fuzz_target!(|data: &[u8]| {
     let once = spec.doc.clone();
     apply_all(&mut spec.doc, &edits).expect("a chain that applied once applies again");
     assert_eq!(once, spec.doc, "applying twice changes nothing");
-    let bytes = spec.to_bytes();
+    let bytes = spec.to_bytes().expect("an edited spec serialises");
     let again = SpecFile::from_bytes(Path::new("config.json"), &bytes).expect("an edited spec is still a spec");
     if typed_ok {
         again.check_typed().expect("an edited valid spec is still a valid spec");

@@ -43,6 +43,12 @@ pub enum SpecError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot serialise the spec for {path}")]
+    Serialise {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
     #[error("{message}")]
     User { message: String },
 }
@@ -304,16 +310,22 @@ impl SpecFile {
         ))
     }
 
-    /// Serialises the document (compact, as engines write it).
-    pub fn to_bytes(&self) -> Vec<u8> {
-        serde_json::to_vec(&self.doc).unwrap_or_default()
+    /// Serialises the document (compact, as engines write it). A JSON object does not
+    /// fail to serialise today, but if it did, the error comes back rather than empty
+    /// bytes that `save` would write over config.json.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, SpecError> {
+        serde_json::to_vec(&self.doc).map_err(|source| SpecError::Serialise {
+            path: self.path.clone(),
+            source,
+        })
     }
 
-    /// Writes the document back atomically, keeping the file's mode. Not fsynced: the
-    /// rename is atomic, and after a crash the container is gone along with what its
-    /// config.json said (two fsyncs cost 0.2-0.4 ms per create: BENCHMARKS.md).
+    /// Writes the document back atomically, keeping the file's mode; writes nothing if it
+    /// does not serialise. Not fsynced: the rename is atomic, and after a crash the
+    /// container is gone along with what its config.json said (two fsyncs cost 0.2-0.4 ms
+    /// per create: BENCHMARKS.md).
     pub fn save(&self) -> Result<(), SpecError> {
-        crate::util::write_atomic_with(&self.path, &self.to_bytes(), self.mode, false).map_err(
+        crate::util::write_atomic_with(&self.path, &self.to_bytes()?, self.mode, false).map_err(
             |source| SpecError::Write {
                 path: self.path.clone(),
                 source,
@@ -357,7 +369,7 @@ mod tests {
             let bytes = fixture(name);
             let spec = SpecFile::parse(Path::new(name), &bytes, 0o644).unwrap();
             let original: Value = serde_json::from_slice(&bytes).unwrap();
-            let again: Value = serde_json::from_slice(&spec.to_bytes()).unwrap();
+            let again: Value = serde_json::from_slice(&spec.to_bytes().unwrap()).unwrap();
             assert_eq!(original, again, "{name}");
         }
     }
@@ -369,7 +381,7 @@ mod tests {
         v["process"]["aNewProcessField"] = Value::Bool(true);
         let bytes = serde_json::to_vec(&v).unwrap();
         let spec = SpecFile::parse(Path::new("x"), &bytes, 0o644).unwrap();
-        assert_eq!(spec.to_bytes(), bytes);
+        assert_eq!(spec.to_bytes().unwrap(), bytes);
     }
 
     #[test]
