@@ -1,5 +1,10 @@
 //! Small helpers without a better home: time formatting, atomic file writes, process
-//! identity through /proc, and the removal of trees a tenant may have planted.
+//! identity through /proc, the lookup of a program on a `PATH`, and the removal of trees
+//! a tenant may have planted.
+//!
+//! Invariant of the lookup (`find_executable`): only a regular file (after links) with
+//! an exec bit is found; a directory or a non-executable file of the name is passed
+//! over, as execvp passes it over.
 //!
 //! Invariants of the removal (`remove_all`, `remove_contents`): a symlink is unlinked,
 //! never followed or entered; every directory is opened relative to its parent's fd with
@@ -10,7 +15,7 @@
 use std::ffi::{CStr, CString, OsStr};
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use nix::dir::{Dir, Type};
@@ -126,6 +131,19 @@ pub fn proc_start_time(pid: i32) -> Option<u64> {
         return None; // a zombie is dead for every purpose here
     }
     fields.nth(18)?.parse().ok()
+}
+
+/// The metadata of `path` if it is a regular file (after links) with an exec bit.
+pub fn executable(path: &Path) -> Option<std::fs::Metadata> {
+    let md = std::fs::metadata(path).ok()?;
+    (md.is_file() && md.permissions().mode() & 0o111 != 0).then_some(md)
+}
+
+/// The first `<dir>/<name>` along `path_var` (a `PATH` value) that is `executable`.
+pub fn find_executable(name: &str, path_var: &OsStr) -> Option<PathBuf> {
+    std::env::split_paths(path_var)
+        .map(|dir| dir.join(name))
+        .find(|p| executable(p).is_some())
 }
 
 /// Directories of a tree held open at once below its top while it is removed. A deeper
@@ -340,6 +358,29 @@ fn clear(top: &mut Dir) -> std::io::Result<()> {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn find_executable_passes_over_what_cannot_run() {
+        let tmp = tempfile::tempdir().unwrap();
+        let [plain, dir, good] = ["plain", "dir", "good"].map(|d| tmp.path().join(d));
+        for d in [&plain, &dir, &good] {
+            std::fs::create_dir(d).unwrap();
+        }
+        // Earlier on PATH: a file without an exec bit, and a directory (mode 0755) of the name.
+        std::fs::write(plain.join("tool"), "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(plain.join("tool"), std::fs::Permissions::from_mode(0o644))
+            .unwrap();
+        std::fs::create_dir(dir.join("tool")).unwrap();
+        std::fs::write(good.join("tool"), "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(good.join("tool"), std::fs::Permissions::from_mode(0o755))
+            .unwrap();
+        let path =
+            std::env::join_paths([&plain, &dir, &tmp.path().join("missing"), &good]).unwrap();
+        assert_eq!(find_executable("tool", &path), Some(good.join("tool")));
+        let without_good = std::env::join_paths([&plain, &dir]).unwrap();
+        assert_eq!(find_executable("tool", &without_good), None);
+        assert_eq!(find_executable("other", &path), None);
+    }
 
     #[test]
     fn rfc3339_known_instants() {

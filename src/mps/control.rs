@@ -35,7 +35,8 @@ pub enum ControlError {
     Timeout { command: String, timeout: Duration },
 }
 
-/// Resolves `mps.control-binary`: an absolute path that exists, a name on the safe PATH.
+/// Resolves `mps.control-binary`: an absolute path that exists, a name on the safe PATH
+/// (an executable file there, see `util::find_executable`).
 pub fn resolve_binary(binary: &str) -> Result<PathBuf, ControlError> {
     if binary.contains('/') {
         let path = PathBuf::from(binary);
@@ -45,12 +46,11 @@ pub fn resolve_binary(binary: &str) -> Result<PathBuf, ControlError> {
             Err(ControlError::Missing { path })
         };
     }
-    std::env::split_paths(SAFE_PATH)
-        .map(|d| d.join(binary))
-        .find(|p| p.is_file())
-        .ok_or_else(|| ControlError::NotFound {
+    crate::util::find_executable(binary, std::ffi::OsStr::new(SAFE_PATH)).ok_or_else(|| {
+        ControlError::NotFound {
             binary: binary.to_owned(),
-        })
+        }
+    })
 }
 
 /// A handle on one control daemon.

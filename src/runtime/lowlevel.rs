@@ -7,7 +7,7 @@
 //! pid-file, console-socket, preserve-fds and parent-death semantics.
 
 use std::ffi::OsString;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 
@@ -25,11 +25,6 @@ pub enum LowLevelError {
     },
 }
 
-fn executable(path: &Path) -> Option<std::fs::Metadata> {
-    let md = std::fs::metadata(path).ok()?;
-    (md.is_file() && md.permissions().mode() & 0o111 != 0).then_some(md)
-}
-
 /// Resolves the first usable candidate, by absolute path or on `PATH`.
 pub fn resolve(candidates: &[String]) -> Result<PathBuf, LowLevelError> {
     let me = std::fs::metadata("/proc/self/exe").ok();
@@ -37,13 +32,12 @@ pub fn resolve(candidates: &[String]) -> Result<PathBuf, LowLevelError> {
         std::env::var_os("PATH").unwrap_or_else(|| crate::mps::control::SAFE_PATH.into());
     for cand in candidates {
         let found = if cand.contains('/') {
-            let p = PathBuf::from(cand);
-            executable(&p).map(|md| (p, md))
+            Some(PathBuf::from(cand))
         } else {
-            std::env::split_paths(&path_var)
-                .map(|dir| dir.join(cand))
-                .find_map(|p| executable(&p).map(|md| (p, md)))
+            crate::util::find_executable(cand, &path_var)
         };
+        // The metadata serves the check against this very binary below.
+        let found = found.and_then(|p| crate::util::executable(&p).map(|md| (p, md)));
         if let Some((path, md)) = found {
             if let Some(me) = &me {
                 if me.dev() == md.dev() && me.ino() == md.ino() {
@@ -78,6 +72,7 @@ pub fn exec(runtime: &Path, args: &[OsString]) -> LowLevelError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn first_found_wins_and_missing_are_skipped() {

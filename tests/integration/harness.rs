@@ -77,15 +77,9 @@ pub fn require_root_and_runc() {
 }
 
 pub fn which(name: &str) -> Option<PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
-        .chain([
-            "/usr/sbin".into(),
-            "/usr/bin".into(),
-            "/sbin".into(),
-            "/bin".into(),
-        ])
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
+    let mut path = std::env::var_os("PATH").unwrap_or_default();
+    path.push(":/usr/sbin:/usr/bin:/sbin:/bin");
+    gpushare::util::find_executable(name, &path)
 }
 
 fn busybox() -> Option<PathBuf> {
