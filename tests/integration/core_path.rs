@@ -551,14 +551,22 @@ fn supervisor_is_detached_and_directories_have_owners_and_modes() {
         "the supervisor's lines reach the log"
     );
     // In its own cgroup in every hierarchy (cpuset included: it needs its CPUs set first).
+    // own_cgroup only warns when it joins nothing, so this is where that fails. A line
+    // still at the root ("…:/") is a hierarchy not mounted under /sys/fs/cgroup here, or
+    // one the supervisor was refused: that one the log check below catches.
     let own = std::fs::read_to_string(format!("/proc/{sup}/cgroup")).unwrap();
-    let joined: Vec<&str> = own.lines().filter(|l| !l.ends_with(":/")).collect();
+    let mine = format!("/gpushare/{id}-{sup}");
     assert!(
-        !joined.is_empty()
-            && joined
-                .iter()
-                .all(|l| l.ends_with(&format!("/gpushare/{id}-{sup}"))),
-        "{own}"
+        own.lines().any(|l| l.ends_with(&mine)),
+        "the supervisor joined no gpushare cgroup ({mine} in no hierarchy), so its daemon shares the cgroup of whoever started it; /proc/{sup}/cgroup:\n{own}"
+    );
+    let elsewhere: Vec<&str> = own
+        .lines()
+        .filter(|l| !l.ends_with(":/") && !l.ends_with(&mine))
+        .collect();
+    assert!(
+        elsewhere.is_empty(),
+        "the supervisor stayed in its starter's cgroup in {elsewhere:?}, not in {mine}: own_cgroup joins every hierarchy under /sys/fs/cgroup; /proc/{sup}/cgroup:\n{own}"
     );
     assert!(
         !env.gpushare_log().contains("cannot move the supervisor"),
