@@ -394,6 +394,18 @@ impl Supervisor {
         Ok(())
     }
 
+    /// Records that the supervisor gives up with `e` (status failed, no daemon): the hook
+    /// waiting on a start reports it to the user. Returns `e` for the caller to return.
+    fn failed(&self, e: anyhow::Error) -> anyhow::Error {
+        let msg = format!("{e:#}");
+        let _ = self.update(|r| {
+            r.status = DaemonStatus::Failed;
+            r.error = Some(msg);
+            r.daemon = None;
+        });
+        e
+    }
+
     /// Empties the pipe directory: a socket or pid file left by a dead daemon is stale,
     /// and anything a tenant planted (a directory named `control`) goes too.
     fn clean_pipe_dir(&self) {
@@ -845,17 +857,8 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
             pids: cfg.mps.daemon_pids_max,
         },
     ));
-    let mut sfd = match setup {
-        Ok(s) => s,
-        Err(e) => {
-            let msg = format!("{e:#}");
-            let _ = sup.update(|r| {
-                r.status = DaemonStatus::Failed;
-                r.error = Some(msg.clone());
-            });
-            return Err(e);
-        }
-    };
+    // The record has no daemon yet (ensure wrote it so): `failed` clearing it changes nothing.
+    let mut sfd = setup.map_err(|e| sup.failed(e))?;
 
     let mut backoff = BACKOFF_FIRST;
     let mut first = true;
@@ -864,18 +867,7 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
     loop {
         sup.clean_pipe_dir();
         let started = Instant::now();
-        let mut child = match sup.spawn_daemon() {
-            Ok(c) => c,
-            Err(e) => {
-                let msg = format!("{e:#}");
-                let _ = sup.update(|r| {
-                    r.status = DaemonStatus::Failed;
-                    r.error = Some(msg.clone());
-                    r.daemon = None;
-                });
-                return Err(e);
-            }
-        };
+        let mut child = sup.spawn_daemon().map_err(|e| sup.failed(e))?;
         let daemon = ProcRef::of(child.id() as i32);
         match sup.make_ready(&mut child) {
             Ok(()) => {
@@ -893,13 +885,7 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
                 let msg = format!("{e:#}");
                 tracing::error!(daemon = %sup.id, error = %msg, "MPS control daemon failed to start");
                 if first {
-                    // The hook waiting on this start reports the error to the user.
-                    let _ = sup.update(|r| {
-                        r.status = DaemonStatus::Failed;
-                        r.error = Some(msg.clone());
-                        r.daemon = None;
-                    });
-                    return Err(e);
+                    return Err(sup.failed(e));
                 }
                 let _ = sup.update(|r| {
                     r.status = DaemonStatus::Restarting;
