@@ -620,6 +620,15 @@ fn gc(cfg: &Config) -> i32 {
             e.into(),
         ),
     }
+    for top in crate::mps::supervisor::gpushare_cgroups() {
+        let n = crate::mps::supervisor::sweep_stale_cgroups(&top);
+        if n > 0 {
+            println!(
+                "removed {n} empty cgroup(s) of gone supervisors in {}",
+                top.display()
+            );
+        }
+    }
     i32::from(failures > 0)
 }
 

@@ -116,6 +116,30 @@ fn wait_ready(
     }
 }
 
+/// How long a create that failed waits for the supervisor it started to leave by itself
+/// (its cgroup drain takes up to 2 s) before it kills it.
+const SUPERVISOR_GRACE: Duration = Duration::from_secs(3);
+
+/// SIGTERM to `child`, then SIGKILL if it is still there after `grace`; reaps it.
+fn stop_supervisor(child: &mut Child, grace: Duration) {
+    use nix::sys::signal::{kill, Signal};
+    if let Ok(None) = child.try_wait() {
+        let _ = kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            Signal::SIGTERM,
+        );
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 /// Kills the processes a stale record names, if they are still those very processes.
 pub fn kill_stale(rec: &DaemonRecord) {
     use nix::sys::signal::{kill, Signal};
@@ -188,8 +212,10 @@ pub fn ensure(
                 Ok(rec) => (rec, true),
                 Err(e) => {
                     // No daemon left half-started: the supervisor takes its daemon along.
-                    let _ = child.kill();
-                    let _ = child.wait();
+                    // It gets SIGTERM and a moment first: one that is giving up by itself
+                    // (status failed) or is told to stop quits its daemon and removes its
+                    // cgroup on the way out, which SIGKILL would leave behind.
+                    stop_supervisor(&mut child, SUPERVISOR_GRACE);
                     if let Ok(Some(rec)) = state.read_record(&id) {
                         kill_stale(&rec);
                     }

@@ -148,6 +148,7 @@ fn own_cgroup(id: &str, limits: CgroupLimits) -> Vec<PathBuf> {
         let v2 = h.join("cgroup.controllers").exists();
         let moved = (|| -> std::io::Result<()> {
             make_cgroup(&h, &top, v2)?;
+            sweep_stale_cgroups(&top);
             if v2 {
                 // Controllers must be enabled top-down for the limit files to exist.
                 for (cg, ctl) in [(&h, "+memory +pids"), (&top, "+memory +pids")] {
@@ -179,6 +180,43 @@ fn own_cgroup(id: &str, limits: CgroupLimits) -> Vec<PathBuf> {
         tracing::warn!(daemon = %id, "the supervisor joined no cgroup of its own: its daemon shares the cgroup of whoever started it");
     }
     joined
+}
+
+/// Removes the empty cgroups `<top>/<id>-<pid>` whose supervisor is gone: a supervisor
+/// killed with SIGKILL (the OOM killer, an engine tearing its namespace down, an
+/// operator) never removes its own. Runs when a supervisor joins its cgroup and in
+/// `gpushare gc`. A cgroup with members is never removed (the kernel refuses), nor one
+/// whose pid is alive (a reused pid only delays the removal). Returns how many went.
+pub fn sweep_stale_cgroups(top: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(top) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some((id, pid)) = name.to_str().and_then(|n| n.rsplit_once('-')) else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<u32>() else {
+            continue;
+        };
+        if !crate::identity::valid_id(id) || Path::new("/proc").join(pid.to_string()).exists() {
+            continue;
+        }
+        if std::fs::remove_dir(e.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// Every hierarchy's `gpushare` cgroup directory (for `gc`).
+pub fn gpushare_cgroups() -> Vec<PathBuf> {
+    cgroup_hierarchies()
+        .into_iter()
+        .map(|h| h.join("gpushare"))
+        .filter(|p| p.is_dir())
+        .collect()
 }
 
 /// How long the supervisor's last step waits for the daemon's MPS servers (forked by the
@@ -943,6 +981,25 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_sweep_removes_only_empty_cgroups_of_gone_supervisors() {
+        let top = tempfile::tempdir().unwrap();
+        let id = "0123456789abcdef0123456789abcdef";
+        let gone = top.path().join(format!("{id}-4294967295"));
+        let live = top.path().join(format!("{id}-{}", std::process::id()));
+        let busy = top.path().join(format!("{id}-4294967294"));
+        let foreign = top.path().join("not-an-id-4294967295");
+        for d in [&gone, &live, &busy, &foreign] {
+            std::fs::create_dir(d).unwrap();
+        }
+        // rmdir refuses a directory with an entry, as the kernel refuses a cgroup with members.
+        std::fs::write(busy.join("cgroup.procs"), "1\n").unwrap();
+        assert_eq!(sweep_stale_cgroups(top.path()), 1);
+        assert!(!gone.exists());
+        assert!(live.exists() && busy.exists() && foreign.exists());
+        assert_eq!(sweep_stale_cgroups(&top.path().join("missing")), 0);
+    }
 
     #[test]
     fn a_v2_cgroup_never_copies_its_parents_cpuset() {
