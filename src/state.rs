@@ -424,7 +424,7 @@ impl StateDir {
                 .custom_flags(nix::libc::O_NOFOLLOW)
                 .open(&path)
         };
-        let mut file = match open() {
+        let file = match open() {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 // First use of this state dir on this host.
                 self.ensure_root()?;
@@ -433,27 +433,31 @@ impl StateDir {
             other => other,
         }
         .map_err(io("open lock", &path))?;
-        let mut pause = Duration::from_millis(1);
-        loop {
-            match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-                Ok(lock) => return Ok(lock),
-                Err((f, nix::errno::Errno::EWOULDBLOCK)) | Err((f, nix::errno::Errno::EINTR)) => {
-                    file = f;
+        // Flock::lock takes the file and hands it back when the lock is busy: `file` is
+        // there again for every next try.
+        let mut file = Some(file);
+        let taken = util::poll_until(
+            deadline,
+            Duration::from_millis(1),
+            Duration::from_millis(20),
+            || match Flock::lock(file.take()?, FlockArg::LockExclusiveNonblock) {
+                Ok(lock) => Some(Ok(lock)),
+                Err((f, nix::errno::Errno::EWOULDBLOCK | nix::errno::Errno::EINTR)) => {
+                    file = Some(f);
+                    None
                 }
-                Err((_, e)) => {
-                    return Err(io("lock", &path)(std::io::Error::from_raw_os_error(
-                        e as i32,
-                    )))
-                }
-            }
-            if Instant::now() >= deadline {
-                return Err(StateError::LockTimeout {
-                    path,
-                    waited: started.elapsed(),
-                });
-            }
-            std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
-            pause = (pause * 2).min(Duration::from_millis(20));
+                Err((_, e)) => Some(Err(e)),
+            },
+        );
+        match taken {
+            Some(Ok(lock)) => Ok(lock),
+            Some(Err(e)) => Err(io("lock", &path)(std::io::Error::from_raw_os_error(
+                e as i32,
+            ))),
+            None => Err(StateError::LockTimeout {
+                path,
+                waited: started.elapsed(),
+            }),
         }
     }
 

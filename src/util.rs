@@ -1,6 +1,9 @@
-//! Small helpers without a better home: time formatting, atomic file writes, process
-//! identity through /proc, the lookup of a program on a `PATH`, and the removal of trees
-//! a tenant may have planted.
+//! Small helpers without a better home: time formatting, polling with a deadline, atomic
+//! file writes, process identity through /proc, the lookup of a program on a `PATH`, and
+//! the removal of trees a tenant may have planted.
+//!
+//! Invariant of the polling (`poll_until`): it never sleeps past its deadline, and it asks
+//! once more at the deadline, so a condition met during the last pause is not missed.
 //!
 //! Invariant of the lookup (`find_executable`): only a regular file (after links) with
 //! an exec bit is found; a directory or a non-executable file of the name is passed
@@ -16,7 +19,7 @@ use std::ffi::{CStr, CString, OsStr};
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use nix::dir::{Dir, Type};
 use nix::errno::Errno;
@@ -50,6 +53,41 @@ pub fn rfc3339(t: SystemTime) -> String {
 
 pub fn rfc3339_now() -> String {
     rfc3339(SystemTime::now())
+}
+
+/// Calls `f` until it returns `Some`, and returns that; `None` once `deadline` has passed
+/// without an answer. Between calls it sleeps `first_pause`, doubled after each call up to
+/// `max_pause` (equal pauses poll at a fixed rate), and never past `deadline`: the last
+/// call is made at the deadline, and a deadline already past means exactly one call.
+pub fn poll_until<T>(
+    deadline: Instant,
+    first_pause: Duration,
+    max_pause: Duration,
+    f: impl FnMut() -> Option<T>,
+) -> Option<T> {
+    poll_with(deadline, first_pause, max_pause, f, std::thread::sleep)
+}
+
+/// `poll_until` with the sleep passed in, so a test can see the pauses it asks for.
+fn poll_with<T>(
+    deadline: Instant,
+    first_pause: Duration,
+    max_pause: Duration,
+    mut f: impl FnMut() -> Option<T>,
+    mut sleep: impl FnMut(Duration),
+) -> Option<T> {
+    let mut pause = first_pause.min(max_pause);
+    loop {
+        if let Some(answer) = f() {
+            return Some(answer);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        sleep(pause.min(left));
+        pause = pause.saturating_mul(2).min(max_pause);
+    }
 }
 
 /// An error and its causes on one line, as anyhow's `{:#}` prints them (`{:#}` on a plain
@@ -357,7 +395,107 @@ fn clear(top: &mut Dir) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+
+    #[test]
+    fn poll_until_answers_at_once_when_ready() {
+        let start = Instant::now();
+        let mut calls = 0;
+        let got = poll_until(
+            start + Duration::from_secs(10),
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+            || {
+                calls += 1;
+                Some(7)
+            },
+        );
+        assert_eq!((got, calls), (Some(7), 1));
+        assert!(
+            start.elapsed() < Duration::from_millis(500),
+            "no pause taken"
+        );
+        // An answer after a few calls is returned too.
+        let mut calls = 0;
+        let got = poll_until(
+            Instant::now() + Duration::from_secs(10),
+            Duration::from_millis(1),
+            Duration::from_millis(1),
+            || {
+                calls += 1;
+                (calls == 3).then_some("third")
+            },
+        );
+        assert_eq!(got, Some("third"));
+    }
+
+    #[test]
+    fn poll_until_gives_up_at_the_deadline_after_a_last_call() {
+        let wait = Duration::from_millis(60);
+        let start = Instant::now();
+        let deadline = start + wait;
+        let mut last_call = start;
+        let got: Option<()> = poll_until(
+            deadline,
+            Duration::from_millis(1),
+            Duration::from_millis(25),
+            || {
+                last_call = Instant::now();
+                None
+            },
+        );
+        assert_eq!(got, None);
+        assert!(last_call >= deadline, "the last call is at the deadline");
+        // Never a whole pause past it (a generous bound: the machine may be busy).
+        assert!(start.elapsed() < wait + Duration::from_millis(500));
+        // A deadline already past: exactly one call, no pause.
+        let mut calls = 0;
+        let got: Option<()> = poll_until(
+            Instant::now(),
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+            || {
+                calls += 1;
+                None
+            },
+        );
+        assert_eq!((got, calls), (None, 1));
+    }
+
+    #[test]
+    fn poll_pauses_double_up_to_the_cap_and_never_pass_the_deadline() {
+        let ms = Duration::from_millis;
+        let mut pauses = Vec::new();
+        let mut calls = 0;
+        let got = poll_with(
+            Instant::now() + Duration::from_secs(3600),
+            ms(1),
+            ms(8),
+            || {
+                calls += 1;
+                (calls == 7).then_some(())
+            },
+            |p| pauses.push(p),
+        );
+        assert_eq!(got, Some(()));
+        assert_eq!(pauses, [ms(1), ms(2), ms(4), ms(8), ms(8), ms(8)]);
+        // Each pause is the schedule's or, the last one only, what is left to the deadline.
+        let mut pauses = Vec::new();
+        let got: Option<()> = poll_with(
+            Instant::now() + ms(30),
+            ms(4),
+            ms(16),
+            || None,
+            |p| {
+                pauses.push(p);
+                std::thread::sleep(p);
+            },
+        );
+        assert_eq!(got, None);
+        let (last, rest) = pauses.split_last().expect("it paused");
+        let schedule = [ms(4), ms(8), ms(16), ms(16)];
+        assert_eq!(rest, &schedule[..rest.len()], "{pauses:?}");
+        assert!(*last <= schedule[rest.len()], "{pauses:?}");
+    }
 
     #[test]
     fn find_executable_passes_over_what_cannot_run() {

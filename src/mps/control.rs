@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::util::poll_until;
+
 /// PATH given to every process gpushare starts.
 pub const SAFE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
@@ -83,24 +85,20 @@ impl Control {
         if let Some(mut stdin) = child.stdin.take() {
             let _ = stdin.write_all(format!("{command}\n").as_bytes());
         }
-        let deadline = Instant::now() + timeout;
-        let mut pause = Duration::from_micros(200);
-        let status = loop {
-            match child.try_wait() {
-                Ok(Some(status)) => break status,
-                Ok(None) if Instant::now() < deadline => {
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(Duration::from_millis(10));
-                }
-                _ => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return Err(ControlError::Timeout {
-                        command: command.to_owned(),
-                        timeout,
-                    });
-                }
-            }
+        let exited = poll_until(
+            Instant::now() + timeout,
+            Duration::from_micros(200),
+            Duration::from_millis(10),
+            || child.try_wait().transpose(),
+        );
+        // A failed wait counts as no answer: the client is killed either way.
+        let Some(Ok(status)) = exited else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(ControlError::Timeout {
+                command: command.to_owned(),
+                timeout,
+            });
         };
         let mut out = String::new();
         if let Some(mut o) = child.stdout.take() {

@@ -15,6 +15,7 @@ use super::control::SAFE_PATH;
 use crate::config::Config;
 use crate::identity::Identity;
 use crate::state::{Budget, ContainerRecord, DaemonRecord, DaemonStatus, Owner, StateDir};
+use crate::util::poll_until;
 
 /// Ownership of an identity's directories.
 pub fn owner(ident: &Identity) -> Owner {
@@ -77,13 +78,13 @@ fn wait_ready(
     deadline: Instant,
     timeout: Duration,
 ) -> anyhow::Result<DaemonRecord> {
-    let mut pause = Duration::from_micros(500);
-    loop {
+    // One look: the ready record, an error that ends the wait, or `None` to look again.
+    let mut look = || -> anyhow::Result<Option<DaemonRecord>> {
         let rec = state
             .read_record(id)?
             .context("the daemon record disappeared")?;
         if rec.live() {
-            return Ok(rec);
+            return Ok(Some(rec));
         }
         if rec.status == DaemonStatus::Failed {
             bail!(
@@ -105,15 +106,20 @@ fn wait_ready(
                 rec.error.as_deref().unwrap_or("see the gpushare log")
             );
         }
-        if Instant::now() >= deadline {
-            bail!(
-                "MPS daemon {id} was not ready within mps.start-timeout ({timeout:?}); see {}",
-                state.log_dir(id).join("control.log").display()
-            );
-        }
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_millis(10));
-    }
+        Ok(None)
+    };
+    let ready = poll_until(
+        deadline,
+        Duration::from_micros(500),
+        Duration::from_millis(10),
+        || look().transpose(),
+    );
+    ready.unwrap_or_else(|| {
+        bail!(
+            "MPS daemon {id} was not ready within mps.start-timeout ({timeout:?}); see {}",
+            state.log_dir(id).join("control.log").display()
+        )
+    })
 }
 
 /// How long a create that failed waits for the supervisor it started to leave by itself
@@ -250,10 +256,10 @@ pub fn stop(cfg: &Config, state: &StateDir, id: &str, grace: Duration) -> anyhow
     if let Ok(Some(rec)) = state.read_record(id) {
         if let Some(sup) = rec.supervisor.filter(|p| p.alive()) {
             let _ = kill(nix::unistd::Pid::from_raw(sup.pid), Signal::SIGTERM);
-            let until = Instant::now() + grace;
-            while sup.alive() && Instant::now() < until {
-                std::thread::sleep(Duration::from_millis(10));
-            }
+            let every = Duration::from_millis(10);
+            poll_until(Instant::now() + grace, every, every, || {
+                (!sup.alive()).then_some(())
+            });
         }
         kill_stale(&rec);
     }

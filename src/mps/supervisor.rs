@@ -39,7 +39,7 @@ use super::control::{resolve_binary, Control, SAFE_PATH};
 use crate::config::Config;
 use crate::identity::Identity;
 use crate::state::{DaemonStatus, ProcRef, StateDir};
-use crate::util::unix_now;
+use crate::util::{poll_until, unix_now};
 
 /// How long a quit may take before the daemon is killed.
 const QUIT_GRACE: Duration = Duration::from_secs(5);
@@ -233,9 +233,10 @@ fn leave_cgroups(joined: &[PathBuf]) {
     for dir in joined {
         if let Some(top) = dir.parent() {
             let _ = std::fs::write(top.join("cgroup.procs"), &pid);
-            while std::fs::remove_dir(dir).is_err() && dir.exists() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            let every = Duration::from_millis(20);
+            poll_until(deadline, every, every, || {
+                (std::fs::remove_dir(dir).is_ok() || !dir.exists()).then_some(())
+            });
         }
     }
 }
@@ -662,12 +663,12 @@ impl Supervisor {
     /// past the grace period.
     fn quit_via(&self, control: &Control, child: &mut Child) {
         let _ = control.command("quit", Duration::from_secs(2));
-        let deadline = Instant::now() + QUIT_GRACE;
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
+        let every = Duration::from_millis(10);
+        let exited = poll_until(Instant::now() + QUIT_GRACE, every, every, || {
+            matches!(child.try_wait(), Ok(Some(_))).then_some(())
+        });
+        if exited.is_some() {
+            return;
         }
         let _ = child.kill();
         let _ = child.wait();
