@@ -27,28 +27,12 @@ use nix::fcntl::{AtFlags, OFlag, RenameFlags};
 use nix::sys::stat::{Mode, SFlag};
 use nix::unistd::UnlinkatFlags;
 
-/// RFC 3339 UTC time with milliseconds, e.g. `2026-11-21T21:05:16.123Z`.
+/// RFC 3339 UTC time with milliseconds, e.g. `2026-11-21T21:05:16.123Z`. humantime writes
+/// only years 1970 to 9999 (and panics outside them): a time before is written as the
+/// first instant of 1970, one after as the last of 9999.
 pub fn rfc3339(t: SystemTime) -> String {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = d.as_secs();
-    let (days, rem) = (secs / 86_400, secs % 86_400);
-    // Civil-from-days (Howard Hinnant's algorithm), valid for all dates after 1970.
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3600,
-        rem / 60 % 60,
-        rem % 60,
-        d.subsec_millis()
-    )
+    const LAST: Duration = Duration::from_millis(253_402_300_799_999);
+    humantime::format_rfc3339_millis(t.clamp(UNIX_EPOCH, UNIX_EPOCH + LAST)).to_string()
 }
 
 pub fn rfc3339_now() -> String {
@@ -527,6 +511,11 @@ mod tests {
         assert_eq!(rfc3339(t), "2026-11-27T21:05:16.123Z");
         let leap = UNIX_EPOCH + Duration::from_secs(951_782_400); // 2000-02-29
         assert_eq!(rfc3339(leap), "2000-02-29T00:00:00.000Z");
+        // Outside humantime's years: clamped, never a panic.
+        let before = UNIX_EPOCH - Duration::from_secs(86_400);
+        assert_eq!(rfc3339(before), "1970-01-01T00:00:00.000Z");
+        let after = UNIX_EPOCH + Duration::from_secs(300_000_000_000);
+        assert_eq!(rfc3339(after), "9999-12-31T23:59:59.999Z");
     }
 
     #[test]

@@ -54,42 +54,15 @@ fn open_append(path: &Path) -> std::io::Result<std::fs::File> {
 }
 
 pub fn format_line(now: SystemTime, pid: u32, message: &str) -> String {
-    let since = now.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = since.as_secs();
-    let millis = since.subsec_millis();
-    let days = i64::try_from(secs / 86_400).unwrap_or(0);
-    let rem = secs % 86_400;
-    let (y, m, d) = civil_from_days(days);
+    // RFC 3339 (`2013-08-05T12:50:23.347Z`) less its `T` and `Z`. humantime writes no time
+    // before 1970 (the clock reads none past 9999, humantime's last year).
+    let stamp = humantime::format_rfc3339_millis(now.max(UNIX_EPOCH)).to_string();
+    let stamp = stamp.trim_end_matches('Z').replacen('T', " ", 1);
     let clean: String = message
         .chars()
         .map(|c| if c.is_control() { '?' } else { c })
         .collect();
-    format!(
-        "[{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}.{millis:03} Control {pid}] {clean}\n",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
-/// Days since 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's `civil_from_days`).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = if m <= 2 { y + 1 } else { y };
-    // d is 1..=31 and m 1..=12 by construction.
-    (
-        y,
-        u32::try_from(m).unwrap_or(1),
-        u32::try_from(d).unwrap_or(1),
-    )
+    format!("[{stamp} Control {pid}] {clean}\n")
 }
 
 #[cfg(test)]
@@ -100,16 +73,26 @@ mod tests {
     #[test]
     fn dates() {
         let cases = [
-            (0, (1970, 1, 1)),
-            (59, (1970, 3, 1)),
-            (11_016, (2000, 2, 29)),
-            (15_922, (2013, 8, 5)),
-            (19_782, (2024, 2, 29)),
-            (-1, (1969, 12, 31)),
+            (0, "1970-01-01"),
+            (59, "1970-03-01"),
+            (11_016, "2000-02-29"),
+            (15_922, "2013-08-05"),
+            (19_782, "2024-02-29"),
         ];
         for (days, want) in cases {
-            assert_eq!(civil_from_days(days), want, "days {days}");
+            let t = UNIX_EPOCH + Duration::from_secs(days * 86_400);
+            assert_eq!(
+                format_line(t, 1, "m"),
+                format!("[{want} 00:00:00.000 Control 1] m\n"),
+                "days {days}"
+            );
         }
+        // Before 1970: the epoch, as before.
+        let before = UNIX_EPOCH - Duration::from_secs(86_400);
+        assert_eq!(
+            format_line(before, 1, "m"),
+            "[1970-01-01 00:00:00.000 Control 1] m\n"
+        );
     }
 
     #[test]
