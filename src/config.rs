@@ -566,7 +566,9 @@ fn parse_shm_size(s: &str) -> Option<ShmSize> {
         .map(ShmSize::Bytes)
 }
 
-/// `"10s"`, `"500ms"`, `"5m"`, `"1h"`, or `"0"`.
+/// `"10s"`, `"500ms"`, `"5m"`, `"1h"`, or `"0"`. Not humantime's parser: it reads every
+/// one of these the same, but it also takes `"1M"` as a month (in a file where `"1M"` is a
+/// size of 1 MiB), `"1.5h"`, `"1h 30m"`, `" 10s"` and microseconds, all refused here.
 pub fn parse_duration(s: &str) -> Option<Duration> {
     if s == "0" {
         return Some(Duration::ZERO);
