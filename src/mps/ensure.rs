@@ -134,12 +134,12 @@ fn stop_supervisor(child: &mut Child, grace: Duration) {
             nix::unistd::Pid::from_raw(child.id() as i32),
             Signal::SIGTERM,
         );
-        let deadline = Instant::now() + grace;
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
+        let every = Duration::from_millis(10);
+        let exited = poll_until(Instant::now() + grace, every, every, || {
+            matches!(child.try_wait(), Ok(Some(_))).then_some(())
+        });
+        if exited.is_some() {
+            return;
         }
     }
     let _ = child.kill();
