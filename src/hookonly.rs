@@ -29,7 +29,7 @@ use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 use nix::sys::stat::Mode;
 
 use crate::config::Config;
-use crate::hook::{State, ANN_DAEMON};
+use crate::hook::State;
 use crate::request::{self, IpcMode};
 use crate::spec::SpecFile;
 use crate::state::{ContainerRecord, StateDir};
@@ -47,7 +47,7 @@ pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
         tracing::debug!("{key}={value}: a pod's sandbox is never a request");
         return Ok(());
     }
-    if state.annotations.contains_key(ANN_DAEMON) {
+    if crate::decision::daemon_annotation(&state.annotations).is_some() {
         tracing::debug!("prepared by gpushare-runtime: nothing to do in hook-only mode");
         return Ok(());
     }

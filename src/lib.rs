@@ -24,6 +24,7 @@ pub const VERSION: &str = concat!(
 
 pub mod cli;
 pub mod config;
+pub mod decision;
 pub mod device;
 pub mod doctor;
 pub mod hook;

@@ -11,7 +11,7 @@ fuzz_target!(|data: &[u8]| {
     let _ = serde_json::from_slice::<gpushare::state::ContainerRecord>(data);
     if let Ok(state) = gpushare::hook::read_state(data) {
         assert!(gpushare::state::valid_container_id(&state.id));
-        if let Ok(ident) = gpushare::hook::decided_identity(&state.annotations) {
+        if let Ok(ident) = gpushare::decision::identity_from_annotations(&state.annotations) {
             assert!(gpushare::identity::valid_id(&ident.id()));
             assert!(!ident.devices.is_empty());
         }

@@ -25,7 +25,6 @@ use anyhow::Context;
 
 use crate::config::{Config, Limits, UserMode};
 use crate::device::{InventorySource, ResolvedDevices};
-use crate::hook::{ANN_DAEMON, ANN_HOST_GID, ANN_HOST_UID, ANN_IDENTITY, ANN_IPC_MODE};
 use crate::identity::Identity;
 use crate::mps::control::SAFE_PATH;
 use crate::request::{self, DeviceValue, IpcMode, Request};
@@ -395,12 +394,10 @@ fn decide(
                 ("poststop", "poststop", POSTSTOP_TIMEOUT),
             ],
         },
-        annotations: vec![
-            (ANN_DAEMON.into(), id),
-            (ANN_IDENTITY.into(), serde_json::to_string(ident)?),
-            (ANN_HOST_UID.into(), host_user.0.to_string()),
-            (ANN_HOST_GID.into(), host_user.1.to_string()),
-            (ANN_IPC_MODE.into(), ipc.to_string()),
-        ],
+        annotations: crate::decision::Decision {
+            identity: ident.clone(),
+            host_user,
+        }
+        .to_annotations()?,
     })
 }

@@ -1,0 +1,277 @@
+//! The shim↔hook contract: the decision gpushare-runtime writes into a container's
+//! annotations at `create` (DESIGN §4.5), and the validation the `createRuntime` hook
+//! applies when it reads it back from the container state on stdin.
+//!
+//! Five annotations are written; the hook reads two. `gpushare.io/daemon` (the daemon id)
+//! and `gpushare.io/identity` (the identity as JSON) are what the hook acts on.
+//! `gpushare.io/host-uid`, `gpushare.io/host-gid` and `gpushare.io/ipc-mode` are for
+//! operators (docs/requests.md lists them) and no code reads them back; outside tests,
+//! this module is the only one that names any of the five.
+//!
+//! Invariants. The annotations reach the hook through the container's state, and a
+//! container's author can set annotations of these names too (`--annotation`), so the hook
+//! cannot tell the shim's values from a forgery by looking at them. What makes a forged
+//! decision harmless is that the shim writes all five on every container it serves,
+//! replacing whatever the container carried (`SetAnnotations` is the last spec edit and
+//! replaces keys), and only a container the shim served carries the `createRuntime` hook
+//! that acts on them. The hook still re-validates every value before it touches a path or
+//! starts anything ([`identity_from_annotations`]): the daemon id must be a valid id, the
+//! identity well formed (devices, limits, a multi-user daemon is root's), and its id must
+//! equal the daemon annotation — which proves only that the two annotations agree, not
+//! who wrote them.
+
+use std::collections::HashMap;
+
+use crate::device::is_well_formed_uuid;
+use crate::identity::{valid_id, Identity, ID_ALLOWED};
+use crate::request::IpcMode;
+
+/// The daemon id, [`ID_ALLOWED`]. Read by the hook.
+const ANN_DAEMON: &str = "gpushare.io/daemon";
+/// The daemon identity as JSON. Read by the hook.
+const ANN_IDENTITY: &str = "gpushare.io/identity";
+/// The container user's host UID. For operators only.
+const ANN_HOST_UID: &str = "gpushare.io/host-uid";
+/// The container user's host GID. For operators only.
+const ANN_HOST_GID: &str = "gpushare.io/host-gid";
+/// `isolated` or `host`. For operators only (the identity carries it for the hook).
+const ANN_IPC_MODE: &str = "gpushare.io/ipc-mode";
+
+/// What the shim decided for a container and hands the hook.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// The daemon the container uses.
+    pub identity: Identity,
+    /// The container user's host UID and GID (`SpecFile::host_user`): informational, the
+    /// daemon's own are in the identity.
+    pub host_user: (u32, u32),
+}
+
+impl Decision {
+    /// The decision annotations, in the order the shim writes them.
+    pub fn to_annotations(&self) -> Result<Vec<(String, String)>, serde_json::Error> {
+        let ipc = if self.identity.ipc_host {
+            IpcMode::Host
+        } else {
+            IpcMode::Isolated
+        };
+        Ok(vec![
+            (ANN_DAEMON.into(), self.identity.id()),
+            (ANN_IDENTITY.into(), serde_json::to_string(&self.identity)?),
+            (ANN_HOST_UID.into(), self.host_user.0.to_string()),
+            (ANN_HOST_GID.into(), self.host_user.1.to_string()),
+            (ANN_IPC_MODE.into(), ipc.to_string()),
+        ])
+    }
+}
+
+/// A decision the hook refuses.
+#[derive(Debug, thiserror::Error)]
+pub enum DecisionError {
+    #[error(
+        "annotation {ANN_DAEMON} is missing: the container was not prepared by gpushare-runtime"
+    )]
+    NotPrepared,
+    #[error("annotation {ANN_DAEMON}={value:?} is invalid: allowed is {ID_ALLOWED}")]
+    InvalidDaemonId { value: String },
+    #[error("annotation {ANN_IDENTITY} is missing")]
+    NoIdentity,
+    #[error("annotation {ANN_IDENTITY} is not a valid identity")]
+    UnparsableIdentity {
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("annotation {ANN_IDENTITY} holds an invalid identity: {raw:?}")]
+    InvalidIdentity { raw: String },
+    #[error("annotation {ANN_DAEMON}={daemon} does not match the identity in {ANN_IDENTITY}")]
+    Mismatch { daemon: String },
+}
+
+/// The daemon id as the annotation holds it, unvalidated: `poststop` hands it to
+/// `ensure::release` (which validates it), hook-only mode takes its presence as "prepared
+/// by gpushare-runtime".
+pub fn daemon_annotation(ann: &HashMap<String, String>) -> Option<&str> {
+    ann.get(ANN_DAEMON).map(String::as_str)
+}
+
+/// The identity the shim decided, read back from a container's annotations, validated and
+/// checked against the daemon id (see the module doc for what that does and does not
+/// prove).
+pub fn identity_from_annotations(ann: &HashMap<String, String>) -> Result<Identity, DecisionError> {
+    let id = ann.get(ANN_DAEMON).ok_or(DecisionError::NotPrepared)?;
+    if !valid_id(id) {
+        return Err(DecisionError::InvalidDaemonId { value: id.clone() });
+    }
+    let raw = ann.get(ANN_IDENTITY).ok_or(DecisionError::NoIdentity)?;
+    let ident: Identity =
+        serde_json::from_str(raw).map_err(|source| DecisionError::UnparsableIdentity { source })?;
+    let devices_ok = !ident.devices.is_empty()
+        && ident.devices.len() <= crate::request::MAX_DEVICES
+        && ident.devices.iter().all(|d| {
+            is_well_formed_uuid(d, "GPU-")
+                || (is_well_formed_uuid(d, "MIG-") && ident.devices.len() == 1)
+        });
+    let limits_ok = ident
+        .active_thread_percentage
+        .is_none_or(|p| (1..=100).contains(&p))
+        && ident
+            .pinned_memory_limit
+            .is_none_or(|m| m >= crate::request::MIN_PINNED_MEMORY_LIMIT);
+    if !devices_ok || !limits_ok || (ident.multi_user && ident.uid != 0) {
+        return Err(DecisionError::InvalidIdentity { raw: raw.clone() });
+    }
+    if ident.id() != *id {
+        return Err(DecisionError::Mismatch { daemon: id.clone() });
+    }
+    Ok(ident)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ident() -> Identity {
+        Identity {
+            devices: vec!["GPU-8f8bff94-112e-9541-43da-cfd453333404".into()],
+            uid: 1000,
+            gid: 1000,
+            multi_user: false,
+            active_thread_percentage: Some(25),
+            pinned_memory_limit: None,
+            ipc_host: false,
+        }
+    }
+
+    fn ann(i: &Identity) -> HashMap<String, String> {
+        HashMap::from([
+            (ANN_DAEMON.to_owned(), i.id()),
+            (ANN_IDENTITY.to_owned(), serde_json::to_string(i).unwrap()),
+        ])
+    }
+
+    #[test]
+    fn annotations_round_trip_and_name_every_key() {
+        for ipc_host in [false, true] {
+            let d = Decision {
+                identity: Identity {
+                    ipc_host,
+                    ..ident()
+                },
+                host_user: (101000, 101001),
+            };
+            let written: HashMap<String, String> =
+                d.to_annotations().unwrap().into_iter().collect();
+            assert_eq!(
+                written,
+                HashMap::from([
+                    (ANN_DAEMON.to_owned(), d.identity.id()),
+                    (
+                        ANN_IDENTITY.to_owned(),
+                        serde_json::to_string(&d.identity).unwrap()
+                    ),
+                    (ANN_HOST_UID.to_owned(), "101000".to_owned()),
+                    (ANN_HOST_GID.to_owned(), "101001".to_owned()),
+                    (
+                        ANN_IPC_MODE.to_owned(),
+                        if ipc_host { "host" } else { "isolated" }.to_owned()
+                    ),
+                ])
+            );
+            assert_eq!(identity_from_annotations(&written).unwrap(), d.identity);
+            assert_eq!(daemon_annotation(&written), Some(d.identity.id().as_str()));
+        }
+    }
+
+    #[test]
+    fn decided_identity_is_checked() {
+        let good = ident();
+        assert_eq!(identity_from_annotations(&ann(&good)).unwrap(), good);
+
+        let mut forged = ann(&good);
+        let mut other = good.clone();
+        other.uid = 0;
+        forged.insert(ANN_IDENTITY.into(), serde_json::to_string(&other).unwrap());
+        let err = identity_from_annotations(&forged).unwrap_err().to_string();
+        assert!(err.contains("does not match"), "{err}");
+
+        for bad in [
+            Identity {
+                devices: vec!["GPU-../../x".into()],
+                ..good.clone()
+            },
+            Identity {
+                devices: vec![],
+                ..good.clone()
+            },
+            Identity {
+                active_thread_percentage: Some(0),
+                ..good.clone()
+            },
+            Identity {
+                devices: vec![
+                    "MIG-22f0c05f-5cf2-5ea2-8297-789695656dc0".into(),
+                    "GPU-8f8bff94-112e-9541-43da-cfd453333404".into(),
+                ],
+                ..good.clone()
+            },
+            Identity {
+                multi_user: true,
+                ..good.clone()
+            },
+        ] {
+            let err = identity_from_annotations(&ann(&bad))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("invalid identity"), "{bad:?}: {err}");
+        }
+        let mut no_id = ann(&good);
+        no_id.remove(ANN_DAEMON);
+        assert!(identity_from_annotations(&no_id)
+            .unwrap_err()
+            .to_string()
+            .contains("missing"));
+    }
+
+    /// The messages are the hook's one line on a refused create: pinned, as the hook wrote
+    /// them before they had a home here.
+    #[test]
+    fn refusals_name_the_annotation() {
+        let good = ident();
+        let with = |k: &str, v: &str| {
+            let mut a = ann(&good);
+            a.insert(k.to_owned(), v.to_owned());
+            a
+        };
+        let without = |k: &str| {
+            let mut a = ann(&good);
+            a.remove(k);
+            a
+        };
+        let msg = |a: &HashMap<String, String>| {
+            format!(
+                "{:#}",
+                anyhow::Error::from(identity_from_annotations(a).unwrap_err())
+            )
+        };
+        assert_eq!(
+            msg(&without(ANN_DAEMON)),
+            "annotation gpushare.io/daemon is missing: the container was not prepared by gpushare-runtime"
+        );
+        assert_eq!(
+            msg(&with(ANN_DAEMON, "../../etc")),
+            "annotation gpushare.io/daemon=\"../../etc\" is invalid: allowed is 32 lowercase hex digits"
+        );
+        assert_eq!(
+            msg(&without(ANN_IDENTITY)),
+            "annotation gpushare.io/identity is missing"
+        );
+        assert!(msg(&with(ANN_IDENTITY, "{")).starts_with(
+            "annotation gpushare.io/identity is not a valid identity: EOF while parsing"
+        ));
+        let other = "0123456789abcdef0123456789abcdef";
+        assert_eq!(
+            msg(&with(ANN_DAEMON, other)),
+            format!("annotation gpushare.io/daemon={other} does not match the identity in gpushare.io/identity")
+        );
+    }
+}
