@@ -410,7 +410,8 @@ fn daemon_start(
         ipc: None,
     };
     let devices = crate::runtime::resolve_request(cfg, &req)?;
-    let mut ident = crate::runtime::identity(cfg, &devices.uuids, uid, &req, cfg.mps.ipc_mode());
+    let mut ident =
+        crate::identity::Identity::for_request(cfg, &devices.uuids, uid, &req, cfg.mps.ipc_mode());
     // The operator's --gid wins over mps.daemon-gid (multi-user daemons stay root's).
     if let Some(gid) = gid.filter(|_| !ident.multi_user) {
         ident.gid = gid;

@@ -80,7 +80,7 @@ pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
         );
     }
     let host_user = spec.host_user()?;
-    let ident = crate::runtime::identity(cfg, &devices.uuids, host_user.0, &req, ipc);
+    let ident = crate::identity::Identity::for_request(cfg, &devices.uuids, host_user.0, &req, ipc);
     let pid = state.pid.context("the container state has no pid")?;
     let dirs = StateDir::new(&cfg.state_dir);
     let rec = ContainerRecord {

@@ -2,7 +2,8 @@
 //!
 //! DESIGN §5: a daemon is identified by (device set, host UID, limit profile). Under
 //! `user-mode = "multi-user"` the UID is 0 for everyone (one root daemon per device set);
-//! under `limits = "advisory"` the profile is empty. The id is 32 lowercase hex digits:
+//! under `limits = "advisory"` the profile is empty ([`Identity::for_request`] is that rule,
+//! for every path that serves a request). The id is 32 lowercase hex digits:
 //! the first 128 bits of SHA-256 over the canonical form. Every identity a container can
 //! ask for is a tenant's choice, so the id must not be collidable: with a 48-bit unkeyed
 //! hash a tenant could find an identity whose id equals a victim's and, started first,
@@ -16,6 +17,9 @@ use std::fmt::Write;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+
+use crate::config::{Config, Limits, UserMode};
+use crate::request::{IpcMode, Request};
 
 /// Length of a daemon id: 32 lowercase hex digits (128 bits).
 pub const ID_LEN: usize = 32;
@@ -43,6 +47,36 @@ pub struct Identity {
 }
 
 impl Identity {
+    /// The daemon identity for a request (DESIGN §5), from the devices it resolved to, the
+    /// container user's host UID and the IPC mode decided for it. The daemon's group is
+    /// the node's `mps.daemon-gid` (unset: the group numbered like the uid), never the
+    /// container's: a container started with the `disk` or `video` group must not pass it
+    /// to a process that sees the host.
+    pub fn for_request(
+        cfg: &Config,
+        devices: &[String],
+        uid: u32,
+        req: &Request,
+        ipc: IpcMode,
+    ) -> Identity {
+        let multi_user = cfg.mps.user_mode == UserMode::MultiUser;
+        let (tp, mem) = requested_limits(cfg, req);
+        let enforced = cfg.mps.limits == Limits::Enforced;
+        Identity {
+            devices: devices.to_vec(),
+            uid: if multi_user { 0 } else { uid },
+            gid: if multi_user {
+                0
+            } else {
+                cfg.mps.daemon_gid.unwrap_or(uid)
+            },
+            multi_user,
+            active_thread_percentage: tp.filter(|_| enforced),
+            pinned_memory_limit: mem.filter(|_| enforced),
+            ipc_host: ipc == IpcMode::Host,
+        }
+    }
+
     /// The canonical text the id hashes; stable across versions (prefix `v1`).
     pub fn canonical(&self) -> String {
         let opt = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |v| v.to_string());
@@ -75,6 +109,22 @@ impl Identity {
     pub fn same_daemon(&self, other: &Identity) -> bool {
         self.canonical() == other.canonical()
     }
+}
+
+/// The limits a request asks for, or the node's defaults (`mps.default-*`): what the
+/// daemon enforces under `limits = "enforced"` ([`Identity::for_request`]) and what the
+/// container's client environment carries either way.
+pub fn requested_limits(cfg: &Config, req: &Request) -> (Option<u8>, Option<u64>) {
+    (
+        req.active_thread_percentage
+            .as_ref()
+            .map(|s| s.value)
+            .or(cfg.mps.default_active_thread_percentage),
+        req.pinned_memory_limit
+            .as_ref()
+            .map(|s| s.value)
+            .or(cfg.mps.default_pinned_memory_limit),
+    )
 }
 
 /// Whether `s` looks like a daemon id ([`ID_LEN`] lowercase hex digits). Ids reach paths,
@@ -135,6 +185,93 @@ mod tests {
         assert_eq!(a.id(), "2d3ff58269c1d56e621ea79962171817");
         assert_eq!(a.id().len(), ID_LEN);
         assert_eq!(ID_LEN, 32);
+    }
+
+    /// The node's config shapes the identity a request gets: user mode, daemon group,
+    /// enforced or advisory limits and their defaults, IPC.
+    #[test]
+    fn for_request_follows_the_node_config() {
+        use crate::request::{parse_device, parse_percentage, DeviceValue, Sourced};
+        const TP: &str = "gpushare.io/active-thread-percentage";
+        let req = |tp: Option<&str>| Request {
+            device: Sourced {
+                value: DeviceValue::Named(parse_device("gpushare.io/device", "0").unwrap()),
+                key: "gpushare.io/device",
+                raw: "0".into(),
+            },
+            active_thread_percentage: tp.map(|raw| Sourced {
+                value: parse_percentage(TP, raw).unwrap(),
+                key: TP,
+                raw: raw.into(),
+            }),
+            pinned_memory_limit: None,
+            ipc: None,
+        };
+        let gib = 1u64 << 30;
+        // (config, requested percentage, ipc) → (uid, gid, multi-user, tp, mem, ipc_host)
+        type Want = (u32, u32, bool, Option<u8>, Option<u64>, bool);
+        let cases: &[(&str, Option<&str>, IpcMode, Want)] = &[
+            (
+                "",
+                Some("25"),
+                IpcMode::Isolated,
+                (1000, 1000, false, Some(25), None, false),
+            ),
+            (
+                "",
+                None,
+                IpcMode::Host,
+                (1000, 1000, false, None, None, true),
+            ),
+            (
+                "[mps]\ndaemon-gid = 44",
+                None,
+                IpcMode::Isolated,
+                (1000, 44, false, None, None, false),
+            ),
+            (
+                "[mps]\nuser-mode = \"multi-user\"\ndaemon-gid = 44",
+                None,
+                IpcMode::Isolated,
+                (0, 0, true, None, None, false),
+            ),
+            (
+                "[mps]\ndefault-active-thread-percentage = 50\ndefault-pinned-memory-limit = \"1G\"",
+                None,
+                IpcMode::Isolated,
+                (1000, 1000, false, Some(50), Some(gib), false),
+            ),
+            (
+                "[mps]\ndefault-active-thread-percentage = 50",
+                Some("25"),
+                IpcMode::Isolated,
+                (1000, 1000, false, Some(25), None, false),
+            ),
+            (
+                "[mps]\nlimits = \"advisory\"\ndefault-active-thread-percentage = 50",
+                Some("25"),
+                IpcMode::Isolated,
+                (1000, 1000, false, None, None, false),
+            ),
+        ];
+        let devices = ["GPU-8f8bff94-112e-9541-43da-cfd453333404".to_owned()];
+        for (text, tp, ipc, want) in cases {
+            let cfg = crate::config::parse(text, None).unwrap();
+            let got = Identity::for_request(&cfg, &devices, 1000, &req(*tp), *ipc);
+            assert_eq!(
+                (
+                    got.uid,
+                    got.gid,
+                    got.multi_user,
+                    got.active_thread_percentage,
+                    got.pinned_memory_limit,
+                    got.ipc_host
+                ),
+                *want,
+                "{text:?} {tp:?} {ipc}"
+            );
+            assert_eq!(got.devices, devices);
+        }
     }
 
     #[test]

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 
-use crate::config::{Config, Limits, UserMode};
+use crate::config::Config;
 use crate::device::{InventorySource, ResolvedDevices};
 use crate::identity::Identity;
 use crate::mps::control::SAFE_PATH;
@@ -167,7 +167,7 @@ pub fn prepare(
     let devices = resolve_request(cfg, &req)?;
     let ipc = decide_ipc(cfg, &req)?;
     let (uid, gid) = spec.host_user()?;
-    let ident = identity(cfg, &devices.uuids, uid, &req, ipc);
+    let ident = Identity::for_request(cfg, &devices.uuids, uid, &req, ipc);
     let id = ident.id();
 
     let container_id = container_id
@@ -268,49 +268,6 @@ pub fn resolve_request(cfg: &Config, req: &Request) -> anyhow::Result<ResolvedDe
     Ok(devices)
 }
 
-/// The daemon identity for a container (DESIGN §5). The daemon's group is the node's
-/// `mps.daemon-gid` (unset: the group numbered like the uid), never the container's: a
-/// container started with the `disk` or `video` group must not pass it to a process that
-/// sees the host.
-pub fn identity(
-    cfg: &Config,
-    devices: &[String],
-    uid: u32,
-    req: &Request,
-    ipc: IpcMode,
-) -> Identity {
-    let multi_user = cfg.mps.user_mode == UserMode::MultiUser;
-    let (tp, mem) = limits_of(cfg, req);
-    let enforced = cfg.mps.limits == Limits::Enforced;
-    Identity {
-        devices: devices.to_vec(),
-        uid: if multi_user { 0 } else { uid },
-        gid: if multi_user {
-            0
-        } else {
-            cfg.mps.daemon_gid.unwrap_or(uid)
-        },
-        multi_user,
-        active_thread_percentage: tp.filter(|_| enforced),
-        pinned_memory_limit: mem.filter(|_| enforced),
-        ipc_host: ipc == IpcMode::Host,
-    }
-}
-
-/// The requested limits, or the configured defaults.
-fn limits_of(cfg: &Config, req: &Request) -> (Option<u8>, Option<u64>) {
-    (
-        req.active_thread_percentage
-            .as_ref()
-            .map(|s| s.value)
-            .or(cfg.mps.default_active_thread_percentage),
-        req.pinned_memory_limit
-            .as_ref()
-            .map(|s| s.value)
-            .or(cfg.mps.default_pinned_memory_limit),
-    )
-}
-
 #[allow(clippy::too_many_arguments)]
 fn decide(
     cfg: &Config,
@@ -336,7 +293,7 @@ fn decide(
     }
     // Client-side limits: under "enforced" they repeat what the daemon applies (a tenant
     // can only lower them); under "advisory" they are the only limits.
-    let (tp, mem) = limits_of(cfg, req);
+    let (tp, mem) = crate::identity::requested_limits(cfg, req);
     if let Some(p) = tp {
         env.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), p.to_string()));
     }
