@@ -32,6 +32,19 @@ pub struct State {
     pub annotations: HashMap<String, String>,
 }
 
+impl State {
+    /// The record of the container this state describes, as both hooks that ensure a
+    /// daemon (`create-runtime`, hook-only `prestart`) write it.
+    pub fn container_record(&self) -> ContainerRecord {
+        ContainerRecord::new(
+            self.id.clone(),
+            self.pid,
+            self.bundle.clone(),
+            Some(engine_of(self)),
+        )
+    }
+}
+
 pub fn read_state(mut input: impl Read) -> anyhow::Result<State> {
     let mut buf = Vec::new();
     input
@@ -78,15 +91,7 @@ pub fn engine_of(state: &State) -> String {
 pub fn create_runtime(cfg: &Config, state: &State) -> anyhow::Result<()> {
     let ident = crate::decision::identity_from_annotations(&state.annotations)?;
     let dirs = StateDir::new(&cfg.state_dir);
-    let rec = ContainerRecord {
-        id: state.id.clone(),
-        pid: state.pid,
-        start_time: state.pid.and_then(crate::util::proc_start_time),
-        bundle: state.bundle.clone(),
-        created_at: crate::util::unix_now(),
-        engine: Some(crate::hook::engine_of(state)),
-    };
-    let ensured = ensure::ensure(cfg, &dirs, &ident, Some(&rec))?;
+    let ensured = ensure::ensure(cfg, &dirs, &ident, Some(&state.container_record()))?;
     tracing::info!(
         daemon = %ensured.record.id,
         started = ensured.started,

@@ -32,7 +32,7 @@ use crate::config::Config;
 use crate::hook::State;
 use crate::request::{self, IpcMode};
 use crate::spec::SpecFile;
-use crate::state::{ContainerRecord, StateDir};
+use crate::state::StateDir;
 
 /// Where the pipe directory appears in hook-only mode: CUDA's default.
 pub const PIPE_IN_CONTAINER: &str = "tmp/nvidia-mps";
@@ -83,15 +83,8 @@ pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
     let ident = crate::identity::Identity::for_request(cfg, &devices.uuids, host_user.0, &req, ipc);
     let pid = state.pid.context("the container state has no pid")?;
     let dirs = StateDir::new(&cfg.state_dir);
-    let rec = ContainerRecord {
-        id: state.id.clone(),
-        pid: Some(pid),
-        start_time: crate::util::proc_start_time(pid),
-        bundle: Some(bundle.clone()),
-        created_at: crate::util::unix_now(),
-        engine: Some(crate::hook::engine_of(state)),
-    };
-    let ensured = crate::mps::ensure::ensure(cfg, &dirs, &ident, Some(&rec))?;
+    // The pid and the bundle checked above are the state's own, which the record names.
+    let ensured = crate::mps::ensure::ensure(cfg, &dirs, &ident, Some(&state.container_record()))?;
     let id = ensured.record.id;
     let root = spec
         .typed

@@ -174,6 +174,24 @@ pub struct ContainerRecord {
 }
 
 impl ContainerRecord {
+    /// A record made now: the start time is `pid`'s own, read from /proc (none while the
+    /// create is pending, `pid` = `None`).
+    pub fn new(
+        id: String,
+        pid: Option<i32>,
+        bundle: Option<PathBuf>,
+        engine: Option<String>,
+    ) -> Self {
+        ContainerRecord {
+            id,
+            pid,
+            start_time: pid.and_then(util::proc_start_time),
+            engine,
+            bundle,
+            created_at: util::unix_now(),
+        }
+    }
+
     /// Whether the container may still use its daemon: its init process runs, or its
     /// create is pending and younger than `pending_grace` seconds. A stopped container
     /// (process gone, not yet deleted) no longer uses MPS.

@@ -183,14 +183,7 @@ pub fn prepare(
     let state = StateDir::new(&cfg.state_dir);
     // The pending record comes before the directory check: an idle daemon being removed
     // either sees it and stays, or is gone before the check (StateDir::remove_if_unused).
-    let pending = ContainerRecord {
-        id: container_id.to_owned(),
-        pid: None,
-        start_time: None,
-        bundle,
-        created_at: crate::util::unix_now(),
-        engine: None,
-    };
+    let pending = ContainerRecord::new(container_id.to_owned(), None, bundle, None);
     let recorded = state.add_container(&id, &pending).is_ok();
     if !state.skeleton_ready(&id, !ident.ipc_host) {
         // runc binds the daemon's directories before the createRuntime hook runs, so they
