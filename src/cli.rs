@@ -409,9 +409,13 @@ fn daemon_start(
             .transpose()?,
         ipc: None,
     };
-    let devices = crate::runtime::resolve_request(cfg, &req)?;
-    let mut ident =
-        crate::identity::Identity::for_request(cfg, &devices.uuids, uid, &req, cfg.mps.ipc_mode());
+    let mut ident = crate::decision::resolve(
+        cfg,
+        req,
+        |_| Ok(cfg.mps.ipc_mode()),
+        || Ok((uid, gid.unwrap_or(uid))),
+    )?
+    .identity;
     // The operator's --gid wins over mps.daemon-gid (multi-user daemons stay root's).
     if let Some(gid) = gid.filter(|_| !ident.multi_user) {
         ident.gid = gid;

@@ -1,6 +1,16 @@
-//! The shim↔hook contract: the decision gpushare-runtime writes into a container's
-//! annotations at `create` (DESIGN §4.5), and the validation the `createRuntime` hook
-//! applies when it reads it back from the container state on stdin.
+//! What gpushare decides for a request, and how the shim hands that decision to its hook.
+//!
+//! [`resolve`] is the request pipeline, the one every path that serves a request runs —
+//! the shim and hook-only mode through [`resolve_spec`], `gpushare daemon start` with a
+//! request made from its flags: inventory → the devices the request resolves to →
+//! [`request::check`] against their memory and the operator's ceilings → IPC mode → host
+//! user → daemon identity ([`Identity::for_request`]). It creates nothing: a request is
+//! refused before any directory exists or any byte is written.
+//!
+//! [`Decision`] is the shim↔hook contract: the decision gpushare-runtime writes into a
+//! container's annotations at `create` (DESIGN §4.5), and [`identity_from_annotations`]
+//! the validation the `createRuntime` hook applies when it reads it back from the
+//! container state on stdin.
 //!
 //! Five annotations are written; the hook reads two. `gpushare.io/daemon` (the daemon id)
 //! and `gpushare.io/identity` (the identity as JSON) are what the hook acts on.
@@ -22,9 +32,88 @@
 
 use std::collections::HashMap;
 
-use crate::device::is_well_formed_uuid;
+use crate::config::Config;
+use crate::device::{is_well_formed_uuid, InventorySource, ResolvedDevices};
 use crate::identity::{valid_id, Identity, ID_ALLOWED};
-use crate::request::IpcMode;
+use crate::request::{self, DeviceValue, IpcMode, Request};
+use crate::spec::SpecFile;
+
+/// A request served on this node: what the pipeline decided for it.
+#[derive(Debug)]
+pub struct Resolved {
+    pub request: Request,
+    /// The devices it resolved to, checked against it.
+    pub devices: ResolvedDevices,
+    pub ipc: IpcMode,
+    /// The host UID and GID it is served for.
+    pub host_user: (u32, u32),
+    /// The daemon that serves it.
+    pub identity: Identity,
+}
+
+/// The pipeline for a container's spec (the shim, hook-only mode): the request in it under
+/// this node's config ([`request::parse`] with `accept-env-requests` and
+/// `default-device`), then [`resolve`] for the container's user (`SpecFile::host_user`).
+/// `Ok(None)`: no request (a sandbox, no device key and no default that applies).
+pub fn resolve_spec(
+    cfg: &Config,
+    spec: &SpecFile,
+    ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
+) -> anyhow::Result<Option<Resolved>> {
+    let options = request::Options {
+        accept_env: cfg.accept_env_requests,
+        default_device: cfg.default_device,
+    };
+    let Some(req) = request::parse(&spec.request_inputs(), &options)? else {
+        return Ok(None);
+    };
+    resolve(cfg, req, ipc, || Ok(spec.host_user()?)).map(Some)
+}
+
+/// The pipeline's node half for a parsed request, in this order, the first fault stopping
+/// it: the inventory, the devices the request resolves to, [`request::check`] against
+/// their memory and the operator's ceilings, the IPC mode (`ipc`: the shim, hook-only mode
+/// and `daemon start` each have their own rule), the host user, the daemon identity.
+/// Creates nothing.
+pub fn resolve(
+    cfg: &Config,
+    req: Request,
+    ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
+    host_user: impl FnOnce() -> anyhow::Result<(u32, u32)>,
+) -> anyhow::Result<Resolved> {
+    let source = InventorySource::parse(&cfg.inventory)?;
+    let inventory = crate::inventory_cache::load(&source, &cfg.state_dir, cfg.inventory_cache_ttl)?;
+    let devices = req.device.resolve(&inventory)?;
+    if let DeviceValue::Allocated(found) = &req.device.value {
+        tracing::debug!(
+            source = %found.source,
+            found = %found.found,
+            devices = %devices.uuids.join(","),
+            "{}={} resolved from the container's allocation",
+            req.device.key,
+            req.device.raw
+        );
+    }
+    request::check(&req, &devices, &ceilings(cfg))?;
+    let ipc = ipc(&req)?;
+    let host_user = host_user()?;
+    let identity = Identity::for_request(cfg, &devices.uuids, host_user.0, &req, ipc);
+    Ok(Resolved {
+        request: req,
+        devices,
+        ipc,
+        host_user,
+        identity,
+    })
+}
+
+/// The operator's ceilings on requests, from the config.
+fn ceilings(cfg: &Config) -> request::Ceilings {
+    request::Ceilings {
+        active_thread_percentage: cfg.mps.max_active_thread_percentage,
+        pinned_memory_limit: cfg.mps.max_pinned_memory_limit,
+    }
+}
 
 /// The daemon id, [`ID_ALLOWED`]. Read by the hook.
 const ANN_DAEMON: &str = "gpushare.io/daemon";

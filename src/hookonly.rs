@@ -57,10 +57,6 @@ pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
         .filter(|b| b.is_absolute())
         .context("the container state names no absolute bundle path")?;
     let spec = SpecFile::load(&bundle.join("config.json"))?;
-    let Some(req) = crate::runtime::read_request(cfg, &spec)? else {
-        return Ok(());
-    };
-    let devices = crate::runtime::resolve_request(cfg, &req)?;
     let has_ipc_ns = spec
         .typed
         .linux
@@ -71,16 +67,22 @@ pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
     } else {
         IpcMode::Host
     };
-    if let Some(asked) = req.ipc.as_ref().filter(|a| a.value != ipc) {
-        bail!(
-            "{}={:?} cannot be honoured in hook-only mode: the container's IPC namespace is already {}; allowed is to ask the engine (e.g. podman --ipc=host) instead",
-            asked.key,
-            asked.raw,
-            if has_ipc_ns { "private" } else { "the host's" }
-        );
-    }
-    let host_user = spec.host_user()?;
-    let ident = crate::identity::Identity::for_request(cfg, &devices.uuids, host_user.0, &req, ipc);
+    // The container's IPC namespace is the engine's to make: a request can only agree.
+    let honour_ipc = |req: &request::Request| {
+        if let Some(asked) = req.ipc.as_ref().filter(|a| a.value != ipc) {
+            bail!(
+                "{}={:?} cannot be honoured in hook-only mode: the container's IPC namespace is already {}; allowed is to ask the engine (e.g. podman --ipc=host) instead",
+                asked.key,
+                asked.raw,
+                if has_ipc_ns { "private" } else { "the host's" }
+            );
+        }
+        Ok(ipc)
+    };
+    let Some(served) = crate::decision::resolve_spec(cfg, &spec, honour_ipc)? else {
+        return Ok(());
+    };
+    let ident = served.identity;
     let pid = state.pid.context("the container state has no pid")?;
     let dirs = StateDir::new(&cfg.state_dir);
     // The pid and the bundle checked above are the state's own, which the record names.

@@ -9,10 +9,10 @@
 //! a pod's sandbox is exec'd as a passthrough is once its annotations are parsed, before
 //! the full config is read or a log opened (`request::sandbox_marker`); a request is
 //! validated completely (syntax, device, memory, the operator's ceilings:
-//! [`resolve_request`], shared with hook-only mode and `gpushare daemon start`) before any
-//! directory is created or any byte written; on failure the shim writes one error line to
-//! runc's `--log`, logs to its own file, prints nothing (stdio belongs to the container)
-//! and exits 1.
+//! [`decision::resolve_spec`], shared with hook-only mode and `gpushare daemon start`)
+//! before any directory is created or any byte written; on failure the shim writes one
+//! error line to runc's `--log`, logs to its own file, prints nothing (stdio belongs to
+//! the container) and exits 1.
 
 pub mod args;
 pub mod lowlevel;
@@ -24,11 +24,10 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 
 use crate::config::Config;
-use crate::device::{InventorySource, ResolvedDevices};
-use crate::identity::Identity;
+use crate::decision::{self, Resolved};
 use crate::mps::control::SAFE_PATH;
-use crate::request::{self, DeviceValue, IpcMode, Request};
-use crate::spec::edits::{self, Decision, IpcPlan, SetHooks};
+use crate::request::{self, IpcMode, Request};
+use crate::spec::edits::{self, IpcPlan, SetHooks};
 use crate::spec::SpecFile;
 use crate::state::{valid_container_id, ContainerRecord, StateDir};
 
@@ -135,22 +134,6 @@ fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
     Ok(runtime)
 }
 
-/// The request in a container's spec under this node's config, for every path that reads
-/// one from a spec (the shim, hook-only mode): [`request::parse`] with the node's options.
-/// `Ok(None)`: no request (a sandbox, no device key and no default that applies).
-pub fn read_request(
-    cfg: &Config,
-    spec: &SpecFile,
-) -> Result<Option<Request>, request::RequestError> {
-    request::parse(
-        &spec.request_inputs(),
-        &request::Options {
-            accept_env: cfg.accept_env_requests,
-            default_device: cfg.default_device,
-        },
-    )
-}
-
 /// Reads the request from the spec and, if there is one, edits and saves the spec.
 /// Returns whether the spec was edited.
 pub fn prepare(
@@ -160,14 +143,11 @@ pub fn prepare(
     container_id: Option<&str>,
 ) -> anyhow::Result<bool> {
     let bundle = spec.path().parent().map(Path::to_owned);
-    let Some(req) = read_request(cfg, &spec)? else {
+    let Some(served) = decision::resolve_spec(cfg, &spec, |req| decide_ipc(cfg, req))? else {
         tracing::debug!("no gpushare request: passing through");
         return Ok(false);
     };
-    let devices = resolve_request(cfg, &req)?;
-    let ipc = decide_ipc(cfg, &req)?;
-    let (uid, gid) = spec.host_user()?;
-    let ident = Identity::for_request(cfg, &devices.uuids, uid, &req, ipc);
+    let ident = &served.identity;
     let id = ident.id();
 
     let container_id = container_id
@@ -193,7 +173,7 @@ pub fn prepare(
         let _lock = state.lock(&id, deadline)?;
         state.ensure_skeleton(
             &id,
-            crate::mps::ensure::owner(&ident),
+            crate::mps::ensure::owner(ident),
             &crate::mps::ensure::budget(cfg),
         )?;
         if !recorded {
@@ -201,19 +181,16 @@ pub fn prepare(
         }
     }
 
-    let decision = decide(
-        cfg,
-        &state,
-        &ident,
-        (uid, gid),
-        &req,
-        ipc,
-        runtime,
-        &devices.uuids,
-    )?;
-    edits::apply_all(&mut spec.doc, &edits::plan(&decision))?;
+    let plan = decide(cfg, &state, &served, runtime)?;
+    edits::apply_all(&mut spec.doc, &edits::plan(&plan))?;
     spec.save()?;
-    tracing::info!(daemon = %id, uid, devices = %devices.uuids.join(","), ipc = %ipc, "spec edited for MPS");
+    tracing::info!(
+        daemon = %id,
+        uid = served.host_user.0,
+        devices = %served.devices.uuids.join(","),
+        ipc = %served.ipc,
+        "spec edited for MPS"
+    );
     Ok(true)
 }
 
@@ -231,48 +208,15 @@ fn decide_ipc(cfg: &Config, req: &Request) -> anyhow::Result<IpcMode> {
     }
 }
 
-/// The operator's ceilings on requests, from the config.
-pub fn ceilings(cfg: &Config) -> request::Ceilings {
-    request::Ceilings {
-        active_thread_percentage: cfg.mps.max_active_thread_percentage,
-        pinned_memory_limit: cfg.mps.max_pinned_memory_limit,
-    }
-}
-
-/// The request pipeline's node half, shared by every path that serves a request (the
-/// shim, hook-only mode, `gpushare daemon start`): the inventory, the devices the request
-/// resolves to, and [`request::check`] against their memory and the operator's ceilings.
-/// Creates nothing.
-pub fn resolve_request(cfg: &Config, req: &Request) -> anyhow::Result<ResolvedDevices> {
-    let source = InventorySource::parse(&cfg.inventory)?;
-    let inventory = crate::inventory_cache::load(&source, &cfg.state_dir, cfg.inventory_cache_ttl)?;
-    let devices = req.device.resolve(&inventory)?;
-    if let DeviceValue::Allocated(found) = &req.device.value {
-        tracing::debug!(
-            source = %found.source,
-            found = %found.found,
-            devices = %devices.uuids.join(","),
-            "{}={} resolved from the container's allocation",
-            req.device.key,
-            req.device.raw
-        );
-    }
-    request::check(req, &devices, &ceilings(cfg))?;
-    Ok(devices)
-}
-
-#[allow(clippy::too_many_arguments)]
+/// The spec edits for a request the pipeline served (DESIGN §4).
 fn decide(
     cfg: &Config,
     state: &StateDir,
-    ident: &Identity,
-    host_user: (u32, u32),
-    req: &Request,
-    ipc: IpcMode,
+    served: &Resolved,
     runtime: &Path,
-    uuids: &[String],
-) -> anyhow::Result<Decision> {
-    let id = ident.id();
+) -> anyhow::Result<edits::Decision> {
+    let (req, uuids) = (&served.request, &served.devices.uuids);
+    let id = served.identity.id();
     let pipe_in_container = cfg.mps.container_pipe_dir.clone();
     let mut env = vec![(
         "CUDA_MPS_PIPE_DIRECTORY".to_owned(),
@@ -322,7 +266,7 @@ fn decide(
     }
     let create_timeout = cfg.mps.start_timeout.as_secs() + 5;
 
-    Ok(Decision {
+    Ok(edits::Decision {
         env,
         pipe: (state.pipe_dir(&id), pipe_in_container),
         log: cfg
@@ -330,7 +274,7 @@ fn decide(
             .container_log_dir
             .as_ref()
             .map(|d| (state.log_dir(&id), d.clone())),
-        ipc: match ipc {
+        ipc: match served.ipc {
             IpcMode::Isolated => IpcPlan::Isolated {
                 shm_dir: state.shm_dir(&id),
             },
@@ -344,9 +288,9 @@ fn decide(
                 ("poststop", "poststop", POSTSTOP_TIMEOUT),
             ],
         },
-        annotations: crate::decision::Decision {
-            identity: ident.clone(),
-            host_user,
+        annotations: decision::Decision {
+            identity: served.identity.clone(),
+            host_user: served.host_user,
         }
         .to_annotations()?,
     })
