@@ -1,14 +1,20 @@
 //! gpushare: an MPS-aware OCI runtime shim and hook that lets containers of different
 //! users share one NVIDIA GPU (or MIG slice) without blocking each other.
 //!
-//! Module map (dependencies flow downwards):
-//! - `cli` (the `gpushare` command), `runtime` (the `gpushare-runtime` shim)
+//! Module map: a module uses only the modules on the lines below its own, never those
+//! beside or above it.
+//! - `cli` (the `gpushare` command)
+//! - `doctor`, `status` (what `gpushare doctor` and `gpushare status` report)
+//! - `runtime` (the `gpushare-runtime` shim), `hookonly` (hooks.d mode), `install`
 //! - `hook` (createRuntime / poststop)
-//! - `mps` (control interface, supervisor, ensure)
-//! - `spec` (config.json load/edit/save), `state` (the state directory)
-//! - `request` (annotations/env → request), `inventory_cache`, `device` (inventory),
-//!   `identity`, `config`
-//! - `util`, `sys` (the only `unsafe`), `logging`
+//! - `decision` (the request pipeline; the shim↔hook contract), `mps` (control interface,
+//!   supervisor, ensure)
+//! - `spec` (config.json load/edit/save), `state` (the state directory), `inventory_cache`
+//! - `identity` (a daemon's identity and the rule that derives it), `logging`
+//! - `config`
+//! - `request` (annotations/env → request)
+//! - `device` (inventory)
+//! - `util`, `sys` (the only `unsafe`)
 
 // `unsafe` is refused everywhere but in `sys`, the one audited module, where every block
 // carries a `// SAFETY:` comment.
