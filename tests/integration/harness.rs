@@ -16,7 +16,48 @@ use serde_json::{json, Value};
 
 pub const RUNTIME: &str = env!("CARGO_BIN_EXE_gpushare-runtime");
 pub const GPUSHARE: &str = env!("CARGO_BIN_EXE_gpushare");
-pub const SIM: &str = env!("CARGO_BIN_EXE_gpushare-mps-sim");
+
+/// The MPS simulator, `gpushare-mps-sim`: a package of its own (sim/, a workspace member), so
+/// Cargo gives these tests no `CARGO_BIN_EXE_` for it; its binary is beside `gpushare` in the
+/// workspace's target dir. `cargo test --tests` (scripts/test) and `cargo build` build it; a
+/// run of this test target alone (`cargo test --test integration`) does not, so a missing
+/// binary, or one older than the simulator's sources, fails here with the command that
+/// builds it rather than later with a stale simulator's behaviour.
+pub fn sim() -> &'static str {
+    static SIM: OnceLock<String> = OnceLock::new();
+    SIM.get_or_init(|| {
+        let bin = Path::new(GPUSHARE).with_file_name("gpushare-mps-sim");
+        let profile = Path::new(GPUSHARE)
+            .parent()
+            .and_then(Path::file_name)
+            .and_then(|p| p.to_str())
+            .unwrap_or("debug");
+        let build = match profile {
+            "debug" => "cargo build -p gpushare-mps-sim".to_owned(),
+            "release" => "cargo build --release -p gpushare-mps-sim".to_owned(),
+            other => format!("cargo build --profile {other} -p gpushare-mps-sim"),
+        };
+        let built = std::fs::metadata(&bin)
+            .and_then(|m| m.modified())
+            .unwrap_or_else(|e| panic!("{}: {e}: build it: {build}", bin.display()));
+        let sources = Path::new(env!("CARGO_MANIFEST_DIR")).join("sim");
+        let mut newest = vec![sources.join("Cargo.toml")];
+        if let Ok(dir) = std::fs::read_dir(sources.join("src")) {
+            newest.extend(dir.flatten().map(|e| e.path()));
+        }
+        for source in newest {
+            let changed = std::fs::metadata(&source).and_then(|m| m.modified());
+            if changed.is_ok_and(|t| t > built) {
+                panic!(
+                    "{} is older than {}: rebuild it: {build}",
+                    bin.display(),
+                    source.display()
+                );
+            }
+        }
+        bin.display().to_string()
+    })
+}
 
 pub const GPU0: &str = "GPU-8f8bff94-112e-9541-43da-cfd453333404";
 pub const GPU1: &str = "GPU-6a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9";
@@ -183,7 +224,7 @@ pub fn rootfs() -> &'static Path {
                 let _ = std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet));
             }
         }
-        install_with_libs(Path::new(SIM), &dir, "/usr/bin/gpushare-mps-sim");
+        install_with_libs(Path::new(sim()), &dir, "/usr/bin/gpushare-mps-sim");
         std::fs::write(dir.join("etc/passwd"), "root:x:0:0:root:/:/bin/sh\nu1000:x:1000:1000::/:/bin/sh\nu2000:x:2000:2000::/:/bin/sh\n").unwrap();
         dir
     })
@@ -237,11 +278,12 @@ impl Env {
         std::fs::write(
             &config,
             format!(
-                "low-level-runtime = [{runc:?}]\nstate-dir = {state:?}\nlog-file = {log:?}\nlog-level = \"debug\"\ninventory = \"file:{inv}\"\n{top}\n[mps]\ncontrol-binary = {SIM:?}\nstart-timeout = \"10s\"\nshm-size = \"64M\"\n{extra_mps}\n",
+                "low-level-runtime = [{runc:?}]\nstate-dir = {state:?}\nlog-file = {log:?}\nlog-level = \"debug\"\ninventory = \"file:{inv}\"\n{top}\n[mps]\ncontrol-binary = {sim:?}\nstart-timeout = \"10s\"\nshm-size = \"64M\"\n{extra_mps}\n",
                 runc = runc.display().to_string(),
                 state = state.display().to_string(),
                 log = dir.path().join("gpushare.log").display().to_string(),
                 inv = inventory.display(),
+                sim = sim(),
             ),
         )
         .unwrap();

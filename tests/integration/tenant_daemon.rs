@@ -16,7 +16,7 @@ const CLIENT: &str = "gpushare-mps-sim client";
 /// Sends one control command to daemon `id` as `uid`, from the host: what a tenant does
 /// through the control socket mounted in its container (same socket, same uid).
 fn control_as(env: &Env, id: &str, uid: u32, cmd: &str) -> String {
-    let mut child = Command::new(SIM)
+    let mut child = Command::new(sim())
         .env_clear()
         .env(
             "CUDA_MPS_PIPE_DIRECTORY",
@@ -84,7 +84,8 @@ fn a_daemon_cannot_write_host_files_or_open_host_devices() {
                   [ -w /proc/sysrq-trigger ] && echo sysrq=writable || echo sysrq=ro\n\
                }} > $out 2>/dev/null\n\
              fi\n\
-             exec {SIM} \"$@\"\n",
+             exec {sim} \"$@\"\n",
+            sim = sim(),
             victim = victims.join("victim").display(),
             new = victims.join("new").display(),
             node = node.display(),
@@ -97,7 +98,7 @@ fn a_daemon_cannot_write_host_files_or_open_host_devices() {
     std::fs::write(
         &env.config,
         cfg.replace(
-            &format!("control-binary = {SIM:?}"),
+            &format!("control-binary = {:?}", sim()),
             &format!("control-binary = {:?}", wrapper.display().to_string()),
         ),
     )

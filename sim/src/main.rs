@@ -8,8 +8,9 @@
 //! queues users behind each other as the real one does, and creates `/dev/shm` markers that a
 //! client must see, which is what shows a container shares the daemon's /dev/shm.
 //!
-//! This binary stands alone: it does not use the gpushare library, so it builds even while the
-//! library does not. Environment: CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps),
+//! This binary stands alone (its own package, sim/, a test tool that is not shipped): it does
+//! not use the gpushare library, so it builds even while the library does not. Its end-to-end
+//! tests are sim/tests/sim.rs. Environment: CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps),
 //! CUDA_MPS_LOG_DIRECTORY (default /var/log/nvidia-mps), CUDA_VISIBLE_DEVICES (logged only),
 //! CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and CUDA_MPS_PINNED_DEVICE_MEM_LIMIT (daemon: initial
 //! defaults; client: its own, lower-only limits).
@@ -27,9 +28,6 @@ mod sched;
 mod server;
 mod session;
 mod wire;
-
-#[cfg(test)]
-mod tests;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -1,10 +1,8 @@
 //! End-to-end tests of the simulator: the built binary run as real daemons, servers and
 //! clients in per-test temporary directories, other uids through `CommandExt::uid/gid`.
 //!
-//! They need the `gpushare-mps-sim` binary built next to this test executable (`cargo test`
-//! builds it whenever the package has integration tests; otherwise run `cargo build` first):
-//! Cargo sets `CARGO_BIN_EXE_*` only for integration tests, not for a binary's own tests.
-//! The tests that switch uids need root and skip with a printed reason otherwise.
+//! Cargo builds the binary for them (`CARGO_BIN_EXE_gpushare-mps-sim`). The tests that switch
+//! uids need root and skip with a printed reason otherwise.
 //!
 //! Invariants: nothing sleeps a fixed time to let something happen, everything polls with a
 //! deadline; every process a test starts is stopped by a guard's `Drop`, also when the test
@@ -16,7 +14,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -27,22 +25,9 @@ use nix::unistd::Pid;
 const DAEMON_START: Duration = Duration::from_secs(10);
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The simulator Cargo built for these tests (an integration test of its package).
 fn bin() -> PathBuf {
-    if let Some(path) = option_env!("CARGO_BIN_EXE_gpushare-mps-sim") {
-        return PathBuf::from(path);
-    }
-    let exe = std::env::current_exe().expect("current exe");
-    let path = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target dir")
-        .join("gpushare-mps-sim");
-    assert!(
-        path.exists(),
-        "{} is missing: run `cargo build --bin gpushare-mps-sim` before these tests",
-        path.display()
-    );
-    path
+    PathBuf::from(env!("CARGO_BIN_EXE_gpushare-mps-sim"))
 }
 
 fn is_root() -> bool {
