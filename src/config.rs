@@ -95,13 +95,13 @@ pub struct Config {
     pub low_level_runtime: Vec<String>,
     pub state_dir: PathBuf,
     pub log_file: Option<PathBuf>,
-    pub log_level: String,
+    pub log_level: tracing::Level,
     pub log_format: LogFormat,
     pub accept_env_requests: bool,
     /// What a container without a device key asks for (`default-device`); `None`: nothing,
     /// it passes through.
     pub default_device: Option<crate::request::DefaultDevice>,
-    pub inventory: String,
+    pub inventory: crate::device::InventorySource,
     /// How long the create path may use the cached NVML inventory (`inventory_cache`);
     /// zero: never.
     pub inventory_cache_ttl: Duration,
@@ -332,14 +332,19 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         Some(s) if s.is_empty() => None,
         Some(s) => Some(abs("log-file", s)?),
     };
-    let log_level = raw.log_level.unwrap_or_else(|| "info".into());
-    if !["error", "warn", "info", "debug", "trace"].contains(&log_level.as_str()) {
-        return Err(bad(
-            "log-level",
-            &log_level,
-            "one of error, warn, info, debug, trace",
-        ));
-    }
+    let level_raw = raw.log_level.unwrap_or_else(|| "info".into());
+    // The five names only: tracing would also take digits and any case.
+    let log_level = ["error", "warn", "info", "debug", "trace"]
+        .contains(&level_raw.as_str())
+        .then(|| level_raw.parse::<tracing::Level>().ok())
+        .flatten()
+        .ok_or_else(|| {
+            bad(
+                "log-level",
+                &level_raw,
+                "one of error, warn, info, debug, trace",
+            )
+        })?;
     let default_device = match raw.default_device.as_deref() {
         None => None,
         Some(crate::request::ALLOCATED) => Some(crate::request::DefaultDevice::Allocated),
@@ -351,14 +356,14 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
             ))
         }
     };
-    let inventory = raw.inventory.unwrap_or_else(|| "nvml".into());
-    if inventory != "nvml" && !inventory.starts_with("file:/") {
-        return Err(bad(
+    let inventory_raw = raw.inventory.unwrap_or_else(|| "nvml".into());
+    let inventory = crate::device::InventorySource::parse(&inventory_raw).map_err(|_| {
+        bad(
             "inventory",
-            &inventory,
+            &inventory_raw,
             "\"nvml\" or \"file:<absolute path>\"",
-        ));
-    }
+        )
+    })?;
     let ttl_raw = raw.inventory_cache_ttl.unwrap_or_else(|| "30s".into());
     let inventory_cache_ttl = parse_duration(&ttl_raw)
         .filter(|d| *d <= Duration::from_secs(3600))

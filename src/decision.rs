@@ -33,7 +33,7 @@
 use std::collections::HashMap;
 
 use crate::config::Config;
-use crate::device::{is_well_formed_uuid, InventorySource, ResolvedDevices};
+use crate::device::{is_well_formed_uuid, ResolvedDevices};
 use crate::identity::{valid_id, Identity, ID_ALLOWED};
 use crate::request::{self, DeviceValue, IpcMode, Request};
 use crate::spec::SpecFile;
@@ -81,8 +81,8 @@ pub fn resolve(
     ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
     host_user: impl FnOnce() -> anyhow::Result<(u32, u32)>,
 ) -> anyhow::Result<Resolved> {
-    let source = InventorySource::parse(&cfg.inventory)?;
-    let inventory = crate::inventory_cache::load(&source, &cfg.state_dir, cfg.inventory_cache_ttl)?;
+    let inventory =
+        crate::inventory_cache::load(&cfg.inventory, &cfg.state_dir, cfg.inventory_cache_ttl)?;
     let devices = req.device.resolve(&inventory)?;
     if let DeviceValue::Allocated(found) = &req.device.value {
         tracing::debug!(

@@ -71,17 +71,17 @@ impl Default for Paths {
 
 fn inventory_checks(cfg: &Config, out: &mut Vec<Check>) -> Option<Inventory> {
     let nvml = crate::device::load(&InventorySource::Nvml);
-    match (&cfg.inventory[..], &nvml) {
-        ("nvml", Ok(inv)) => out.push(ok("driver", format!("NVML answers: driver {}, {} GPU(s)", inv.driver_version, inv.gpus.len()))),
-        ("nvml", Err(e)) => out.push(fail(
+    match (&cfg.inventory, &nvml) {
+        (InventorySource::Nvml, Ok(inv)) => out.push(ok("driver", format!("NVML answers: driver {}, {} GPU(s)", inv.driver_version, inv.gpus.len()))),
+        (InventorySource::Nvml, Err(e)) => out.push(fail(
             "driver",
             crate::util::error_chain(e),
             "install and load the NVIDIA driver (nvidia-smi must work), or set inventory = \"file:<path>\" on a machine without a GPU",
         )),
-        (_, Ok(inv)) => out.push(ok("driver", format!("NVML answers (driver {}), but inventory = {:?} is used", inv.driver_version, cfg.inventory))),
-        (_, Err(_)) => out.push(ok("driver", format!("no NVIDIA driver on this machine; inventory = {:?} stands in for it (test mode)", cfg.inventory))),
+        (_, Ok(inv)) => out.push(ok("driver", format!("NVML answers (driver {}), but inventory = \"{}\" is used", inv.driver_version, cfg.inventory))),
+        (_, Err(_)) => out.push(ok("driver", format!("no NVIDIA driver on this machine; inventory = \"{}\" stands in for it (test mode)", cfg.inventory))),
     }
-    match InventorySource::parse(&cfg.inventory).and_then(|s| crate::device::load(&s)) {
+    match crate::device::load(&cfg.inventory) {
         Ok(inv) => {
             let migs: usize = inv.gpus.iter().map(|g| g.mig_devices.len()).sum();
             out.push(ok(
@@ -95,7 +95,7 @@ fn inventory_checks(cfg: &Config, out: &mut Vec<Check>) -> Option<Inventory> {
             Some(inv)
         }
         Err(e) => {
-            if cfg.inventory != "nvml" {
+            if cfg.inventory != InventorySource::Nvml {
                 out.push(fail(
                     "inventory",
                     crate::util::error_chain(&e),

@@ -26,8 +26,7 @@ pub fn init(cfg: &Config) {
     let level = std::env::var("GPUSHARE_LOG")
         .ok()
         .and_then(|l| l.parse::<tracing::Level>().ok())
-        .or_else(|| cfg.log_level.parse().ok())
-        .unwrap_or(tracing::Level::INFO);
+        .unwrap_or(cfg.log_level);
     let builder = tracing_subscriber::fmt()
         .with_writer(Mutex::new(file))
         .with_ansi(false)

@@ -129,9 +129,7 @@ fn probe(control: &Control) -> Result<(usize, usize), String> {
 /// Collects the view of every daemon under the state dir.
 pub fn collect(cfg: &Config) -> StatusView {
     let state = StateDir::new(&cfg.state_dir);
-    let inventory = crate::device::InventorySource::parse(&cfg.inventory)
-        .ok()
-        .and_then(|src| crate::device::load(&src).ok());
+    let inventory = crate::device::load(&cfg.inventory).ok();
     let binary = resolve_binary(&cfg.mps.control_binary).map_err(|e| e.to_string());
     let now = crate::util::unix_now();
     let mut daemons = Vec::new();
