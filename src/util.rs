@@ -39,6 +39,19 @@ pub fn rfc3339_now() -> String {
     rfc3339(SystemTime::now())
 }
 
+/// Waits up to `grace` (polling every 10 ms) for `child` to exit by itself, then kills it;
+/// reaps it either way. The tail of every "ask it to stop, then make sure" in gpushare.
+pub fn wait_or_kill(child: &mut std::process::Child, grace: Duration) {
+    let every = Duration::from_millis(10);
+    let exited = poll_until(Instant::now() + grace, every, every, || {
+        matches!(child.try_wait(), Ok(Some(_))).then_some(())
+    });
+    if exited.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
 /// Calls `f` until it returns `Some`, and returns that; `None` once `deadline` has passed
 /// without an answer. Between calls it sleeps `first_pause`, doubled after each call up to
 /// `max_pause` (equal pauses poll at a fixed rate), and never past `deadline`: the last
@@ -379,6 +392,30 @@ fn clear(top: &mut Dir) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wait_or_kill_waits_for_an_exit_and_kills_past_the_grace() {
+        let mut quick = std::process::Command::new("true").spawn().unwrap();
+        let t = Instant::now();
+        wait_or_kill(&mut quick, Duration::from_secs(5));
+        assert!(
+            t.elapsed() < Duration::from_secs(4),
+            "waited the whole grace"
+        );
+        assert!(
+            quick.try_wait().unwrap().unwrap().success(),
+            "it exited by itself"
+        );
+        let mut slow = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        wait_or_kill(&mut slow, Duration::from_millis(100));
+        assert!(t.elapsed() < Duration::from_secs(5));
+        let status = slow.try_wait().unwrap().expect("reaped");
+        assert!(!status.success(), "killed: {status:?}");
+    }
 
     #[test]
     fn poll_until_answers_at_once_when_ready() {

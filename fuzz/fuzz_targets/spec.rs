@@ -5,12 +5,12 @@
 #![no_main]
 use std::path::Path;
 
-use gpushare::spec::edits::{apply_all, plan, Decision, IpcPlan, SetHooks};
+use gpushare::spec::edits::{apply_all, plan, ContainerPlan, IpcPlan, SetHooks};
 use gpushare::spec::{RawSpec, SpecFile};
 use libfuzzer_sys::fuzz_target;
 
-fn decision(host: bool) -> Decision {
-    Decision {
+fn decision(host: bool) -> ContainerPlan {
+    ContainerPlan {
         env: vec![("CUDA_MPS_PIPE_DIRECTORY".into(), "/tmp/nvidia-mps".into())],
         pipe: ("/run/gpushare/mps/0123456789abcdef0123456789abcdef/pipe".into(), "/tmp/nvidia-mps".into()),
         log: None,

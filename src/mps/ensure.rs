@@ -134,16 +134,8 @@ fn stop_supervisor(child: &mut Child, grace: Duration) {
             nix::unistd::Pid::from_raw(child.id() as i32),
             Signal::SIGTERM,
         );
-        let every = Duration::from_millis(10);
-        let exited = poll_until(Instant::now() + grace, every, every, || {
-            matches!(child.try_wait(), Ok(Some(_))).then_some(())
-        });
-        if exited.is_some() {
-            return;
-        }
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    crate::util::wait_or_kill(child, grace);
 }
 
 /// Kills the processes a stale record names, if they are still those very processes.

@@ -663,15 +663,7 @@ impl Supervisor {
     /// past the grace period.
     fn quit_via(&self, control: &Control, child: &mut Child) {
         let _ = control.command("quit", Duration::from_secs(2));
-        let every = Duration::from_millis(10);
-        let exited = poll_until(Instant::now() + QUIT_GRACE, every, every, || {
-            matches!(child.try_wait(), Ok(Some(_))).then_some(())
-        });
-        if exited.is_some() {
-            return;
-        }
-        let _ = child.kill();
-        let _ = child.wait();
+        crate::util::wait_or_kill(child, QUIT_GRACE);
     }
 }
 

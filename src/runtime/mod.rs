@@ -214,7 +214,7 @@ fn decide(
     state: &StateDir,
     served: &Resolved,
     runtime: &Path,
-) -> anyhow::Result<edits::Decision> {
+) -> anyhow::Result<edits::ContainerPlan> {
     let (req, uuids) = (&served.request, &served.devices.uuids);
     let id = served.identity.id();
     let pipe_in_container = cfg.mps.container_pipe_dir.clone();
@@ -266,7 +266,7 @@ fn decide(
     }
     let create_timeout = cfg.mps.start_timeout.as_secs() + 5;
 
-    Ok(edits::Decision {
+    Ok(edits::ContainerPlan {
         env,
         pipe: (state.pipe_dir(&id), pipe_in_container),
         log: cfg

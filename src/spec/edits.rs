@@ -254,9 +254,10 @@ pub enum IpcPlan {
     Host,
 }
 
-/// Everything the shim decided for one container; plain data, built by the runtime module.
+/// Everything the shim puts into one container's spec; plain data, built by the runtime
+/// module; its annotations carry the shim↔hook decision (`decision::Decision`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Decision {
+pub struct ContainerPlan {
     pub env: Vec<(String, String)>,
     /// (host pipe dir, container pipe dir)
     pub pipe: (PathBuf, PathBuf),
@@ -274,8 +275,8 @@ const READ_ONLY_DIR_OPTIONS: &[&str] = &["rbind", "rprivate", "ro", "nosuid", "n
 /// exec (as Docker's own /dev/shm).
 const SHM_OPTIONS: &[&str] = &["rbind", "rprivate", "nosuid", "nodev", "noexec"];
 
-/// The edit chain for one decision, in the order they apply.
-pub fn plan(d: &Decision) -> Vec<Box<dyn SpecEdit>> {
+/// The edit chain for one container plan, in the order they apply.
+pub fn plan(d: &ContainerPlan) -> Vec<Box<dyn SpecEdit>> {
     let path = |p: &PathBuf| p.to_string_lossy().into_owned();
     let mut edits: Vec<Box<dyn SpecEdit>> = vec![
         Box::new(SetEnv(d.env.clone())),
@@ -334,8 +335,8 @@ mod tests {
         serde_json::from_slice(&fixture(name)).unwrap()
     }
 
-    fn decision(ipc: IpcPlan) -> Decision {
-        Decision {
+    fn decision(ipc: IpcPlan) -> ContainerPlan {
+        ContainerPlan {
             env: vec![
                 ("CUDA_MPS_PIPE_DIRECTORY".into(), "/tmp/nvidia-mps".into()),
                 ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), "25".into()),
