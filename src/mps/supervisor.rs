@@ -53,15 +53,26 @@ const STABLE_AFTER: Duration = Duration::from_secs(60);
 /// renumbered from 0 (CUDA_VISIBLE_DEVICES), and NVIDIA's device plugin found UUID-keyed
 /// limits ignored by some drivers.
 pub fn limit_commands(ident: &Identity) -> Vec<String> {
+    set_limits(ident, None)
+}
+
+/// The commands that put the identity's limits on the daemon's defaults (`server` none:
+/// `set_default_*`) or on one running server (`set_* <server>`), the same limits in the
+/// same order either way.
+fn set_limits(ident: &Identity, server: Option<u32>) -> Vec<String> {
+    let (scope, target) = match server {
+        None => ("default_", String::new()),
+        Some(s) => ("", format!("{s} ")),
+    };
     let mut cmds = Vec::new();
     if let Some(p) = ident.active_thread_percentage {
-        cmds.push(format!("set_default_active_thread_percentage {p}"));
+        cmds.push(format!("set_{scope}active_thread_percentage {target}{p}"));
     }
     if let Some(bytes) = ident.pinned_memory_limit {
+        let size = crate::request::format_mps_size(bytes);
         for i in 0..ident.devices.len() {
             cmds.push(format!(
-                "set_default_device_pinned_mem_limit {i} {}",
-                crate::request::format_mps_size(bytes)
+                "set_{scope}device_pinned_mem_limit {target}{i} {size}"
             ));
         }
     }
@@ -314,21 +325,6 @@ fn gpu_device_nodes() -> Vec<PathBuf> {
 /// by side, often outside SAFE_PATH (`/usr/local/nvidia/bin` in GPU images, the toolkit's
 /// injected binaries); an operator who names the control binary by its absolute path gets
 /// the server beside it.
-/// The commands that set one running server's limits back to the identity's.
-fn server_limit_commands(ident: &Identity, server: u32) -> Vec<String> {
-    let mut cmds = Vec::new();
-    if let Some(p) = ident.active_thread_percentage {
-        cmds.push(format!("set_active_thread_percentage {server} {p}"));
-    }
-    if let Some(m) = ident.pinned_memory_limit {
-        let m = crate::request::format_mps_size(m);
-        for i in 0..ident.devices.len() {
-            cmds.push(format!("set_device_pinned_mem_limit {server} {i} {m}"));
-        }
-    }
-    cmds
-}
-
 fn daemon_path(binary: &Path) -> String {
     match binary.parent().and_then(Path::to_str) {
         Some(dir)
@@ -651,7 +647,7 @@ impl Supervisor {
             if over {
                 violations += 1;
                 tracing::warn!(daemon = %self.id, server, "an MPS server's limits were raised through the control socket; setting them back");
-                for cmd in server_limit_commands(&self.ident, server) {
+                for cmd in set_limits(&self.ident, Some(server)) {
                     ask(&cmd)?;
                 }
             }
@@ -1051,6 +1047,14 @@ mod tests {
                 "set_default_active_thread_percentage 25",
                 "set_default_device_pinned_mem_limit 0 4096M",
                 "set_default_device_pinned_mem_limit 1 4096M",
+            ]
+        );
+        assert_eq!(
+            set_limits(&ident, Some(42)),
+            vec![
+                "set_active_thread_percentage 42 25",
+                "set_device_pinned_mem_limit 42 0 4096M",
+                "set_device_pinned_mem_limit 42 1 4096M",
             ]
         );
         let none = Identity {
