@@ -81,7 +81,6 @@ fn a_daemon_cannot_write_host_files_or_open_host_devices() {
                   true > /dev/shm/probe && echo shm=ok || echo shm=denied\n\
                   echo probe > /proc/self/comm && echo proc=ok || echo proc=denied\n\
                   read v < /proc/sys/kernel/domainname; echo \"$v\" > /proc/sys/kernel/domainname && echo sys=written || echo sys=denied\n\
-                  [ -w /proc/sysrq-trigger ] && echo sysrq=writable || echo sysrq=ro\n\
                }} > $out 2>/dev/null\n\
              fi\n\
              exec {sim} \"$@\"\n",
@@ -111,7 +110,7 @@ fn a_daemon_cannot_write_host_files_or_open_host_devices() {
         std::fs::read_to_string(env.state.join("mps").join(&id).join("log").join("probe")).unwrap();
     assert_eq!(
         probe,
-        "victim=denied\nnew=denied\nnode=denied\nnull=ok\npipe=ok\nshm=ok\nproc=ok\nsys=denied\nsysrq=ro\n",
+        "victim=denied\nnew=denied\nnode=denied\nnull=ok\npipe=ok\nshm=ok\nproc=ok\nsys=denied\n",
         "what the daemon could do"
     );
     assert_eq!(
@@ -119,16 +118,35 @@ fn a_daemon_cannot_write_host_files_or_open_host_devices() {
         "original\n"
     );
     assert!(!victims.join("new").exists());
-    // Its mount namespace says why: the host read-only, nosuid, nodev.
-    let root = std::fs::read_to_string(format!("/proc/{}/mountinfo", env.daemon_pid(&id)))
-        .unwrap()
-        .lines()
-        .find(|l| l.split_whitespace().nth(4) == Some("/"))
-        .unwrap()
-        .to_owned();
-    let opts = root.split_whitespace().nth(5).unwrap();
+    // Its mount namespace says why: the host read-only, nosuid, nodev; /proc writable
+    // but its host-wide parts read-only. (sysrq is only read here: a probe that writes it
+    // could reboot the host, and `test -w` says no for a capless root either way.)
+    let mountinfo =
+        std::fs::read_to_string(format!("/proc/{}/mountinfo", env.daemon_pid(&id))).unwrap();
+    let opts_of = |at: &str| {
+        mountinfo
+            .lines()
+            .find(|l| l.split_whitespace().nth(4) == Some(at))
+            .unwrap_or_else(|| panic!("no mount at {at}:\n{mountinfo}"))
+            .split_whitespace()
+            .nth(5)
+            .unwrap()
+            .split(',')
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
     for o in ["ro", "nosuid", "nodev"] {
-        assert!(opts.split(',').any(|x| x == o), "{root}");
+        assert!(opts_of("/").iter().any(|x| x == o), "/: {mountinfo}");
+    }
+    assert!(opts_of("/proc").iter().any(|x| x == "rw"), "{mountinfo}");
+    assert!(
+        opts_of("/proc/sys").iter().any(|x| x == "ro"),
+        "{mountinfo}"
+    );
+    // Kernels without CONFIG_MAGIC_SYSRQ (this project's machine) have no sysrq-trigger.
+    if Path::new("/proc/sysrq-trigger").exists() {
+        let sysrq = opts_of("/proc/sysrq-trigger");
+        assert!(sysrq.iter().any(|x| x == "ro"), "{mountinfo}");
     }
 }
 
