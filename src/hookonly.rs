@@ -157,12 +157,22 @@ fn mount_into(pid: i32, rootfs: &Path, binds: &[Bind]) -> anyhow::Result<()> {
     use crate::sys::{
         MountAt, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY,
     };
+    use rustix::fs::CWD;
+    use rustix::mount::{self, MoveMountFlags, OpenTreeFlags};
+    use std::os::fd::AsFd;
     // Clone the sources while we still see the host's paths.
     let trees = binds
         .iter()
         .map(|b| {
-            let tree = crate::sys::clone_mount(&b.source)
-                .with_context(|| format!("clone the mount of {}", b.source.display()))?;
+            // A detached copy of the mount tree (a bind mount attached nowhere yet), which
+            // move_mount can attach in another mount namespace: the only way to bind a
+            // host directory into a namespace that cannot see the host's paths.
+            let tree = mount::open_tree(
+                CWD,
+                &b.source,
+                OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC,
+            )
+            .with_context(|| format!("clone the mount of {}", b.source.display()))?;
             let mut set = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
             if b.read_only {
                 set |= MOUNT_ATTR_RDONLY;
@@ -189,7 +199,15 @@ fn mount_into(pid: i32, rootfs: &Path, binds: &[Bind]) -> anyhow::Result<()> {
     .with_context(|| format!("open the container's rootfs {}", rootfs.display()))?;
     for (b, tree) in binds.iter().zip(&trees) {
         let target = target_dir(&root, b.target)?;
-        crate::sys::attach_mount(tree, &target).with_context(|| {
+        // Both ends by fd: no path is resolved again after the target was checked.
+        mount::move_mount(
+            tree.as_fd(),
+            c"",
+            target.as_fd(),
+            c"",
+            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH | MoveMountFlags::MOVE_MOUNT_T_EMPTY_PATH,
+        )
+        .with_context(|| {
             format!(
                 "mount {} at /{} in the container",
                 b.source.display(),

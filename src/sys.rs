@@ -1,13 +1,13 @@
 //! The one module with `unsafe`: code that must run in a forked child before exec (the
-//! daemon's confinement and credential drop), the three mount syscalls (`open_tree`,
-//! `move_mount`, `mount_setattr`) that neither std nor nix wraps, and the two NVML calls
+//! daemon's confinement and credential drop), `mount_setattr` (which neither std, nix nor
+//! rustix wraps yet; `open_tree` and `move_mount` are rustix's), and the two NVML calls
 //! nvml-wrapper does not wrap (a MIG device's instance ids).
 //!
 //! `harden_child` runs between fork and exec of a child of a (single-threaded) supervisor,
 //! where only async-signal-safe calls are allowed: plain syscalls, no allocation, no locks.
 
 use std::ffi::{CStr, CString};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -33,57 +33,6 @@ pub fn harden_child(cmd: &mut Command, parent: nix::unistd::Pid) {
             Ok(())
         });
     }
-}
-
-// Kernel ABI values (linux/mount.h), stable since Linux 5.2.
-const OPEN_TREE_CLONE: u32 = 1;
-const OPEN_TREE_CLOEXEC: u32 = nix::libc::O_CLOEXEC as u32;
-const MOVE_MOUNT_F_EMPTY_PATH: u32 = 0x04;
-const MOVE_MOUNT_T_EMPTY_PATH: u32 = 0x40;
-
-/// A detached copy of the mount tree at `path` (`open_tree(OPEN_TREE_CLONE)`): a bind
-/// mount not attached anywhere yet, which `attach_mount` can attach even in another mount
-/// namespace — the only way to bind a host directory into a container's namespace that
-/// cannot see the host's paths.
-pub fn clone_mount(path: &Path) -> nix::Result<OwnedFd> {
-    let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| nix::errno::Errno::EINVAL)?;
-    // SAFETY: `c` is a valid NUL-terminated string that outlives the call; the syscall
-    // takes plain integers otherwise and returns a new fd or -1.
-    let fd = unsafe {
-        nix::libc::syscall(
-            nix::libc::SYS_open_tree,
-            nix::libc::AT_FDCWD,
-            c.as_ptr(),
-            OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC,
-        )
-    };
-    if fd < 0 {
-        return Err(nix::errno::Errno::last());
-    }
-    // SAFETY: the kernel just returned this fd to us; nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// Attaches the detached mount `tree` onto the directory opened as `target` (both by fd,
-/// so no path is resolved again after the target was checked).
-pub fn attach_mount(tree: &OwnedFd, target: &OwnedFd) -> nix::Result<()> {
-    let empty = c"";
-    // SAFETY: both fds are open for the duration of the call; the empty path strings are
-    // valid NUL-terminated constants.
-    let rc = unsafe {
-        nix::libc::syscall(
-            nix::libc::SYS_move_mount,
-            tree.as_raw_fd(),
-            empty.as_ptr(),
-            target.as_raw_fd(),
-            empty.as_ptr(),
-            MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
-        )
-    };
-    if rc < 0 {
-        return Err(nix::errno::Errno::last());
-    }
-    Ok(())
 }
 
 // linux/mount.h, stable since Linux 5.12 (mount_setattr).
@@ -138,7 +87,7 @@ fn mount_setattr(dirfd: i32, path: &CStr, flags: u32, set: u64, clr: u64) -> nix
 
 /// `mount_setattr(2)`: sets the `set` and clears the `clr` `MOUNT_ATTR_*` flags of one
 /// mount, or of the whole tree below it with `recursive`. The one call that makes a mount
-/// tree read-only, nodev and nosuid at once, including a detached `clone_mount` tree
+/// tree read-only, nodev and nosuid at once, including a detached `open_tree` clone
 /// before it is attached.
 pub fn set_mount_attr(at: MountAt<'_>, recursive: bool, set: u64, clr: u64) -> nix::Result<()> {
     let mut flags = nix::libc::AT_SYMLINK_NOFOLLOW as u32;
