@@ -116,8 +116,9 @@ fn wait_ready(
     );
     ready.unwrap_or_else(|| {
         bail!(
-            "MPS daemon {id} was not ready within mps.start-timeout ({timeout:?}); see {}",
-            state.log_dir(id).join("control.log").display()
+            "MPS daemon {id} was not ready within mps.start-timeout ({timeout:?}); see its log {} (NVIDIA's daemon writes there when run in the foreground) and {}",
+            state.daemon_dir(id).join(crate::mps::supervisor::DAEMON_OUT).display(),
+            state.log_dir(id).display()
         )
     })
 }
