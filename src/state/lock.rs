@@ -1,0 +1,98 @@
+//! The locks: one flock per daemon identity (`locks/<id>.lock`) and the node lock
+//! (`locks/node.lock`).
+//!
+//! Invariants: lock files are opened without following a link and never removed; the
+//! node lock is taken after an identity's lock, never before; every wait has a deadline
+//! and a timeout names the lock.
+
+use std::fs::File;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use nix::fcntl::{Flock, FlockArg};
+
+use super::{io, StateDir, StateError};
+use crate::util;
+
+impl StateDir {
+    /// Takes the exclusive lock of one daemon identity, waiting until `deadline`.
+    pub fn lock(&self, id: &str, deadline: Instant) -> Result<Flock<File>, StateError> {
+        Self::check_id(id)?;
+        self.lock_file(self.lock_path(id), deadline)
+    }
+
+    /// Takes the node lock, which serializes the creation of new daemon directories (so
+    /// two creates cannot both pass a cap). Taken after an identity's lock, never before.
+    pub fn lock_node(&self, deadline: Instant) -> Result<Flock<File>, StateError> {
+        self.lock_file(self.node_lock_path(), deadline)
+    }
+
+    fn lock_file(&self, path: PathBuf, deadline: Instant) -> Result<Flock<File>, StateError> {
+        let started = Instant::now();
+        let open = || {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .mode(0o600)
+                .custom_flags(nix::libc::O_NOFOLLOW)
+                .open(&path)
+        };
+        let file = match open() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                // First use of this state dir on this host.
+                self.ensure_root()?;
+                open()
+            }
+            other => other,
+        }
+        .map_err(io("open lock", &path))?;
+        // Flock::lock takes the file and hands it back when the lock is busy: `file` is
+        // there again for every next try.
+        let mut file = Some(file);
+        let taken = util::poll_until(
+            deadline,
+            Duration::from_millis(1),
+            Duration::from_millis(20),
+            || match Flock::lock(file.take()?, FlockArg::LockExclusiveNonblock) {
+                Ok(lock) => Some(Ok(lock)),
+                Err((f, nix::errno::Errno::EWOULDBLOCK | nix::errno::Errno::EINTR)) => {
+                    file = Some(f);
+                    None
+                }
+                Err((_, e)) => Some(Err(e)),
+            },
+        );
+        match taken {
+            Some(Ok(lock)) => Ok(lock),
+            Some(Err(e)) => Err(io("lock", &path)(std::io::Error::from_raw_os_error(
+                e as i32,
+            ))),
+            None => Err(StateError::LockTimeout {
+                path,
+                waited: started.elapsed(),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_times_out_while_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path().join("s"));
+        state.ensure_root().unwrap();
+        let id = "0123456789abcdef0123456789abcdef";
+        let held = state.lock(id, Instant::now()).unwrap();
+        let err = state
+            .lock(id, Instant::now() + Duration::from_millis(30))
+            .unwrap_err();
+        assert!(matches!(err, StateError::LockTimeout { .. }), "{err}");
+        drop(held);
+        assert!(state.lock(id, Instant::now()).is_ok());
+    }
+}

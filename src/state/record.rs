@@ -1,0 +1,396 @@
+//! The records: `daemon.json` (what the hook, the supervisor and `status` know about one
+//! daemon) and `containers/<cid>.json` (one container using it).
+//!
+//! Invariants: records are written atomically and read without locks; a record that does
+//! not serialise writes nothing; a daemon record is trusted only under its own id (the
+//! record's id and its identity's); a container id passes runc's rule before it names a
+//! file; `ProcRef` pairs a pid with its start time, so a reused pid never passes for the
+//! process it named.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::{io, StateDir, StateError};
+use crate::identity::Identity;
+use crate::util;
+
+fn serialise(path: &Path) -> impl FnOnce(serde_json::Error) -> StateError + '_ {
+    move |source| StateError::Serialise {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// A process named for good: pid plus its start time, so a reused pid never passes for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcRef {
+    pub pid: i32,
+    pub start_time: u64,
+}
+
+impl ProcRef {
+    pub fn of(pid: i32) -> Option<Self> {
+        util::proc_start_time(pid).map(|start_time| ProcRef { pid, start_time })
+    }
+
+    /// Whether this very process is still running (not a zombie, not a reused pid).
+    pub fn alive(&self) -> bool {
+        self.pid > 0 && util::proc_start_time(self.pid) == Some(self.start_time)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DaemonStatus {
+    /// The supervisor is starting the daemon for the first time.
+    Starting,
+    /// Daemon answering, limits applied: clients may connect.
+    Ready,
+    /// The daemon died; the supervisor is starting it again.
+    Restarting,
+    /// The supervisor gave up; `error` says why.
+    Failed,
+    /// Stopped on request or idle.
+    Stopped,
+}
+
+/// `daemon.json`: what the hook, the supervisor and `status` know about one daemon.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DaemonRecord {
+    pub id: String,
+    pub identity: Identity,
+    pub status: DaemonStatus,
+    pub supervisor: Option<ProcRef>,
+    pub daemon: Option<ProcRef>,
+    /// Unix seconds when the supervisor was started.
+    pub started_at: u64,
+    /// Unix seconds when the current daemon process became ready.
+    pub ready_at: Option<u64>,
+    pub restarts: u32,
+    pub error: Option<String>,
+}
+
+impl DaemonRecord {
+    /// Ready, and the supervisor and the daemon are the very processes the record names.
+    pub fn live(&self) -> bool {
+        self.status == DaemonStatus::Ready
+            && self.supervisor.is_some_and(|p| p.alive())
+            && self.daemon.is_some_and(|p| p.alive())
+    }
+}
+
+/// `containers/<id>.json`: one container using a daemon.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ContainerRecord {
+    pub id: String,
+    /// The container's init pid (runtime namespace); `None` while the create is pending
+    /// (written by the shim, before runc has started anything).
+    pub pid: Option<i32>,
+    /// Start time of `pid` (see `ProcRef`): a reused pid never keeps a daemon alive.
+    #[serde(default)]
+    pub start_time: Option<u64>,
+    /// Which engine created it (docker, containerd, kubernetes, podman, runc), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<String>,
+    pub bundle: Option<PathBuf>,
+    pub created_at: u64,
+}
+
+impl ContainerRecord {
+    /// A record made now: the start time is `pid`'s own, read from /proc (none while the
+    /// create is pending, `pid` = `None`).
+    pub fn new(
+        id: String,
+        pid: Option<i32>,
+        bundle: Option<PathBuf>,
+        engine: Option<String>,
+    ) -> Self {
+        ContainerRecord {
+            id,
+            pid,
+            start_time: pid.and_then(util::proc_start_time),
+            engine,
+            bundle,
+            created_at: util::unix_now(),
+        }
+    }
+
+    /// Whether the container may still use its daemon: its init process runs, or its
+    /// create is pending and younger than `pending_grace` seconds. A stopped container
+    /// (process gone, not yet deleted) no longer uses MPS.
+    pub fn live(&self, pending_grace: u64) -> bool {
+        match (self.pid, self.start_time) {
+            (Some(pid), Some(start_time)) => ProcRef { pid, start_time }.alive(),
+            (Some(pid), None) => util::proc_start_time(pid).is_some(),
+            (None, _) => util::unix_now().saturating_sub(self.created_at) <= pending_grace,
+        }
+    }
+}
+
+/// Checks that a container id can name a file: runc's own rule (`^[\w+-\.]+$`), not `.`
+/// or `..`, at most 1024 bytes.
+pub fn valid_container_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 1024
+        && id != "."
+        && id != ".."
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'+' | b'-' | b'.'))
+}
+
+impl StateDir {
+    pub fn read_record(&self, id: &str) -> Result<Option<DaemonRecord>, StateError> {
+        Self::check_id(id)?;
+        let path = self.record_path(id);
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io("read", &path)(e)),
+        };
+        let rec: DaemonRecord =
+            serde_json::from_slice(&bytes).map_err(|e| StateError::Corrupt {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
+        if rec.id != id || rec.identity.id() != id {
+            return Err(StateError::Corrupt {
+                path,
+                message: format!("record is for daemon {:?}", rec.id),
+            });
+        }
+        Ok(Some(rec))
+    }
+
+    /// Writes a daemon's record atomically; nothing if it does not serialise.
+    pub fn write_record(&self, rec: &DaemonRecord) -> Result<(), StateError> {
+        Self::check_id(&rec.id)?;
+        let path = self.record_path(&rec.id);
+        let data = serde_json::to_vec_pretty(rec).map_err(serialise(&path))?;
+        util::write_atomic(&path, &data, 0o644).map_err(io("write", &path))
+    }
+
+    fn container_path(&self, id: &str, cid: &str) -> Result<PathBuf, StateError> {
+        Self::check_id(id)?;
+        if !valid_container_id(cid) {
+            return Err(StateError::Name {
+                what: "container id",
+                value: cid.chars().take(64).collect(),
+                allowed: "letters, digits and _ + - . (runc's rule), at most 1024 bytes",
+            });
+        }
+        Ok(self.containers_dir(id).join(format!("{cid}.json")))
+    }
+
+    /// Writes a container's record atomically; nothing if it does not serialise (a bundle
+    /// path that is not UTF-8 does not).
+    pub fn add_container(&self, id: &str, rec: &ContainerRecord) -> Result<(), StateError> {
+        let path = self.container_path(id, &rec.id)?;
+        let data = serde_json::to_vec(rec).map_err(serialise(&path))?;
+        // Atomic but not fsynced: a container record does not outlive a reboot's meaning
+        // (the container is gone too), and the shim writes one on every create.
+        util::write_atomic_with(&path, &data, 0o600, false).map_err(io("write", &path))
+    }
+
+    /// Removes a container's record; `Ok(false)` if there was none.
+    pub fn remove_container(&self, id: &str, cid: &str) -> Result<bool, StateError> {
+        let path = self.container_path(id, cid)?;
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(io("remove", &path)(e)),
+        }
+    }
+
+    pub fn containers(&self, id: &str) -> Result<Vec<ContainerRecord>, StateError> {
+        Self::check_id(id)?;
+        let dir = self.containers_dir(id);
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io("list", &dir)(e)),
+        };
+        let mut out = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if !name.ends_with(".json") || name.starts_with('.') {
+                continue;
+            }
+            if let Ok(bytes) = std::fs::read(entry.path()) {
+                if let Ok(rec) = serde_json::from_slice::<ContainerRecord>(&bytes) {
+                    out.push(rec);
+                }
+            }
+        }
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
+    }
+
+    /// The containers still using daemon `id`; stale records (see `ContainerRecord::live`)
+    /// are removed on the way.
+    pub fn live_containers(
+        &self,
+        id: &str,
+        pending_grace: u64,
+    ) -> Result<Vec<ContainerRecord>, StateError> {
+        let mut live = Vec::new();
+        for rec in self.containers(id)? {
+            if rec.live(pending_grace) {
+                live.push(rec);
+            } else {
+                let _ = self.remove_container(id, &rec.id);
+            }
+        }
+        Ok(live)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn identity() -> Identity {
+        Identity {
+            devices: vec!["GPU-8f8bff94-112e-9541-43da-cfd453333404".into()],
+            uid: 1000,
+            gid: 1000,
+            multi_user: false,
+            active_thread_percentage: Some(50),
+            pinned_memory_limit: None,
+            ipc_host: false,
+        }
+    }
+
+    #[test]
+    fn records_round_trip_and_are_checked_against_their_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path().join("s"));
+        let ident = identity();
+        let id = ident.id();
+        std::fs::create_dir_all(state.daemon_dir(&id)).unwrap();
+        assert_eq!(state.read_record(&id).unwrap(), None);
+        let rec = DaemonRecord {
+            id: id.clone(),
+            identity: ident,
+            status: DaemonStatus::Ready,
+            supervisor: ProcRef::of(std::process::id() as i32),
+            daemon: None,
+            started_at: 1,
+            ready_at: Some(2),
+            restarts: 0,
+            error: None,
+        };
+        state.write_record(&rec).unwrap();
+        assert_eq!(state.read_record(&id).unwrap(), Some(rec.clone()));
+        // A record planted under another id is corrupt, not trusted.
+        let other = "0123456789abcdef0123456789abcdef";
+        std::fs::create_dir_all(state.daemon_dir(other)).unwrap();
+        std::fs::copy(state.record_path(&id), state.record_path(other)).unwrap();
+        assert!(matches!(
+            state.read_record(other),
+            Err(StateError::Corrupt { .. })
+        ));
+        assert_eq!(state.daemon_ids().unwrap(), {
+            let mut v = vec![id.clone(), other.to_owned()];
+            v.sort();
+            v
+        });
+    }
+
+    #[test]
+    fn bad_names_never_reach_a_path() {
+        let state = StateDir::new("/nonexistent-gpushare");
+        assert!(matches!(
+            state.read_record("../../etc"),
+            Err(StateError::Name { .. })
+        ));
+        for cid in ["", ".", "..", "a/b", "a\0b", "x\ny", &"a".repeat(1025)] {
+            let rec = ContainerRecord {
+                id: cid.into(),
+                pid: None,
+                start_time: None,
+                bundle: None,
+                created_at: 0,
+                engine: None,
+            };
+            assert!(
+                matches!(
+                    state.add_container("0123456789abcdef0123456789abcdef", &rec),
+                    Err(StateError::Name { .. })
+                ),
+                "{cid:?}"
+            );
+        }
+        assert!(valid_container_id(
+            "28d3f31c1da9e220f4ff0d667ffe0881aaac3c6b708dae20229b81e67002ffee"
+        ));
+    }
+
+    #[test]
+    fn container_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let id = "0123456789abcdef0123456789abcdef";
+        std::fs::create_dir_all(state.containers_dir(id)).unwrap();
+        let rec = ContainerRecord {
+            id: "c1".into(),
+            pid: Some(5),
+            start_time: None,
+            bundle: None,
+            created_at: 3,
+            engine: None,
+        };
+        state.add_container(id, &rec).unwrap();
+        assert_eq!(state.containers(id).unwrap(), vec![rec]);
+        assert!(state.remove_container(id, "c1").unwrap());
+        assert!(!state.remove_container(id, "c1").unwrap());
+        assert!(state.containers(id).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_record_that_does_not_serialise_writes_nothing() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let id = "0123456789abcdef0123456789abcdef";
+        std::fs::create_dir_all(state.containers_dir(id)).unwrap();
+        let good = ContainerRecord {
+            id: "c1".into(),
+            pid: Some(5),
+            start_time: None,
+            bundle: Some("/run/bundle".into()),
+            created_at: 3,
+            engine: None,
+        };
+        state.add_container(id, &good).unwrap();
+        // serde refuses a path that is not UTF-8; the record on disk stays as it was.
+        let bad = ContainerRecord {
+            bundle: Some(std::ffi::OsStr::from_bytes(b"/run/\xff").into()),
+            ..good.clone()
+        };
+        let err = state.add_container(id, &bad).unwrap_err();
+        assert!(matches!(err, StateError::Serialise { .. }), "{err}");
+        assert_eq!(state.containers(id).unwrap(), vec![good]);
+    }
+
+    #[test]
+    fn liveness_of_container_records() {
+        let me = std::process::id() as i32;
+        let now = util::unix_now();
+        let rec = |pid, start_time, created_at| ContainerRecord {
+            id: "c".into(),
+            pid,
+            start_time,
+            bundle: None,
+            created_at,
+            engine: None,
+        };
+        assert!(rec(Some(me), util::proc_start_time(me), now).live(10));
+        assert!(!rec(Some(me), Some(1), now).live(10), "reused pid");
+        assert!(!rec(Some(i32::MAX), None, now).live(10), "dead pid");
+        assert!(rec(None, None, now).live(10), "pending and young");
+        assert!(!rec(None, None, now - 60).live(10), "pending and expired");
+    }
+}
