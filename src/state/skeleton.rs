@@ -7,9 +7,12 @@
 //! cannot be completed is removed again; the warm path (`skeleton_ready`) takes no lock;
 //! what a tenant can write (log/, shm/) is its own sized tmpfs, nosuid, nodev, noexec.
 
+use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+use nix::fcntl::Flock;
 
 use super::remove::remove_tree;
 use super::{StateDir, StateError};
@@ -47,6 +50,33 @@ pub struct Budget {
 /// Files the log tmpfs may hold: the daemon's few logs and their rotations. Bounds the
 /// kernel memory a flood of empty files could take, which `size=` does not count.
 const LOG_INODES: u32 = 1024;
+
+/// Who owns a daemon's pipe directory and its log tmpfs, and the pipe directory's mode:
+/// the daemon's user (0700), or root (0755) for a multi-user daemon that serves everyone.
+#[derive(Debug, Clone, Copy)]
+struct PipeOwner {
+    uid: u32,
+    gid: u32,
+    mode: u32,
+}
+
+impl PipeOwner {
+    fn of(owner: Owner) -> Self {
+        if owner.shared {
+            PipeOwner {
+                uid: nix::unistd::geteuid().as_raw(),
+                gid: 0,
+                mode: 0o755,
+            }
+        } else {
+            PipeOwner {
+                uid: owner.uid,
+                gid: owner.gid,
+                mode: 0o700,
+            }
+        }
+    }
+}
 
 /// Whether `<dir>/<name>` is a mount point (its device differs from `dir`'s).
 pub(super) fn mounted_in(dir: &Path, name: &str) -> bool {
@@ -106,57 +136,76 @@ impl StateDir {
         if !owner.shared {
             self.check_traversable()?;
         }
-        let euid = nix::unistd::geteuid().as_raw();
-        let (pipe_owner, pipe_mode) = if owner.shared {
-            ((euid, 0), 0o755)
-        } else {
-            ((owner.uid, owner.gid), 0o700)
-        };
+        let pipe = PipeOwner::of(owner);
         let dir = self.daemon_dir(id);
-        let node_lock = match std::fs::symlink_metadata(&dir) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                let lock = self.lock_node(Instant::now() + budget.lock_wait)?;
-                self.check_caps(pipe_owner.0, budget)?;
-                Some(lock)
-            }
-            // Present (ensure_dir refuses anything but a directory) or unreadable.
-            _ => None,
-        };
-        let built = (|| {
-            Self::ensure_dir(&dir, 0o711, euid, 0)?;
-            Self::ensure_dir(&self.pipe_dir(id), pipe_mode, pipe_owner.0, pipe_owner.1)?;
-            Self::ensure_dir(&self.containers_dir(id), 0o700, euid, 0)?;
-            // Only an empty mount point is root's; once mounted, a tmpfs root is the daemon
-            // user's and must not be touched here.
-            if !self.log_mounted(id) {
-                let mode = if owner.shared { "0755" } else { "0700" };
-                self.mount_tmpfs(
-                    "log",
-                    &self.log_dir(id),
-                    &format!(
-                        "size={},nr_inodes={LOG_INODES},mode={mode},uid={},gid={}",
-                        budget.log_size, pipe_owner.0, pipe_owner.1
-                    ),
-                )?;
-            }
-            if owner.shm && !self.shm_mounted(id) {
-                let mode = if owner.shared { "1777" } else { "0700" };
-                self.mount_tmpfs(
-                    "shm",
-                    &self.shm_dir(id),
-                    &format!(
-                        "size={},mode={mode},uid={},gid={}",
-                        budget.shm_size, owner.uid, owner.gid
-                    ),
-                )?;
-            }
-            Ok(())
-        })();
+        // Held until the directories are made, so that two creates cannot both pass a cap.
+        let node_lock = self.admit_if_new(&dir, pipe.uid, budget)?;
+        let built = self.build_skeleton(id, owner, pipe, budget);
         if built.is_err() && node_lock.is_some() {
             // Nothing half-made is left of a new daemon.
             let _ = remove_tree(&dir);
         }
         built
+    }
+
+    /// A daemon whose directory `dir` does not exist yet is new: takes the node lock and
+    /// counts the daemons against the caps (`check_caps`), returning the lock. A directory
+    /// that is present (`ensure_dir` refuses anything but a directory) or unreadable
+    /// needs neither: `None`.
+    fn admit_if_new(
+        &self,
+        dir: &Path,
+        uid: u32,
+        budget: &Budget,
+    ) -> Result<Option<Flock<File>>, StateError> {
+        match std::fs::symlink_metadata(dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let lock = self.lock_node(Instant::now() + budget.lock_wait)?;
+                self.check_caps(uid, budget)?;
+                Ok(Some(lock))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Makes daemon `id`'s directories and mounts its log tmpfs and (`owner.shm`) its shm
+    /// tmpfs, each only where it is missing.
+    fn build_skeleton(
+        &self,
+        id: &str,
+        owner: Owner,
+        pipe: PipeOwner,
+        budget: &Budget,
+    ) -> Result<(), StateError> {
+        let euid = nix::unistd::geteuid().as_raw();
+        Self::ensure_dir(&self.daemon_dir(id), 0o711, euid, 0)?;
+        Self::ensure_dir(&self.pipe_dir(id), pipe.mode, pipe.uid, pipe.gid)?;
+        Self::ensure_dir(&self.containers_dir(id), 0o700, euid, 0)?;
+        // Only an empty mount point is root's; once mounted, a tmpfs root is the daemon
+        // user's and must not be touched here.
+        if !self.log_mounted(id) {
+            let mode = if owner.shared { "0755" } else { "0700" };
+            self.mount_tmpfs(
+                "log",
+                &self.log_dir(id),
+                &format!(
+                    "size={},nr_inodes={LOG_INODES},mode={mode},uid={},gid={}",
+                    budget.log_size, pipe.uid, pipe.gid
+                ),
+            )?;
+        }
+        if owner.shm && !self.shm_mounted(id) {
+            let mode = if owner.shared { "1777" } else { "0700" };
+            self.mount_tmpfs(
+                "shm",
+                &self.shm_dir(id),
+                &format!(
+                    "size={},mode={mode},uid={},gid={}",
+                    budget.shm_size, owner.uid, owner.gid
+                ),
+            )?;
+        }
+        Ok(())
     }
 
     /// Mounts a daemon's tmpfs on `path` (made a root-owned empty directory first):
