@@ -1,16 +1,16 @@
-//! The `gpushare` command line: `hook`, `status`, `daemon`.
+//! The `gpushare` command line: the arguments (clap), and the dispatch of each command to
+//! the hooks (`hook`, `hookonly`), the supervisor (`mps::supervisor`), `doctor`, and the
+//! operator commands (`ops`), mapping each result to the exit code.
 //!
 //! Invariants: a hook failure is one line `gpushare: …` on stderr and exit 1 (runc shows
 //! it to the user); `poststop` always exits 0; `status` reads state without taking any
 //! lock a create could wait on; `gc` cleans everything it can, prints one line on stderr
 //! for each thing it could not (naming it and why), and exits 1 if there was any.
 
-use std::io::Write;
-
 use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::config::Config;
-use crate::state::StateDir;
+use crate::ops;
 
 #[derive(Parser)]
 #[command(
@@ -228,18 +228,8 @@ fn hook(stage: HookStage) -> i32 {
 
 /// Entry point of the `gpushare` binary; returns the exit code.
 pub fn main() -> i32 {
-    // runc runs `gpushare hook <stage>` for every container: that exact argv skips clap,
-    // which builds the parser of every subcommand before it looks at argv (the hook
-    // without it: 1040 -> 623 us own cost with the spec change, BENCHMARKS.md).
-    let argv: Vec<std::ffi::OsString> = std::env::args_os().take(4).collect();
-    if let [_, word, stage] = &argv[..] {
-        if let Some(stage) = (word == "hook")
-            .then(|| stage.to_str())
-            .flatten()
-            .and_then(|s| HookStage::from_str(s, false).ok())
-        {
-            return hook(stage);
-        }
+    if let Some(stage) = hook_argv() {
+        return hook(stage);
     }
     let cli = Cli::parse();
     if let Command::Hook { stage } = cli.command {
@@ -266,101 +256,140 @@ pub fn main() -> i32 {
             return 1;
         }
     };
-    // Only commands that change something log; status, doctor and daemon list only read
-    // (and must not even create the log file).
-    let reads_only = matches!(
-        cli.command,
-        Command::Status { .. }
-            | Command::Doctor { .. }
-            | Command::Daemon {
-                command: DaemonCommand::List { .. }
-            }
-    );
-    if !reads_only {
+    if !cli.command.reads_only() {
         crate::logging::init(&cfg);
     }
-    match cli.command {
-        Command::Hook { .. } => unreachable!("handled above"),
+    run(&cfg, cli.command)
+}
+
+/// The stage of `gpushare hook <stage>` when that is the exact argv: runc runs it for
+/// every container, and it skips clap, which builds the parser of every subcommand before
+/// it looks at argv (the hook without it: 1040 -> 623 us own cost with the spec change,
+/// BENCHMARKS.md).
+fn hook_argv() -> Option<HookStage> {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().take(4).collect();
+    let [_, word, stage] = &argv[..] else {
+        return None;
+    };
+    (word == "hook")
+        .then(|| stage.to_str())
+        .flatten()
+        .and_then(|s| HookStage::from_str(s, false).ok())
+}
+
+impl Command {
+    /// Only commands that change something log; status, doctor and daemon list only read
+    /// (and must not even create the log file).
+    fn reads_only(&self) -> bool {
+        matches!(
+            self,
+            Command::Status { .. }
+                | Command::Doctor { .. }
+                | Command::Daemon {
+                    command: DaemonCommand::List { .. }
+                }
+        )
+    }
+}
+
+/// Runs one command (the hooks aside) with the loaded config; returns the exit code.
+fn run(cfg: &Config, command: Command) -> i32 {
+    match command {
+        Command::Hook { stage } => hook(stage),
         Command::Status {
             json,
             format,
             output,
-        } => status(
-            &cfg,
-            if json { Format::Json } else { format },
+        } => report(ops::status::print(
+            cfg,
+            if json { Format::Json } else { format }.into(),
             output.as_deref(),
-        ),
-        Command::Gc => gc(&cfg),
+        )),
+        Command::Gc => i32::from(ops::gc::run(cfg) > 0),
         Command::Doctor {
             docker_config,
             containerd_config,
+        } => doctor(cfg, docker_config, containerd_config),
+        Command::Install { engine } => report(ops::install::run(engine.into())),
+        Command::Daemon { command } => daemon(cfg, command),
+    }
+}
+
+fn daemon(cfg: &Config, command: DaemonCommand) -> i32 {
+    match command {
+        DaemonCommand::Start {
+            device,
+            uid,
+            gid,
+            multi_user,
+            json,
+            active_thread_percentage,
+            pinned_memory_limit,
         } => {
-            let checks = crate::doctor::run(
+            let mut cfg = cfg.clone();
+            if multi_user {
+                cfg.mps.user_mode = crate::config::UserMode::MultiUser;
+            }
+            let multi = cfg.mps.user_mode == crate::config::UserMode::MultiUser;
+            let Some(uid) = uid.or(multi.then_some(0)) else {
+                eprintln!("gpushare: --uid is required for a per-user daemon (or pass --multi-user for one root daemon serving every uid)");
+                return 2;
+            };
+            report(ops::daemon::start(
                 &cfg,
-                &crate::doctor::Paths {
-                    docker: docker_config,
-                    containerd: containerd_config,
-                    ..Default::default()
-                },
-            );
-            let (text, code) = crate::doctor::report(&checks);
-            print!("{text}");
-            code
-        }
-        Command::Install { engine } => report(install(engine)),
-        Command::Daemon { command } => match command {
-            DaemonCommand::Start {
-                device,
-                uid,
-                gid,
-                multi_user,
-                json,
-                active_thread_percentage,
-                pinned_memory_limit,
-            } => {
-                let mut cfg = cfg.clone();
-                if multi_user {
-                    cfg.mps.user_mode = crate::config::UserMode::MultiUser;
-                }
-                let multi = cfg.mps.user_mode == crate::config::UserMode::MultiUser;
-                let Some(uid) = uid.or(multi.then_some(0)) else {
-                    eprintln!("gpushare: --uid is required for a per-user daemon (or pass --multi-user for one root daemon serving every uid)");
-                    return 2;
-                };
-                report(daemon_start(
-                    &cfg,
-                    &device,
+                &ops::daemon::Start {
+                    device,
                     uid,
                     gid,
                     active_thread_percentage,
                     pinned_memory_limit,
                     json,
-                ))
-            }
-            DaemonCommand::Stop { id, all, force } => report(daemon_stop(&cfg, id, all, force)),
-            DaemonCommand::List { json } => {
-                status(&cfg, if json { Format::Json } else { Format::Table }, None)
-            }
-            DaemonCommand::Supervise { id } => {
-                if !crate::identity::valid_id(&id) {
-                    eprintln!(
-                        "gpushare: daemon id {id:?} is invalid: allowed is {}",
-                        crate::identity::ID_ALLOWED
-                    );
-                    return 2;
-                }
-                let span = tracing::info_span!("supervisor", daemon = %id);
-                let _enter = span.enter();
-                match crate::mps::supervisor::run(&cfg, &id) {
-                    Ok(()) => 0,
-                    Err(e) => {
-                        tracing::error!("supervisor: {e:#}");
-                        1
-                    }
-                }
-            }
-        },
+                },
+            ))
+        }
+        DaemonCommand::Stop { id, all, force } => report(ops::daemon::stop(cfg, id, all, force)),
+        DaemonCommand::List { json } => report(ops::status::print(
+            cfg,
+            if json { Format::Json } else { Format::Table }.into(),
+            None,
+        )),
+        DaemonCommand::Supervise { id } => supervise(cfg, &id),
     }
+}
+
+/// `gpushare daemon supervise --id`: the supervisor, already detached; errors go to the
+/// log only (its stdio is /dev/null).
+fn supervise(cfg: &Config, id: &str) -> i32 {
+    if !crate::identity::valid_id(id) {
+        eprintln!(
+            "gpushare: daemon id {id:?} is invalid: allowed is {}",
+            crate::identity::ID_ALLOWED
+        );
+        return 2;
+    }
+    let span = tracing::info_span!("supervisor", daemon = %id);
+    let _enter = span.enter();
+    match crate::mps::supervisor::run(cfg, id) {
+        Ok(()) => 0,
+        Err(e) => {
+            tracing::error!("supervisor: {e:#}");
+            1
+        }
+    }
+}
+
+fn doctor(cfg: &Config, docker: std::path::PathBuf, containerd: std::path::PathBuf) -> i32 {
+    let checks = crate::doctor::run(
+        cfg,
+        &crate::doctor::Paths {
+            docker,
+            containerd,
+            ..Default::default()
+        },
+    );
+    let (text, code) = crate::doctor::report(&checks);
+    print!("{text}");
+    code
 }
 
 fn report(r: anyhow::Result<()>) -> i32 {
@@ -373,333 +402,31 @@ fn report(r: anyhow::Result<()>) -> i32 {
     }
 }
 
-/// `gpushare daemon start`: the same validation and identity as a container's request.
-fn daemon_start(
-    cfg: &Config,
-    device: &str,
-    uid: u32,
-    gid: Option<u32>,
-    tp: Option<String>,
-    mem: Option<String>,
-    json: bool,
-) -> anyhow::Result<()> {
-    use crate::request::{self, DeviceValue, Request, RequestError, Sourced};
-    fn sourced<T>(
-        key: &'static str,
-        raw: String,
-        parse: fn(&'static str, &str) -> Result<T, RequestError>,
-    ) -> Result<Sourced<T>, RequestError> {
-        Ok(Sourced {
-            value: parse(key, &raw)?,
-            key,
-            raw,
-        })
-    }
-    let req = Request {
-        // `allocated` needs a container to take the allocation from: refused here.
-        device: sourced("--device", device.to_owned(), |key, raw| {
-            request::parse_device_without_container(key, raw, "gpushare daemon start")
-                .map(DeviceValue::Named)
-        })?,
-        active_thread_percentage: tp
-            .map(|raw| sourced("--active-thread-percentage", raw, request::parse_percentage))
-            .transpose()?,
-        pinned_memory_limit: mem
-            .map(|raw| sourced("--pinned-memory-limit", raw, request::parse_size))
-            .transpose()?,
-        ipc: None,
-    };
-    let mut ident = crate::decision::resolve(
-        cfg,
-        req,
-        |_| Ok(cfg.mps.ipc_mode()),
-        || Ok((uid, gid.unwrap_or(uid))),
-    )?
-    .identity;
-    // The operator's --gid wins over mps.daemon-gid (multi-user daemons stay root's).
-    if let Some(gid) = gid.filter(|_| !ident.multi_user) {
-        ident.gid = gid;
-    }
-    let state = StateDir::new(&cfg.state_dir);
-    let ensured = crate::mps::ensure::ensure(cfg, &state, &ident, None)?;
-    let id = &ensured.record.id;
-    if json {
-        let v = serde_json::json!({
-            "id": id,
-            "started": ensured.started,
-            "pid": ensured.record.daemon.map(|p| p.pid),
-            "uid": ident.uid,
-            "multi_user": ident.multi_user,
-            "devices": ident.devices,
-            "pipe_dir": state.pipe_dir(id),
-            "shm_dir": (!ident.ipc_host).then(|| state.shm_dir(id)),
-            "log_dir": state.log_dir(id),
-        });
-        println!("{v}");
-        return Ok(());
-    }
-    println!(
-        "{} daemon {} (pid {}) for {} on {}: CUDA_MPS_PIPE_DIRECTORY={}",
-        if ensured.started { "started" } else { "found" },
-        id,
-        ensured.record.daemon.map_or(0, |p| p.pid),
-        if ident.multi_user {
-            "every uid".to_owned()
-        } else {
-            format!("uid {}", ident.uid)
-        },
-        ident.devices.join(","),
-        state.pipe_dir(id).display()
-    );
-    if !ident.ipc_host {
-        println!(
-            "a client outside a container also needs {} as its /dev/shm",
-            state.shm_dir(id).display()
-        );
-    }
-    Ok(())
-}
-
-fn daemon_stop(cfg: &Config, id: Option<String>, all: bool, force: bool) -> anyhow::Result<()> {
-    let state = StateDir::new(&cfg.state_dir);
-    let ids = match (id, all) {
-        (_, true) => state.daemon_ids()?,
-        (Some(id), false) => vec![id],
-        (None, false) => anyhow::bail!(
-            "daemon stop needs --id <ID> (one daemon; see gpushare daemon list) or --all (every daemon)"
-        ),
-    };
-    for id in &ids {
-        if !crate::identity::valid_id(id) {
-            anyhow::bail!(
-                "daemon id {id:?} is invalid: allowed is {} (see gpushare daemon list)",
-                crate::identity::ID_ALLOWED
-            );
+impl From<Format> for ops::status::Format {
+    fn from(f: Format) -> Self {
+        match f {
+            Format::Table => ops::status::Format::Table,
+            Format::Json => ops::status::Format::Json,
+            Format::Prometheus => ops::status::Format::Prometheus,
         }
-        if !state.daemon_dir(id).exists() {
-            anyhow::bail!(
-                "no daemon {id} under {} (see gpushare daemon list)",
-                state.root().display()
-            );
-        }
-        let users = state.containers(id)?;
-        if !users.is_empty() && !force {
-            anyhow::bail!(
-                "daemon {id} is used by {} container(s) ({}); stop them first or pass --force",
-                users.len(),
-                users
-                    .iter()
-                    .map(|c| c.id.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-        }
-        crate::mps::ensure::stop(cfg, &state, id, std::time::Duration::from_secs(5))?;
-        println!("stopped daemon {id}");
-    }
-    Ok(())
-}
-
-fn install(engine: Engine) -> anyhow::Result<()> {
-    use crate::install::{self, containerd, docker};
-    let (args, is_docker, version) = match engine {
-        Engine::Docker(a) => (a, true, 2),
-        Engine::Containerd {
-            args,
-            config_version,
-        } => {
-            let v = config_version.unwrap_or_else(installed_containerd_config_version);
-            (args, false, v)
-        }
-    };
-    let path = args.config.clone().unwrap_or_else(|| {
-        if is_docker {
-            crate::install::DEFAULT_DOCKER_CONFIG.into()
-        } else {
-            crate::install::DEFAULT_CONTAINERD_CONFIG.into()
-        }
-    });
-    let runtime = install::runtime_path(args.runtime_path)?;
-    if !runtime.is_file() {
-        eprintln!(
-            "gpushare: warning: {} does not exist (yet)",
-            runtime.display()
-        );
-    }
-    let text = install::read(&path)?;
-    let edited = if is_docker {
-        docker::edit(&path, &text, &args.name, &runtime)?
-    } else {
-        containerd::edit(&path, &text, &args.name, &runtime, version)?
-    };
-    let Some(new) = edited.text else {
-        println!(
-            "{} already registers runtime {} at {}; nothing to do",
-            path.display(),
-            args.name,
-            runtime.display()
-        );
-        return Ok(());
-    };
-    if args.dry_run {
-        print!("{new}");
-        return Ok(());
-    }
-    install::write(&path, &new)?;
-    println!(
-        "registered runtime {} ({}) in {}",
-        args.name,
-        runtime.display(),
-        path.display()
-    );
-    if is_docker {
-        println!(
-            "reload Docker to use it: `kill -HUP $(pidof dockerd)` or `systemctl reload docker`;"
-        );
-        println!("then: docker run --runtime {} -e GPUSHARE_DEVICE=0 …  (Docker ≥ 24: --annotation gpushare.io/device=0)", args.name);
-    } else {
-        println!("restart containerd to use it: `systemctl restart containerd`;");
-        println!(
-            "Kubernetes: a RuntimeClass with handler: {} (see deploy/)",
-            args.name
-        );
-    }
-    Ok(())
-}
-
-/// The config version the installed containerd expects: 3 for 2.x, else 2.
-fn installed_containerd_config_version() -> i64 {
-    let out = std::process::Command::new("containerd")
-        .arg("--version")
-        .output();
-    let text = out
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default();
-    // "containerd github.com/containerd/containerd 1.6.20 <commit>" or "... v2.0.0 ..."
-    let major = text.split_whitespace().find_map(|w| {
-        w.trim_start_matches('v')
-            .split('.')
-            .next()?
-            .parse::<u32>()
-            .ok()
-            .filter(|_| w.contains('.'))
-    });
-    if major.is_some_and(|m| m >= 2) {
-        3
-    } else {
-        2
     }
 }
 
-/// `gpushare gc`: what a crash or a reboot left behind is detected and cleaned, never
-/// trusted. Prints one line per action on stdout and one line per failure on stderr; a
-/// daemon or directory that cannot be cleaned stops none of the others. Returns the exit
-/// code: 1 if anything could not be cleaned, else 0.
-fn gc(cfg: &Config) -> i32 {
-    let state = StateDir::new(&cfg.state_dir);
-    let mut failures = 0;
-    let mut failed = |what: String, e: anyhow::Error| {
-        tracing::error!("gc: {what}: {e:#}");
-        eprintln!("gpushare: gc: {what}: {e:#}");
-        failures += 1;
-    };
-    for (tomb, removed) in state.remove_tombstones() {
-        match removed {
-            Ok(()) => println!("removed half-removed directory {}", tomb.display()),
-            Err(e) => failed(
-                format!("half-removed directory {}", tomb.display()),
-                e.into(),
-            ),
-        }
-    }
-    match state.daemon_ids() {
-        Ok(ids) => {
-            for id in ids {
-                if let Err(e) = gc_daemon(cfg, &state, &id) {
-                    failed(format!("daemon {id}"), e);
-                }
-            }
-        }
-        Err(e) => failed(
-            format!("state directory {}", state.root().display()),
-            e.into(),
-        ),
-    }
-    for top in crate::mps::supervisor::gpushare_cgroups() {
-        let n = crate::mps::supervisor::sweep_stale_cgroups(&top);
-        if n > 0 {
-            println!(
-                "removed {n} empty cgroup(s) of gone supervisors in {}",
-                top.display()
-            );
-        }
-    }
-    i32::from(failures > 0)
-}
-
-/// `gc` for one daemon: its stale container records, then the daemon itself if its
-/// supervisor is gone (restarted when containers still use it, else removed).
-fn gc_daemon(cfg: &Config, state: &StateDir, id: &str) -> anyhow::Result<()> {
-    use crate::mps::ensure;
-    let grace = cfg.mps.pending_grace().as_secs();
-    let before = state.containers(id)?.len();
-    let live = state.live_containers(id, grace)?;
-    if before > live.len() {
-        println!(
-            "daemon {id}: removed {} stale container record(s)",
-            before - live.len()
-        );
-    }
-    let rec = match state.read_record(id) {
-        Ok(r) => r,
-        Err(e) => {
-            println!("daemon {id}: unreadable record ({e}); treating it as stale");
-            None
-        }
-    };
-    let supervised = rec
-        .as_ref()
-        .is_some_and(|r| r.supervisor.is_some_and(|p| p.alive()));
-    if supervised {
-        return Ok(());
-    }
-    if let Some(rec) = rec.as_ref().filter(|_| !live.is_empty()) {
-        // Containers still rely on it: bring the daemon back rather than drop them.
-        ensure::ensure(cfg, state, &rec.identity, None)?;
-        println!(
-            "daemon {id}: supervisor was gone with {} container(s) using it; restarted",
-            live.len()
-        );
-        return Ok(());
-    }
-    let _lock = state.lock(id, std::time::Instant::now() + cfg.mps.start_timeout)?;
-    if let Some(rec) = &rec {
-        ensure::kill_stale(rec);
-    }
-    if state.remove_if_unused(id, grace, |_| {})? {
-        println!("daemon {id}: supervisor gone and no containers; removed");
-    }
-    Ok(())
-}
-
-fn status(cfg: &Config, format: Format, output: Option<&std::path::Path>) -> i32 {
-    let view = crate::status::collect(cfg);
-    let text = match format {
-        Format::Table => crate::status::table(&view),
-        Format::Json => serde_json::to_string_pretty(&view).unwrap_or_default() + "\n",
-        Format::Prometheus => crate::status::prometheus(&view),
-    };
-    match output {
-        Some(path) => match crate::util::write_atomic(path, text.as_bytes(), 0o644) {
-            Ok(()) => 0,
-            Err(e) => {
-                eprintln!("gpushare: cannot write {}: {e}", path.display());
-                1
-            }
-        },
-        None => {
-            let _ = std::io::stdout().lock().write_all(text.as_bytes());
-            0
+impl From<Engine> for ops::install::Install {
+    fn from(engine: Engine) -> Self {
+        let (args, engine) = match engine {
+            Engine::Docker(args) => (args, ops::install::Engine::Docker),
+            Engine::Containerd {
+                args,
+                config_version,
+            } => (args, ops::install::Engine::Containerd { config_version }),
+        };
+        ops::install::Install {
+            engine,
+            config: args.config,
+            runtime_path: args.runtime_path,
+            name: args.name,
+            dry_run: args.dry_run,
         }
     }
 }

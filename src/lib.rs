@@ -3,7 +3,8 @@
 //!
 //! Module map: a module uses only the modules on the lines below its own, never those
 //! beside or above it.
-//! - `cli` (the `gpushare` command)
+//! - `cli` (the `gpushare` command: arguments, dispatch, exit codes)
+//! - `ops` (the operator commands: daemon start/stop, gc, install, status output)
 //! - `doctor`, `status` (what `gpushare doctor` and `gpushare status` report)
 //! - `runtime` (the `gpushare-runtime` shim), `hookonly` (hooks.d mode), `install`
 //! - `hook` (createRuntime / poststop)
@@ -40,6 +41,7 @@ pub mod install;
 pub mod inventory_cache;
 pub mod logging;
 pub mod mps;
+pub mod ops;
 pub mod request;
 pub mod runtime;
 pub mod spec;

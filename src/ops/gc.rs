@@ -1,0 +1,103 @@
+//! `gpushare gc`: clean the state a crash or a reboot left behind — stale container
+//! records, daemons whose supervisor is gone, half-removed directories, empty cgroups of
+//! gone supervisors.
+//!
+//! Invariants: what is found is detected and cleaned, never trusted; a daemon still used
+//! by live containers is restarted, never removed; a daemon is removed only under its
+//! identity's lock (`StateDir::remove_if_unused`); one line on stdout per action and one
+//! `gpushare: gc: <what>: <reason>` line on stderr per failure, and a failure stops none
+//! of the other cleanups.
+
+use crate::config::Config;
+use crate::state::StateDir;
+
+/// `gpushare gc`: what a crash or a reboot left behind is detected and cleaned, never
+/// trusted. Prints one line per action on stdout and one line per failure on stderr; a
+/// daemon or directory that cannot be cleaned stops none of the others. Returns how many
+/// things could not be cleaned.
+pub fn run(cfg: &Config) -> usize {
+    let state = StateDir::new(&cfg.state_dir);
+    let mut failures = 0;
+    let mut failed = |what: String, e: anyhow::Error| {
+        tracing::error!("gc: {what}: {e:#}");
+        eprintln!("gpushare: gc: {what}: {e:#}");
+        failures += 1;
+    };
+    for (tomb, removed) in state.remove_tombstones() {
+        match removed {
+            Ok(()) => println!("removed half-removed directory {}", tomb.display()),
+            Err(e) => failed(
+                format!("half-removed directory {}", tomb.display()),
+                e.into(),
+            ),
+        }
+    }
+    match state.daemon_ids() {
+        Ok(ids) => {
+            for id in ids {
+                if let Err(e) = daemon(cfg, &state, &id) {
+                    failed(format!("daemon {id}"), e);
+                }
+            }
+        }
+        Err(e) => failed(
+            format!("state directory {}", state.root().display()),
+            e.into(),
+        ),
+    }
+    for top in crate::mps::supervisor::gpushare_cgroups() {
+        let n = crate::mps::supervisor::sweep_stale_cgroups(&top);
+        if n > 0 {
+            println!(
+                "removed {n} empty cgroup(s) of gone supervisors in {}",
+                top.display()
+            );
+        }
+    }
+    failures
+}
+
+/// `gc` for one daemon: its stale container records, then the daemon itself if its
+/// supervisor is gone (restarted when containers still use it, else removed).
+fn daemon(cfg: &Config, state: &StateDir, id: &str) -> anyhow::Result<()> {
+    use crate::mps::ensure;
+    let grace = cfg.mps.pending_grace().as_secs();
+    let before = state.containers(id)?.len();
+    let live = state.live_containers(id, grace)?;
+    if before > live.len() {
+        println!(
+            "daemon {id}: removed {} stale container record(s)",
+            before - live.len()
+        );
+    }
+    let rec = match state.read_record(id) {
+        Ok(r) => r,
+        Err(e) => {
+            println!("daemon {id}: unreadable record ({e}); treating it as stale");
+            None
+        }
+    };
+    let supervised = rec
+        .as_ref()
+        .is_some_and(|r| r.supervisor.is_some_and(|p| p.alive()));
+    if supervised {
+        return Ok(());
+    }
+    if let Some(rec) = rec.as_ref().filter(|_| !live.is_empty()) {
+        // Containers still rely on it: bring the daemon back rather than drop them.
+        ensure::ensure(cfg, state, &rec.identity, None)?;
+        println!(
+            "daemon {id}: supervisor was gone with {} container(s) using it; restarted",
+            live.len()
+        );
+        return Ok(());
+    }
+    let _lock = state.lock(id, std::time::Instant::now() + cfg.mps.start_timeout)?;
+    if let Some(rec) = &rec {
+        ensure::kill_stale(rec);
+    }
+    if state.remove_if_unused(id, grace, |_| {})? {
+        println!("daemon {id}: supervisor gone and no containers; removed");
+    }
+    Ok(())
+}

@@ -1,0 +1,39 @@
+//! `gpushare status` and `gpushare daemon list`: the state as a table, JSON or Prometheus
+//! text, on stdout or written atomically to a file.
+//!
+//! Invariant: reads state without taking any lock a create could wait on
+//! (`status::collect`).
+
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::Context;
+
+use crate::config::Config;
+
+/// How the status is printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Table,
+    Json,
+    Prometheus,
+}
+
+/// Prints the status in `format` on stdout, or writes it to `output` atomically (for
+/// node-exporter's textfile collector).
+pub fn print(cfg: &Config, format: Format, output: Option<&Path>) -> anyhow::Result<()> {
+    let view = crate::status::collect(cfg);
+    let text = match format {
+        Format::Table => crate::status::table(&view),
+        Format::Json => serde_json::to_string_pretty(&view).unwrap_or_default() + "\n",
+        Format::Prometheus => crate::status::prometheus(&view),
+    };
+    match output {
+        Some(path) => crate::util::write_atomic(path, text.as_bytes(), 0o644)
+            .with_context(|| format!("cannot write {}", path.display())),
+        None => {
+            let _ = std::io::stdout().lock().write_all(text.as_bytes());
+            Ok(())
+        }
+    }
+}
