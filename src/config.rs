@@ -306,206 +306,24 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         path: shown.clone(),
         message: one_line(&e.to_string()),
     })?;
-    let bad = |key: &'static str, value: &str, allowed: &'static str| ConfigError::Value {
-        path: shown.clone(),
-        key,
-        value: value.to_owned(),
-        allowed,
-    };
-    let abs = |key: &'static str, value: String| -> Result<PathBuf, ConfigError> {
-        let p = PathBuf::from(&value);
-        if !p.is_absolute() || value.contains('\0') || p.components().any(|c| c.as_os_str() == "..")
-        {
-            return Err(bad(key, &value, "an absolute path without '..'"));
-        }
-        Ok(p)
-    };
+    let check = Check { path: shown };
 
     let low_level_runtime = raw.low_level_runtime.unwrap_or_else(default_runtimes);
-    check_runtimes(&shown, &low_level_runtime)?;
-    let state_dir = abs(
+    check_runtimes(&check.path, &low_level_runtime)?;
+    let state_dir = check.abs(
         "state-dir",
-        raw.state_dir.unwrap_or_else(|| "/run/gpushare".into()),
+        raw.state_dir.as_deref().unwrap_or("/run/gpushare"),
     )?;
-    let log_file = match raw.log_file {
-        None => Some(PathBuf::from("/var/log/gpushare.log")),
-        Some(s) if s.is_empty() => None,
-        Some(s) => Some(abs("log-file", s)?),
-    };
-    let level_raw = raw.log_level.unwrap_or_else(|| "info".into());
-    // The five names only: tracing would also take digits and any case.
-    let log_level = ["error", "warn", "info", "debug", "trace"]
-        .contains(&level_raw.as_str())
-        .then(|| level_raw.parse::<tracing::Level>().ok())
-        .flatten()
-        .ok_or_else(|| {
-            bad(
-                "log-level",
-                &level_raw,
-                "one of error, warn, info, debug, trace",
-            )
-        })?;
-    let default_device = match raw.default_device.as_deref() {
-        None => None,
-        Some(crate::request::ALLOCATED) => Some(crate::request::DefaultDevice::Allocated),
-        Some(other) => {
-            return Err(bad(
-                crate::request::DEFAULT_DEVICE_KEY,
-                other,
-                "\"allocated\" (the devices a device plugin or DRA driver allocated to the container), or unset",
-            ))
-        }
-    };
-    let inventory_raw = raw.inventory.unwrap_or_else(|| "nvml".into());
-    let inventory = crate::device::InventorySource::parse(&inventory_raw).map_err(|_| {
-        bad(
-            "inventory",
-            &inventory_raw,
-            "\"nvml\" or \"file:<absolute path>\"",
-        )
-    })?;
-    let ttl_raw = raw.inventory_cache_ttl.unwrap_or_else(|| "30s".into());
-    let inventory_cache_ttl = parse_duration(&ttl_raw)
-        .filter(|d| *d <= Duration::from_secs(3600))
-        .ok_or_else(|| {
-            bad(
-                "inventory-cache-ttl",
-                &ttl_raw,
-                "a duration up to 1h such as \"30s\", or \"0\" to load the NVML inventory on every create",
-            )
-        })?;
-
-    let m = raw.mps;
-    let control_binary = m
-        .control_binary
-        .unwrap_or_else(|| "nvidia-cuda-mps-control".into());
-    if control_binary.is_empty() || control_binary.contains('\0') {
-        return Err(bad(
-            "mps.control-binary",
-            &control_binary,
-            "a program name on PATH or an absolute path",
-        ));
-    }
-    let multi_user_flag = m.multi_user_flag.unwrap_or_else(|| "-M".into());
-    if !multi_user_flag.starts_with('-') || multi_user_flag.contains(char::is_whitespace) {
-        return Err(bad(
-            "mps.multi-user-flag",
-            &multi_user_flag,
-            "a single option such as \"-M\" or \"-multiuser-server\"",
-        ));
-    }
-    let container_pipe_dir = abs(
-        "mps.container-pipe-dir",
-        m.container_pipe_dir
-            .unwrap_or_else(|| "/tmp/nvidia-mps".into()),
+    let log_file = check.log_file(raw.log_file.as_deref())?;
+    let log_level = check.log_level(raw.log_level.as_deref().unwrap_or("info"))?;
+    let default_device = check.default_device(raw.default_device.as_deref())?;
+    let inventory = check.inventory(raw.inventory.as_deref().unwrap_or("nvml"))?;
+    let inventory_cache_ttl = check.duration(
+        "inventory-cache-ttl",
+        raw.inventory_cache_ttl.as_deref().unwrap_or("30s"),
+        |d| d <= Duration::from_secs(3600),
+        "a duration up to 1h such as \"30s\", or \"0\" to load the NVML inventory on every create",
     )?;
-    let container_log_dir = m
-        .container_log_dir
-        .map(|s| abs("mps.container-log-dir", s))
-        .transpose()?;
-    let shm_raw = m.shm_size.unwrap_or_else(|| "50%".into());
-    let shm_size = parse_shm_size(&shm_raw).ok_or_else(|| {
-        bad(
-            "mps.shm-size",
-            &shm_raw,
-            "a percentage of memory like \"50%\" or a size like \"2G\"",
-        )
-    })?;
-    let start_raw = m.start_timeout.unwrap_or_else(|| "10s".into());
-    let start_timeout = parse_duration(&start_raw)
-        .filter(|d| !d.is_zero() && *d <= Duration::from_secs(300))
-        .ok_or_else(|| {
-            bad(
-                "mps.start-timeout",
-                &start_raw,
-                "a duration from 1ms to 300s, like \"10s\" or \"500ms\"",
-            )
-        })?;
-    let idle_raw = m
-        .idle_timeout
-        .unwrap_or_else(|| DEFAULT_IDLE_TIMEOUT.into());
-    let idle_timeout = parse_duration(&idle_raw).ok_or_else(|| {
-        bad(
-            "mps.idle-timeout",
-            &idle_raw,
-            "a duration like \"10m\", or \"0\" for never",
-        )
-    })?;
-    if let Some(p) = m.default_active_thread_percentage {
-        if !(1..=100).contains(&p) {
-            return Err(bad(
-                "mps.default-active-thread-percentage",
-                &p.to_string(),
-                "an integer from 1 to 100",
-            ));
-        }
-    }
-    let size = |key: &'static str, s: &str| {
-        crate::request::parse_size(key, s)
-            .map_err(|_| bad(key, s, "a size with a unit, like 512M or 4G"))
-    };
-    let default_pinned_memory_limit = m
-        .default_pinned_memory_limit
-        .map(|s| size("mps.default-pinned-memory-limit", &s))
-        .transpose()?;
-    if let Some(p) = m.max_active_thread_percentage {
-        if !(1..=100).contains(&p) {
-            return Err(bad(
-                "mps.max-active-thread-percentage",
-                &p.to_string(),
-                "an integer from 1 to 100",
-            ));
-        }
-        if m.default_active_thread_percentage.is_some_and(|d| d > p) {
-            return Err(bad(
-                "mps.default-active-thread-percentage",
-                &m.default_active_thread_percentage.unwrap_or(0).to_string(),
-                "at most mps.max-active-thread-percentage",
-            ));
-        }
-    }
-    let max_pinned_memory_limit = m
-        .max_pinned_memory_limit
-        .map(|s| size("mps.max-pinned-memory-limit", &s))
-        .transpose()?;
-    if let (Some(d), Some(max)) = (default_pinned_memory_limit, max_pinned_memory_limit) {
-        if d > max {
-            return Err(bad(
-                "mps.default-pinned-memory-limit",
-                &d.to_string(),
-                "at most mps.max-pinned-memory-limit",
-            ));
-        }
-    }
-    let count = |key: &'static str, v: Option<u32>, default: u32| {
-        let v = v.unwrap_or(default);
-        if v == 0 {
-            return Err(bad(key, "0", "an integer of at least 1"));
-        }
-        Ok(v)
-    };
-    let max_daemons = count("mps.max-daemons", m.max_daemons, 64)?;
-    let max_daemons_per_uid = count("mps.max-daemons-per-uid", m.max_daemons_per_uid, 8)?;
-    let log_size_raw = m.log_size.unwrap_or_else(|| "16M".into());
-    let log_size = size("mps.log-size", &log_size_raw)?;
-    if log_size < 1 << 20 {
-        return Err(bad("mps.log-size", &log_size_raw, "a size of at least 1M"));
-    }
-    let check_raw = m.limit_check_interval.unwrap_or_else(|| "2s".into());
-    let limit_check_interval = parse_duration(&check_raw)
-        .filter(|d| *d >= Duration::from_millis(100) && *d <= Duration::from_secs(60))
-        .ok_or_else(|| {
-            bad(
-                "mps.limit-check-interval",
-                &check_raw,
-                "a duration from 100ms to 60s, like \"2s\"",
-            )
-        })?;
-    let daemon_memory_max = match m.daemon_memory_max.as_deref() {
-        None => 4 << 30,
-        Some("0") => 0,
-        Some(s) => size("mps.daemon-memory-max", s)?,
-    };
 
     Ok(Config {
         path: path.map(Path::to_owned),
@@ -518,7 +336,152 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         default_device,
         inventory,
         inventory_cache_ttl,
-        mps: MpsConfig {
+        mps: check.mps(&raw.mps)?,
+    })
+}
+
+/// The client limits of `[mps]`: the defaults and the operator's ceilings over them.
+struct ClientLimits {
+    default_active_thread_percentage: Option<u8>,
+    default_pinned_memory_limit: Option<u64>,
+    max_active_thread_percentage: Option<u8>,
+    max_pinned_memory_limit: Option<u64>,
+}
+
+/// The checks of one config file's values: each refusal is a `ConfigError::Value` naming
+/// the file, the key, the value and what is allowed.
+struct Check {
+    /// The file, or `<defaults>`.
+    path: PathBuf,
+}
+
+impl Check {
+    fn bad(&self, key: &'static str, value: &str, allowed: &'static str) -> ConfigError {
+        ConfigError::Value {
+            path: self.path.clone(),
+            key,
+            value: value.to_owned(),
+            allowed,
+        }
+    }
+
+    /// An absolute path without `..`.
+    fn abs(&self, key: &'static str, value: &str) -> Result<PathBuf, ConfigError> {
+        let p = PathBuf::from(value);
+        if !p.is_absolute() || value.contains('\0') || p.components().any(|c| c.as_os_str() == "..")
+        {
+            return Err(self.bad(key, value, "an absolute path without '..'"));
+        }
+        Ok(p)
+    }
+
+    /// A duration (`parse_duration`) that `ok` accepts; `allowed` says which.
+    fn duration(
+        &self,
+        key: &'static str,
+        value: &str,
+        ok: impl Fn(Duration) -> bool,
+        allowed: &'static str,
+    ) -> Result<Duration, ConfigError> {
+        parse_duration(value)
+            .filter(|d| ok(*d))
+            .ok_or_else(|| self.bad(key, value, allowed))
+    }
+
+    /// A size with a unit, in bytes.
+    fn size(&self, key: &'static str, value: &str) -> Result<u64, ConfigError> {
+        crate::request::parse_size(key, value)
+            .map_err(|_| self.bad(key, value, "a size with a unit, like 512M or 4G"))
+    }
+
+    /// A percentage of the GPU's threads, 1-100, when set.
+    fn percentage(&self, key: &'static str, value: Option<u8>) -> Result<Option<u8>, ConfigError> {
+        match value {
+            Some(p) if !(1..=100).contains(&p) => {
+                Err(self.bad(key, &p.to_string(), "an integer from 1 to 100"))
+            }
+            _ => Ok(value),
+        }
+    }
+
+    /// A count of at least 1, `default` when unset.
+    fn count(
+        &self,
+        key: &'static str,
+        value: Option<u32>,
+        default: u32,
+    ) -> Result<u32, ConfigError> {
+        let v = value.unwrap_or(default);
+        if v == 0 {
+            return Err(self.bad(key, "0", "an integer of at least 1"));
+        }
+        Ok(v)
+    }
+
+    /// `log-file`: the default file when unset, none when empty.
+    fn log_file(&self, value: Option<&str>) -> Result<Option<PathBuf>, ConfigError> {
+        match value {
+            None => Ok(Some(PathBuf::from("/var/log/gpushare.log"))),
+            Some("") => Ok(None),
+            Some(s) => Ok(Some(self.abs("log-file", s)?)),
+        }
+    }
+
+    fn log_level(&self, value: &str) -> Result<tracing::Level, ConfigError> {
+        // The five names only: tracing would also take digits and any case.
+        ["error", "warn", "info", "debug", "trace"]
+            .contains(&value)
+            .then(|| value.parse::<tracing::Level>().ok())
+            .flatten()
+            .ok_or_else(|| self.bad("log-level", value, "one of error, warn, info, debug, trace"))
+    }
+
+    fn default_device(
+        &self,
+        value: Option<&str>,
+    ) -> Result<Option<crate::request::DefaultDevice>, ConfigError> {
+        match value {
+            None => Ok(None),
+            Some(crate::request::ALLOCATED) => Ok(Some(crate::request::DefaultDevice::Allocated)),
+            Some(other) => Err(self.bad(
+                crate::request::DEFAULT_DEVICE_KEY,
+                other,
+                "\"allocated\" (the devices a device plugin or DRA driver allocated to the container), or unset",
+            )),
+        }
+    }
+
+    fn inventory(&self, value: &str) -> Result<crate::device::InventorySource, ConfigError> {
+        crate::device::InventorySource::parse(value)
+            .map_err(|_| self.bad("inventory", value, "\"nvml\" or \"file:<absolute path>\""))
+    }
+
+    /// `[mps]`, its keys checked one after the other: the first bad one is the error.
+    fn mps(&self, m: &RawMps) -> Result<MpsConfig, ConfigError> {
+        let control_binary = self.control_binary(m.control_binary.as_deref())?;
+        let multi_user_flag = self.multi_user_flag(m.multi_user_flag.as_deref().unwrap_or("-M"))?;
+        let container_pipe_dir = self.abs(
+            "mps.container-pipe-dir",
+            m.container_pipe_dir.as_deref().unwrap_or("/tmp/nvidia-mps"),
+        )?;
+        let container_log_dir = m
+            .container_log_dir
+            .as_deref()
+            .map(|s| self.abs("mps.container-log-dir", s))
+            .transpose()?;
+        let shm_size = self.shm_size(m.shm_size.as_deref().unwrap_or("50%"))?;
+        let start_timeout = self.start_timeout(m.start_timeout.as_deref().unwrap_or("10s"))?;
+        let idle_timeout =
+            self.idle_timeout(m.idle_timeout.as_deref().unwrap_or(DEFAULT_IDLE_TIMEOUT))?;
+        let limits = self.client_limits(m)?;
+        let max_daemons = self.count("mps.max-daemons", m.max_daemons, 64)?;
+        let max_daemons_per_uid =
+            self.count("mps.max-daemons-per-uid", m.max_daemons_per_uid, 8)?;
+        let log_size = self.log_size(m.log_size.as_deref().unwrap_or("16M"))?;
+        let limit_check_interval =
+            self.limit_check_interval(m.limit_check_interval.as_deref().unwrap_or("2s"))?;
+        let daemon_memory_max = self.daemon_memory_max(m.daemon_memory_max.as_deref())?;
+        Ok(MpsConfig {
             control_binary,
             user_mode: m.user_mode.unwrap_or(UserMode::PerUser),
             multi_user_flag,
@@ -530,10 +493,10 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
             shm_size,
             start_timeout,
             idle_timeout,
-            default_active_thread_percentage: m.default_active_thread_percentage,
-            default_pinned_memory_limit,
-            max_active_thread_percentage: m.max_active_thread_percentage,
-            max_pinned_memory_limit,
+            default_active_thread_percentage: limits.default_active_thread_percentage,
+            default_pinned_memory_limit: limits.default_pinned_memory_limit,
+            max_active_thread_percentage: limits.max_active_thread_percentage,
+            max_pinned_memory_limit: limits.max_pinned_memory_limit,
             daemon_gid: m.daemon_gid,
             max_daemons,
             max_daemons_per_uid,
@@ -541,8 +504,132 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
             limit_check_interval,
             daemon_memory_max,
             daemon_pids_max: m.daemon_pids_max.unwrap_or(1024),
-        },
-    })
+        })
+    }
+
+    fn control_binary(&self, value: Option<&str>) -> Result<String, ConfigError> {
+        let binary = value.unwrap_or("nvidia-cuda-mps-control");
+        if binary.is_empty() || binary.contains('\0') {
+            return Err(self.bad(
+                "mps.control-binary",
+                binary,
+                "a program name on PATH or an absolute path",
+            ));
+        }
+        Ok(binary.to_owned())
+    }
+
+    fn multi_user_flag(&self, value: &str) -> Result<String, ConfigError> {
+        if !value.starts_with('-') || value.contains(char::is_whitespace) {
+            return Err(self.bad(
+                "mps.multi-user-flag",
+                value,
+                "a single option such as \"-M\" or \"-multiuser-server\"",
+            ));
+        }
+        Ok(value.to_owned())
+    }
+
+    fn shm_size(&self, value: &str) -> Result<ShmSize, ConfigError> {
+        parse_shm_size(value).ok_or_else(|| {
+            self.bad(
+                "mps.shm-size",
+                value,
+                "a percentage of memory like \"50%\" or a size like \"2G\"",
+            )
+        })
+    }
+
+    fn start_timeout(&self, value: &str) -> Result<Duration, ConfigError> {
+        self.duration(
+            "mps.start-timeout",
+            value,
+            |d| !d.is_zero() && d <= Duration::from_secs(300),
+            "a duration from 1ms to 300s, like \"10s\" or \"500ms\"",
+        )
+    }
+
+    fn idle_timeout(&self, value: &str) -> Result<Duration, ConfigError> {
+        self.duration(
+            "mps.idle-timeout",
+            value,
+            |_| true,
+            "a duration like \"10m\", or \"0\" for never",
+        )
+    }
+
+    fn limit_check_interval(&self, value: &str) -> Result<Duration, ConfigError> {
+        self.duration(
+            "mps.limit-check-interval",
+            value,
+            |d| d >= Duration::from_millis(100) && d <= Duration::from_secs(60),
+            "a duration from 100ms to 60s, like \"2s\"",
+        )
+    }
+
+    /// `mps.daemon-memory-max`: 4G when unset, `0` for no limit.
+    fn daemon_memory_max(&self, value: Option<&str>) -> Result<u64, ConfigError> {
+        match value {
+            None => Ok(4 << 30),
+            Some("0") => Ok(0),
+            Some(s) => self.size("mps.daemon-memory-max", s),
+        }
+    }
+
+    /// The default limits and the ceilings, each default at most its ceiling.
+    fn client_limits(&self, m: &RawMps) -> Result<ClientLimits, ConfigError> {
+        let default_tp = self.percentage(
+            "mps.default-active-thread-percentage",
+            m.default_active_thread_percentage,
+        )?;
+        let default_mem = m
+            .default_pinned_memory_limit
+            .as_deref()
+            .map(|s| self.size("mps.default-pinned-memory-limit", s))
+            .transpose()?;
+        let max_tp = self.percentage(
+            "mps.max-active-thread-percentage",
+            m.max_active_thread_percentage,
+        )?;
+        if let (Some(d), Some(max)) = (default_tp, max_tp) {
+            if d > max {
+                return Err(self.bad(
+                    "mps.default-active-thread-percentage",
+                    &d.to_string(),
+                    "at most mps.max-active-thread-percentage",
+                ));
+            }
+        }
+        let max_mem = m
+            .max_pinned_memory_limit
+            .as_deref()
+            .map(|s| self.size("mps.max-pinned-memory-limit", s))
+            .transpose()?;
+        if let (Some(d), Some(max)) = (default_mem, max_mem) {
+            if d > max {
+                return Err(self.bad(
+                    "mps.default-pinned-memory-limit",
+                    &d.to_string(),
+                    "at most mps.max-pinned-memory-limit",
+                ));
+            }
+        }
+        Ok(ClientLimits {
+            default_active_thread_percentage: default_tp,
+            default_pinned_memory_limit: default_mem,
+            max_active_thread_percentage: max_tp,
+            max_pinned_memory_limit: max_mem,
+        })
+    }
+
+    /// `mps.log-size`: at least 1M, room for the daemon's logs and their rotations.
+    fn log_size(&self, value: &str) -> Result<u64, ConfigError> {
+        let log_size = self.size("mps.log-size", value)?;
+        if log_size < 1 << 20 {
+            return Err(self.bad("mps.log-size", value, "a size of at least 1M"));
+        }
+        Ok(log_size)
+    }
 }
 
 impl MpsConfig {
