@@ -419,6 +419,152 @@ struct Supervisor {
 }
 
 impl Supervisor {
+    fn new(cfg: &Config, state: StateDir, id: &str, ident: Identity, binary: PathBuf) -> Self {
+        Supervisor {
+            control: Control {
+                binary: binary.clone(),
+                pipe_dir: state.pipe_dir(id),
+                user: (!ident.multi_user).then_some((ident.uid, ident.gid)),
+            },
+            binary,
+            state,
+            id: id.to_owned(),
+            multi_user_flag: cfg.mps.multi_user_flag.clone(),
+            start_timeout: cfg.mps.start_timeout,
+            log_size: cfg.mps.log_size,
+            limit_check: (!limit_commands(&ident).is_empty())
+                .then_some(cfg.mps.limit_check_interval),
+            ident,
+        }
+    }
+
+    /// What the supervisor sets up once, before its first start: the daemon's shm as
+    /// `/dev/shm` (isolated IPC), no capabilities for its children, and the signals it
+    /// waits for, blocked and read from the returned signal fd.
+    fn setup(&self) -> anyhow::Result<SignalFd> {
+        if !self.ident.ipc_host {
+            private_dev_shm(&self.state.shm_dir(&self.id))?;
+        }
+        drop_child_caps(self.ident.multi_user)?;
+        let mut mask = SigSet::empty();
+        for s in [
+            Signal::SIGTERM,
+            Signal::SIGINT,
+            Signal::SIGCHLD,
+            Signal::SIGHUP,
+        ] {
+            mask.add(s);
+        }
+        mask.thread_block()?;
+        Ok(SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC)?)
+    }
+
+    /// The supervision loop: start the daemon, watch it, restart it with backoff when it
+    /// dies, until a stop signal (daemon quit, record `stopped`), the idle timeout
+    /// (directories removed) or a first start that fails (the error).
+    fn supervise(
+        &self,
+        sfd: &mut SignalFd,
+        idle_timeout: Duration,
+        pending_grace: u64,
+    ) -> anyhow::Result<()> {
+        let mut backoff = Backoff(BACKOFF_FIRST);
+        let mut first = true;
+        loop {
+            self.clean_pipe_dir();
+            let started = Instant::now();
+            let Some(mut child) = self.start_ready(first)? else {
+                if !backoff.wait(sfd) {
+                    break;
+                }
+                continue;
+            };
+            first = false;
+            match watch(self, sfd, &mut child, idle_timeout, pending_grace) {
+                Watch::Stop => {
+                    self.quit(&mut child);
+                    break;
+                }
+                Watch::Removed => {
+                    tracing::info!(daemon = %self.id, "MPS control daemon stopped after {idle_timeout:?} without containers; directories removed");
+                    return Ok(());
+                }
+                Watch::ChildExited => {
+                    if started.elapsed() > STABLE_AFTER {
+                        backoff = Backoff(BACKOFF_FIRST);
+                    }
+                    self.record_exit(&mut child)?;
+                    if !backoff.wait(sfd) {
+                        break;
+                    }
+                }
+            }
+        }
+        self.stopped();
+        Ok(())
+    }
+
+    /// Starts the daemon and makes it ready (`make_ready`); the record says `ready` with
+    /// its pid. A daemon that does not get ready is killed: on the first start that is
+    /// the supervisor's failure (`Err`, recorded), later the record says `restarting`
+    /// and `None` asks for another try after the backoff.
+    fn start_ready(&self, first: bool) -> anyhow::Result<Option<Child>> {
+        let mut child = self.spawn_daemon().map_err(|e| self.failed(e))?;
+        let daemon = ProcRef::of(child.id() as i32);
+        match self.make_ready(&mut child) {
+            Ok(()) => {
+                self.update(|r| {
+                    r.status = DaemonStatus::Ready;
+                    r.daemon = daemon;
+                    r.ready_at = Some(unix_now());
+                    r.error = None;
+                })?;
+                tracing::info!(daemon = %self.id, pid = child.id(), "MPS control daemon ready");
+                Ok(Some(child))
+            }
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                let msg = format!("{e:#}");
+                tracing::error!(daemon = %self.id, error = %msg, "MPS control daemon failed to start");
+                if first {
+                    return Err(self.failed(e));
+                }
+                let _ = self.update(|r| {
+                    r.status = DaemonStatus::Restarting;
+                    r.error = Some(msg.clone());
+                    r.daemon = None;
+                });
+                Ok(None)
+            }
+        }
+    }
+
+    /// Logs and records that a ready daemon exited: `restarting`, one restart more.
+    fn record_exit(&self, child: &mut Child) -> anyhow::Result<()> {
+        let status = child
+            .try_wait()
+            .ok()
+            .flatten()
+            .map_or_else(|| "unknown status".to_owned(), |s| s.to_string());
+        tracing::warn!(daemon = %self.id, %status, "MPS control daemon exited; restarting");
+        self.update(|r| {
+            r.status = DaemonStatus::Restarting;
+            r.daemon = None;
+            r.restarts += 1;
+        })
+    }
+
+    /// The last step after a stop: the pipe directory emptied, the record `stopped`.
+    fn stopped(&self) {
+        self.clean_pipe_dir();
+        let _ = self.update(|r| {
+            r.status = DaemonStatus::Stopped;
+            r.daemon = None;
+        });
+        tracing::info!(daemon = %self.id, "MPS control daemon stopped");
+    }
+
     fn update(&self, f: impl FnOnce(&mut crate::state::DaemonRecord)) -> anyhow::Result<()> {
         let mut rec = self
             .state
@@ -590,69 +736,128 @@ impl Supervisor {
     /// its clients, stopped answering, and the identity's next client waited behind it.
     /// Returns how many violations were found.
     fn enforce_limits(&self) -> anyhow::Result<u32> {
-        let t = Duration::from_secs(2);
-        let ask = |cmd: &str| self.control.command(cmd, t);
-        let tp = self.ident.active_thread_percentage.map(f64::from);
-        let mem = self
-            .ident
-            .pinned_memory_limit
-            .and_then(|b| parse_mps_mem(&crate::request::format_mps_size(b)));
-        let devices = 0..self.ident.devices.len();
-        let mut defaults_off = false;
-        if let Some(p) = tp {
-            defaults_off |= parse_percentage(&ask("get_default_active_thread_percentage")?)
-                .is_none_or(|got| (got - p).abs() > 0.01);
-        }
-        if let Some(m) = mem {
-            for i in devices.clone() {
-                defaults_off |=
-                    parse_mps_mem(&ask(&format!("get_default_device_pinned_mem_limit {i}"))?)
-                        != Some(m);
-            }
-        }
+        let want = Wanted::of(&self.ident);
         let mut violations = 0;
-        if defaults_off {
+        if self.defaults_changed(&want)? {
             violations += 1;
             tracing::warn!(daemon = %self.id, "the daemon's default limits were changed through its control socket; setting them again");
             for cmd in limit_commands(&self.ident) {
-                ask(&cmd)?;
+                self.ask(&cmd)?;
             }
         }
-        for server in ask("get_server_list")?
+        for server in self
+            .ask("get_server_list")?
             .split_whitespace()
             .filter_map(|w| w.parse::<u32>().ok())
         {
-            // A reply that cannot be read is reported, not taken for a violation: shutting
-            // servers down on a driver whose format differs would stop every job.
-            let unreadable = |cmd: &str, reply: &str| {
-                tracing::error!(daemon = %self.id, command = cmd, reply = reply.trim(), "cannot read a server's limit back; it is not checked");
-                false
-            };
-            let mut over = false;
-            if let Some(p) = tp {
-                let cmd = format!("get_active_thread_percentage {server}");
-                if let Ok(g) = ask(&cmd) {
-                    over |=
-                        parse_percentage(&g).map_or_else(|| unreadable(&cmd, &g), |g| g > p + 0.01);
-                }
-            }
-            if let Some(m) = mem {
-                for i in devices.clone() {
-                    let cmd = format!("get_device_pinned_mem_limit {server} {i}");
-                    if let Ok(g) = ask(&cmd) {
-                        over |= parse_mps_mem(&g).map_or_else(|| unreadable(&cmd, &g), |g| g > m);
-                    }
-                }
-            }
-            if over {
+            if self.server_raised(server, &want) {
                 violations += 1;
                 tracing::warn!(daemon = %self.id, server, "an MPS server's limits were raised through the control socket; setting them back");
                 for cmd in set_limits(&self.ident, Some(server)) {
-                    ask(&cmd)?;
+                    self.ask(&cmd)?;
                 }
             }
         }
         Ok(violations)
+    }
+
+    /// One control command for the limit check.
+    fn ask(&self, cmd: &str) -> Result<String, super::control::ControlError> {
+        self.control.command(cmd, Duration::from_secs(2))
+    }
+
+    /// Whether the daemon's default limits differ from the identity's.
+    fn defaults_changed(&self, want: &Wanted) -> anyhow::Result<bool> {
+        let mut changed = false;
+        if let Some(p) = want.tp {
+            changed |= parse_percentage(&self.ask("get_default_active_thread_percentage")?)
+                .is_none_or(|got| (got - p).abs() > 0.01);
+        }
+        if let Some(m) = want.mem {
+            for i in 0..want.devices {
+                changed |=
+                    parse_mps_mem(&self.ask(&format!("get_default_device_pinned_mem_limit {i}"))?)
+                        != Some(m);
+            }
+        }
+        Ok(changed)
+    }
+
+    /// Whether running server `server` has limits above the identity's. A reply that
+    /// cannot be read is reported, not taken for a violation: shutting servers down on a
+    /// driver whose format differs would stop every job.
+    fn server_raised(&self, server: u32, want: &Wanted) -> bool {
+        let unreadable = |cmd: &str, reply: &str| {
+            tracing::error!(daemon = %self.id, command = cmd, reply = reply.trim(), "cannot read a server's limit back; it is not checked");
+            false
+        };
+        let mut over = false;
+        if let Some(p) = want.tp {
+            let cmd = format!("get_active_thread_percentage {server}");
+            if let Ok(g) = self.ask(&cmd) {
+                over |= parse_percentage(&g).map_or_else(|| unreadable(&cmd, &g), |g| g > p + 0.01);
+            }
+        }
+        if let Some(m) = want.mem {
+            for i in 0..want.devices {
+                let cmd = format!("get_device_pinned_mem_limit {server} {i}");
+                if let Ok(g) = self.ask(&cmd) {
+                    over |= parse_mps_mem(&g).map_or_else(|| unreadable(&cmd, &g), |g| g > m);
+                }
+            }
+        }
+        over
+    }
+
+    /// How often `watch` wakes: for the log rotation, and often enough for the idle
+    /// timeout and the limit check.
+    fn watch_tick(&self, idle: Duration) -> Duration {
+        let mut tick = ROTATE_EVERY;
+        if !idle.is_zero() {
+            tick = tick.min((idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(5)));
+        }
+        if let Some(every) = self.limit_check {
+            tick = tick.min(every);
+        }
+        tick
+    }
+
+    /// Checks the limits (`enforce_limits`) once `next_check` has come, and sets the next.
+    fn check_limits_when_due(&self, next_check: &mut Option<Instant>) {
+        if let (Some(at), Some(every)) = (*next_check, self.limit_check) {
+            if Instant::now() >= at {
+                *next_check = Some(Instant::now() + every);
+                if let Err(e) = self.enforce_limits() {
+                    tracing::warn!(daemon = %self.id, error = %e, "cannot check the daemon's limits");
+                }
+            }
+        }
+    }
+
+    /// Quits an idle daemon and removes its directories under the identity's lock
+    /// (`StateDir::remove_if_unused`); `Some(removed)`, or `None` when a create holds the
+    /// lock.
+    fn remove_idle(&self, child: &mut Child, pending_grace: u64) -> Option<bool> {
+        let _lock = self
+            .state
+            .lock(&self.id, Instant::now() + Duration::from_millis(200))
+            .ok()?;
+        let removed = self
+            .state
+            .remove_if_unused(&self.id, pending_grace, |tomb| {
+                let control = Control {
+                    pipe_dir: tomb.join("pipe"),
+                    ..self.control.clone()
+                };
+                self.quit_via(&control, child);
+            });
+        match removed {
+            Ok(removed) => Some(removed),
+            Err(e) => {
+                tracing::warn!(daemon = %self.id, error = %e, "cannot remove an idle daemon");
+                Some(false)
+            }
+        }
     }
 
     /// Quits the daemon through `control` (its pipe dir may have been renamed), killing it
@@ -660,6 +865,27 @@ impl Supervisor {
     fn quit_via(&self, control: &Control, child: &mut Child) {
         let _ = control.command("quit", Duration::from_secs(2));
         crate::util::wait_or_kill(child, QUIT_GRACE);
+    }
+}
+
+/// The limits the limit check compares with, as the control daemon prints them back.
+struct Wanted {
+    /// Active thread percentage.
+    tp: Option<f64>,
+    /// Pinned memory per device, in bytes, rounded as `set_*` sends it.
+    mem: Option<u64>,
+    devices: usize,
+}
+
+impl Wanted {
+    fn of(ident: &Identity) -> Self {
+        Wanted {
+            tp: ident.active_thread_percentage.map(f64::from),
+            mem: ident
+                .pinned_memory_limit
+                .and_then(|b| parse_mps_mem(&crate::request::format_mps_size(b))),
+            devices: ident.devices.len(),
+        }
     }
 }
 
@@ -756,13 +982,7 @@ fn watch(
     idle: Duration,
     pending_grace: u64,
 ) -> Watch {
-    let mut tick = ROTATE_EVERY;
-    if !idle.is_zero() {
-        tick = tick.min((idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(5)));
-    }
-    if let Some(every) = sup.limit_check {
-        tick = tick.min(every);
-    }
+    let tick = sup.watch_tick(idle);
     let mut next_check = sup.limit_check.map(|every| Instant::now() + every);
     let mut idle_since: Option<Instant> = None;
     loop {
@@ -772,14 +992,7 @@ fn watch(
             Event::Timeout => {}
         }
         sup.rotate_logs();
-        if let (Some(at), Some(every)) = (next_check, sup.limit_check) {
-            if Instant::now() >= at {
-                next_check = Some(Instant::now() + every);
-                if let Err(e) = sup.enforce_limits() {
-                    tracing::warn!(daemon = %sup.id, error = %e, "cannot check the daemon's limits");
-                }
-            }
-        }
+        sup.check_limits_when_due(&mut next_check);
         if idle.is_zero() {
             continue;
         }
@@ -794,27 +1007,11 @@ fn watch(
         if idle_since.get_or_insert_with(Instant::now).elapsed() < idle {
             continue;
         }
-        // A create holding the lock is about to use the daemon: try again next tick.
-        let Ok(_lock) = sup
-            .state
-            .lock(&sup.id, Instant::now() + Duration::from_millis(200))
-        else {
-            continue;
-        };
-        let removed = sup.state.remove_if_unused(&sup.id, pending_grace, |tomb| {
-            let control = Control {
-                pipe_dir: tomb.join("pipe"),
-                ..sup.control.clone()
-            };
-            sup.quit_via(&control, child);
-        });
-        match removed {
-            Ok(true) => return Watch::Removed,
-            Ok(false) => idle_since = None,
-            Err(e) => {
-                tracing::warn!(daemon = %sup.id, error = %e, "cannot remove an idle daemon");
-                idle_since = None;
-            }
+        match sup.remove_idle(child, pending_grace) {
+            Some(true) => return Watch::Removed,
+            Some(false) => idle_since = None,
+            // A create holding the lock is about to use the daemon: try again next tick.
+            None => {}
         }
     }
 }
@@ -828,6 +1025,20 @@ impl Drop for CgroupGuard {
     }
 }
 
+/// The pause before a restart: `BACKOFF_FIRST`, doubling up to `BACKOFF_MAX`.
+struct Backoff(Duration);
+
+impl Backoff {
+    /// Waits out the pause and doubles it; `false` when a stop signal ended the wait.
+    fn wait(&mut self, sfd: &mut SignalFd) -> bool {
+        if let Event::Stop = wait_event(sfd, None, Some(self.0)) {
+            return false;
+        }
+        self.0 = (self.0 * 2).min(BACKOFF_MAX);
+        true
+    }
+}
+
 /// Runs the supervisor for daemon `id` until it is told to stop or gives up.
 /// The caller has already called `detach`.
 pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
@@ -836,47 +1047,23 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
         .read_record(id)?
         .with_context(|| format!("no record for daemon {id}"))?;
     let me = ProcRef::of(std::process::id() as i32);
-    let ident = rec.identity.clone();
     let binary = resolve_binary(&cfg.mps.control_binary);
-    let sup = Supervisor {
-        control: Control {
-            binary: binary.as_ref().cloned().unwrap_or_default(),
-            pipe_dir: state.pipe_dir(id),
-            user: (!ident.multi_user).then_some((ident.uid, ident.gid)),
-        },
-        binary: binary.as_ref().cloned().unwrap_or_default(),
+    let sup = Supervisor::new(
+        cfg,
         state,
-        id: id.to_owned(),
-        multi_user_flag: cfg.mps.multi_user_flag.clone(),
-        start_timeout: cfg.mps.start_timeout,
-        log_size: cfg.mps.log_size,
-        limit_check: (!limit_commands(&ident).is_empty()).then_some(cfg.mps.limit_check_interval),
-        ident,
-    };
+        id,
+        rec.identity,
+        binary.as_ref().cloned().unwrap_or_default(),
+    );
     sup.update(|r| {
         r.supervisor = me;
         r.status = DaemonStatus::Starting;
         r.started_at = unix_now();
         r.error = None;
     })?;
-    let setup = (|| -> anyhow::Result<SignalFd> {
-        binary?;
-        if !sup.ident.ipc_host {
-            private_dev_shm(&sup.state.shm_dir(id))?;
-        }
-        drop_child_caps(sup.ident.multi_user)?;
-        let mut mask = SigSet::empty();
-        for s in [
-            Signal::SIGTERM,
-            Signal::SIGINT,
-            Signal::SIGCHLD,
-            Signal::SIGHUP,
-        ] {
-            mask.add(s);
-        }
-        mask.thread_block()?;
-        Ok(SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC)?)
-    })();
+    let setup = binary
+        .map_err(anyhow::Error::from)
+        .and_then(|_| sup.setup());
     let _cgroups = CgroupGuard(own_cgroup(
         id,
         CgroupLimits {
@@ -886,85 +1073,11 @@ pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
     ));
     // The record has no daemon yet (ensure wrote it so): `failed` clearing it changes nothing.
     let mut sfd = setup.map_err(|e| sup.failed(e))?;
-
-    let mut backoff = BACKOFF_FIRST;
-    let mut first = true;
-    let idle_timeout = cfg.mps.idle_timeout;
-    let pending_grace = cfg.mps.pending_grace().as_secs();
-    loop {
-        sup.clean_pipe_dir();
-        let started = Instant::now();
-        let mut child = sup.spawn_daemon().map_err(|e| sup.failed(e))?;
-        let daemon = ProcRef::of(child.id() as i32);
-        match sup.make_ready(&mut child) {
-            Ok(()) => {
-                sup.update(|r| {
-                    r.status = DaemonStatus::Ready;
-                    r.daemon = daemon;
-                    r.ready_at = Some(unix_now());
-                    r.error = None;
-                })?;
-                tracing::info!(daemon = %sup.id, pid = child.id(), "MPS control daemon ready");
-            }
-            Err(e) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                let msg = format!("{e:#}");
-                tracing::error!(daemon = %sup.id, error = %msg, "MPS control daemon failed to start");
-                if first {
-                    return Err(sup.failed(e));
-                }
-                let _ = sup.update(|r| {
-                    r.status = DaemonStatus::Restarting;
-                    r.error = Some(msg.clone());
-                    r.daemon = None;
-                });
-                if let Event::Stop = wait_event(&mut sfd, None, Some(backoff)) {
-                    break;
-                }
-                backoff = (backoff * 2).min(BACKOFF_MAX);
-                continue;
-            }
-        }
-        first = false;
-        match watch(&sup, &mut sfd, &mut child, idle_timeout, pending_grace) {
-            Watch::Stop => {
-                sup.quit(&mut child);
-                break;
-            }
-            Watch::Removed => {
-                tracing::info!(daemon = %sup.id, "MPS control daemon stopped after {idle_timeout:?} without containers; directories removed");
-                return Ok(());
-            }
-            Watch::ChildExited => {
-                let status = child
-                    .try_wait()
-                    .ok()
-                    .flatten()
-                    .map_or_else(|| "unknown status".to_owned(), |s| s.to_string());
-                tracing::warn!(daemon = %sup.id, %status, "MPS control daemon exited; restarting");
-                if started.elapsed() > STABLE_AFTER {
-                    backoff = BACKOFF_FIRST;
-                }
-                sup.update(|r| {
-                    r.status = DaemonStatus::Restarting;
-                    r.daemon = None;
-                    r.restarts += 1;
-                })?;
-                if let Event::Stop = wait_event(&mut sfd, None, Some(backoff)) {
-                    break;
-                }
-                backoff = (backoff * 2).min(BACKOFF_MAX);
-            }
-        }
-    }
-    sup.clean_pipe_dir();
-    let _ = sup.update(|r| {
-        r.status = DaemonStatus::Stopped;
-        r.daemon = None;
-    });
-    tracing::info!(daemon = %sup.id, "MPS control daemon stopped");
-    Ok(())
+    sup.supervise(
+        &mut sfd,
+        cfg.mps.idle_timeout,
+        cfg.mps.pending_grace().as_secs(),
+    )
 }
 
 #[cfg(test)]
