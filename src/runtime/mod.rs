@@ -215,12 +215,37 @@ fn decide(
     served: &Resolved,
     runtime: &Path,
 ) -> anyhow::Result<edits::ContainerPlan> {
-    let (req, uuids) = (&served.request, &served.devices.uuids);
     let id = served.identity.id();
-    let pipe_in_container = cfg.mps.container_pipe_dir.clone();
+    Ok(edits::ContainerPlan {
+        env: client_env(cfg, served, runtime),
+        pipe: (state.pipe_dir(&id), cfg.mps.container_pipe_dir.clone()),
+        log: cfg
+            .mps
+            .container_log_dir
+            .as_ref()
+            .map(|d| (state.log_dir(&id), d.clone())),
+        ipc: match served.ipc {
+            IpcMode::Isolated => IpcPlan::Isolated {
+                shm_dir: state.shm_dir(&id),
+            },
+            IpcMode::Host => IpcPlan::Host,
+        },
+        hooks: hooks(cfg)?,
+        annotations: decision::Decision {
+            identity: served.identity.clone(),
+            host_user: served.host_user,
+        }
+        .to_annotations()?,
+    })
+}
+
+/// The container's MPS client environment: where the pipe (and log) directory is, and
+/// the client-side limits; for NVIDIA's runtime, the devices too.
+fn client_env(cfg: &Config, served: &Resolved, runtime: &Path) -> Vec<(String, String)> {
+    let (req, uuids) = (&served.request, &served.devices.uuids);
     let mut env = vec![(
         "CUDA_MPS_PIPE_DIRECTORY".to_owned(),
-        pipe_in_container.to_string_lossy().into_owned(),
+        cfg.mps.container_pipe_dir.to_string_lossy().into_owned(),
     )];
     if let Some(dir) = &cfg.mps.container_log_dir {
         env.push((
@@ -255,43 +280,27 @@ fn decide(
             );
         }
     }
+    env
+}
 
+/// The createRuntime and poststop hooks: `gpushare` beside this binary, with a safe PATH
+/// and the config file this shim read.
+fn hooks(cfg: &Config) -> anyhow::Result<SetHooks> {
     let binary = std::env::current_exe()
         .context("find gpushare-runtime's own path")?
         .with_file_name("gpushare");
-    let mut hook_env = vec![format!("PATH={SAFE_PATH}")];
+    let mut env = vec![format!("PATH={SAFE_PATH}")];
     if let Some(path) = &cfg.path {
         let abs = std::path::absolute(path).unwrap_or_else(|_| path.clone());
-        hook_env.push(format!("{}={}", crate::config::ENV_VAR, abs.display()));
+        env.push(format!("{}={}", crate::config::ENV_VAR, abs.display()));
     }
     let create_timeout = cfg.mps.start_timeout.as_secs() + 5;
-
-    Ok(edits::ContainerPlan {
+    Ok(SetHooks {
+        binary,
         env,
-        pipe: (state.pipe_dir(&id), pipe_in_container),
-        log: cfg
-            .mps
-            .container_log_dir
-            .as_ref()
-            .map(|d| (state.log_dir(&id), d.clone())),
-        ipc: match served.ipc {
-            IpcMode::Isolated => IpcPlan::Isolated {
-                shm_dir: state.shm_dir(&id),
-            },
-            IpcMode::Host => IpcPlan::Host,
-        },
-        hooks: SetHooks {
-            binary,
-            env: hook_env,
-            stages: vec![
-                ("createRuntime", "create-runtime", create_timeout),
-                ("poststop", "poststop", POSTSTOP_TIMEOUT),
-            ],
-        },
-        annotations: decision::Decision {
-            identity: served.identity.clone(),
-            host_user: served.host_user,
-        }
-        .to_annotations()?,
+        stages: vec![
+            ("createRuntime", "create-runtime", create_timeout),
+            ("poststop", "poststop", POSTSTOP_TIMEOUT),
+        ],
     })
 }
