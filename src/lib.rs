@@ -10,7 +10,8 @@
 //! - `hook` (createRuntime / poststop)
 //! - `decision` (the request pipeline; the shim↔hook contract), `mps` (control interface,
 //!   supervisor, ensure)
-//! - `spec` (config.json load/edit/save), `state` (the state directory), `inventory_cache`
+//! - `spec` (config.json load/edit/save), `state` (the state directory: layout, records,
+//!   locks, a daemon's directories and tmpfs, removal), `inventory_cache`
 //! - `identity` (a daemon's identity and the rule that derives it), `logging`
 //! - `config`
 //! - `request` (annotations/env → request)
