@@ -292,9 +292,10 @@ impl Command {
     }
 }
 
-/// Runs one command (the hooks aside) with the loaded config; returns the exit code.
+/// Runs one command with the loaded config; returns the exit code.
 fn run(cfg: &Config, command: Command) -> i32 {
     match command {
+        // `main` runs a hook before the config is loaded: not reached from there.
         Command::Hook { stage } => hook(stage),
         Command::Status {
             json,
