@@ -798,12 +798,8 @@ mod tests {
         }
     }
     use crate::device::sample;
+    use crate::device::testing::{GPU0, GPU1, GPU2, MIG0, MIG1};
     use std::collections::HashMap;
-
-    const GPU0: &str = "GPU-8f8bff94-112e-9541-43da-cfd453333404";
-    const GPU1: &str = "GPU-a1b2c3d4-e5f6-4789-9abc-def012345678";
-    const MIG0: &str = "MIG-22f0c05f-5cf2-5ea2-8297-789695656dc0";
-    const GPU2: &str = "GPU-c0ffee00-1234-4abc-8def-0123456789ab";
 
     /// Asserts a one-line message naming the key, the quoted value and `want`.
     fn assert_msg(err: &RequestError, key: &str, raw: &str, want: &str) {
@@ -1357,18 +1353,18 @@ mod tests {
         let key = "gpushare.io/pinned-memory-limit";
         // (device, limit, Ok or the error's tail)
         let cases: &[(&str, &str, Result<(), String>)] = &[
-            ("2", "24G", Ok(())),
-            ("2", "24576M", Ok(())),
-            ("1", "64G", Ok(())),
-            ("2,1", "24G", Ok(())),
-            ("0:1", "6G", Ok(())),
-            ("0:1", "6144MiB", Ok(())),
-            ("2", "64G", Err(format!("exceeds the memory of {GPU2} (24 GiB): allowed is 1M up to 24G"))),
-            ("2", "24577M", Err(format!("exceeds the memory of {GPU2} (24 GiB): allowed is 1M up to 24G"))),
-            // MIG: the MIG device's own memory, not its GPU's 24 GiB.
-            ("0:1", "8G", Err("exceeds the memory of MIG-3b5c1f7e-0d4a-5a0e-9c61-2f1e8d7b6a01 (6 GiB): allowed is 1M up to 6G".into())),
-            (MIG0, "7G", Err(format!("exceeds the memory of {MIG0} (6 GiB): allowed is 1M up to 6G"))),
-            ("1,2", "32G", Err(format!("exceeds the memory of the smallest of {GPU1}, {GPU2} (24 GiB): allowed is 1M up to 24G"))),
+            ("0", "24G", Ok(())),
+            ("0", "24576M", Ok(())),
+            ("2", "64G", Ok(())),
+            ("0,2", "24G", Ok(())),
+            ("1:1", "10G", Ok(())),
+            ("1:1", "10240MiB", Ok(())),
+            ("0", "64G", Err(format!("exceeds the memory of {GPU0} (24 GiB): allowed is 1M up to 24G"))),
+            ("0", "24577M", Err(format!("exceeds the memory of {GPU0} (24 GiB): allowed is 1M up to 24G"))),
+            // MIG: the MIG device's own memory, not its GPU's 80 GiB.
+            ("1:1", "12G", Err(format!("exceeds the memory of {MIG1} (10 GiB): allowed is 1M up to 10G"))),
+            (MIG0, "11G", Err(format!("exceeds the memory of {MIG0} (10 GiB): allowed is 1M up to 10G"))),
+            ("2,0", "32G", Err(format!("exceeds the memory of the smallest of {GPU2}, {GPU0} (24 GiB): allowed is 1M up to 24G"))),
         ];
         for (device, limit, want) in cases {
             let req = request_with_limit(key, limit);
@@ -1410,18 +1406,18 @@ mod tests {
     #[test]
     fn ceilings_refuse_requests_above_them() {
         let inv = sample();
-        let gpu2 = src(
-            DeviceValue::Named(parse_device("gpushare.io/device", "2").expect("2")),
+        let gpu0 = src(
+            DeviceValue::Named(parse_device("gpushare.io/device", "0").expect("0")),
             "gpushare.io/device",
-            "2",
+            "0",
         )
         .resolve(&inv)
-        .expect("GPU 2, 24 GiB");
+        .expect("GPU 0, 24 GiB");
         let req = |tp: Option<(&'static str, &str)>, mem: Option<(&'static str, &str)>| Request {
             device: src(
                 DeviceValue::Named(DeviceRequest(vec![])),
                 "gpushare.io/device",
-                "2",
+                "0",
             ),
             active_thread_percentage: tp
                 .map(|(k, raw)| src(parse_percentage(k, raw).expect(raw), k, raw)),
@@ -1459,15 +1455,15 @@ mod tests {
             (req(None, Some((mem_key, "30G"))), ceil(None, Some(16 * GIB)),
              Err("gpushare.io/pinned-memory-limit=\"30G\" is above this node's mps.max-pinned-memory-limit = 16G; allowed is 1M to 16G".into())),
             (req(None, Some((mem_key, "30G"))), ceil(None, Some(32 * GIB)),
-             Err(format!("gpushare.io/pinned-memory-limit=\"30G\" exceeds the memory of {GPU2} (24 GiB): allowed is 1M up to 24G"))),
+             Err(format!("gpushare.io/pinned-memory-limit=\"30G\" exceeds the memory of {GPU0} (24 GiB): allowed is 1M up to 24G"))),
             (req(None, Some((mem_key, "40G"))), ceil(None, Some(32 * GIB)),
-             Err(format!("gpushare.io/pinned-memory-limit=\"40G\" exceeds the memory of {GPU2} (24 GiB): allowed is 1M up to 24G"))),
+             Err(format!("gpushare.io/pinned-memory-limit=\"40G\" exceeds the memory of {GPU0} (24 GiB): allowed is 1M up to 24G"))),
             (req(None, Some((mem_key, "24G"))), ceil(None, Some(32 * GIB)), Ok(())),
             // No ceilings: the device check alone.
             (req(Some((tp_key, "100")), Some((mem_key, "24G"))), Ceilings::default(), Ok(())),
         ];
         for (r, c, want) in cases {
-            let got = check(&r, &gpu2, &c).map_err(|e| e.to_string());
+            let got = check(&r, &gpu0, &c).map_err(|e| e.to_string());
             assert_eq!(got, want, "{r:?} {c:?}");
             if let Err(msg) = got {
                 assert!(!msg.contains('\n'), "{msg:?}");

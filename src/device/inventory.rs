@@ -263,7 +263,7 @@ impl Validation<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::preset::testing::{GIB, GPU0, MIG0};
+    use super::super::testing::{GIB, GPU0, MIG0};
     use super::super::*;
     use crate::util::error_chain as chain;
     use std::io::Write;
@@ -442,22 +442,22 @@ mod tests {
         let mut dup_uuid = sample();
         dup_uuid.gpus[1].uuid = GPU0.to_uppercase();
         let mut dup_mig_index = sample();
-        dup_mig_index.gpus[0].mig_devices[3].index = 1;
+        dup_mig_index.gpus[1].mig_devices[2].index = 1;
         let mut dup_mig_uuid = sample();
-        dup_mig_uuid.gpus[0].mig_devices[3].uuid = MIG0.to_owned();
+        dup_mig_uuid.gpus[1].mig_devices[2].uuid = MIG0.to_owned();
         let mut too_many = sample();
         too_many.gpus = (0..65)
             .map(|i| Gpu {
                 index: i,
                 uuid: format!("GPU-{i:08x}"),
-                ..sample().gpus[1].clone()
+                ..sample().gpus[2].clone()
             })
             .collect();
         let dup_mig_uuid_msg = format!("repeats uuid \"{MIG0}\": allowed is each uuid once");
         let cases: Vec<(Inventory, &str)> = vec![
             (dup_index, "inventory t: gpus[1] (GPU 0) repeats index \"0\": allowed is each index once"),
             (dup_uuid, "inventory t: gpus[1] (GPU 1) repeats uuid \"GPU-8F8BFF94-112E-9541-43DA-CFD453333404\": allowed is each uuid once"),
-            (dup_mig_index, "gpus[0].mig_devices[3] (GPU 0 MIG device 1) repeats index \"1\""),
+            (dup_mig_index, "gpus[1].mig_devices[2] (GPU 1 MIG device 1) repeats index \"1\""),
             (dup_mig_uuid, &dup_mig_uuid_msg),
             (too_many, "inventory t lists 65 GPUs: allowed is at most 64"),
         ];
@@ -510,18 +510,18 @@ mod tests {
         // Two MIG devices of one GPU instance share its node; a compute instance's is one
         // device's; no node is both; a GPU instance's node is one GPU's.
         let mut shared_gi = sample();
-        shared_gi.gpus[0].mig_devices[1].gi_caps_minor = Some(12);
+        shared_gi.gpus[1].mig_devices[1].gi_caps_minor = Some(12);
         shared_gi
             .validate("t")
             .expect("one GPU instance, two compute instances");
         let mut dup_ci = sample();
-        dup_ci.gpus[0].mig_devices[1].ci_caps_minor = Some(13);
+        dup_ci.gpus[1].mig_devices[1].ci_caps_minor = Some(13);
         let mut ci_is_gi = sample();
-        ci_is_gi.gpus[0].mig_devices[1].ci_caps_minor = Some(12);
+        ci_is_gi.gpus[1].mig_devices[1].ci_caps_minor = Some(12);
         let mut gi_is_ci = sample();
-        gi_is_ci.gpus[0].mig_devices[1].gi_caps_minor = Some(13);
+        gi_is_ci.gpus[1].mig_devices[1].gi_caps_minor = Some(13);
         let mut gi_two_gpus = sample();
-        gi_two_gpus.gpus[1].mig_devices = vec![MigDevice {
+        gi_two_gpus.gpus[2].mig_devices = vec![MigDevice {
             index: 0,
             uuid: "MIG-6e8f4cab-3a7d-5d3b-af94-5c4b1a0e9d34".to_owned(),
             profile: "1g.10gb".to_owned(),
@@ -530,10 +530,10 @@ mod tests {
             ci_caps_minor: Some(148),
         }];
         let cases: Vec<(Inventory, &str)> = vec![
-            (dup_ci, "inventory t: gpus[0].mig_devices[1] (GPU 0 MIG device 1) repeats ci_caps_minor \"13\": allowed is each ci_caps_minor once"),
-            (ci_is_gi, "inventory t: gpus[0].mig_devices[1] (GPU 0 MIG device 1) has ci_caps_minor \"12\""),
-            (gi_is_ci, "inventory t: gpus[0].mig_devices[1] (GPU 0 MIG device 1) has gi_caps_minor \"13\""),
-            (gi_two_gpus, "inventory t: gpus[1].mig_devices[0] (GPU 1 MIG device 0) has gi_caps_minor \"12\""),
+            (dup_ci, "inventory t: gpus[1].mig_devices[1] (GPU 1 MIG device 1) repeats ci_caps_minor \"13\": allowed is each ci_caps_minor once"),
+            (ci_is_gi, "inventory t: gpus[1].mig_devices[1] (GPU 1 MIG device 1) has ci_caps_minor \"12\""),
+            (gi_is_ci, "inventory t: gpus[1].mig_devices[1] (GPU 1 MIG device 1) has gi_caps_minor \"13\""),
+            (gi_two_gpus, "inventory t: gpus[2].mig_devices[0] (GPU 2 MIG device 0) has gi_caps_minor \"12\""),
         ];
         for (inv, want) in cases {
             let msg = inv.validate("t").expect_err(want).to_string();

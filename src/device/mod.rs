@@ -39,6 +39,8 @@ use serde::{Deserialize, Serialize};
 pub use inventory::{is_well_formed_uuid, load};
 pub use nvml::mig_cap_minor;
 pub use preset::sample;
+#[cfg(test)]
+pub(crate) use preset::testing;
 pub use quote::quote;
 use quote::{cap_list, gpu_list, mig_list, minor_list, parent_node, uuid_list};
 
@@ -361,7 +363,7 @@ pub enum DeviceError {
 
 #[cfg(test)]
 mod tests {
-    use super::preset::testing::{req, GPU1, MIG0};
+    use super::testing::{req, GPU1, MIG0};
     use super::*;
 
     #[test]
@@ -406,7 +408,7 @@ mod tests {
             (req(&[MigIndex { gpu: 0, mig: 1 }]), "0:1"),
             (
                 req(&[Index(0), GpuUuid(GPU1.into())]),
-                "0,GPU-a1b2c3d4-e5f6-4789-9abc-def012345678",
+                "0,GPU-6a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9",
             ),
             (req(&[MigUuid(MIG0.into())]), MIG0),
         ];

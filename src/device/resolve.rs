@@ -283,7 +283,7 @@ impl Inventory {
 
 #[cfg(test)]
 mod tests {
-    use super::super::preset::testing::{req, GIB, GPU0, GPU1, GPU2, KEY, MIG0, MIG2};
+    use super::super::testing::{req, GIB, GPU0, GPU1, GPU2, KEY, MIG0, MIG1, MIG2};
     use super::super::*;
 
     #[test]
@@ -300,33 +300,33 @@ mod tests {
         let mig = |uuid: &str| ResolvedDevices {
             kind: DeviceKind::Mig,
             uuids: vec![uuid.to_owned()],
-            gpu_indices: vec![0],
-            memory_bytes: 6 * GIB,
-            mig_profile: Some("1g.6gb".to_owned()),
+            gpu_indices: vec![1],
+            memory_bytes: 10 * GIB,
+            mig_profile: Some("1g.10gb".to_owned()),
         };
         let cases: Vec<(DeviceRequest, ResolvedDevices)> = vec![
-            (req(&[Index(2)]), gpus(&[GPU2], &[2], 24 * GIB)),
-            (req(&[Index(1)]), gpus(&[GPU1], &[1], 80 * GIB)),
+            (req(&[Index(0)]), gpus(&[GPU0], &[0], 24 * GIB)),
+            (req(&[Index(2)]), gpus(&[GPU2], &[2], 80 * GIB)),
             (
-                req(&[GpuUuid(GPU1.to_owned())]),
-                gpus(&[GPU1], &[1], 80 * GIB),
+                req(&[GpuUuid(GPU2.to_owned())]),
+                gpus(&[GPU2], &[2], 80 * GIB),
             ),
             (
-                req(&[GpuUuid(GPU1.to_uppercase())]),
-                gpus(&[GPU1], &[1], 80 * GIB),
+                req(&[GpuUuid(GPU2.to_uppercase())]),
+                gpus(&[GPU2], &[2], 80 * GIB),
             ),
             (
-                req(&[Index(1), Index(2)]),
-                gpus(&[GPU1, GPU2], &[1, 2], 24 * GIB),
+                req(&[Index(2), Index(0)]),
+                gpus(&[GPU2, GPU0], &[2, 0], 24 * GIB),
             ),
             (
-                req(&[GpuUuid(GPU2.to_owned()), Index(1)]),
-                gpus(&[GPU2, GPU1], &[2, 1], 24 * GIB),
+                req(&[GpuUuid(GPU0.to_owned()), Index(2)]),
+                gpus(&[GPU0, GPU2], &[0, 2], 24 * GIB),
             ),
             (req(&[MigUuid(MIG2.to_owned())]), mig(MIG2)),
             (req(&[MigUuid(MIG2.to_uppercase())]), mig(MIG2)),
-            (req(&[MigIndex { gpu: 0, mig: 2 }]), mig(MIG2)),
-            (req(&[MigIndex { gpu: 0, mig: 0 }]), mig(MIG0)),
+            (req(&[MigIndex { gpu: 1, mig: 2 }]), mig(MIG2)),
+            (req(&[MigIndex { gpu: 1, mig: 0 }]), mig(MIG0)),
         ];
         for (request, want) in cases {
             assert_eq!(
@@ -345,8 +345,8 @@ mod tests {
         let cases: Vec<(DeviceRequest, &str, String)> = vec![
             (req(&[]), "", "gpushare.io/device=\"\" is invalid: allowed is at least one device".into()),
             (req(&[Index(3)]), "3", "gpushare.io/device=\"3\" names GPU 3, which does not exist: this node has GPUs 0, 1, 2".into()),
-            (req(&[Index(0)]), "0", "gpushare.io/device=\"0\" names GPU 0, which is in MIG mode: allowed is one of its MIG devices (0:0, 0:1, 0:2, 0:3)".into()),
-            (req(&[Index(1), GpuUuid(GPU0.into())]), "1,GPU-8f8b", "gpushare.io/device=\"1,GPU-8f8b\" names GPU 0, which is in MIG mode".into()),
+            (req(&[Index(1)]), "1", "gpushare.io/device=\"1\" names GPU 1, which is in MIG mode: allowed is one of its MIG devices (1:0, 1:1, 1:2)".into()),
+            (req(&[Index(2), GpuUuid(GPU1.into())]), "2,GPU-6a1b", "gpushare.io/device=\"2,GPU-6a1b\" names GPU 1, which is in MIG mode".into()),
             (
                 req(&[GpuUuid("GPU-8f8bff94".into())]),
                 "GPU-8f8bff94",
@@ -358,14 +358,14 @@ mod tests {
                 format!("gpushare.io/device=\"MIG-abc\" names MIG-abc, which does not exist: this node has MIG devices {MIG0}, "),
             ),
             (
-                req(&[MigIndex { gpu: 0, mig: 4 }]),
-                "0:4",
-                "gpushare.io/device=\"0:4\" names MIG device 4 of GPU 0, which does not exist: GPU 0 has MIG devices 0, 1, 2, 3".into(),
+                req(&[MigIndex { gpu: 1, mig: 3 }]),
+                "1:3",
+                "gpushare.io/device=\"1:3\" names MIG device 3 of GPU 1, which does not exist: GPU 1 has MIG devices 0, 1, 2".into(),
             ),
             (
-                req(&[MigIndex { gpu: 1, mig: 0 }]),
-                "1:0",
-                "gpushare.io/device=\"1:0\" names MIG device 0 of GPU 1, which does not exist: GPU 1 has no MIG devices (MIG is not enabled or no instance is created)".into(),
+                req(&[MigIndex { gpu: 2, mig: 0 }]),
+                "2:0",
+                "gpushare.io/device=\"2:0\" names MIG device 0 of GPU 2, which does not exist: GPU 2 has no MIG devices (MIG is not enabled or no instance is created)".into(),
             ),
             (
                 req(&[MigIndex { gpu: 7, mig: 0 }]),
@@ -374,9 +374,9 @@ mod tests {
             ),
             (req(&[Index(2), Index(2)]), "2,2", "gpushare.io/device=\"2,2\" lists GPU 2 twice: allowed is each GPU at most once".into()),
             (
-                req(&[Index(1), GpuUuid(GPU1.into())]),
-                "1,GPU-a1b2",
-                "gpushare.io/device=\"1,GPU-a1b2\" lists GPU 1 twice: allowed is each GPU at most once".into(),
+                req(&[Index(2), GpuUuid(GPU2.into())]),
+                "2,GPU-7b2c",
+                "gpushare.io/device=\"2,GPU-7b2c\" lists GPU 2 twice: allowed is each GPU at most once".into(),
             ),
             (
                 req(&[Index(0), MigUuid(MIG0.into())]),
@@ -384,9 +384,9 @@ mod tests {
                 "gpushare.io/device=\"0,MIG-22f0\" is invalid: a MIG device must stand alone, not in a list".into(),
             ),
             (
-                req(&[MigIndex { gpu: 0, mig: 0 }, MigIndex { gpu: 0, mig: 1 }]),
-                "0:0,0:1",
-                "gpushare.io/device=\"0:0,0:1\" is invalid: a MIG device must stand alone, not in a list".into(),
+                req(&[MigIndex { gpu: 1, mig: 0 }, MigIndex { gpu: 1, mig: 1 }]),
+                "1:0,1:1",
+                "gpushare.io/device=\"1:0,1:1\" is invalid: a MIG device must stand alone, not in a list".into(),
             ),
         ];
         for (request, raw, want) in cases {
@@ -416,7 +416,7 @@ mod tests {
             .map(|i| Gpu {
                 index: i,
                 uuid: format!("GPU-{i:08x}"),
-                ..sample().gpus[1].clone()
+                ..sample().gpus[2].clone()
             })
             .collect();
         let msg = many
@@ -435,9 +435,9 @@ mod tests {
         let key = "linux.devices";
         use DeviceSelector::GpuUuid;
         assert_eq!(
-            inv.gpus_by_minor(key, "/dev/nvidia3,/dev/nvidia1", &[3, 1])
-                .expect("3, 1"),
-            req(&[GpuUuid(GPU2.into()), GpuUuid(GPU1.into())])
+            inv.gpus_by_minor(key, "/dev/nvidia2,/dev/nvidia1", &[2, 1])
+                .expect("2, 1"),
+            req(&[GpuUuid(GPU0.into()), GpuUuid(GPU2.into())])
         );
         let err = |inv: &Inventory, minors: &[u32]| {
             inv.gpus_by_minor(key, "/dev/nvidia9", minors)
@@ -446,21 +446,21 @@ mod tests {
         };
         assert_eq!(
             err(&inv, &[1, 9]),
-            "linux.devices=\"/dev/nvidia9\" names the GPU with minor number 9 (/dev/nvidia9), which does not exist: this node's GPUs have minor numbers 0, 1, 3"
+            "linux.devices=\"/dev/nvidia9\" names the GPU with minor number 9 (/dev/nvidia9), which does not exist: this node's GPUs have minor numbers 2, 0, 1"
         );
         let mut partial = sample();
-        partial.gpus[0].minor = None;
-        assert!(err(&partial, &[9]).ends_with("this node's GPUs have minor numbers 1, 3, and 1 give none (an inventory file needs \"minor\" on each GPU)"));
+        partial.gpus[1].minor = None;
+        assert!(err(&partial, &[9]).ends_with("this node's GPUs have minor numbers 2, 1, and 1 give none (an inventory file needs \"minor\" on each GPU)"));
         let mut none = sample();
         for g in &mut none.gpus {
             g.minor = None;
         }
         assert!(err(&none, &[0]).ends_with("which does not exist: this node's inventory gives no minor numbers (an inventory file needs \"minor\" on each GPU)"));
-        // The mapped GPUs then meet the usual rules: GPU 0 is in MIG mode.
-        let gpu0 = inv.gpus_by_minor(key, "/dev/nvidia0", &[0]).expect("0");
+        // The mapped GPUs then meet the usual rules: GPU 1 is in MIG mode.
+        let gpu1 = inv.gpus_by_minor(key, "/dev/nvidia0", &[0]).expect("0");
         assert!(matches!(
-            inv.resolve(key, "/dev/nvidia0", &gpu0),
-            Err(DeviceError::GpuInMigMode { gpu: 0, .. })
+            inv.resolve(key, "/dev/nvidia0", &gpu1),
+            Err(DeviceError::GpuInMigMode { gpu: 1, .. })
         ));
     }
 
@@ -471,8 +471,8 @@ mod tests {
         let mig = |uuid: &str| DeviceRequest(vec![DeviceSelector::MigUuid(uuid.to_owned())]);
         // Without caps: the GPUs.
         assert_eq!(
-            inv.devices_by_nodes(key, "v", &[3, 1], &[]).expect("gpus"),
-            inv.gpus_by_minor(key, "v", &[3, 1]).expect("gpus")
+            inv.devices_by_nodes(key, "v", &[2, 1], &[]).expect("gpus"),
+            inv.gpus_by_minor(key, "v", &[2, 1]).expect("gpus")
         );
         // gi + ci, ci alone, gi alone (one compute instance): the MIG device; the parent's
         // node stands for it.
@@ -485,7 +485,7 @@ mod tests {
         }
         // Two compute instances of one GPU instance: its node alone names both.
         let mut two_ci = sample();
-        two_ci.gpus[0].mig_devices[1].gi_caps_minor = Some(12);
+        two_ci.gpus[1].mig_devices[1].gi_caps_minor = Some(12);
         assert_eq!(
             two_ci
                 .devices_by_nodes(key, "v", &[0], &[12])
@@ -498,7 +498,7 @@ mod tests {
             two_ci
                 .devices_by_nodes(key, "v", &[0], &[12, 22])
                 .expect("one"),
-            mig("MIG-3b5c1f7e-0d4a-5a0e-9c61-2f1e8d7b6a01")
+            mig(MIG1)
         );
         // Another GPU's node with it: a list, refused by `resolve`.
         let req = inv
@@ -521,7 +521,7 @@ mod tests {
             inv.devices_by_nodes(key, "v", &[1], &[13]),
             Err(DeviceError::MigWithoutParentNode {
                 cap: 13,
-                gpu: 0,
+                gpu: 1,
                 minor: Some(0),
                 ..
             })

@@ -374,6 +374,7 @@ mod tests {
 
     use serde_json::{json, Value};
 
+    use crate::device::testing::{GPU0, GPU1, GPU2, MIG1, MIG2};
     use crate::device::{sample, DeviceKind};
     use crate::request::{
         parse, DefaultDevice, DeviceValue, Options, Request, RequestError, ALLOCATED,
@@ -382,12 +383,8 @@ mod tests {
 
     use super::*;
 
-    // The sample inventory: GPU 0 (minor 0) an A30 in MIG mode, GPU 1 (minor 1) and GPU 2
-    // (minor 3) without MIG.
-    const GPU1: &str = "GPU-a1b2c3d4-e5f6-4789-9abc-def012345678";
-    const GPU2: &str = "GPU-c0ffee00-1234-4abc-8def-0123456789ab";
-    const MIG1: &str = "MIG-3b5c1f7e-0d4a-5a0e-9c61-2f1e8d7b6a01";
-    const MIG2: &str = "MIG-4c6d2a8f-1e5b-5b1f-8d72-3a2f9e8c7b12";
+    // The sample inventory: GPU 0 (minor 2) and GPU 2 (minor 1) without MIG, GPU 1 (minor 0)
+    // in MIG mode with MIG devices 1:0–1:2 (access nodes 12/13, 21/22, 30/31).
     /// The device plugin's cdi-annotations key: a fresh random UUID per response.
     const CDI_KEY: &str = "cdi.k8s.io/nvidia-device-plugin_4b0c2d7e-9a51-4f39-8e3a-55d1f0c2a6b7";
     /// What CUDA base images put in their own env.
@@ -531,14 +528,14 @@ mod tests {
         // (NVIDIA_VISIBLE_DEVICES, devices, kind)
         let cases: &[(&str, &[&str], DeviceKind)] = &[
             // --device-id-strategy=uuid
-            (GPU1, &[GPU1], DeviceKind::Gpus),
-            (&format!("{GPU2},{GPU1}"), &[GPU2, GPU1], DeviceKind::Gpus),
+            (GPU2, &[GPU2], DeviceKind::Gpus),
+            (&format!("{GPU0},{GPU2}"), &[GPU0, GPU2], DeviceKind::Gpus),
             // --device-id-strategy=index
-            ("1", &[GPU1], DeviceKind::Gpus),
-            ("1,2", &[GPU1, GPU2], DeviceKind::Gpus),
+            ("2", &[GPU2], DeviceKind::Gpus),
+            ("2,0", &[GPU2, GPU0], DeviceKind::Gpus),
             // MIG strategies single/mixed: MIG UUIDs, or gpu:mig under index.
             (MIG1, &[MIG1], DeviceKind::Mig),
-            ("0:2", &[MIG2], DeviceKind::Mig),
+            ("1:2", &[MIG2], DeviceKind::Mig),
         ];
         for (value, want, kind) in cases {
             let mut v = cri();
@@ -556,9 +553,9 @@ mod tests {
         }
         // Docker's --gpus fallback on the Docker fixture, as a Docker user would ask.
         let mut v = fixture("docker-20.10-config.json");
-        v["process"]["env"] = json!(["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=2"]);
+        v["process"]["env"] = json!(["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=0"]);
         let p = asked(v);
-        assert_eq!(resolved(&p).0, vec![GPU2]);
+        assert_eq!(resolved(&p).0, vec![GPU0]);
     }
 
     #[test]
@@ -631,8 +628,8 @@ mod tests {
         // MIG mode is refused, an unknown GPU is named.
         #[rustfmt::skip]
         let unusable: &[(&str, &str)] = &[
-            (&format!("{MIG1},{MIG2}"), "NVIDIA_VISIBLE_DEVICES=\"MIG-3b5c1f7e-0d4a-5a0e-9c61-2f1e8d7b6a01,MIG-4c6d2a8f-1e5b-5b1f-…\" is invalid: a MIG device must stand alone, not in a list"),
-            ("0", "NVIDIA_VISIBLE_DEVICES=\"0\" names GPU 0, which is in MIG mode: allowed is one of its MIG devices (0:0, 0:1, 0:2, 0:3)"),
+            (&format!("{MIG1},{MIG2}"), "NVIDIA_VISIBLE_DEVICES=\"MIG-33a1d16a-6d03-4fb3-a3a8-8a97a6767ed1,MIG-44b2e27b-7e14-40c4-…\" is invalid: a MIG device must stand alone, not in a list"),
+            ("1", "NVIDIA_VISIBLE_DEVICES=\"1\" names GPU 1, which is in MIG mode: allowed is one of its MIG devices (1:0, 1:1, 1:2)"),
             ("7", "NVIDIA_VISIBLE_DEVICES=\"7\" names GPU 7, which does not exist: this node has GPUs 0, 1, 2"),
         ];
         for (value, want) in unusable {
@@ -656,7 +653,7 @@ mod tests {
             &mut v,
             &["NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices"],
         );
-        for id in [GPU2, GPU1] {
+        for id in [GPU0, GPU2] {
             push_mount(
                 &mut v,
                 "/dev/null",
@@ -674,10 +671,10 @@ mod tests {
         let p = asked(v);
         let a = found(&p);
         assert_eq!(a.source, AllocationSource::VolumeMounts);
-        assert_eq!(a.found, format!("{GPU2},{GPU1}"));
+        assert_eq!(a.found, format!("{GPU0},{GPU2}"));
         assert_eq!(
             resolved(&p),
-            (vec![GPU2.to_owned(), GPU1.to_owned()], DeviceKind::Gpus)
+            (vec![GPU0.to_owned(), GPU2.to_owned()], DeviceKind::Gpus)
         );
         // A MIG device by index.
         let mut v = cri();
@@ -688,7 +685,7 @@ mod tests {
         push_mount(
             &mut v,
             "/dev/null",
-            "/var/run/nvidia-container-devices/0:1",
+            "/var/run/nvidia-container-devices/1:1",
             &["ro", "bind"],
         );
         assert_eq!(
@@ -707,7 +704,7 @@ mod tests {
             &mut v,
             CDI_KEY,
             &format!(
-                "k8s.device-plugin.nvidia.com/gpu={GPU1},k8s.device-plugin.nvidia.com/gdrcopy=all"
+                "k8s.device-plugin.nvidia.com/gpu={GPU2},k8s.device-plugin.nvidia.com/gdrcopy=all"
             ),
         );
         annotate(&mut v, "cdi.k8s.io/other_9f1c", "vendor.example/gpu=0");
@@ -720,9 +717,9 @@ mod tests {
         let a = found(&p);
         assert_eq!(
             (a.source, a.found.as_str()),
-            (AllocationSource::CdiAnnotations, GPU1)
+            (AllocationSource::CdiAnnotations, GPU2)
         );
-        assert_eq!(resolved(&p), (vec![GPU1.to_owned()], DeviceKind::Gpus));
+        assert_eq!(resolved(&p), (vec![GPU2.to_owned()], DeviceKind::Gpus));
 
         // The operator's default, cdi-annotations,cdi-cri: the annotation and the injected
         // node agree; the annotation names the device and wins. A MIG device by UUID.
@@ -746,16 +743,16 @@ mod tests {
         annotate(
             &mut v,
             "cdi.k8s.io/nvidia-device-plugin_b",
-            "nvidia.com/gpu=2",
+            "nvidia.com/gpu=0",
         );
         annotate(
             &mut v,
             "cdi.k8s.io/nvidia-device-plugin_a",
-            "k8s.device-plugin.nvidia.com/gpu=1",
+            "k8s.device-plugin.nvidia.com/gpu=2",
         );
         let p = asked(v);
-        assert_eq!(found(&p).found, "1,2");
-        assert_eq!(resolved(&p).0, vec![GPU1, GPU2]);
+        assert_eq!(found(&p).found, "2,0");
+        assert_eq!(resolved(&p).0, vec![GPU2, GPU0]);
 
         // Only other kinds: no allocation.
         let mut v = cri();
@@ -768,27 +765,27 @@ mod tests {
         // cdi-cri (and the DRA driver): only the applied edits, the image's all in the env.
         let mut v = cri();
         push_env(&mut v, &[IMAGE_ALL]);
-        push_cdi_gpu(&mut v, 3);
+        push_cdi_gpu(&mut v, 2);
         let p = asked(v.clone());
         let a = found(&p);
         assert_eq!(a.source, AllocationSource::DeviceNodes);
-        assert_eq!(a.found, "/dev/nvidia3");
+        assert_eq!(a.found, "/dev/nvidia2");
         assert_eq!(
             a.devices,
             AllocatedDevices::Nodes {
-                gpus: vec![3],
+                gpus: vec![2],
                 caps: vec![]
             }
         );
-        assert_eq!(resolved(&p), (vec![GPU2.to_owned()], DeviceKind::Gpus));
+        assert_eq!(resolved(&p), (vec![GPU0.to_owned()], DeviceKind::Gpus));
         // Two GPUs, in spec order; the common nodes once.
         push_cdi_gpu(&mut v, 1);
         let p = asked(v);
-        assert_eq!(found(&p).found, "/dev/nvidia3,/dev/nvidia1");
-        assert_eq!(resolved(&p).0, vec![GPU2, GPU1]);
+        assert_eq!(found(&p).found, "/dev/nvidia2,/dev/nvidia1");
+        assert_eq!(resolved(&p).0, vec![GPU0, GPU2]);
 
         // DRA MIG: the parent node and the GI/CI access nodes; no name anywhere. The sample
-        // gives MIG device 0:1 caps 21 (gi) and 22 (ci).
+        // gives MIG device 1:1 caps 21 (gi) and 22 (ci); its GPU's node is /dev/nvidia0.
         let mut v = cri();
         push_cdi_gpu(&mut v, 0);
         push_node(&mut v, "/dev/nvidia-caps/nvidia-cap21", 511, 21);
@@ -848,7 +845,7 @@ mod tests {
         let p = asked(v);
         assert_eq!(
             resolve_refusal(&p),
-            "gpushare.io/device=\"allocated\" takes the devices allocated to the container: linux.devices=\"/dev/nvidia0,/dev/nvidia-caps/nvidia-cap1\" holds /dev/nvidia-caps/nvidia-cap1, which is the access node of no MIG device: this node's MIG devices have cap minors 12, 13, 21, 22, 30, 31, 39, 40"
+            "gpushare.io/device=\"allocated\" takes the devices allocated to the container: linux.devices=\"/dev/nvidia0,/dev/nvidia-caps/nvidia-cap1\" holds /dev/nvidia-caps/nvidia-cap1, which is the access node of no MIG device: this node's MIG devices have cap minors 12, 13, 21, 22, 30, 31"
         );
         let mut bare = sample();
         for gpu in &mut bare.gpus {
@@ -870,13 +867,13 @@ mod tests {
         push_node(&mut v, "/dev/nvidia-caps/nvidia-cap22", 511, 22);
         assert_eq!(
             resolve_refusal(&asked(v)),
-            format!("gpushare.io/device=\"allocated\" takes the devices allocated to the container: linux.devices=\"/dev/nvidia1,/dev/nvidia-caps/nvidia-cap21,/dev/nvidia-caps/nvid…\" holds /dev/nvidia-caps/nvidia-cap22, an access node of MIG device {MIG1} of GPU 0, without its GPU's node /dev/nvidia0: allowed is a MIG device's nodes as CDI injects them, its GPU's /dev/nvidia<N> with them")
+            format!("gpushare.io/device=\"allocated\" takes the devices allocated to the container: linux.devices=\"/dev/nvidia1,/dev/nvidia-caps/nvidia-cap21,/dev/nvidia-caps/nvid…\" holds /dev/nvidia-caps/nvidia-cap22, an access node of MIG device {MIG1} of GPU 1, without its GPU's node /dev/nvidia0: allowed is a MIG device's nodes as CDI injects them, its GPU's /dev/nvidia<N> with them")
         );
 
         // The parent alone is the GPU, in MIG mode: refused as a name of it is.
         let mut v = cri();
         push_cdi_gpu(&mut v, 0);
-        assert!(resolve_refusal(&asked(v)).contains("names GPU 0, which is in MIG mode"));
+        assert!(resolve_refusal(&asked(v)).contains("names GPU 1, which is in MIG mode"));
 
         // A cap node whose path and minor disagree, or a path that is no access node.
         let mut v = cri();
@@ -902,7 +899,7 @@ mod tests {
             "{:#}",
             anyhow::Error::new(req.device.resolve(&sample()).expect_err("9"))
         );
-        assert_eq!(line, "gpushare.io/device=\"allocated\" takes the devices allocated to the container: linux.devices=\"/dev/nvidia9\" names the GPU with minor number 9 (/dev/nvidia9), which does not exist: this node's GPUs have minor numbers 0, 1, 3");
+        assert_eq!(line, "gpushare.io/device=\"allocated\" takes the devices allocated to the container: linux.devices=\"/dev/nvidia9\" names the GPU with minor number 9 (/dev/nvidia9), which does not exist: this node's GPUs have minor numbers 2, 0, 1");
     }
 
     #[test]
@@ -910,7 +907,7 @@ mod tests {
         // containerd's privileged container: every host device, every device allowed.
         let mut v = cri();
         push_cdi_gpu(&mut v, 1);
-        push_cdi_gpu(&mut v, 3);
+        push_cdi_gpu(&mut v, 2);
         v["linux"]["resources"]["devices"] = json!([{"allow": true, "access": "rwm"}]);
         assert!(refusal(&asked(v.clone())).contains("found no devices allocated"));
         assert!(run(&v, Some(DefaultDevice::Allocated))
@@ -918,8 +915,8 @@ mod tests {
             .expect("passes")
             .is_none());
         // Its env allocation still counts.
-        push_env(&mut v, &["NVIDIA_VISIBLE_DEVICES=1"]);
-        assert_eq!(resolved(&asked(v)).0, vec![GPU1]);
+        push_env(&mut v, &["NVIDIA_VISIBLE_DEVICES=2"]);
+        assert_eq!(resolved(&asked(v)).0, vec![GPU2]);
     }
 
     #[test]
@@ -929,7 +926,7 @@ mod tests {
         push_env(
             &mut plugin,
             &[
-                &format!("NVIDIA_VISIBLE_DEVICES={GPU1}"),
+                &format!("NVIDIA_VISIBLE_DEVICES={GPU2}"),
                 "CUDA_MPS_PIPE_DIRECTORY=/mps/nvidia.com/gpu/pipe",
             ],
         );
@@ -975,18 +972,18 @@ mod tests {
         push_env(
             &mut v,
             &[
-                "NVIDIA_VISIBLE_DEVICES=1",
+                "NVIDIA_VISIBLE_DEVICES=2",
                 "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
             ],
         );
-        assert_eq!(resolved(&asked(v)).0, vec![GPU1]);
+        assert_eq!(resolved(&asked(v)).0, vec![GPU2]);
     }
 
     #[test]
     fn default_device_makes_an_allocation_a_request() {
         let mut v = cri();
         push_env(&mut v, &[IMAGE_ALL]);
-        push_cdi_gpu(&mut v, 3);
+        push_cdi_gpu(&mut v, 2);
         let p = run(&v, Some(DefaultDevice::Allocated));
         let req = p
             .result
@@ -998,23 +995,23 @@ mod tests {
             (req.device.key, req.device.raw.as_str()),
             ("default-device", "allocated")
         );
-        assert_eq!(resolved(&p).0, vec![GPU2]);
+        assert_eq!(resolved(&p).0, vec![GPU0]);
         // Without the default: no request, whatever the allocation.
         assert!(run(&v, None).result.expect("parses").is_none());
         // A device key still wins over the default, and the other keys are read.
-        annotate(&mut v, "gpushare.io/device", "1");
+        annotate(&mut v, "gpushare.io/device", "2");
         annotate(&mut v, "gpushare.io/active-thread-percentage", "30");
         let p = run(&v, Some(DefaultDevice::Allocated));
-        assert_eq!(resolved(&p).0, vec![GPU1]);
+        assert_eq!(resolved(&p).0, vec![GPU2]);
         let req = p.result.expect("parses").expect("request");
         assert_eq!(req.active_thread_percentage.map(|s| s.value), Some(30));
         // The env spelling, and its refusal where env requests are off.
         let mut v = cri();
         push_env(
             &mut v,
-            &["NVIDIA_VISIBLE_DEVICES=2", "GPUSHARE_DEVICE=allocated"],
+            &["NVIDIA_VISIBLE_DEVICES=0", "GPUSHARE_DEVICE=allocated"],
         );
-        assert_eq!(resolved(&run(&v, None)).0, vec![GPU2]);
+        assert_eq!(resolved(&run(&v, None)).0, vec![GPU0]);
         let bytes = serde_json::to_vec(&v).expect("json");
         let spec = SpecFile::from_bytes(Path::new("c"), &bytes).expect("spec");
         let off = Options {

@@ -66,28 +66,42 @@ pub const MIG0: &str = "MIG-22f0c05f-5cf2-5ea2-8297-789695656dc0";
 pub const MIG1: &str = "MIG-33a1d16a-6d03-4fb3-a3a8-8a97a6767ed1";
 pub const MIG2: &str = "MIG-44b2e27b-7e14-40c4-b4b9-9ba8b7878fe2";
 
-/// Inventory for tests: GPU 0 an A30 (24 GiB, no MIG), GPU 1 an A100 80GB in MIG mode with
-/// three 1g.10gb devices (10 GiB each, access nodes as [`mig_caps_minors`] gives them),
-/// GPU 2 a second A100 80GB without MIG. Their device
+/// Inventory for tests: the repository's test inventory, `docs/examples/inventory.json`
+/// (the one the unit tests' `device::sample()`, the fuzz targets and scripts/quickstart use;
+/// src/device/preset.rs says why that file). GPU 0 an A30 (24 GiB, no MIG), GPU 1 an A100
+/// 80GB in MIG mode with three 1g.10gb devices (10 GiB each, access nodes as
+/// [`mig_caps_minors`] gives them), GPU 2 a second A100 80GB without MIG. Their device
 /// nodes are `/dev/nvidia[GPU0_MINOR]` and so on: minor numbers that are not the indices,
 /// as on machines where the driver probed the GPUs in another order than NVML enumerates.
+/// Fails the test if the names here no longer match the file.
 pub fn inventory_json() -> Value {
-    // MIG device i is GPU instance i + 1, compute instance 0, on GPU 1 (minor 0): its access
-    // nodes as the driver's mig-minors numbers them (`gpu0/gi1/access 12`,
-    // `gpu0/gi1/ci0/access 13`, nine minors per GPU instance).
-    let mig = |index: u32, uuid: &str| {
-        json!({"index": index, "uuid": uuid, "profile": "1g.10gb", "memory_bytes": 10737418240u64,
-        "gi_caps_minor": mig_caps_minors(index).0, "ci_caps_minor": mig_caps_minors(index).1})
-    };
-    json!({"driver_version": "580.159.04", "gpus": [
-        {"index": 0, "uuid": GPU0, "name": "NVIDIA A30", "memory_bytes": 25769803776u64,
-         "compute_capability": "8.0", "compute_mode": "default", "minor": GPU0_MINOR},
-        {"index": 1, "uuid": GPU1, "name": "NVIDIA A100-SXM4-80GB", "memory_bytes": 85899345920u64,
-         "compute_capability": "8.0", "compute_mode": "default", "minor": GPU1_MINOR,
-         "mig_devices": [mig(0, MIG0), mig(1, MIG1), mig(2, MIG2)]},
-        {"index": 2, "uuid": GPU2, "name": "NVIDIA A100-SXM4-80GB", "memory_bytes": 85899345920u64,
-         "compute_capability": "8.0", "compute_mode": "default", "minor": GPU2_MINOR}
-    ]})
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/examples/inventory.json");
+    let inv: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let gpus = &inv["gpus"];
+    let named = [(GPU0, GPU0_MINOR), (GPU1, GPU1_MINOR), (GPU2, GPU2_MINOR)];
+    for (i, (uuid, minor)) in named.into_iter().enumerate() {
+        assert_eq!(
+            (gpus[i]["uuid"].as_str(), gpus[i]["minor"].as_u64()),
+            (Some(uuid), Some(minor.into())),
+            "{}: GPU {i}",
+            path.display()
+        );
+    }
+    for (i, uuid) in [MIG0, MIG1, MIG2].into_iter().enumerate() {
+        let mig = &gpus[1]["mig_devices"][i];
+        let (gi, ci) = mig_caps_minors(i as u32);
+        assert_eq!(
+            (
+                mig["uuid"].as_str(),
+                mig["gi_caps_minor"].as_u64(),
+                mig["ci_caps_minor"].as_u64()
+            ),
+            (Some(uuid), Some(gi.into()), Some(ci.into())),
+            "{}: MIG device 1:{i}",
+            path.display()
+        );
+    }
+    inv
 }
 
 /// The minor numbers of MIG device `index` of GPU 1's access nodes
