@@ -15,7 +15,7 @@
 //! - `identity` (a daemon's identity and the rule that derives it), `logging`
 //! - `config`
 //! - `request` (annotations/env → request)
-//! - `device` (inventory)
+//! - `device` (inventory: load and validate, NVML, resolve; the test inventory)
 //! - `util`, `sys` (the only `unsafe`)
 
 // `unsafe` is refused everywhere but in `sys`, the one audited module, where every block
