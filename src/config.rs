@@ -11,12 +11,12 @@ use std::time::Duration;
 use serde::Deserialize;
 
 /// Where the configuration is read from when `GPUSHARE_CONFIG` is not set.
-pub const DEFAULT_PATH: &str = "/etc/gpushare/runtime.toml";
+pub(crate) const DEFAULT_PATH: &str = "/etc/gpushare/runtime.toml";
 /// Environment variable naming another configuration file.
-pub const ENV_VAR: &str = "GPUSHARE_CONFIG";
+pub(crate) const ENV_VAR: &str = "GPUSHARE_CONFIG";
 /// Daemons without containers stop after this long, so that short-lived containers with
 /// distinct limits cannot leave daemons behind forever (issue 18).
-pub const DEFAULT_IDLE_TIMEOUT: &str = "5m";
+pub(crate) const DEFAULT_IDLE_TIMEOUT: &str = "5m";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -79,7 +79,7 @@ pub enum ShmSize {
 
 impl ShmSize {
     /// The tmpfs `size=` option value.
-    pub fn tmpfs_option(&self) -> String {
+    pub(crate) fn tmpfs_option(&self) -> String {
         match self {
             ShmSize::Percent(p) => format!("{p}%"),
             ShmSize::Bytes(b) => b.to_string(),
@@ -189,7 +189,7 @@ struct RawMps {
 
 /// The configuration file to read: `$GPUSHARE_CONFIG` if set, else the default path.
 /// The flag says whether the file must exist.
-pub fn location() -> (PathBuf, bool) {
+pub(crate) fn location() -> (PathBuf, bool) {
     match std::env::var_os(ENV_VAR) {
         // Absolute, so that processes started elsewhere (supervisors run in `/`) read the
         // same file.
@@ -202,13 +202,13 @@ pub fn location() -> (PathBuf, bool) {
 }
 
 /// Loads and validates the configuration from its usual location.
-pub fn load() -> Result<Config, ConfigError> {
+pub(crate) fn load() -> Result<Config, ConfigError> {
     let (path, required) = location();
     load_from(&path, required)
 }
 
 /// Loads `path`; when it does not exist and `required` is false, the defaults apply.
-pub fn load_from(path: &Path, required: bool) -> Result<Config, ConfigError> {
+pub(crate) fn load_from(path: &Path, required: bool) -> Result<Config, ConfigError> {
     match std::fs::read_to_string(path) {
         Ok(text) => parse(&text, Some(path)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => parse("", None),
@@ -222,7 +222,7 @@ pub fn load_from(path: &Path, required: bool) -> Result<Config, ConfigError> {
 /// Only the low-level runtime candidates: the one setting the shim needs for commands
 /// it passes through untouched. Reads nothing but this key, so a passthrough costs one
 /// small file read.
-pub fn low_level_runtime() -> Result<Vec<String>, ConfigError> {
+pub(crate) fn low_level_runtime() -> Result<Vec<String>, ConfigError> {
     fast_path().map(|f| f.low_level_runtime)
 }
 
@@ -231,19 +231,19 @@ pub fn low_level_runtime() -> Result<Vec<String>, ConfigError> {
 /// may still hold an allocation that is one). Its value is judged by [`load`], on the
 /// path that uses it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FastPath {
+pub(crate) struct FastPath {
     pub low_level_runtime: Vec<String>,
     pub default_device: bool,
 }
 
 /// Reads [`FastPath`]'s keys from the usual location and nothing else.
-pub fn fast_path() -> Result<FastPath, ConfigError> {
+pub(crate) fn fast_path() -> Result<FastPath, ConfigError> {
     let (path, required) = location();
     fast_path_from(&path, required)
 }
 
 /// [`fast_path`] from `path`; when it does not exist and `required` is false, the defaults.
-pub fn fast_path_from(path: &Path, required: bool) -> Result<FastPath, ConfigError> {
+pub(crate) fn fast_path_from(path: &Path, required: bool) -> Result<FastPath, ConfigError> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => {
@@ -634,7 +634,7 @@ impl Check {
 
 impl MpsConfig {
     /// The configured IPC mode, in the request's terms.
-    pub fn ipc_mode(&self) -> crate::request::IpcMode {
+    pub(crate) fn ipc_mode(&self) -> crate::request::IpcMode {
         match self.ipc {
             IpcConfig::Isolated => crate::request::IpcMode::Isolated,
             IpcConfig::Host => crate::request::IpcMode::Host,
@@ -643,7 +643,7 @@ impl MpsConfig {
 
     /// How long a container record written by the shim (create pending, no pid yet) keeps
     /// its daemon from idling: a create that has not reached the hook by then has failed.
-    pub fn pending_grace(&self) -> Duration {
+    pub(crate) fn pending_grace(&self) -> Duration {
         self.start_timeout * 2 + Duration::from_secs(30)
     }
 }
@@ -661,7 +661,7 @@ fn parse_shm_size(s: &str) -> Option<ShmSize> {
 /// `"10s"`, `"500ms"`, `"5m"`, `"1h"`, or `"0"`. Not humantime's parser: it reads every
 /// one of these the same, but it also takes `"1M"` as a month (in a file where `"1M"` is a
 /// size of 1 MiB), `"1.5h"`, `"1h 30m"`, `" 10s"` and microseconds, all refused here.
-pub fn parse_duration(s: &str) -> Option<Duration> {
+pub(crate) fn parse_duration(s: &str) -> Option<Duration> {
     if s == "0" {
         return Some(Duration::ZERO);
     }

@@ -40,7 +40,7 @@ use crate::spec::SpecFile;
 
 /// A request served on this node: what the pipeline decided for it.
 #[derive(Debug)]
-pub struct Resolved {
+pub(crate) struct Resolved {
     pub request: Request,
     /// The devices it resolved to, checked against it.
     pub devices: ResolvedDevices,
@@ -55,7 +55,7 @@ pub struct Resolved {
 /// this node's config ([`request::parse`] with `accept-env-requests` and
 /// `default-device`), then [`resolve`] for the container's user (`SpecFile::host_user`).
 /// `Ok(None)`: no request (a sandbox, no device key and no default that applies).
-pub fn resolve_spec(
+pub(crate) fn resolve_spec(
     cfg: &Config,
     spec: &SpecFile,
     ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
@@ -75,7 +75,7 @@ pub fn resolve_spec(
 /// their memory and the operator's ceilings, the IPC mode (`ipc`: the shim, hook-only mode
 /// and `daemon start` each have their own rule), the host user, the daemon identity.
 /// Creates nothing.
-pub fn resolve(
+pub(crate) fn resolve(
     cfg: &Config,
     req: Request,
     ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
@@ -128,7 +128,7 @@ const ANN_IPC_MODE: &str = "gpushare.io/ipc-mode";
 
 /// What the shim decided for a container and hands the hook.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Decision {
+pub(crate) struct Decision {
     /// The daemon the container uses.
     pub identity: Identity,
     /// The container user's host UID and GID (`SpecFile::host_user`): informational, the
@@ -138,7 +138,7 @@ pub struct Decision {
 
 impl Decision {
     /// The decision annotations, in the order the shim writes them.
-    pub fn to_annotations(&self) -> Result<Vec<(String, String)>, serde_json::Error> {
+    pub(crate) fn to_annotations(&self) -> Result<Vec<(String, String)>, serde_json::Error> {
         let ipc = if self.identity.ipc_host {
             IpcMode::Host
         } else {
@@ -179,7 +179,7 @@ pub enum DecisionError {
 /// The daemon id as the annotation holds it, unvalidated: `poststop` hands it to
 /// `ensure::release` (which validates it), hook-only mode takes its presence as "prepared
 /// by gpushare-runtime".
-pub fn daemon_annotation(ann: &HashMap<String, String>) -> Option<&str> {
+pub(crate) fn daemon_annotation(ann: &HashMap<String, String>) -> Option<&str> {
     ann.get(ANN_DAEMON).map(String::as_str)
 }
 

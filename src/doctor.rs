@@ -10,14 +10,14 @@ use crate::config::{Config, UserMode};
 use crate::device::{ComputeMode, Inventory, InventorySource};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Level {
+pub(crate) enum Level {
     Ok,
     Warn,
     Fail,
 }
 
 #[derive(Debug)]
-pub struct Check {
+pub(crate) struct Check {
     pub name: &'static str,
     pub level: Level,
     pub detail: String,
@@ -50,7 +50,7 @@ fn fail(name: &'static str, detail: impl Into<String>, fix: impl Into<String>) -
 }
 
 /// Where the engines' configs are looked for (overridable for tests and odd layouts).
-pub struct Paths {
+pub(crate) struct Paths {
     pub docker: PathBuf,
     pub containerd: PathBuf,
     /// Whether an engine runs here at all is told by its socket.
@@ -403,7 +403,7 @@ fn engine_checks(paths: &Paths, out: &mut Vec<Check>) {
 }
 
 /// Runs every check.
-pub fn run(cfg: &Config, paths: &Paths) -> Vec<Check> {
+pub(crate) fn run(cfg: &Config, paths: &Paths) -> Vec<Check> {
     let mut out = vec![ok(
         "config",
         cfg.path.as_ref().map_or_else(
@@ -459,7 +459,7 @@ fn low_level_runtime_check(cfg: &Config) -> Check {
 }
 
 /// The report for a config that does not load: one FAIL line (exit 2).
-pub fn config_failure(error: &str) -> Check {
+pub(crate) fn config_failure(error: &str) -> Check {
     fail(
         "config",
         error.to_owned(),
@@ -471,7 +471,7 @@ pub fn config_failure(error: &str) -> Check {
 }
 
 /// Prints the checks; returns the exit code (0 ok, 1 warn, 2 fail).
-pub fn report(checks: &[Check]) -> (String, i32) {
+pub(crate) fn report(checks: &[Check]) -> (String, i32) {
     let mut text = String::new();
     for c in checks {
         let tag = match c.level {

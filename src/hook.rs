@@ -35,7 +35,7 @@ pub struct State {
 impl State {
     /// The record of the container this state describes, as both hooks that ensure a
     /// daemon (`create-runtime`, hook-only `prestart`) write it.
-    pub fn container_record(&self) -> ContainerRecord {
+    pub(crate) fn container_record(&self) -> ContainerRecord {
         ContainerRecord::new(
             self.id.clone(),
             self.pid,
@@ -67,7 +67,7 @@ pub fn read_state(mut input: impl Read) -> anyhow::Result<State> {
 }
 
 /// Which engine created a container, from what engines leave in its state.
-pub fn engine_of(state: &State) -> String {
+pub(crate) fn engine_of(state: &State) -> String {
     let ann = |k: &str| state.annotations.get(k).map(String::as_str);
     let bundle = state
         .bundle
@@ -88,7 +88,7 @@ pub fn engine_of(state: &State) -> String {
 }
 
 /// `createRuntime`: ensure the daemon, record the container.
-pub fn create_runtime(cfg: &Config, state: &State) -> anyhow::Result<()> {
+pub(crate) fn create_runtime(cfg: &Config, state: &State) -> anyhow::Result<()> {
     let ident = crate::decision::identity_from_annotations(&state.annotations)?;
     let dirs = StateDir::new(&cfg.state_dir);
     let ensured = ensure::ensure(cfg, &dirs, &ident, Some(&state.container_record()))?;
@@ -103,7 +103,7 @@ pub fn create_runtime(cfg: &Config, state: &State) -> anyhow::Result<()> {
 }
 
 /// `poststop`: forget the container. Logs, never fails.
-pub fn poststop(cfg: &Config, state: &State) {
+pub(crate) fn poststop(cfg: &Config, state: &State) {
     let dirs = StateDir::new(&cfg.state_dir);
     let daemon = crate::decision::daemon_annotation(&state.annotations);
     if ensure::release(&dirs, daemon, &state.id) {

@@ -35,12 +35,12 @@ use crate::spec::SpecFile;
 use crate::state::StateDir;
 
 /// Where the pipe directory appears in hook-only mode: CUDA's default.
-pub const PIPE_IN_CONTAINER: &str = "tmp/nvidia-mps";
+pub(crate) const PIPE_IN_CONTAINER: &str = "tmp/nvidia-mps";
 
 /// `prestart` in hook-only mode. Returns without doing anything for a pod's sandbox
 /// (known from the state's annotations, before config.json is read), for containers
 /// without a request, and for those already prepared by gpushare-runtime.
-pub fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
+pub(crate) fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
     if let Some((key, value)) =
         request::sandbox_marker(|k| state.annotations.get(k).map(String::as_str))
     {
@@ -154,9 +154,7 @@ struct Bind {
 /// Every bind is nosuid, nodev and noexec, and read-only where it says so, before it is
 /// attached.
 fn mount_into(pid: i32, rootfs: &Path, binds: &[Bind]) -> anyhow::Result<()> {
-    use crate::sys::{
-        MountAt, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY,
-    };
+    use crate::sys::{MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY};
     use rustix::fs::CWD;
     use rustix::mount::{self, MoveMountFlags, OpenTreeFlags};
     use std::os::fd::AsFd;
@@ -177,7 +175,7 @@ fn mount_into(pid: i32, rootfs: &Path, binds: &[Bind]) -> anyhow::Result<()> {
             if b.read_only {
                 set |= MOUNT_ATTR_RDONLY;
             }
-            crate::sys::set_mount_attr(MountAt::Fd(&tree), true, set, 0).with_context(|| {
+            crate::sys::set_mount_attr(&tree, true, set, 0).with_context(|| {
                 format!(
                     "make the clone of {} {}nosuid, nodev and noexec",
                     b.source.display(),

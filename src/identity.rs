@@ -22,9 +22,9 @@ use crate::config::{Config, Limits, UserMode};
 use crate::request::{IpcMode, Request};
 
 /// Length of a daemon id: 32 lowercase hex digits (128 bits).
-pub const ID_LEN: usize = 32;
+pub(crate) const ID_LEN: usize = 32;
 /// What a daemon id may be, for error messages.
-pub const ID_ALLOWED: &str = "32 lowercase hex digits";
+pub(crate) const ID_ALLOWED: &str = "32 lowercase hex digits";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Identity {
@@ -52,7 +52,7 @@ impl Identity {
     /// the node's `mps.daemon-gid` (unset: the group numbered like the uid), never the
     /// container's: a container started with the `disk` or `video` group must not pass it
     /// to a process that sees the host.
-    pub fn for_request(
+    pub(crate) fn for_request(
         cfg: &Config,
         devices: &[String],
         uid: u32,
@@ -78,7 +78,7 @@ impl Identity {
     }
 
     /// The canonical text the id hashes; stable across versions (prefix `v1`).
-    pub fn canonical(&self) -> String {
+    pub(crate) fn canonical(&self) -> String {
         let opt = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |v| v.to_string());
         format!(
             "v1|devices={}|uid={}|multi-user={}|tp={}|mem={}|ipc={}",
@@ -106,7 +106,7 @@ impl Identity {
 
     /// Whether a container of this identity may use a daemon created for `other`
     /// (everything but the GID must match).
-    pub fn same_daemon(&self, other: &Identity) -> bool {
+    pub(crate) fn same_daemon(&self, other: &Identity) -> bool {
         self.canonical() == other.canonical()
     }
 }
@@ -114,7 +114,7 @@ impl Identity {
 /// The limits a request asks for, or the node's defaults (`mps.default-*`): what the
 /// daemon enforces under `limits = "enforced"` ([`Identity::for_request`]) and what the
 /// container's client environment carries either way.
-pub fn requested_limits(cfg: &Config, req: &Request) -> (Option<u8>, Option<u64>) {
+pub(crate) fn requested_limits(cfg: &Config, req: &Request) -> (Option<u8>, Option<u64>) {
     (
         req.active_thread_percentage
             .as_ref()

@@ -30,11 +30,11 @@ use sha2::{Digest, Sha256};
 use crate::device::{self, DeviceError, Inventory, InventorySource};
 
 /// The cache file's name in the state directory.
-pub const CACHE_FILE: &str = "inventory.json";
+pub(crate) const CACHE_FILE: &str = "inventory.json";
 
 /// A cache file larger than this is not read (an inventory of 64 GPUs with 7 MIG devices
 /// each is about 60 KiB).
-pub const MAX_CACHE_BYTES: u64 = 1 << 20;
+pub(crate) const MAX_CACHE_BYTES: u64 = 1 << 20;
 
 /// At most this many procfs entries go into the fingerprint.
 const MAX_FINGERPRINT_ENTRIES: usize = 4096;
@@ -51,7 +51,7 @@ struct CacheFile {
 /// The inventory of `source` for a create: from the cache in `state_dir` when `source` is
 /// NVML, `ttl` is not zero, and the cache is fresh (module doc); else loaded, and then
 /// cached.
-pub fn load(
+pub(crate) fn load(
     source: &InventorySource,
     state_dir: &Path,
     ttl: Duration,
@@ -132,7 +132,7 @@ fn write(path: &Path, fingerprint: &str, now_ms: u64, inventory: &Inventory) -> 
 
 /// What the driver shows of the node's devices, hashed (module doc); `None` without an
 /// NVIDIA driver (no `<proc>/driver/nvidia/version`).
-pub fn fingerprint(proc: &Path) -> Option<String> {
+pub(crate) fn fingerprint(proc: &Path) -> Option<String> {
     let nvidia = proc.join("driver/nvidia");
     let mut h = Sha256::new();
     h.update(std::fs::read(nvidia.join("version")).ok()?);

@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use crate::config::{Config, LogFormat};
 
 /// Installs the global subscriber for this process. Idempotent; best effort.
-pub fn init(cfg: &Config) {
+pub(crate) fn init(cfg: &Config) {
     let Some(path) = &cfg.log_file else { return };
     if let Some(dir) = path.parent() {
         let _ = std::fs::create_dir_all(dir);

@@ -57,20 +57,20 @@ use serde::{Deserialize, Serialize};
 use crate::device::{
     is_well_formed_uuid, quote, DeviceError, DeviceKind, Inventory, ResolvedDevices,
 };
-pub use crate::device::{DeviceRequest, DeviceSelector};
-pub use allocation::{allocation, AllocatedDevices, Allocation, AllocationSource};
+pub(crate) use crate::device::{DeviceRequest, DeviceSelector};
+pub(crate) use allocation::{allocation, Allocation};
 
 /// The device value meaning "the devices this container was allocated".
-pub const ALLOCATED: &str = "allocated";
+pub(crate) const ALLOCATED: &str = "allocated";
 /// The config key that makes [`ALLOCATED`] every container's default; a default request's
 /// errors name it.
-pub const DEFAULT_DEVICE_KEY: &str = "default-device";
+pub(crate) const DEFAULT_DEVICE_KEY: &str = "default-device";
 
 /// Annotations that mark a pod's sandbox ("pause") container, engine by engine
 /// (k8s-facts.md §3): containerd CRI, CRI-O, and the dockershim/cri-dockerd label should an
 /// engine ever copy it into annotations (Kata reads the same three). Podman's infra
 /// container carries no marker in its spec (its infra flag lives in libpod's database).
-pub const SANDBOX_MARKERS: [(&str, &str); 3] = [
+pub(crate) const SANDBOX_MARKERS: [(&str, &str); 3] = [
     ("io.kubernetes.cri.container-type", "sandbox"),
     ("io.kubernetes.cri-o.ContainerType", "sandbox"),
     ("io.kubernetes.docker.type", "podsandbox"),
@@ -80,7 +80,7 @@ pub const SANDBOX_MARKERS: [(&str, &str); 3] = [
 /// every path checks it first. The values are compared exactly, as the engines write them.
 /// A marker only ever takes gpushare away from a container (a tenant who sets one on a
 /// workload container opts out of its own share), never grants anything.
-pub fn sandbox_marker<'a>(
+pub(crate) fn sandbox_marker<'a>(
     annotation: impl Fn(&str) -> Option<&'a str>,
 ) -> Option<(&'static str, &'static str)> {
     SANDBOX_MARKERS
@@ -105,7 +105,7 @@ pub struct Inputs<'a> {
 }
 
 impl<'a> Inputs<'a> {
-    pub fn annotation(&self, key: &str) -> Option<&'a str> {
+    pub(crate) fn annotation(&self, key: &str) -> Option<&'a str> {
         self.annotations?.get(key).map(String::as_str)
     }
 }
@@ -135,11 +135,11 @@ pub enum DeviceValue {
 }
 
 /// Longest value accepted for any key, in bytes: room for 16 full GPU UUIDs and commas.
-pub const MAX_VALUE_LEN: usize = 1024;
+pub(crate) const MAX_VALUE_LEN: usize = 1024;
 /// Most entries in a device list.
 pub const MAX_DEVICES: usize = 16;
 /// Smallest pinned memory limit, in bytes (MPS takes whole MiB).
-pub const MIN_PINNED_MEMORY_LIMIT: u64 = MIB;
+pub(crate) const MIN_PINNED_MEMORY_LIMIT: u64 = MIB;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -158,29 +158,29 @@ const IPC_ALLOWED: &str = "isolated or host";
 
 /// A request key: its annotation and its env var.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Key {
+pub(crate) struct Key {
     pub annotation: &'static str,
     pub env: &'static str,
 }
 
-pub const DEVICE: Key = Key {
+pub(crate) const DEVICE: Key = Key {
     annotation: "gpushare.io/device",
     env: "GPUSHARE_DEVICE",
 };
-pub const ACTIVE_THREAD_PERCENTAGE: Key = Key {
+pub(crate) const ACTIVE_THREAD_PERCENTAGE: Key = Key {
     annotation: "gpushare.io/active-thread-percentage",
     env: "GPUSHARE_ACTIVE_THREAD_PERCENTAGE",
 };
-pub const PINNED_MEMORY_LIMIT: Key = Key {
+pub(crate) const PINNED_MEMORY_LIMIT: Key = Key {
     annotation: "gpushare.io/pinned-memory-limit",
     env: "GPUSHARE_PINNED_MEMORY_LIMIT",
 };
-pub const IPC: Key = Key {
+pub(crate) const IPC: Key = Key {
     annotation: "gpushare.io/ipc",
     env: "GPUSHARE_IPC",
 };
 /// Every request key, in the order they are read.
-pub const KEYS: [Key; 4] = [DEVICE, ACTIVE_THREAD_PERCENTAGE, PINNED_MEMORY_LIMIT, IPC];
+pub(crate) const KEYS: [Key; 4] = [DEVICE, ACTIVE_THREAD_PERCENTAGE, PINNED_MEMORY_LIMIT, IPC];
 
 /// How the container reaches the MPS server's shared memory (DESIGN §4.3).
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -358,15 +358,15 @@ pub enum RequestError {
 
 /// The operator's ceilings on what a request may ask for (`mps.max-*`); `None`: none.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Ceilings {
+pub(crate) struct Ceilings {
     pub active_thread_percentage: Option<u8>,
     /// Bytes.
     pub pinned_memory_limit: Option<u64>,
 }
 
 /// The config keys of the ceilings, as errors name them.
-pub const MAX_ACTIVE_THREAD_PERCENTAGE_KEY: &str = "mps.max-active-thread-percentage";
-pub const MAX_PINNED_MEMORY_LIMIT_KEY: &str = "mps.max-pinned-memory-limit";
+pub(crate) const MAX_ACTIVE_THREAD_PERCENTAGE_KEY: &str = "mps.max-active-thread-percentage";
+pub(crate) const MAX_PINNED_MEMORY_LIMIT_KEY: &str = "mps.max-pinned-memory-limit";
 
 /// `24 GiB` for a whole number of GiB, else whole MiB rounded down (`5952 MiB`).
 fn human_size(bytes: u64) -> String {
@@ -388,7 +388,7 @@ fn short_size(bytes: u64) -> String {
 
 /// The MPS control syntax for a byte count: whole MiB, rounded down, as `<n>M`. Inputs come
 /// from [`parse_size`], which refuses anything below 1M.
-pub fn format_mps_size(bytes: u64) -> String {
+pub(crate) fn format_mps_size(bytes: u64) -> String {
     format!("{}M", bytes / MIB)
 }
 
@@ -476,7 +476,7 @@ pub fn parse_device(key: &'static str, raw: &str) -> Result<DeviceRequest, Reque
 /// [`parse_device`] where no container is at hand (`gpushare daemon start --device`, named
 /// `what` in the refusal): [`ALLOCATED`] is refused with a line of its own, and errors
 /// do not offer it.
-pub fn parse_device_without_container(
+pub(crate) fn parse_device_without_container(
     key: &'static str,
     raw: &str,
     what: &'static str,
@@ -606,7 +606,7 @@ pub fn parse_size(key: &'static str, raw: &str) -> Result<u64, RequestError> {
 }
 
 /// Parses an IPC mode: exactly `isolated` or `host`.
-pub fn parse_ipc(key: &'static str, raw: &str) -> Result<IpcMode, RequestError> {
+pub(crate) fn parse_ipc(key: &'static str, raw: &str) -> Result<IpcMode, RequestError> {
     check_raw(key, raw, IPC_ALLOWED)?;
     match raw {
         "isolated" => Ok(IpcMode::Isolated),
@@ -710,7 +710,7 @@ pub fn parse(c: &Inputs<'_>, opts: &Options) -> Result<Option<Request>, RequestE
 /// memory ([`check_against`]) and the operator's ceilings ([`check_ceilings`]). Of two
 /// bounds on the pinned memory limit the tighter one is checked first, so that the
 /// refusal's "allowed" range is one that passes.
-pub fn check(
+pub(crate) fn check(
     req: &Request,
     devices: &ResolvedDevices,
     ceilings: &Ceilings,
@@ -728,7 +728,7 @@ pub fn check(
 }
 
 /// Refuses a limit above the operator's ceiling for it; a limit not given is not checked.
-pub fn check_ceilings(req: &Request, ceilings: &Ceilings) -> Result<(), RequestError> {
+pub(crate) fn check_ceilings(req: &Request, ceilings: &Ceilings) -> Result<(), RequestError> {
     if let (Some(asked), Some(max)) = (
         &req.active_thread_percentage,
         ceilings.active_thread_percentage,

@@ -16,11 +16,11 @@ use crate::device::Inventory;
 use crate::mps::control::{resolve_binary, Control};
 use crate::state::{ContainerRecord, DaemonStatus, StateDir};
 
-pub const SCHEMA: &str = "gpushare.status/v1";
+pub(crate) const SCHEMA: &str = "gpushare.status/v1";
 
 /// One device of a daemon, described from the inventory when it can be read.
 #[derive(Debug, Serialize)]
-pub struct DeviceView {
+pub(crate) struct DeviceView {
     pub uuid: String,
     /// `GPU 0` or `MIG 1:0`.
     pub name: Option<String>,
@@ -29,7 +29,7 @@ pub struct DeviceView {
 }
 
 #[derive(Debug, Serialize)]
-pub struct DaemonView {
+pub(crate) struct DaemonView {
     pub id: String,
     pub devices: Vec<DeviceView>,
     /// Host UID the daemon serves (0 and `multi_user` for a multi-user daemon).
@@ -62,7 +62,7 @@ pub struct DaemonView {
 
 impl DaemonView {
     /// The UID it serves, or `multi` for a multi-user daemon.
-    pub fn uid_label(&self) -> String {
+    pub(crate) fn uid_label(&self) -> String {
         if self.multi_user {
             "multi".to_owned()
         } else {
@@ -72,7 +72,7 @@ impl DaemonView {
 }
 
 #[derive(Debug, Serialize)]
-pub struct StatusView {
+pub(crate) struct StatusView {
     pub schema: &'static str,
     pub state_dir: String,
     pub daemons: Vec<DaemonView>,
@@ -127,7 +127,7 @@ fn probe(control: &Control) -> Result<(usize, usize), String> {
 }
 
 /// Collects the view of every daemon under the state dir.
-pub fn collect(cfg: &Config) -> StatusView {
+pub(crate) fn collect(cfg: &Config) -> StatusView {
     let state = StateDir::new(&cfg.state_dir);
     let inventory = crate::device::load(&cfg.inventory).ok();
     let binary = resolve_binary(&cfg.mps.control_binary).map_err(|e| e.to_string());
@@ -226,7 +226,7 @@ fn human_duration(secs: u64) -> String {
     }
 }
 
-pub fn table(view: &StatusView) -> String {
+pub(crate) fn table(view: &StatusView) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -310,7 +310,7 @@ fn label(v: &str) -> String {
 }
 
 /// Prometheus text exposition format (node-exporter textfile collector).
-pub fn prometheus(view: &StatusView) -> String {
+pub(crate) fn prometheus(view: &StatusView) -> String {
     let mut out = String::new();
     let mut metric = |name: &str, kind: &str, help: &str, rows: Vec<(String, String)>| {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");

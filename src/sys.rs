@@ -3,7 +3,7 @@
 //! rustix wraps yet; `open_tree` and `move_mount` are rustix's), and the two NVML calls
 //! nvml-wrapper does not wrap (a MIG device's instance ids).
 //!
-//! `harden_child` runs between fork and exec of a child of a (single-threaded) supervisor,
+//! `confine_child` runs between fork and exec of a child of a (single-threaded) supervisor,
 //! where only async-signal-safe calls are allowed: plain syscalls, no allocation, no locks.
 
 use std::ffi::{CStr, CString};
@@ -15,31 +15,11 @@ use std::process::Command;
 
 use nix::sys::signal::Signal;
 
-/// Makes the child die with its parent (so a killed supervisor never leaves an orphaned
-/// daemon holding the socket) and unable to gain privileges through exec
-/// (`no_new_privs`: setuid binaries and file capabilities are inert).
-pub fn harden_child(cmd: &mut Command, parent: nix::unistd::Pid) {
-    // SAFETY: the closure runs in the forked child before exec and only makes
-    // async-signal-safe syscalls (prctl, getppid); it allocates nothing but the
-    // error for the parent-gone case, after which the child only reports and exits.
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
-            // The parent may have died before prctl took effect: then die now.
-            if nix::unistd::getppid() != parent {
-                return Err(std::io::Error::other("parent exited before exec"));
-            }
-            nix::sys::prctl::set_no_new_privs()?;
-            Ok(())
-        });
-    }
-}
-
 // linux/mount.h, stable since Linux 5.12 (mount_setattr).
-pub const MOUNT_ATTR_RDONLY: u64 = 0x0000_0001;
-pub const MOUNT_ATTR_NOSUID: u64 = 0x0000_0002;
-pub const MOUNT_ATTR_NODEV: u64 = 0x0000_0004;
-pub const MOUNT_ATTR_NOEXEC: u64 = 0x0000_0008;
+pub(crate) const MOUNT_ATTR_RDONLY: u64 = 0x0000_0001;
+pub(crate) const MOUNT_ATTR_NOSUID: u64 = 0x0000_0002;
+pub(crate) const MOUNT_ATTR_NODEV: u64 = 0x0000_0004;
+pub(crate) const MOUNT_ATTR_NOEXEC: u64 = 0x0000_0008;
 const AT_RECURSIVE: u32 = 0x8000;
 
 /// `struct mount_attr` (linux/mount.h, MOUNT_ATTR_SIZE_VER0).
@@ -49,14 +29,6 @@ struct MountAttr {
     attr_clr: u64,
     propagation: u64,
     userns_fd: u64,
-}
-
-/// Which mount `set_mount_attr` changes.
-pub enum MountAt<'a> {
-    /// The mount at this path (resolved with symlinks refused, `AT_SYMLINK_NOFOLLOW`).
-    Path(&'a Path),
-    /// The mount (attached or detached) this fd refers to.
-    Fd(&'a OwnedFd),
 }
 
 /// The raw call, allocation-free so that a forked child may make it before exec.
@@ -85,34 +57,28 @@ fn mount_setattr(dirfd: i32, path: &CStr, flags: u32, set: u64, clr: u64) -> nix
     Ok(())
 }
 
-/// `mount_setattr(2)`: sets the `set` and clears the `clr` `MOUNT_ATTR_*` flags of one
-/// mount, or of the whole tree below it with `recursive`. The one call that makes a mount
+/// `mount_setattr(2)`: sets the `set` and clears the `clr` `MOUNT_ATTR_*` flags of the
+/// mount (attached or detached) `fd` refers to, or of the whole tree below it with
+/// `recursive`. The one call that makes a mount
 /// tree read-only, nodev and nosuid at once, including a detached `open_tree` clone
 /// before it is attached.
-pub fn set_mount_attr(at: MountAt<'_>, recursive: bool, set: u64, clr: u64) -> nix::Result<()> {
+pub(crate) fn set_mount_attr(fd: &OwnedFd, recursive: bool, set: u64, clr: u64) -> nix::Result<()> {
     let mut flags = nix::libc::AT_SYMLINK_NOFOLLOW as u32;
     if recursive {
         flags |= AT_RECURSIVE;
     }
-    match at {
-        MountAt::Path(p) => {
-            let c =
-                CString::new(p.as_os_str().as_bytes()).map_err(|_| nix::errno::Errno::EINVAL)?;
-            mount_setattr(nix::libc::AT_FDCWD, &c, flags, set, clr)
-        }
-        MountAt::Fd(fd) => mount_setattr(
-            fd.as_raw_fd(),
-            c"",
-            flags | nix::libc::AT_EMPTY_PATH as u32,
-            set,
-            clr,
-        ),
-    }
+    mount_setattr(
+        fd.as_raw_fd(),
+        c"",
+        flags | nix::libc::AT_EMPTY_PATH as u32,
+        set,
+        clr,
+    )
 }
 
 /// The parts of /proc that stay read-only in a confined child although /proc itself is
 /// writable: the host-wide ones Docker keeps read-only in every container.
-pub const PROC_READONLY: [&str; 5] = [
+pub(crate) const PROC_READONLY: [&str; 5] = [
     "/proc/sys",
     "/proc/sysrq-trigger",
     "/proc/bus",
@@ -124,7 +90,7 @@ pub const PROC_READONLY: [&str; 5] = [
 /// read-only, nosuid and nodev, except what is listed here and /proc (writable but for
 /// [`PROC_READONLY`]).
 #[derive(Debug, Default)]
-pub struct Confinement {
+pub(crate) struct Confinement {
     /// Directories that stay writable (the daemon's pipe and log directories, /dev/shm).
     pub writable: Vec<CString>,
     /// Device nodes that stay usable (the GPU's, /dev/null and friends).
@@ -132,13 +98,13 @@ pub struct Confinement {
 }
 
 impl Confinement {
-    pub fn writable(&mut self, path: &Path) -> &mut Self {
+    pub(crate) fn writable(&mut self, path: &Path) -> &mut Self {
         if let Ok(c) = CString::new(path.as_os_str().as_bytes()) {
             self.writable.push(c);
         }
         self
     }
-    pub fn device(&mut self, path: &Path) -> &mut Self {
+    pub(crate) fn device(&mut self, path: &Path) -> &mut Self {
         if let Ok(c) = CString::new(path.as_os_str().as_bytes()) {
             self.devices.push(c);
         }
@@ -148,13 +114,15 @@ impl Confinement {
 
 /// Runs `cmd`'s child in a mount namespace of its own where the host is read-only, nosuid
 /// and nodev but for `conf`, then drops to `user` (uid, gid; no supplementary groups)
-/// when given, then applies `harden_child`'s parent-death signal and `no_new_privs`.
+/// when given, then sets the parent-death signal (SIGKILL: a killed supervisor never leaves
+/// an orphaned daemon holding the socket) and `no_new_privs` (setuid binaries and file
+/// capabilities are inert).
 ///
 /// Everything happens in the child between fork and exec, in this order because each
 /// step needs the privileges the next one drops: mounts need CAP_SYS_ADMIN, and a change
 /// of credentials clears the parent-death signal (commit_creds), so that comes last.
 /// Do not also set `cmd.uid`/`cmd.gid`: std would switch users before these steps run.
-pub fn confine_child(
+pub(crate) fn confine_child(
     cmd: &mut Command,
     conf: Confinement,
     user: Option<(u32, u32)>,
@@ -235,7 +203,7 @@ pub fn confine_child(
 /// A MIG device's GPU instance id and compute instance id (`nvmlDeviceGetGpuInstanceId`,
 /// `nvmlDeviceGetComputeInstanceId`, which nvml-wrapper 0.13 does not wrap). `mig` must be a
 /// MIG device handle; `None` when the driver lacks either call or answers an error.
-pub fn nvml_mig_instance_ids(mig: &nvml_wrapper::Device<'_>) -> Option<(u32, u32)> {
+pub(crate) fn nvml_mig_instance_ids(mig: &nvml_wrapper::Device<'_>) -> Option<(u32, u32)> {
     let lib = mig.nvml().lib();
     let gi_fn = lib.nvmlDeviceGetGpuInstanceId.as_ref().ok()?;
     let ci_fn = lib.nvmlDeviceGetComputeInstanceId.as_ref().ok()?;

@@ -30,18 +30,18 @@ use nix::unistd::UnlinkatFlags;
 /// RFC 3339 UTC time with milliseconds, e.g. `2026-11-21T21:05:16.123Z`. humantime writes
 /// only years 1970 to 9999 (and panics outside them): a time before is written as the
 /// first instant of 1970, one after as the last of 9999.
-pub fn rfc3339(t: SystemTime) -> String {
+pub(crate) fn rfc3339(t: SystemTime) -> String {
     const LAST: Duration = Duration::from_millis(253_402_300_799_999);
     humantime::format_rfc3339_millis(t.clamp(UNIX_EPOCH, UNIX_EPOCH + LAST)).to_string()
 }
 
-pub fn rfc3339_now() -> String {
+pub(crate) fn rfc3339_now() -> String {
     rfc3339(SystemTime::now())
 }
 
 /// Waits up to `grace` (polling every 10 ms) for `child` to exit by itself, then kills it;
 /// reaps it either way. The tail of every "ask it to stop, then make sure" in gpushare.
-pub fn wait_or_kill(child: &mut std::process::Child, grace: Duration) {
+pub(crate) fn wait_or_kill(child: &mut std::process::Child, grace: Duration) {
     let every = Duration::from_millis(10);
     let exited = poll_until(Instant::now() + grace, every, every, || {
         matches!(child.try_wait(), Ok(Some(_))).then_some(())
@@ -56,7 +56,7 @@ pub fn wait_or_kill(child: &mut std::process::Child, grace: Duration) {
 /// without an answer. Between calls it sleeps `first_pause`, doubled after each call up to
 /// `max_pause` (equal pauses poll at a fixed rate), and never past `deadline`: the last
 /// call is made at the deadline, and a deadline already past means exactly one call.
-pub fn poll_until<T>(
+pub(crate) fn poll_until<T>(
     deadline: Instant,
     first_pause: Duration,
     max_pause: Duration,
@@ -89,7 +89,7 @@ fn poll_with<T>(
 
 /// An error and its causes on one line, as anyhow's `{:#}` prints them (`{:#}` on a plain
 /// error prints only its own message).
-pub fn error_chain(error: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut cause = error.source();
     while let Some(c) = cause {
@@ -100,7 +100,7 @@ pub fn error_chain(error: &dyn std::error::Error) -> String {
     text
 }
 
-pub fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
@@ -110,13 +110,13 @@ pub fn unix_now() -> u64 {
 /// Writes `data` to `path` atomically: a temp file in the same directory, fsync, rename,
 /// fsync of the directory. The temp file is created with O_EXCL, never follows a link,
 /// and gets `mode` before any byte is written.
-pub fn write_atomic(path: &Path, data: &[u8], mode: u32) -> std::io::Result<()> {
+pub(crate) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> std::io::Result<()> {
     write_atomic_with(path, data, mode, true)
 }
 
 /// `write_atomic`, with the fsyncs only when `durable`: the rename is atomic either way,
 /// but without fsync a crash may lose the new content.
-pub fn write_atomic_with(
+pub(crate) fn write_atomic_with(
     path: &Path,
     data: &[u8],
     mode: u32,
@@ -169,7 +169,7 @@ pub fn proc_start_time(pid: i32) -> Option<u64> {
 }
 
 /// The metadata of `path` if it is a regular file (after links) with an exec bit.
-pub fn executable(path: &Path) -> Option<std::fs::Metadata> {
+pub(crate) fn executable(path: &Path) -> Option<std::fs::Metadata> {
     let md = std::fs::metadata(path).ok()?;
     (md.is_file() && md.permissions().mode() & 0o111 != 0).then_some(md)
 }
@@ -184,7 +184,7 @@ pub fn find_executable(name: &str, path_var: &OsStr) -> Option<PathBuf> {
 /// Directories of a tree held open at once below its top while it is removed. A deeper
 /// directory is first renamed up into the top (see `clear`), so the fds in use never
 /// depend on the tree: this many, plus the top and its parent.
-pub const HELD_DIRS: usize = 16;
+pub(crate) const HELD_DIRS: usize = 16;
 /// Names read from one directory per pass: memory stays bounded on a huge directory.
 const BATCH: usize = 256;
 /// Times entries may appear under a removal (a directory refilled before its rmdir, a
@@ -199,7 +199,7 @@ fn dir_flags() -> OFlag {
 /// wide and strange as it likes (sockets, FIFOs, symlinks, a 100,000-deep chain). Only
 /// `path`'s last component and what is below it are distrusted; its parent is opened by
 /// path. A symlink at `path` is removed itself. A missing `path` is fine.
-pub fn remove_all(path: &Path) -> std::io::Result<()> {
+pub(crate) fn remove_all(path: &Path) -> std::io::Result<()> {
     let (parent, name) = split(path)?;
     let parent = match nix::fcntl::open(
         parent,
@@ -239,7 +239,7 @@ pub fn remove_all(path: &Path) -> std::io::Result<()> {
 
 /// Removes everything inside the directory `path` and keeps the directory itself (it may
 /// be bind-mounted into containers). `path` itself must be a directory, not a symlink.
-pub fn remove_contents(path: &Path) -> std::io::Result<()> {
+pub(crate) fn remove_contents(path: &Path) -> std::io::Result<()> {
     let mut top = Dir::open(path, dir_flags(), Mode::empty())?;
     clear(&mut top)
 }

@@ -12,7 +12,7 @@ const MAX_PROFILE_LEN: usize = 64;
 /// Whether `s` is `prefix` (`GPU-` or `MIG-`) followed by hex digits and single dashes, starting
 /// and ending with a hex digit, at most 64 characters after the prefix. NVML prints the usual
 /// 8-4-4-4-12 form; the looser rule keeps us working if a driver ever prints another grouping.
-pub fn is_well_formed_uuid(s: &str, prefix: &str) -> bool {
+pub(crate) fn is_well_formed_uuid(s: &str, prefix: &str) -> bool {
     let Some(rest) = s.strip_prefix(prefix) else {
         return false;
     };
@@ -42,7 +42,7 @@ pub(super) fn is_safe_profile(s: &str) -> bool {
 }
 
 /// Loads and validates the inventory.
-pub fn load(source: &InventorySource) -> Result<Inventory, DeviceError> {
+pub(crate) fn load(source: &InventorySource) -> Result<Inventory, DeviceError> {
     let inventory = match source {
         InventorySource::Nvml => nvml::load()?,
         InventorySource::File(path) => {
@@ -64,7 +64,7 @@ impl Inventory {
     /// Checks the invariants listed in the module doc. `origin` names the inventory in errors
     /// (`nvml`, `file:/etc/…`). The first failure is reported, in the order the entries are
     /// listed: each GPU, then each of its MIG devices.
-    pub fn validate(&self, origin: &str) -> Result<(), DeviceError> {
+    pub(crate) fn validate(&self, origin: &str) -> Result<(), DeviceError> {
         if self.gpus.len() > MAX_GPUS {
             return Err(DeviceError::TooManyGpus {
                 origin: origin.to_owned(),

@@ -36,19 +36,18 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use inventory::{is_well_formed_uuid, load};
-pub use nvml::mig_cap_minor;
+pub(crate) use inventory::{is_well_formed_uuid, load};
 pub use preset::sample;
 #[cfg(test)]
 pub(crate) use preset::testing;
-pub use quote::quote;
+pub(crate) use quote::quote;
 use quote::{cap_list, gpu_list, mig_list, minor_list, parent_node, uuid_list};
 
 /// The most GPUs an inventory may hold.
-pub const MAX_GPUS: usize = 64;
+pub(crate) const MAX_GPUS: usize = 64;
 
 /// Profile name used when NVML cannot tell a MIG device's profile.
-pub const UNKNOWN_MIG_PROFILE: &str = "mig";
+pub(crate) const UNKNOWN_MIG_PROFILE: &str = "mig";
 
 /// The GPUs (and their MIG devices) of this node.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
@@ -120,7 +119,7 @@ pub enum InventorySource {
 
 impl InventorySource {
     /// Parses `nvml` or `file:<absolute path>`.
-    pub fn parse(s: &str) -> Result<Self, DeviceError> {
+    pub(crate) fn parse(s: &str) -> Result<Self, DeviceError> {
         if s == "nvml" {
             return Ok(Self::Nvml);
         }
@@ -161,7 +160,7 @@ pub enum DeviceSelector {
 
 impl DeviceSelector {
     /// Whether this names a MIG device (which must stand alone in a request).
-    pub fn is_mig(&self) -> bool {
+    pub(crate) fn is_mig(&self) -> bool {
         matches!(self, Self::MigUuid(_) | Self::MigIndex { .. })
     }
 }

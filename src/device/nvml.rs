@@ -136,7 +136,7 @@ fn profile_from_name(name: &str) -> String {
 /// `name` (`gpu<gpu minor>/gi<gpu instance id>/access` or
 /// `gpu<gpu minor>/gi<id>/ci<compute instance id>/access`): its lines are `<name> <minor>`.
 /// `None` when no line names it (or its number is not one).
-pub fn mig_cap_minor(text: &str, name: &str) -> Option<u32> {
+pub(crate) fn mig_cap_minor(text: &str, name: &str) -> Option<u32> {
     text.lines().find_map(|line| {
         let mut fields = line.split_whitespace();
         match (fields.next(), fields.next(), fields.next()) {

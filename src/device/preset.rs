@@ -37,20 +37,20 @@ pub fn sample() -> Inventory {
 pub(crate) mod testing {
     use super::super::{DeviceRequest, DeviceSelector};
 
-    pub const GIB: u64 = 1 << 30;
-    pub const KEY: &str = "gpushare.io/device";
+    pub(crate) const GIB: u64 = 1 << 30;
+    pub(crate) const KEY: &str = "gpushare.io/device";
     /// GPU 0, the A30 (minor 2).
-    pub const GPU0: &str = "GPU-8f8bff94-112e-9541-43da-cfd453333404";
+    pub(crate) const GPU0: &str = "GPU-8f8bff94-112e-9541-43da-cfd453333404";
     /// GPU 1, the A100 in MIG mode (minor 0).
-    pub const GPU1: &str = "GPU-6a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9";
+    pub(crate) const GPU1: &str = "GPU-6a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9";
     /// GPU 2, the A100 without MIG (minor 1).
-    pub const GPU2: &str = "GPU-7b2c3d4e-5f60-4182-93a4-b5c6d7e8f901";
+    pub(crate) const GPU2: &str = "GPU-7b2c3d4e-5f60-4182-93a4-b5c6d7e8f901";
     /// MIG devices 1:0, 1:1 and 1:2.
-    pub const MIG0: &str = "MIG-22f0c05f-5cf2-5ea2-8297-789695656dc0";
-    pub const MIG1: &str = "MIG-33a1d16a-6d03-4fb3-a3a8-8a97a6767ed1";
-    pub const MIG2: &str = "MIG-44b2e27b-7e14-40c4-b4b9-9ba8b7878fe2";
+    pub(crate) const MIG0: &str = "MIG-22f0c05f-5cf2-5ea2-8297-789695656dc0";
+    pub(crate) const MIG1: &str = "MIG-33a1d16a-6d03-4fb3-a3a8-8a97a6767ed1";
+    pub(crate) const MIG2: &str = "MIG-44b2e27b-7e14-40c4-b4b9-9ba8b7878fe2";
 
-    pub fn req(sels: &[DeviceSelector]) -> DeviceRequest {
+    pub(crate) fn req(sels: &[DeviceSelector]) -> DeviceRequest {
         DeviceRequest(sels.to_vec())
     }
 }

@@ -15,7 +15,7 @@ const LIST_MAX_ITEMS: usize = 8;
 /// Quotes a user-supplied value for a one-line message: in double quotes, with NUL, newlines,
 /// other control characters, `"` and `\` escaped as in Rust (`\0`, `\n`, `\u{1b}`), and cut
 /// with `…` after 64 characters.
-pub fn quote(raw: &str) -> String {
+pub(crate) fn quote(raw: &str) -> String {
     let mut out = String::from("\"");
     let mut chars = raw.chars();
     for c in chars.by_ref().take(QUOTE_MAX_CHARS) {

@@ -16,7 +16,7 @@ impl Inventory {
     /// Rules: an empty request is refused; a MIG selector must be the only entry; every GPU
     /// may appear once (whether named by index or UUID). The GPU request's memory is that of
     /// its smallest GPU.
-    pub fn resolve(
+    pub(crate) fn resolve(
         &self,
         key: &'static str,
         value: &str,
@@ -87,7 +87,7 @@ impl Inventory {
     /// The GPUs whose device nodes are `/dev/nvidia<minor>` for these minors, as a request
     /// naming them by UUID in the same order (then [`Inventory::resolve`] applies the usual
     /// rules: each GPU once, none in MIG mode). `key` and `value` only appear in errors.
-    pub fn gpus_by_minor(
+    pub(crate) fn gpus_by_minor(
         &self,
         key: &'static str,
         value: &str,
@@ -120,7 +120,7 @@ impl Inventory {
     /// that instance. A named MIG device needs its GPU's node among `minors`, and that node
     /// then stands for the MIG device, not for the GPU. Without caps this is
     /// [`Inventory::gpus_by_minor`]. `key` and `value` only appear in errors.
-    pub fn devices_by_nodes(
+    pub(crate) fn devices_by_nodes(
         &self,
         key: &'static str,
         value: &str,

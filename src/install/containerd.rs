@@ -40,7 +40,7 @@ fn table<'a>(parent: &'a mut Table, key: &str) -> Option<&'a mut Table> {
 
 /// Adds or updates `[plugins."<cri>".containerd.runtimes.<name>]`, keeping the rest of
 /// the file byte for byte. `default_version` applies to an empty or missing file.
-pub fn edit(
+pub(crate) fn edit(
     path: &Path,
     text: &str,
     name: &str,

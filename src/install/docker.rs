@@ -8,7 +8,12 @@ use serde_json::{Map, Value};
 use super::{Edited, InstallError};
 
 /// Adds or updates the runtime entry, keeping every other key in place and order.
-pub fn edit(path: &Path, text: &str, name: &str, runtime: &Path) -> Result<Edited, InstallError> {
+pub(crate) fn edit(
+    path: &Path,
+    text: &str,
+    name: &str,
+    runtime: &Path,
+) -> Result<Edited, InstallError> {
     let parse = |message: String| InstallError::Parse {
         path: path.to_owned(),
         format: "JSON",

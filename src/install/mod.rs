@@ -5,17 +5,17 @@
 //! prints the result and writes nothing; the write is atomic and keeps the file's mode.
 //! The edit itself is a pure function of the text, unit-tested on sample configs.
 
-pub mod containerd;
-pub mod docker;
+pub(crate) mod containerd;
+pub(crate) mod docker;
 
 /// Where the engines keep their configs on a standard install.
-pub const DEFAULT_DOCKER_CONFIG: &str = "/etc/docker/daemon.json";
-pub const DEFAULT_CONTAINERD_CONFIG: &str = "/etc/containerd/config.toml";
+pub(crate) const DEFAULT_DOCKER_CONFIG: &str = "/etc/docker/daemon.json";
+pub(crate) const DEFAULT_CONTAINERD_CONFIG: &str = "/etc/containerd/config.toml";
 
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
-pub enum InstallError {
+pub(crate) enum InstallError {
     #[error("cannot read {path}")]
     Read {
         path: PathBuf,
@@ -41,12 +41,12 @@ pub enum InstallError {
 }
 
 /// The outcome of an edit: the new text, or `None` when the file already says it.
-pub struct Edited {
+pub(crate) struct Edited {
     pub text: Option<String>,
 }
 
 /// Reads an engine config; a missing file reads as empty.
-pub fn read(path: &Path) -> Result<String, InstallError> {
+pub(crate) fn read(path: &Path) -> Result<String, InstallError> {
     match std::fs::read_to_string(path) {
         Ok(t) => Ok(t),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
@@ -58,7 +58,7 @@ pub fn read(path: &Path) -> Result<String, InstallError> {
 }
 
 /// Writes `text` atomically, keeping an existing file's mode (0644 for a new one).
-pub fn write(path: &Path, text: &str) -> Result<(), InstallError> {
+pub(crate) fn write(path: &Path, text: &str) -> Result<(), InstallError> {
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(path)
         .map(|m| m.permissions().mode() & 0o7777)
@@ -77,7 +77,7 @@ pub fn write(path: &Path, text: &str) -> Result<(), InstallError> {
 }
 
 /// The shim to register: `--runtime-path`, else gpushare-runtime beside this binary.
-pub fn runtime_path(given: Option<PathBuf>) -> Result<PathBuf, InstallError> {
+pub(crate) fn runtime_path(given: Option<PathBuf>) -> Result<PathBuf, InstallError> {
     let path = match given {
         Some(p) => p,
         None => std::env::current_exe()

@@ -6,17 +6,17 @@
 
 use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::util::poll_until;
 
 /// PATH given to every process gpushare starts.
-pub const SAFE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+pub(crate) const SAFE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 #[derive(Debug, thiserror::Error)]
-pub enum ControlError {
+pub(crate) enum ControlError {
     #[error("MPS control binary {binary:?} not found on PATH ({SAFE_PATH}); set mps.control-binary to its absolute path")]
     NotFound { binary: String },
     #[error("MPS control binary {path} does not exist; set mps.control-binary to where nvidia-cuda-mps-control is")]
@@ -39,7 +39,7 @@ pub enum ControlError {
 
 /// Resolves `mps.control-binary`: an absolute path that exists, a name on the safe PATH
 /// (an executable file there, see `util::find_executable`).
-pub fn resolve_binary(binary: &str) -> Result<PathBuf, ControlError> {
+pub(crate) fn resolve_binary(binary: &str) -> Result<PathBuf, ControlError> {
     if binary.contains('/') {
         let path = PathBuf::from(binary);
         return if path.is_file() {
@@ -57,7 +57,7 @@ pub fn resolve_binary(binary: &str) -> Result<PathBuf, ControlError> {
 
 /// A handle on one control daemon.
 #[derive(Debug, Clone)]
-pub struct Control {
+pub(crate) struct Control {
     pub binary: PathBuf,
     pub pipe_dir: PathBuf,
     /// Run the client as this (uid, gid); `None` keeps the caller's.
@@ -66,7 +66,7 @@ pub struct Control {
 
 impl Control {
     /// Sends one command; returns the daemon's reply (stdout) when the client exits 0.
-    pub fn command(&self, command: &str, timeout: Duration) -> Result<String, ControlError> {
+    pub(crate) fn command(&self, command: &str, timeout: Duration) -> Result<String, ControlError> {
         let mut cmd = Command::new(&self.binary);
         cmd.env_clear()
             .env("PATH", SAFE_PATH)
@@ -119,16 +119,4 @@ impl Control {
             })
         }
     }
-
-    /// Whether the daemon answers a harmless query (the liveness check NVIDIA's device
-    /// plugin uses: a stale socket alone proves nothing).
-    pub fn answers(&self, timeout: Duration) -> bool {
-        self.command("get_default_active_thread_percentage", timeout)
-            .is_ok()
-    }
-}
-
-/// The control socket path inside a pipe directory.
-pub fn socket(pipe_dir: &Path) -> PathBuf {
-    pipe_dir.join("control")
 }

@@ -18,7 +18,7 @@ use crate::state::{Budget, ContainerRecord, DaemonRecord, DaemonStatus, Owner, S
 use crate::util::poll_until;
 
 /// Ownership of an identity's directories.
-pub fn owner(ident: &Identity) -> Owner {
+pub(crate) fn owner(ident: &Identity) -> Owner {
     Owner {
         uid: ident.uid,
         gid: ident.gid,
@@ -28,7 +28,7 @@ pub fn owner(ident: &Identity) -> Owner {
 }
 
 /// What a new daemon may take, from `[mps]`: tmpfs sizes and the daemon caps.
-pub fn budget(cfg: &Config) -> Budget {
+pub(crate) fn budget(cfg: &Config) -> Budget {
     Budget {
         shm_size: cfg.mps.shm_size.tmpfs_option(),
         log_size: cfg.mps.log_size,
@@ -44,7 +44,7 @@ pub fn budget(cfg: &Config) -> Budget {
 
 /// What `ensure` found or did.
 #[derive(Debug)]
-pub struct Ensured {
+pub(crate) struct Ensured {
     pub record: DaemonRecord,
     /// A new supervisor was started for this call.
     pub started: bool,
@@ -140,7 +140,7 @@ fn stop_supervisor(child: &mut Child, grace: Duration) {
 }
 
 /// Kills the processes a stale record names, if they are still those very processes.
-pub fn kill_stale(rec: &DaemonRecord) {
+pub(crate) fn kill_stale(rec: &DaemonRecord) {
     use nix::sys::signal::{kill, Signal};
     for p in [rec.supervisor, rec.daemon].into_iter().flatten() {
         if p.alive() {
@@ -151,7 +151,7 @@ pub fn kill_stale(rec: &DaemonRecord) {
 
 /// Ensures the daemon for `ident` is running and ready, then records `container` (if
 /// any: `gpushare daemon start` has none) as using it.
-pub fn ensure(
+pub(crate) fn ensure(
     cfg: &Config,
     state: &StateDir,
     ident: &Identity,
@@ -230,7 +230,7 @@ pub fn ensure(
 }
 
 /// Removes a container's record from whichever daemon it used. Never fails the caller.
-pub fn release(state: &StateDir, daemon_id: Option<&str>, container_id: &str) -> bool {
+pub(crate) fn release(state: &StateDir, daemon_id: Option<&str>, container_id: &str) -> bool {
     let ids: Vec<String> = match daemon_id {
         Some(id) if crate::identity::valid_id(id) => vec![id.to_owned()],
         _ => state.daemon_ids().unwrap_or_default(),
@@ -242,7 +242,12 @@ pub fn release(state: &StateDir, daemon_id: Option<&str>, container_id: &str) ->
 /// Stops one daemon: SIGTERM to its supervisor (which quits the daemon cleanly), SIGKILL
 /// past the grace period, then removes its directories and unmounts its tmpfs mounts, all
 /// under the identity's lock so no create races the removal.
-pub fn stop(cfg: &Config, state: &StateDir, id: &str, grace: Duration) -> anyhow::Result<()> {
+pub(crate) fn stop(
+    cfg: &Config,
+    state: &StateDir,
+    id: &str,
+    grace: Duration,
+) -> anyhow::Result<()> {
     use nix::sys::signal::{kill, Signal};
     let deadline = Instant::now() + cfg.mps.start_timeout + grace;
     let _lock = state.lock(id, deadline)?;

@@ -52,7 +52,7 @@ const STABLE_AFTER: Duration = Duration::from_secs(60);
 /// Pinned memory is set per device by ordinal: the daemon sees only its own devices,
 /// renumbered from 0 (CUDA_VISIBLE_DEVICES), and NVIDIA's device plugin found UUID-keyed
 /// limits ignored by some drivers.
-pub fn limit_commands(ident: &Identity) -> Vec<String> {
+pub(crate) fn limit_commands(ident: &Identity) -> Vec<String> {
     set_limits(ident, None)
 }
 
@@ -81,7 +81,7 @@ fn set_limits(ident: &Identity, server: Option<u32>) -> Vec<String> {
 
 /// Leaves the caller's session; closes every fd above stderr. Must run before the
 /// supervisor opens anything of its own (its log file included).
-pub fn detach() {
+pub(crate) fn detach() {
     let _ = nix::unistd::setsid();
     let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
         .map(|d| {
@@ -98,7 +98,7 @@ pub fn detach() {
 /// The cgroup limits of one daemon's group (`mps.daemon-memory-max`, `mps.daemon-pids-max`;
 /// 0: none).
 #[derive(Debug, Clone, Copy)]
-pub struct CgroupLimits {
+pub(crate) struct CgroupLimits {
     pub memory: u64,
     pub pids: u32,
 }
@@ -198,7 +198,7 @@ fn own_cgroup(id: &str, limits: CgroupLimits) -> Vec<PathBuf> {
 /// operator) never removes its own. Runs when a supervisor joins its cgroup and in
 /// `gpushare gc`. A cgroup with members is never removed (the kernel refuses), nor one
 /// whose pid is alive (a reused pid only delays the removal). Returns how many went.
-pub fn sweep_stale_cgroups(top: &Path) -> usize {
+pub(crate) fn sweep_stale_cgroups(top: &Path) -> usize {
     let Ok(entries) = std::fs::read_dir(top) else {
         return 0;
     };
@@ -222,7 +222,7 @@ pub fn sweep_stale_cgroups(top: &Path) -> usize {
 }
 
 /// Every hierarchy's `gpushare` cgroup directory (for `gc`).
-pub fn gpushare_cgroups() -> Vec<PathBuf> {
+pub(crate) fn gpushare_cgroups() -> Vec<PathBuf> {
     cgroup_hierarchies()
         .into_iter()
         .map(|h| h.join("gpushare"))
@@ -281,7 +281,7 @@ fn private_dev_shm(shm: &Path) -> anyhow::Result<()> {
 /// the daemon of a root container: setuid to a non-root UID clears the effective and
 /// permitted sets, but `setuid(0)` clears nothing and exec gives root the bounding set, so
 /// the bounding set is emptied too (the supervisor keeps its own effective set for its
-/// own work). no_new_privs (sys::harden_child) keeps exec from granting any. Multi-user
+/// own work). no_new_privs (sys::confine_child) keeps exec from granting any. Multi-user
 /// daemons are root's by design and keep theirs.
 fn drop_child_caps(multi_user: bool) -> anyhow::Result<()> {
     caps::clear(None, caps::CapSet::Ambient).context("clear ambient capabilities")?;
@@ -362,7 +362,7 @@ fn open_daemon_out(daemon_dir: &Path) -> anyhow::Result<std::fs::File> {
 }
 
 /// The daemon's stdout and stderr, in its root-owned directory.
-pub const DAEMON_OUT: &str = "daemon.out";
+pub(crate) const DAEMON_OUT: &str = "daemon.out";
 
 /// Keeps one log file under `max` bytes: past it, its content moves to `<name>.1` and the
 /// file is emptied in place (the daemon keeps its descriptor, opened for appending, and
@@ -1041,7 +1041,7 @@ impl Backoff {
 
 /// Runs the supervisor for daemon `id` until it is told to stop or gives up.
 /// The caller has already called `detach`.
-pub fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
+pub(crate) fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
     let state = StateDir::new(&cfg.state_dir);
     let rec = state
         .read_record(id)?

@@ -14,7 +14,7 @@ use crate::state::StateDir;
 /// `gpushare daemon start`'s flags, with the UID settled (`cli` requires one unless the
 /// daemon is multi-user, and passes 0 then).
 #[derive(Debug, Clone)]
-pub struct Start {
+pub(crate) struct Start {
     pub device: String,
     pub uid: u32,
     pub gid: Option<u32>,
@@ -25,7 +25,7 @@ pub struct Start {
 }
 
 /// `gpushare daemon start`: the same validation and identity as a container's request.
-pub fn start(cfg: &Config, args: &Start) -> anyhow::Result<()> {
+pub(crate) fn start(cfg: &Config, args: &Start) -> anyhow::Result<()> {
     let req = request_from_flags(args)?;
     let (uid, gid) = (args.uid, args.gid);
     let mut ident = crate::decision::resolve(
@@ -127,7 +127,7 @@ fn print_text(state: &StateDir, ident: &Identity, ensured: &Ensured) {
 
 /// `gpushare daemon stop`: daemon `id`, or every daemon (`all`); one that containers
 /// still use only with `force`.
-pub fn stop(cfg: &Config, id: Option<String>, all: bool, force: bool) -> anyhow::Result<()> {
+pub(crate) fn stop(cfg: &Config, id: Option<String>, all: bool, force: bool) -> anyhow::Result<()> {
     let state = StateDir::new(&cfg.state_dir);
     let ids = match (id, all) {
         (_, true) => state.daemon_ids()?,

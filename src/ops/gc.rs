@@ -15,7 +15,7 @@ use crate::state::StateDir;
 /// trusted. Prints one line per action on stdout and one line per failure on stderr; a
 /// daemon or directory that cannot be cleaned stops none of the others. Returns how many
 /// things could not be cleaned.
-pub fn run(cfg: &Config) -> usize {
+pub(crate) fn run(cfg: &Config) -> usize {
     let state = StateDir::new(&cfg.state_dir);
     let mut failures = 0;
     let mut failed = |what: String, e: anyhow::Error| {

@@ -11,7 +11,7 @@ use crate::install::{self, containerd, docker};
 
 /// The engine to register the runtime with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Engine {
+pub(crate) enum Engine {
     Docker,
     /// `config_version` for a new file: 2 (containerd 1.x) or 3 (2.x); `None`: asks
     /// `containerd --version`.
@@ -22,7 +22,7 @@ pub enum Engine {
 
 /// `gpushare install <engine>`'s flags, as given.
 #[derive(Debug, Clone)]
-pub struct Install {
+pub(crate) struct Install {
     pub engine: Engine,
     /// The engine's config file; `None`: its standard location.
     pub config: Option<PathBuf>,
@@ -34,7 +34,7 @@ pub struct Install {
 }
 
 /// Registers the shim with the engine's config (or prints the result, `dry_run`).
-pub fn run(args: Install) -> anyhow::Result<()> {
+pub(crate) fn run(args: Install) -> anyhow::Result<()> {
     let is_docker = args.engine == Engine::Docker;
     let version = match args.engine {
         Engine::Docker => 2,

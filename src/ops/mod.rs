@@ -7,7 +7,7 @@
 //! `gpushare: …` line) — except where a command goes on past it: `gc` prints one line on
 //! stderr per thing it could not clean and returns how many there were.
 
-pub mod daemon;
-pub mod gc;
-pub mod install;
-pub mod status;
+pub(crate) mod daemon;
+pub(crate) mod gc;
+pub(crate) mod install;
+pub(crate) mod status;

@@ -13,7 +13,7 @@ use crate::config::Config;
 
 /// How the status is printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
+pub(crate) enum Format {
     Table,
     Json,
     Prometheus,
@@ -21,7 +21,7 @@ pub enum Format {
 
 /// Prints the status in `format` on stdout, or writes it to `output` atomically (for
 /// node-exporter's textfile collector).
-pub fn print(cfg: &Config, format: Format, output: Option<&Path>) -> anyhow::Result<()> {
+pub(crate) fn print(cfg: &Config, format: Format, output: Option<&Path>) -> anyhow::Result<()> {
     let view = crate::status::collect(cfg);
     let text = match format {
         Format::Table => crate::status::table(&view),

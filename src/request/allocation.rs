@@ -91,7 +91,7 @@ pub enum AllocationSource {
 
 impl AllocationSource {
     /// How errors name it, in place of a request key.
-    pub fn key(self) -> &'static str {
+    pub(crate) fn key(self) -> &'static str {
         match self {
             Self::CdiAnnotations => "cdi.k8s.io/*",
             Self::VolumeMounts => "/var/run/nvidia-container-devices/*",
@@ -135,7 +135,7 @@ pub struct Allocation {
 impl Allocation {
     /// The devices against the inventory, under the rules of named devices; errors name the
     /// source and what it said.
-    pub fn resolve(&self, inventory: &Inventory) -> Result<ResolvedDevices, DeviceError> {
+    pub(crate) fn resolve(&self, inventory: &Inventory) -> Result<ResolvedDevices, DeviceError> {
         let key = self.source.key();
         match &self.devices {
             AllocatedDevices::Named(req) => inventory.resolve(key, &self.found, req),
@@ -159,7 +159,7 @@ struct Unreadable {
 /// The devices this container was allocated, or `None` when no source names any (see the
 /// module doc for the sources, their order and what does not count). `key` and `value` are
 /// the request's (`gpushare.io/device=allocated`, `default-device`), for errors.
-pub fn allocation(
+pub(crate) fn allocation(
     c: &Inputs<'_>,
     key: &'static str,
     value: &str,

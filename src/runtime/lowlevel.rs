@@ -12,7 +12,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
-pub enum LowLevelError {
+pub(crate) enum LowLevelError {
     #[error("no low-level runtime found: tried {tried}; set low-level-runtime in the config to a runtime on PATH or an absolute path")]
     NotFound { tried: String },
     #[error("low-level runtime {path} is gpushare-runtime itself; point low-level-runtime at runc, crun or nvidia-container-runtime")]
@@ -26,7 +26,7 @@ pub enum LowLevelError {
 }
 
 /// Resolves the first usable candidate, by absolute path or on `PATH`.
-pub fn resolve(candidates: &[String]) -> Result<PathBuf, LowLevelError> {
+pub(crate) fn resolve(candidates: &[String]) -> Result<PathBuf, LowLevelError> {
     let me = std::fs::metadata("/proc/self/exe").ok();
     let path_var =
         std::env::var_os("PATH").unwrap_or_else(|| crate::mps::control::SAFE_PATH.into());
@@ -53,7 +53,7 @@ pub fn resolve(candidates: &[String]) -> Result<PathBuf, LowLevelError> {
 }
 
 /// Whether `path` is NVIDIA's runtime shim, which needs `NVIDIA_VISIBLE_DEVICES`.
-pub fn is_nvidia(path: &Path) -> bool {
+pub(crate) fn is_nvidia(path: &Path) -> bool {
     path.file_name()
         .and_then(|n| n.to_str())
         .is_some_and(|n| n.starts_with("nvidia-container-runtime"))
@@ -61,7 +61,7 @@ pub fn is_nvidia(path: &Path) -> bool {
 
 /// Replaces this process with `runtime`, passing `args` (without argv[0]) verbatim.
 /// Only returns on failure.
-pub fn exec(runtime: &Path, args: &[OsString]) -> LowLevelError {
+pub(crate) fn exec(runtime: &Path, args: &[OsString]) -> LowLevelError {
     let source = std::process::Command::new(runtime).args(args).exec();
     LowLevelError::Exec {
         path: runtime.to_owned(),

@@ -15,8 +15,8 @@
 //! the container) and exits 1.
 
 pub mod args;
-pub mod lowlevel;
-pub mod runclog;
+pub(crate) mod lowlevel;
+pub(crate) mod runclog;
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -32,7 +32,7 @@ use crate::spec::SpecFile;
 use crate::state::{valid_container_id, ContainerRecord, StateDir};
 
 /// The pipe directory NVIDIA's container toolkit mounts from the host when present.
-pub const NVIDIA_HOST_PIPE_DIR: &str = "/tmp/nvidia-mps";
+pub(crate) const NVIDIA_HOST_PIPE_DIR: &str = "/tmp/nvidia-mps";
 
 /// What `gpushare-runtime` without arguments prints.
 const USAGE: &str =
@@ -136,7 +136,7 @@ fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
 
 /// Reads the request from the spec and, if there is one, edits and saves the spec.
 /// Returns whether the spec was edited.
-pub fn prepare(
+pub(crate) fn prepare(
     cfg: &Config,
     mut spec: SpecFile,
     runtime: &Path,

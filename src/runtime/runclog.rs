@@ -10,7 +10,7 @@ use std::path::Path;
 
 /// Appends one error line in runc's format (`--log-format json` or text). Best effort: if
 /// the log cannot be written there is nowhere else to say so.
-pub fn error(log: &Path, json: bool, msg: &str) {
+pub(crate) fn error(log: &Path, json: bool, msg: &str) {
     let time = crate::util::rfc3339_now();
     let line = if json {
         let v = serde_json::json!({"level": "error", "msg": msg, "time": time});

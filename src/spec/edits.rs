@@ -56,7 +56,7 @@ fn array<'a>(doc: &'a mut Map<String, Value>, key: &str) -> Result<&'a mut Vec<V
 /// Sets environment variables of `process.env`, replacing every earlier entry of the same
 /// names (so the container sees exactly these values) and appending them in order.
 #[derive(Debug, Clone, PartialEq)]
-pub struct SetEnv(pub Vec<(String, String)>);
+pub(crate) struct SetEnv(pub Vec<(String, String)>);
 
 impl SpecEdit for SetEnv {
     fn apply(&self, doc: &mut Map<String, Value>) -> Result<(), SpecError> {
@@ -84,7 +84,7 @@ impl SpecEdit for SetEnv {
 /// A mount at `destination`: replaces the first mount at that destination in place (and
 /// drops any later duplicates), or is appended when there is none.
 #[derive(Debug, Clone, PartialEq)]
-pub struct SetMount {
+pub(crate) struct SetMount {
     pub destination: String,
     pub typ: String,
     pub source: String,
@@ -92,7 +92,7 @@ pub struct SetMount {
 }
 
 impl SetMount {
-    pub fn bind(
+    pub(crate) fn bind(
         source: impl Into<String>,
         destination: impl Into<String>,
         options: &[&str],
@@ -145,7 +145,7 @@ impl SpecEdit for SetMount {
 
 /// Removes every mount at `destination`.
 #[derive(Debug, Clone, PartialEq)]
-pub struct RemoveMount(pub &'static str);
+pub(crate) struct RemoveMount(pub &'static str);
 
 impl SpecEdit for RemoveMount {
     fn apply(&self, doc: &mut Map<String, Value>) -> Result<(), SpecError> {
@@ -163,7 +163,7 @@ impl SpecEdit for RemoveMount {
 /// Removes the namespace entries of one type from `linux.namespaces` (the container then
 /// inherits the runtime's namespace of that type: config-linux.md).
 #[derive(Debug, Clone, PartialEq)]
-pub struct RemoveNamespace(pub &'static str);
+pub(crate) struct RemoveNamespace(pub &'static str);
 
 impl SpecEdit for RemoveNamespace {
     fn apply(&self, doc: &mut Map<String, Value>) -> Result<(), SpecError> {
@@ -233,7 +233,7 @@ impl SpecEdit for SetHooks {
 
 /// Sets annotations (the shim's decisions, read by the hook).
 #[derive(Debug, Clone, PartialEq)]
-pub struct SetAnnotations(pub Vec<(String, String)>);
+pub(crate) struct SetAnnotations(pub Vec<(String, String)>);
 
 impl SpecEdit for SetAnnotations {
     fn apply(&self, doc: &mut Map<String, Value>) -> Result<(), SpecError> {

@@ -102,12 +102,12 @@ pub struct ResourcesView {
 
 impl LinuxView {
     /// Whether the container gets a namespace of this type of its own (no `path`).
-    pub fn new_namespace(&self, typ: LinuxNamespaceType) -> bool {
+    pub(crate) fn new_namespace(&self, typ: LinuxNamespaceType) -> bool {
         self.has_namespace(typ, |n| n.path().is_none())
     }
 
     /// Whether `linux.namespaces` lists this type at all (new or joined).
-    pub fn has_namespace(
+    pub(crate) fn has_namespace(
         &self,
         typ: LinuxNamespaceType,
         also: impl Fn(&LinuxNamespace) -> bool,
@@ -168,18 +168,18 @@ pub struct SpecFile {
 }
 
 impl SpecFile {
-    pub fn load(path: &Path) -> Result<Self, SpecError> {
+    pub(crate) fn load(path: &Path) -> Result<Self, SpecError> {
         let raw = Self::read(path)?;
         Self::parse(path, &raw.bytes, raw.mode)
     }
 
     /// Parses what `read` returned.
-    pub fn from_raw(raw: &RawSpec) -> Result<Self, SpecError> {
+    pub(crate) fn from_raw(raw: &RawSpec) -> Result<Self, SpecError> {
         Self::parse(&raw.path, &raw.bytes, raw.mode)
     }
 
     /// Reads config.json (a symlink or a non-regular file is refused).
-    pub fn read(path: &Path) -> Result<RawSpec, SpecError> {
+    pub(crate) fn read(path: &Path) -> Result<RawSpec, SpecError> {
         let read_err = |source| SpecError::Read {
             path: path.to_owned(),
             source,
@@ -239,12 +239,12 @@ impl SpecFile {
     }
 
     /// Where it was read from (and `save` writes).
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 
     /// Looks up an annotation.
-    pub fn annotation(&self, key: &str) -> Option<&str> {
+    pub(crate) fn annotation(&self, key: &str) -> Option<&str> {
         self.typed
             .annotations
             .as_ref()?
@@ -324,7 +324,7 @@ impl SpecFile {
     /// does not serialise. Not fsynced: the rename is atomic, and after a crash the
     /// container is gone along with what its config.json said (two fsyncs cost 0.2-0.4 ms
     /// per create: BENCHMARKS.md).
-    pub fn save(&self) -> Result<(), SpecError> {
+    pub(crate) fn save(&self) -> Result<(), SpecError> {
         crate::util::write_atomic_with(&self.path, &self.to_bytes()?, self.mode, false).map_err(
             |source| SpecError::Write {
                 path: self.path.clone(),

@@ -24,7 +24,7 @@ impl StateDir {
 
     /// Takes the node lock, which serializes the creation of new daemon directories (so
     /// two creates cannot both pass a cap). Taken after an identity's lock, never before.
-    pub fn lock_node(&self, deadline: Instant) -> Result<Flock<File>, StateError> {
+    pub(crate) fn lock_node(&self, deadline: Instant) -> Result<Flock<File>, StateError> {
         self.lock_file(self.node_lock_path(), deadline)
     }
 

@@ -34,7 +34,7 @@ mod remove;
 mod skeleton;
 
 pub use record::{valid_container_id, ContainerRecord, DaemonRecord, DaemonStatus, ProcRef};
-pub use skeleton::{Budget, Owner};
+pub(crate) use skeleton::{Budget, Owner};
 
 use std::fs::DirBuilder;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
@@ -110,38 +110,38 @@ impl StateDir {
         StateDir { root: root.into() }
     }
 
-    pub fn root(&self) -> &Path {
+    pub(crate) fn root(&self) -> &Path {
         &self.root
     }
-    pub fn mps_dir(&self) -> PathBuf {
+    pub(crate) fn mps_dir(&self) -> PathBuf {
         self.root.join("mps")
     }
-    pub fn daemon_dir(&self, id: &str) -> PathBuf {
+    pub(crate) fn daemon_dir(&self, id: &str) -> PathBuf {
         self.mps_dir().join(id)
     }
-    pub fn pipe_dir(&self, id: &str) -> PathBuf {
+    pub(crate) fn pipe_dir(&self, id: &str) -> PathBuf {
         self.daemon_dir(id).join("pipe")
     }
-    pub fn log_dir(&self, id: &str) -> PathBuf {
+    pub(crate) fn log_dir(&self, id: &str) -> PathBuf {
         self.daemon_dir(id).join("log")
     }
-    pub fn shm_dir(&self, id: &str) -> PathBuf {
+    pub(crate) fn shm_dir(&self, id: &str) -> PathBuf {
         self.daemon_dir(id).join("shm")
     }
-    pub fn containers_dir(&self, id: &str) -> PathBuf {
+    pub(crate) fn containers_dir(&self, id: &str) -> PathBuf {
         self.daemon_dir(id).join("containers")
     }
-    pub fn record_path(&self, id: &str) -> PathBuf {
+    pub(crate) fn record_path(&self, id: &str) -> PathBuf {
         self.daemon_dir(id).join("daemon.json")
     }
-    pub fn lock_path(&self, id: &str) -> PathBuf {
+    pub(crate) fn lock_path(&self, id: &str) -> PathBuf {
         self.root.join("locks").join(format!("{id}.lock"))
     }
     /// The node lock: not a daemon id, so no identity's lock can be it.
-    pub fn node_lock_path(&self) -> PathBuf {
+    pub(crate) fn node_lock_path(&self) -> PathBuf {
         self.root.join("locks").join("node.lock")
     }
-    pub fn control_socket(&self, id: &str) -> PathBuf {
+    pub(crate) fn control_socket(&self, id: &str) -> PathBuf {
         self.pipe_dir(id).join("control")
     }
 
@@ -184,7 +184,7 @@ impl StateDir {
     }
 
     /// Creates the state root (0711 root) or checks an existing one is safe.
-    pub fn ensure_root(&self) -> Result<(), StateError> {
+    pub(crate) fn ensure_root(&self) -> Result<(), StateError> {
         if let Some(parent) = self.root.parent() {
             std::fs::create_dir_all(parent).map_err(io("create directory", parent))?;
         }
@@ -225,7 +225,7 @@ impl StateDir {
 
     /// Per-user daemons run as the container's UID and must reach their pipe directory
     /// through every ancestor of the state dir: each must be searchable by others.
-    pub fn check_traversable(&self) -> Result<(), StateError> {
+    pub(crate) fn check_traversable(&self) -> Result<(), StateError> {
         for dir in self.root.ancestors().skip(1) {
             let Ok(md) = std::fs::metadata(dir) else {
                 continue;
@@ -245,7 +245,7 @@ impl StateDir {
     }
 
     /// Ids of every daemon directory, sorted; names that are not ids are ignored.
-    pub fn daemon_ids(&self) -> Result<Vec<String>, StateError> {
+    pub(crate) fn daemon_ids(&self) -> Result<Vec<String>, StateError> {
         let dir = self.mps_dir();
         let entries = match std::fs::read_dir(&dir) {
             Ok(e) => e,

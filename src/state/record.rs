@@ -30,12 +30,12 @@ pub struct ProcRef {
 }
 
 impl ProcRef {
-    pub fn of(pid: i32) -> Option<Self> {
+    pub(crate) fn of(pid: i32) -> Option<Self> {
         util::proc_start_time(pid).map(|start_time| ProcRef { pid, start_time })
     }
 
     /// Whether this very process is still running (not a zombie, not a reused pid).
-    pub fn alive(&self) -> bool {
+    pub(crate) fn alive(&self) -> bool {
         self.pid > 0 && util::proc_start_time(self.pid) == Some(self.start_time)
     }
 }
@@ -73,7 +73,7 @@ pub struct DaemonRecord {
 
 impl DaemonRecord {
     /// Ready, and the supervisor and the daemon are the very processes the record names.
-    pub fn live(&self) -> bool {
+    pub(crate) fn live(&self) -> bool {
         self.status == DaemonStatus::Ready
             && self.supervisor.is_some_and(|p| p.alive())
             && self.daemon.is_some_and(|p| p.alive())
@@ -100,7 +100,7 @@ pub struct ContainerRecord {
 impl ContainerRecord {
     /// A record made now: the start time is `pid`'s own, read from /proc (none while the
     /// create is pending, `pid` = `None`).
-    pub fn new(
+    pub(crate) fn new(
         id: String,
         pid: Option<i32>,
         bundle: Option<PathBuf>,
@@ -119,7 +119,7 @@ impl ContainerRecord {
     /// Whether the container may still use its daemon: its init process runs, or its
     /// create is pending and younger than `pending_grace` seconds. A stopped container
     /// (process gone, not yet deleted) no longer uses MPS.
-    pub fn live(&self, pending_grace: u64) -> bool {
+    pub(crate) fn live(&self, pending_grace: u64) -> bool {
         match (self.pid, self.start_time) {
             (Some(pid), Some(start_time)) => ProcRef { pid, start_time }.alive(),
             (Some(pid), None) => util::proc_start_time(pid).is_some(),
@@ -141,7 +141,7 @@ pub fn valid_container_id(id: &str) -> bool {
 }
 
 impl StateDir {
-    pub fn read_record(&self, id: &str) -> Result<Option<DaemonRecord>, StateError> {
+    pub(crate) fn read_record(&self, id: &str) -> Result<Option<DaemonRecord>, StateError> {
         Self::check_id(id)?;
         let path = self.record_path(id);
         let bytes = match std::fs::read(&path) {
@@ -164,7 +164,7 @@ impl StateDir {
     }
 
     /// Writes a daemon's record atomically; nothing if it does not serialise.
-    pub fn write_record(&self, rec: &DaemonRecord) -> Result<(), StateError> {
+    pub(crate) fn write_record(&self, rec: &DaemonRecord) -> Result<(), StateError> {
         Self::check_id(&rec.id)?;
         let path = self.record_path(&rec.id);
         let data = serde_json::to_vec_pretty(rec).map_err(serialise(&path))?;
@@ -185,7 +185,7 @@ impl StateDir {
 
     /// Writes a container's record atomically; nothing if it does not serialise (a bundle
     /// path that is not UTF-8 does not).
-    pub fn add_container(&self, id: &str, rec: &ContainerRecord) -> Result<(), StateError> {
+    pub(crate) fn add_container(&self, id: &str, rec: &ContainerRecord) -> Result<(), StateError> {
         let path = self.container_path(id, &rec.id)?;
         let data = serde_json::to_vec(rec).map_err(serialise(&path))?;
         // Atomic but not fsynced: a container record does not outlive a reboot's meaning
@@ -194,7 +194,7 @@ impl StateDir {
     }
 
     /// Removes a container's record; `Ok(false)` if there was none.
-    pub fn remove_container(&self, id: &str, cid: &str) -> Result<bool, StateError> {
+    pub(crate) fn remove_container(&self, id: &str, cid: &str) -> Result<bool, StateError> {
         let path = self.container_path(id, cid)?;
         match std::fs::remove_file(&path) {
             Ok(()) => Ok(true),
@@ -203,7 +203,7 @@ impl StateDir {
         }
     }
 
-    pub fn containers(&self, id: &str) -> Result<Vec<ContainerRecord>, StateError> {
+    pub(crate) fn containers(&self, id: &str) -> Result<Vec<ContainerRecord>, StateError> {
         Self::check_id(id)?;
         let dir = self.containers_dir(id);
         let entries = match std::fs::read_dir(&dir) {
@@ -230,7 +230,7 @@ impl StateDir {
 
     /// The containers still using daemon `id`; stale records (see `ContainerRecord::live`)
     /// are removed on the way.
-    pub fn live_containers(
+    pub(crate) fn live_containers(
         &self,
         id: &str,
         pending_grace: u64,

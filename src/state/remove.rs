@@ -31,7 +31,7 @@ pub(super) fn remove_tree(dir: &Path) -> Result<(), StateError> {
 impl StateDir {
     /// Unmounts the log and shm tmpfs and removes one daemon's directories (daemon
     /// stopped), whatever was planted in them.
-    pub fn remove_daemon_dir(&self, id: &str) -> Result<(), StateError> {
+    pub(crate) fn remove_daemon_dir(&self, id: &str) -> Result<(), StateError> {
         Self::check_id(id)?;
         remove_tree(&self.daemon_dir(id))
     }
@@ -40,7 +40,7 @@ impl StateDir {
     /// containers): a socket, a pid file or anything else a tenant or a dead daemon left
     /// there, a directory planted under a name the daemon needs (`control`) included.
     /// A missing pipe directory is fine; a symlink in its place is refused.
-    pub fn clean_pipe_dir(&self, id: &str) -> Result<(), StateError> {
+    pub(crate) fn clean_pipe_dir(&self, id: &str) -> Result<(), StateError> {
         Self::check_id(id)?;
         let pipe = self.pipe_dir(id);
         match util::remove_contents(&pipe) {
@@ -62,7 +62,7 @@ impl StateDir {
     /// directory wrote its record before the rename and is found here (the rename is
     /// undone), and a create that did not see it takes the lock and rebuilds it.
     /// Returns whether the directory was removed.
-    pub fn remove_if_unused(
+    pub(crate) fn remove_if_unused(
         &self,
         id: &str,
         pending_grace: u64,
@@ -99,7 +99,7 @@ impl StateDir {
 
     /// Removes directories left half-removed by a crash (`.<id>.removing`): each one
     /// with whether it went, so that one that cannot be removed stops none of the others.
-    pub fn remove_tombstones(&self) -> Vec<(PathBuf, Result<(), StateError>)> {
+    pub(crate) fn remove_tombstones(&self) -> Vec<(PathBuf, Result<(), StateError>)> {
         let mut out = Vec::new();
         let Ok(entries) = std::fs::read_dir(self.mps_dir()) else {
             return out;

@@ -19,7 +19,7 @@ use super::{StateDir, StateError};
 
 /// Ownership and modes of one daemon's directories.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Owner {
+pub(crate) struct Owner {
     pub uid: u32,
     pub gid: u32,
     /// Multi-user daemons are root's and serve everyone: pipe 0755, shm 1777.
@@ -31,7 +31,7 @@ pub struct Owner {
 /// What a new daemon may take on this node (`[mps]` in the config): the sizes of its
 /// tmpfs mounts and the caps on the number of daemons.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Budget {
+pub(crate) struct Budget {
     /// The shm tmpfs `size=` option (`50%`, or bytes).
     pub shm_size: String,
     /// Bytes of the log tmpfs.
@@ -92,7 +92,7 @@ pub(super) fn mounted_in(dir: &Path, name: &str) -> bool {
 impl StateDir {
     /// Whether the daemon's directories are in place, with its log tmpfs mounted and its
     /// shm tmpfs when it has one: three or four stats, the shim's whole warm path here.
-    pub fn skeleton_ready(&self, id: &str, shm: bool) -> bool {
+    pub(crate) fn skeleton_ready(&self, id: &str, shm: bool) -> bool {
         let dir = self.daemon_dir(id);
         let Ok(d) = std::fs::symlink_metadata(&dir) else {
             return false;
@@ -105,12 +105,12 @@ impl StateDir {
     }
 
     /// Whether the shm tmpfs is mounted (its device differs from its parent's).
-    pub fn shm_mounted(&self, id: &str) -> bool {
+    pub(crate) fn shm_mounted(&self, id: &str) -> bool {
         mounted_in(&self.daemon_dir(id), "shm")
     }
 
     /// Whether the log tmpfs is mounted.
-    pub fn log_mounted(&self, id: &str) -> bool {
+    pub(crate) fn log_mounted(&self, id: &str) -> bool {
         mounted_in(&self.daemon_dir(id), "log")
     }
 
@@ -120,7 +120,7 @@ impl StateDir {
     /// counted against the caps of `budget` under the node lock and refused with
     /// `StateError::DaemonCap` before anything is made; a new directory that cannot be
     /// completed is removed again.
-    pub fn ensure_skeleton(
+    pub(crate) fn ensure_skeleton(
         &self,
         id: &str,
         owner: Owner,
