@@ -267,7 +267,7 @@ pub(crate) fn fast_path_from(path: &Path, required: bool) -> Result<FastPath, Co
     }
     let only: Only = toml::from_str(&text).map_err(|e| ConfigError::Parse {
         path: path.to_owned(),
-        message: one_line(&e.to_string()),
+        message: crate::util::one_line(&e.to_string()),
     })?;
     let list = only.low_level_runtime.unwrap_or_else(default_runtimes);
     check_runtimes(path, &list)?;
@@ -293,10 +293,6 @@ fn check_runtimes(path: &Path, list: &[String]) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn one_line(s: &str) -> String {
-    s.split_whitespace().collect::<Vec<_>>().join(" ")
-}
-
 /// Parses configuration text; `path` is only used in messages and recorded in the result.
 pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
     let shown = path
@@ -304,7 +300,7 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         .unwrap_or_else(|| PathBuf::from("<defaults>"));
     let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
         path: shown.clone(),
-        message: one_line(&e.to_string()),
+        message: crate::util::one_line(&e.to_string()),
     })?;
     let check = Check { path: shown };
 

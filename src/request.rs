@@ -221,6 +221,22 @@ pub struct Sourced<T> {
     pub raw: String,
 }
 
+impl<T> Sourced<T> {
+    /// `raw` parsed by `parse` (one of this module's grammars), remembered with the key it
+    /// came under, which `parse` names in its errors.
+    pub(crate) fn parse(
+        key: &'static str,
+        raw: &str,
+        parse: fn(&'static str, &str) -> Result<T, RequestError>,
+    ) -> Result<Self, RequestError> {
+        Ok(Sourced {
+            value: parse(key, raw)?,
+            key,
+            raw: raw.to_owned(),
+        })
+    }
+}
+
 impl Sourced<DeviceValue> {
     /// Resolves the device value against the inventory, under the same rules whether the
     /// devices were named or allocated. Errors about named devices name this key and value;
@@ -659,13 +675,7 @@ pub fn parse(c: &Inputs<'_>, opts: &Options) -> Result<Option<Request>, RequestE
         parse: fn(&'static str, &str) -> Result<T, RequestError>,
     ) -> Result<Option<Sourced<T>>, RequestError> {
         found
-            .map(|(key, raw)| {
-                Ok(Sourced {
-                    value: parse(key, raw)?,
-                    key,
-                    raw: raw.to_owned(),
-                })
-            })
+            .map(|(key, raw)| Sourced::parse(key, raw, parse))
             .transpose()
     }
     let allocated = |key: &'static str, raw: &str| {

@@ -389,6 +389,12 @@ fn clear(top: &mut Dir) -> std::io::Result<()> {
     }
 }
 
+/// `s` on one line: every run of whitespace (newlines included) becomes one space, and
+/// none leads or trails. For another program's text quoted in one error line.
+pub(crate) fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

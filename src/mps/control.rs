@@ -115,7 +115,7 @@ impl Control {
             Err(ControlError::Failed {
                 command: command.to_owned(),
                 status: status.to_string(),
-                output: text.split_whitespace().collect::<Vec<_>>().join(" "),
+                output: crate::util::one_line(&text),
             })
         }
     }

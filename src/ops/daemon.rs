@@ -54,33 +54,21 @@ pub(crate) fn start(cfg: &Config, args: &Start) -> anyhow::Result<()> {
 fn request_from_flags(args: &Start) -> Result<Request, RequestError> {
     Ok(Request {
         // `allocated` needs a container to take the allocation from: refused here.
-        device: sourced("--device", args.device.clone(), |key, raw| {
+        device: Sourced::parse("--device", &args.device, |key, raw| {
             request::parse_device_without_container(key, raw, "gpushare daemon start")
                 .map(DeviceValue::Named)
         })?,
         active_thread_percentage: args
             .active_thread_percentage
-            .clone()
-            .map(|raw| sourced("--active-thread-percentage", raw, request::parse_percentage))
+            .as_deref()
+            .map(|raw| Sourced::parse("--active-thread-percentage", raw, request::parse_percentage))
             .transpose()?,
         pinned_memory_limit: args
             .pinned_memory_limit
-            .clone()
-            .map(|raw| sourced("--pinned-memory-limit", raw, request::parse_size))
+            .as_deref()
+            .map(|raw| Sourced::parse("--pinned-memory-limit", raw, request::parse_size))
             .transpose()?,
         ipc: None,
-    })
-}
-
-fn sourced<T>(
-    key: &'static str,
-    raw: String,
-    parse: fn(&'static str, &str) -> Result<T, RequestError>,
-) -> Result<Sourced<T>, RequestError> {
-    Ok(Sourced {
-        value: parse(key, &raw)?,
-        key,
-        raw,
     })
 }
 
