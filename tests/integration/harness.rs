@@ -10,9 +10,17 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
+
+// The helpers this target shares with the GPU tier (tests/gpu/), re-exported so that the
+// tests' `use crate::harness::*` sees them as before.
+#[path = "../common/mod.rs"]
+mod common;
+pub use common::{
+    alive, parse_client_line, sim_beside, stop_process, text, umount_below, wait_until, which,
+};
 
 pub const RUNTIME: &str = env!("CARGO_BIN_EXE_gpushare-runtime");
 pub const GPUSHARE: &str = env!("CARGO_BIN_EXE_gpushare");
@@ -26,36 +34,11 @@ pub const GPUSHARE: &str = env!("CARGO_BIN_EXE_gpushare");
 pub fn sim() -> &'static str {
     static SIM: OnceLock<String> = OnceLock::new();
     SIM.get_or_init(|| {
-        let bin = Path::new(GPUSHARE).with_file_name("gpushare-mps-sim");
-        let profile = Path::new(GPUSHARE)
-            .parent()
-            .and_then(Path::file_name)
-            .and_then(|p| p.to_str())
-            .unwrap_or("debug");
-        let build = match profile {
-            "debug" => "cargo build -p gpushare-mps-sim".to_owned(),
-            "release" => "cargo build --release -p gpushare-mps-sim".to_owned(),
-            other => format!("cargo build --profile {other} -p gpushare-mps-sim"),
-        };
-        let built = std::fs::metadata(&bin)
-            .and_then(|m| m.modified())
-            .unwrap_or_else(|e| panic!("{}: {e}: build it: {build}", bin.display()));
         let sources = Path::new(env!("CARGO_MANIFEST_DIR")).join("sim");
-        let mut newest = vec![sources.join("Cargo.toml")];
-        if let Ok(dir) = std::fs::read_dir(sources.join("src")) {
-            newest.extend(dir.flatten().map(|e| e.path()));
+        match sim_beside(Path::new(GPUSHARE), &sources) {
+            Ok(bin) => bin.display().to_string(),
+            Err(e) => panic!("{e}"),
         }
-        for source in newest {
-            let changed = std::fs::metadata(&source).and_then(|m| m.modified());
-            if changed.is_ok_and(|t| t > built) {
-                panic!(
-                    "{} is older than {}: rebuild it: {build}",
-                    bin.display(),
-                    source.display()
-                );
-            }
-        }
-        bin.display().to_string()
     })
 }
 
@@ -131,12 +114,6 @@ pub fn require_root_and_runc() {
     );
 }
 
-pub fn which(name: &str) -> Option<PathBuf> {
-    let mut path = std::env::var_os("PATH").unwrap_or_default();
-    path.push(":/usr/sbin:/usr/bin:/sbin:/bin");
-    gpushare::util::find_executable(name, &path)
-}
-
 fn busybox() -> Option<PathBuf> {
     ["/bin/busybox", "/usr/bin/busybox"]
         .iter()
@@ -188,22 +165,6 @@ pub fn daemon_cgroups(supervisors: &[i32]) -> Vec<PathBuf> {
         }
     }
     out
-}
-
-/// Unmounts every mount at or below `dir`, deepest first (lazily: a busy one goes when
-/// its last user does).
-pub fn umount_below(dir: &Path) {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    let prefix = dir.display().to_string();
-    let mut points: Vec<&str> = mounts
-        .lines()
-        .filter_map(|l| l.split(' ').nth(1))
-        .filter(|m| m.starts_with(&prefix))
-        .collect();
-    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
-    for p in points {
-        let _ = nix::mount::umount2(p, nix::mount::MntFlags::MNT_DETACH);
-    }
 }
 
 /// A busybox rootfs with the simulator's client at /usr/bin/gpushare-mps-sim, shared
@@ -455,45 +416,6 @@ impl Drop for Env {
     }
 }
 
-fn start_time(pid: i32) -> Option<u64> {
-    gpushare::util::proc_start_time(pid)
-}
-
-pub fn alive(pid: i32) -> bool {
-    start_time(pid).is_some()
-}
-
-/// SIGTERM, wait up to 5 s, then SIGKILL — only if `pid` is still the process we started.
-pub fn stop_process(pid: i32, expected_start: Option<u64>) {
-    use nix::sys::signal::{kill, Signal};
-    let is_ours = || {
-        start_time(pid).is_some() && (expected_start.is_none() || start_time(pid) == expected_start)
-    };
-    if !is_ours() {
-        return;
-    }
-    let _ = kill(nix::unistd::Pid::from_raw(pid), Signal::SIGTERM);
-    if !wait_until(Duration::from_secs(5), || !is_ours()) {
-        let _ = kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
-    }
-}
-
-/// Polls `f` until it holds or the deadline passes; returns whether it held.
-pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + limit;
-    let mut pause = Duration::from_millis(2);
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_millis(50));
-    }
-}
-
 pub struct ContainerBuilder<'a> {
     env: &'a Env,
     id: String,
@@ -710,14 +632,6 @@ pub fn need(bin: &str, package: &str) -> PathBuf {
     which(bin).unwrap_or_else(|| panic!("{bin} is not installed: the README's test command (./scripts/test) installs {package} with apt-get"))
 }
 
-pub fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// A mount namespace for one engine test: a slave of the host's (the host's mounts reach
 /// it, none of its own reach the host) with a tmpfs over each place engines write outside
 /// the roots their flags name. Every engine process is started in it through `cmd`.
@@ -818,15 +732,7 @@ pub fn containerd_opt_plugin(dir: &Path) -> String {
 
 /// Parses the simulator client's line `mps-client pid=… server=… waited_ms=… …`.
 pub fn client_line(stdout: &str) -> BTreeMap<String, String> {
-    let line = stdout
-        .lines()
-        .find(|l| l.starts_with("mps-client "))
-        .unwrap_or_else(|| panic!("no mps-client line in output:\n{stdout}"));
-    line.split_whitespace()
-        .skip(1)
-        .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect()
+    parse_client_line(stdout).unwrap_or_else(|| panic!("no mps-client line in output:\n{stdout}"))
 }
 
 /// Device number of a path (to tell which filesystem a directory is).

@@ -317,54 +317,6 @@ fn both_binaries_report_their_version_and_the_shim_passes_runcs_through() {
         .starts_with(&format!("gpushare {} (commit ", env!("CARGO_PKG_VERSION"))));
 }
 
-/// The GPU tier (issue 8) must keep working while no GPU is lent: it skips with its
-/// reason on a machine without one, and its whole orchestration runs against the simulator.
-#[test]
-fn the_gpu_tier_skips_without_a_gpu_and_runs_against_the_simulator() {
-    require_root_and_runc();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/gpu-check");
-    let bin_dir = std::path::Path::new(GPUSHARE).parent().unwrap();
-    if which("nvidia-smi").is_none() {
-        let out = std::process::Command::new(script)
-            .arg("--bin-dir")
-            .arg(bin_dir)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert_eq!(out.status.code(), Some(0), "{text}");
-        assert!(
-            text.contains("gpu-check: SKIP: no NVIDIA GPU/driver here ("),
-            "{text}"
-        );
-    } else {
-        println!("nvidia-smi is present: run `sudo scripts/gpu-check` for the real-GPU tier");
-    }
-    let out_file = tempfile::NamedTempFile::new().unwrap();
-    let out = std::process::Command::new(script)
-        .args(["--simulate", "--hold", "1"])
-        .arg("--bin-dir")
-        .arg(bin_dir)
-        .arg("--out")
-        .arg(out_file.path())
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(out.status.code(), Some(0), "{text}");
-    assert!(text.contains(" 0 failed"), "{text}");
-    assert!(
-        text.contains("PASS  shared daemon: second UID queues"),
-        "{text}"
-    );
-    assert!(
-        text.contains("PASS  per-user: both UIDs start at once"),
-        "{text}"
-    );
-}
-
 #[test]
 fn json_logs_carry_the_container_id_and_passthrough_commands_log_nothing() {
     let env = Env::with_configs("log-format = \"json\"", "");

@@ -1,0 +1,840 @@
+//! The core path on a real GPU with real containers (issue 17, item 3; `--containers`,
+//! formerly scripts/gpu/containers): two users' containers at once through gpushare-runtime
+//! and real runc against the real nvidia-cuda-mps-control, each running the PyTorch workload
+//! from inside the container (A); one of them raising its own limits through its daemon's
+//! control socket while its job runs (A2); then the same two users' containers on one
+//! shared MPS daemon without gpushare, showing the queue gpushare removes (B).
+//!
+//! There is no container engine on the GPU machine: the containers are plain OCI bundles run
+//! by runc, the way Docker's or containerd's shim would run them. Their root file system is
+//! an empty directory with the host's /usr, /etc and /opt bind-mounted read-only (that is
+//! where the driver's libraries and PyTorch are), the GPU's device nodes given the way
+//! NVIDIA's runtime gives them (linux.devices plus a device-cgroup rule), and a tmpfs /tmp.
+//! Container A asks for 50 % of the threads and an 8G pinned limit, so the supervisor's
+//! limit check runs against the real daemon's replies.
+//!
+//! Invariants: every container is deleted (here, or by the tier's restore when a section
+//! panics) before the daemons are stopped; the containers' daemons live in the tier's state
+//! directory, so the restore's `daemon stop --all --force` stops them too.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::calc::{self, epoch_now};
+use crate::common::which;
+use crate::proc;
+use crate::tier::Tier;
+
+/// Annotations of alice's container: GPU 0, half the threads, an 8G pinned limit.
+const ALICE: &[(&str, &str)] = &[
+    ("gpushare.io/device", "0"),
+    ("gpushare.io/active-thread-percentage", "50"),
+    ("gpushare.io/pinned-memory-limit", "8G"),
+];
+const BOB: &[(&str, &str)] = &[("gpushare.io/device", "0")];
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// Through gpushare-runtime: the annotations ask for GPU 0.
+    Gpushare,
+    /// The shared daemon's pipe dir and the host's /dev/shm, as `--ipc=host` plus a
+    /// hand-mounted pipe dir would give.
+    Shared,
+}
+
+struct Ct {
+    dir: PathBuf,
+    runc: PathBuf,
+    root: PathBuf,
+    rootfs: PathBuf,
+    config: PathBuf,
+    bin: PathBuf,
+    py: PathBuf,
+}
+
+impl Ct {
+    fn bundle(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    fn runtime(&self) -> PathBuf {
+        self.bin.join("gpushare-runtime")
+    }
+
+    /// `runc spec`, then the changes above; `hold` s of 4096² matmuls.
+    fn make_bundle(
+        &self,
+        name: &str,
+        uid: u32,
+        mode: Mode,
+        annotations: &[(&str, &str)],
+        hold: f64,
+        shared_pipe: &Path,
+    ) -> Result<(), String> {
+        let b = self.bundle(name);
+        proc::mkdir(&b, 0o755).map_err(|e| format!("{}: {e}", b.display()))?;
+        let _ = std::fs::remove_file(b.join("config.json"));
+        let spec = Command::new(&self.runc)
+            .arg("spec")
+            .current_dir(&b)
+            .output()
+            .map_err(|e| format!("runc spec: {e}"))?;
+        if !spec.status.success() {
+            return Err(format!("runc spec: {}", crate::common::text(&spec)));
+        }
+        let path = b.join("config.json");
+        let mut c: Value = std::fs::read(&path)
+            .ok()
+            .and_then(|t| serde_json::from_slice(&t).ok())
+            .ok_or("runc spec wrote no config.json")?;
+        c["root"] = json!({"path": self.rootfs, "readonly": true});
+        let p = &mut c["process"];
+        p["terminal"] = json!(false);
+        p["user"] = json!({"uid": uid, "gid": uid});
+        p["cwd"] = json!("/tmp");
+        let mut env = vec![
+            "PATH=/usr/local/bin:/usr/bin:/bin".to_owned(),
+            "HOME=/tmp".into(),
+            "LANG=C.UTF-8".into(),
+            "PYTHONDONTWRITEBYTECODE=1".into(),
+            "CUDA_CACHE_PATH=/tmp/.nv".into(),
+        ];
+        p["args"] = json!([
+            self.py,
+            "/gpu/workload.py",
+            "matmul",
+            "--size",
+            "4096",
+            "--seconds",
+            format!("{hold}"),
+            "--batch",
+            "10"
+        ]);
+        c["hostname"] = json!(name);
+        let mut mounts: Vec<Value> = c["mounts"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|m| m["destination"] != "/dev/shm" || mode == Mode::Gpushare)
+            .collect();
+        for src in ["/usr", "/etc", "/opt"] {
+            if Path::new(src).is_dir() {
+                mounts.push(json!({"destination": src, "type": "bind", "source": src,
+                    "options": ["rbind", "ro", "nosuid", "nodev"]}));
+            }
+        }
+        mounts.push(json!({"destination": "/gpu", "type": "bind",
+            "source": self.dir.join("gpu"), "options": ["bind", "ro"]}));
+        mounts.push(
+            json!({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+            "options": ["nosuid", "nodev", "mode=1777", "size=1g"]}),
+        );
+        if mode == Mode::Shared {
+            mounts.push(
+                json!({"destination": "/dev/shm", "type": "bind", "source": "/dev/shm",
+                "options": ["rbind", "rw"]}),
+            );
+            mounts.push(json!({"destination": "/tmp/nvidia-mps", "type": "bind",
+                "source": shared_pipe, "options": ["bind", "rw"]}));
+            env.push("CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps".into());
+            if let Some(ns) = c["linux"]["namespaces"].as_array_mut() {
+                ns.retain(|n| n["type"] != "ipc");
+            }
+        }
+        c["process"]["env"] = json!(env);
+        c["mounts"] = json!(mounts);
+        let (devices, rules) = gpu_devices();
+        let linux = &mut c["linux"];
+        linux["devices"] = json!(devices);
+        if !linux["resources"].is_object() {
+            linux["resources"] = json!({});
+        }
+        let mut all_rules = linux["resources"]["devices"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        all_rules.extend(rules);
+        linux["resources"]["devices"] = json!(all_rules);
+        if let Some(l) = linux.as_object_mut() {
+            l.remove("seccomp");
+        }
+        let ann: serde_json::Map<String, Value> = annotations
+            .iter()
+            .map(|(k, v)| (k.to_string(), json!(v)))
+            .collect();
+        c["annotations"] = Value::Object(ann);
+        std::fs::write(&path, serde_json::to_vec_pretty(&c).unwrap_or_default())
+            .map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// `RUNTIME create` + `start`; the container's stdout and stderr go to files in its
+    /// bundle. Returns the launch time.
+    fn start(&self, runtime: &Path, name: &str) -> Result<f64, String> {
+        let b = self.bundle(name);
+        let t0 = epoch_now();
+        let _ = std::fs::write(b.join("t0"), format!("{t0}"));
+        let (out, err) = (
+            std::fs::File::create(b.join("out")).map_err(|e| e.to_string())?,
+            std::fs::File::create(b.join("err")).map_err(|e| e.to_string())?,
+        );
+        let log = b.join("log.json");
+        let created = Command::new(runtime)
+            .env("GPUSHARE_CONFIG", &self.config)
+            .arg("--root")
+            .arg(&self.root)
+            .arg("--log")
+            .arg(&log)
+            .args(["--log-format", "json", "create", "--bundle"])
+            .arg(&b)
+            .arg(name)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .status()
+            .map_err(|e| format!("{}: {e}", runtime.display()))?;
+        if !created.success() {
+            let tail = |p: PathBuf| {
+                let t = std::fs::read_to_string(p).unwrap_or_default();
+                let n = t.chars().count().saturating_sub(600);
+                t.chars().skip(n).collect::<String>()
+            };
+            return Err(format!(
+                "create {name} failed: {} {}",
+                tail(log),
+                tail(b.join("err"))
+            ));
+        }
+        let started = proc::run(
+            Command::new(runtime)
+                .env("GPUSHARE_CONFIG", &self.config)
+                .arg("--root")
+                .arg(&self.root)
+                .args(["start", name]),
+            None,
+            Duration::from_secs(60),
+            Duration::from_secs(5),
+        );
+        if !started.ok() {
+            return Err(format!("start {name} failed: {}", started.out.trim()));
+        }
+        Ok(t0)
+    }
+
+    fn stopped(&self, name: &str) -> bool {
+        let st = proc::run(
+            Command::new(&self.runc)
+                .arg("--root")
+                .arg(&self.root)
+                .args(["state", name]),
+            None,
+            Duration::from_secs(10),
+            Duration::from_secs(2),
+        );
+        // A container runc no longer knows counts as stopped too.
+        !st.ok() || st.out.contains("\"status\": \"stopped\"")
+    }
+
+    fn wait_stopped(&self, name: &str, timeout_s: u64) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(timeout_s);
+        while Instant::now() < deadline {
+            if self.stopped(name) {
+                return true;
+            }
+            crate::tier::pause(Duration::from_millis(100));
+        }
+        false
+    }
+
+    /// The workload in the container ran its first kernel; false if it stopped first.
+    fn wait_first_kernel(&self, name: &str, timeout_s: u64) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(timeout_s);
+        let out = self.bundle(name).join("out");
+        while Instant::now() < deadline {
+            let text = std::fs::read_to_string(&out).unwrap_or_default();
+            if text.contains("\"event\": \"first_kernel\"") {
+                return true;
+            }
+            if self.stopped(name) {
+                return false;
+            }
+            crate::tier::pause(Duration::from_millis(50));
+        }
+        false
+    }
+
+    /// The container's first_kernel and result lines, merged.
+    fn result(&self, name: &str) -> Value {
+        let text = std::fs::read_to_string(self.bundle(name).join("out")).unwrap_or_default();
+        let mut r = serde_json::Map::new();
+        for line in text.lines() {
+            if let Ok(Value::Object(o)) = serde_json::from_str::<Value>(line.trim()) {
+                if matches!(
+                    o.get("event").and_then(Value::as_str),
+                    Some("result" | "first_kernel")
+                ) {
+                    r.extend(o);
+                }
+            }
+        }
+        Value::Object(r)
+    }
+
+    fn delete(&self, name: &str) {
+        let _ = proc::run(
+            Command::new(&self.runc)
+                .arg("--root")
+                .arg(&self.root)
+                .args(["delete", "-f", name]),
+            None,
+            Duration::from_secs(30),
+            Duration::from_secs(5),
+        );
+    }
+
+    fn print_output(&self, name: &str) {
+        println!("-- {name} printed:");
+        for f in ["out", "err"] {
+            print!(
+                "{}",
+                std::fs::read_to_string(self.bundle(name).join(f)).unwrap_or_default()
+            );
+        }
+    }
+
+    /// `gpushare` with the containers' config.
+    fn gpushare(&self, args: &[&str]) -> proc::Ran {
+        proc::run(
+            Command::new(self.bin.join("gpushare"))
+                .env("GPUSHARE_CONFIG", &self.config)
+                .args(args),
+            None,
+            Duration::from_secs(120),
+            Duration::from_secs(5),
+        )
+    }
+}
+
+/// The GPU's device nodes and their device-cgroup rules, as NVIDIA's runtime gives them.
+fn gpu_devices() -> (Vec<Value>, Vec<Value>) {
+    let mut paths: Vec<String> = [
+        "/dev/nvidiactl",
+        "/dev/nvidia-uvm",
+        "/dev/nvidia-uvm-tools",
+        "/dev/nvidia-modeset",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut numbered: Vec<String> = std::fs::read_dir("/dev")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| {
+            n.strip_prefix("nvidia")
+                .is_some_and(|d| !d.is_empty() && d.bytes().all(|c| c.is_ascii_digit()))
+        })
+        .map(|n| format!("/dev/{n}"))
+        .collect();
+    numbered.sort();
+    paths.extend(numbered);
+    let (mut devices, mut rules) = (Vec::new(), Vec::new());
+    for p in paths {
+        let Ok(m) = std::fs::metadata(&p) else {
+            continue;
+        };
+        use std::os::unix::fs::FileTypeExt;
+        if !m.file_type().is_char_device() {
+            continue;
+        }
+        let (ma, mi) = (
+            nix::sys::stat::major(m.rdev()),
+            nix::sys::stat::minor(m.rdev()),
+        );
+        devices.push(json!({"path": p, "type": "c", "major": ma, "minor": mi,
+            "fileMode": 0o666, "uid": 0, "gid": 0}));
+        rules.push(json!({"allow": true, "type": "c", "major": ma, "minor": mi, "access": "rwm"}));
+    }
+    (devices, rules)
+}
+
+/// Seconds, rounded to 2 decimals, of `a - b` where both are known.
+fn diff(a: Option<f64>, b: Option<f64>) -> String {
+    calc::f2(a.zip(b).map(|(a, b)| a - b))
+}
+
+fn num(v: &Value, k: &str) -> Option<f64> {
+    v.get(k).and_then(Value::as_f64)
+}
+
+fn text(v: &Value, k: &str) -> String {
+    match v.get(k) {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Number(n)) if n.is_f64() => calc::fixed(n.as_f64(), 3),
+        Some(x) => x.to_string(),
+    }
+}
+
+fn ok(v: &Value) -> bool {
+    v.get("ok").and_then(Value::as_bool).unwrap_or(false)
+}
+
+pub fn run(t: &mut Tier) {
+    t.section("containers: two users' PyTorch containers through gpushare-runtime and runc");
+    if t.simulate {
+        t.skip_sim(
+            "containers",
+            "needs a GPU (real containers with PyTorch, real MPS)",
+        );
+        return;
+    }
+    match setup(t) {
+        Ok(ct) => sections(t, &ct),
+        Err(e) => t.check("FAIL", "containers: setup", &e),
+    }
+}
+
+fn setup(t: &mut Tier) -> Result<Ct, String> {
+    let runc = t
+        .runc_arg
+        .clone()
+        .or_else(|| which("runc"))
+        .ok_or("runc not found (pass --runc PATH; Debian's runc needs libseccomp.so.2)")?;
+    let py = t.py.clone();
+    // Not resolved through links: a venv's python must be run by its own path.
+    if !(py.starts_with("/usr") || py.starts_with("/opt")) {
+        return Err(format!(
+            "{} is outside /usr and /opt: the containers would not see it (pass --python)",
+            py.display()
+        ));
+    }
+    let dir = t.work.join("ct");
+    let bin = dir.join("bin");
+    let rootfs = dir.join("rootfs");
+    let mk = |d: &Path, mode| proc::mkdir(d, mode).map_err(|e| format!("{}: {e}", d.display()));
+    mk(&dir, 0o711)?;
+    mk(&bin, 0o755)?;
+    mk(&dir.join("gpu"), 0o755)?;
+    for (from, name) in [
+        (&t.bins.gpushare, "gpushare"),
+        (&t.bins.runtime, "gpushare-runtime"),
+    ] {
+        std::fs::copy(from, bin.join(name)).map_err(|e| format!("copy {name}: {e}"))?;
+    }
+    std::fs::copy(&t.workload, dir.join("gpu/workload.py"))
+        .map_err(|e| format!("copy workload.py: {e}"))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(
+            dir.join("gpu/workload.py"),
+            std::fs::Permissions::from_mode(0o644),
+        );
+    }
+    for d in ["proc", "dev", "sys", "tmp", "usr", "etc", "opt", "gpu"] {
+        mk(&rootfs.join(d), 0o755)?;
+    }
+    for l in ["bin", "sbin", "lib", "lib64", "lib32", "libx32"] {
+        let host = Path::new("/").join(l);
+        if let Ok(target) = std::fs::read_link(&host) {
+            let _ = std::os::unix::fs::symlink(target, rootfs.join(l));
+        } else if host.is_dir() {
+            mk(&rootfs.join(l), 0o755)?;
+        }
+    }
+    // The containers' daemons live in the tier's state dir: the restore stops them.
+    let config = dir.join("runtime.toml");
+    let toml = format!(
+        "low-level-runtime = [{:?}]\nstate-dir = {:?}\nlog-file = {:?}\nlog-level = \"debug\"\ninventory = {:?}\n[mps]\ncontrol-binary = {:?}\nshm-size = \"8G\"\n",
+        runc.display().to_string(),
+        t.state.display().to_string(),
+        dir.join("gpushare.log").display().to_string(),
+        t.inventory,
+        t.control.display().to_string(),
+    );
+    std::fs::write(&config, toml).map_err(|e| format!("config: {e}"))?;
+    let root = dir.join("runc");
+    t.runc_roots.push((runc.clone(), root.clone()));
+    let v = proc::run(
+        Command::new(&runc).arg("--version"),
+        None,
+        Duration::from_secs(10),
+        Duration::from_secs(2),
+    );
+    println!(
+        "runc: {}; python: {}; control: {}",
+        v.out.lines().next().unwrap_or("?"),
+        py.display(),
+        t.control.display()
+    );
+    Ok(Ct {
+        dir,
+        runc,
+        root,
+        rootfs,
+        config,
+        bin,
+        py,
+    })
+}
+
+fn sections(t: &mut Tier, ct: &Ct) {
+    let hold = t.hold;
+    let shared_pipe = t.work.join("h/ct-shared/pipe");
+    // ---------------------------------------------------------------- A. through gpushare
+    t.section("containers A: two users' containers at once through gpushare-runtime (GPU 0, per-user daemons)");
+    let made = ct
+        .make_bundle("ct-alice", 1000, Mode::Gpushare, ALICE, hold, &shared_pipe)
+        .and_then(|_| ct.make_bundle("ct-bob", 2000, Mode::Gpushare, BOB, hold, &shared_pipe));
+    if let Err(e) = made {
+        t.check("FAIL", "containers: bundles", &e);
+        return;
+    }
+    let runtime = ct.runtime();
+    let t_start = Instant::now();
+    let (ta, tb) = match ct
+        .start(&runtime, "ct-alice")
+        .and_then(|a| Ok((a, ct.start(&runtime, "ct-bob")?)))
+    {
+        Ok(v) => v,
+        Err(e) => {
+            t.check(
+                "FAIL",
+                "gpushare: two users' containers compute at once",
+                &e,
+            );
+            for c in ["ct-alice", "ct-bob"] {
+                ct.delete(c);
+            }
+            return;
+        }
+    };
+    println!(
+        "both created and started in {:.3} s",
+        t_start.elapsed().as_secs_f64()
+    );
+    ct.wait_first_kernel("ct-alice", 120);
+    ct.wait_first_kernel("ct-bob", 120);
+    println!("-- gpushare status while both run");
+    print!("{}", ct.gpushare(&["status"]).out);
+    println!("-- nvidia-smi compute apps");
+    print!(
+        "{}",
+        proc::run(
+            Command::new("nvidia-smi").args([
+                "--query-compute-apps=pid,process_name,used_memory",
+                "--format=csv,noheader"
+            ]),
+            None,
+            Duration::from_secs(30),
+            Duration::from_secs(5)
+        )
+        .out
+    );
+    for c in ["ct-alice", "ct-bob"] {
+        if !ct.wait_stopped(c, hold as u64 + 180) {
+            println!("{c} did not stop");
+        }
+    }
+    for (c, t0) in [("ct-alice", ta), ("ct-bob", tb)] {
+        ct.print_output(c);
+        record(t, ct, c, &format!("gpushare-{c}"), t0);
+    }
+    let (a, b) = (ct.result("ct-alice"), ct.result("ct-bob"));
+    let name = "gpushare: two users' containers compute at once";
+    if ok(&a) && ok(&b) {
+        let ov = num(&a, "t_end")
+            .zip(num(&b, "t_end"))
+            .map(|(x, y)| x.min(y))
+            .zip(
+                num(&a, "t_first_kernel")
+                    .zip(num(&b, "t_first_kernel"))
+                    .map(|(x, y)| x.max(y)),
+            )
+            .map(|(end, start)| end - start);
+        if ov.is_some_and(|o| o > 1.0) {
+            let ev = format!(
+                "both computing for {}s (alice uid 1000 at 50 %/8G, bob uid 2000)",
+                calc::f2(ov)
+            );
+            t.check("PASS", name, &ev);
+        } else {
+            t.check("FAIL", name, &format!("overlap {}s", calc::f2(ov)));
+        }
+    } else {
+        let ev = format!(
+            "alice ok={}, bob ok={}: {} {}",
+            ok(&a),
+            ok(&b),
+            text(&a, "error"),
+            text(&b, "error")
+        );
+        t.check("FAIL", name, &ev);
+    }
+    let ev = format!(
+        "alice {} TFLOP/s, bob {} TFLOP/s (fp32 4096², while both ran part of the time)",
+        calc::f2(num(&a, "tflops")),
+        calc::f2(num(&b, "tflops"))
+    );
+    t.check(
+        "INFO",
+        "gpushare: throughput, alice at 50 % and bob at 100 %",
+        &ev,
+    );
+    let lat_b = diff(num(&b, "t_first_kernel"), Some(tb));
+    let ev = format!(
+        "alice {}s, bob {lat_b}s (daemon start, torch import, CUDA context)",
+        diff(num(&a, "t_first_kernel"), Some(ta))
+    );
+    t.check("INFO", "gpushare: create to first kernel", &ev);
+    let log = std::fs::read_to_string(ct.dir.join("gpushare.log")).unwrap_or_default();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("ERROR") || l.contains("WARN"))
+        .collect();
+    if !warnings.is_empty() {
+        let tail = warnings[warnings.len().saturating_sub(5)..].join("|");
+        t.check(
+            "INFO",
+            "gpushare log: warnings and errors",
+            &calc::cut(&tail, 900),
+        );
+    }
+    let raised: Vec<&str> = log
+        .lines()
+        .filter(|l| {
+            let l = l.to_lowercase();
+            l.contains("cannot read a server's limit")
+                || l.contains("limits were raised")
+                || l.contains("limits were changed")
+        })
+        .collect();
+    let name = "supervisor limit check accepted the real replies";
+    if raised.is_empty() {
+        let ev = format!(
+            "no limit found raised and every reply read, in {} log lines",
+            log.lines().filter(|l| !l.is_empty()).count()
+        );
+        t.check("PASS", name, &ev);
+    } else {
+        let ev = raised.iter().take(2).copied().collect::<Vec<_>>().join("|");
+        t.check("FAIL", name, &ev);
+    }
+    println!("-- daemon logs (control.log, tail)");
+    for d in std::fs::read_dir(t.state.join("mps"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        println!("# {}", d.path().display());
+        for (f, n) in [("log/control.log", 15), ("daemon.out", 5)] {
+            let text = std::fs::read_to_string(d.path().join(f)).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            for l in &lines[lines.len().saturating_sub(n)..] {
+                println!("{l}");
+            }
+        }
+    }
+    for c in ["ct-alice", "ct-bob"] {
+        ct.delete(c);
+    }
+    attack(t, ct, &shared_pipe);
+    shared(t, ct, &shared_pipe, &lat_b);
+}
+
+/// A2: alice raises her limits through her daemon's control socket while her job runs.
+fn attack(t: &mut Tier, ct: &Ct, shared_pipe: &Path) {
+    t.section("containers A2: alice raises her limits through her daemon's control socket while her job runs");
+    if let Err(e) = ct.make_bundle("ct-alice2", 1000, Mode::Gpushare, ALICE, 20.0, shared_pipe) {
+        t.check("FAIL", "containers: bundles", &e);
+        return;
+    }
+    let t0 = match ct.start(&ct.runtime(), "ct-alice2") {
+        Ok(t0) => t0,
+        Err(e) => {
+            t.check("FAIL", "tenant attack: alice2's client attached", &e);
+            ct.delete("ct-alice2");
+            return;
+        }
+    };
+    let pipe = std::fs::read_dir(t.state.join("mps"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|d| d.path().join("pipe"))
+        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.uid() == 1000));
+    match pipe {
+        Some(pipe) if ct.wait_first_kernel("ct-alice2", 120) => {
+            let as1000 = |cmd: &str| t.ctl1(1000, &pipe, cmd);
+            let before = as1000("get_default_active_thread_percentage");
+            let r1 = as1000("set_default_active_thread_percentage 100");
+            let servers = as1000("get_server_list");
+            let srv = servers.split_whitespace().next().unwrap_or("").to_owned();
+            let r2 = as1000(&format!("set_active_thread_percentage {srv} 100"));
+            let r3 = as1000(&format!("get_active_thread_percentage {srv}"));
+            let r4 = as1000(&format!("set_device_pinned_mem_limit {srv} 0 64G"));
+            let ev = format!("default before '{before}'; set default 100 -> '{r1}'; server {srv}: set 100 -> '{r2}', reads '{r3}'; set its pinned limit 64G -> '{r4}'");
+            t.check("INFO", "tenant's own commands on its daemon", &ev);
+            // The supervisor's limit check runs every mps.limit-check-interval (2 s): what
+            // it left after 5 s is the measurement.
+            crate::tier::pause(Duration::from_secs(5));
+            let as1000 = |cmd: &str| t.ctl1(1000, &pipe, cmd);
+            let after = as1000("get_default_active_thread_percentage");
+            let afterm = as1000("get_default_device_pinned_mem_limit 0");
+            let servers = as1000("get_server_list");
+            let srv_t = as1000(&format!("get_active_thread_percentage {srv}"));
+            let srv_m = as1000(&format!("get_device_pinned_mem_limit {srv} 0"));
+            let name = "supervisor restored the default thread limit";
+            let ev = format!("reads '{after}' 5 s later");
+            t.check(
+                if after.contains("50") { "PASS" } else { "FAIL" },
+                name,
+                &ev,
+            );
+            t.check("INFO", "pinned limit 5 s later", &format!("'{afterm}'"));
+            let name = "supervisor set the server's limits back";
+            let ev =
+                format!("server {srv} reads '{srv_t}' '{srv_m}' 5 s later; servers '{servers}'");
+            let back = matches!(srv_t.as_str(), "50.0" | "50") && srv_m == "8G";
+            t.check(if back { "PASS" } else { "FAIL" }, name, &ev);
+        }
+        pipe => {
+            let out = std::fs::read_to_string(ct.bundle("ct-alice2").join("out"))
+                .unwrap_or_default()
+                + &std::fs::read_to_string(ct.bundle("ct-alice2").join("err")).unwrap_or_default();
+            let n = out.chars().count().saturating_sub(400);
+            let ev = format!(
+                "pipe '{}'; {}",
+                pipe.map(|p| p.display().to_string()).unwrap_or_default(),
+                out.chars().skip(n).collect::<String>()
+            );
+            t.check("FAIL", "tenant attack: alice2's client attached", &ev);
+        }
+    }
+    if !ct.wait_stopped("ct-alice2", 200) {
+        println!("ct-alice2 did not stop");
+    }
+    ct.print_output("ct-alice2");
+    record(t, ct, "ct-alice2", "gpushare-ct-alice2-attacked", t0);
+    let r = ct.result("ct-alice2");
+    if ok(&r) {
+        let ev = format!(
+            "{} TFLOP/s, {} SMs visible",
+            calc::f2(num(&r, "tflops")),
+            text(&r, "multi_processor_count")
+        );
+        t.check("PASS", "alice2's job ran to its end", &ev);
+    } else {
+        t.check("FAIL", "alice2's job ran to its end", &text(&r, "error"));
+    }
+    let log = std::fs::read_to_string(ct.dir.join("gpushare.log")).unwrap_or_default();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| {
+            let l = l.to_lowercase();
+            l.contains("limit") || l.contains("shutdown")
+        })
+        .collect();
+    for l in &lines[lines.len().saturating_sub(8)..] {
+        println!("{l}");
+    }
+    ct.delete("ct-alice2");
+    let stop = ct.gpushare(&["daemon", "stop", "--all", "--force"]);
+    if !stop.ok() {
+        let ev = calc::first_line(&stop.out, 220);
+        t.check(
+            "FAIL",
+            "gpushare daemon stop --all --force (containers)",
+            &ev,
+        );
+    }
+}
+
+/// B: the same two users' containers on one shared MPS daemon (no gpushare).
+fn shared(t: &mut Tier, ct: &Ct, shared_pipe: &Path, lat_b: &str) {
+    t.section(
+        "containers B: the same two users' containers on one shared MPS daemon (no gpushare)",
+    );
+    let hand = t.hand_start("ct-shared", &[]);
+    if !hand.ok || hand.pipe != shared_pipe {
+        let ev = format!(
+            "nvidia-cuda-mps-control -d did not start (rc {}): {}",
+            hand.rc, hand.out
+        );
+        t.check("FAIL", "shared daemon: clients", &ev);
+        t.quit_hand_daemon(&hand.dir);
+        return;
+    }
+    let hold = t.hold;
+    let made = ct
+        .make_bundle("sh-alice", 1000, Mode::Shared, &[], hold, shared_pipe)
+        .and_then(|_| ct.make_bundle("sh-bob", 2000, Mode::Shared, &[], hold, shared_pipe));
+    let runc = ct.runc.clone();
+    let started = made.and_then(|_| {
+        let ta = ct.start(&runc, "sh-alice")?;
+        if !ct.wait_first_kernel("sh-alice", 120) {
+            println!("sh-alice: no first kernel");
+        }
+        Ok((ta, ct.start(&runc, "sh-bob")?))
+    });
+    match started {
+        Ok((ta, tb)) => {
+            for c in ["sh-alice", "sh-bob"] {
+                if !ct.wait_stopped(c, hold as u64 + 180) {
+                    println!("{c} did not stop");
+                }
+            }
+            for (c, t0) in [("sh-alice", ta), ("sh-bob", tb)] {
+                ct.print_output(c);
+                record(t, ct, c, &format!("shared-{c}"), t0);
+            }
+            println!("-- shared daemon's control.log");
+            let log = std::fs::read_to_string(hand.dir.join("log/control.log")).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            for l in &lines[lines.len().saturating_sub(20)..] {
+                println!("{l}");
+            }
+            let (a, b) = (ct.result("sh-alice"), ct.result("sh-bob"));
+            if ok(&a) && ok(&b) {
+                let ev = format!(
+                    "{}s; his first kernel came {}s after alice's end (gpushare: {lat_b}s)",
+                    diff(num(&b, "t_first_kernel"), Some(tb)),
+                    diff(num(&b, "t_first_kernel"), num(&a, "t_end"))
+                );
+                t.check("INFO", "shared daemon: bob's create to first kernel", &ev);
+            } else {
+                let ev = format!(
+                    "alice ok={} bob ok={}: {} {}",
+                    ok(&a),
+                    ok(&b),
+                    text(&a, "error"),
+                    text(&b, "error")
+                );
+                t.check("INFO", "shared daemon: clients", &ev);
+            }
+        }
+        Err(e) => t.check("FAIL", "shared daemon: clients", &e),
+    }
+    for c in ["sh-alice", "sh-bob"] {
+        ct.delete(c);
+    }
+    t.quit_hand_daemon(&hand.dir);
+}
+
+/// The JSON line `"event": "container"` of one container run.
+fn record(t: &mut Tier, ct: &Ct, name: &str, label: &str, t_launch: f64) {
+    let text = std::fs::read_to_string(ct.bundle(name).join("out")).unwrap_or_default();
+    let payload = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l.trim()).ok())
+        .rfind(|o| o.get("event").and_then(Value::as_str) == Some("result"))
+        .unwrap_or_else(|| json!({}));
+    t.record(
+        json!({"event": "container", "section": "containers", "label": label,
+        "t_launch": t_launch, "payload": payload}),
+    );
+}
