@@ -1061,11 +1061,8 @@ fn create_path(t: &mut Tier) {
     if let Err(e) = std::fs::write(&inv_file, inv.to_string()) {
         fail = Some(format!("inventory: {e}"));
     }
-    let inv_a = if t.simulate {
-        t.inventory.clone()
-    } else {
-        "nvml".to_owned()
-    };
+    // "nvml" on a GPU (unless GPUSHARE_GPU_INVENTORY replaces it), the file simulated.
+    let inv_a = t.inventory.clone();
     let truth = crate::common::which("true").unwrap_or_else(|| PathBuf::from("/bin/true"));
     for (v, inv, ttl) in [
         ("a", inv_a.clone(), "30s"),
