@@ -278,17 +278,24 @@ fn serving(socket: &Path) -> bool {
     std::fs::metadata(socket).is_ok_and(|m| m.file_type().is_socket())
 }
 
+/// Docker and containerd: is gpushare registered with the engines that run here.
 fn engine_checks(paths: &Paths, out: &mut Vec<Check>) {
+    out.push(docker_check(paths));
+    out.push(containerd_check(paths));
+}
+
+/// Docker: `runtimes.gpushare` in daemon.json, where dockerd runs.
+fn docker_check(paths: &Paths) -> Check {
     match std::fs::read_to_string(&paths.docker) {
-        Err(_) if !serving(&paths.docker_socket) => out.push(ok(
+        Err(_) if !serving(&paths.docker_socket) => ok(
             "docker",
             format!(
                 "Docker does not run here (no {}, no {}): nothing to configure",
                 paths.docker.display(),
                 paths.docker_socket.display()
             ),
-        )),
-        Err(_) => out.push(warn(
+        ),
+        Err(_) => warn(
             "docker",
             format!(
                 "dockerd serves {} but {} does not exist",
@@ -296,7 +303,7 @@ fn engine_checks(paths: &Paths, out: &mut Vec<Check>) {
                 paths.docker.display()
             ),
             "gpushare install docker, then reload dockerd (SIGHUP)",
-        )),
+        ),
         Ok(text) => {
             let has = serde_json::from_str::<serde_json::Value>(&text)
                 .ok()
@@ -306,34 +313,39 @@ fn engine_checks(paths: &Paths, out: &mut Vec<Check>) {
                         .map(str::to_owned)
                 });
             match has {
-                Some(path) => out.push(ok(
+                Some(path) => ok(
                     "docker",
                     format!(
                         "{} registers runtime gpushare at {path}",
                         paths.docker.display()
                     ),
-                )),
-                None => out.push(warn(
+                ),
+                None => warn(
                     "docker",
                     format!(
                         "{} does not register runtime gpushare",
                         paths.docker.display()
                     ),
                     "gpushare install docker, then reload dockerd (SIGHUP)",
-                )),
+                ),
             }
         }
     }
+}
+
+/// containerd: a `gpushare` runtime in its CRI plugin's config, where containerd serves
+/// Kubernetes.
+fn containerd_check(paths: &Paths) -> Check {
     match std::fs::read_to_string(&paths.containerd) {
-        Err(_) if !serving(&paths.containerd_socket) => out.push(ok(
+        Err(_) if !serving(&paths.containerd_socket) => ok(
             "containerd",
             format!(
                 "containerd does not run here (no {}, no {}): nothing to configure",
                 paths.containerd.display(),
                 paths.containerd_socket.display()
             ),
-        )),
-        Err(_) => out.push(warn(
+        ),
+        Err(_) => warn(
             "containerd",
             format!(
                 "containerd serves {} but {} does not exist",
@@ -341,7 +353,7 @@ fn engine_checks(paths: &Paths, out: &mut Vec<Check>) {
                 paths.containerd.display()
             ),
             "gpushare install containerd, then restart containerd",
-        )),
+        ),
         Ok(text) => {
             let v: Option<toml::Table> = toml::from_str(&text).ok();
             // Docker's own containerd (Debian's docker.io installs the package) serves no
@@ -370,14 +382,14 @@ fn engine_checks(paths: &Paths, out: &mut Vec<Check>) {
                     })
             });
             match found {
-                Some(bin) => out.push(ok(
+                Some(bin) => ok(
                     "containerd",
                     format!(
                         "{} has runtime gpushare (BinaryName {bin})",
                         paths.containerd.display()
                     ),
-                )),
-                None if cri_disabled || !serving(&paths.containerd_socket) => out.push(ok(
+                ),
+                None if cri_disabled || !serving(&paths.containerd_socket) => ok(
                     "containerd",
                     format!(
                         "{} has no gpushare runtime, and {}: nothing for Kubernetes to use here",
@@ -391,12 +403,12 @@ fn engine_checks(paths: &Paths, out: &mut Vec<Check>) {
                             )
                         }
                     ),
-                )),
-                None => out.push(warn(
+                ),
+                None => warn(
                     "containerd",
                     format!("{} has no gpushare runtime", paths.containerd.display()),
                     "gpushare install containerd, then restart containerd",
-                )),
+                ),
             }
         }
     }
@@ -486,4 +498,87 @@ pub(crate) fn report(checks: &[Check]) -> (String, i32) {
     }
     let worst = checks.iter().map(|c| c.level).max().unwrap_or(Level::Ok);
     (text, worst as i32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Paths under `dir`; a socket is "served" when `bind` made it a real socket.
+    fn paths(dir: &Path, docker_served: bool, containerd_served: bool) -> Paths {
+        let p = Paths {
+            docker: dir.join("daemon.json"),
+            containerd: dir.join("config.toml"),
+            docker_socket: dir.join("docker.sock"),
+            containerd_socket: dir.join("containerd.sock"),
+        };
+        for (served, sock) in [
+            (docker_served, &p.docker_socket),
+            (containerd_served, &p.containerd_socket),
+        ] {
+            if served {
+                std::os::unix::net::UnixListener::bind(sock).unwrap();
+            }
+        }
+        p
+    }
+
+    #[test]
+    fn docker_is_ok_when_absent_or_registered_and_a_warning_when_it_runs_without_us() {
+        let dir = tempfile::tempdir().unwrap();
+        let absent = docker_check(&paths(dir.path(), false, false));
+        assert_eq!(absent.level, Level::Ok, "{}", absent.detail);
+        assert!(
+            absent.detail.contains("does not run here"),
+            "{}",
+            absent.detail
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        let p = paths(dir.path(), true, false);
+        let missing = docker_check(&p);
+        assert_eq!(missing.level, Level::Warn, "{}", missing.detail);
+        std::fs::write(&p.docker, r#"{"runtimes": {"nvidia": {"path": "x"}}}"#).unwrap();
+        let other = docker_check(&p);
+        assert_eq!(other.level, Level::Warn);
+        assert!(other.detail.contains("does not register runtime gpushare"));
+        std::fs::write(
+            &p.docker,
+            r#"{"runtimes": {"gpushare": {"path": "/usr/bin/gpushare-runtime"}}}"#,
+        )
+        .unwrap();
+        let ours = docker_check(&p);
+        assert_eq!(ours.level, Level::Ok);
+        assert!(
+            ours.detail.ends_with("at /usr/bin/gpushare-runtime"),
+            "{}",
+            ours.detail
+        );
+    }
+
+    #[test]
+    fn containerd_is_a_warning_only_where_it_serves_kubernetes_without_us() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = paths(dir.path(), false, true);
+        std::fs::write(&p.containerd, "version = 2\n").unwrap();
+        let unconfigured = containerd_check(&p);
+        assert_eq!(unconfigured.level, Level::Warn, "{}", unconfigured.detail);
+        // Docker's own containerd: the CRI plugin is disabled, nothing for Kubernetes.
+        std::fs::write(&p.containerd, "disabled_plugins = [\"cri\"]\n").unwrap();
+        let dockers = containerd_check(&p);
+        assert_eq!(dockers.level, Level::Ok, "{}", dockers.detail);
+        assert!(dockers.detail.contains("CRI plugin is disabled"));
+        for plugin in ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.runtime"] {
+            std::fs::write(
+                &p.containerd,
+                format!(
+                    "[plugins.\"{plugin}\".containerd.runtimes.gpushare.options]\nBinaryName = \"/usr/bin/gpushare-runtime\"\n"
+                ),
+            )
+            .unwrap();
+            let ours = containerd_check(&p);
+            assert_eq!(ours.level, Level::Ok, "{plugin}: {}", ours.detail);
+            assert!(ours.detail.contains("BinaryName /usr/bin/gpushare-runtime"));
+        }
+    }
 }
