@@ -270,9 +270,17 @@ fn a_tenant_raising_limits_through_its_socket_gets_them_set_back() {
             ask(&format!("get_device_pinned_mem_limit {server} 0")),
         )
     };
-    assert_eq!(server_limits(), ("100.0".into(), "20G".into()), "the raise");
+    // The raise took (the daemon accepts it from its own user), unless the supervisor's
+    // check already came between the commands and set it back (under load, four control
+    // commands can span a check): then its log says so.
+    let raised = server_limits();
     assert!(
-        wait_until(Duration::from_secs(5), || {
+        raised == ("100.0".into(), "20G".into())
+            || env.gpushare_log().contains("setting them back"),
+        "the raise did not take: server {server} {raised:?}"
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || {
             ask("get_default_active_thread_percentage") == "25.0"
                 && ask("get_default_device_pinned_mem_limit 0") == "1G"
                 && server_limits() == ("25.0".into(), "1G".into())
