@@ -244,6 +244,32 @@ fn state_dir_checks(cfg: &Config, out: &mut Vec<Check>) {
             ),
         )),
     }
+    if let Ok(fs) = nix::sys::statvfs::statvfs(dir) {
+        let free = Space {
+            read_only: fs.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY),
+            bytes_free: fs.blocks_available().saturating_mul(fs.fragment_size()),
+            files_total: fs.files(),
+            files_free: fs.files_available(),
+        };
+        out.push(match free.problem() {
+            None => ok(
+                "state-dir-space",
+                format!(
+                    "{} is writable, {} MiB free",
+                    dir.display(),
+                    free.bytes_free >> 20
+                ),
+            ),
+            Some(why) => fail(
+                "state-dir-space",
+                format!(
+                    "{} {why}: no new container can get a daemon (running ones keep theirs)",
+                    dir.display()
+                ),
+                "free space on it or remount it read-write; nothing needs restarting after",
+            ),
+        });
+    }
     if cfg.mps.user_mode == UserMode::PerUser {
         match crate::state::StateDir::new(dir).check_traversable() {
             Ok(()) => out.push(ok(
@@ -255,6 +281,34 @@ fn state_dir_checks(cfg: &Config, out: &mut Vec<Check>) {
                 e.to_string(),
                 "chmod o+x on the parent named, or choose another state-dir",
             )),
+        }
+    }
+}
+
+/// The state dir's file system, as statvfs sees it: what a create needs to write a
+/// daemon's record, lock and directories (issue 15: a full or read-only state dir fails
+/// every create, and nothing else said so).
+struct Space {
+    read_only: bool,
+    bytes_free: u64,
+    /// 0 on a file system without an inode limit (tmpfs with nr_inodes=0).
+    files_total: u64,
+    files_free: u64,
+}
+
+/// Less than this free and a create may fail half-way through its records.
+const STATE_DIR_MIN_FREE: u64 = 1 << 20;
+
+impl Space {
+    fn problem(&self) -> Option<&'static str> {
+        if self.read_only {
+            Some("is on a read-only file system")
+        } else if self.bytes_free < STATE_DIR_MIN_FREE {
+            Some("has less than 1 MiB free")
+        } else if self.files_total > 0 && self.files_free == 0 {
+            Some("has no free inodes")
+        } else {
+            None
         }
     }
 }
@@ -579,6 +633,32 @@ mod tests {
             let ours = containerd_check(&p);
             assert_eq!(ours.level, Level::Ok, "{plugin}: {}", ours.detail);
             assert!(ours.detail.contains("BinaryName /usr/bin/gpushare-runtime"));
+        }
+    }
+
+    #[test]
+    fn the_state_dir_space_check_names_what_stops_a_create() {
+        let space = |read_only, bytes_free, files_total, files_free| Space {
+            read_only,
+            bytes_free,
+            files_total,
+            files_free,
+        };
+        let cases = [
+            (space(false, 64 << 20, 1000, 10), None),
+            (space(false, 64 << 20, 0, 0), None),
+            (
+                space(true, 64 << 20, 1000, 10),
+                Some("is on a read-only file system"),
+            ),
+            (
+                space(false, 4096, 1000, 10),
+                Some("has less than 1 MiB free"),
+            ),
+            (space(false, 64 << 20, 1000, 0), Some("has no free inodes")),
+        ];
+        for (s, want) in cases {
+            assert_eq!(s.problem(), want);
         }
     }
 }
