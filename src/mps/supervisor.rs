@@ -22,6 +22,9 @@
 //!   socket finds them set back, the defaults and each running server's.
 //!
 //! A daemon that dies is restarted with exponential backoff; SIGTERM quits it cleanly.
+//! A supervisor whose record is gone (its state directory deleted, as a host reboot
+//! wipes /run, or by hand) quits its daemon and exits: nothing runs that no record names
+//! and that `status`, `gc` and `daemon stop` cannot see (issue 15).
 //! Invariant: the record's `daemon` is the live process or `None`.
 
 use std::io::Read;
@@ -487,6 +490,11 @@ impl Supervisor {
                 }
                 Watch::Removed => {
                     tracing::info!(daemon = %self.id, "MPS control daemon stopped after {idle_timeout:?} without containers; directories removed");
+                    return Ok(());
+                }
+                Watch::Orphaned => {
+                    self.quit(&mut child);
+                    tracing::warn!(daemon = %self.id, record = %self.state.record_path(&self.id).display(), "the daemon's record is gone (state directory deleted?); MPS control daemon stopped");
                     return Ok(());
                 }
                 Watch::ChildExited => {
@@ -970,7 +978,13 @@ enum Watch {
     ChildExited,
     /// Idle for `idle-timeout`: daemon quit and its directories removed.
     Removed,
+    /// The record is gone: someone deleted the state directory (or the daemon's).
+    Orphaned,
 }
+
+/// Ticks in a row the record must be missing before the supervisor believes it gone (the
+/// record is replaced by rename, so it never is missing while it exists).
+const ORPHAN_TICKS: u32 = 2;
 
 /// Watches a ready daemon: until a stop signal, its exit, or — with an idle timeout —
 /// until it has had no live container for that long, when it is quit and its
@@ -985,11 +999,20 @@ fn watch(
     let tick = sup.watch_tick(idle);
     let mut next_check = sup.limit_check.map(|every| Instant::now() + every);
     let mut idle_since: Option<Instant> = None;
+    let mut missing = 0;
     loop {
         match wait_event(sfd, Some(&mut *child), Some(tick)) {
             Event::Stop => return Watch::Stop,
             Event::ChildExited => return Watch::ChildExited,
             Event::Timeout => {}
+        }
+        let record = std::fs::symlink_metadata(sup.state.record_path(&sup.id));
+        missing = match record {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => missing + 1,
+            _ => 0,
+        };
+        if missing >= ORPHAN_TICKS {
+            return Watch::Orphaned;
         }
         sup.rotate_logs();
         sup.check_limits_when_due(&mut next_check);
