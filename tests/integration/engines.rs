@@ -16,15 +16,21 @@ use crate::harness::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
 
-struct Dockerd {
+pub(crate) struct Dockerd {
     dir: PathBuf,
     sock: String,
     child: Child,
+    config: PathBuf,
 }
 
 impl Dockerd {
     fn start(env: &Env, ns: &PrivateMounts) -> Dockerd {
-        let dockerd = need("dockerd", "docker.io");
+        Dockerd::start_with(env, ns, false)
+    }
+
+    /// A private dockerd configured by `gpushare install docker`, plus `live-restore` when
+    /// asked (what Docker users turn on to keep containers through a dockerd restart).
+    pub(crate) fn start_with(env: &Env, ns: &PrivateMounts, live_restore: bool) -> Dockerd {
         let dir = env.path().join("d");
         std::fs::create_dir_all(&dir).unwrap();
         // Configured by our own installer.
@@ -41,10 +47,42 @@ impl Dockerd {
             "{}",
             text(&out)
         );
-        let log = std::fs::File::create(dir.join("dockerd.log")).unwrap();
-        let child = ns
-            .cmd(dockerd)
-            .env("GPUSHARE_CONFIG", &env.config)
+        if live_restore {
+            let mut v: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&daemon_json).unwrap()).unwrap();
+            v["live-restore"] = serde_json::json!(true);
+            std::fs::write(&daemon_json, v.to_string()).unwrap();
+        }
+        let d = Dockerd {
+            sock: format!("unix://{}", dir.join("docker.sock").display()),
+            child: Dockerd::spawn(&dir, &env.config, ns),
+            dir,
+            config: env.config.clone(),
+        };
+        d.wait_up();
+        let tar = rootfs_tar(&d.dir);
+        let out = d.docker(&["import", tar.to_str().unwrap(), "gpushare-test:latest"]);
+        assert!(out.status.success(), "{}", text(&out));
+        d
+    }
+
+    /// Stops dockerd (SIGTERM, as `systemctl restart docker` does) and starts it again.
+    pub(crate) fn restart(&mut self, ns: &PrivateMounts) {
+        stop_child(&mut self.child, Duration::from_secs(30));
+        self.child = Dockerd::spawn(&self.dir, &self.config, ns);
+        self.wait_up();
+    }
+
+    fn spawn(dir: &Path, config: &Path, ns: &PrivateMounts) -> Child {
+        let dockerd = need("dockerd", "docker.io");
+        let daemon_json = dir.join("daemon.json");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("dockerd.log"))
+            .unwrap();
+        ns.cmd(dockerd)
+            .env("GPUSHARE_CONFIG", config)
             .arg("--data-root")
             .arg(dir.join("data"))
             .arg("--exec-root")
@@ -68,27 +106,21 @@ impl Dockerd {
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
-            .unwrap();
-        let d = Dockerd {
-            sock: format!("unix://{}", dir.join("docker.sock").display()),
-            dir,
-            child,
-        };
+            .unwrap()
+    }
+
+    fn wait_up(&self) {
         let up = wait_until(Duration::from_secs(60), || {
-            d.docker(&["version"]).status.success()
+            self.docker(&["version"]).status.success()
         });
         assert!(
             up,
             "dockerd did not come up:\n{}",
-            std::fs::read_to_string(d.dir.join("dockerd.log")).unwrap_or_default()
+            std::fs::read_to_string(self.dir.join("dockerd.log")).unwrap_or_default()
         );
-        let tar = rootfs_tar(&d.dir);
-        let out = d.docker(&["import", tar.to_str().unwrap(), "gpushare-test:latest"]);
-        assert!(out.status.success(), "{}", text(&out));
-        d
     }
 
-    fn docker(&self, args: &[&str]) -> Output {
+    pub(crate) fn docker(&self, args: &[&str]) -> Output {
         Command::new("docker")
             .arg("--host")
             .arg(&self.sock)

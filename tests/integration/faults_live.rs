@@ -394,6 +394,81 @@ fn a_deleted_state_dir_loses_its_daemons_to_no_one_and_the_next_create_starts_af
     );
 }
 
+/// A dockerd restart (SIGTERM and start again) while a `docker run -d` container holds
+/// an MPS client: the daemon is not the engine's (its own session and cgroup), so it keeps
+/// running, and the next `docker run` is served by the same daemon. Without live-restore
+/// dockerd stops its containers as it goes (their poststop hooks release them); with it,
+/// the container keeps running and stays on the daemon's list.
+fn docker_restart_keeps_the_daemon(live_restore: bool) {
+    let env = Env::new();
+    let ns = PrivateMounts::new();
+    let mut d = crate::engines::Dockerd::start_with(&env, &ns, live_restore);
+    let run = |d: &crate::engines::Dockerd, detach: bool, cmd: &str| {
+        let mut args = vec!["run", "--runtime", "gpushare", "-u", "1000"];
+        args.extend_from_slice(if detach { &["-d"] } else { &["--rm"] });
+        args.extend_from_slice(&["-e", "GPUSHARE_DEVICE=0", "gpushare-test", "sh", "-c", cmd]);
+        d.docker(&args)
+    };
+    let out = run(&d, true, HOLD);
+    assert!(out.status.success(), "{}", text(&out));
+    let cid = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    assert!(
+        wait_until(Duration::from_secs(40), || text(&d.docker(&["logs", &cid]))
+            .contains("shm=ok")),
+        "holder served: {}",
+        text(&d.docker(&["logs", &cid]))
+    );
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    let id = ids[0].clone();
+    let rec = env.record(&id);
+    let (sup, daemon) = (pid_of(&rec, "supervisor"), pid_of(&rec, "daemon"));
+
+    d.restart(&ns);
+
+    assert!(alive(sup) && alive(daemon), "daemon survived the engine");
+    let after = env.record(&id);
+    assert_eq!(
+        (pid_of(&after, "daemon"), after["restarts"].as_u64()),
+        (daemon, Some(0)),
+        "{after}"
+    );
+    let running = text(&d.docker(&["inspect", "-f", "{{.State.Running}}", &cid]));
+    assert_eq!(
+        running.trim() == "true",
+        live_restore,
+        "holder running: {running}"
+    );
+    let out = run(&d, false, CLIENT);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(client_line(&text(&out))["shm"], "ok");
+    assert_eq!(env.daemon_ids(), vec![id.clone()], "the same daemon");
+    assert_eq!(pid_of(&env.record(&id), "supervisor"), sup);
+    let listed = |n: usize| {
+        env.status()[0]["containers"]
+            .as_array()
+            .is_some_and(|c| c.len() == n)
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), || listed(usize::from(
+            live_restore
+        ))),
+        "containers on the daemon: {}",
+        env.status()[0]["containers"]
+    );
+    let _ = d.docker(&["rm", "-f", &cid]);
+}
+
+#[test]
+fn a_dockerd_restart_without_live_restore_stops_containers_but_not_the_daemon() {
+    docker_restart_keeps_the_daemon(false);
+}
+
+#[test]
+fn a_dockerd_restart_with_live_restore_keeps_containers_and_the_daemon() {
+    docker_restart_keeps_the_daemon(true);
+}
+
 /// Stops these processes when the test ends, however it ends.
 struct Reap(Vec<(i32, Option<u64>)>);
 
