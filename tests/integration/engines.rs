@@ -247,6 +247,106 @@ fn docker_runs_shared_gpu_containers_through_gpushare() {
     );
 }
 
+/// A private containerd (no CRI plugin) with its sockets and roots under `dir`, for `ctr`.
+pub(crate) struct Containerd {
+    dir: PathBuf,
+    sock: PathBuf,
+    config: PathBuf,
+    child: Child,
+}
+
+impl Containerd {
+    pub(crate) fn start(env: &Env, ns: &PrivateMounts, dir: &Path) -> Containerd {
+        std::fs::create_dir_all(dir).unwrap();
+        let sock = dir.join("c.sock");
+        std::fs::write(
+            dir.join("daemon.toml"),
+            format!(
+                "version = 2\nroot = {:?}\nstate = {:?}\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n[grpc]\n  address = {:?}\n{}",
+                dir.join("root").display().to_string(),
+                dir.join("state").display().to_string(),
+                sock.display().to_string(),
+                containerd_opt_plugin(dir),
+            ),
+        )
+        .unwrap();
+        let c = Containerd {
+            child: Containerd::spawn(dir, &env.config, ns),
+            dir: dir.to_owned(),
+            sock,
+            config: env.config.clone(),
+        };
+        c.wait_up(ns);
+        c
+    }
+
+    fn spawn(dir: &Path, config: &Path, ns: &PrivateMounts) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("containerd.log"))
+            .unwrap();
+        ns.cmd(need("containerd", "containerd"))
+            .env("GPUSHARE_CONFIG", config)
+            .arg("--config")
+            .arg(dir.join("daemon.toml"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    }
+
+    fn wait_up(&self, ns: &PrivateMounts) {
+        assert!(
+            wait_until(Duration::from_secs(30), || self
+                .ctr(ns, &["version"])
+                .status
+                .success()),
+            "containerd did not come up"
+        );
+    }
+
+    /// Stops containerd (SIGTERM; its shims and their containers stay) and starts it again.
+    pub(crate) fn restart(&mut self, ns: &PrivateMounts) {
+        stop_child(&mut self.child, Duration::from_secs(10));
+        self.child = Containerd::spawn(&self.dir, &self.config, ns);
+        self.wait_up(ns);
+    }
+
+    pub(crate) fn ctr(&self, ns: &PrivateMounts, args: &[&str]) -> Output {
+        ns.cmd("ctr")
+            .arg("--address")
+            .arg(&self.sock)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    /// A copy of the test rootfs of its own (ctr --rootfs uses the directory as is).
+    pub(crate) fn rootfs(&self) -> PathBuf {
+        let own = self.dir.join("rootfs");
+        if !own.exists() {
+            assert!(Command::new("cp")
+                .arg("-a")
+                .arg(rootfs())
+                .arg(&own)
+                .status()
+                .unwrap()
+                .success());
+        }
+        own
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        stop_child(&mut self.child, Duration::from_secs(10));
+        umount_below(&self.dir);
+    }
+}
+
 #[test]
 fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
     let env = Env::new();
@@ -317,63 +417,10 @@ fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
     }
 
     // A private containerd; ctr runs a container with gpushare-runtime as its runc.
-    let sock = dir.join("c.sock");
-    let conf = dir.join("daemon.toml");
-    std::fs::write(
-        &conf,
-        format!(
-            "version = 2\nroot = {:?}\nstate = {:?}\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n[grpc]\n  address = {:?}\n{}",
-            dir.join("root").display().to_string(),
-            dir.join("state").display().to_string(),
-            sock.display().to_string(),
-            containerd_opt_plugin(&dir),
-        ),
-    )
-    .unwrap();
-    let log = std::fs::File::create(dir.join("containerd.log")).unwrap();
     let ns = PrivateMounts::new();
-    let mut child = ns
-        .cmd(&containerd)
-        .env("GPUSHARE_CONFIG", &env.config)
-        .arg("--config")
-        .arg(&conf)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    struct Stop<'a>(&'a mut Child, PathBuf);
-    impl Drop for Stop<'_> {
-        fn drop(&mut self) {
-            stop_child(self.0, Duration::from_secs(10));
-            umount_below(&self.1);
-        }
-    }
-    let _stop = Stop(&mut child, dir.clone());
-    let ctr = |args: &[&str]| {
-        ns.cmd("ctr")
-            .arg("--address")
-            .arg(&sock)
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap()
-    };
-    assert!(
-        wait_until(Duration::from_secs(30), || ctr(&["version"])
-            .status
-            .success()),
-        "containerd did not come up"
-    );
-    // ctr --rootfs uses the directory as is: give it its own copy.
-    let own_rootfs = dir.join("rootfs");
-    assert!(Command::new("cp")
-        .arg("-a")
-        .arg(rootfs())
-        .arg(&own_rootfs)
-        .status()
-        .unwrap()
-        .success());
+    let c = Containerd::start(&env, &ns, &dir);
+    let ctr = |args: &[&str]| c.ctr(&ns, args);
+    let own_rootfs = c.rootfs();
     let out = ctr(&[
         "run",
         "--rm",

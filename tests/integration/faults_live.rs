@@ -469,6 +469,74 @@ fn a_dockerd_restart_with_live_restore_keeps_containers_and_the_daemon() {
     docker_restart_keeps_the_daemon(true);
 }
 
+/// A containerd restart while a `ctr run -d` container holds an MPS client: containerd's
+/// shims keep their containers through it, and the daemon is neither containerd's nor
+/// a shim's child, so all of it stays; the next `ctr run` gets the same daemon.
+#[test]
+fn a_containerd_restart_keeps_containers_and_the_daemon() {
+    let env = Env::new();
+    need("ctr", "containerd");
+    let ns = PrivateMounts::new();
+    let mut c = crate::engines::Containerd::start(&env, &ns, &env.path().join("c"));
+    let own_rootfs = c.rootfs();
+    let rootfs = own_rootfs.to_str().unwrap();
+    let run = |c: &crate::engines::Containerd, extra: &[&str], id: &str, cmd: &str| {
+        let mut args = vec!["run"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&[
+            "--rootfs",
+            "--runc-binary",
+            RUNTIME,
+            "--annotation",
+            "gpushare.io/device=0",
+            "--env",
+            "PATH=/usr/bin:/bin",
+            rootfs,
+            id,
+            "sh",
+            "-c",
+            cmd,
+        ]);
+        c.ctr(&ns, &args)
+    };
+    // The holder's output goes to a file in the rootfs: `ctr run -d` keeps no logs.
+    let out = run(&c, &["-d"], "hold1", &format!("{HOLD} > /tmp/hold.out"));
+    assert!(out.status.success(), "{}", text(&out));
+    let held = own_rootfs.join("tmp/hold.out");
+    assert!(
+        wait_until(Duration::from_secs(40), || std::fs::read_to_string(&held)
+            .is_ok_and(|s| s.contains("shm=ok"))),
+        "holder served"
+    );
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    let id = ids[0].clone();
+    let rec = env.record(&id);
+    let (sup, daemon) = (pid_of(&rec, "supervisor"), pid_of(&rec, "daemon"));
+
+    c.restart(&ns);
+
+    assert!(alive(sup) && alive(daemon), "daemon survived the engine");
+    assert_eq!(pid_of(&env.record(&id), "daemon"), daemon);
+    let tasks = text(&c.ctr(&ns, &["task", "ls"]));
+    assert!(
+        tasks
+            .lines()
+            .any(|l| l.starts_with("hold1") && l.contains("RUNNING")),
+        "holder still running:\n{tasks}"
+    );
+    let out = run(&c, &["--rm"], "next1", CLIENT);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(client_line(&text(&out))["shm"], "ok");
+    assert_eq!(env.daemon_ids(), vec![id.clone()], "the same daemon");
+    assert_eq!(pid_of(&env.record(&id), "supervisor"), sup);
+    let _ = c.ctr(&ns, &["task", "kill", "-s", "SIGKILL", "hold1"]);
+    let _ = wait_until(Duration::from_secs(10), || {
+        c.ctr(&ns, &["task", "rm", "hold1"]).status.success()
+    });
+    let _ = c.ctr(&ns, &["container", "rm", "hold1"]);
+}
+
 /// Stops these processes when the test ends, however it ends.
 struct Reap(Vec<(i32, Option<u64>)>);
 
