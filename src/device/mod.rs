@@ -36,6 +36,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub use inventory::parse_file;
 pub(crate) use inventory::{is_well_formed_uuid, load};
 pub use preset::sample;
 #[cfg(test)]
