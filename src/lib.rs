@@ -56,3 +56,7 @@ mod status;
 #[allow(unsafe_code)]
 mod sys;
 pub mod util;
+
+/// The control daemon's replies as gpushare reads them: public for the fuzz target
+/// `replies`, the rest of `mps` stays inside the crate.
+pub use mps::reply as mps_reply;

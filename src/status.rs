@@ -105,22 +105,16 @@ fn describe(inventory: Option<&Inventory>, uuid: &str) -> DeviceView {
 /// Asks the daemon for its servers and their clients; the error says why it could not.
 fn probe(control: &Control) -> Result<(usize, usize), String> {
     let timeout = Duration::from_secs(2);
-    let servers: Vec<String> = control
-        .command("get_server_list", timeout)
-        .map_err(|e| e.to_string())?
-        .split_whitespace()
-        .filter(|s| s.parse::<u32>().is_ok())
-        .map(str::to_owned)
-        .collect();
+    let servers = crate::mps::reply::pids(
+        &control
+            .command("get_server_list", timeout)
+            .map_err(|e| e.to_string())?,
+    );
     let mut clients = 0;
     for s in &servers {
         clients += control
             .command(&format!("get_client_list {s}"), timeout)
-            .map(|out| {
-                out.split_whitespace()
-                    .filter(|w| w.parse::<u32>().is_ok())
-                    .count()
-            })
+            .map(|out| crate::mps::reply::pids(&out).len())
             .unwrap_or(0);
     }
     Ok((servers.len(), clients))

@@ -3,4 +3,5 @@
 
 pub(crate) mod control;
 pub(crate) mod ensure;
+pub mod reply;
 pub(crate) mod supervisor;

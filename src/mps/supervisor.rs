@@ -39,6 +39,7 @@ use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 
 use super::control::{resolve_binary, Control, SAFE_PATH};
+use super::reply::{self, percentage as parse_percentage, pinned_mem as parse_mps_mem};
 use crate::config::Config;
 use crate::identity::Identity;
 use crate::state::{DaemonStatus, ProcRef, StateDir};
@@ -753,11 +754,7 @@ impl Supervisor {
                 self.ask(&cmd)?;
             }
         }
-        for server in self
-            .ask("get_server_list")?
-            .split_whitespace()
-            .filter_map(|w| w.parse::<u32>().ok())
-        {
+        for server in reply::pids(&self.ask("get_server_list")?) {
             if self.server_raised(server, &want) {
                 violations += 1;
                 tracing::warn!(daemon = %self.id, server, "an MPS server's limits were raised through the control socket; setting them back");
@@ -902,30 +899,6 @@ impl Wanted {
 const DAEMON_OUT_MAX: u64 = 1 << 20;
 /// How often the supervisor looks at the daemon's log sizes.
 const ROTATE_EVERY: Duration = Duration::from_secs(1);
-
-/// A percentage as the control daemon prints it (`25.0`); `None` if it is not one.
-fn parse_percentage(reply: &str) -> Option<f64> {
-    reply
-        .trim()
-        .parse::<f64>()
-        .ok()
-        .filter(|p| (0.0..=100.0).contains(p))
-}
-
-/// A pinned memory limit as the control daemon prints it (`4096M`, `4G`; `none` or
-/// anything else: `None`), in bytes.
-fn parse_mps_mem(reply: &str) -> Option<u64> {
-    let r = reply.trim();
-    let split = r.find(|c: char| !c.is_ascii_digit())?;
-    let (n, unit) = r.split_at(split);
-    let n: u64 = n.parse().ok()?;
-    let mib = match unit.to_ascii_uppercase().as_str() {
-        "M" | "MB" => n,
-        "G" | "GB" => n.checked_mul(1024)?,
-        _ => return None,
-    };
-    mib.checked_mul(1 << 20)
-}
 
 /// What ended a wait on the signal fd.
 enum Event {
