@@ -93,7 +93,13 @@ fn wait_ready(
             );
         }
         let supervisor_gone = match spawned.as_mut() {
-            Some(child) => child.try_wait().ok().flatten().is_some(),
+            // The one started here exited: gone, unless the record names another that
+            // runs (one started for a create killed before it named itself, which holds
+            // the supervisor lock: the one started here left it the daemon).
+            Some(child) => {
+                child.try_wait().ok().flatten().is_some()
+                    && !rec.supervisor.is_some_and(|p| p.alive())
+            }
             None => rec.supervisor.is_some_and(|p| !p.alive()),
         };
         if supervisor_gone {

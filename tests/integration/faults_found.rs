@@ -2,10 +2,26 @@
 //! instant a timer's SIGKILL hit, reproduced here on purpose (a low-level runtime that
 //! kills itself, a supervisor held stopped before it names itself, a zombie supervisor).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use crate::harness::*;
+
+/// A child killed and reaped when the test ends, whichever way it ends.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn state_letter(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 2..].chars().next()
+}
 
 /// Replaces the config's `low-level-runtime` line.
 fn set_low_level_runtime(env: &Env, runtime: &Path) {
@@ -73,4 +89,103 @@ fn a_shim_killed_before_runc_create_returned_leaves_no_record_that_keeps_its_dae
         "daemon {id} still there: {:?}",
         env.daemon_ids()
     );
+}
+
+/// The `gpushare-mps-sim -f` processes serving pipe directory `pipe`.
+fn control_daemons(pipe: &Path) -> Vec<i32> {
+    let want = format!("CUDA_MPS_PIPE_DIRECTORY={}", pipe.display());
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let args = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        let env = std::fs::read(e.path().join("environ")).unwrap_or_default();
+        let has = |hay: &[u8], needle: &[u8]| hay.split(|&b| b == 0).any(|s| s == needle);
+        if has(&args, b"-f")
+            && String::from_utf8_lossy(&args).contains("gpushare-mps-sim")
+            && has(&env, want.as_bytes())
+            && alive(pid)
+        {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_supervisor_started_for_a_killed_create_never_runs_beside_another() {
+    // Before: a create killed after it started a supervisor, but before that supervisor
+    // wrote its pid into the record, left a record naming none; the next create took it
+    // for stale and started a second supervisor, and both ran a daemon for the identity.
+    // Now each supervisor holds the identity's supervisor lock all its life: the late one
+    // finds the record naming the other and leaves.
+    let env = Env::new();
+    let start = |env: &Env| {
+        let out = env
+            .cmd(GPUSHARE)
+            .args([
+                "daemon", "start", "--device", "0", "--uid", "1000", "--json",
+            ])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "daemon start: {}", text(&out));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let first = start(&env);
+    let id = first["id"].as_str().unwrap().to_owned();
+    let pipe = PathBuf::from(first["pipe_dir"].as_str().unwrap());
+    // The state a killed create leaves: its supervisor spawned but not yet named (held
+    // stopped before it even execs gpushare), the record `starting` with no supervisor.
+    let rec = env.record(&id);
+    let old_sup = rec["supervisor"]["pid"].as_i64().unwrap() as i32;
+    stop_process(old_sup, rec["supervisor"]["start_time"].as_u64());
+    let mut starting = env.record(&id);
+    starting["status"] = "starting".into();
+    starting["supervisor"] = serde_json::Value::Null;
+    starting["daemon"] = serde_json::Value::Null;
+    let record = env.state.join("mps").join(&id).join("daemon.json");
+    std::fs::write(&record, serde_json::to_vec_pretty(&starting).unwrap()).unwrap();
+    let late = KillOnDrop(
+        env.cmd("sh")
+            .arg("-c")
+            .arg(format!(
+                "kill -STOP $$; exec {GPUSHARE} daemon supervise --id {id}"
+            ))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let late_pid = late.0.id();
+    assert!(wait_until(Duration::from_secs(5), || state_letter(
+        late_pid
+    ) == Some('T')));
+    // The next create of the identity starts its own supervisor and is served.
+    let second = start(&env);
+    assert_eq!(second["id"], id.as_str());
+    assert_eq!(second["started"], true, "{second}");
+    let sup = env.record(&id)["supervisor"]["pid"].as_i64().unwrap() as i32;
+    // The late supervisor goes on: it must leave the daemon to the one the record names.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(late_pid as i32),
+        nix::sys::signal::Signal::SIGCONT,
+    )
+    .unwrap();
+    let left = wait_until(Duration::from_secs(10), || {
+        state_letter(late_pid).is_none_or(|s| s == 'Z')
+    });
+    let daemons = control_daemons(&pipe);
+    assert!(
+        left,
+        "the late supervisor {late_pid} still runs; daemons {daemons:?}"
+    );
+    assert_eq!(daemons.len(), 1, "control daemons for {id}: {daemons:?}");
+    let rec = env.record(&id);
+    assert_eq!(rec["status"], "ready", "{rec}");
+    assert_eq!(rec["supervisor"]["pid"].as_i64(), Some(sup.into()), "{rec}");
+    assert!(env
+        .gpushare_log()
+        .contains("another supervisor runs this daemon"));
 }
