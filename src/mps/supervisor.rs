@@ -201,7 +201,8 @@ fn own_cgroup(id: &str, limits: CgroupLimits) -> Vec<PathBuf> {
 /// killed with SIGKILL (the OOM killer, an engine tearing its namespace down, an
 /// operator) never removes its own. Runs when a supervisor joins its cgroup and in
 /// `gpushare gc`. A cgroup with members is never removed (the kernel refuses), nor one
-/// whose pid is alive (a reused pid only delays the removal). Returns how many went.
+/// whose pid runs (a reused pid only delays the removal; a zombie does not run). Returns
+/// how many went.
 pub(crate) fn sweep_stale_cgroups(top: &Path) -> usize {
     let Ok(entries) = std::fs::read_dir(top) else {
         return 0;
@@ -215,7 +216,10 @@ pub(crate) fn sweep_stale_cgroups(top: &Path) -> usize {
         let Ok(pid) = pid.parse::<u32>() else {
             continue;
         };
-        if !crate::identity::valid_id(id) || Path::new("/proc").join(pid.to_string()).exists() {
+        // A zombie is gone: a supervisor SIGKILLed while its parent (the hook that
+        // started it, a subreaper) has not reaped it yet runs nothing (issue 15).
+        let running = i32::try_from(pid).is_ok_and(|p| crate::util::proc_start_time(p).is_some());
+        if !crate::identity::valid_id(id) || running {
             continue;
         }
         if std::fs::remove_dir(e.path()).is_ok() {

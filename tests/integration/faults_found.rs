@@ -3,7 +3,7 @@
 //! kills itself, a supervisor held stopped before it names itself, a zombie supervisor).
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use crate::harness::*;
@@ -188,4 +188,35 @@ fn a_supervisor_started_for_a_killed_create_never_runs_beside_another() {
     assert!(env
         .gpushare_log()
         .contains("another supervisor runs this daemon"));
+}
+
+#[test]
+fn gc_removes_the_cgroup_of_a_supervisor_that_is_a_zombie() {
+    // Before: the sweep of `gpushare/<id>-<pid>` took a pid with a /proc entry for a
+    // running supervisor, zombies included: a supervisor SIGKILLed while its parent (the
+    // hook that started it, or a subreaper) had not reaped it kept its cgroup through gc.
+    let env = Env::new();
+    let root = Path::new("/sys/fs/cgroup");
+    let hierarchy = if root.join("cgroup.procs").exists() {
+        root.to_owned()
+    } else {
+        ["memory", "pids", "cpu"]
+            .iter()
+            .map(|h| root.join(h))
+            .find(|h| h.join("cgroup.procs").exists())
+            .expect("a cgroup hierarchy")
+    };
+    let mut zombie = Command::new("true").spawn().unwrap();
+    let pid = zombie.id();
+    assert!(wait_until(Duration::from_secs(5), || state_letter(pid) == Some('Z')));
+    let top = hierarchy.join("gpushare");
+    let _ = std::fs::create_dir(&top);
+    let cg = top.join(format!("0123456789abcdef0123456789abcdef-{pid}"));
+    std::fs::create_dir(&cg).unwrap();
+    let out = env.cmd(GPUSHARE).arg("gc").output().unwrap();
+    let gone = !cg.exists();
+    let _ = std::fs::remove_dir(&cg);
+    let _ = zombie.wait();
+    assert!(out.status.success(), "gc: {}", text(&out));
+    assert!(gone, "gc kept the cgroup of zombie {pid}: {}", text(&out));
 }
