@@ -2,6 +2,7 @@
 //! instant a timer's SIGKILL hit, reproduced here on purpose (a low-level runtime that
 //! kills itself, a supervisor held stopped before it names itself, a zombie supervisor).
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -219,4 +220,106 @@ fn gc_removes_the_cgroup_of_a_supervisor_that_is_a_zombie() {
     let _ = zombie.wait();
     assert!(out.status.success(), "gc: {}", text(&out));
     assert!(gone, "gc kept the cgroup of zombie {pid}: {}", text(&out));
+}
+
+/// Whether process `pid` has `path` open.
+fn has_open(pid: u32, path: &Path) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t == path))
+}
+
+#[test]
+fn gc_keeps_a_daemon_started_while_it_waited_for_the_identitys_lock() {
+    // Before: gc read a daemon's record, found its supervisor gone, waited for the
+    // identity's lock, and then removed the directory on what it had read: a daemon that
+    // `gpushare daemon start` (or a create) started while gc waited lost its directories
+    // and quit. gc now reads the record again under the lock.
+    let env = Env::new();
+    let out = env
+        .cmd(GPUSHARE)
+        .args([
+            "daemon", "start", "--device", "0", "--uid", "1000", "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "daemon start: {}", text(&out));
+    let id = serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let rec = env.record(&id);
+    let old = rec["supervisor"]["pid"].as_i64().unwrap() as i32;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(old),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    assert!(wait_until(Duration::from_secs(5), || !alive(old)));
+    // The test holds the identity's lock, as a create starting a daemon does.
+    let lock_path = env.state.join("locks").join(format!("{id}.lock"));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&lock_path)
+        .unwrap();
+    let held = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive).unwrap();
+    let gc = KillOnDrop(
+        env.cmd(GPUSHARE)
+            .arg("gc")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    // gc has read the stale record and waits for the lock.
+    assert!(wait_until(Duration::from_secs(10), || has_open(
+        gc.0.id(),
+        &lock_path
+    )));
+    // Meanwhile the daemon is started again (what ensure does under the lock).
+    let mut starting = env.record(&id);
+    starting["status"] = "starting".into();
+    starting["supervisor"] = serde_json::Value::Null;
+    starting["daemon"] = serde_json::Value::Null;
+    let record = env.state.join("mps").join(&id).join("daemon.json");
+    std::fs::write(&record, serde_json::to_vec_pretty(&starting).unwrap()).unwrap();
+    let _sup = KillOnDrop(
+        env.cmd(GPUSHARE)
+            .args(["daemon", "supervise", "--id", &id])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    assert!(wait_until(Duration::from_secs(10), || env.record(&id)
+        ["status"]
+        == "ready"));
+    drop(held);
+    let mut gc = gc;
+    let status = gc.0.wait().unwrap();
+    let mut said = String::new();
+    for pipe in [
+        gc.0.stdout.take().map(|p| Box::new(p) as Box<dyn Read>),
+        gc.0.stderr.take().map(|p| Box::new(p) as Box<dyn Read>),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let mut pipe = pipe;
+        pipe.read_to_string(&mut said).unwrap();
+    }
+    assert!(status.success(), "gc: {said}");
+    // The daemon started meanwhile keeps its directories, and keeps running.
+    assert!(record.exists(), "gc removed the new daemon: {said}");
+    let rec = env.record(&id);
+    assert_eq!(rec["status"], "ready", "{rec}");
+    let sup = rec["supervisor"]["pid"].as_i64().unwrap() as i32;
+    assert!(
+        !wait_until(Duration::from_secs(3), || !alive(sup)),
+        "the new supervisor {sup} left"
+    );
 }
