@@ -168,7 +168,20 @@ pub fn records(state: &Path, supervised: &[String]) -> Vec<String> {
             continue;
         }
         let rec_path = e.path().join("daemon.json");
-        match std::fs::read(&rec_path) {
+        // An idle stop renames the directory away before its last look and back when a
+        // create came meanwhile: a read that falls in between is looked at again.
+        let mut read = std::fs::read(&rec_path);
+        for _ in 0..10 {
+            if read.is_ok() || !e.path().exists() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            read = std::fs::read(&rec_path);
+        }
+        if read.is_err() && !e.path().exists() {
+            continue;
+        }
+        match read {
             Err(err) => out.push(format!(
                 "{}: no readable record ({err})",
                 e.path().display()

@@ -840,18 +840,19 @@ fn round(r: &Run, rng: &mut Rng, tally: &mut Tally, opts: &Options) -> Vec<Strin
     found.extend(check::records(&r.env.state, &supervised));
     found.extend(check::locks(&r.env.state.join("locks")));
     found.extend(check::status(&r.env));
-    if !found.is_empty() {
-        if let Some((p, phase)) = &killed {
-            found.push(format!(
-                "(round {}: killed {} pid {} in phase {phase}; cmdline {:?})",
-                tally.rounds,
-                p.kind.name(),
-                p.pid,
-                p.args
-            ));
-        }
-    }
+    // Each violation says what the round killed.
+    let context = killed.as_ref().map_or("no kill".to_owned(), |(p, phase)| {
+        format!(
+            "killed {} pid {} ({phase}): {:?}",
+            p.kind.name(),
+            p.pid,
+            p.args
+        )
+    });
     found
+        .into_iter()
+        .map(|v| format!("{v} [round {}: {context}]", tally.rounds))
+        .collect()
 }
 
 /// An idle-stop round: waits (up to 4 s, while the ops run and after) for a tombstone
