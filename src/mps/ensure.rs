@@ -1,7 +1,9 @@
 //! Finds or starts the MPS daemon for one identity, for the hook (DESIGN §5).
 //!
 //! Invariants: everything happens under the identity's lock, so any number of
-//! simultaneous creates start exactly one daemon; every wait has the `start-timeout`
+//! simultaneous creates start exactly one daemon (the supervisor left by a create killed
+//! before it named itself and the next create's own never both run one: the supervisor
+//! lock, `supervisor::claim`); every wait has the `start-timeout`
 //! deadline; a record is never trusted on its word — the supervisor and the daemon must be
 //! the very processes it names (pid and start time), else the state is stale and replaced.
 //! The warm path is a lock, a record read, two /proc reads and a container record.

@@ -25,7 +25,10 @@
 //! A supervisor whose record is gone (its state directory deleted, as a host reboot
 //! wipes /run, or by hand) quits its daemon and exits: nothing runs that no record names
 //! and that `status`, `gc` and `daemon stop` cannot see (issue 15).
-//! Invariant: the record's `daemon` is the live process or `None`.
+//! Invariants: the record's `daemon` is the live process or `None`; one supervisor per
+//! identity: each holds `locks/<id>.sup` from before it names itself in the record until
+//! it exits (`claim`), so one started for a create killed before its supervisor named
+//! itself never runs a daemon beside the next create's (issue 15).
 
 use std::io::Read;
 use std::os::fd::AsFd;
