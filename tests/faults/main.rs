@@ -17,8 +17,10 @@
 //! instrumented point) one process of the run is picked — its kind first, uniformly among
 //! the kinds running then (three times in four among the short-lived ones, the create
 //! path's, when one runs), then a process of that kind — and killed with SIGKILL. Some
-//! rounds instead wait for an idle stop to begin (its tombstone appears) and kill that
-//! supervisor then: a timer alone rarely lands in those few milliseconds. Then: the next
+//! rounds instead wait for an idle stop to begin (its tombstone appears), or for a
+//! supervisor to start its daemon (the record says `starting`), and kill that supervisor
+//! or its daemon a random moment later: a timer alone rarely lands in those few
+//! milliseconds. Then: the next
 //! create of the killed process's identity must succeed within its timeout and serve an
 //! MPS client, `gpushare gc` must succeed, and every invariant must hold. A sampler looks
 //! for two control daemons of one identity all along.
@@ -695,8 +697,12 @@ fn round(r: &Run, rng: &mut Rng, tally: &mut Tally, opts: &Options) -> Vec<Strin
     if rng.chance(30) {
         extras.push(Extra::Status);
     }
-    // An idle-stop round: no timer, the kill comes when an idle stop begins.
+    // An idle-stop round: no timer, the kill comes when an idle stop begins; a start
+    // round: when a supervisor starts its daemon (and applies its limits).
     let idle_round = rng.chance(8);
+    let start_round = !idle_round && rng.chance(10);
+    let start_delay = Duration::from_millis(rng.below(25));
+    let start_daemon = rng.chance(50);
     let delay = if rng.chance(70) {
         Duration::from_millis(rng.below(300))
     } else {
@@ -723,6 +729,8 @@ fn round(r: &Run, rng: &mut Rng, tally: &mut Tally, opts: &Options) -> Vec<Strin
         };
         if idle_round {
             killed = idle_kill(r);
+        } else if start_round {
+            killed = start_kill(r, start_delay, start_daemon);
         } else {
             std::thread::sleep(delay);
             let mut salt = 0u64;
@@ -879,6 +887,48 @@ fn idle_kill(r: &Run) -> Option<(Proc, String)> {
             {
                 if procs::kill(p) {
                     return Some((p.clone(), "idle stop".into()));
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    None
+}
+
+/// A start round: waits (up to 4 s) for a daemon record that says `starting` or
+/// `restarting` under a live supervisor, then, `delay` later, kills that supervisor or
+/// (`daemon`, when it has one by then) its control daemon: the instants between a
+/// supervisor's start and its daemon's readiness, limits applied, that a timer rarely
+/// hits with a daemon that starts in tens of milliseconds.
+fn start_kill(r: &Run, delay: Duration, daemon: bool) -> Option<(Proc, String)> {
+    let deadline = Instant::now() + Duration::from_secs(4);
+    let mps = r.env.state.join("mps");
+    while Instant::now() < deadline {
+        let starting = r.ids.iter().find_map(|i| {
+            let rec: Value = serde_json::from_slice(
+                &std::fs::read(mps.join(&i.daemon).join("daemon.json")).ok()?,
+            )
+            .ok()?;
+            let status = rec["status"].as_str()?;
+            (status == "starting" || status == "restarting").then(|| i.daemon.clone())
+        });
+        if let Some(id) = starting {
+            std::thread::sleep(delay);
+            let all = procs::scan(&r.env.config, &r.env.state);
+            let sup = all
+                .iter()
+                .find(|p| p.kind == Kind::Supervisor && p.daemon.as_deref() == Some(id.as_str()));
+            if let Some(sup) = sup {
+                let child = all
+                    .iter()
+                    .find(|d| d.kind == Kind::ControlDaemon && d.ppid == sup.pid);
+                let target = match child {
+                    Some(d) if daemon => d,
+                    _ => sup,
+                };
+                let phase = r.phase(target, &all);
+                if procs::kill(target) {
+                    return Some((target.clone(), phase));
                 }
             }
         }
