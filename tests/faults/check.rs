@@ -101,7 +101,8 @@ pub fn locks(locks: &Path) -> Vec<String> {
             inodes.insert(md.ino(), e.path());
         }
     }
-    let table = std::fs::read_to_string("/proc/locks").unwrap_or_default();
+    let read_table = || std::fs::read_to_string("/proc/locks").unwrap_or_default();
+    let table = read_table();
     let mut out = Vec::new();
     for line in table.lines() {
         // "1: FLOCK  ADVISORY  WRITE 1234 00:1f:5678 0 EOF"; "->" lines are waiters.
@@ -121,12 +122,25 @@ pub fn locks(locks: &Path) -> Vec<String> {
         let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
             .map(|p| p.display().to_string())
             .unwrap_or_default();
-        if start_time(pid).is_none() {
+        // A holder that let go and exited between the read of /proc/locks and this look
+        // is not a violation: the lock must still be there, under the same pid, a
+        // moment later (a descriptor a child inherited keeps it for good).
+        let still_held = || {
+            read_table().lines().any(|l| {
+                let g: Vec<&str> = l.split_whitespace().collect();
+                g.len() >= 6 && g[1] == "FLOCK" && g[4] == f[4] && g[5] == f[5]
+            })
+        };
+        let gone = start_time(pid).is_none() && {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            still_held()
+        };
+        if gone {
             out.push(format!(
                 "{} is held by pid {pid}, which is gone (an inherited descriptor keeps it)",
                 path.display()
             ));
-        } else if !exe.contains("gpushare") {
+        } else if start_time(pid).is_some() && !exe.contains("gpushare") {
             out.push(format!(
                 "{} is held by pid {pid} ({exe}), not a gpushare process",
                 path.display()

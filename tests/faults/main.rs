@@ -196,9 +196,12 @@ struct Run {
 }
 
 /// Runs `cmd` until it exits or `limit` passes (then kills it): its status, or `None` when
-/// it had to be killed.
+/// it had to be killed. A command that cannot be started at all panics: that is the
+/// machine's failure, not gpushare's, and the run says so rather than count it.
 fn run_limited(cmd: &mut Command, limit: Duration) -> Option<ExitStatus> {
-    let mut child = cmd.spawn().ok()?;
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {:?}: {e}", cmd.get_program()));
     let deadline = Instant::now() + limit;
     loop {
         if let Ok(Some(st)) = child.try_wait() {
@@ -291,6 +294,7 @@ impl Run {
         let (bundle, original) = self.bundle(i, &cid, script);
         self.containers.lock().unwrap().push(cid.clone());
         let stdout = bundle.join("stdout");
+        let mut exit = String::from("killed at its limit");
         let created = {
             let mut cmd = self.shim(&bundle, &["create", "--bundle"]);
             cmd.arg(&bundle).arg(&cid);
@@ -298,7 +302,10 @@ impl Run {
                 cmd.stdout(f);
             }
             match run_limited(&mut cmd, CREATE_LIMIT) {
-                Some(st) => st.success(),
+                Some(st) => {
+                    exit = st.to_string();
+                    st.success()
+                }
                 None => {
                     hung.lock().unwrap().violations.push(format!(
                         "create of {cid} ({}) did not end within {CREATE_LIMIT:?}",
@@ -328,6 +335,7 @@ impl Run {
             cid,
             identity: i,
             created,
+            exit,
             bundle,
             original,
             stdout: std::fs::read_to_string(&stdout).unwrap_or_default(),
@@ -473,6 +481,8 @@ struct Lifecycle {
     cid: String,
     identity: usize,
     created: bool,
+    /// How the shim's create exited.
+    exit: String,
     bundle: PathBuf,
     original: Vec<u8>,
     stdout: String,
@@ -765,12 +775,16 @@ fn round(r: &Run, rng: &mut Rng, tally: &mut Tally, opts: &Options) -> Vec<Strin
             }
         }
         for h in handles {
-            if let Ok(Some(l)) = h.join() {
-                results.push(l);
+            match h.join() {
+                Ok(Some(l)) => results.push(l),
+                Ok(None) => {}
+                Err(p) => std::panic::resume_unwind(p),
             }
         }
         for h in extra_handles {
-            let _ = h.join();
+            if let Err(p) = h.join() {
+                std::panic::resume_unwind(p);
+            }
         }
     });
     let mut found = outcomes.into_inner().unwrap().violations;
@@ -808,16 +822,14 @@ fn round(r: &Run, rng: &mut Rng, tally: &mut Tally, opts: &Options) -> Vec<Strin
         }
     }
     // The next create of the identity: within its limit, and its client served.
-    let next = r.lifecycle(
-        target,
-        "gpushare-mps-sim client",
-        &Mutex::new(Outcomes::default()),
-    );
+    let hung = Mutex::new(Outcomes::default());
+    let next = r.lifecycle(target, "gpushare-mps-sim client", &hung);
+    found.extend(hung.into_inner().unwrap().violations);
     r.runc_delete(&next.cid);
     if !next.created || !next.stdout.contains("shm=ok") {
         let why = std::fs::read_to_string(next.bundle.join("log.json")).unwrap_or_default();
         found.push(format!(
-            "the next create of {} after {} failed: {} stdout {:?}",
+            "the next create of {} after {} failed (create {}): {} stdout {:?}",
             r.ids[target].label(),
             killed
                 .as_ref()
@@ -825,6 +837,7 @@ fn round(r: &Run, rng: &mut Rng, tally: &mut Tally, opts: &Options) -> Vec<Strin
                     "killing the {} ({ph})",
                     p.kind.name()
                 )),
+            next.exit,
             why.lines().last().unwrap_or("(no log)"),
             next.stdout.trim()
         ));
@@ -1011,15 +1024,22 @@ fn cleanup(r: &Run) -> Vec<String> {
     }
     // The daemons' cgroups `gpushare/<id>-<pid>`: a supervisor removes its own, gc those
     // of the killed ones; none may be left (scripts/test looks for them too).
+    // Ids are the identities' hashes, the same in another state dir on this host: a
+    // cgroup whose supervisor still runs is another run's (this run's are all stopped
+    // by now, or reported above).
     let ours = |p: &PathBuf| {
         let name = p
             .file_name()
             .unwrap_or_default()
             .to_string_lossy()
             .into_owned();
+        let pid = name
+            .rsplit_once('-')
+            .and_then(|(_, p)| p.parse::<i32>().ok());
         r.ids
             .iter()
             .any(|i| name.starts_with(&format!("{}-", i.daemon)))
+            && pid.is_some_and(|p| gpushare::util::proc_start_time(p).is_none())
     };
     let mut cgroups = Vec::new();
     let clean = harness::wait_until(Duration::from_secs(15), || {
