@@ -131,7 +131,7 @@ pub fn locks(locks: &Path) -> Vec<String> {
                 g.len() >= 6 && g[1] == "FLOCK" && g[4] == f[4] && g[5] == f[5]
             })
         };
-        let gone = start_time(pid).is_none() && {
+        let gone = (start_time(pid).is_none() || exe.is_empty()) && {
             std::thread::sleep(std::time::Duration::from_millis(200));
             still_held()
         };
@@ -140,7 +140,7 @@ pub fn locks(locks: &Path) -> Vec<String> {
                 "{} is held by pid {pid}, which is gone (an inherited descriptor keeps it)",
                 path.display()
             ));
-        } else if start_time(pid).is_some() && !exe.contains("gpushare") {
+        } else if !exe.is_empty() && !exe.contains("gpushare") {
             out.push(format!(
                 "{} is held by pid {pid} ({exe}), not a gpushare process",
                 path.display()
