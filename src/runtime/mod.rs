@@ -181,7 +181,7 @@ pub(crate) fn prepare(
         }
     }
 
-    let plan = decide(cfg, &state, &served, runtime)?;
+    let plan = decide(cfg, &state, &served, &id, runtime)?;
     edits::apply_all(&mut spec.doc, &edits::plan(&plan))?;
     spec.save()?;
     tracing::info!(
@@ -208,25 +208,26 @@ fn decide_ipc(cfg: &Config, req: &Request) -> anyhow::Result<IpcMode> {
     }
 }
 
-/// The spec edits for a request the pipeline served (DESIGN §4).
+/// The spec edits for a request the pipeline served (DESIGN §4). `id` is the served
+/// identity's daemon id, which the caller has already computed (a SHA-256 per call).
 fn decide(
     cfg: &Config,
     state: &StateDir,
     served: &Resolved,
+    id: &str,
     runtime: &Path,
 ) -> anyhow::Result<edits::ContainerPlan> {
-    let id = served.identity.id();
     Ok(edits::ContainerPlan {
         env: client_env(cfg, served, runtime),
-        pipe: (state.pipe_dir(&id), cfg.mps.container_pipe_dir.clone()),
+        pipe: (state.pipe_dir(id), cfg.mps.container_pipe_dir.clone()),
         log: cfg
             .mps
             .container_log_dir
             .as_ref()
-            .map(|d| (state.log_dir(&id), d.clone())),
+            .map(|d| (state.log_dir(id), d.clone())),
         ipc: match served.ipc {
             IpcMode::Isolated => IpcPlan::Isolated {
-                shm_dir: state.shm_dir(&id),
+                shm_dir: state.shm_dir(id),
             },
             IpcMode::Host => IpcPlan::Host,
         },
