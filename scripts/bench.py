@@ -44,6 +44,15 @@ T_BURST_SPREAD = 3.0  # p99 <= 3 x p50
 T_SHIM_RSS = 8 * 1024  # KiB
 T_HOOK_RSS = 16 * 1024  # KiB
 
+# The own-cost rows of [7] by their key in results["own_cost_us"].
+OWN_ROWS = {
+    "passthrough": "own.shim passthrough (state)",
+    "create": "own.shim create, no request",
+    "create_warm": "own.shim create, request (warm)",
+    "hook_create_runtime": "own.hook create-runtime (warm)",
+    "hook_poststop": "own.hook poststop",
+}
+
 # Host uids used per benchmark (each cold round / burst round gets a new identity).
 UID_WARM = 1000
 UID_COLD = 20000
@@ -595,9 +604,18 @@ class Suite:
     def bench_overhead(self, reps):
         """The shim's and the hook's own cost in absolute terms: B = gpushare-runtime with
         low-level-runtime = `true` (so B - A is everything the shim does before its exec),
-        A = `true` with the same argv; the hooks against `true` fed the same stdin."""
-        print("[7] own cost (informational): B = gpushare's binary, A = `true` with the same argv/stdin", flush=True)
+        A = `true` with the same argv; the hooks against `true` fed the same stdin.
+
+        With --old DIR a third side C runs the binaries in DIR (another build's
+        target/release) in the same rotation, so two builds are compared in one run and the
+        machine's load falls on both alike. With --instructions each command of B (and C) is
+        also run under callgrind once: user-space instructions, which load does not change."""
+        print("[7] own cost (informational): B = gpushare's binary, A = `true` with the same argv/stdin"
+              + (f", C = the build in {self.args.old}" if self.args.old else ""), flush=True)
         env_t = dict(self.env, GPUSHARE_CONFIG=str(self.cfg_rss))
+        builds = {"B": REL}
+        if self.args.old:
+            builds["C"] = Path(self.args.old)
 
         def timed(argv, env, data=None):
             self.pre()
@@ -609,23 +627,55 @@ class Suite:
                 raise BenchError(f"{argv} exited {p.returncode}")
             return t
 
+        def instructions(argv, env, data=None):
+            """User-space instructions of one run up to its exit or its execve (callgrind
+            dumps before an execve: what the exec'd program does is not ours)."""
+            out = Path(tempfile.mkdtemp(prefix="cg.", dir=self.work))
+            p = subprocess.run(["valgrind", "--tool=callgrind", "--dump-before=*execve*",
+                                f"--callgrind-out-file={out}/cg.%p"] + argv,
+                               env=env, input=data, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            counts = [int(m.group(1)) for f in out.iterdir()
+                      for m in re.finditer(rb"^summary: (\d+)", f.read_bytes(), re.M)]
+            shutil.rmtree(out)
+            if p.returncode != 0 or not counts:
+                raise BenchError(f"callgrind of {argv} exited {p.returncode}: {p.stderr[-300:]!r}")
+            return sum(counts)
+
         def ab(name, a_argv, b_argv, env, prep=None, after=None, data=None):
-            a, b = [], []
+            """b_argv(bin_dir, ctx) gives the argv of a build's side."""
+            s = {side: [] for side in ["A"] + list(builds)}
+            sides = list(s)
             for r in range(-5, reps):
-                for side in self.order(r):
+                k = r % len(sides)
+                for side in sides[k:] + sides[:k]:
                     if side == "A":
                         t = timed(a_argv, env, data)
                     else:
                         ctx = prep() if prep else None
-                        argv = b_argv(ctx) if callable(b_argv) else b_argv
-                        t = timed(argv, env, data)
+                        t = timed(b_argv(builds[side], ctx), env, data)
                         if after:
                             after(ctx)
                     if r >= 0:
-                        (a if side == "A" else b).append(t)
-            self.summary(name, a, b)
-            self.results[name]["own_cost_us"] = (statistics.median(b) - statistics.median(a)) / 1e3
-            return (statistics.median(b) - statistics.median(a)) / 1e3
+                        s[side].append(t)
+            self.summary(name, s["A"], s["B"])
+            row = self.results[name]
+            base = statistics.median(s["A"])
+            row["own_cost_us"] = (statistics.median(s["B"]) - base) / 1e3
+            if "C" in s:
+                row["C"] = {"median_ms": ms(statistics.median(s["C"])), "n": len(s["C"])}
+                row["old_own_cost_us"] = (statistics.median(s["C"]) - base) / 1e3
+                print(f"  {'':<34} C {ms(statistics.median(s['C'])):7.2f} ms: own cost "
+                      f"new {row['own_cost_us']:.0f} us, old {row['old_own_cost_us']:.0f} us", flush=True)
+            if self.args.instructions:
+                row["instructions"] = {}
+                for side, d in builds.items():
+                    ctx = prep() if prep else None
+                    row["instructions"][side] = instructions(b_argv(d, ctx), env, data)
+                    if after:
+                        after(ctx)
+                print(f"  {'':<34} instructions: " + ", ".join(
+                    f"{side} {n:,}" for side, n in row["instructions"].items()), flush=True)
+            return row["own_cost_us"]
 
         g = ["--root", str(self.runc_root), "--log", str(self.work / "ov.json"), "--log-format", "json"]
         cost = {}
@@ -639,17 +689,17 @@ class Suite:
             if subprocess.run([cc, "-O2", "-static", "-o", str(floor), str(src)],
                               stderr=subprocess.DEVNULL).returncode == 0:
                 cost["floor"] = ab("own.floor: static C exec-through", [TRUE] + g + ["state", "pt"],
-                                   [str(floor)] + g + ["state", "pt"], env_t)
+                                   lambda d, _: [str(floor)] + g + ["state", "pt"], env_t)
         else:
             print("  (no C compiler: the exec-through floor row is skipped)")
         cost["passthrough"] = ab("own.shim passthrough (state)", [TRUE] + g + ["state", "pt"],
-                                 [str(RUNTIME)] + g + ["state", "pt"], env_t)
+                                 lambda d, _: [str(d / "gpushare-runtime")] + g + ["state", "pt"], env_t)
         b0 = self.bundle("ov0", self.spec(["true"]))
         create0 = g + ["create", "--bundle", str(b0), "ov0"]
-        cost["create"] = ab("own.shim create, no request", [TRUE] + create0, [str(RUNTIME)] + create0, env_t)
+        cost["create"] = ab("own.shim create, no request", [TRUE] + create0,
+                            lambda d, _: [str(d / "gpushare-runtime")] + create0, env_t)
         req = self.request_spec(UID_WARM)
         n = iter(range(100_000))
-        hook = [str(GPUSHARE), "hook"]
 
         def state_of(b, cid):
             ann = json.loads((b / "config.json").read_bytes())["annotations"]
@@ -662,20 +712,31 @@ class Suite:
 
         def release(ctx):
             b, cid = ctx
-            subprocess.run(hook + ["poststop"], env=self.env, input=state_of(b, cid), check=True)
+            subprocess.run([str(GPUSHARE), "hook", "poststop"], env=self.env,
+                           input=state_of(b, cid), check=True)
 
         cost["create_warm"] = ab("own.shim create, request (warm)", [TRUE] + create0,
-                                 lambda ctx: [str(RUNTIME)] + g + ["create", "--bundle", str(ctx[0]), ctx[1]],
+                                 lambda d, ctx: [str(d / "gpushare-runtime")] + g
+                                 + ["create", "--bundle", str(ctx[0]), ctx[1]],
                                  env_t, prep=prep, after=release)
         b1, cid1 = prep()
         self.run("B", b1, ["create", "--bundle", str(b1), cid1], env=env_t, timed=False)  # edits, execs true
         st = state_of(b1, cid1)
-        cost["hook_create_runtime"] = ab("own.hook create-runtime (warm)", [TRUE], hook + ["create-runtime"],
+        cost["hook_create_runtime"] = ab("own.hook create-runtime (warm)", [TRUE],
+                                         lambda d, _: [str(d / "gpushare"), "hook", "create-runtime"],
                                          self.env, data=st)
-        cost["hook_poststop"] = ab("own.hook poststop", [TRUE], hook + ["poststop"], self.env, data=st)
+        cost["hook_poststop"] = ab("own.hook poststop", [TRUE],
+                                   lambda d, _: [str(d / "gpushare"), "hook", "poststop"],
+                                   self.env, data=st)
         self.results["own_cost_us"] = cost
         print("  own cost (median B - median A): " +
               ", ".join(f"{k} {v:.0f} us" for k, v in cost.items()), flush=True)
+        if "floor" in cost:
+            print("  own cost as a multiple of the floor: " + ", ".join(
+                f"{k} {v / cost['floor']:.2f}x" for k, v in cost.items() if k != "floor")
+                + ("; old build: " + ", ".join(
+                    f"{k} {self.results[name]['old_own_cost_us'] / cost['floor']:.2f}x"
+                    for k, name in OWN_ROWS.items()) if self.args.old else ""), flush=True)
         pt = self.results.get("passthrough.state")
         if pt:
             runc_ms = pt["A"]["median_ms"]
@@ -798,6 +859,10 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated subset: noreq,warm,passthrough,cold,burst,rss,overhead,decompose")
     ap.add_argument("--json", help="also write every sample and result to this file")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, bundles) for inspection")
+    ap.add_argument("--old", metavar="DIR",
+                    help="[7] also times the binaries in DIR (another build's target/release) in the same rotation")
+    ap.add_argument("--instructions", action="store_true",
+                    help="[7] also counts each binary's user-space instructions under callgrind (needs valgrind)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.burst_rounds = 5, 1
