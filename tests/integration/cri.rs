@@ -1252,3 +1252,121 @@ fn cri_an_allocation_by_nvidia_s_device_plugin_is_served_on_a_node_that_defaults
     assert_eq!(node.bundle_spec(&plain_id), generated);
     assert_eq!(env.daemon_ids(), vec![daemon]);
 }
+
+/// Issue 16 item 5: containerd without the shim. A runtime class whose `base_runtime_spec`
+/// (containerd's own default spec plus gpushare's hook-only `prestart`/`poststop` hooks)
+/// runs plain runc: the hook resolves the request itself and binds the daemon's pipe
+/// directory at CUDA's default path and its shm over /dev/shm, as under Podman's hooks.d.
+/// A pod without a request on that class runs with the hook doing nothing.
+#[test]
+fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
+    let env = Env::new();
+    let dir = env.path().join("k");
+    std::fs::create_dir_all(&dir).unwrap();
+    // containerd's default spec, as `ctr oci spec` prints it (no daemon needed).
+    let out = Command::new(need("ctr", "containerd"))
+        .args(["oci", "spec"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "ctr oci spec: {}", text(&out));
+    let mut base: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let hook = |stage: &str, timeout: u32| {
+        serde_json::json!({
+            "path": GPUSHARE,
+            "args": ["gpushare", "hook", stage],
+            "env": [
+                "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                format!("GPUSHARE_CONFIG={}", env.config.display()),
+            ],
+            "timeout": timeout,
+        })
+    };
+    base["hooks"] = serde_json::json!({
+        "prestart": [hook("prestart", 20)],
+        "poststop": [hook("poststop", 10)],
+    });
+    let base_path = dir.join("gpushare-base.json");
+    std::fs::write(&base_path, serde_json::to_vec_pretty(&base).unwrap()).unwrap();
+    let config = dir.join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "{}\n    [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.{HANDLER}]\n      runtime_type = \"io.containerd.runc.v2\"\n      pod_annotations = [\"gpushare.io/*\"]\n      base_runtime_spec = {:?}\n",
+            base_config(&dir),
+            base_path.display().to_string()
+        ),
+    )
+    .unwrap();
+    let mut node = Node::start_with(&env, dir, config, &[]);
+    node.import_images();
+
+    let pod = node.pod(&PodSpec {
+        name: "hookonly",
+        annotations: &[("gpushare.io/device", "0")],
+        run_as_user: Some(1000),
+    });
+    let c = ContainerSpec {
+        name: "work",
+        script: &format!(
+            "echo PIPE=${{CUDA_MPS_PIPE_DIRECTORY:-unset}}; ls /tmp/nvidia-mps; {CLIENT}; exec sleep 3600"
+        ),
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let id = node.run(&pod, &c);
+    let line = node.client_line(&pod, &c);
+    assert_eq!(
+        (
+            line["uid"].as_str(),
+            line["server_uid"].as_str(),
+            line["shm"].as_str()
+        ),
+        ("1000", "1000", "ok"),
+        "{line:?}"
+    );
+    let out = node.output(&pod, &c);
+    assert!(out.contains("PIPE=unset"), "no env from a shim:\n{out}");
+    assert!(
+        out.lines().any(|l| l == "control"),
+        "the pipe dir is at CUDA's default path:\n{out}"
+    );
+    // runc got containerd's spec with our hooks and no decision: no shim ran.
+    let spec = node.bundle_spec(&id);
+    assert!(
+        spec["annotations"].get("gpushare.io/daemon").is_none(),
+        "{}",
+        spec["annotations"]
+    );
+    assert_eq!(spec["hooks"]["prestart"][0]["path"], GPUSHARE);
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    assert_eq!(env.record(&ids[0])["identity"]["uid"], 1000);
+    assert_eq!(
+        node.daemon_of(&id).as_deref(),
+        Some(ids[0].as_str()),
+        "the container is recorded on its daemon"
+    );
+
+    // A pod without a request on the same class: the hook runs and does nothing.
+    let plain = node.pod(&PodSpec {
+        name: "plain",
+        annotations: &[],
+        run_as_user: Some(2000),
+    });
+    let c = ContainerSpec {
+        name: "app",
+        script: "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset} LS=$(ls /tmp/nvidia-mps 2>/dev/null)END; exec sleep 3600",
+        run_as_user: Some(2000),
+        ..Default::default()
+    };
+    node.run(&plain, &c);
+    assert!(wait_until(Duration::from_secs(20), || node
+        .output(&plain, &c)
+        .contains("END")));
+    assert!(
+        node.output(&plain, &c).contains("PIPE=unset LS=END"),
+        "no pipe directory in a pod without a request:\n{}",
+        node.output(&plain, &c)
+    );
+    assert_eq!(env.daemon_ids(), ids, "no daemon for the plain pod");
+}
