@@ -1375,6 +1375,30 @@ fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
         node.output(&plain, &c)
     );
     assert_eq!(env.daemon_ids(), ids, "no daemon for the plain pod");
+
+    // A bad request fails the container in its prestart hook, with gpushare's line.
+    let bad = node.pod(&PodSpec {
+        name: "bad",
+        annotations: &[
+            ("gpushare.io/device", "0"),
+            ("gpushare.io/active-thread-percentage", "101"),
+        ],
+        run_as_user: Some(3000),
+    });
+    let c = ContainerSpec {
+        name: "bad",
+        script: CLIENT,
+        run_as_user: Some(3000),
+        ..Default::default()
+    };
+    let err = node.try_run(&bad, &c).expect_err("a bad request must fail");
+    assert!(
+        err.message.contains(
+            "gpushare: gpushare.io/active-thread-percentage=\"101\" is invalid: allowed is an integer from 1 to 100"
+        ),
+        "{err}"
+    );
+    assert_eq!(env.daemon_ids(), ids, "no daemon for the bad request");
 }
 
 /// Issue 16 item 1: a pod start as the kubelet issues it (RunPodSandbox, CreateContainer,
