@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Engine-level benchmark (issue 16 item 1): what a user feels, `docker run --rm` and
-`ctr run --rm`, through gpushare-runtime against the same engine with plain runc, with a
-request (warm daemon) and without. Driven by `scripts/bench --engines`.
+"""Engine-level benchmark (issue 16 items 1 and 5): what a user feels, `docker run --rm`,
+`ctr run --rm` through gpushare-runtime and `podman run --rm` with gpushare's hooks.d (no
+shim), against the same engine with plain runc, with a request (warm daemon) and without.
+Driven by `scripts/bench --engines`. The CRI pod start is the ignored test
+`cri_pod_start_bench` (tests/integration/cri.rs), which has the CRI client.
 
 Each engine is private, as in the integration tests: a mount namespace of its own
 (`unshare --mount`, tmpfs over /run, /etc/docker, /etc/cni, /var/lib, /var/cache and /opt),
@@ -235,6 +237,47 @@ class Engines:
             "gpushare, request (warm)": ctr_run(str(RUNTIME), True),
         }, {"gpushare, no request": "runc", "gpushare, request (warm)": "runc, annotated"})
 
+    def podman(self, hooks, args):
+        p = self.work / "p"
+        return self.ns([which("podman"), "--root", str(p / "storage"), "--runroot", str(p / "run"),
+                        "--tmpdir", str(p / "tmp"), "--hooks-dir", str(hooks),
+                        "--storage-driver", "vfs", "--cgroup-manager", "cgroupfs",
+                        "--events-backend", "file"] + args)
+
+    def bench_podman(self):
+        """Podman: plain runc against gpushare's hooks.d (hook-only mode, the setup the
+        README gives for Podman), with and without a request. The shim is not a Podman
+        setup: Podman does not pass its environment (GPUSHARE_CONFIG) to the runtime."""
+        p = self.work / "p"
+        hooks, none = p / "hooks.d", p / "no-hooks.d"
+        hooks.mkdir(parents=True)
+        none.mkdir()
+        for name in ("gpushare.json", "gpushare-poststop.json"):
+            v = json.loads((REPO / "hooks" / "oci-hooks.d" / name).read_text())
+            v["hook"]["path"] = str(GPUSHARE)
+            v["hook"]["env"].append(f"GPUSHARE_CONFIG={self.cfg}")
+            (hooks / name).write_text(json.dumps(v))
+        tar = self.work / "rootfs.tar"
+        if not tar.exists():
+            self.must(["tar", "-C", str(self.rootfs), "-cf", str(tar), "."])
+        self.must(self.podman(none, ["import", str(tar), "gsbench"]))
+        run = ["run", "--rm", "--network", "none", "--ulimit", "nofile=1024:1024",
+               "--ulimit", "nproc=1024:1024"]
+        req = ["--user", "1000", "--annotation", "gpushare.io/device=0"]
+        runc = which("runc")
+
+        def variant(hooks_dir, runtime, request):
+            return lambda r: self.podman(hooks_dir, run + ["--runtime", runtime]
+                                         + (req if request else []) + ["gsbench", "true"])
+
+        self.must(variant(hooks, runc, True)(0))  # the warm daemon
+        self.rounds("podman run --rm", {
+            "runc": variant(none, runc, False),
+            "gpushare hooks.d, no request": variant(hooks, runc, False),
+            "runc, annotated": variant(none, runc, True),
+            "gpushare hooks.d, request": variant(hooks, runc, True),
+        }, {"gpushare hooks.d, no request": "runc", "gpushare hooks.d, request": "runc, annotated"})
+
     # ------------------------------------------------------------------ clean-up
 
     def cleanup(self):
@@ -249,6 +292,9 @@ class Engines:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if (self.work / "p" / "storage").exists():
+            subprocess.run(self.podman(self.work / "p" / "no-hooks.d", ["rm", "-af"]),
+                           capture_output=True)
         if self.cfg.exists() and GPUSHARE.exists():
             subprocess.run([str(GPUSHARE), "daemon", "stop", "--all", "--force"], env=self.env,
                            capture_output=True)
@@ -273,7 +319,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=30, help="rounds per engine (default 30)")
     ap.add_argument("--settle", type=float, default=200.0, help="idle pause before each run, ms (default 200)")
-    ap.add_argument("--only", default="docker,ctr", help="comma-separated: docker,ctr (default both)")
+    ap.add_argument("--only", default="docker,ctr,podman", help="comma-separated: docker,ctr,podman (default all)")
     ap.add_argument("--json", help="also write every sample to this file")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir for inspection")
     args = ap.parse_args()
@@ -295,6 +341,8 @@ def main():
             suite.bench_docker()
         if "ctr" in only:
             suite.bench_ctr()
+        if "podman" in only:
+            suite.bench_podman()
         print(f"bench-engines: load at end {' '.join(open('/proc/loadavg').read().split()[:3])}")
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), "results": suite.results}, indent=1))
