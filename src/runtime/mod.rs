@@ -286,15 +286,24 @@ fn client_env(cfg: &Config, served: &Resolved, runtime: &Path) -> Vec<(String, S
 
 /// The createRuntime and poststop hooks: `gpushare` beside this binary, with a safe PATH
 /// and the config file this shim read.
+/// The environment of a hook gpushare puts on a container (the shim's, and the hook-only
+/// base spec's of `gpushare install containerd --hook-only`): a fixed PATH, and
+/// `GPUSHARE_CONFIG` naming `config` when one is given, so that the hook reads the config
+/// of the process that wrote it, whatever runc's environment.
+pub(crate) fn hook_env(config: Option<&Path>) -> Vec<String> {
+    let mut env = vec![format!("PATH={SAFE_PATH}")];
+    if let Some(path) = config {
+        let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_owned());
+        env.push(format!("{}={}", crate::config::ENV_VAR, abs.display()));
+    }
+    env
+}
+
 fn hooks(cfg: &Config) -> anyhow::Result<SetHooks> {
     let binary = std::env::current_exe()
         .context("find gpushare-runtime's own path")?
         .with_file_name("gpushare");
-    let mut env = vec![format!("PATH={SAFE_PATH}")];
-    if let Some(path) = &cfg.path {
-        let abs = std::path::absolute(path).unwrap_or_else(|_| path.clone());
-        env.push(format!("{}={}", crate::config::ENV_VAR, abs.display()));
-    }
+    let env = hook_env(cfg.path.as_deref());
     let create_timeout = cfg.mps.start_timeout.as_secs() + 5;
     Ok(SetHooks {
         binary,

@@ -1253,43 +1253,47 @@ fn cri_an_allocation_by_nvidia_s_device_plugin_is_served_on_a_node_that_defaults
     assert_eq!(env.daemon_ids(), vec![daemon]);
 }
 
-/// The CRI runtime table `name` for containerd without the shim: runc with a
-/// `base_runtime_spec` (written under `dir`) that is containerd's own default spec, as
-/// `ctr oci spec` prints it, plus gpushare's hook-only `prestart` and `poststop` hooks
-/// (the same hooks as hooks/oci-hooks.d, with this test's config in their env).
-fn hook_only_runtime(env: &Env, dir: &Path, name: &str) -> String {
-    let out = Command::new(need("ctr", "containerd"))
-        .args(["oci", "spec"])
+/// Registers runtime class `name` on the containerd config at `config` the way an
+/// operator does for containerd without the shim: `gpushare install containerd
+/// --hook-only` (the binary under test, with this env's config, which it passes on to the
+/// hooks it writes into the base spec). Returns the base spec it wrote.
+fn install_hook_only(env: &Env, config: &Path, name: &str) -> Value {
+    let out = env
+        .cmd(GPUSHARE)
+        .args([
+            "install",
+            "containerd",
+            "--hook-only",
+            "--name",
+            name,
+            "--config",
+        ])
+        .arg(config)
         .output()
         .unwrap();
-    assert!(out.status.success(), "ctr oci spec: {}", text(&out));
-    let mut base: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let hook = |stage: &str, timeout: u32| {
-        serde_json::json!({
-            "path": GPUSHARE,
-            "args": ["gpushare", "hook", stage],
-            "env": [
-                "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                format!("GPUSHARE_CONFIG={}", env.config.display()),
-            ],
-            "timeout": timeout,
-        })
-    };
-    base["hooks"] = serde_json::json!({
-        "prestart": [hook("prestart", 20)],
-        "poststop": [hook("poststop", 10)],
-    });
-    let path = dir.join(format!("{name}-base.json"));
-    std::fs::write(&path, serde_json::to_vec_pretty(&base).unwrap()).unwrap();
-    format!(
-        "\n    [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.{name}]\n      runtime_type = \"io.containerd.runc.v2\"\n      pod_annotations = [\"gpushare.io/*\"]\n      base_runtime_spec = {:?}\n",
-        path.display().to_string()
-    )
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("hook-only"), "{}", text(&out));
+    let spec = config.with_file_name(format!("{name}-base-spec.json"));
+    let again = env
+        .cmd(GPUSHARE)
+        .args([
+            "install",
+            "containerd",
+            "--hook-only",
+            "--name",
+            name,
+            "--config",
+        ])
+        .arg(config)
+        .output()
+        .unwrap();
+    assert!(text(&again).contains("nothing to do"), "{}", text(&again));
+    serde_json::from_slice(&std::fs::read(&spec).unwrap()).unwrap()
 }
 
 /// Issue 16 item 5: containerd without the shim. A runtime class whose `base_runtime_spec`
-/// (containerd's own default spec plus gpushare's hook-only `prestart`/`poststop` hooks)
-/// runs plain runc: the hook resolves the request itself and binds the daemon's pipe
+/// (containerd's own default spec plus gpushare's hook-only `prestart`/`poststop` hooks,
+/// as `gpushare install containerd --hook-only` writes them) runs plain runc: the hook resolves the request itself and binds the daemon's pipe
 /// directory at CUDA's default path and its shm over /dev/shm, as under Podman's hooks.d.
 /// A pod without a request on that class runs with the hook doing nothing.
 #[test]
@@ -1298,11 +1302,13 @@ fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
     let dir = env.path().join("k");
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("config.toml");
-    std::fs::write(
-        &config,
-        base_config(&dir) + &hook_only_runtime(&env, &dir, HANDLER),
-    )
-    .unwrap();
+    std::fs::write(&config, base_config(&dir)).unwrap();
+    let base = install_hook_only(&env, &config, HANDLER);
+    assert_eq!(
+        base["hooks"]["prestart"][0]["env"][1],
+        format!("GPUSHARE_CONFIG={}", env.config.display()),
+        "the hooks read the installer's config"
+    );
     let mut node = Node::start_with(&env, dir, config, &[]);
     node.import_images();
 
@@ -1404,8 +1410,8 @@ fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
 /// Issue 16 item 1: a pod start as the kubelet issues it (RunPodSandbox, CreateContainer,
 /// StartContainer of a container running `true`), timed from the CRI client, on one
 /// containerd with three runtime classes: `runc`, `gpushare` (the shim, as `gpushare
-/// install containerd` registers it) and `gpushare-hooks` (runc with the hook-only
-/// `base_runtime_spec`, no shim); each without a request and with one (the pod annotated
+/// install containerd` registers it) and `gpushare-hooks` (`--hook-only`: runc with the
+/// hook-only `base_runtime_spec`, no shim); each without a request and with one (the pod annotated
 /// `gpushare.io/device=0`, UID 1000, its daemon warm after the first round). The six
 /// variants rotate per round after a 100 ms idle pause; the pod is removed untimed. A
 /// measurement, not a check (it asserts only that every start succeeds): run it on a quiet
@@ -1437,9 +1443,7 @@ fn cri_pod_start_bench() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
-    let mut toml = std::fs::read_to_string(&config).unwrap();
-    toml += &hook_only_runtime(&env, &dir, "gpushare-hooks");
-    std::fs::write(&config, toml).unwrap();
+    install_hook_only(&env, &config, "gpushare-hooks");
     let mut node = Node::start_with(&env, dir, config, &[]);
     node.import_images();
 
