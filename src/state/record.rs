@@ -168,7 +168,11 @@ impl StateDir {
         Self::check_id(&rec.id)?;
         let path = self.record_path(&rec.id);
         let data = serde_json::to_vec_pretty(rec).map_err(serialise(&path))?;
-        util::write_atomic(&path, &data, 0o644).map_err(io("write", &path))
+        // Atomic but not fsynced, like a container record: the record names processes
+        // that a crash ends, so nothing in it is worth keeping across one (a record lost
+        // or stale after a crash is replaced by the next create, or removed by gc). A
+        // cold start writes it three times (starting, the supervisor's pid, ready).
+        util::write_atomic_with(&path, &data, 0o644, false).map_err(io("write", &path))
     }
 
     fn container_path(&self, id: &str, cid: &str) -> Result<PathBuf, StateError> {
