@@ -17,6 +17,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import statistics
@@ -863,14 +864,19 @@ class Suite:
         # stderr to a file, never a pipe: a created container's init holds it open.
         errf, rss = self.work / "measure.err", self.work / "measure.rss"
         with open(out or os.devnull, "wb") as sink, open(errf, "wb") as err:
+            ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             t0 = time.perf_counter_ns()
             p = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(rss)] + [str(a) for a in argv],
                                env=env, input=stdin, stdout=sink, stderr=err)
             t = time.perf_counter_ns() - t0
+            ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         if p.returncode != 0:
             raise BenchError(f"{' '.join(map(str, argv))} exited {p.returncode}: "
                              f"{errf.read_text(errors='replace')[-500:]}")
-        return t, int(rss.read_text().split()[-1])
+        # CPU time (user + system) of GNU time and everything it waited for: on a loaded
+        # machine the wall time says how long it waited for a CPU, this what it asked of one.
+        cpu = (ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime) * 1e9
+        return t, int(rss.read_text().split()[-1]), cpu
 
     def scale_identity(self, k):
         """The k-th of the 50 node-scale identities: 25 uids x GPUs 0 and 1."""
@@ -920,6 +926,7 @@ class Suite:
         # The floor: GNU time running `true` (every figure below includes it).
         floor = [self.measure([TRUE], env) for _ in range(reps)]
         self.results["scale_floor"] = {"median_ms": ms(statistics.median(x[0] for x in floor)),
+                                       "cpu_median_ms": ms(statistics.median(x[2] for x in floor)),
                                        "peak_rss_kib": max(x[1] for x in floor)}
         print(f"  floor: GNU time running `true` {ms(statistics.median(x[0] for x in floor)):.2f} ms, "
               f"peak RSS {max(x[1] for x in floor) / 1024:.2f} MiB", flush=True)
@@ -986,10 +993,12 @@ class Suite:
             for name, samples in row.items():
                 ts = [x[0] for x in samples]
                 print(f"  {n:>5} containers  {name:<50} {ms(statistics.median(ts)):8.2f} ms "
-                      f"[{ms(min(ts)):7.2f}-{ms(max(ts)):7.2f}]  peak RSS "
+                      f"[{ms(min(ts)):7.2f}-{ms(max(ts)):7.2f}]  CPU "
+                      f"{ms(statistics.median(x[2] for x in samples)):7.2f} ms  peak RSS "
                       f"{max(x[1] for x in samples) / 1024:6.2f} MiB", flush=True)
         self.results["scale"] = {
             str(n): {name: {"median_ms": ms(statistics.median(x[0] for x in s)),
+                            "cpu_median_ms": ms(statistics.median(x[2] for x in s)),
                             "min_ms": ms(min(x[0] for x in s)), "max_ms": ms(max(x[0] for x in s)),
                             "peak_rss_kib": max(x[1] for x in s),
                             "samples_ms": [ms(x[0]) for x in s]}
@@ -1088,16 +1097,20 @@ class Suite:
         self.results["scale_gc_stale"] = {"stale": n, "live": len(pids),
                                           "median_ms": ms(statistics.median(ts)),
                                           "samples_ms": [ms(t) for t in ts],
+                                          "cpu_median_ms": ms(statistics.median(x[2] for x in runs)),
                                           "peak_rss_kib": max(x[1] for x in runs),
+                                          "floor_cpu_median_ms": ms(statistics.median(x[2] for x in floor)),
                                           "floor_find_delete_median_ms": ms(statistics.median(fl)),
                                           "floor_samples_ms": [ms(t) for t in fl]}
         if old_runs:
             self.results["scale_gc_stale"]["old_build_samples_ms"] = [ms(x[0]) for x in old_runs]
+            self.results["scale_gc_stale"]["old_build_cpu_samples_ms"] = [ms(x[2]) for x in old_runs]
             print(f"  old build's gc over the same records: "
                   f"{ms(statistics.median(x[0] for x in old_runs)):.1f} ms", flush=True)
         print(f"  gc over {n} stale + {len(pids)} live records: {ms(statistics.median(ts)):.1f} ms "
-              f"[{ms(min(ts)):.1f}-{ms(max(ts)):.1f}] peak RSS {max(x[1] for x in runs) / 1024:.2f} MiB; "
-              f"floor (find -delete of the same {n} files) {ms(statistics.median(fl)):.1f} ms",
+              f"[{ms(min(ts)):.1f}-{ms(max(ts)):.1f}] CPU {ms(statistics.median(x[2] for x in runs)):.1f} ms, "
+              f"peak RSS {max(x[1] for x in runs) / 1024:.2f} MiB; floor (find -delete of the same "
+              f"{n} files) {ms(statistics.median(fl)):.1f} ms, CPU {ms(statistics.median(x[2] for x in floor)):.1f} ms",
               flush=True)
         med = ms(statistics.median(ts))
         self.verdicts.append((f"gc over {n} stale records", f"{med:.1f} ms",
