@@ -104,8 +104,11 @@ fn describe(inventory: Option<&Inventory>, uuid: &str) -> DeviceView {
     v
 }
 
+/// A daemon's answer to `probe`: its servers and their clients, or why it did not answer.
+type Answer = Result<(usize, usize), String>;
+
 /// Asks the daemon for its servers and their clients; the error says why it could not.
-fn probe(control: &Control) -> Result<(usize, usize), String> {
+fn probe(control: &Control) -> Answer {
     let timeout = Duration::from_secs(2);
     let servers = crate::mps::reply::pids(
         &control
@@ -130,7 +133,7 @@ const PROBE_THREADS: usize = 8;
 /// `probe` for each `Some` control, up to `PROBE_THREADS` at a time; the answers in the
 /// same order (`None` where there was no control). The calling thread probes too, so a
 /// thread that cannot be started only makes it slower.
-fn probe_all(controls: &[Option<Control>]) -> Vec<Option<Result<(usize, usize), String>>> {
+fn probe_all(controls: &[Option<Control>]) -> Vec<Option<Answer>> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let next = AtomicUsize::new(0);
     let work = || {
@@ -146,7 +149,7 @@ fn probe_all(controls: &[Option<Control>]) -> Vec<Option<Result<(usize, usize), 
         }
     };
     let wanted = controls.iter().flatten().count().min(PROBE_THREADS);
-    let done: Vec<(usize, Result<(usize, usize), String>)> = std::thread::scope(|s| {
+    let done: Vec<(usize, Answer)> = std::thread::scope(|s| {
         let helpers: Vec<_> = (1..wanted)
             .filter_map(|_| std::thread::Builder::new().spawn_scoped(s, work).ok())
             .collect();
