@@ -149,6 +149,7 @@ pub(crate) fn prepare(
     };
     let ident = &served.identity;
     let id = ident.id();
+    tracing::debug!(daemon = %id, "request resolved");
 
     let container_id = container_id
         .filter(|c| valid_container_id(c))
@@ -171,11 +172,13 @@ pub(crate) fn prepare(
         // new daemon is counted against the daemon caps here, before anything is made.
         let deadline = std::time::Instant::now() + cfg.mps.start_timeout;
         let _lock = state.lock(&id, deadline)?;
+        tracing::debug!(daemon = %id, "identity lock taken");
         state.ensure_skeleton(
             &id,
             crate::mps::ensure::owner(ident),
             &crate::mps::ensure::budget(cfg),
         )?;
+        tracing::debug!(daemon = %id, "daemon directories made");
         if !recorded {
             state.add_container(&id, &pending)?;
         }
