@@ -242,7 +242,7 @@ fn parallel<T: Sync>(items: &[T], threads: usize, f: impl Fn(&T) + Sync) {
 // Soak
 
 /// The soak's shape: two envs side by side.
-/// - steady: 4 users × GPUs 0 and 2 (8 identities), `STEADY_WORKERS` threads each creating,
+/// - steady: 4 users × (GPU 0, GPU 2 with a 50 % thread limit): 8 identities, `STEADY_WORKERS` threads each creating,
 ///   starting, running a client in and deleting one container after another, round robin
 ///   over the identities. Its daemons live through the run (idle-timeout 5 m): the same
 ///   supervisor and daemon pids at the end, no restart, and their fds and mounts as at
@@ -252,10 +252,12 @@ fn parallel<T: Sync>(items: &[T], threads: usize, f: impl Fn(&T) + Sync) {
 ///   with creates arriving around the moment a daemon is removed. At the end everything
 ///   of it is gone.
 const STEADY_UIDS: [u32; 4] = [1200, 1201, 1202, 1203];
-const STEADY_DEVICES: [&str; 2] = ["0", "2"];
+/// GPU 2's daemons enforce a limit, so their supervisors check it every 2 s (a control
+/// client started each time) all through the run: the periodic work of a long-lived daemon.
+const STEADY_REQUESTS: [Request; 2] = [("0", None), ("2", Some("50"))];
 const STEADY_WORKERS: usize = 3;
 const CHURN_UIDS: [u32; 2] = [1300, 1301];
-const CHURN_DEVICE: &str = "1:0";
+const CHURN_REQUEST: Request = ("1:0", None);
 const CHURN_IDLE: &str = "2s";
 
 #[test]
@@ -288,13 +290,12 @@ struct Tally {
 
 /// One container's life: create (timed), start, the client's line, delete, its bundle
 /// removed. `Err` names the step that failed; the container is deleted either way.
-fn cycle(env: &Env, id: &str, uid: u32, device: &str, tally: &Mutex<Tally>) {
-    let c = env
-        .container(id)
-        .uid(uid)
-        .device(device)
-        .sh(CLIENT)
-        .bundle();
+fn cycle(env: &Env, id: &str, uid: u32, req: Request, tally: &Mutex<Tally>) {
+    let mut b = env.container(id).uid(uid).device(req.0).sh(CLIENT);
+    if let Some(t) = req.1 {
+        b = b.annotation("gpushare.io/active-thread-percentage", t);
+    }
+    let c = b.bundle();
     let t0 = Instant::now();
     let out = c.try_create();
     let took = t0.elapsed();
@@ -318,8 +319,14 @@ fn cycle(env: &Env, id: &str, uid: u32, device: &str, tally: &Mutex<Tally>) {
         }
         let line = parse_client_line(&c.stdout())
             .ok_or_else(|| format!("no client line: {} {}", c.stdout(), c.stderr()))?;
+        // The client runs with its own user's server and its identity's limit.
+        let pct = line
+            .get("active_thread_percentage")
+            .and_then(|p| p.parse::<f64>().ok());
+        let want: f64 = req.1.map_or(100.0, |t| t.parse().unwrap());
         if line.get("shm").map(String::as_str) != Some("ok")
             || line.get("server_uid") != Some(&uid.to_string())
+            || pct != Some(want)
         {
             return Err(format!("client: {line:?}"));
         }
@@ -394,15 +401,15 @@ fn soak(duration: Duration, sample_every: Duration) {
     let steady = Env::new();
     let churn = Env::with_config(&format!("idle-timeout = \"{CHURN_IDLE}\""));
     let began = Instant::now();
-    let identities: Vec<(u32, &str)> = STEADY_UIDS
+    let identities: Vec<(u32, Request)> = STEADY_UIDS
         .iter()
-        .flat_map(|&u| STEADY_DEVICES.iter().map(move |&d| (u, d)))
+        .flat_map(|&u| STEADY_REQUESTS.iter().map(move |&r| (u, r)))
         .collect();
 
     // Warm-up: one container per steady identity, so that its daemons run from the start.
     let warm = Mutex::new(Tally::default());
-    for (i, (uid, dev)) in identities.iter().enumerate() {
-        cycle(&steady, &format!("lds-w{i}"), *uid, dev, &warm);
+    for (i, (uid, req)) in identities.iter().enumerate() {
+        cycle(&steady, &format!("lds-w{i}"), *uid, *req, &warm);
     }
     let warm = warm.into_inner().unwrap();
     assert!(
@@ -432,8 +439,8 @@ fn soak(duration: Duration, sample_every: Duration) {
             s.spawn(move || {
                 let mut n = 0usize;
                 while !stop.load(Ordering::Relaxed) && Instant::now() < end_at {
-                    let (uid, dev) = identities[(n * STEADY_WORKERS + w) % identities.len()];
-                    cycle(steady, &format!("lds-{w}-{n}"), uid, dev, tally);
+                    let (uid, req) = identities[(n * STEADY_WORKERS + w) % identities.len()];
+                    cycle(steady, &format!("lds-{w}-{n}"), uid, req, tally);
                     n += 1;
                 }
             });
@@ -445,7 +452,7 @@ fn soak(duration: Duration, sample_every: Duration) {
                 let mut n = 0usize;
                 while !stop.load(Ordering::Relaxed) && Instant::now() < end_at {
                     let uid = CHURN_UIDS[n % CHURN_UIDS.len()];
-                    cycle(churn, &format!("ldc-{n}"), uid, CHURN_DEVICE, tally);
+                    cycle(churn, &format!("ldc-{n}"), uid, CHURN_REQUEST, tally);
                     n += 1;
                     std::thread::sleep(pauses.next(Duration::from_secs(4)));
                 }
