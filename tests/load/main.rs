@@ -485,10 +485,14 @@ fn soak(duration: Duration, sample_every: Duration) {
                     };
                     let daemons = env.daemon_ids().len();
                     let mut v = violations.lock().unwrap();
-                    for (id, pids) in procs.doubled() {
-                        v.push(format!(
-                            "{name}: daemon {id} served by control daemons {pids:?}"
-                        ));
+                    // Like the records: an excess counts when a second scan still sees it.
+                    if !procs.doubled().is_empty() {
+                        for (id, pids) in Procs::scan(env).doubled() {
+                            v.push(format!(
+                                "{name}: daemon {id} served by control daemons {pids:?} (first scan {:?})",
+                                procs.daemons.get(&id)
+                            ));
+                        }
                     }
                     if !records.is_empty() {
                         v.push(format!(
@@ -646,7 +650,11 @@ fn container_records(env: &Env) -> Vec<String> {
     for id in env.daemon_ids().iter().filter(|id| !id.starts_with('.')) {
         let dir = env.state.join("mps").join(id).join("containers");
         for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-            out.push(format!("{}/{}", &id[..8], e.file_name().to_string_lossy()));
+            let name = e.file_name().to_string_lossy().into_owned();
+            // Not a record being written (`.<id>.json.<writer>.tmp`, renamed when whole).
+            if !name.starts_with('.') && name.ends_with(".json") {
+                out.push(format!("{}/{name}", &id[..8]));
+            }
         }
     }
     out

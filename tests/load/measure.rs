@@ -75,7 +75,14 @@ impl Procs {
             } else if arg("--internal-server") {
                 out.servers += 1;
             } else if let (Some(id), true) = (pipe_id, arg("-f")) {
-                out.daemons.entry(id).or_default().push(pid);
+                // A control daemon's child between fork and exec (a server being started)
+                // still shows the daemon's argv and environment: not a second daemon.
+                let forked = ppid(pid).is_some_and(|p| {
+                    std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c == cmdline)
+                });
+                if !forked {
+                    out.daemons.entry(id).or_default().push(pid);
+                }
             } else {
                 out.others += 1;
             }
@@ -152,7 +159,7 @@ impl Sample {
                 continue;
             }
             s.daemon_records += 1;
-            s.container_records += count_entries(&e.path().join("containers"));
+            s.container_records += records_in(&e.path().join("containers"));
             s.shm_files += count_entries(&e.path().join("shm"));
             let rec = std::fs::read_to_string(e.path().join("daemon.json"))
                 .ok()
@@ -273,6 +280,22 @@ fn fd_dir(pid: i32) -> std::path::PathBuf {
     format!("/proc/{pid}/fd").into()
 }
 
+/// Container records in a daemon's `containers/`: `<id>.json`, not the `.<id>.json.*.tmp`
+/// of a record being written (atomically: a temporary file, then a rename).
+pub fn records_in(dir: &Path) -> usize {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .filter(|e| {
+                    let n = e.file_name();
+                    let n = n.to_string_lossy();
+                    !n.starts_with('.') && n.ends_with(".json")
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
 fn count_entries(dir: &Path) -> usize {
     std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
 }
@@ -287,6 +310,17 @@ fn count_tree(dir: &Path) -> usize {
         }
     }
     n
+}
+
+/// The parent of `pid` (field 4 of /proc/<pid>/stat, after the command's parentheses).
+fn ppid(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 fn rss_kib(pid: i32) -> u64 {
