@@ -129,7 +129,8 @@ pub struct Sample {
     pub procs: Procs,
     /// Open fds per process, by role and daemon id ("sup:<id>", "daemon:<id>").
     pub fds: BTreeMap<String, usize>,
-    /// Lines of each supervisor's mount namespace (/proc/<pid>/mountinfo), by daemon id.
+    /// Mounts in each supervisor's mount namespace under the env's temp dir or at
+    /// /dev/shm (the daemon's shm), by daemon id.
     pub sup_mounts: BTreeMap<String, usize>,
     /// Resident memory of each supervisor in KiB, by daemon id (reported, not asserted).
     pub sup_rss_kib: BTreeMap<String, u64>,
@@ -185,9 +186,8 @@ impl Sample {
             for &pid in pids {
                 s.fds
                     .insert(format!("sup:{id}"), count_entries(&fd_dir(pid)));
-                let mounts = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
-                    .map(|m| m.lines().count())
-                    .unwrap_or(0);
+                let mounts = mounts_below(&format!("/proc/{pid}/mountinfo"), env.path())
+                    + mounts_below(&format!("/proc/{pid}/mountinfo"), Path::new("/dev/shm"));
                 s.sup_mounts.insert(id.clone(), mounts);
                 s.sup_rss_kib.insert(id.clone(), rss_kib(pid));
             }
@@ -198,7 +198,7 @@ impl Sample {
                     .insert(format!("daemon:{id}"), count_entries(&fd_dir(pid)));
             }
         }
-        s.host_mounts = host_mounts_below(env.path());
+        s.host_mounts = mounts_below("/proc/self/mountinfo", env.path());
         s.cgroups = cgroups_named(|name| {
             name.rsplit_once('-')
                 .is_some_and(|(id, _)| ids.contains(id) || s.records.contains_key(id))
@@ -335,11 +335,12 @@ fn rss_kib(pid: i32) -> u64 {
         .unwrap_or(0)
 }
 
-/// Mount points at or below `dir` in this process's mount namespace (mountinfo's fifth
-/// field; one line per mount, so a mount stacked twice counts twice).
-pub fn host_mounts_below(dir: &Path) -> usize {
+/// Mount points at or below `dir` in a mount namespace's `mountinfo` (its fifth field; one
+/// line per mount, so a mount stacked twice counts twice). Only those: a namespace copied
+/// from the host's also holds, and later loses, whatever other tests had mounted then.
+pub fn mounts_below(mountinfo: &str, dir: &Path) -> usize {
     let prefix = dir.display().to_string();
-    std::fs::read_to_string("/proc/self/mountinfo")
+    std::fs::read_to_string(mountinfo)
         .unwrap_or_default()
         .lines()
         .filter_map(|l| l.split(' ').nth(4))
