@@ -12,10 +12,12 @@ Standard library only. Needs root, runc, busybox and GNU time. See BENCHMARKS.md
 """
 
 import argparse
+import calendar
 import json
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import statistics
@@ -28,11 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-REL = REPO / "target" / "release"
+# GPUSHARE_BENCH_BIN: another build's binaries (an old-against-new comparison).
+REL = Path(os.environ.get("GPUSHARE_BENCH_BIN") or REPO / "target" / "release")
 RUNTIME = REL / "gpushare-runtime"
 GPUSHARE = REL / "gpushare"
 SIM = REL / "gpushare-mps-sim"
 GPU0 = "GPU-8f8bff94-112e-9541-43da-cfd453333404"
+GPU1 = "GPU-5a1c3f0e-7d2b-4e8a-9c61-0b4e2d7f9a13"
 MIB = 1024 * 1024
 
 # Issue #6 targets.
@@ -44,11 +48,23 @@ T_BURST_SPREAD = 3.0  # p99 <= 3 x p50
 T_SHIM_RSS = 8 * 1024  # KiB
 T_HOOK_RSS = 16 * 1024  # KiB
 
+# The own-cost rows of [7] by their key in results["own_cost_us"].
+OWN_ROWS = {
+    "passthrough": "own.shim passthrough (state)",
+    "create": "own.shim create, no request",
+    "create_warm": "own.shim create, request (warm)",
+    "hook_create_runtime": "own.hook create-runtime (warm)",
+    "hook_poststop": "own.hook poststop",
+}
+
 # Host uids used per benchmark (each cold round / burst round gets a new identity).
 UID_WARM = 1000
 UID_COLD = 20000
 UID_BURST = 30000
 UID_RSS = 40000
+UID_SCALE = 50000
+T_SCALE_MS = 100.0  # issue 16: each node-scale command at 1,000 containers
+T_COLD_P50_MS = 50.0  # issue 16: create -> daemon ready, p50
 
 
 def which(name):
@@ -103,6 +119,8 @@ class Suite:
         self.runc_root = self.work / "r"
         self.cfg = self.work / "runtime.toml"
         self.cfg_rss = self.work / "rss.toml"
+        self.cfg_debug = self.work / "debug.toml"
+        self.cfg_scale = self.work / "scale.toml"
         self.log = self.work / "gpushare.log"
         self.rootfs = self.work / "rootfs"
         self.bundles = self.work / "b"
@@ -134,6 +152,10 @@ class Suite:
             "driver_version": "580.159.04",
             "gpus": [{"index": 0, "uuid": GPU0, "name": "NVIDIA A30",
                       "memory_bytes": 25769803776, "compute_capability": "8.0",
+                      "compute_mode": "default"},
+                     # Only the node-scale benchmark uses GPU 1 (its 50 identities).
+                     {"index": 1, "uuid": GPU1, "name": "NVIDIA A30",
+                      "memory_bytes": 25769803776, "compute_capability": "8.0",
                       "compute_mode": "default"}]}))
         common = (
             f'state-dir = "{self.state}"\n'
@@ -149,6 +171,13 @@ class Suite:
         # For peak RSS only: the shim execs `true` instead of runc, so the process's peak
         # RSS (which survives exec) is the shim's own, not runc's. See BENCHMARKS.md.
         self.cfg_rss.write_text(f'low-level-runtime = ["{TRUE}"]\n' + common)
+        # Cold start's B side: debug events mark its phases (BENCHMARKS.md, "Cold start").
+        self.cfg_debug.write_text(f'low-level-runtime = ["{RUNC}"]\n'
+                                  + common.replace('log-level = "info"', 'log-level = "debug"'))
+        # Node scale: daemons never stop idle (the 10-container point has 50 daemons, most
+        # without a container), so what gc and status read is what the creates wrote.
+        self.cfg_scale.write_text(f'low-level-runtime = ["{RUNC}"]\n' + common
+                                  + 'idle-timeout = "0"\n')
         spec_dir = self.work / "spec"
         spec_dir.mkdir()
         subprocess.run([RUNC, "spec"], cwd=spec_dir, check=True)
@@ -231,10 +260,13 @@ class Suite:
         if timed:
             self.pre()
         with open(b / "out", "ab") as out:
+            w0 = time.time_ns()
             t0 = time.perf_counter_ns()
             rc = subprocess.call(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                  env=env or self.env)
             t1 = time.perf_counter_ns()
+            # Wall clock at the start and the end, for matching gpushare's log timestamps.
+            self.last_wall = (w0, w0 + (t1 - t0))
         if check and rc != 0:
             raise BenchError(f"{' '.join(argv)} exited {rc}: {self.last_error(b)}")
         return t1 - t0 if rc == 0 else None
@@ -467,10 +499,64 @@ class Suite:
         self.summary("passthrough.state", s["state"]["A"], s["state"]["B"], T_PASS, "passthrough `state`")
         self.summary("passthrough.kill", s["kill"]["A"], s["kill"]["B"], T_PASS, "passthrough `kill`")
 
+    # The cold create's phases: (label, event that ends it). Each event is the first line
+    # of the round's log (after the create was issued) containing the text.
+    COLD_EVENTS = [
+        ("shim start: exec, config, request resolved", "request resolved"),
+        ("shim: identity lock", "identity lock taken"),
+        ("shim: daemon directories and tmpfs mounts (skeleton)", "daemon directories made"),
+        ("shim: spec edited and saved", "spec edited for MPS"),
+        ("runc create until the createRuntime hook runs", "createRuntime hook started"),
+        ("hook: lock, daemon record, supervisor spawned", "supervisor spawned"),
+        ("supervisor process start", "supervisor started"),
+        ("supervisor: record, cgroup, private /dev/shm, daemon spawned", "MPS control daemon spawned"),
+        ("control daemon start until it answers a command", "MPS control daemon answered"),
+        ("limits applied, record ready", "MPS control daemon ready"),
+        ("hook: sees ready, writes the container record", "container attached to MPS daemon"),
+    ]
+
+    def cold_parts(self, log_at, wall):
+        """Splits one cold create (wall = its start and end, ns since the epoch) at the
+        timestamps of gpushare's debug events in the log written since `log_at`."""
+        # The supervisor may log "ready" just after the create returned: wait for it.
+        deadline = time.monotonic() + 5
+        while True:
+            with open(self.log, "rb") as f:
+                f.seek(log_at)
+                text = f.read().decode(errors="replace")
+            if all(t in text for _, t in self.COLD_EVENTS) or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        lines = text.splitlines()
+        stamps = []
+        for line in lines:
+            m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?Z", line)
+            if m:
+                sec = calendar.timegm(time.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S"))
+                stamps.append((int(sec) * 10**9 + int(float(m.group(2) or 0) * 1e9), line))
+        ats = []
+        for _, text in self.COLD_EVENTS:
+            at = next((t for t, line in stamps if text in line), None)
+            if at is None:
+                raise BenchError(f"cold start: no log event {text!r}")
+            ats.append(at)
+        # Processes log concurrently: the supervisor may log its start before the hook
+        # logs the spawn, and the hook may see the ready record before the supervisor logs
+        # it. A phase ends at its event or at any later phase's, whichever came first.
+        for i in range(len(ats) - 2, -1, -1):
+            ats[i] = min(ats[i], ats[i + 1])
+        parts, prev = {}, wall[0]
+        for (label, _), at in zip(self.COLD_EVENTS, ats):
+            parts[label] = ms(at - prev)
+            prev = at
+        parts["runc finishes the create; the create returns"] = ms(wall[1] - prev)
+        parts["total (create issued to create returned)"] = ms(wall[1] - wall[0])
+        return parts
+
     def bench_cold(self, rounds):
         print("[4] cold start: create of the first container of a new identity (new uid each "
               "round) until it returns with the daemon ready; A = runc create of the same bundle", flush=True)
-        a, bs = [], []
+        a, bs, parts = [], [], []
         for r in range(-1, rounds):
             uid = UID_COLD + r + 1
             spec_bytes = self.request_spec(uid)
@@ -478,7 +564,10 @@ class Suite:
                 cid = f"c{r + 1}{side.lower()}"
                 b = self.bundle(cid, spec_bytes)
                 before = set(self.daemon_ids())
-                t = self.run(side, b, ["create", "--bundle", str(b), "--pid-file", str(b / "pid"), cid])
+                log_at = self.log.stat().st_size if self.log.exists() else 0
+                # B runs at log-level debug: its events mark the phases (cold_parts).
+                t = self.run(side, b, ["create", "--bundle", str(b), "--pid-file", str(b / "pid"), cid],
+                             env=dict(self.env, GPUSHARE_CONFIG=str(self.cfg_debug)) if side == "B" else None)
                 new = [d for d in self.daemon_ids() if d not in before]
                 if side == "B":
                     if len(new) != 1:
@@ -488,6 +577,7 @@ class Suite:
                         raise BenchError(f"create returned before the daemon was ready: {rec}")
                     if r >= 0:
                         bs.append(t)
+                        parts.append(self.cold_parts(log_at, self.last_wall))
                 elif r >= 0:
                     a.append(t)
                 self.run(side, b, ["start", cid], timed=False)
@@ -501,6 +591,18 @@ class Suite:
         self.results["cold.create"]["daemon_start_ms"] = med - ms(statistics.median(a))
         self.verdicts.append(("cold start to ready daemon (simulator)", f"{med:.1f} ms",
                               f"<= {T_COLD_MS:.0f} ms", ok))
+        self.verdicts.append(("cold start p50 (issue 16)", f"{med:.1f} ms",
+                              f"<= {T_COLD_P50_MS:.0f} ms", med <= T_COLD_P50_MS))
+        names = list(parts[0])
+        self.results["cold.parts_ms"] = {
+            k: {"median": statistics.median(p[k] for p in parts),
+                "p10": pct([p[k] for p in parts], 10), "p90": pct([p[k] for p in parts], 90),
+                "samples": [p[k] for p in parts]} for k in names}
+        print("  cold start, part by part (ms, median [p10-p90] over rounds; from gpushare's "
+              "debug log timestamps and the script's clock):")
+        for k in names:
+            v = self.results["cold.parts_ms"][k]
+            print(f"    {k:<62} {v['median']:6.2f} [{v['p10']:5.2f}-{v['p90']:6.2f}]")
         print(f"  cold start median {med:.1f} ms (p90 {ms(pct(bs, 90)):.1f}); runc's own create "
               f"{ms(statistics.median(a)):.1f} ms; daemon start adds "
               f"{med - ms(statistics.median(a)):.1f} ms  {'PASS' if ok else 'MISS'} (<= {T_COLD_MS:.0f} ms)",
@@ -595,9 +697,18 @@ class Suite:
     def bench_overhead(self, reps):
         """The shim's and the hook's own cost in absolute terms: B = gpushare-runtime with
         low-level-runtime = `true` (so B - A is everything the shim does before its exec),
-        A = `true` with the same argv; the hooks against `true` fed the same stdin."""
-        print("[7] own cost (informational): B = gpushare's binary, A = `true` with the same argv/stdin", flush=True)
+        A = `true` with the same argv; the hooks against `true` fed the same stdin.
+
+        With --old DIR a third side C runs the binaries in DIR (another build's
+        target/release) in the same rotation, so two builds are compared in one run and the
+        machine's load falls on both alike. With --instructions each command of B (and C) is
+        also run under callgrind once: user-space instructions, which load does not change."""
+        print("[7] own cost (informational): B = gpushare's binary, A = `true` with the same argv/stdin"
+              + (f", C = the build in {self.args.old}" if self.args.old else ""), flush=True)
         env_t = dict(self.env, GPUSHARE_CONFIG=str(self.cfg_rss))
+        builds = {"B": REL}
+        if self.args.old:
+            builds["C"] = Path(self.args.old)
 
         def timed(argv, env, data=None):
             self.pre()
@@ -609,23 +720,55 @@ class Suite:
                 raise BenchError(f"{argv} exited {p.returncode}")
             return t
 
+        def instructions(argv, env, data=None):
+            """User-space instructions of one run up to its exit or its execve (callgrind
+            dumps before an execve: what the exec'd program does is not ours)."""
+            out = Path(tempfile.mkdtemp(prefix="cg.", dir=self.work))
+            p = subprocess.run(["valgrind", "--tool=callgrind", "--dump-before=*execve*",
+                                f"--callgrind-out-file={out}/cg.%p"] + argv,
+                               env=env, input=data, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            counts = [int(m.group(1)) for f in out.iterdir()
+                      for m in re.finditer(rb"^summary: (\d+)", f.read_bytes(), re.M)]
+            shutil.rmtree(out)
+            if p.returncode != 0 or not counts:
+                raise BenchError(f"callgrind of {argv} exited {p.returncode}: {p.stderr[-300:]!r}")
+            return sum(counts)
+
         def ab(name, a_argv, b_argv, env, prep=None, after=None, data=None):
-            a, b = [], []
+            """b_argv(bin_dir, ctx) gives the argv of a build's side."""
+            s = {side: [] for side in ["A"] + list(builds)}
+            sides = list(s)
             for r in range(-5, reps):
-                for side in self.order(r):
+                k = r % len(sides)
+                for side in sides[k:] + sides[:k]:
                     if side == "A":
                         t = timed(a_argv, env, data)
                     else:
                         ctx = prep() if prep else None
-                        argv = b_argv(ctx) if callable(b_argv) else b_argv
-                        t = timed(argv, env, data)
+                        t = timed(b_argv(builds[side], ctx), env, data)
                         if after:
                             after(ctx)
                     if r >= 0:
-                        (a if side == "A" else b).append(t)
-            self.summary(name, a, b)
-            self.results[name]["own_cost_us"] = (statistics.median(b) - statistics.median(a)) / 1e3
-            return (statistics.median(b) - statistics.median(a)) / 1e3
+                        s[side].append(t)
+            self.summary(name, s["A"], s["B"])
+            row = self.results[name]
+            base = statistics.median(s["A"])
+            row["own_cost_us"] = (statistics.median(s["B"]) - base) / 1e3
+            if "C" in s:
+                row["C"] = {"median_ms": ms(statistics.median(s["C"])), "n": len(s["C"])}
+                row["old_own_cost_us"] = (statistics.median(s["C"]) - base) / 1e3
+                print(f"  {'':<34} C {ms(statistics.median(s['C'])):7.2f} ms: own cost "
+                      f"new {row['own_cost_us']:.0f} us, old {row['old_own_cost_us']:.0f} us", flush=True)
+            if self.args.instructions:
+                row["instructions"] = {}
+                for side, d in builds.items():
+                    ctx = prep() if prep else None
+                    row["instructions"][side] = instructions(b_argv(d, ctx), env, data)
+                    if after:
+                        after(ctx)
+                print(f"  {'':<34} instructions: " + ", ".join(
+                    f"{side} {n:,}" for side, n in row["instructions"].items()), flush=True)
+            return row["own_cost_us"]
 
         g = ["--root", str(self.runc_root), "--log", str(self.work / "ov.json"), "--log-format", "json"]
         cost = {}
@@ -639,17 +782,17 @@ class Suite:
             if subprocess.run([cc, "-O2", "-static", "-o", str(floor), str(src)],
                               stderr=subprocess.DEVNULL).returncode == 0:
                 cost["floor"] = ab("own.floor: static C exec-through", [TRUE] + g + ["state", "pt"],
-                                   [str(floor)] + g + ["state", "pt"], env_t)
+                                   lambda d, _: [str(floor)] + g + ["state", "pt"], env_t)
         else:
             print("  (no C compiler: the exec-through floor row is skipped)")
         cost["passthrough"] = ab("own.shim passthrough (state)", [TRUE] + g + ["state", "pt"],
-                                 [str(RUNTIME)] + g + ["state", "pt"], env_t)
+                                 lambda d, _: [str(d / "gpushare-runtime")] + g + ["state", "pt"], env_t)
         b0 = self.bundle("ov0", self.spec(["true"]))
         create0 = g + ["create", "--bundle", str(b0), "ov0"]
-        cost["create"] = ab("own.shim create, no request", [TRUE] + create0, [str(RUNTIME)] + create0, env_t)
+        cost["create"] = ab("own.shim create, no request", [TRUE] + create0,
+                            lambda d, _: [str(d / "gpushare-runtime")] + create0, env_t)
         req = self.request_spec(UID_WARM)
         n = iter(range(100_000))
-        hook = [str(GPUSHARE), "hook"]
 
         def state_of(b, cid):
             ann = json.loads((b / "config.json").read_bytes())["annotations"]
@@ -662,20 +805,31 @@ class Suite:
 
         def release(ctx):
             b, cid = ctx
-            subprocess.run(hook + ["poststop"], env=self.env, input=state_of(b, cid), check=True)
+            subprocess.run([str(GPUSHARE), "hook", "poststop"], env=self.env,
+                           input=state_of(b, cid), check=True)
 
         cost["create_warm"] = ab("own.shim create, request (warm)", [TRUE] + create0,
-                                 lambda ctx: [str(RUNTIME)] + g + ["create", "--bundle", str(ctx[0]), ctx[1]],
+                                 lambda d, ctx: [str(d / "gpushare-runtime")] + g
+                                 + ["create", "--bundle", str(ctx[0]), ctx[1]],
                                  env_t, prep=prep, after=release)
         b1, cid1 = prep()
         self.run("B", b1, ["create", "--bundle", str(b1), cid1], env=env_t, timed=False)  # edits, execs true
         st = state_of(b1, cid1)
-        cost["hook_create_runtime"] = ab("own.hook create-runtime (warm)", [TRUE], hook + ["create-runtime"],
+        cost["hook_create_runtime"] = ab("own.hook create-runtime (warm)", [TRUE],
+                                         lambda d, _: [str(d / "gpushare"), "hook", "create-runtime"],
                                          self.env, data=st)
-        cost["hook_poststop"] = ab("own.hook poststop", [TRUE], hook + ["poststop"], self.env, data=st)
+        cost["hook_poststop"] = ab("own.hook poststop", [TRUE],
+                                   lambda d, _: [str(d / "gpushare"), "hook", "poststop"],
+                                   self.env, data=st)
         self.results["own_cost_us"] = cost
         print("  own cost (median B - median A): " +
               ", ".join(f"{k} {v:.0f} us" for k, v in cost.items()), flush=True)
+        if "floor" in cost:
+            print("  own cost as a multiple of the floor: " + ", ".join(
+                f"{k} {v / cost['floor']:.2f}x" for k, v in cost.items() if k != "floor")
+                + ("; old build: " + ", ".join(
+                    f"{k} {self.results[name]['old_own_cost_us'] / cost['floor']:.2f}x"
+                    for k, name in OWN_ROWS.items()) if self.args.old else ""), flush=True)
         pt = self.results.get("passthrough.state")
         if pt:
             runc_ms = pt["A"]["median_ms"]
@@ -759,6 +913,288 @@ class Suite:
         self.verdicts.append(("peak RSS, hook (max over create-runtime/poststop)", f"{hookv / 1024:.2f} MiB",
                               "<= 16 MiB", hookv <= T_HOOK_RSS))
 
+    # ---------------------------------------------------------------- node scale (issue 16)
+
+    def measure(self, argv, env, stdin=None, out=None):
+        """Runs `argv` once under GNU time after `pre()`; returns (wall ns, peak RSS KiB).
+        The peak RSS is GNU time's %M (wait4's ru_maxrss: the process and the children it
+        waited for). GNU time forks from a small process; Python's fork would carry the
+        script's own ~20 MiB into ru_maxrss. The wall time includes GNU time's own start
+        (`floor` in the results)."""
+        self.pre()
+        # stderr to a file, never a pipe: a created container's init holds it open.
+        errf, rss = self.work / "measure.err", self.work / "measure.rss"
+        with open(out or os.devnull, "wb") as sink, open(errf, "wb") as err:
+            ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.perf_counter_ns()
+            p = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(rss)] + [str(a) for a in argv],
+                               env=env, input=stdin, stdout=sink, stderr=err)
+            t = time.perf_counter_ns() - t0
+            ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if p.returncode != 0:
+            raise BenchError(f"{' '.join(map(str, argv))} exited {p.returncode}: "
+                             f"{errf.read_text(errors='replace')[-500:]}")
+        # CPU time (user + system) of GNU time and everything it waited for: on a loaded
+        # machine the wall time says how long it waited for a CPU, this what it asked of one.
+        cpu = (ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime) * 1e9
+        return t, int(rss.read_text().split()[-1]), cpu
+
+    def scale_identity(self, k):
+        """The k-th of the 50 node-scale identities: 25 uids x GPUs 0 and 1."""
+        return UID_SCALE + k // 2, str(k % 2)
+
+    def scale_create(self, i, env):
+        """Container i of the node-scale set, on identity i % daemons: a busybox `sleep`
+        created through the shim (its createRuntime hook writes the container record) and
+        started with runc. Returns its pid."""
+        uid, dev = self.scale_identity(i % self.args.scale_daemons)
+        cid = f"s{i}"
+        b = self.bundle(cid, self.spec(["sleep", "1000000"], uid, {"gpushare.io/device": dev}))
+        self.run("B", b, ["create", "--bundle", str(b), "--pid-file", str(b / "pid"), cid],
+                 env=env, timed=False)
+        self.run("A", b, ["start", cid], env=env, timed=False)
+        return int((b / "pid").read_text())
+
+    def scale_state(self, cid, pid, annotations):
+        return json.dumps({"ociVersion": "1.0.2", "id": cid, "status": "creating", "pid": pid,
+                           "bundle": str(self.bundles / cid), "annotations": annotations}).encode()
+
+    def bench_scale(self, reps):
+        n_daemons = self.args.scale_daemons
+        points = [int(x) for x in self.args.scale_points.split(",")]
+        print(f"[9] node scale: {n_daemons} daemons (25 uids x 2 GPUs), live busybox containers "
+              f"created through the shim at {points}; {reps} runs per command; stale records "
+              f"for gc: {self.args.scale_stale}", flush=True)
+        env = dict(self.env, GPUSHARE_CONFIG=str(self.cfg_scale))
+        g = str(GPUSHARE)
+        # The daemons first, through the operator's path (ensure writes their records).
+        t0 = time.perf_counter()
+        for k in range(n_daemons):
+            uid, dev = self.scale_identity(k)
+            subprocess.run([g, "daemon", "start", "--device", dev, "--uid", str(uid)], env=env,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=True)
+        print(f"  {n_daemons} daemons started in {time.perf_counter() - t0:.1f} s", flush=True)
+        daemons = self.daemon_ids()
+        if len(daemons) != n_daemons:
+            raise BenchError(f"expected {n_daemons} daemons, found {len(daemons)}")
+        commands = {
+            "status": [g, "status"],
+            "status --json": [g, "status", "--json"],
+            "status --format prometheus": [g, "status", "--format", "prometheus"],
+            "daemon list": [g, "daemon", "list"],
+            "gc (nothing stale)": [g, "gc"],
+        }
+        # The floor: GNU time running `true` (every figure below includes it).
+        floor = [self.measure([TRUE], env) for _ in range(reps)]
+        self.results["scale_floor"] = {"median_ms": ms(statistics.median(x[0] for x in floor)),
+                                       "cpu_median_ms": ms(statistics.median(x[2] for x in floor)),
+                                       "peak_rss_kib": max(x[1] for x in floor)}
+        print(f"  floor: GNU time running `true` {ms(statistics.median(x[0] for x in floor)):.2f} ms, "
+              f"peak RSS {max(x[1] for x in floor) / 1024:.2f} MiB", flush=True)
+        made = 0
+        pids = {}
+        out = self.work / "scale.out"
+        results = {}
+        for n in points:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(self.args.scale_jobs) as ex:
+                for i, pid in zip(range(made, n), ex.map(lambda i: self.scale_create(i, env),
+                                                          range(made, n))):
+                    pids[i] = pid
+            print(f"  {n - made} containers created and started in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+            made = n
+            row = {}
+            for name, argv in commands.items():
+                samples, old = [], []
+                for _ in range(reps):
+                    samples.append(self.measure(argv, env, out=out))
+                    if self.args.scale_old:
+                        old.append(self.measure([self.args.scale_old + "/gpushare"] + argv[1:], env,
+                                                out=self.work / "scale-old.out"))
+                row[name] = samples
+                if old:
+                    row[name + " [old build]"] = old
+                if name == "status --json":
+                    v = json.loads(out.read_text())
+                    cs = sum(len(d["containers"]) for d in v["daemons"])
+                    bad = [d["id"] for d in v["daemons"] if d["health"] != "ok"]
+                    if len(v["daemons"]) != n_daemons or cs != n or bad:
+                        raise BenchError(f"status at {n}: {len(v['daemons'])} daemons, {cs} "
+                                         f"containers, not ok: {bad}")
+                if name.startswith("gc") and out.read_text().strip():
+                    raise BenchError(f"gc acted on live state: {out.read_text()[:500]}")
+            # A create with a request on a warm daemon (shim + runc create + createRuntime
+            # hook), then the two hooks on their own as runc runs them, then the poststop.
+            create, hook_cr, hook_ps, runc_create = [], [], [], []
+            for r in range(reps):
+                # Context: runc's own create of the same kind of bundle (the floor of a create).
+                cid = f"s{200_000 + n * 100 + r}"
+                uid, dev = self.scale_identity(r % n_daemons)
+                b = self.bundle(cid, self.spec(["sleep", "1000000"], uid, {"gpushare.io/device": dev}))
+                runc_create.append(self.measure(self.argv("A", b, ["create", "--bundle", str(b), cid]), env))
+                subprocess.run([RUNC, "--root", str(self.runc_root), "delete", "-f", cid], env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=True)
+                i = 100_000 + n * 100 + r
+                uid, dev = self.scale_identity(r % n_daemons)
+                cid = f"s{i}"
+                b = self.bundle(cid, self.spec(["sleep", "1000000"], uid, {"gpushare.io/device": dev}))
+                create.append(self.measure(self.argv("B", b, ["create", "--bundle", str(b), cid]), env))
+                ann = json.loads((b / "config.json").read_bytes())["annotations"]
+                subprocess.run([RUNC, "--root", str(self.runc_root), "delete", "-f", cid], env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=True)
+                st = self.scale_state(cid + "h", pids[r % n], ann)
+                hook_cr.append(self.measure([g, "hook", "create-runtime"], env, stdin=st))
+                hook_ps.append(self.measure([g, "hook", "poststop"], env, stdin=st))
+            row["runc create alone (context, no gpushare)"] = runc_create
+            row["create, request, warm daemon (shim + runc + hook)"] = create
+            row["hook create-runtime (warm)"] = hook_cr
+            row["hook poststop"] = hook_ps
+            results[n] = row
+            for name, samples in row.items():
+                ts = [x[0] for x in samples]
+                print(f"  {n:>5} containers  {name:<50} {ms(statistics.median(ts)):8.2f} ms "
+                      f"[{ms(min(ts)):7.2f}-{ms(max(ts)):7.2f}]  CPU "
+                      f"{ms(statistics.median(x[2] for x in samples)):7.2f} ms  peak RSS "
+                      f"{max(x[1] for x in samples) / 1024:6.2f} MiB", flush=True)
+        self.results["scale"] = {
+            str(n): {name: {"median_ms": ms(statistics.median(x[0] for x in s)),
+                            "cpu_median_ms": ms(statistics.median(x[2] for x in s)),
+                            "min_ms": ms(min(x[0] for x in s)), "max_ms": ms(max(x[0] for x in s)),
+                            "peak_rss_kib": max(x[1] for x in s),
+                            "samples_ms": [ms(x[0]) for x in s]}
+                     for name, s in row.items()}
+            for n, row in results.items()}
+        last = results[points[-1]]
+        for name, s in last.items():
+            if name.startswith("runc") or name.endswith("[old build]"):
+                continue
+            med = ms(statistics.median(x[0] for x in s))
+            self.verdicts.append((f"{points[-1]} containers: {name}", f"{med:.1f} ms",
+                                  f"<= {T_SCALE_MS:.0f} ms", med <= T_SCALE_MS))
+        if self.args.scale_stale:
+            self.scale_gc_stale(env, daemons, pids)
+
+    def scale_gc_stale(self, env, daemons, pids):
+        """gc over --scale-stale stale container records beside the live ones. The records
+        are written by the createRuntime hook (the code a real create runs) for a `sleep`
+        that is then killed, spread over the daemons; their bytes are kept and put back
+        before each further gc run."""
+        n = self.args.scale_stale
+        g = str(GPUSHARE)
+        victim = subprocess.Popen(["sleep", "1000000"])
+        anns = {}
+        for d in daemons:
+            rec = self.record(d)
+            uid, dev = rec["identity"]["uid"], "0" if rec["identity"]["devices"] == [GPU0] else "1"
+            b = self.bundles / f"ann-{d}"
+            b.mkdir(parents=True)
+            (b / "config.json").write_bytes(self.spec(["true"], uid, {"gpushare.io/device": dev}))
+            subprocess.run([str(RUNTIME), "--root", str(self.runc_root), "create", "--bundle",
+                            str(b), f"ann-{d}"], check=True,
+                           env=dict(env, GPUSHARE_CONFIG=str(self.cfg_rss)))
+            anns[d] = json.loads((b / "config.json").read_bytes())["annotations"]
+            # The shim wrote a pending record for ann-<d>: the poststop drops it.
+            subprocess.run([g, "hook", "poststop"], env=env, check=True,
+                           input=self.scale_state(f"ann-{d}", victim.pid, anns[d]))
+        t0 = time.perf_counter()
+
+        def one(j):
+            d = daemons[j % len(daemons)]
+            subprocess.run([g, "hook", "create-runtime"], env=env, check=True,
+                           input=self.scale_state(f"st{j}", victim.pid, anns[d]))
+
+        with ThreadPoolExecutor(self.args.scale_jobs) as ex:
+            list(ex.map(one, range(n)))
+        victim.kill()
+        victim.wait()
+        print(f"  {n} stale records written by the createRuntime hook in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        keep = self.work / "stale"
+        for d in daemons:
+            src = self.state / "mps" / d / "containers"
+            dst = keep / d
+            dst.mkdir(parents=True)
+            for f in src.iterdir():
+                if f.name.startswith("st"):
+                    shutil.copy2(f, dst / f.name)
+        runs, old_runs = [], []
+        out = self.work / "gc.out"
+        for r in range(self.args.scale_gc_runs):
+            if r:
+                for d in daemons:
+                    for f in (keep / d).iterdir():
+                        shutil.copy2(f, self.state / "mps" / d / "containers" / f.name)
+            # Writeback of the records just written is not gc's work: flushed first.
+            os.sync()
+            # With --scale-old the old build's gc runs first on the same records, every run.
+            if self.args.scale_old:
+                old_runs.append(self.measure([self.args.scale_old + "/gpushare", "gc"], env, out=out))
+                for d in daemons:
+                    for f in (keep / d).iterdir():
+                        shutil.copy2(f, self.state / "mps" / d / "containers" / f.name)
+                os.sync()
+            runs.append(self.measure([g, "gc"], env, out=out))
+            removed = sum(int(m) for m in re.findall(r"removed (\d+) stale container record",
+                                                     out.read_text()))
+            left = sum(1 for d in daemons for f in (self.state / "mps" / d / "containers").iterdir()
+                       if f.name.startswith("st"))
+            if removed != n or left:
+                raise BenchError(f"gc removed {removed} of {n} stale records, {left} left")
+        live = sum(1 for d in daemons for f in (self.state / "mps" / d / "containers").iterdir())
+        if live != len(pids):
+            raise BenchError(f"after gc {live} records left, {len(pids)} containers live")
+        # The floor: unlinking the same files, and nothing else (find -delete).
+        floor = []
+        for _ in range(self.args.scale_gc_runs):
+            for d in daemons:
+                for f in (keep / d).iterdir():
+                    shutil.copy2(f, self.state / "mps" / d / "containers" / f.name)
+            os.sync()
+            floor.append(self.measure(["find", str(self.state / "mps"), "-path", "*/containers/st*",
+                                       "-delete"], env))
+        ts = [x[0] for x in runs]
+        fl = [x[0] for x in floor]
+        self.results["scale_gc_stale"] = {"stale": n, "live": len(pids),
+                                          "median_ms": ms(statistics.median(ts)),
+                                          "samples_ms": [ms(t) for t in ts],
+                                          "cpu_median_ms": ms(statistics.median(x[2] for x in runs)),
+                                          "peak_rss_kib": max(x[1] for x in runs),
+                                          "floor_cpu_median_ms": ms(statistics.median(x[2] for x in floor)),
+                                          "floor_find_delete_median_ms": ms(statistics.median(fl)),
+                                          "floor_samples_ms": [ms(t) for t in fl]}
+        if old_runs:
+            self.results["scale_gc_stale"]["old_build_samples_ms"] = [ms(x[0]) for x in old_runs]
+            self.results["scale_gc_stale"]["old_build_cpu_samples_ms"] = [ms(x[2]) for x in old_runs]
+            print(f"  old build's gc over the same records: "
+                  f"{ms(statistics.median(x[0] for x in old_runs)):.1f} ms", flush=True)
+        print(f"  gc over {n} stale + {len(pids)} live records: {ms(statistics.median(ts)):.1f} ms "
+              f"[{ms(min(ts)):.1f}-{ms(max(ts)):.1f}] CPU {ms(statistics.median(x[2] for x in runs)):.1f} ms, "
+              f"peak RSS {max(x[1] for x in runs) / 1024:.2f} MiB; floor (find -delete of the same "
+              f"{n} files) {ms(statistics.median(fl)):.1f} ms, CPU {ms(statistics.median(x[2] for x in floor)):.1f} ms",
+              flush=True)
+        med = ms(statistics.median(ts))
+        self.verdicts.append((f"gc over {n} stale records", f"{med:.1f} ms",
+                              f"<= {T_SCALE_MS:.0f} ms", med <= T_SCALE_MS))
+
+    def scale_teardown(self):
+        """Kills the node-scale containers, then deletes them (runc runs their poststop)."""
+        if not self.runc_root.exists():
+            return
+        ids = subprocess.run([RUNC, "--root", str(self.runc_root), "list", "-q"],
+                             capture_output=True, text=True).stdout.split()
+        ids = [c for c in ids if c.startswith("s")]
+
+        def kill_delete(c):
+            subprocess.run([RUNC, "--root", str(self.runc_root), "kill", c, "KILL"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
+            subprocess.run([RUNC, "--root", str(self.runc_root), "delete", "-f", c],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env)
+
+        with ThreadPoolExecutor(8) as ex:
+            list(ex.map(kill_delete, ids))
+
+
     # ---------------------------------------------------------------- report
 
     def machine(self):
@@ -795,9 +1231,21 @@ def main():
                     help="idle pause in ms before every timed command (default 50; see BENCHMARKS.md)")
     ap.add_argument("--primer", type=int, default=0,
                     help="execs of `true` right before every timed command (a busy-node regime; default 0)")
-    ap.add_argument("--only", default="", help="comma-separated subset: noreq,warm,passthrough,cold,burst,rss,overhead,decompose")
+    ap.add_argument("--only", default="", help="comma-separated subset: noreq,warm,passthrough,cold,burst,rss,overhead,decompose,scale (scale runs only when named)")
+    ap.add_argument("--scale-points", default="10,100,1000", help="live containers at which node scale is measured")
+    ap.add_argument("--scale-daemons", type=int, default=50, help="daemons of the node-scale benchmark (at most 50)")
+    ap.add_argument("--scale-stale", type=int, default=10000, help="stale container records for the gc run (0: none)")
+    ap.add_argument("--scale-gc-runs", type=int, default=3, help="gc runs over the stale records")
+    ap.add_argument("--scale-reps", type=int, default=7, help="runs per node-scale command")
+    ap.add_argument("--scale-old", help="a directory with an older build's gpushare: status, daemon list "
+                    "and gc are also measured with it, interleaved, on the same state")
+    ap.add_argument("--scale-jobs", type=int, default=4, help="parallel creates while building the node-scale set")
     ap.add_argument("--json", help="also write every sample and result to this file")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, bundles) for inspection")
+    ap.add_argument("--old", metavar="DIR",
+                    help="[7] also times the binaries in DIR (another build's target/release) in the same rotation")
+    ap.add_argument("--instructions", action="store_true",
+                    help="[7] also counts each binary's user-space instructions under callgrind (needs valgrind)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.burst_rounds = 5, 1
@@ -841,6 +1289,11 @@ def main():
         if "decompose" in only:
             suite.ensure_warm_daemon()
             suite.bench_decompose(args.rounds)
+        if "scale" in only:
+            try:
+                suite.bench_scale(args.scale_reps)
+            finally:
+                suite.scale_teardown()
         info["loadavg_end"] = open("/proc/loadavg").read().split()[:3]
         print("\nscripts/bench: targets (issue #6)")
         w = max(len(v[0]) for v in suite.verdicts) if suite.verdicts else 10

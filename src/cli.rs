@@ -105,6 +105,11 @@ enum Engine {
         /// `containerd --version`, else 2. An existing file's own version always wins.
         #[arg(long, value_parser = clap::value_parser!(i64).range(2..=3))]
         config_version: Option<i64>,
+        /// No shim: plain runc whose base_runtime_spec (containerd's default spec, from
+        /// `ctr oci spec`, plus gpushare's hooks; written beside the config as
+        /// <name>-base-spec.json) runs gpushare in hook-only mode. --runtime-path is unused.
+        #[arg(long)]
+        hook_only: bool,
     },
 }
 
@@ -420,7 +425,14 @@ impl From<Engine> for ops::install::Install {
             Engine::Containerd {
                 args,
                 config_version,
-            } => (args, ops::install::Engine::Containerd { config_version }),
+                hook_only,
+            } => (
+                args,
+                ops::install::Engine::Containerd {
+                    config_version,
+                    hook_only,
+                },
+            ),
         };
         ops::install::Install {
             engine,

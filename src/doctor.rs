@@ -424,22 +424,26 @@ fn containerd_check(paths: &Paths) -> Check {
                 ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.runtime"]
                     .iter()
                     .find_map(|p| {
-                        v.get("plugins")?
+                        let rt = v
+                            .get("plugins")?
                             .get(p)?
                             .get("containerd")?
                             .get("runtimes")?
-                            .get("gpushare")?
-                            .get("options")?
-                            .get("BinaryName")?
-                            .as_str()
-                            .map(str::to_owned)
+                            .get("gpushare")?;
+                        let key = |k: &str| rt.get(k).and_then(|x| x.as_str());
+                        match rt.get("options").and_then(|o| o.get("BinaryName")) {
+                            Some(bin) => bin.as_str().map(|b| format!("BinaryName {b}")),
+                            // `gpushare install containerd --hook-only`.
+                            None => key("base_runtime_spec")
+                                .map(|s| format!("hook-only, base_runtime_spec {s}")),
+                        }
                     })
             });
             match found {
-                Some(bin) => ok(
+                Some(how) => ok(
                     "containerd",
                     format!(
-                        "{} has runtime gpushare (BinaryName {bin})",
+                        "{} has runtime gpushare ({how})",
                         paths.containerd.display()
                     ),
                 ),
@@ -633,6 +637,22 @@ mod tests {
             let ours = containerd_check(&p);
             assert_eq!(ours.level, Level::Ok, "{plugin}: {}", ours.detail);
             assert!(ours.detail.contains("BinaryName /usr/bin/gpushare-runtime"));
+            std::fs::write(
+                &p.containerd,
+                format!(
+                    "[plugins.\"{plugin}\".containerd.runtimes.gpushare]\nbase_runtime_spec = \"/etc/containerd/gpushare-base-spec.json\"\n"
+                ),
+            )
+            .unwrap();
+            let hooks = containerd_check(&p);
+            assert_eq!(hooks.level, Level::Ok, "{plugin}: {}", hooks.detail);
+            assert!(
+                hooks.detail.contains(
+                    "hook-only, base_runtime_spec /etc/containerd/gpushare-base-spec.json"
+                ),
+                "{}",
+                hooks.detail
+            );
         }
     }
 

@@ -89,6 +89,7 @@ pub(crate) fn engine_of(state: &State) -> String {
 
 /// `createRuntime`: ensure the daemon, record the container.
 pub(crate) fn create_runtime(cfg: &Config, state: &State) -> anyhow::Result<()> {
+    tracing::debug!("createRuntime hook started");
     let ident = crate::decision::identity_from_annotations(&state.annotations)?;
     let dirs = StateDir::new(&cfg.state_dir);
     let ensured = ensure::ensure(cfg, &dirs, &ident, Some(&state.container_record()))?;

@@ -13,8 +13,6 @@
 //! `<state-dir>/mps/<id>/pipe/control` under the 108-byte socket limit (63 bytes with the
 //! default `/run/gpushare`; longer state dirs are refused by the socket-length check).
 
-use std::fmt::Write;
-
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -93,15 +91,17 @@ impl Identity {
 
     /// [`ID_LEN`] lowercase hex digits: the first 128 bits of SHA-256 over the canonical
     /// form.
+    ///
+    /// On every create with a request (shim and hook): the hex digits come from a table,
+    /// not `write!`, whose formatting machinery cost more than the hash itself.
     pub fn id(&self) -> String {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
         let digest = Sha256::digest(self.canonical().as_bytes());
         digest[..ID_LEN / 2]
             .iter()
-            .fold(String::with_capacity(ID_LEN), |mut s, b| {
-                // Writing to a String cannot fail.
-                let _ = write!(s, "{b:02x}");
-                s
-            })
+            .flat_map(|b| [HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xf)]])
+            .map(char::from)
+            .collect()
     }
 
     /// Whether a container of this identity may use a daemon created for `other`

@@ -3,8 +3,10 @@
 //! textfile collector.
 //!
 //! Invariants: reads records without taking any lock a create could wait on; a daemon's
-//! health comes from its control interface (a record or a socket alone proves nothing);
-//! adding fields to the JSON keeps the schema name, renaming or removing one changes it.
+//! health comes from its control interface (a record or a socket alone proves nothing),
+//! and the live daemons are asked side by side, at most `PROBE_THREADS` at once, so a
+//! node's status costs a few probes, not one per daemon in a row; adding fields to the
+//! JSON keeps the schema name, renaming or removing one changes it.
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -102,8 +104,11 @@ fn describe(inventory: Option<&Inventory>, uuid: &str) -> DeviceView {
     v
 }
 
+/// A daemon's answer to `probe`: its servers and their clients, or why it did not answer.
+type Answer = Result<(usize, usize), String>;
+
 /// Asks the daemon for its servers and their clients; the error says why it could not.
-fn probe(control: &Control) -> Result<(usize, usize), String> {
+fn probe(control: &Control) -> Answer {
     let timeout = Duration::from_secs(2);
     let servers = crate::mps::reply::pids(
         &control
@@ -120,26 +125,87 @@ fn probe(control: &Control) -> Result<(usize, usize), String> {
     Ok((servers.len(), clients))
 }
 
-/// Collects the view of every daemon under the state dir.
+/// How many daemons are asked at once. A probe is mostly waiting (the control client's
+/// start, the daemon's answer), so a node's daemons are asked side by side; the bound
+/// keeps a node with hundreds of daemons from starting hundreds of clients at once.
+const PROBE_THREADS: usize = 8;
+
+/// `probe` for each `Some` control, up to `PROBE_THREADS` at a time; the answers in the
+/// same order (`None` where there was no control). The calling thread probes too, so a
+/// thread that cannot be started only makes it slower.
+fn probe_all(controls: &[Option<Control>]) -> Vec<Option<Answer>> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    let work = || {
+        let mut done = Vec::new();
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(control) = controls.get(i) else {
+                return done;
+            };
+            if let Some(c) = control {
+                done.push((i, probe(c)));
+            }
+        }
+    };
+    let wanted = controls.iter().flatten().count().min(PROBE_THREADS);
+    let done: Vec<(usize, Answer)> = std::thread::scope(|s| {
+        let helpers: Vec<_> = (1..wanted)
+            .filter_map(|_| std::thread::Builder::new().spawn_scoped(s, work).ok())
+            .collect();
+        let mut done = work();
+        for h in helpers {
+            done.extend(h.join().unwrap_or_default());
+        }
+        done
+    });
+    let mut out: Vec<_> = controls.iter().map(|_| None).collect();
+    for (i, answer) in done {
+        out[i] = Some(answer);
+    }
+    out
+}
+
+/// Collects the view of every daemon under the state dir. The live daemons are asked
+/// for their servers and clients side by side (`probe_all`).
 pub(crate) fn collect(cfg: &Config) -> StatusView {
     let state = StateDir::new(&cfg.state_dir);
     let inventory = crate::device::load(&cfg.inventory).ok();
     let binary = resolve_binary(&cfg.mps.control_binary).map_err(|e| e.to_string());
     let now = crate::util::unix_now();
+    let records: Vec<_> = state
+        .daemon_ids()
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|id| match state.read_record(&id) {
+            Ok(Some(rec)) => Some((id, rec)),
+            _ => None,
+        })
+        .map(|(id, rec)| {
+            let alive = rec.live();
+            (id, rec, alive)
+        })
+        .collect();
+    let controls: Vec<Option<Control>> = records
+        .iter()
+        .map(|(id, rec, alive)| {
+            let b = binary.as_ref().ok().filter(|_| *alive)?;
+            Some(Control {
+                binary: b.clone(),
+                pipe_dir: state.pipe_dir(id),
+                user: (!rec.identity.multi_user).then_some((rec.identity.uid, rec.identity.gid)),
+            })
+        })
+        .collect();
+    let answers = probe_all(&controls);
     let mut daemons = Vec::new();
-    for id in state.daemon_ids().unwrap_or_default() {
-        let Ok(Some(rec)) = state.read_record(&id) else {
-            continue;
-        };
+    for ((id, rec, alive), answer) in records.into_iter().zip(answers) {
         let ident = &rec.identity;
-        let alive = rec.live();
+        // Down: `None`; alive: its answer, or why there is no control binary to ask with.
         let probed = alive.then(|| {
-            binary.clone().map(|b| {
-                probe(&Control {
-                    binary: b,
-                    pipe_dir: state.pipe_dir(&id),
-                    user: (!ident.multi_user).then_some((ident.uid, ident.gid)),
-                })
+            binary.clone().map(|_| {
+                // Every alive daemon with a binary was asked (`probe_all`).
+                answer.unwrap_or_else(|| Err("the daemon was not asked".to_owned()))
             })
         });
         let (health, health_reason) = match &probed {
@@ -376,6 +442,39 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn probe_all_asks_every_daemon_once_and_keeps_the_order() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        // A control client whose daemon `<n>` has servers 1..=n, each with clients 1..=n.
+        let bin = dir.path().join("control");
+        std::fs::write(
+            &bin,
+            "#!/bin/sh\nread cmd\nseq \"${CUDA_MPS_PIPE_DIRECTORY##*/}\"\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // More daemons than threads, some down (no control to ask).
+        let controls: Vec<Option<Control>> = (0..2 * PROBE_THREADS + 3)
+            .map(|n| {
+                (n % 3 != 1).then(|| Control {
+                    binary: bin.clone(),
+                    pipe_dir: dir.path().join(n.to_string()),
+                    user: None,
+                })
+            })
+            .collect();
+        let answers = probe_all(&controls);
+        assert_eq!(answers.len(), controls.len());
+        for (n, answer) in answers.into_iter().enumerate() {
+            match answer {
+                None => assert_eq!(n % 3, 1, "daemon {n} was not asked"),
+                Some(a) => assert_eq!(a, Ok((n, n * n)), "daemon {n}"),
+            }
+        }
+        assert!(probe_all(&[]).is_empty());
+    }
 
     #[test]
     fn prometheus_escapes_labels_and_declares_types() {

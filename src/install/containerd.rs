@@ -4,12 +4,80 @@
 //! ["cdi.k8s.io/*"]`, so that NVIDIA's device plugin's `cdi-annotations` allocation
 //! reaches `gpushare.io/device: allocated`. Config version 2 (containerd 1.6/1.7,
 //! CRI plugin `io.containerd.grpc.v1.cri`) and version 3 (2.x, `io.containerd.cri.v1.runtime`).
+//!
+//! Or, with `--hook-only` ([`Registration::HookOnly`]), no shim at all: plain runc whose
+//! `base_runtime_spec` is containerd's own default spec plus gpushare's hook-only
+//! `prestart` and `poststop` hooks ([`base_spec`]), the hooks.d setup of Podman and CRI-O
+//! carried by the runtime class (issue 16).
 
 use std::path::Path;
 
+use serde_json::{json, Value};
 use toml_edit::{value, Array, DocumentMut, Item, Table};
 
 use super::{Edited, InstallError};
+
+/// How the runtime class runs gpushare.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Registration<'a> {
+    /// runc through the shim at this path (`options.BinaryName`).
+    Shim(&'a Path),
+    /// Plain runc starting from the spec at this path, which carries gpushare's hooks
+    /// (`base_runtime_spec`).
+    HookOnly(&'a Path),
+}
+
+/// The hook-only base spec's file name for runtime `name`, beside containerd's config.
+pub(crate) fn base_spec_name(name: &str) -> String {
+    format!("{name}-base-spec.json")
+}
+
+/// The hook-only base spec: `default_spec` (containerd's default, as `ctr oci spec`
+/// prints it) with gpushare's `prestart` and `poststop` hooks (`gpushare` at this path,
+/// with `env`), any earlier ones of that binary replaced and every other hook kept. The
+/// timeouts are those of hooks/oci-hooks.d. `path` is where it goes, for errors.
+pub(crate) fn base_spec(
+    path: &Path,
+    default_spec: &[u8],
+    gpushare: &Path,
+    env: &[String],
+) -> Result<String, InstallError> {
+    let shape = |message: &str| InstallError::Unsupported {
+        path: path.to_owned(),
+        message: format!("containerd's default spec {message}"),
+    };
+    let mut spec: Value =
+        serde_json::from_slice(default_spec).map_err(|e| InstallError::Parse {
+            path: path.to_owned(),
+            format: "JSON (containerd's default spec)",
+            message: crate::util::one_line(&e.to_string()),
+        })?;
+    let hooks = spec
+        .as_object_mut()
+        .ok_or_else(|| shape("is not a JSON object"))?
+        .entry("hooks")
+        .or_insert_with(|| json!({}))
+        .as_object_mut()
+        .ok_or_else(|| shape("has hooks that are not an object"))?;
+    let binary = gpushare.to_string_lossy();
+    for (stage, timeout) in [("prestart", 20), ("poststop", 10)] {
+        let list = hooks
+            .entry(stage)
+            .or_insert_with(|| json!([]))
+            .as_array_mut()
+            .ok_or_else(|| shape("has hooks that are not lists"))?;
+        list.retain(|h| h.get("path").and_then(Value::as_str) != Some(binary.as_ref()));
+        list.push(json!({
+            "path": binary,
+            "args": ["gpushare", "hook", stage],
+            "env": env,
+            "timeout": timeout,
+        }));
+    }
+    let mut text = serde_json::to_string_pretty(&spec).map_err(|e| shape(&e.to_string()))?;
+    text.push('\n');
+    Ok(text)
+}
 
 /// Where the runtimes table lives for each config version.
 fn cri_plugin(version: i64) -> Option<&'static str> {
@@ -44,7 +112,7 @@ pub(crate) fn edit(
     path: &Path,
     text: &str,
     name: &str,
-    runtime: &Path,
+    registration: Registration,
     default_version: i64,
 ) -> Result<Edited, InstallError> {
     let mut doc: DocumentMut =
@@ -108,10 +176,33 @@ pub(crate) fn edit(
     let mut cdi = Array::new();
     cdi.push("cdi.k8s.io/*");
     rt.insert("container_annotations", value(cdi));
-    let opts = table(rt, "options").ok_or_else(|| shape("options"))?;
-    opts.set_implicit(false);
-    opts.insert("BinaryName", value(runtime.to_string_lossy().as_ref()));
+    match registration {
+        Registration::Shim(runtime) => {
+            // A hook-only base spec of ours goes: the shim injects its own hooks.
+            let ours = Some(base_spec_name(name));
+            if rt
+                .get("base_runtime_spec")
+                .and_then(Item::as_str)
+                .is_some_and(|p| {
+                    Path::new(p).file_name().and_then(|f| f.to_str()) == ours.as_deref()
+                })
+            {
+                rt.remove("base_runtime_spec");
+            }
+            let opts = table(rt, "options").ok_or_else(|| shape("options"))?;
+            opts.set_implicit(false);
+            opts.insert("BinaryName", value(runtime.to_string_lossy().as_ref()));
+        }
+        Registration::HookOnly(base) => {
+            rt.insert("base_runtime_spec", value(base.to_string_lossy().as_ref()));
+            if let Some(opts) = rt.get_mut("options").and_then(Item::as_table_mut) {
+                opts.remove("BinaryName");
+            }
+        }
+    }
     if let Some(systemd) = systemd {
+        let opts = table(rt, "options").ok_or_else(|| shape("options"))?;
+        opts.set_implicit(false);
         opts.insert("SystemdCgroup", value(systemd));
     }
     let after = doc.to_string();
@@ -131,10 +222,85 @@ mod tests {
             Path::new("config.toml"),
             text,
             "gpushare",
-            Path::new(RT),
+            Registration::Shim(Path::new(RT)),
             default_version,
         )
         .map(|e| e.text)
+    }
+
+    const BASE: &str = "/etc/containerd/gpushare-base-spec.json";
+
+    fn hook_only(text: &str) -> String {
+        edit(
+            Path::new("config.toml"),
+            text,
+            "gpushare",
+            Registration::HookOnly(Path::new(BASE)),
+            2,
+        )
+        .unwrap()
+        .text
+        .unwrap()
+    }
+
+    #[test]
+    fn hook_only_registers_plain_runc_with_the_base_spec_and_back() {
+        let out = hook_only(V2);
+        assert!(out.starts_with(V2.trim_end()), "{out}");
+        let v: toml::Table = toml::from_str(&out).unwrap();
+        let rt = &v["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["gpushare"];
+        assert_eq!(rt["runtime_type"].as_str(), Some("io.containerd.runc.v2"));
+        assert_eq!(rt["pod_annotations"][0].as_str(), Some("gpushare.io/*"));
+        assert_eq!(rt["base_runtime_spec"].as_str(), Some(BASE));
+        assert_eq!(rt["options"].get("BinaryName"), None, "no shim");
+        assert_eq!(rt["options"]["SystemdCgroup"].as_bool(), Some(true));
+        let again = edit(
+            Path::new("config.toml"),
+            &out,
+            "gpushare",
+            Registration::HookOnly(Path::new(BASE)),
+            2,
+        )
+        .unwrap();
+        assert_eq!(again.text, None, "second run changes nothing");
+        // From the shim to hook-only and back: each drops the other's key.
+        let shim = run(&out, 2).unwrap().unwrap();
+        let v: toml::Table = toml::from_str(&shim).unwrap();
+        let rt = &v["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["gpushare"];
+        assert_eq!(rt.get("base_runtime_spec"), None, "{shim}");
+        assert_eq!(rt["options"]["BinaryName"].as_str(), Some(RT));
+        let v: toml::Table = toml::from_str(&hook_only(&shim)).unwrap();
+        let rt = &v["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["gpushare"];
+        assert_eq!(rt["options"].get("BinaryName"), None);
+        // An operator's own base spec stays under the shim.
+        let theirs = "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.gpushare]\n  base_runtime_spec = \"/etc/containerd/mine.json\"\n";
+        assert!(run(theirs, 2).unwrap().unwrap().contains("mine.json"));
+    }
+
+    #[test]
+    fn the_base_spec_is_containerds_default_with_our_hooks() {
+        let default = br#"{"ociVersion":"1.0.2-dev","process":{"args":["sh"]},"hooks":{"prestart":[{"path":"/usr/bin/other"},{"path":"/usr/bin/gpushare","args":["old"]}]}}"#;
+        let gs = Path::new("/usr/bin/gpushare");
+        let env = vec!["PATH=/usr/bin:/bin".to_owned()];
+        let text = base_spec(Path::new(BASE), default, gs, &env).unwrap();
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["process"]["args"][0], "sh", "the default spec is kept");
+        let pre = v["hooks"]["prestart"].as_array().unwrap();
+        assert_eq!(pre.len(), 2, "{text}");
+        assert_eq!(pre[0]["path"], "/usr/bin/other", "other hooks kept, first");
+        assert_eq!(
+            pre[1],
+            json!({"path": "/usr/bin/gpushare", "args": ["gpushare", "hook", "prestart"],
+                   "env": ["PATH=/usr/bin:/bin"], "timeout": 20})
+        );
+        assert_eq!(v["hooks"]["poststop"][0]["args"][2], "poststop");
+        // Applying it to its own output changes nothing.
+        let again = base_spec(Path::new(BASE), text.as_bytes(), gs, &env).unwrap();
+        assert_eq!(again, text);
+        let err = base_spec(Path::new(BASE), b"[1]", gs, &env).unwrap_err();
+        assert!(err.to_string().contains("is not a JSON object"), "{err}");
+        let err = base_spec(Path::new(BASE), b"{", gs, &env).unwrap_err();
+        assert!(err.to_string().contains("is not valid JSON"), "{err}");
     }
 
     const V2: &str = r#"# containerd 1.6 config, trimmed

@@ -169,6 +169,7 @@ pub(crate) fn ensure(
     let timeout = cfg.mps.start_timeout;
     let deadline = Instant::now() + timeout;
     let _lock = state.lock(&id, deadline)?;
+    tracing::debug!(daemon = %id, "identity lock taken");
     // Warm path: the same two-stat check the shim makes; the full build (with its
     // ownership repairs) only when something is missing.
     if !state.skeleton_ready(&id, !ident.ipc_host) {
@@ -215,6 +216,7 @@ pub(crate) fn ensure(
             };
             state.write_record(&rec)?;
             let mut child = spawn_supervisor(cfg, &id)?;
+            tracing::debug!(daemon = %id, pid = child.id(), "supervisor spawned");
             match wait_ready(state, &id, Some(&mut child), deadline, timeout) {
                 Ok(rec) => (rec, true),
                 Err(e) => {

@@ -536,6 +536,7 @@ impl Supervisor {
     /// and `None` asks for another try after the backoff.
     fn start_ready(&self, first: bool) -> anyhow::Result<Option<Child>> {
         let mut child = self.spawn_daemon().map_err(|e| self.failed(e))?;
+        tracing::debug!(daemon = %self.id, pid = child.id(), "MPS control daemon spawned");
         let daemon = ProcRef::of(child.id() as i32);
         match self.make_ready(&mut child) {
             Ok(()) => {
@@ -692,6 +693,9 @@ impl Supervisor {
                     .max(Duration::from_millis(100));
                 match self.control.command(&cmds[next], left) {
                     Ok(_) => {
+                        if next == 0 {
+                            tracing::debug!(daemon = %self.id, "MPS control daemon answered");
+                        }
                         next += 1;
                         if next == cmds.len() {
                             return Ok(());
@@ -1097,6 +1101,7 @@ fn claim(
 /// Runs the supervisor for daemon `id` until it is told to stop or gives up.
 /// The caller has already called `detach`.
 pub(crate) fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
+    tracing::debug!("supervisor started");
     let state = StateDir::new(&cfg.state_dir);
     let rec = state
         .read_record(id)?

@@ -63,13 +63,9 @@ pub(crate) fn run(cfg: &Config) -> usize {
 fn daemon(cfg: &Config, state: &StateDir, id: &str) -> anyhow::Result<()> {
     use crate::mps::ensure;
     let grace = cfg.mps.pending_grace().as_secs();
-    let before = state.containers(id)?.len();
-    let live = state.live_containers(id, grace)?;
-    if before > live.len() {
-        println!(
-            "daemon {id}: removed {} stale container record(s)",
-            before - live.len()
-        );
+    let (live, stale) = state.sweep_containers(id, grace)?;
+    if stale > 0 {
+        println!("daemon {id}: removed {stale} stale container record(s)");
     }
     let rec = match state.read_record(id) {
         Ok(r) => r,

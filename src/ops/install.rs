@@ -5,7 +5,9 @@
 //! registers the runtime is left untouched; a missing shim is a warning, not a refusal
 //! (the package may install it after).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
 
 use crate::install::{self, containerd, docker};
 
@@ -14,9 +16,11 @@ use crate::install::{self, containerd, docker};
 pub(crate) enum Engine {
     Docker,
     /// `config_version` for a new file: 2 (containerd 1.x) or 3 (2.x); `None`: asks
-    /// `containerd --version`.
+    /// `containerd --version`. `hook_only`: no shim, plain runc with gpushare's hooks in
+    /// a `base_runtime_spec` (`install::containerd::Registration::HookOnly`).
     Containerd {
         config_version: Option<i64>,
+        hook_only: bool,
     },
 }
 
@@ -36,11 +40,15 @@ pub(crate) struct Install {
 /// Registers the shim with the engine's config (or prints the result, `dry_run`).
 pub(crate) fn run(args: Install) -> anyhow::Result<()> {
     let is_docker = args.engine == Engine::Docker;
-    let version = match args.engine {
-        Engine::Docker => 2,
-        Engine::Containerd { config_version } => {
-            config_version.unwrap_or_else(installed_containerd_config_version)
-        }
+    let (version, hook_only) = match args.engine {
+        Engine::Docker => (2, false),
+        Engine::Containerd {
+            config_version,
+            hook_only,
+        } => (
+            config_version.unwrap_or_else(installed_containerd_config_version),
+            hook_only,
+        ),
     };
     let path = args.config.clone().unwrap_or_else(|| {
         if is_docker {
@@ -49,6 +57,9 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
             install::DEFAULT_CONTAINERD_CONFIG.into()
         }
     });
+    if hook_only {
+        return hook_only_containerd(&args, &path, version);
+    }
     let runtime = install::runtime_path(args.runtime_path)?;
     if !runtime.is_file() {
         eprintln!(
@@ -60,7 +71,8 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
     let edited = if is_docker {
         docker::edit(&path, &text, &args.name, &runtime)?
     } else {
-        containerd::edit(&path, &text, &args.name, &runtime, version)?
+        let shim = containerd::Registration::Shim(&runtime);
+        containerd::edit(&path, &text, &args.name, shim, version)?
     };
     let Some(new) = edited.text else {
         println!(
@@ -84,6 +96,83 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
     );
     print_next_steps(is_docker, &args.name);
     Ok(())
+}
+
+/// `gpushare install containerd --hook-only`: containerd's default spec (`ctr oci spec`)
+/// with gpushare's hooks, written beside its config as `<name>-base-spec.json`, and the
+/// runtime class pointed at it. The hooks run this binary, with the config this process
+/// reads when `GPUSHARE_CONFIG` names one. The spec is written before the config names it.
+fn hook_only_containerd(args: &Install, path: &Path, version: i64) -> anyhow::Result<()> {
+    if args.name.is_empty()
+        || !args
+            .name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    {
+        bail!(
+            "runtime name {:?} cannot name a base spec file: allowed are letters, digits, - and _",
+            args.name
+        );
+    }
+    let spec_path = path.with_file_name(containerd::base_spec_name(&args.name));
+    let gpushare = std::env::current_exe().context("find gpushare's own path")?;
+    let (config, named) = crate::config::location();
+    let env = crate::runtime::hook_env(named.then_some(config.as_path()));
+    let spec = containerd::base_spec(&spec_path, &default_spec()?, &gpushare, &env)?;
+    let spec_changed = install::read(&spec_path)? != spec;
+    let text = install::read(path)?;
+    let hook_only = containerd::Registration::HookOnly(&spec_path);
+    let edited = containerd::edit(path, &text, &args.name, hook_only, version)?;
+    if !spec_changed && edited.text.is_none() {
+        println!(
+            "{} already registers runtime {} hook-only with {}; nothing to do",
+            path.display(),
+            args.name,
+            spec_path.display()
+        );
+        return Ok(());
+    }
+    if args.dry_run {
+        print!("{}", edited.text.unwrap_or(text));
+        print!("# {}:\n{spec}", spec_path.display());
+        return Ok(());
+    }
+    if spec_changed {
+        install::write(&spec_path, &spec)?;
+    }
+    if let Some(new) = edited.text {
+        install::write(path, &new)?;
+    }
+    println!(
+        "registered runtime {} hook-only (plain runc, gpushare's hooks in {}) in {}",
+        args.name,
+        spec_path.display(),
+        path.display()
+    );
+    println!("write the base spec again after a containerd upgrade: run this command again");
+    print_next_steps(false, &args.name);
+    Ok(())
+}
+
+/// containerd's default spec, as `ctr oci spec` prints it.
+fn default_spec() -> anyhow::Result<Vec<u8>> {
+    let path = std::env::var_os("PATH").unwrap_or_else(|| crate::mps::control::SAFE_PATH.into());
+    let ctr = crate::util::find_executable("ctr", &path).context(
+        "--hook-only needs containerd's ctr (its `ctr oci spec` is containerd's default spec): not found on PATH",
+    )?;
+    let out = std::process::Command::new(&ctr)
+        .args(["oci", "spec"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .with_context(|| format!("run {} oci spec", ctr.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} oci spec failed: {}",
+            ctr.display(),
+            crate::util::one_line(&String::from_utf8_lossy(&out.stderr))
+        );
+    }
+    Ok(out.stdout)
 }
 
 /// What the operator does next for the engine to use the new runtime.

@@ -149,6 +149,7 @@ pub(crate) fn prepare(
     };
     let ident = &served.identity;
     let id = ident.id();
+    tracing::debug!(daemon = %id, "request resolved");
 
     let container_id = container_id
         .filter(|c| valid_container_id(c))
@@ -173,17 +174,19 @@ pub(crate) fn prepare(
         // new daemon is counted against the daemon caps here, before anything is made.
         let deadline = std::time::Instant::now() + cfg.mps.start_timeout;
         let _lock = state.lock(&id, deadline)?;
+        tracing::debug!(daemon = %id, "identity lock taken");
         state.ensure_skeleton(
             &id,
             crate::mps::ensure::owner(ident),
             &crate::mps::ensure::budget(cfg),
         )?;
+        tracing::debug!(daemon = %id, "daemon directories made");
         if !recorded {
             state.add_container(&id, &pending)?;
         }
     }
 
-    let plan = decide(cfg, &state, &served, runtime)?;
+    let plan = decide(cfg, &state, &served, &id, runtime)?;
     edits::apply_all(&mut spec.doc, &edits::plan(&plan))?;
     spec.save()?;
     tracing::info!(
@@ -210,25 +213,26 @@ fn decide_ipc(cfg: &Config, req: &Request) -> anyhow::Result<IpcMode> {
     }
 }
 
-/// The spec edits for a request the pipeline served (DESIGN §4).
+/// The spec edits for a request the pipeline served (DESIGN §4). `id` is the served
+/// identity's daemon id, which the caller has already computed (a SHA-256 per call).
 fn decide(
     cfg: &Config,
     state: &StateDir,
     served: &Resolved,
+    id: &str,
     runtime: &Path,
 ) -> anyhow::Result<edits::ContainerPlan> {
-    let id = served.identity.id();
     Ok(edits::ContainerPlan {
         env: client_env(cfg, served, runtime),
-        pipe: (state.pipe_dir(&id), cfg.mps.container_pipe_dir.clone()),
+        pipe: (state.pipe_dir(id), cfg.mps.container_pipe_dir.clone()),
         log: cfg
             .mps
             .container_log_dir
             .as_ref()
-            .map(|d| (state.log_dir(&id), d.clone())),
+            .map(|d| (state.log_dir(id), d.clone())),
         ipc: match served.ipc {
             IpcMode::Isolated => IpcPlan::Isolated {
-                shm_dir: state.shm_dir(&id),
+                shm_dir: state.shm_dir(id),
             },
             IpcMode::Host => IpcPlan::Host,
         },
@@ -287,15 +291,24 @@ fn client_env(cfg: &Config, served: &Resolved, runtime: &Path) -> Vec<(String, S
 
 /// The createRuntime and poststop hooks: `gpushare` beside this binary, with a safe PATH
 /// and the config file this shim read.
+/// The environment of a hook gpushare puts on a container (the shim's, and the hook-only
+/// base spec's of `gpushare install containerd --hook-only`): a fixed PATH, and
+/// `GPUSHARE_CONFIG` naming `config` when one is given, so that the hook reads the config
+/// of the process that wrote it, whatever runc's environment.
+pub(crate) fn hook_env(config: Option<&Path>) -> Vec<String> {
+    let mut env = vec![format!("PATH={SAFE_PATH}")];
+    if let Some(path) = config {
+        let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_owned());
+        env.push(format!("{}={}", crate::config::ENV_VAR, abs.display()));
+    }
+    env
+}
+
 fn hooks(cfg: &Config) -> anyhow::Result<SetHooks> {
     let binary = std::env::current_exe()
         .context("find gpushare-runtime's own path")?
         .with_file_name("gpushare");
-    let mut env = vec![format!("PATH={SAFE_PATH}")];
-    if let Some(path) = &cfg.path {
-        let abs = std::path::absolute(path).unwrap_or_else(|_| path.clone());
-        env.push(format!("{}={}", crate::config::ENV_VAR, abs.display()));
-    }
+    let env = hook_env(cfg.path.as_deref());
     let create_timeout = cfg.mps.start_timeout.as_secs() + 5;
     Ok(SetHooks {
         binary,

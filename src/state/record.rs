@@ -189,7 +189,11 @@ impl StateDir {
         Self::check_id(&rec.id)?;
         let path = self.record_path(&rec.id);
         let data = serde_json::to_vec_pretty(rec).map_err(serialise(&path))?;
-        util::write_atomic(&path, &data, 0o644).map_err(io("write", &path))
+        // Atomic but not fsynced, like a container record: the record names processes
+        // that a crash ends, so nothing in it is worth keeping across one (a record lost
+        // or stale after a crash is replaced by the next create, or removed by gc). A
+        // cold start writes it three times (starting, the supervisor's pid, ready).
+        util::write_atomic_with(&path, &data, 0o644, false).map_err(io("write", &path))
     }
 
     fn container_path(&self, id: &str, cid: &str) -> Result<PathBuf, StateError> {
@@ -256,15 +260,27 @@ impl StateDir {
         id: &str,
         pending_grace: u64,
     ) -> Result<Vec<ContainerRecord>, StateError> {
+        Ok(self.sweep_containers(id, pending_grace)?.0)
+    }
+
+    /// `live_containers`, and how many stale records it found (and removed), from one
+    /// read of the records.
+    pub(crate) fn sweep_containers(
+        &self,
+        id: &str,
+        pending_grace: u64,
+    ) -> Result<(Vec<ContainerRecord>, usize), StateError> {
         let mut live = Vec::new();
+        let mut stale = 0;
         for rec in self.containers(id)? {
             if rec.live(pending_grace) {
                 live.push(rec);
             } else {
+                stale += 1;
                 let _ = self.remove_container(id, &rec.id);
             }
         }
-        Ok(live)
+        Ok((live, stale))
     }
 }
 
@@ -397,6 +413,31 @@ mod tests {
         let err = state.add_container(id, &bad).unwrap_err();
         assert!(matches!(err, StateError::Serialise { .. }), "{err}");
         assert_eq!(state.containers(id).unwrap(), vec![good]);
+    }
+
+    #[test]
+    fn a_sweep_keeps_the_live_records_and_counts_the_stale_it_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let id = "0123456789abcdef0123456789abcdef";
+        std::fs::create_dir_all(state.containers_dir(id)).unwrap();
+        let me = std::process::id() as i32;
+        let live = ContainerRecord::new("live".into(), Some(me), None, None);
+        state.add_container(id, &live).unwrap();
+        for cid in ["gone1", "gone2"] {
+            let rec = ContainerRecord::new(cid.into(), Some(i32::MAX), None, None);
+            state.add_container(id, &rec).unwrap();
+        }
+        assert_eq!(
+            state.sweep_containers(id, 10).unwrap(),
+            (vec![live.clone()], 2)
+        );
+        assert_eq!(state.containers(id).unwrap(), vec![live.clone()]);
+        assert_eq!(
+            state.sweep_containers(id, 10).unwrap(),
+            (vec![live.clone()], 0)
+        );
+        assert_eq!(state.live_containers(id, 10).unwrap(), vec![live]);
     }
 
     #[test]

@@ -587,8 +587,13 @@ impl Container<'_> {
             .unwrap_or_else(|| format!("(no error line in {})", self.log().display()))
     }
 
+    /// `gpushare-runtime start`, whatever it returns.
+    pub fn try_start(&self) -> Output {
+        self.env.runtime(&["start", &self.id], &self.log())
+    }
+
     pub fn start(&self) {
-        let out = self.env.runtime(&["start", &self.id], &self.log());
+        let out = self.try_start();
         assert!(
             out.status.success(),
             "start {}: {}",
@@ -632,8 +637,22 @@ impl Container<'_> {
         std::fs::read_to_string(self.bundle.join("stderr")).unwrap_or_default()
     }
 
-    pub fn delete(&self) {
+    /// `gpushare-runtime delete -f`, whatever it returns; a container deleted here is no
+    /// longer deleted again when its `Env` is dropped (a soak makes thousands).
+    pub fn try_delete(&self) -> Output {
         let out = self.env.runtime(&["delete", "-f", &self.id], &self.log());
+        if out.status.success() {
+            self.env
+                .containers
+                .lock()
+                .unwrap()
+                .retain(|c| *c != self.id);
+        }
+        out
+    }
+
+    pub fn delete(&self) {
+        let out = self.try_delete();
         assert!(
             out.status.success(),
             "delete {}: {}",
