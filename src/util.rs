@@ -128,6 +128,10 @@ pub(crate) fn write_atomic_with(
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let tmp = dir.join(format!(".{name}.gpushare-{}.tmp", std::process::id()));
+    // A file by this name is a leftover of a writer killed between its create and its
+    // rename whose pid this process now has (pids are reused: 32768 of them by default):
+    // no live process but this one writes under this pid, and O_EXCL would refuse it.
+    let _ = std::fs::remove_file(&tmp);
     let result = (|| {
         let mut f = std::fs::OpenOptions::new()
             .write(true)
@@ -559,6 +563,21 @@ mod tests {
         assert_eq!(rfc3339(before), "1970-01-01T00:00:00.000Z");
         let after = UNIX_EPOCH + Duration::from_secs(300_000_000_000);
         assert_eq!(rfc3339(after), "9999-12-31T23:59:59.999Z");
+    }
+
+    #[test]
+    fn atomic_write_takes_the_place_of_a_killed_writers_temp_file_with_its_pid() {
+        // A writer SIGKILLed before its rename left its temp file; its pid is reused by
+        // this process (issue 15's fault tier kills writers at any instant).
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("daemon.json");
+        let left = dir
+            .path()
+            .join(format!(".daemon.json.gpushare-{}.tmp", std::process::id()));
+        std::fs::write(&left, "half a reco").unwrap();
+        write_atomic(&p, b"{}", 0o644).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"{}");
+        assert!(!left.exists());
     }
 
     #[test]

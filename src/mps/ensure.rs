@@ -1,7 +1,9 @@
 //! Finds or starts the MPS daemon for one identity, for the hook (DESIGN §5).
 //!
 //! Invariants: everything happens under the identity's lock, so any number of
-//! simultaneous creates start exactly one daemon; every wait has the `start-timeout`
+//! simultaneous creates start exactly one daemon (the supervisor left by a create killed
+//! before it named itself and the next create's own never both run one: the supervisor
+//! lock, `supervisor::claim`); every wait has the `start-timeout`
 //! deadline; a record is never trusted on its word — the supervisor and the daemon must be
 //! the very processes it names (pid and start time), else the state is stale and replaced.
 //! The warm path is a lock, a record read, two /proc reads and a container record.
@@ -93,7 +95,13 @@ fn wait_ready(
             );
         }
         let supervisor_gone = match spawned.as_mut() {
-            Some(child) => child.try_wait().ok().flatten().is_some(),
+            // The one started here exited: gone, unless the record names another that
+            // runs (one started for a create killed before it named itself, which holds
+            // the supervisor lock: the one started here left it the daemon).
+            Some(child) => {
+                child.try_wait().ok().flatten().is_some()
+                    && !rec.supervisor.is_some_and(|p| p.alive())
+            }
             None => rec.supervisor.is_some_and(|p| !p.alive()),
         };
         if supervisor_gone {

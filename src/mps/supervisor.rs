@@ -25,7 +25,10 @@
 //! A supervisor whose record is gone (its state directory deleted, as a host reboot
 //! wipes /run, or by hand) quits its daemon and exits: nothing runs that no record names
 //! and that `status`, `gc` and `daemon stop` cannot see (issue 15).
-//! Invariant: the record's `daemon` is the live process or `None`.
+//! Invariants: the record's `daemon` is the live process or `None`; one supervisor per
+//! identity: each holds `locks/<id>.sup` from before it names itself in the record until
+//! it exits (`claim`), so one started for a create killed before its supervisor named
+//! itself never runs a daemon beside the next create's (issue 15).
 
 use std::io::Read;
 use std::os::fd::AsFd;
@@ -201,7 +204,8 @@ fn own_cgroup(id: &str, limits: CgroupLimits) -> Vec<PathBuf> {
 /// killed with SIGKILL (the OOM killer, an engine tearing its namespace down, an
 /// operator) never removes its own. Runs when a supervisor joins its cgroup and in
 /// `gpushare gc`. A cgroup with members is never removed (the kernel refuses), nor one
-/// whose pid is alive (a reused pid only delays the removal). Returns how many went.
+/// whose pid runs (a reused pid only delays the removal; a zombie does not run). Returns
+/// how many went.
 pub(crate) fn sweep_stale_cgroups(top: &Path) -> usize {
     let Ok(entries) = std::fs::read_dir(top) else {
         return 0;
@@ -215,7 +219,10 @@ pub(crate) fn sweep_stale_cgroups(top: &Path) -> usize {
         let Ok(pid) = pid.parse::<u32>() else {
             continue;
         };
-        if !crate::identity::valid_id(id) || Path::new("/proc").join(pid.to_string()).exists() {
+        // A zombie is gone: a supervisor SIGKILLed while its parent (the hook that
+        // started it, a subreaper) has not reaped it yet runs nothing (issue 15).
+        let running = i32::try_from(pid).is_ok_and(|p| crate::util::proc_start_time(p).is_some());
+        if !crate::identity::valid_id(id) || running {
             continue;
         }
         if std::fs::remove_dir(e.path()).is_ok() {
@@ -420,10 +427,19 @@ struct Supervisor {
     log_size: u64,
     /// How often limits are checked; `None` when there is nothing to enforce.
     limit_check: Option<Duration>,
+    /// This process: every record update names it (see `update`).
+    me: Option<ProcRef>,
 }
 
 impl Supervisor {
-    fn new(cfg: &Config, state: StateDir, id: &str, ident: Identity, binary: PathBuf) -> Self {
+    fn new(
+        cfg: &Config,
+        state: StateDir,
+        id: &str,
+        ident: Identity,
+        binary: PathBuf,
+        me: Option<ProcRef>,
+    ) -> Self {
         Supervisor {
             control: Control {
                 binary: binary.clone(),
@@ -439,6 +455,7 @@ impl Supervisor {
             limit_check: (!limit_commands(&ident).is_empty())
                 .then_some(cfg.mps.limit_check_interval),
             ident,
+            me,
         }
     }
 
@@ -575,12 +592,16 @@ impl Supervisor {
         tracing::info!(daemon = %self.id, "MPS control daemon stopped");
     }
 
+    /// Changes the record with `f`. Every write names this supervisor: it holds the
+    /// supervisor lock, so it is the daemon's one supervisor, and a create that replaced
+    /// the record meanwhile (its own supervisor waits for the lock) learns so.
     fn update(&self, f: impl FnOnce(&mut crate::state::DaemonRecord)) -> anyhow::Result<()> {
         let mut rec = self
             .state
             .read_record(&self.id)?
             .with_context(|| format!("record of daemon {} disappeared", self.id))?;
         f(&mut rec);
+        rec.supervisor = self.me;
         self.state.write_record(&rec)?;
         Ok(())
     }
@@ -1039,6 +1060,44 @@ impl Backoff {
     }
 }
 
+/// Takes daemon `id`'s supervisor lock (`StateDir::try_lock_supervisor`), for the
+/// supervisor's whole life. While another process holds it, that is a supervisor started
+/// for a create that was killed before its supervisor named itself in the record: once
+/// the record names a live supervisor other than this one, `None` (this one leaves, its
+/// create is served by that one); a holder that dies frees it. Waits up to `timeout`.
+fn claim(
+    state: &StateDir,
+    id: &str,
+    me: Option<ProcRef>,
+    timeout: Duration,
+) -> anyhow::Result<Option<nix::fcntl::Flock<std::fs::File>>> {
+    let other_named = || {
+        state
+            .read_record(id)
+            .ok()
+            .flatten()
+            .is_some_and(|r| r.supervisor.is_some_and(|p| Some(p) != me && p.alive()))
+    };
+    let claimed = poll_until(
+        Instant::now() + timeout,
+        Duration::from_millis(1),
+        Duration::from_millis(20),
+        || match state.try_lock_supervisor(id) {
+            Ok(Some(lock)) => Some(Ok(Some(lock))),
+            Ok(None) if other_named() => Some(Ok(None)),
+            Ok(None) => None,
+            Err(e) => Some(Err(e)),
+        },
+    );
+    match claimed {
+        Some(result) => Ok(result?),
+        None => bail!(
+            "another process held {} for {timeout:?} without naming itself as the supervisor of daemon {id}",
+            state.supervisor_lock_path(id).display()
+        ),
+    }
+}
+
 /// Runs the supervisor for daemon `id` until it is told to stop or gives up.
 /// The caller has already called `detach`.
 pub(crate) fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
@@ -1048,6 +1107,10 @@ pub(crate) fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
         .read_record(id)?
         .with_context(|| format!("no record for daemon {id}"))?;
     let me = ProcRef::of(std::process::id() as i32);
+    let Some(_only) = claim(&state, id, me, cfg.mps.start_timeout)? else {
+        tracing::info!(daemon = %id, "another supervisor runs this daemon; leaving it to that one");
+        return Ok(());
+    };
     let binary = resolve_binary(&cfg.mps.control_binary);
     let sup = Supervisor::new(
         cfg,
@@ -1055,9 +1118,9 @@ pub(crate) fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
         id,
         rec.identity,
         binary.as_ref().cloned().unwrap_or_default(),
+        me,
     );
     sup.update(|r| {
-        r.supervisor = me;
         r.status = DaemonStatus::Starting;
         r.started_at = unix_now();
         r.error = None;

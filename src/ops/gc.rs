@@ -4,7 +4,8 @@
 //!
 //! Invariants: what is found is detected and cleaned, never trusted; a daemon still used
 //! by live containers is restarted, never removed; a daemon is removed only under its
-//! identity's lock (`StateDir::remove_if_unused`); one line on stdout per action and one
+//! identity's lock (`StateDir::remove_if_unused`), its record read again under that lock
+//! (a supervisor started meanwhile keeps it); one line on stdout per action and one
 //! `gpushare: gc: <what>: <reason>` line on stderr per failure, and a failure stops none
 //! of the other cleanups.
 
@@ -89,6 +90,17 @@ fn daemon(cfg: &Config, state: &StateDir, id: &str) -> anyhow::Result<()> {
         return Ok(());
     }
     let _lock = state.lock(id, std::time::Instant::now() + cfg.mps.start_timeout)?;
+    // Looked at again under the lock: a create or `daemon start` that held it meanwhile
+    // may have started a new supervisor, whose directories must stay; one that has not
+    // named itself in the record yet holds the supervisor lock (issue 15).
+    let rec = state.read_record(id).ok().flatten();
+    if rec
+        .as_ref()
+        .is_some_and(|r| r.supervisor.is_some_and(|p| p.alive()))
+        || matches!(state.try_lock_supervisor(id), Ok(None))
+    {
+        return Ok(());
+    }
     if let Some(rec) = &rec {
         ensure::kill_stale(rec);
     }

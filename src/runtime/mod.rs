@@ -164,7 +164,9 @@ pub(crate) fn prepare(
     let state = StateDir::new(&cfg.state_dir);
     // The pending record comes before the directory check: an idle daemon being removed
     // either sees it and stays, or is gone before the check (StateDir::remove_if_unused).
-    let pending = ContainerRecord::new(container_id.to_owned(), None, bundle, None);
+    // It names this process: a shim killed before runc create returns leaves a record
+    // that is stale at once (ContainerRecord::live).
+    let pending = ContainerRecord::pending(container_id.to_owned(), bundle);
     let recorded = state.add_container(&id, &pending).is_ok();
     if !state.skeleton_ready(&id, !ident.ipc_host) {
         // runc binds the daemon's directories before the createRuntime hook runs, so they

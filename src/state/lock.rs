@@ -1,9 +1,10 @@
-//! The locks: one flock per daemon identity (`locks/<id>.lock`) and the node lock
-//! (`locks/node.lock`).
+//! The locks: one flock per daemon identity (`locks/<id>.lock`), one per daemon's
+//! supervisor (`locks/<id>.sup`) and the node lock (`locks/node.lock`).
 //!
 //! Invariants: lock files are opened without following a link and never removed; the
 //! node lock is taken after an identity's lock, never before; every wait has a deadline
-//! and a timeout names the lock.
+//! and a timeout names the lock. A supervisor holds its daemon's supervisor lock for its
+//! whole life and holds no other lock while waiting for it.
 
 use std::fs::File;
 use std::os::unix::fs::OpenOptionsExt;
@@ -26,6 +27,20 @@ impl StateDir {
     /// two creates cannot both pass a cap). Taken after an identity's lock, never before.
     pub(crate) fn lock_node(&self, deadline: Instant) -> Result<Flock<File>, StateError> {
         self.lock_file(self.node_lock_path(), deadline)
+    }
+
+    /// The supervisor lock of daemon `id`: held by its supervisor from before it names
+    /// itself in the record until it exits, so that one identity never has two
+    /// supervisors (and two daemons) even when the process that started one was killed
+    /// before the supervisor could name itself (issue 15). `None` while another process
+    /// holds it.
+    pub(crate) fn try_lock_supervisor(&self, id: &str) -> Result<Option<Flock<File>>, StateError> {
+        Self::check_id(id)?;
+        match self.lock_file(self.supervisor_lock_path(id), Instant::now()) {
+            Ok(lock) => Ok(Some(lock)),
+            Err(StateError::LockTimeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     fn lock_file(&self, path: PathBuf, deadline: Instant) -> Result<Flock<File>, StateError> {
@@ -94,5 +109,18 @@ mod tests {
         assert!(matches!(err, StateError::LockTimeout { .. }), "{err}");
         drop(held);
         assert!(state.lock(id, Instant::now()).is_ok());
+    }
+
+    #[test]
+    fn the_supervisor_lock_is_held_by_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path().join("s"));
+        let id = "0123456789abcdef0123456789abcdef";
+        let held = state.try_lock_supervisor(id).unwrap().expect("free");
+        assert!(state.try_lock_supervisor(id).unwrap().is_none());
+        // Not the identity's lock: a create may hold that one meanwhile.
+        assert!(state.lock(id, Instant::now()).is_ok());
+        drop(held);
+        assert!(state.try_lock_supervisor(id).unwrap().is_some());
     }
 }

@@ -4,6 +4,7 @@
 //! ```text
 //! <state-dir>/                 0711 root   (refused if writable by group/others or a symlink)
 //!   locks/<id>.lock            0600 root   flock per daemon identity; never removed
+//!   locks/<id>.sup             0600 root   flock held by the daemon's supervisor all its life
 //!   locks/node.lock            0600 root   flock held while a new daemon's directories are made
 //!   mps/                       0711 root
 //!     <id>/                    0711 root
@@ -136,6 +137,9 @@ impl StateDir {
     }
     pub(crate) fn lock_path(&self, id: &str) -> PathBuf {
         self.root.join("locks").join(format!("{id}.lock"))
+    }
+    pub(crate) fn supervisor_lock_path(&self, id: &str) -> PathBuf {
+        self.root.join("locks").join(format!("{id}.sup"))
     }
     /// The node lock: not a daemon id, so no identity's lock can be it.
     pub(crate) fn node_lock_path(&self) -> PathBuf {

@@ -95,6 +95,13 @@ pub struct ContainerRecord {
     pub engine: Option<String>,
     pub bundle: Option<PathBuf>,
     pub created_at: u64,
+    /// While the create is pending (`pid` none): the process making it, the shim, which
+    /// execs the low-level runtime under the same pid and start time, so it lives until
+    /// `runc create` returns (by when the hook has replaced this record with one naming
+    /// the container's pid). A shim killed before that leaves a record that names a dead
+    /// process: stale at once, not after `pending_grace` (issue 15).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub creator: Option<ProcRef>,
 }
 
 impl ContainerRecord {
@@ -113,17 +120,31 @@ impl ContainerRecord {
             engine,
             bundle,
             created_at: util::unix_now(),
+            creator: None,
+        }
+    }
+
+    /// The record the shim writes before it edits the spec: no pid yet, and this process
+    /// (the shim, soon the low-level runtime it execs) as its creator.
+    pub(crate) fn pending(id: String, bundle: Option<PathBuf>) -> Self {
+        ContainerRecord {
+            creator: ProcRef::of(std::process::id() as i32),
+            ..ContainerRecord::new(id, None, bundle, None)
         }
     }
 
     /// Whether the container may still use its daemon: its init process runs, or its
-    /// create is pending and younger than `pending_grace` seconds. A stopped container
-    /// (process gone, not yet deleted) no longer uses MPS.
+    /// create is pending, younger than `pending_grace` seconds and its creator (when the
+    /// record names one) still runs. A stopped container (process gone, not yet deleted)
+    /// no longer uses MPS.
     pub(crate) fn live(&self, pending_grace: u64) -> bool {
         match (self.pid, self.start_time) {
             (Some(pid), Some(start_time)) => ProcRef { pid, start_time }.alive(),
             (Some(pid), None) => util::proc_start_time(pid).is_some(),
-            (None, _) => util::unix_now().saturating_sub(self.created_at) <= pending_grace,
+            (None, _) => {
+                util::unix_now().saturating_sub(self.created_at) <= pending_grace
+                    && self.creator.is_none_or(|p| p.alive())
+            }
         }
     }
 }
@@ -330,6 +351,7 @@ mod tests {
                 bundle: None,
                 created_at: 0,
                 engine: None,
+                creator: None,
             };
             assert!(
                 matches!(
@@ -357,6 +379,7 @@ mod tests {
             bundle: None,
             created_at: 3,
             engine: None,
+            creator: None,
         };
         state.add_container(id, &rec).unwrap();
         assert_eq!(state.containers(id).unwrap(), vec![rec]);
@@ -379,6 +402,7 @@ mod tests {
             bundle: Some("/run/bundle".into()),
             created_at: 3,
             engine: None,
+            creator: None,
         };
         state.add_container(id, &good).unwrap();
         // serde refuses a path that is not UTF-8; the record on disk stays as it was.
@@ -427,11 +451,25 @@ mod tests {
             bundle: None,
             created_at,
             engine: None,
+            creator: None,
         };
         assert!(rec(Some(me), util::proc_start_time(me), now).live(10));
         assert!(!rec(Some(me), Some(1), now).live(10), "reused pid");
         assert!(!rec(Some(i32::MAX), None, now).live(10), "dead pid");
         assert!(rec(None, None, now).live(10), "pending and young");
         assert!(!rec(None, None, now - 60).live(10), "pending and expired");
+        // A pending record names its creator (the shim): stale as soon as it is gone.
+        let pending = ContainerRecord::pending("c".into(), None);
+        assert_eq!(pending.creator.map(|p| p.pid), Some(me));
+        assert!(pending.live(10), "pending, creator alive");
+        let dead = ProcRef {
+            pid: me,
+            start_time: 1,
+        };
+        let orphan = ContainerRecord {
+            creator: Some(dead),
+            ..pending
+        };
+        assert!(!orphan.live(10), "pending, creator gone");
     }
 }

@@ -135,6 +135,7 @@ mod tests {
             bundle: None,
             created_at: util::unix_now(),
             engine: None,
+            creator: None,
         };
         state.add_container(id, &pending).unwrap();
         assert!(!state

@@ -527,7 +527,8 @@ fn supervisor_is_detached_and_directories_have_owners_and_modes() {
         sup.to_string(),
         "session id (field 6) is the supervisor's pid"
     );
-    // stdio on /dev/null; every other fd is its own (signalfd, its log), none inherited.
+    // stdio on /dev/null; every other fd is its own (signalfd, its log, the supervisor
+    // lock it holds all its life), none inherited.
     let mut saw_log = false;
     for entry in std::fs::read_dir(format!("/proc/{sup}/fd"))
         .unwrap()
@@ -541,8 +542,11 @@ fn supervisor_is_detached_and_directories_have_owners_and_modes() {
             assert_eq!(target, "/dev/null", "fd {fd}");
         } else {
             saw_log |= target.ends_with("gpushare.log");
+            let lock = env.state.join("locks").join(format!("{id}.sup"));
             assert!(
-                target.contains("signalfd") || target.ends_with("gpushare.log"),
+                target.contains("signalfd")
+                    || target.ends_with("gpushare.log")
+                    || target == lock.display().to_string(),
                 "unexpected fd {fd} -> {target}"
             );
         }

@@ -145,6 +145,24 @@ fn install_with_libs(bin: &Path, rootfs: &Path, dest: &str) {
 /// The cgroups `gpushare/<id>-<pid>` of these supervisor pids, in every hierarchy (v1
 /// hierarchies and the v2 root).
 pub fn daemon_cgroups(supervisors: &[i32]) -> Vec<PathBuf> {
+    daemon_cgroups_all()
+        .into_iter()
+        .filter(|p| {
+            let name = p
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned();
+            let pid = name
+                .rsplit_once('-')
+                .and_then(|(_, p)| p.parse::<i32>().ok());
+            pid.is_some_and(|p| supervisors.contains(&p))
+        })
+        .collect()
+}
+
+/// Every cgroup `gpushare/<id>-<pid>`, in every hierarchy (v1 hierarchies and the v2 root).
+pub fn daemon_cgroups_all() -> Vec<PathBuf> {
     let root = Path::new("/sys/fs/cgroup");
     let tops = std::fs::read_dir(root)
         .into_iter()
@@ -156,10 +174,7 @@ pub fn daemon_cgroups(supervisors: &[i32]) -> Vec<PathBuf> {
     for top in tops {
         for e in std::fs::read_dir(&top).into_iter().flatten().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            let pid = name
-                .rsplit_once('-')
-                .and_then(|(_, p)| p.parse::<i32>().ok());
-            if pid.is_some_and(|p| supervisors.contains(&p)) {
+            if e.path().is_dir() && name.rsplit_once('-').is_some() {
                 out.push(e.path());
             }
         }

@@ -6,6 +6,7 @@ mod core_path;
 mod cri;
 mod cri_api;
 mod engines;
+mod faults_found;
 mod faults_live;
 mod harness;
 mod modes;
