@@ -116,7 +116,7 @@ pub struct Sample {
     pub daemon_records: usize,
     /// `mps/.<id>.removing` left behind.
     pub removing: usize,
-    /// `locks/*.lock`.
+    /// Entries of `locks/`: `<id>.lock` and `<id>.sup` per identity, `node.lock`.
     pub locks: usize,
     /// Every entry under the state dir, recursively (records, pipe files, logs, shm).
     pub state_entries: usize,
