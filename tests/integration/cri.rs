@@ -249,6 +249,15 @@ impl<'e> Node<'e> {
         self.cri.as_ref().expect("containerd is running")
     }
 
+    /// Stops containerd as a service manager does (SIGTERM; its shims and their containers
+    /// stay), so that `restart` can start it again.
+    fn stop(&mut self) {
+        self.cri = None;
+        if let Some(mut child) = self.child.take() {
+            stop_child(&mut child, Duration::from_secs(20));
+        }
+    }
+
     /// (Re)starts containerd on its config, as a service manager would, and waits for CRI.
     fn restart(&mut self) {
         assert!(self.child.is_none(), "containerd is still running");
@@ -1518,4 +1527,73 @@ fn cri_pod_start_bench() {
         );
     }
     assert_eq!(env.daemon_ids().len(), 1, "one daemon served every request");
+}
+
+/// Issue 15 item 2, the CRI path: containerd (and so its CRI plugin) restarted while a pod's
+/// container holds an MPS client. The container keeps running (its shim is not
+/// containerd's child), its daemon keeps the same supervisor and daemon processes, and the
+/// next pod of the same user is served by that daemon; `status` reports it healthy.
+#[test]
+fn cri_a_containerd_restart_keeps_a_pod_s_job_and_its_daemon() {
+    let env = Env::new();
+    let mut node = Node::start(&env);
+    let spec = PodSpec {
+        name: "held",
+        annotations: &[("gpushare.io/device", "0")],
+        run_as_user: Some(1000),
+    };
+    let pod = node.pod(&spec);
+    let c = ContainerSpec {
+        name: "cuda",
+        script: &hold(120),
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let held = node.run(&pod, &c);
+    assert_eq!(node.client_line(&pod, &c)["server_uid"], "1000");
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    let id = ids[0].clone();
+    let pid_of = |key: &str| env.record(&id)[key]["pid"].as_i64().expect("pid in record");
+    let (sup, daemon) = (pid_of("supervisor"), pid_of("daemon"));
+
+    node.stop();
+    node.restart();
+
+    node.wait_state(&held, 1); // CONTAINER_RUNNING: the job lives on
+    assert!(
+        alive(sup as i32) && alive(daemon as i32),
+        "the daemon survived the engine"
+    );
+    assert_eq!((pid_of("supervisor"), pid_of("daemon")), (sup, daemon));
+    assert_eq!(env.record(&id)["restarts"], 0, "{}", env.record(&id));
+    let next = node.pod(&PodSpec {
+        name: "next",
+        ..spec.clone()
+    });
+    let n = ContainerSpec {
+        name: "cuda",
+        script: &hold(0),
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let next_id = node.run(&next, &n);
+    assert_eq!(node.client_line(&next, &n)["shm"], "ok");
+    assert_eq!(env.daemon_ids(), vec![id.clone()], "the same daemon");
+    assert_eq!(node.daemon_of(&next_id).as_deref(), Some(id.as_str()));
+    let status = env.status();
+    let ours = status
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["id"] == id.as_str())
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(ours["health"], "ok", "status after the restart: {status}");
+    assert!(
+        node.status_containers()
+            .get(&id)
+            .is_some_and(|cs| cs.contains(&held)),
+        "the held container is still listed: {status}"
+    );
 }
