@@ -30,18 +30,14 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-REL = REPO / "target" / "release"
-RUNTIME = REL / "gpushare-runtime"
-GPUSHARE = REL / "gpushare"
-SIM = REL / "gpushare-mps-sim"
-GPU0 = "GPU-8f8bff94-112e-9541-43da-cfd453333404"
+# The suite's own binaries, inventory GPU, percentiles and error type: one home, bench.py
+# (importing it finds runc and busybox, which the engines need too).
+sys.dont_write_bytecode = True  # no scripts/__pycache__ in the checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import GPU0, GPUSHARE, REPO, RUNTIME, SIM, BenchError, pct  # noqa: E402
+
 COVERED = ["/run", "/etc/docker", "/etc/cni", "/var/lib", "/var/cache", "/opt"]
 T_ENGINE = 1.02  # issue 16: <= 1.02 x the median at each engine level
-
-
-class BenchError(Exception):
-    pass
 
 
 def which(name):
@@ -49,14 +45,6 @@ def which(name):
     if not found:
         raise BenchError(f"{name} not found")
     return found
-
-
-def pct(xs, p):
-    s = sorted(xs)
-    k = (len(s) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 class Engines:
