@@ -1028,18 +1028,11 @@ fn cleanup(r: &Run) -> Vec<String> {
     // cgroup whose supervisor still runs is another run's (this run's are all stopped
     // by now, or reported above).
     let ours = |p: &PathBuf| {
-        let name = p
-            .file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .into_owned();
-        let pid = name
-            .rsplit_once('-')
-            .and_then(|(_, p)| p.parse::<i32>().ok());
+        let name = p.file_name().unwrap_or_default().to_string_lossy();
         r.ids
             .iter()
             .any(|i| name.starts_with(&format!("{}-", i.daemon)))
-            && pid.is_some_and(|p| gpushare::util::proc_start_time(p).is_none())
+            && harness::cgroup_pid(p).is_some_and(|p| gpushare::util::proc_start_time(p).is_none())
     };
     let mut cgroups = Vec::new();
     let clean = harness::wait_until(Duration::from_secs(15), || {

@@ -122,17 +122,7 @@ fn a_supervisor_started_for_a_killed_create_never_runs_beside_another() {
     // Now each supervisor holds the identity's supervisor lock all its life: the late one
     // finds the record naming the other and leaves.
     let env = Env::new();
-    let start = |env: &Env| {
-        let out = env
-            .cmd(GPUSHARE)
-            .args([
-                "daemon", "start", "--device", "0", "--uid", "1000", "--json",
-            ])
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "daemon start: {}", text(&out));
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
-    };
+    let start = start_uid_1000_on_gpu_0;
     let first = start(&env);
     let id = first["id"].as_str().unwrap().to_owned();
     let pipe = PathBuf::from(first["pipe_dir"].as_str().unwrap());
@@ -238,15 +228,7 @@ fn gc_keeps_a_daemon_started_while_it_waited_for_the_identitys_lock() {
     // `gpushare daemon start` (or a create) started while gc waited lost its directories
     // and quit. gc now reads the record again under the lock.
     let env = Env::new();
-    let out = env
-        .cmd(GPUSHARE)
-        .args([
-            "daemon", "start", "--device", "0", "--uid", "1000", "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "daemon start: {}", text(&out));
-    let id = serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["id"]
+    let id = start_uid_1000_on_gpu_0(&env)["id"]
         .as_str()
         .unwrap()
         .to_owned();
@@ -322,4 +304,17 @@ fn gc_keeps_a_daemon_started_while_it_waited_for_the_identitys_lock() {
         !wait_until(Duration::from_secs(3), || !alive(sup)),
         "the new supervisor {sup} left"
     );
+}
+
+/// `gpushare daemon start --device 0 --uid 1000 --json`, which must succeed: its output.
+fn start_uid_1000_on_gpu_0(env: &Env) -> serde_json::Value {
+    let out = env
+        .cmd(GPUSHARE)
+        .args([
+            "daemon", "start", "--device", "0", "--uid", "1000", "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "daemon start: {}", text(&out));
+    serde_json::from_slice(&out.stdout).unwrap()
 }

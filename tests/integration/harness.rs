@@ -147,18 +147,17 @@ fn install_with_libs(bin: &Path, rootfs: &Path, dest: &str) {
 pub fn daemon_cgroups(supervisors: &[i32]) -> Vec<PathBuf> {
     daemon_cgroups_all()
         .into_iter()
-        .filter(|p| {
-            let name = p
-                .file_name()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .into_owned();
-            let pid = name
-                .rsplit_once('-')
-                .and_then(|(_, p)| p.parse::<i32>().ok());
-            pid.is_some_and(|p| supervisors.contains(&p))
-        })
+        .filter(|p| cgroup_pid(p).is_some_and(|p| supervisors.contains(&p)))
         .collect()
+}
+
+/// The supervisor pid a daemon cgroup `gpushare/<id>-<pid>` is named after.
+pub fn cgroup_pid(cgroup: &Path) -> Option<i32> {
+    cgroup
+        .file_name()?
+        .to_str()?
+        .rsplit_once('-')
+        .and_then(|(_, p)| p.parse().ok())
 }
 
 /// Every cgroup `gpushare/<id>-<pid>`, in every hierarchy (v1 hierarchies and the v2 root).
