@@ -233,8 +233,12 @@ fn hook(stage: HookStage) -> i32 {
 
 /// Entry point of the `gpushare` binary; returns the exit code.
 pub fn main() -> i32 {
+    crate::device::read_nvml_in_process();
     if let Some(stage) = hook_argv() {
         return hook(stage);
+    }
+    if is_argv(&[crate::device::NVML_SUBCOMMAND]) {
+        return nvml_inventory();
     }
     let cli = Cli::parse();
     if let Command::Hook { stage } = cli.command {
@@ -265,6 +269,31 @@ pub fn main() -> i32 {
         crate::logging::init(&cfg);
     }
     run(&cfg, cli.command)
+}
+
+/// `gpushare nvml-inventory`, run by the static shim (`device::reader`): the NVML
+/// inventory, validated, as one line of JSON on stdout; else one `gpushare: …` line on
+/// stderr and exit 1. Internal (not in `--help`); reads no config, writes no log.
+fn nvml_inventory() -> i32 {
+    let json = crate::device::load(&crate::device::InventorySource::Nvml)
+        .map_err(anyhow::Error::new)
+        .and_then(|inv| Ok(serde_json::to_string(&inv)?));
+    match json {
+        Ok(json) => {
+            println!("{json}");
+            0
+        }
+        Err(e) => {
+            eprintln!("gpushare: {e:#}");
+            1
+        }
+    }
+}
+
+/// Whether argv after the program name is exactly `words`.
+fn is_argv(words: &[&str]) -> bool {
+    let mut args = std::env::args_os().skip(1);
+    words.iter().all(|w| args.next().is_some_and(|a| a == *w)) && args.next().is_none()
 }
 
 /// The stage of `gpushare hook <stage>` when that is the exact argv: runc runs it for

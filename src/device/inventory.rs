@@ -1,4 +1,4 @@
-//! Loading the inventory (a JSON file, or NVML through `nvml`) and its validation.
+//! Loading the inventory (a JSON file, or NVML through `reader`) and its validation.
 //!
 //! Invariants: [`load`] returns only an inventory that passed [`Inventory::validate`]; the
 //! checks are those listed in the module doc of `device`, each failure one line naming the
@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use super::{nvml, DeviceError, Gpu, Inventory, InventorySource, MigDevice, MAX_GPUS};
+use super::{reader, DeviceError, Gpu, Inventory, InventorySource, MigDevice, MAX_GPUS};
 
 /// Longest MIG profile name accepted (`1g.10gb+me` is 10).
 const MAX_PROFILE_LEN: usize = 64;
@@ -47,7 +47,7 @@ pub(super) fn is_safe_profile(s: &str) -> bool {
 pub(crate) fn load(source: &InventorySource) -> Result<Inventory, DeviceError> {
     match source {
         InventorySource::Nvml => {
-            let inventory = nvml::load()?;
+            let inventory = reader::nvml()?;
             inventory.validate(&source.to_string())?;
             Ok(inventory)
         }

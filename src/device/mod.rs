@@ -22,13 +22,15 @@
 //!
 //! Layout: the types are here; [`load`] and [`Inventory::validate`] in `inventory`; the NVML
 //! reader (and [`mig_cap_minor`], which reads the driver's MIG access-node numbers) in
-//! `nvml`; [`Inventory::resolve`] and the device-node mappings in `resolve`; the quoting of
+//! `nvml`, and which process runs it (this one, or `gpushare nvml-inventory` for the static
+//! shim) in `reader`; [`Inventory::resolve`] and the device-node mappings in `resolve`; the quoting of
 //! values and lists in error messages in `quote`; the test inventory [`sample`] in `preset`.
 
 mod inventory;
 mod nvml;
 mod preset;
 mod quote;
+mod reader;
 mod resolve;
 
 use std::fmt;
@@ -43,9 +45,14 @@ pub use preset::sample;
 pub(crate) use preset::testing;
 pub(crate) use quote::quote;
 use quote::{cap_list, gpu_list, mig_list, minor_list, parent_node, uuid_list};
+pub use reader::{read_nvml_in_process, NVML_SUBCOMMAND};
 
 /// The most GPUs an inventory may hold.
 pub(crate) const MAX_GPUS: usize = 64;
+
+/// The most bytes of inventory JSON read from `gpushare nvml-inventory` (64 GPUs with 7 MIG
+/// devices each are about 60 KiB).
+pub(crate) const MAX_NVML_JSON_BYTES: usize = 1 << 20;
 
 /// Profile name used when NVML cannot tell a MIG device's profile.
 pub(crate) const UNKNOWN_MIG_PROFILE: &str = "mig";
@@ -272,6 +279,20 @@ pub enum DeviceError {
         #[source]
         error: nvml_wrapper::error::NvmlError,
     },
+
+    /// `gpushare nvml-inventory` failed: its own line (an NVML error above, as it printed it).
+    #[error("{message}")]
+    NvmlHelperFailed { message: String },
+
+    #[error("cannot run {} to read the NVML inventory (it must be beside gpushare-runtime)", .helper.display())]
+    NvmlHelper {
+        helper: PathBuf,
+        #[source]
+        error: std::io::Error,
+    },
+
+    #[error("{} {}: its output is not an inventory: {reason}", .helper.display(), reader::NVML_SUBCOMMAND)]
+    NvmlHelperOutput { helper: PathBuf, reason: String },
 
     #[error("{key}={} is invalid: allowed is at least one device", quote(.value))]
     EmptyRequest { key: &'static str, value: String },

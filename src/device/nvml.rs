@@ -159,6 +159,7 @@ mod tests {
 
     #[test]
     fn nvml_without_driver_is_an_error_not_a_panic() {
+        crate::device::read_nvml_in_process();
         match load(&InventorySource::Nvml) {
             // A GPU machine: whatever NVML reports must be a valid inventory.
             Ok(inv) => inv.validate("nvml").expect("nvml inventory valid"),
