@@ -228,6 +228,9 @@ pub struct Env {
     /// The shared rootfs, bound read-only into this env's temp dir.
     pub rootfs: PathBuf,
     containers: std::sync::Mutex<Vec<String>>,
+    /// What every command `cmd` makes gets besides the config (`set_var`, `enter`).
+    vars: Vec<(String, std::ffi::OsString)>,
+    mount_ns: Option<u32>,
 }
 
 impl Env {
@@ -283,7 +286,35 @@ impl Env {
             runc_root,
             rootfs: own_rootfs,
             containers: Default::default(),
+            vars: Vec::new(),
+            mount_ns: None,
         }
+    }
+
+    /// Replaces the config's `inventory` (the test inventory file) with `source`, e.g.
+    /// `nvml`.
+    pub fn set_inventory(&self, source: &str) {
+        let text = std::fs::read_to_string(&self.config).unwrap();
+        let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
+        let line = lines
+            .iter_mut()
+            .find(|l| l.starts_with("inventory = "))
+            .expect("the generated config names an inventory");
+        *line = format!("inventory = {source:?}");
+        std::fs::write(&self.config, lines.join("\n") + "\n").unwrap();
+    }
+
+    /// Every command of this env (`cmd`: the shim, the CLI) gets `key=value` in its
+    /// environment, and so does runc, which the shim execs; runc's hooks do not (they get
+    /// the env their spec entry names).
+    pub fn set_var(&mut self, key: &str, value: impl Into<std::ffi::OsString>) {
+        self.vars.push((key.to_owned(), value.into()));
+    }
+
+    /// Every command of this env runs in `mounts`' mount namespace from now on (the env's
+    /// own mounts, made before, are in it too). The cleanup in `Drop` stays on the host.
+    pub fn enter(&mut self, mounts: &PrivateMounts) {
+        self.mount_ns = Some(mounts.holder_pid());
     }
 
     pub fn path(&self) -> &Path {
@@ -292,8 +323,18 @@ impl Env {
 
     /// A command for one of our binaries, configured for this env.
     pub fn cmd(&self, bin: &str) -> Command {
-        let mut c = Command::new(bin);
+        let mut c = match self.mount_ns {
+            Some(holder) => {
+                let mut c = Command::new(need("nsenter", "util-linux"));
+                c.arg(format!("--mount=/proc/{holder}/ns/mnt"))
+                    .arg("--")
+                    .arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        };
         c.env("GPUSHARE_CONFIG", &self.config);
+        c.envs(self.vars.iter().map(|(k, v)| (k, v)));
         c
     }
 
@@ -683,10 +724,16 @@ impl PrivateMounts {
     ];
 
     pub fn new() -> PrivateMounts {
-        let script = format!(
-            "for d in {}; do if [ -d \"$d\" ]; then mount -t tmpfs -o mode=0755 gs-engine \"$d\" || exit 1; fi; done; echo ready; exec sleep 3600",
+        PrivateMounts::with(&format!(
+            "for d in {}; do if [ -d \"$d\" ]; then mount -t tmpfs -o mode=0755 gs-engine \"$d\"; fi; done",
             Self::COVERED.join(" ")
-        );
+        ))
+    }
+
+    /// A mount namespace set up by the shell commands `setup` (run with `set -e`) instead
+    /// of the engines' tmpfs list.
+    pub fn with(setup: &str) -> PrivateMounts {
+        let script = format!("set -e\n{setup}\necho ready\nexec sleep 3600");
         let mut holder = Command::new(need("unshare", "util-linux"))
             .args(["--mount", "--propagation", "slave", "sh", "-c", &script])
             .stdin(Stdio::null())
@@ -699,11 +746,7 @@ impl PrivateMounts {
             &mut line,
         )
         .unwrap();
-        assert_eq!(
-            line.trim(),
-            "ready",
-            "the engine's mount namespace was not set up"
-        );
+        assert_eq!(line.trim(), "ready", "the mount namespace was not set up");
         PrivateMounts { holder }
     }
 

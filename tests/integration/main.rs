@@ -10,6 +10,7 @@ mod faults_found;
 mod faults_live;
 mod harness;
 mod modes;
+mod nvml;
 mod operator;
 mod security;
 mod tenant_daemon;

@@ -1,0 +1,168 @@
+/*
+ * A fake NVML: a test double for libnvidia-ml.so.1 on machines without an NVIDIA driver.
+ * NOT NVIDIA's library and no part of gpushare; tests/integration/nvml.rs compiles it
+ * (`cc -shared -fPIC`) into a test's temp dir and runs gpushare's binaries with
+ * LD_LIBRARY_PATH naming that dir, so that `inventory = "nvml"` runs end to end.
+ *
+ * It implements exactly the entry points that src/device/nvml.rs reaches through
+ * nvml-wrapper 0.13 for GPUs without MIG: nvml-wrapper resolves every symbol when it loads
+ * the library and fails only when a missing one is called, so anything else (the MIG
+ * device calls, nvmlErrorString, which the wrapper never calls) is left out on purpose.
+ * Signatures and return codes as in nvml.h (nvml-wrapper-sys 0.10's bindings).
+ *
+ * What it reports: driver 550.54.15 and two GPUs, both an "NVIDIA A30" with 24 GiB,
+ * compute capability 8.0, compute mode DEFAULT, MIG disabled, minors 0 and 1, with the
+ * UUIDs FAKE_GPU0 and FAKE_GPU1 in tests/integration/nvml.rs. With FAKE_NVML_FAIL_INIT=1
+ * in the environment nvmlInit_v2 fails with NVML_ERROR_DRIVER_NOT_LOADED.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+typedef int nvmlReturn_t;
+enum {
+    NVML_SUCCESS = 0,
+    NVML_ERROR_UNINITIALIZED = 1,
+    NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_INSUFFICIENT_SIZE = 7,
+    NVML_ERROR_DRIVER_NOT_LOADED = 9,
+};
+enum { NVML_COMPUTEMODE_DEFAULT = 0 };
+enum { NVML_DEVICE_MIG_DISABLE = 0 };
+
+/* nvmlMemory_v2_t; nvml-wrapper calls nvmlDeviceGetMemoryInfo_v2 with it. */
+typedef struct {
+    unsigned int version;
+    unsigned long long total;
+    unsigned long long reserved;
+    unsigned long long free;
+    unsigned long long used;
+} nvmlMemory_v2_t;
+
+struct fake_gpu {
+    const char *uuid;
+    const char *name;
+    unsigned int minor;
+};
+
+/* nvmlDevice_t is an opaque pointer: here, a pointer into this table. */
+typedef const struct fake_gpu *nvmlDevice_t;
+
+static const struct fake_gpu gpus[] = {
+    {"GPU-0fa4e000-0000-4000-8000-00000000a300", "NVIDIA A30", 0},
+    {"GPU-0fa4e000-0000-4000-8000-00000000a301", "NVIDIA A30", 1},
+};
+static const unsigned int gpu_count = sizeof(gpus) / sizeof(gpus[0]);
+static const unsigned long long memory_bytes = 24ULL << 30;
+static int initialised;
+
+static int known(nvmlDevice_t device) {
+    return device >= gpus && device < gpus + gpu_count;
+}
+
+/* Copies `s` into `buf` of `size` bytes, NUL included, as NVML's string getters do. */
+static nvmlReturn_t copy_string(const char *s, char *buf, unsigned int size) {
+    if (buf == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(s) + 1 > size)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    strcpy(buf, s);
+    return NVML_SUCCESS;
+}
+
+/* The checks every device getter starts with. */
+#define DEVICE_CALL(device, out)                 \
+    do {                                         \
+        if (!initialised)                        \
+            return NVML_ERROR_UNINITIALIZED;     \
+        if (!known(device) || (out) == NULL)     \
+            return NVML_ERROR_INVALID_ARGUMENT;  \
+    } while (0)
+
+nvmlReturn_t nvmlInit_v2(void) {
+    const char *fail = getenv("FAKE_NVML_FAIL_INIT");
+    if (fail != NULL && strcmp(fail, "1") == 0)
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+    initialised = 1;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlShutdown(void) {
+    if (!initialised)
+        return NVML_ERROR_UNINITIALIZED;
+    initialised = 0;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+    if (!initialised)
+        return NVML_ERROR_UNINITIALIZED;
+    return copy_string("550.54.15", version, length);
+}
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
+    if (!initialised)
+        return NVML_ERROR_UNINITIALIZED;
+    if (count == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *count = gpu_count;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
+    if (!initialised)
+        return NVML_ERROR_UNINITIALIZED;
+    if (index >= gpu_count || device == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *device = &gpus[index];
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+    DEVICE_CALL(device, uuid);
+    return copy_string(device->uuid, uuid, length);
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
+    DEVICE_CALL(device, name);
+    return copy_string(device->name, name, length);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    DEVICE_CALL(device, memory);
+    memory->total = memory_bytes;
+    memory->reserved = 0;
+    memory->used = 0;
+    memory->free = memory_bytes;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, int *mode) {
+    DEVICE_CALL(device, mode);
+    *mode = NVML_COMPUTEMODE_DEFAULT;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minor) {
+    DEVICE_CALL(device, minor);
+    *minor = device->minor;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor) {
+    DEVICE_CALL(device, major);
+    if (minor == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *major = 8;
+    *minor = 0;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current,
+                                  unsigned int *pending) {
+    DEVICE_CALL(device, current);
+    if (pending == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *current = NVML_DEVICE_MIG_DISABLE;
+    *pending = NVML_DEVICE_MIG_DISABLE;
+    return NVML_SUCCESS;
+}
