@@ -442,13 +442,35 @@ class Suite:
         self.pt_container = cid
         self.pt_pid = int((b / "pid").read_text())
 
+    def static_c(self, name, body):
+        """A static C program compiled into the work dir (the floors below), or None
+        without a C compiler."""
+        path = self.work / name
+        if path.exists():
+            return path
+        cc = shutil.which("cc") or shutil.which("gcc")
+        if not cc:
+            return None
+        src = self.work / f"{name}.c"
+        src.write_text("#include <unistd.h>\n" + body + "\n")
+        ok = subprocess.run([cc, "-O2", "-static", "-o", str(path), str(src)],
+                            stderr=subprocess.DEVNULL).returncode == 0
+        return path if ok else None
+
     def bench_decompose(self, rounds):
-        """Where the warm create's extra time goes: four variants of one create, rotated
-        per round. A = runc, plain bundle; H = runc on the bundle as gpushare-runtime
-        edited it (so runc runs the createRuntime hook and does the extra mounts);
-        M = the same edited bundle without its hooks (mounts and env only); B = the shim."""
-        print("[8] warm create decomposition (informational): A runc plain | M runc + gpushare's "
-              "mounts/env | H runc + mounts + hook | B shim + mounts + hook", flush=True)
+        """Where the warm request's extra time goes: five variants of one container, rotated
+        per round, each timed at create and at delete (where runc runs the poststop hook).
+        A = runc, plain bundle; H = runc on the bundle as gpushare-runtime edited it (so
+        runc runs the createRuntime and poststop hooks and does the extra mounts); M = the
+        same edited bundle without its hooks (mounts and env only); T = the edited bundle
+        with both hooks running a static C program that exits at once (the floor of any
+        two hooks: runc's fork, exec, state on stdin and wait); B = the shim."""
+        print("[8] warm request decomposition (informational): A runc plain | M runc + gpushare's "
+              "mounts/env | T M + two no-op static hooks | H runc + mounts + gpushare's hooks "
+              "| B shim + mounts + hooks", flush=True)
+        noop = self.static_c("noop-hook", "int main(void) { return 0; }")
+        if noop is None:
+            raise BenchError("[8] needs a C compiler (cc) for its no-op hook: apt-get install gcc")
         plain = self.request_spec(UID_WARM)
         # The shim's edit of this bundle, captured once (the shim execs `true` here).
         b = self.bundle("dz-edit", plain)
@@ -459,30 +481,45 @@ class Suite:
                        input=json.dumps({"id": "dz-edit", "annotations": edited["annotations"]}).encode())
         no_hooks = dict(edited)
         no_hooks.pop("hooks", None)
+        noop_hooks = json.loads(json.dumps(edited))
+        for stage in noop_hooks.get("hooks", {}).values():
+            for h in stage:
+                if Path(h["path"]).name == "gpushare":
+                    h["path"], h["args"] = str(noop), ["noop-hook"]
         variants = {"A": ("A", plain), "M": ("A", json.dumps(no_hooks).encode()),
+                    "T": ("A", json.dumps(noop_hooks).encode()),
                     "H": ("A", json.dumps(edited).encode()), "B": ("B", plain)}
         keys = list(variants)
-        s = {k: [] for k in keys}
+        s = {k: {"create": [], "delete": [], "both": []} for k in keys}
         for r in range(-1, rounds):
-            rot = keys[r % 4:] + keys[:r % 4]
+            rot = keys[r % len(keys):] + keys[:r % len(keys)]
             for k in rot:
                 side, spec_bytes = variants[k]
                 cid = f"d{r + 1}{k.lower()}"
                 b = self.bundle(cid, spec_bytes)
-                t = self.run(side, b, ["create", "--bundle", str(b), "--pid-file", str(b / "pid"), cid])
+                tc = self.run(side, b, ["create", "--bundle", str(b), "--pid-file", str(b / "pid"), cid])
                 self.run(side, b, ["start", cid], timed=False)
                 self.wait_exit(int((b / "pid").read_text()))
-                self.run(side, b, ["delete", cid], timed=False)
+                td = self.run(side, b, ["delete", cid])
                 if r >= 0:
-                    s[k].append(t)
-        med = {k: statistics.median(v) for k, v in s.items()}
-        self.results["decompose"] = {k: {"median_ms": ms(med[k]), "p10_ms": ms(pct(v, 10)),
-                                         "p90_ms": ms(pct(v, 90))} for k, v in s.items()}
+                    for p, v in (("create", tc), ("delete", td), ("both", tc + td)):
+                        s[k][p].append(v)
+        med = {k: {p: statistics.median(v) for p, v in d.items()} for k, d in s.items()}
+        self.results["decompose"] = {
+            k: {p: {"median_ms": ms(med[k][p]), "p10_ms": ms(pct(v, 10)), "p90_ms": ms(pct(v, 90)),
+                    "samples_ms": [ms(x) for x in v]} for p, v in d.items()}
+            for k, d in s.items()}
         for k in keys:
-            print(f"  {k}: create median {ms(med[k]):7.2f} ms [{ms(pct(s[k], 10)):6.2f}-{ms(pct(s[k], 90)):6.2f}]")
-        print(f"  mounts/env (M-A) {ms(med['M'] - med['A']):+.2f} ms, hook as run by runc (H-M) "
-              f"{ms(med['H'] - med['M']):+.2f} ms, shim (B-H) {ms(med['B'] - med['H']):+.2f} ms, "
-              f"total (B-A) {ms(med['B'] - med['A']):+.2f} ms", flush=True)
+            print(f"  {k}: create {ms(med[k]['create']):7.2f} ms [{ms(pct(s[k]['create'], 10)):6.2f}-"
+                  f"{ms(pct(s[k]['create'], 90)):6.2f}]  delete {ms(med[k]['delete']):6.2f} ms "
+                  f"[{ms(pct(s[k]['delete'], 10)):6.2f}-{ms(pct(s[k]['delete'], 90)):6.2f}]  "
+                  f"create + delete {ms(med[k]['both']):7.2f} ms")
+        for p in ("create", "delete", "both"):
+            m = {k: med[k][p] for k in keys}
+            print(f"  {p:<6}: mounts/env (M-A) {ms(m['M'] - m['A']):+.2f} ms, two no-op hooks as runc "
+                  f"runs them (T-M) {ms(m['T'] - m['M']):+.2f} ms, gpushare's hooks beyond that (H-T) "
+                  f"{ms(m['H'] - m['T']):+.2f} ms, shim (B-H) {ms(m['B'] - m['H']):+.2f} ms, total (B-A) "
+                  f"{ms(m['B'] - m['A']):+.2f} ms", flush=True)
 
     def bench_passthrough(self, rounds):
         print("[3] passthrough commands on a running container: runc vs gpushare-runtime", flush=True)
@@ -778,16 +815,11 @@ class Suite:
         g = ["--root", str(self.runc_root), "--log", str(self.work / "ov.json"), "--log-format", "json"]
         cost = {}
         # The floor of any exec-through shim: a static C program that only execs `true`.
-        cc = shutil.which("cc") or shutil.which("gcc")
-        if cc:
-            src = self.work / "floor.c"
-            src.write_text('#include <unistd.h>\nint main(int c, char **v, char **e) '
-                           '{ (void)c; execve("%s", v, e); return 127; }\n' % TRUE)
-            floor = self.work / "floor"
-            if subprocess.run([cc, "-O2", "-static", "-o", str(floor), str(src)],
-                              stderr=subprocess.DEVNULL).returncode == 0:
-                cost["floor"] = ab("own.floor: static C exec-through", [TRUE] + g + ["state", "pt"],
-                                   lambda d, _: [str(floor)] + g + ["state", "pt"], env_t)
+        floor = self.static_c("floor", 'int main(int c, char **v, char **e) '
+                              '{ (void)c; execve("%s", v, e); return 127; }' % TRUE)
+        if floor:
+            cost["floor"] = ab("own.floor: static C exec-through", [TRUE] + g + ["state", "pt"],
+                               lambda d, _: [str(floor)] + g + ["state", "pt"], env_t)
         else:
             print("  (no C compiler: the exec-through floor row is skipped)")
         cost["passthrough"] = ab("own.shim passthrough (state)", [TRUE] + g + ["state", "pt"],

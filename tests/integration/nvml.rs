@@ -193,3 +193,41 @@ fn a_create_fails_with_one_line_when_nvml_does_not_initialise() {
     );
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
 }
+
+/// The shim never loads NVML itself (it is static: src/device/reader.rs): it runs the
+/// `gpushare` beside it. A shim alone in a directory says which binary it could not run,
+/// on the create's one line, and leaves config.json untouched.
+#[test]
+fn the_shim_reads_nvml_through_the_gpushare_beside_it() {
+    let (env, _lib) = nvml_env();
+    let alone = env.path().join("alone");
+    std::fs::create_dir(&alone).unwrap();
+    let shim = alone.join("gpushare-runtime");
+    std::fs::copy(RUNTIME, &shim).unwrap();
+    let c = env.container("n2").uid(1000).device("1").bundle();
+    let before = c.config_bytes();
+    let status = env
+        .cmd(shim.to_str().unwrap())
+        .arg("--root")
+        .arg(&env.runc_root)
+        .arg("--log")
+        .arg(c.log())
+        .args(["--log-format", "json", "create", "--bundle"])
+        .arg(&c.bundle)
+        .arg("n2")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(status.status.code(), Some(1), "{}", text(&status));
+    let log = std::fs::read_to_string(c.log()).unwrap();
+    let want = format!(
+        "gpushare: cannot run {} to read the NVML inventory (it must be beside gpushare-runtime)",
+        alone.join("gpushare").display()
+    );
+    assert!(
+        log.lines().filter(|l| l.contains("\"error\"")).count() == 1 && log.contains(&want),
+        "want {want:?} in:\n{log}"
+    );
+    assert_eq!(c.config_bytes(), before, "config.json byte-identical");
+    assert!(env.daemon_ids().is_empty(), "{:?}", env.daemon_ids());
+}
