@@ -822,6 +822,21 @@ class Suite:
                                lambda d, _: [str(floor)] + g + ["state", "pt"], env_t)
         else:
             print("  (no C compiler: the exec-through floor row is skipped)")
+        # The floor of the shim's kind: a Rust program linked as the shim is (static-pie,
+        # panic=abort, opt-level 3) whose main only execs, std's runtime start included.
+        rust_floor = self.work / "floor-rust"
+        (self.work / "floor-rust.rs").write_text(
+            "use std::os::unix::process::CommandExt;\n"
+            "fn main() {\n"
+            "    let _ = std::process::Command::new(%s).args(std::env::args_os().skip(1)).exec();\n"
+            "    std::process::exit(127);\n}\n" % json.dumps(str(TRUE)))
+        if subprocess.run(["rustc", "--edition", "2021", "-C", "opt-level=3", "-C", "panic=abort",
+                           "-C", "target-feature=+crt-static", "-o", str(rust_floor),
+                           str(self.work / "floor-rust.rs")], stderr=subprocess.DEVNULL).returncode == 0:
+            cost["floor_rust"] = ab("own.floor: Rust static-pie exec-through", [TRUE] + g + ["state", "pt"],
+                                    lambda d, _: [str(rust_floor)] + g + ["state", "pt"], env_t)
+        else:
+            print("  (rustc could not build the Rust floor: its row is skipped)")
         cost["passthrough"] = ab("own.shim passthrough (state)", [TRUE] + g + ["state", "pt"],
                                  lambda d, _: [str(d / "gpushare-runtime")] + g + ["state", "pt"], env_t)
         b0 = self.bundle("ov0", self.spec(["true"]))
@@ -863,10 +878,14 @@ class Suite:
               ", ".join(f"{k} {v:.0f} us" for k, v in cost.items()), flush=True)
         if "floor" in cost:
             print("  own cost as a multiple of the floor: " + ", ".join(
-                f"{k} {v / cost['floor']:.2f}x" for k, v in cost.items() if k != "floor")
+                f"{k} {v / cost['floor']:.2f}x" for k, v in cost.items() if k not in ("floor", "floor_rust"))
                 + ("; old build: " + ", ".join(
                     f"{k} {self.results[name]['old_own_cost_us'] / cost['floor']:.2f}x"
                     for k, name in OWN_ROWS.items()) if self.args.old else ""), flush=True)
+        if "floor_rust" in cost:
+            print("  own cost as a multiple of the Rust static-pie floor: " + ", ".join(
+                f"{k} {v / cost['floor_rust']:.2f}x" for k, v in cost.items()
+                if k not in ("floor", "floor_rust")), flush=True)
         pt = self.results.get("passthrough.state")
         if pt:
             runc_ms = pt["A"]["median_ms"]

@@ -116,10 +116,15 @@ fn wait_ready(
         }
         Ok(None)
     };
+    // One waiter per identity (the lock is held), so the pauses can be short: the
+    // record turns ready ~11 ms after the spawn with the simulator and ~90 ms with
+    // NVIDIA's daemon, and a 10 ms cap let the create notice it 5.8 ms late (median, the
+    // cold start's "hook: sees ready" part, BENCHMARKS.md); with 1 ms, under 1 ms late,
+    // for about one record read (~30 us) per ms of the start.
     let ready = poll_until(
         deadline,
-        Duration::from_micros(500),
-        Duration::from_millis(10),
+        Duration::from_micros(250),
+        Duration::from_millis(1),
         || look().transpose(),
     );
     ready.unwrap_or_else(|| {
