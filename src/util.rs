@@ -110,6 +110,31 @@ pub(crate) fn unix_now() -> u64 {
 /// Writes `data` to `path` atomically: a temp file in the same directory, fsync, rename,
 /// fsync of the directory. The temp file is created with O_EXCL, never follows a link,
 /// and gets `mode` before any byte is written.
+/// The bytes of the regular file at `path`, read without following a link in its last
+/// component (O_NOFOLLOW; ELOOP for a link) and without blocking on a FIFO (O_NONBLOCK),
+/// refusing anything but a regular file and more than `max` bytes (EFBIG). For gpushare's
+/// own records: a link or a FIFO planted in their place is an error, never followed.
+pub(crate) fn read_regular(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(std::io::Error::from_raw_os_error(nix::libc::EINVAL));
+    }
+    if meta.len() > max {
+        return Err(std::io::Error::from_raw_os_error(nix::libc::EFBIG));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(max + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(std::io::Error::from_raw_os_error(nix::libc::EFBIG));
+    }
+    Ok(bytes)
+}
+
 pub(crate) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> std::io::Result<()> {
     write_atomic_with(path, data, mode, true)
 }
@@ -402,6 +427,34 @@ pub(crate) fn one_line(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn read_regular_reads_files_and_refuses_links_fifos_and_oversize() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("r.json");
+        std::fs::write(&file, b"{}").unwrap();
+        assert_eq!(read_regular(&file, 2).unwrap(), b"{}");
+        assert_eq!(
+            read_regular(&file, 1).unwrap_err().raw_os_error(),
+            Some(nix::libc::EFBIG)
+        );
+        let link = dir.path().join("l.json");
+        std::os::unix::fs::symlink(&file, &link).unwrap();
+        assert_eq!(
+            read_regular(&link, 64).unwrap_err().raw_os_error(),
+            Some(nix::libc::ELOOP),
+            "a link is never followed"
+        );
+        let fifo = dir.path().join("f.json");
+        nix::unistd::mkfifo(&fifo, Mode::from_bits_truncate(0o600)).unwrap();
+        assert_eq!(
+            read_regular(&fifo, 64).unwrap_err().raw_os_error(),
+            Some(nix::libc::EINVAL),
+            "a FIFO is refused without blocking"
+        );
+        assert!(read_regular(&dir.path().join("absent"), 64)
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound));
+    }
 
     #[test]
     fn wait_or_kill_waits_for_an_exit_and_kills_past_the_grace() {

@@ -15,6 +15,9 @@ use super::{io, StateDir, StateError};
 use crate::identity::Identity;
 use crate::util;
 
+/// A daemon or container record larger than this is not read (a record is under 4 KiB).
+pub(super) const MAX_RECORD_BYTES: u64 = 1 << 20;
+
 fn serialise(path: &Path) -> impl FnOnce(serde_json::Error) -> StateError + '_ {
     move |source| StateError::Serialise {
         path: path.to_owned(),
@@ -165,7 +168,7 @@ impl StateDir {
     pub(crate) fn read_record(&self, id: &str) -> Result<Option<DaemonRecord>, StateError> {
         Self::check_id(id)?;
         let path = self.record_path(id);
-        let bytes = match std::fs::read(&path) {
+        let bytes = match util::read_regular(&path, MAX_RECORD_BYTES) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io("read", &path)(e)),
@@ -243,7 +246,7 @@ impl StateDir {
             if !name.ends_with(".json") || name.starts_with('.') {
                 continue;
             }
-            if let Ok(bytes) = std::fs::read(entry.path()) {
+            if let Ok(bytes) = util::read_regular(&entry.path(), MAX_RECORD_BYTES) {
                 if let Ok(rec) = serde_json::from_slice::<ContainerRecord>(&bytes) {
                     out.push(rec);
                 }

@@ -9,7 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::record::ContainerRecord;
+use super::record::{ContainerRecord, MAX_RECORD_BYTES};
 use super::skeleton::mounted_in;
 use super::{io, StateDir, StateError};
 use crate::util;
@@ -83,7 +83,7 @@ impl StateDir {
         let late = std::fs::read_dir(tomb.join("containers"))
             .map(|d| {
                 d.flatten()
-                    .filter_map(|e| std::fs::read(e.path()).ok())
+                    .filter_map(|e| util::read_regular(&e.path(), MAX_RECORD_BYTES).ok())
                     .filter_map(|b| serde_json::from_slice::<ContainerRecord>(&b).ok())
                     .any(|r| r.live(pending_grace))
             })
