@@ -79,6 +79,25 @@ BUSYBOX = next(p for p in ("/bin/busybox", "/usr/bin/busybox") if os.path.exists
 TRUE = which("true")
 
 
+def installed_copy(linked, path):
+    """`linked` copied to `path` as a package manager writes a file, and the copy's path.
+    Every program a benchmark execs is such a copy (scripts/bench copies gpushare's
+    binaries too): on this machine's kernel a file just written by the linker takes ~10
+    more page faults per exec than a copy of it (ext4 page-cache folios), ~250 us, which
+    would count against whichever side was linked last (BENCHMARKS.md, "Method")."""
+    shutil.copyfile(linked, path)
+    os.chmod(path, 0o755)
+    return path
+
+
+def drop_bin_copies():
+    """Removes the binaries' copies scripts/bench made for this run (it execs the driver,
+    so the driver removes them: GPUSHARE_BENCH_BIN_TEMP names that directory)."""
+    temp = os.environ.get("GPUSHARE_BENCH_BIN_TEMP")
+    if temp and Path(temp) == REL and REL.name.startswith("gsbin."):
+        shutil.rmtree(REL, ignore_errors=True)
+
+
 def pct(xs, p):
     """Percentile with linear interpolation between closest ranks (numpy's default)."""
     s = sorted(xs)
@@ -453,9 +472,11 @@ class Suite:
             return None
         src = self.work / f"{name}.c"
         src.write_text("#include <unistd.h>\n" + body + "\n")
-        ok = subprocess.run([cc, "-O2", "-static", "-o", str(path), str(src)],
-                            stderr=subprocess.DEVNULL).returncode == 0
-        return path if ok else None
+        linked = self.work / f"{name}.ld"
+        if subprocess.run([cc, "-O2", "-static", "-o", str(linked), str(src)],
+                          stderr=subprocess.DEVNULL).returncode != 0:
+            return None
+        return installed_copy(linked, path)
 
     def bench_decompose(self, rounds):
         """Where the warm request's extra time goes: five variants of one container, rotated
@@ -745,7 +766,12 @@ class Suite:
         env_t = dict(self.env, GPUSHARE_CONFIG=str(self.cfg_rss))
         builds = {"B": REL}
         if self.args.old:
-            builds["C"] = Path(self.args.old)
+            # Copies, as scripts/bench makes of this build's binaries (installed_copy).
+            old = self.work / "old-bin"
+            old.mkdir(exist_ok=True)
+            for name in ("gpushare", "gpushare-runtime"):
+                installed_copy(Path(self.args.old) / name, old / name)
+            builds["C"] = old
 
         def timed(argv, env, data=None):
             self.pre()
@@ -824,7 +850,7 @@ class Suite:
             print("  (no C compiler: the exec-through floor row is skipped)")
         # The floor of the shim's kind: a Rust program linked as the shim is (static-pie,
         # panic=abort, opt-level 3) whose main only execs, std's runtime start included.
-        rust_floor = self.work / "floor-rust"
+        rust_floor = self.work / "floor-rust.ld"
         (self.work / "floor-rust.rs").write_text(
             "use std::os::unix::process::CommandExt;\n"
             "fn main() {\n"
@@ -833,6 +859,7 @@ class Suite:
         if subprocess.run(["rustc", "--edition", "2021", "-C", "opt-level=3", "-C", "panic=abort",
                            "-C", "target-feature=+crt-static", "-o", str(rust_floor),
                            str(self.work / "floor-rust.rs")], stderr=subprocess.DEVNULL).returncode == 0:
+            rust_floor = installed_copy(rust_floor, self.work / "floor-rust")
             cost["floor_rust"] = ab("own.floor: Rust static-pie exec-through", [TRUE] + g + ["state", "pt"],
                                     lambda d, _: [str(rust_floor)] + g + ["state", "pt"], env_t)
         else:
@@ -1374,6 +1401,7 @@ def main():
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, signal.SIG_IGN)
         suite.cleanup()
+        drop_bin_copies()
     return code
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 # (importing it finds runc and busybox, which the engines need too).
 sys.dont_write_bytecode = True  # no scripts/__pycache__ in the checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import GPU0, GPUSHARE, REPO, RUNTIME, SIM, BenchError, pct  # noqa: E402
+from bench import GPU0, GPUSHARE, REPO, RUNTIME, SIM, BenchError, drop_bin_copies, pct  # noqa: E402
 
 COVERED = ["/run", "/etc/docker", "/etc/cni", "/var/lib", "/var/cache", "/opt"]
 T_ENGINE = 1.02  # issue 16: <= 1.02 x the median at each engine level
@@ -346,6 +346,7 @@ def main():
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, signal.SIG_IGN)
         suite.cleanup()
+        drop_bin_copies()
     return code
 
 
