@@ -48,9 +48,13 @@ pub(super) fn nvml() -> Result<Inventory, DeviceError> {
 }
 
 fn through_helper() -> Result<Inventory, DeviceError> {
+    // Beside this binary, as the hooks the shim injects; never looked up on PATH.
     let helper = std::env::current_exe()
         .map(|exe| exe.with_file_name("gpushare"))
-        .unwrap_or_else(|_| PathBuf::from("gpushare"));
+        .map_err(|error| DeviceError::NvmlHelper {
+            helper: PathBuf::from("gpushare"),
+            error,
+        })?;
     let out = Command::new(&helper)
         .arg(NVML_SUBCOMMAND)
         .stdin(Stdio::null())
