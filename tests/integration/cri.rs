@@ -174,6 +174,9 @@ struct ContainerSpec<'a> {
     devices: &'a [&'a str],
 }
 
+/// gpushare's line for a pod annotated `gpushare.io/active-thread-percentage=101`.
+const BAD_PERCENTAGE_LINE: &str = "gpushare: gpushare.io/active-thread-percentage=\"101\" is invalid: allowed is an integer from 1 to 100";
+
 /// A private containerd with the CRI plugin, in its own mount namespace.
 struct Node<'e> {
     env: &'e Env,
@@ -473,6 +476,15 @@ impl<'e> Node<'e> {
     fn run(&self, pod: &Pod, c: &ContainerSpec) -> String {
         self.try_run(pod, c)
             .unwrap_or_else(|e| panic!("container {}: {e}\n{}", c.name, self.log_text()))
+    }
+
+    /// A container whose request is bad: its start fails with gpushare's one `line` in
+    /// the CRI error, and no daemon appears for it.
+    fn refuse(&self, pod: &Pod, c: &ContainerSpec, line: &str) {
+        let daemons = self.env.daemon_ids();
+        let err = self.try_run(pod, c).expect_err("a bad request must fail");
+        assert!(err.message.contains(line), "want {line:?} in: {err}");
+        assert_eq!(self.env.daemon_ids(), daemons, "no daemon is started");
     }
 
     /// The container's output so far (CRI log lines `<time> <stream> <tag> <text>`).
@@ -897,14 +909,10 @@ fn cri_plain_pods_pass_through_and_a_bad_request_fails_the_container_with_gpusha
         ],
         ..Default::default()
     };
-    let err = node
-        .try_run(&plain, &c)
-        .expect_err("a bad request must fail");
-    assert!(
-        err.message.contains(
-            "gpushare: GPUSHARE_ACTIVE_THREAD_PERCENTAGE=\"101\" is invalid: allowed is an integer from 1 to 100"
-        ),
-        "{err}"
+    node.refuse(
+        &plain,
+        &c,
+        "gpushare: GPUSHARE_ACTIVE_THREAD_PERCENTAGE=\"101\" is invalid: allowed is an integer from 1 to 100",
     );
     assert_eq!(
         env.daemon_ids(),
@@ -985,14 +993,8 @@ fn cri_sandboxes_are_never_requests() {
         ],
         run_as_user: Some(1000),
     });
-    let err = node.try_run(&bad, &c).expect_err("a bad request must fail");
-    assert!(
-        err.message.contains(
-            "gpushare: gpushare.io/active-thread-percentage=\"101\" is invalid: allowed is an integer from 1 to 100"
-        ),
-        "{err}"
-    );
-    assert_eq!(env.daemon_ids(), daemons, "no daemon is started");
+    node.refuse(&bad, &c, BAD_PERCENTAGE_LINE);
+    assert_eq!(env.daemon_ids(), daemons, "nor for its sandbox");
 }
 
 /// deploy/node-installer.sh, as the DaemonSet runs it, against a fake host root
@@ -1406,13 +1408,7 @@ fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
         run_as_user: Some(3000),
         ..Default::default()
     };
-    let err = node.try_run(&bad, &c).expect_err("a bad request must fail");
-    assert!(
-        err.message.contains(
-            "gpushare: gpushare.io/active-thread-percentage=\"101\" is invalid: allowed is an integer from 1 to 100"
-        ),
-        "{err}"
-    );
+    node.refuse(&bad, &c, BAD_PERCENTAGE_LINE);
     assert_eq!(env.daemon_ids(), ids, "no daemon for the bad request");
 }
 
