@@ -98,6 +98,32 @@ def drop_bin_copies():
         shutil.rmtree(REL, ignore_errors=True)
 
 
+def drive(name, suite, run):
+    """The frame of a benchmark driver (this one and bench_engines.py): SIGINT, SIGTERM
+    and SIGHUP interrupt `run()`, and whatever happens `suite.cleanup()` runs and the
+    binaries' copies go. Exit code: 0, 2 when a benchmark failed, 130 when interrupted."""
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, on_signal)
+    code = 0
+    try:
+        run()
+    except BenchError as e:
+        print(f"{name}: FAILED: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt as e:
+        print(f"{name}: interrupted ({e}); cleaning up", file=sys.stderr)
+        code = 130
+    finally:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        suite.cleanup()
+        drop_bin_copies()
+    return code
+
+
 def pct(xs, p):
     """Percentile with linear interpolation between closest ranks (numpy's default)."""
     s = sorted(xs)
@@ -1336,14 +1362,7 @@ def main():
 
     suite = Suite(args)
 
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, on_signal)
-
-    code = 0
-    try:
+    def run():
         info = suite.machine()
         print(f"scripts/bench: {info['date']}  nproc={info['nproc']}  cpu={info['cpu']}  "
               f"kernel={info['kernel']}  {info['runc']}  {info['rustc']}  load={' '.join(info['loadavg'])}")
@@ -1391,18 +1410,8 @@ def main():
                 "verdicts": [{"name": n, "value": v, "target": t, "pass": ok}
                              for n, v, t, ok in suite.verdicts]}, indent=1))
             print(f"scripts/bench: wrote {args.json}")
-    except BenchError as e:
-        print(f"scripts/bench: FAILED: {e}", file=sys.stderr)
-        code = 2
-    except KeyboardInterrupt as e:
-        print(f"scripts/bench: interrupted ({e}); cleaning up", file=sys.stderr)
-        code = 130
-    finally:
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_IGN)
-        suite.cleanup()
-        drop_bin_copies()
-    return code
+
+    return drive("scripts/bench", suite, run)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from pathlib import Path
 # (importing it finds runc and busybox, which the engines need too).
 sys.dont_write_bytecode = True  # no scripts/__pycache__ in the checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import GPU0, GPUSHARE, REPO, RUNTIME, SIM, BenchError, drop_bin_copies, pct  # noqa: E402
+from bench import GPU0, GPUSHARE, REPO, RUNTIME, SIM, BenchError, drive, pct  # noqa: E402
 
 COVERED = ["/run", "/etc/docker", "/etc/cni", "/var/lib", "/var/cache", "/opt"]
 T_ENGINE = 1.02  # issue 16: <= 1.02 x the median at each engine level
@@ -315,13 +315,7 @@ def main():
     args = ap.parse_args()
     suite = Engines(args)
 
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, on_signal)
-    code = 0
-    try:
+    def run():
         print(f"bench-engines: {time.strftime('%Y-%m-%d %H:%M:%S %z')} nproc={os.cpu_count()} "
               f"load={' '.join(open('/proc/loadavg').read().split()[:3])} work dir {suite.work}",
               flush=True)
@@ -336,18 +330,8 @@ def main():
         print(f"bench-engines: load at end {' '.join(open('/proc/loadavg').read().split()[:3])}")
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), "results": suite.results}, indent=1))
-    except BenchError as e:
-        print(f"bench-engines: FAILED: {e}", file=sys.stderr)
-        code = 2
-    except KeyboardInterrupt as e:
-        print(f"bench-engines: interrupted ({e}); cleaning up", file=sys.stderr)
-        code = 130
-    finally:
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_IGN)
-        suite.cleanup()
-        drop_bin_copies()
-    return code
+
+    return drive("bench-engines", suite, run)
 
 
 if __name__ == "__main__":
