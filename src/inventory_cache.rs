@@ -20,7 +20,6 @@
 //! only when that directory exists; a cache that cannot be read or written is never an
 //! error — the create loads from NVML as before. `doctor` and `status` never use it.
 
-use std::io::Read;
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -102,19 +101,8 @@ fn cached(
 }
 
 fn read(path: &Path) -> Option<CacheFile> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
-        .open(path)
-        .ok()?;
-    let meta = file.metadata().ok()?;
-    if !meta.is_file() || meta.len() > MAX_CACHE_BYTES {
-        return None;
-    }
-    let mut text = String::new();
-    file.take(MAX_CACHE_BYTES).read_to_string(&mut text).ok()?;
-    serde_json::from_str(&text).ok()
+    let bytes = crate::util::read_regular(path, MAX_CACHE_BYTES).ok()?;
+    serde_json::from_slice(&bytes).ok()
 }
 
 /// Replaces the cache whole (`util::write_atomic_with`, no fsync: a cache lost in a crash
