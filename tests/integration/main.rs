@@ -5,6 +5,7 @@ mod allocated;
 mod core_path;
 mod cri;
 mod cri_api;
+mod docs;
 mod engines;
 mod faults_found;
 mod faults_live;

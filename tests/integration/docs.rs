@@ -1,0 +1,97 @@
+//! SECURITY.md names the test behind every claim (`module::test` for the tests in this
+//! directory, `module::tests::test` for a library module's unit tests): each name must
+//! lead to a function that exists, so a renamed or deleted test cannot leave a claim
+//! that nothing backs.
+
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Every `` `a::b` `` and `` `a::b::c` `` span of lowercase words in `text`. A span that is
+/// not such a path may still close on a backtick that opens one, so each backtick is
+/// tried as an opening.
+fn named_paths(text: &str) -> Vec<String> {
+    let is_path = |s: &str| {
+        s.contains("::")
+            && s.split("::").all(|w| {
+                !w.is_empty()
+                    && w.bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+            })
+    };
+    let mut found = Vec::new();
+    let mut rest = text;
+    while let Some(open) = rest.find('`') {
+        rest = &rest[open + 1..];
+        let Some(close) = rest.find('`') else { break };
+        if is_path(&rest[..close]) {
+            found.push(rest[..close].to_owned());
+            rest = &rest[close + 1..];
+        }
+    }
+    found
+}
+
+/// The source files that can hold library module `module`: `src/**/<module>.rs` and
+/// `src/**/<module>/*.rs`.
+fn library_files(dir: &Path, module: &str, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if path.is_dir() {
+            if name == module {
+                for f in std::fs::read_dir(&path).unwrap().flatten() {
+                    if f.path().extension().is_some_and(|e| e == "rs") {
+                        out.push(f.path());
+                    }
+                }
+            }
+            library_files(&path, module, out);
+        } else if name == format!("{module}.rs") {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn every_test_security_md_names_exists() {
+    let root = root();
+    let text = std::fs::read_to_string(root.join("SECURITY.md")).unwrap();
+    let names = named_paths(&text);
+    assert!(
+        names.len() > 20,
+        "SECURITY.md names only {} tests",
+        names.len()
+    );
+    let mut missing = Vec::new();
+    for name in &names {
+        let parts: Vec<&str> = name.split("::").collect();
+        let (module, item) = (parts[0], parts[parts.len() - 1]);
+        let integration = root.join("tests/integration").join(format!("{module}.rs"));
+        let mut files = Vec::new();
+        if integration.is_file() && parts.len() == 2 {
+            files.push(integration);
+        } else {
+            library_files(&root.join("src"), module, &mut files);
+        }
+        let wanted = if item == "tests" {
+            "mod tests".to_owned()
+        } else {
+            format!("fn {item}(")
+        };
+        let found = files.iter().any(|f| {
+            std::fs::read_to_string(f)
+                .unwrap_or_default()
+                .contains(&wanted)
+        });
+        if !found {
+            missing.push(name.clone());
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "SECURITY.md names tests that do not exist: {missing:?}"
+    );
+}
