@@ -30,10 +30,12 @@
 //! racing a create, and the tombstones a crash leaves).
 
 mod lock;
+mod reclaim;
 mod record;
 mod remove;
 mod skeleton;
 
+pub(crate) use reclaim::Abandoned;
 pub use record::{valid_container_id, ContainerRecord, DaemonRecord, DaemonStatus, ProcRef};
 pub(crate) use skeleton::{Budget, Owner};
 
@@ -82,13 +84,15 @@ pub enum StateError {
         #[source]
         source: serde_json::Error,
     },
-    #[error("cannot start another MPS daemon {scope}: {key} = {cap} reached ({count} daemons); stopped daemons free their place (gpushare daemon list / gc), or raise it in {config}")]
+    #[error("cannot start another MPS daemon {scope}: {key} = {cap} {why}; their containers free their place when they end (gpushare status), or raise it in {config}")]
     DaemonCap {
         /// `for uid 1000`, `on this node`.
         scope: String,
         key: &'static str,
-        cap: u32,
-        count: usize,
+        /// The cap as configured: `64`, `8 GiB`.
+        cap: String,
+        /// `reached (64 daemons, none idle)`.
+        why: String,
         config: PathBuf,
     },
 }

@@ -269,7 +269,7 @@ fn daemons_are_capped_per_uid_and_per_node() {
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(
         third.last_error(),
-        format!("gpushare: cannot start another MPS daemon for uid 1000: mps.max-daemons-per-uid = 2 reached (2 daemons); stopped daemons free their place (gpushare daemon list / gc), or raise it in {config}")
+        format!("gpushare: cannot start another MPS daemon for uid 1000: mps.max-daemons-per-uid = 2 reached (2 daemons, none idle); their containers free their place when they end (gpushare status), or raise it in {config}")
     );
     assert_eq!(third.config_bytes(), before, "config.json untouched");
     assert_eq!(env.daemon_ids().len(), 2, "no third daemon directory");
@@ -291,7 +291,7 @@ fn daemons_are_capped_per_uid_and_per_node() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(
-        text(&out.stderr).contains("mps.max-daemons-per-uid = 2 reached (2 daemons)"),
+        text(&out.stderr).contains("mps.max-daemons-per-uid = 2 reached (2 daemons, none idle)"),
         "{}",
         text(&out.stderr)
     );
@@ -334,7 +334,7 @@ fn daemons_are_capped_per_uid_and_per_node() {
     assert_eq!(third.try_create().status.code(), Some(1));
     assert_eq!(
         third.last_error(),
-        format!("gpushare: cannot start another MPS daemon on this node: mps.max-daemons = 2 reached (2 daemons); stopped daemons free their place (gpushare daemon list / gc), or raise it in {config}")
+        format!("gpushare: cannot start another MPS daemon on this node: mps.max-daemons = 2 reached (2 daemons, none idle); their containers free their place when they end (gpushare status), or raise it in {config}")
     );
     assert_eq!(third.config_bytes(), before);
     assert_eq!(env.daemon_ids().len(), 2);
