@@ -6,9 +6,11 @@
 //! mode and for `gpushare daemon start`) starts `gpushare daemon reap --id <id>` the way
 //! the supervisor is started: stdio on /dev/null, an explicit environment, its own
 //! session, no inherited fds. It looks at the directory every few milliseconds
-//! (`StateDir::reclaim_abandoned`) and exits as soon as a supervisor runs the daemon
-//! (the create worked), the directory is gone, or it has removed it (nothing uses it: the
-//! pending create's creator, runc, has exited and no hook took it over).
+//! (`StateDir::reclaim_abandoned`) and exits as soon as a supervisor runs the daemon or
+//! the daemon was ready once (the create worked: from then on the directory is the
+//! supervisor's, and `gc`'s if that one crashes), the directory is gone, or it has
+//! removed it (nothing uses it: the pending create's creator, runc, has exited and no
+//! hook took it over, or the daemon never got ready).
 //! Invariants: it never waits for a lock (a create holding the identity's lock is looked
 //! at again later); it lives at most `mps.pending-grace` (the longest a pending create
 //! may keep a directory in use) plus one look; it removes only through
@@ -53,6 +55,17 @@ pub(crate) fn run(cfg: &Config, id: &str) -> anyhow::Result<Abandoned> {
     let grace = cfg.mps.pending_grace();
     let mut last = Abandoned::Busy;
     poll_looks(Instant::now() + grace, || {
+        // A daemon that was ready once belongs to its supervisor (and to `gc` if that
+        // one crashes): the create worked, whenever this reaper got to look.
+        if state
+            .read_record(id)
+            .ok()
+            .flatten()
+            .is_some_and(|r| r.ready_at.is_some())
+        {
+            last = Abandoned::Supervised;
+            return Ok(true);
+        }
         last = state.reclaim_abandoned(id, grace.as_secs())?;
         Ok(!matches!(last, Abandoned::Busy | Abandoned::InUse))
     })?;

@@ -314,9 +314,10 @@ impl StateDir {
     }
 
     /// Takes back places among the daemons `cap` counts until it admits one more: first
-    /// abandoned directories (no supervisor, no live container), then idle daemons (a
-    /// supervisor, no live container), the longest idle first (by when their container
-    /// records last changed). A daemon in use, or whose lock another process holds, stays.
+    /// every abandoned directory (no supervisor, no live container: nobody loses
+    /// anything), then idle daemons (a supervisor, no live container), the longest idle
+    /// first (by when their container records last changed), only as many as needed. A
+    /// daemon in use, or whose lock another process holds, stays.
     fn make_room(&self, slots: &mut Vec<Slot>, cap: &Cap, budget: &Budget) {
         let counted: Vec<String> = slots
             .iter()
@@ -329,9 +330,6 @@ impl StateDir {
                 Ok(Abandoned::Reclaimed | Abandoned::Gone) => {
                     tracing::info!(daemon = %id, cap = cap.key, "abandoned daemon directory removed to make room");
                     take(slots, id);
-                    if cap.admits(slots) {
-                        return;
-                    }
                 }
                 Ok(_) => {}
                 Err(e) => {
@@ -339,10 +337,17 @@ impl StateDir {
                 }
             }
         }
+        // When its container records last changed; unknown sorts last.
+        if cap.admits(slots) {
+            return;
+        }
         let idle_since = |id: &String| {
-            std::fs::symlink_metadata(self.containers_dir(id)).map_or(i64::MAX, |m| m.mtime())
+            let since = std::fs::symlink_metadata(self.containers_dir(id))
+                .and_then(|m| m.modified())
+                .ok();
+            (since.is_none(), since)
         };
-        let mut idle: Vec<(i64, &String)> = counted
+        let mut idle: Vec<_> = counted
             .iter()
             .filter(|id| slots.iter().any(|s| &s.id == *id))
             .map(|id| (idle_since(id), id))
@@ -548,8 +553,8 @@ mod tests {
             }
         ));
         assert!(!state.daemon_dir(new).exists(), "nothing made");
-        // Once their creates are gone, the three are abandoned: the first two taken back
-        // make room under the node cap.
+        // Once their creates are gone, the three are abandoned: a full cap takes back
+        // every abandoned directory it counts.
         for id in [
             "0000000000000000000000000000000a",
             "0000000000000000000000000000000b",
@@ -559,11 +564,7 @@ mod tests {
         }
         let _node = state.lock_node(Instant::now()).unwrap();
         state.check_caps(euid, true, &budget(3, 8)).unwrap();
-        assert_eq!(
-            state.daemon_ids().unwrap().len(),
-            2,
-            "one abandoned directory taken back was enough"
-        );
+        assert!(state.daemon_ids().unwrap().is_empty());
         assert!(state.node_lock_path().exists());
         assert_ne!(state.node_lock_path(), state.lock_path(new));
     }
