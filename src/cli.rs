@@ -176,6 +176,13 @@ enum DaemonCommand {
         #[arg(long)]
         id: String,
     },
+    /// Remove a new daemon's directory if its create fails (started by whoever made it;
+    /// not for interactive use).
+    #[command(hide = true)]
+    Reap {
+        #[arg(long)]
+        id: String,
+    },
 }
 
 fn load_config() -> Result<Config, i32> {
@@ -245,7 +252,7 @@ pub fn main() -> i32 {
         return hook(stage);
     }
     if let Command::Daemon {
-        command: DaemonCommand::Supervise { .. },
+        command: DaemonCommand::Supervise { .. } | DaemonCommand::Reap { .. },
     } = &cli.command
     {
         // Nothing inherited may stay open in a long-lived daemon; detach before opening
@@ -389,6 +396,23 @@ fn daemon(cfg: &Config, command: DaemonCommand) -> i32 {
             None,
         )),
         DaemonCommand::Supervise { id } => supervise(cfg, &id),
+        DaemonCommand::Reap { id } => reap(cfg, &id),
+    }
+}
+
+/// `gpushare daemon reap --id`: the reaper, already detached; errors go to the log only.
+fn reap(cfg: &Config, id: &str) -> i32 {
+    if !crate::identity::valid_id(id) {
+        return 2;
+    }
+    let span = tracing::info_span!("reaper", daemon = %id);
+    let _enter = span.enter();
+    match crate::mps::reaper::run(cfg, id) {
+        Ok(_) => 0,
+        Err(e) => {
+            tracing::error!("reaper: {e:#}");
+            1
+        }
     }
 }
 

@@ -85,6 +85,18 @@ impl ShmSize {
             ShmSize::Bytes(b) => b.to_string(),
         }
     }
+
+    /// The size in bytes: a percentage of the node's physical memory as tmpfs reckons it
+    /// (`size=N%` is N % of the RAM the kernel counts), in whole pages.
+    pub(crate) fn bytes(&self) -> u64 {
+        match self {
+            ShmSize::Percent(p) => {
+                let ram = nix::sys::sysinfo::sysinfo().map_or(0, |i| i.ram_total());
+                (ram / 4096 * u64::from(*p) / 100) * 4096
+            }
+            ShmSize::Bytes(b) => *b,
+        }
+    }
 }
 
 /// The validated configuration.
@@ -119,6 +131,10 @@ pub struct MpsConfig {
     pub container_pipe_dir: PathBuf,
     pub container_log_dir: Option<PathBuf>,
     pub shm_size: ShmSize,
+    /// Bounds on the sum of the shm tmpfs sizes of one host UID's daemons, and of every
+    /// daemon on the node (`None`: no bound), counted when a new daemon is admitted.
+    pub shm_size_per_uid: Option<ShmSize>,
+    pub shm_size_total: Option<ShmSize>,
     pub start_timeout: Duration,
     pub idle_timeout: Duration,
     pub default_active_thread_percentage: Option<u8>,
@@ -172,6 +188,8 @@ struct RawMps {
     container_pipe_dir: Option<String>,
     container_log_dir: Option<String>,
     shm_size: Option<String>,
+    shm_size_per_uid: Option<String>,
+    shm_size_total: Option<String>,
     start_timeout: Option<String>,
     idle_timeout: Option<String>,
     default_active_thread_percentage: Option<u8>,
@@ -465,7 +483,15 @@ impl Check {
             .as_deref()
             .map(|s| self.abs("mps.container-log-dir", s))
             .transpose()?;
-        let shm_size = self.shm_size(m.shm_size.as_deref().unwrap_or("50%"))?;
+        let shm_size = self.shm_size("mps.shm-size", m.shm_size.as_deref().unwrap_or("1G"))?;
+        let shm_size_per_uid = self.shm_bound(
+            "mps.shm-size-per-uid",
+            m.shm_size_per_uid.as_deref().unwrap_or("8G"),
+        )?;
+        let shm_size_total = self.shm_bound(
+            "mps.shm-size-total",
+            m.shm_size_total.as_deref().unwrap_or("25%"),
+        )?;
         let start_timeout = self.start_timeout(m.start_timeout.as_deref().unwrap_or("10s"))?;
         let idle_timeout =
             self.idle_timeout(m.idle_timeout.as_deref().unwrap_or(DEFAULT_IDLE_TIMEOUT))?;
@@ -487,6 +513,8 @@ impl Check {
             container_pipe_dir,
             container_log_dir,
             shm_size,
+            shm_size_per_uid,
+            shm_size_total,
             start_timeout,
             idle_timeout,
             default_active_thread_percentage: limits.default_active_thread_percentage,
@@ -526,12 +554,27 @@ impl Check {
         Ok(value.to_owned())
     }
 
-    fn shm_size(&self, value: &str) -> Result<ShmSize, ConfigError> {
+    fn shm_size(&self, key: &'static str, value: &str) -> Result<ShmSize, ConfigError> {
         parse_shm_size(value).ok_or_else(|| {
             self.bad(
-                "mps.shm-size",
+                key,
                 value,
-                "a percentage of memory like \"50%\" or a size like \"2G\"",
+                "a percentage of memory like \"25%\" or a size like \"2G\"",
+            )
+        })
+    }
+
+    /// `mps.shm-size-per-uid`, `mps.shm-size-total`: a size or a percentage, `"0"` for no
+    /// bound.
+    fn shm_bound(&self, key: &'static str, value: &str) -> Result<Option<ShmSize>, ConfigError> {
+        if value == "0" {
+            return Ok(None);
+        }
+        parse_shm_size(value).map(Some).ok_or_else(|| {
+            self.bad(
+                key,
+                value,
+                "a percentage of memory like \"25%\", a size like \"8G\", or \"0\" for no bound",
             )
         })
     }
@@ -716,6 +759,16 @@ mod tests {
             ("low-level-runtime = []", "low-level-runtime", "non-empty"),
             ("[mps]\nshm-size = \"lots\"", "mps.shm-size", "percentage"),
             ("[mps]\nshm-size = \"0%\"", "mps.shm-size", "percentage"),
+            (
+                "[mps]\nshm-size-per-uid = \"lots\"",
+                "mps.shm-size-per-uid",
+                "\"0\" for no bound",
+            ),
+            (
+                "[mps]\nshm-size-total = \"101%\"",
+                "mps.shm-size-total",
+                "percentage",
+            ),
             (
                 "[mps]\nstart-timeout = \"0\"",
                 "mps.start-timeout",

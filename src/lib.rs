@@ -9,9 +9,10 @@
 //! - `runtime` (the `gpushare-runtime` shim), `hookonly` (hooks.d mode), `install`
 //! - `hook` (createRuntime / poststop)
 //! - `decision` (the request pipeline; the shim↔hook contract), `mps` (control interface,
-//!   supervisor, ensure)
+//!   supervisor, ensure, the reaper of a failed create's directories)
 //! - `spec` (config.json load/edit/save), `state` (the state directory: layout, records,
-//!   locks, a daemon's directories and tmpfs, removal), `inventory_cache`
+//!   locks, a daemon's directories and tmpfs, the caps and what they take back, removal),
+//!   `inventory_cache`
 //! - `identity` (a daemon's identity and the rule that derives it), `logging`
 //! - `config`
 //! - `request` (annotations/env → request)

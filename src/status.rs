@@ -2,7 +2,9 @@
 //! stable schema (`gpushare.status/v1`), and Prometheus metrics for node-exporter's
 //! textfile collector.
 //!
-//! Invariants: reads records without taking any lock a create could wait on; a daemon's
+//! Invariants: reads records without taking any lock a create could wait on; every daemon
+//! directory is shown, also one without a record (`pending`: a create is making it;
+//! `abandoned`: a create that failed left it, until it is taken back); a daemon's
 //! health comes from its control interface (a record or a socket alone proves nothing),
 //! and the live daemons are asked side by side, at most `PROBE_THREADS` at once, so a
 //! node's status costs a few probes, not one per daemon in a row; adding fields to the
@@ -40,7 +42,7 @@ pub(crate) struct DaemonView {
     pub ipc: &'static str,
     pub active_thread_percentage: Option<u8>,
     pub pinned_memory_limit_bytes: Option<u64>,
-    pub status: DaemonStatus,
+    pub status: ViewStatus,
     pub pid: Option<i32>,
     pub supervisor_pid: Option<i32>,
     /// Seconds since the current daemon process became ready.
@@ -60,6 +62,25 @@ pub(crate) struct DaemonView {
     pub shm_dir: Option<String>,
     pub log_dir: String,
     pub containers: Vec<ContainerRecord>,
+}
+
+/// A daemon's status: its record's, or for a directory without a record, what it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub(crate) enum ViewStatus {
+    Record(DaemonStatus),
+    Directory(DirectoryState),
+}
+
+/// A daemon directory without a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum DirectoryState {
+    /// A live container record (a create between the shim and its hook) uses it.
+    Pending,
+    /// Nothing uses it: a create that failed left it. Its reaper, the next create that
+    /// needs its place under a cap, or `gpushare gc` removes it.
+    Abandoned,
 }
 
 impl DaemonView {
@@ -173,13 +194,17 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
     let inventory = crate::device::load(&cfg.inventory).ok();
     let binary = resolve_binary(&cfg.mps.control_binary).map_err(|e| e.to_string());
     let now = crate::util::unix_now();
+    let mut bare = Vec::new();
     let records: Vec<_> = state
         .daemon_ids()
         .unwrap_or_default()
         .into_iter()
         .filter_map(|id| match state.read_record(&id) {
             Ok(Some(rec)) => Some((id, rec)),
-            _ => None,
+            _ => {
+                bare.push(id);
+                None
+            }
         })
         .map(|(id, rec)| {
             let alive = rec.live();
@@ -240,7 +265,7 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
             ipc: if ident.ipc_host { "host" } else { "isolated" },
             active_thread_percentage: ident.active_thread_percentage,
             pinned_memory_limit_bytes: ident.pinned_memory_limit,
-            status: rec.status,
+            status: ViewStatus::Record(rec.status),
             pid: rec.daemon.filter(|_| alive).map(|p| p.pid),
             supervisor_pid: rec.supervisor.map(|p| p.pid),
             uptime_seconds: rec
@@ -260,10 +285,59 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
             id,
         });
     }
+    let grace = cfg.mps.pending_grace().as_secs();
+    for id in bare {
+        daemons.push(directory_view(&state, id, grace));
+    }
+    daemons.sort_by(|a, b| a.id.cmp(&b.id));
     StatusView {
         schema: SCHEMA,
         state_dir: cfg.state_dir.display().to_string(),
         daemons,
+    }
+}
+
+/// The view of a daemon directory without a (readable) record: its owner and mounts from
+/// the directory itself, and whether a live container record still uses it. Read only:
+/// stale records are not removed here.
+fn directory_view(state: &StateDir, id: String, pending_grace: u64) -> DaemonView {
+    use std::os::unix::fs::MetadataExt;
+    let containers = state.containers(&id).unwrap_or_default();
+    let pending = containers.iter().any(|c| c.live(pending_grace));
+    let (status, reason) = if pending {
+        (
+            DirectoryState::Pending,
+            "no daemon record yet: a create is making this daemon",
+        )
+    } else {
+        (
+            DirectoryState::Abandoned,
+            "abandoned: no supervisor and no live container (a create that failed left it); its reaper, the next create that needs its place under a cap, or gpushare gc removes it",
+        )
+    };
+    let shm = state.shm_mounted(&id);
+    DaemonView {
+        devices: Vec::new(),
+        uid: std::fs::symlink_metadata(state.pipe_dir(&id)).map_or(0, |m| m.uid()),
+        multi_user: false,
+        ipc: if shm { "isolated" } else { "host" },
+        active_thread_percentage: None,
+        pinned_memory_limit_bytes: None,
+        status: ViewStatus::Directory(status),
+        pid: None,
+        supervisor_pid: None,
+        uptime_seconds: None,
+        restarts: 0,
+        health: "down",
+        health_reason: Some(reason.to_owned()),
+        servers: None,
+        clients: None,
+        error: None,
+        pipe_dir: state.pipe_dir(&id).display().to_string(),
+        shm_dir: shm.then(|| state.shm_dir(&id).display().to_string()),
+        log_dir: state.log_dir(&id).display().to_string(),
+        containers,
+        id,
     }
 }
 
@@ -400,6 +474,19 @@ pub(crate) fn prometheus(view: &StatusView) -> String {
         vec![(String::new(), view.daemons.len().to_string())],
     );
     metric(
+        "gpushare_daemon_directories_abandoned",
+        "gauge",
+        "Daemon directories a failed create left (no supervisor, no live container), not yet removed.",
+        vec![(
+            String::new(),
+            view.daemons
+                .iter()
+                .filter(|d| d.status == ViewStatus::Directory(DirectoryState::Abandoned))
+                .count()
+                .to_string(),
+        )],
+    );
+    metric(
         "gpushare_daemon_up",
         "gauge",
         "1 when the daemon's processes run and its control interface answers.",
@@ -494,7 +581,7 @@ mod tests {
                 ipc: "isolated",
                 active_thread_percentage: None,
                 pinned_memory_limit_bytes: None,
-                status: DaemonStatus::Ready,
+                status: ViewStatus::Record(DaemonStatus::Ready),
                 pid: Some(5),
                 supervisor_pid: Some(4),
                 uptime_seconds: Some(3),
@@ -519,6 +606,15 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("gpushare_daemons 1\n"));
+        assert!(text.contains("gpushare_daemon_directories_abandoned 0\n"));
+        assert_eq!(
+            serde_json::to_value(ViewStatus::Directory(DirectoryState::Abandoned)).unwrap(),
+            "abandoned"
+        );
+        assert_eq!(
+            serde_json::to_value(ViewStatus::Record(DaemonStatus::Ready)).unwrap(),
+            "ready"
+        );
         assert_eq!(human_duration(59), "59s");
         assert_eq!(human_duration(7300), "2h");
     }

@@ -33,14 +33,32 @@ pub(crate) fn owner(ident: &Identity) -> Owner {
 pub(crate) fn budget(cfg: &Config) -> Budget {
     Budget {
         shm_size: cfg.mps.shm_size.tmpfs_option(),
+        shm_bytes: cfg.mps.shm_size.bytes(),
+        shm_per_uid: cfg.mps.shm_size_per_uid.as_ref().map(|s| s.bytes()),
+        shm_total: cfg.mps.shm_size_total.as_ref().map(|s| s.bytes()),
         log_size: cfg.mps.log_size,
         max_daemons: cfg.mps.max_daemons,
         max_daemons_per_uid: cfg.mps.max_daemons_per_uid,
         lock_wait: cfg.mps.start_timeout,
+        pending_grace: cfg.mps.pending_grace().as_secs(),
+        stop_grace: STOP_GRACE,
         config: cfg
             .path
             .clone()
             .unwrap_or_else(|| crate::config::DEFAULT_PATH.into()),
+    }
+}
+
+/// How long the supervisor of an idle daemon that a cap needs the place of, or that
+/// `gpushare daemon stop` stops, has to quit its daemon before it is killed.
+pub(crate) const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// Starts the reaper of a daemon directory this process has just made
+/// (`reaper::spawn`, with `gpushare` being this very binary); a reaper that cannot start
+/// is logged: the caps and `gc` still take the directory back.
+pub(crate) fn start_reaper(gpushare: anyhow::Result<std::path::PathBuf>, cfg: &Config, id: &str) {
+    if let Err(e) = gpushare.and_then(|exe| super::reaper::spawn(&exe, cfg, id)) {
+        tracing::warn!(daemon = %id, error = %format!("{e:#}"), "cannot start the reaper of a new daemon directory");
     }
 }
 
@@ -154,12 +172,7 @@ fn stop_supervisor(child: &mut Child, grace: Duration) {
 
 /// Kills the processes a stale record names, if they are still those very processes.
 pub(crate) fn kill_stale(rec: &DaemonRecord) {
-    use nix::sys::signal::{kill, Signal};
-    for p in [rec.supervisor, rec.daemon].into_iter().flatten() {
-        if p.alive() {
-            let _ = kill(nix::unistd::Pid::from_raw(p.pid), Signal::SIGKILL);
-        }
-    }
+    rec.kill_processes();
 }
 
 /// Ensures the daemon for `ident` is running and ready, then records `container` (if
@@ -177,8 +190,14 @@ pub(crate) fn ensure(
     tracing::debug!(daemon = %id, "identity lock taken");
     // Warm path: the same two-stat check the shim makes; the full build (with its
     // ownership repairs) only when something is missing.
-    if !state.skeleton_ready(&id, !ident.ipc_host) {
-        state.ensure_skeleton(&id, owner(ident), &budget(cfg))?;
+    let new = !state.skeleton_ready(&id, !ident.ipc_host)
+        && state.ensure_skeleton(&id, owner(ident), &budget(cfg))?;
+    if new {
+        start_reaper(
+            std::env::current_exe().context("find the gpushare binary"),
+            cfg,
+            &id,
+        );
     }
     let existing = match state.read_record(&id) {
         Ok(r) => r,
@@ -263,18 +282,10 @@ pub(crate) fn stop(
     id: &str,
     grace: Duration,
 ) -> anyhow::Result<()> {
-    use nix::sys::signal::{kill, Signal};
     let deadline = Instant::now() + cfg.mps.start_timeout + grace;
     let _lock = state.lock(id, deadline)?;
     if let Ok(Some(rec)) = state.read_record(id) {
-        if let Some(sup) = rec.supervisor.filter(|p| p.alive()) {
-            let _ = kill(nix::unistd::Pid::from_raw(sup.pid), Signal::SIGTERM);
-            let every = Duration::from_millis(10);
-            poll_until(Instant::now() + grace, every, every, || {
-                (!sup.alive()).then_some(())
-            });
-        }
-        kill_stale(&rec);
+        rec.stop_processes(grace);
     }
     state.remove_daemon_dir(id)?;
     tracing::info!(daemon = %id, "MPS daemon stopped and removed");

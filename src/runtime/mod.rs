@@ -175,7 +175,7 @@ pub(crate) fn prepare(
         let deadline = std::time::Instant::now() + cfg.mps.start_timeout;
         let _lock = state.lock(&id, deadline)?;
         tracing::debug!(daemon = %id, "identity lock taken");
-        state.ensure_skeleton(
+        let new = state.ensure_skeleton(
             &id,
             crate::mps::ensure::owner(ident),
             &crate::mps::ensure::budget(cfg),
@@ -183,6 +183,11 @@ pub(crate) fn prepare(
         tracing::debug!(daemon = %id, "daemon directories made");
         if !recorded {
             state.add_container(&id, &pending)?;
+        }
+        if new {
+            // If runc fails before the hook (a mount it cannot make in this image), the
+            // reaper removes the directories this create made once runc has exited.
+            crate::mps::ensure::start_reaper(gpushare_binary(), cfg, &id);
         }
     }
 
@@ -304,10 +309,15 @@ pub(crate) fn hook_env(config: Option<&Path>) -> Vec<String> {
     env
 }
 
-fn hooks(cfg: &Config) -> anyhow::Result<SetHooks> {
-    let binary = std::env::current_exe()
+/// `gpushare` beside this binary: the hooks' and the reaper's program.
+fn gpushare_binary() -> anyhow::Result<PathBuf> {
+    Ok(std::env::current_exe()
         .context("find gpushare-runtime's own path")?
-        .with_file_name("gpushare");
+        .with_file_name("gpushare"))
+}
+
+fn hooks(cfg: &Config) -> anyhow::Result<SetHooks> {
+    let binary = gpushare_binary()?;
     let env = hook_env(cfg.path.as_deref());
     let create_timeout = cfg.mps.start_timeout.as_secs() + 5;
     Ok(SetHooks {

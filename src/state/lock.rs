@@ -2,7 +2,8 @@
 //! supervisor (`locks/<id>.sup`) and the node lock (`locks/node.lock`).
 //!
 //! Invariants: lock files are opened without following a link and never removed; the
-//! node lock is taken after an identity's lock, never before; every wait has a deadline
+//! node lock is taken after an identity's lock, never before (under it, other
+//! identities' locks are only tried, never waited for: `reclaim`); every wait has a deadline
 //! and a timeout names the lock. A supervisor holds its daemon's supervisor lock for its
 //! whole life and holds no other lock while waiting for it.
 

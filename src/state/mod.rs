@@ -22,18 +22,25 @@
 //! with `util::remove_contents`/`remove_all`, which never follow a link and need a fixed
 //! number of fds whatever was planted. A new daemon directory is made only under the node
 //! lock, after counting the daemons against `mps.max-daemons` and
-//! `mps.max-daemons-per-uid`; the warm path (directories present) takes no lock.
+//! `mps.max-daemons-per-uid` and their shm tmpfs against `mps.shm-size-total` and
+//! `mps.shm-size-per-uid`; the warm path (directories present) takes no lock.
+//!
+//! A full cap first takes back abandoned directories and idle daemons among those it
+//! counts (`reclaim`).
 //!
 //! One file per job: the layout and its paths here; `record` (daemon.json and the
 //! container records), `lock` (an identity's lock and the node lock), `skeleton` (a
-//! daemon's directories, its tmpfs mounts, the daemon caps), `remove` (removal without
-//! racing a create, and the tombstones a crash leaves).
+//! daemon's directories, its tmpfs mounts, the daemon and shm caps), `reclaim` (taking
+//! back abandoned directories and idle daemons), `remove` (removal without racing a
+//! create, and the tombstones a crash leaves).
 
 mod lock;
+mod reclaim;
 mod record;
 mod remove;
 mod skeleton;
 
+pub(crate) use reclaim::Abandoned;
 pub use record::{valid_container_id, ContainerRecord, DaemonRecord, DaemonStatus, ProcRef};
 pub(crate) use skeleton::{Budget, Owner};
 
@@ -82,13 +89,15 @@ pub enum StateError {
         #[source]
         source: serde_json::Error,
     },
-    #[error("cannot start another MPS daemon {scope}: {key} = {cap} reached ({count} daemons); stopped daemons free their place (gpushare daemon list / gc), or raise it in {config}")]
+    #[error("cannot start another MPS daemon {scope}: {key} = {cap} {why}; their containers free their place when they end (gpushare status), or raise it in {config}")]
     DaemonCap {
         /// `for uid 1000`, `on this node`.
         scope: String,
         key: &'static str,
-        cap: u32,
-        count: usize,
+        /// The cap as configured: `64`, `8 GiB`.
+        cap: String,
+        /// `reached (64 daemons, none idle)`.
+        why: String,
         config: PathBuf,
     },
 }

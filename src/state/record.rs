@@ -81,6 +81,32 @@ impl DaemonRecord {
             && self.supervisor.is_some_and(|p| p.alive())
             && self.daemon.is_some_and(|p| p.alive())
     }
+
+    /// SIGKILL to the supervisor and the daemon the record names, where they are still
+    /// those very processes.
+    pub(crate) fn kill_processes(&self) {
+        use nix::sys::signal::{kill, Signal};
+        for p in [self.supervisor, self.daemon].into_iter().flatten() {
+            if p.alive() {
+                let _ = kill(nix::unistd::Pid::from_raw(p.pid), Signal::SIGKILL);
+            }
+        }
+    }
+
+    /// Stops the daemon the way `gpushare daemon stop` does: SIGTERM to its supervisor,
+    /// which quits the daemon cleanly, then SIGKILL to whatever is left after `grace`.
+    /// Call with the identity's lock held.
+    pub(crate) fn stop_processes(&self, grace: std::time::Duration) {
+        use nix::sys::signal::{kill, Signal};
+        if let Some(sup) = self.supervisor.filter(|p| p.alive()) {
+            let _ = kill(nix::unistd::Pid::from_raw(sup.pid), Signal::SIGTERM);
+            let every = std::time::Duration::from_millis(10);
+            util::poll_until(std::time::Instant::now() + grace, every, every, || {
+                (!sup.alive()).then_some(())
+            });
+        }
+        self.kill_processes();
+    }
 }
 
 /// `containers/<id>.json`: one container using a daemon.

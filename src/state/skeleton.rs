@@ -3,9 +3,13 @@
 //! one UID may have.
 //!
 //! Invariants: a new daemon directory is made only under the node lock, after counting
-//! the daemons against `mps.max-daemons` and `mps.max-daemons-per-uid`, and one that
-//! cannot be completed is removed again; the warm path (`skeleton_ready`) takes no lock;
-//! what a tenant can write (log/, shm/) is its own sized tmpfs, nosuid, nodev, noexec.
+//! the daemons against `mps.max-daemons` and `mps.max-daemons-per-uid` and their shm
+//! tmpfs sizes against `mps.shm-size-total` and `mps.shm-size-per-uid`, and one that
+//! cannot be completed is removed again; a cap that is full first takes back the places
+//! nobody uses (abandoned directories, then idle daemons, oldest idle first, only among
+//! the daemons the cap counts) and refuses only when every daemon it counts is in use;
+//! the warm path (`skeleton_ready`) takes no lock; what a tenant can write (log/, shm/)
+//! is its own sized tmpfs, nosuid, nodev, noexec.
 
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
@@ -14,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use nix::fcntl::Flock;
 
+use super::reclaim::Abandoned;
 use super::remove::remove_tree;
 use super::{StateDir, StateError};
 
@@ -32,8 +37,16 @@ pub(crate) struct Owner {
 /// tmpfs mounts and the caps on the number of daemons.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Budget {
-    /// The shm tmpfs `size=` option (`50%`, or bytes).
+    /// The shm tmpfs `size=` option (`25%`, or bytes).
     pub shm_size: String,
+    /// The same size in bytes, as the shm caps count it.
+    pub shm_bytes: u64,
+    /// `mps.shm-size-per-uid`: bytes of shm tmpfs the daemons of one UID (the owner of
+    /// their pipe directories) may have together; `None`: no bound.
+    pub shm_per_uid: Option<u64>,
+    /// `mps.shm-size-total`: bytes of shm tmpfs every daemon of the node may have
+    /// together; `None`: no bound.
+    pub shm_total: Option<u64>,
     /// Bytes of the log tmpfs.
     pub log_size: u64,
     /// `mps.max-daemons`: daemon directories on the node.
@@ -43,6 +56,10 @@ pub(crate) struct Budget {
     pub max_daemons_per_uid: u32,
     /// How long a new daemon waits for the node lock.
     pub lock_wait: Duration,
+    /// Seconds a pending container record keeps its daemon in use (`live`).
+    pub pending_grace: u64,
+    /// How long an idle daemon's supervisor has to stop it when a cap needs its place.
+    pub stop_grace: Duration,
     /// The config file a refusal names.
     pub config: PathBuf,
 }
@@ -119,13 +136,14 @@ impl StateDir {
     /// idempotent by itself). A daemon whose directory does not exist yet is new: it is
     /// counted against the caps of `budget` under the node lock and refused with
     /// `StateError::DaemonCap` before anything is made; a new directory that cannot be
-    /// completed is removed again.
+    /// completed is removed again. Returns whether the directory is new: its maker starts
+    /// a reaper for it (`gpushare daemon reap`), in case the create fails.
     pub(crate) fn ensure_skeleton(
         &self,
         id: &str,
         owner: Owner,
         budget: &Budget,
-    ) -> Result<(), StateError> {
+    ) -> Result<bool, StateError> {
         Self::check_id(id)?;
         let socket = self.control_socket(id);
         let len = socket.as_os_str().len();
@@ -139,13 +157,13 @@ impl StateDir {
         let pipe = PipeOwner::of(owner);
         let dir = self.daemon_dir(id);
         // Held until the directories are made, so that two creates cannot both pass a cap.
-        let node_lock = self.admit_if_new(&dir, pipe.uid, budget)?;
+        let node_lock = self.admit_if_new(&dir, pipe.uid, owner.shm, budget)?;
         let built = self.build_skeleton(id, owner, pipe, budget);
         if built.is_err() && node_lock.is_some() {
             // Nothing half-made is left of a new daemon.
             let _ = remove_tree(&dir);
         }
-        built
+        built.map(|()| node_lock.is_some())
     }
 
     /// A daemon whose directory `dir` does not exist yet is new: takes the node lock and
@@ -156,12 +174,13 @@ impl StateDir {
         &self,
         dir: &Path,
         uid: u32,
+        shm: bool,
         budget: &Budget,
     ) -> Result<Option<Flock<File>>, StateError> {
         match std::fs::symlink_metadata(dir) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let lock = self.lock_node(Instant::now() + budget.lock_wait)?;
-                self.check_caps(uid, budget)?;
+                self.check_caps(uid, shm, budget)?;
                 Ok(Some(lock))
             }
             _ => Ok(None),
@@ -228,38 +247,211 @@ impl StateDir {
         })
     }
 
-    /// Refuses a new daemon for `uid` (the owner of its pipe directory) once the node
-    /// or that uid has its cap of daemon directories. Call with the node lock held.
-    fn check_caps(&self, uid: u32, budget: &Budget) -> Result<(), StateError> {
-        let ids = self.daemon_ids()?;
-        let refuse = |scope: String, key, cap, count| StateError::DaemonCap {
-            scope,
-            key,
-            cap,
-            count,
-            config: budget.config.clone(),
-        };
-        if ids.len() >= budget.max_daemons as usize {
-            return Err(refuse(
-                "on this node".into(),
-                "mps.max-daemons",
-                budget.max_daemons,
-                ids.len(),
-            ));
+    /// Every daemon directory as the caps count it.
+    fn census(&self) -> Result<Vec<Slot>, StateError> {
+        Ok(self
+            .daemon_ids()?
+            .into_iter()
+            .map(|id| {
+                let uid = std::fs::symlink_metadata(self.pipe_dir(&id))
+                    .ok()
+                    .map(|m| m.uid());
+                let shm = if self.shm_mounted(&id) {
+                    nix::sys::statfs::statfs(&self.shm_dir(&id))
+                        .map_or(0, |f| f.blocks() * f.block_size() as u64)
+                } else {
+                    0
+                };
+                Slot { id, uid, shm }
+            })
+            .collect())
+    }
+
+    /// Admits a new daemon for `uid` (the owner of its pipe directory; `shm`: it gets an
+    /// shm tmpfs of `budget.shm_bytes`) under every cap, or refuses it naming the cap.
+    /// A full cap first takes back what nobody uses among the daemons it counts
+    /// (`make_room`). Call with the node lock held.
+    fn check_caps(&self, uid: u32, shm: bool, budget: &Budget) -> Result<(), StateError> {
+        let mut slots = self.census()?;
+        let new_shm = if shm { budget.shm_bytes } else { 0 };
+        let mut caps = vec![
+            Cap {
+                key: "mps.max-daemons",
+                uid: None,
+                limit: Limit::Daemons(budget.max_daemons),
+            },
+            Cap {
+                key: "mps.max-daemons-per-uid",
+                uid: Some(uid),
+                limit: Limit::Daemons(budget.max_daemons_per_uid),
+            },
+        ];
+        if shm {
+            if let Some(total) = budget.shm_total {
+                caps.push(Cap {
+                    key: "mps.shm-size-total",
+                    uid: None,
+                    limit: Limit::Shm(total, new_shm),
+                });
+            }
+            if let Some(per_uid) = budget.shm_per_uid {
+                caps.push(Cap {
+                    key: "mps.shm-size-per-uid",
+                    uid: Some(uid),
+                    limit: Limit::Shm(per_uid, new_shm),
+                });
+            }
         }
-        let of_uid = ids
-            .iter()
-            .filter(|id| std::fs::symlink_metadata(self.pipe_dir(id)).is_ok_and(|m| m.uid() == uid))
-            .count();
-        if of_uid >= budget.max_daemons_per_uid as usize {
-            return Err(refuse(
-                format!("for uid {uid}"),
-                "mps.max-daemons-per-uid",
-                budget.max_daemons_per_uid,
-                of_uid,
-            ));
+        for cap in &caps {
+            if !cap.admits(&slots) {
+                self.make_room(&mut slots, cap, budget);
+            }
+            if !cap.admits(&slots) {
+                return Err(cap.refusal(&slots, budget));
+            }
         }
         Ok(())
+    }
+
+    /// Takes back places among the daemons `cap` counts until it admits one more: first
+    /// every abandoned directory (no supervisor, no live container: nobody loses
+    /// anything), then idle daemons (a supervisor, no live container), the longest idle
+    /// first (by when their container records last changed), only as many as needed. A
+    /// daemon in use, or whose lock another process holds, stays.
+    fn make_room(&self, slots: &mut Vec<Slot>, cap: &Cap, budget: &Budget) {
+        let counted: Vec<String> = slots
+            .iter()
+            .filter(|s| cap.counts(s))
+            .map(|s| s.id.clone())
+            .collect();
+        let take = |slots: &mut Vec<Slot>, id: &str| slots.retain(|s| s.id != id);
+        for id in &counted {
+            match self.reclaim_abandoned(id, budget.pending_grace) {
+                Ok(Abandoned::Reclaimed | Abandoned::Gone) => {
+                    tracing::info!(daemon = %id, cap = cap.key, "abandoned daemon directory removed to make room");
+                    take(slots, id);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(daemon = %id, error = %e, "cannot reclaim a daemon directory")
+                }
+            }
+        }
+        // When its container records last changed; unknown sorts last.
+        if cap.admits(slots) {
+            return;
+        }
+        let idle_since = |id: &String| {
+            let since = std::fs::symlink_metadata(self.containers_dir(id))
+                .and_then(|m| m.modified())
+                .ok();
+            (since.is_none(), since)
+        };
+        let mut idle: Vec<_> = counted
+            .iter()
+            .filter(|id| slots.iter().any(|s| &s.id == *id))
+            .map(|id| (idle_since(id), id))
+            .collect();
+        idle.sort();
+        for (_, id) in idle {
+            match self.reclaim_idle(id, budget.pending_grace, budget.stop_grace) {
+                Ok(true) => {
+                    take(slots, id);
+                    if cap.admits(slots) {
+                        return;
+                    }
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(daemon = %id, error = %e, "cannot reclaim an idle daemon")
+                }
+            }
+        }
+    }
+}
+
+/// One daemon directory as the caps count it: the owner of its pipe directory and the
+/// size of its shm tmpfs (0 without one).
+struct Slot {
+    id: String,
+    uid: Option<u32>,
+    shm: u64,
+}
+
+/// What a cap bounds.
+enum Limit {
+    /// This many daemon directories.
+    Daemons(u32),
+    /// This many bytes of shm tmpfs, and the new daemon's own.
+    Shm(u64, u64),
+}
+
+/// One cap: its config key, the UID whose daemons it counts (`None`: every daemon) and
+/// its limit.
+struct Cap {
+    key: &'static str,
+    uid: Option<u32>,
+    limit: Limit,
+}
+
+/// `24 GiB` for a whole number of GiB, else whole MiB.
+fn human(bytes: u64) -> String {
+    const GIB: u64 = 1 << 30;
+    if bytes % GIB == 0 {
+        format!("{} GiB", bytes / GIB)
+    } else {
+        format!("{} MiB", bytes >> 20)
+    }
+}
+
+impl Cap {
+    fn counts(&self, slot: &Slot) -> bool {
+        self.uid.is_none() || slot.uid == self.uid
+    }
+
+    /// The daemons it counts and their shm bytes.
+    fn usage(&self, slots: &[Slot]) -> (usize, u64) {
+        slots
+            .iter()
+            .filter(|s| self.counts(s))
+            .fold((0, 0), |(n, b), s| (n + 1, b + s.shm))
+    }
+
+    /// Whether one more daemon fits.
+    fn admits(&self, slots: &[Slot]) -> bool {
+        let (n, bytes) = self.usage(slots);
+        match self.limit {
+            Limit::Daemons(max) => n < max as usize,
+            Limit::Shm(max, new) => bytes.saturating_add(new) <= max,
+        }
+    }
+
+    fn refusal(&self, slots: &[Slot], budget: &Budget) -> StateError {
+        let (n, bytes) = self.usage(slots);
+        let (cap, why) = match self.limit {
+            Limit::Daemons(max) => (
+                max.to_string(),
+                format!("reached ({n} daemons, none idle)"),
+            ),
+            Limit::Shm(max, new) => (
+                human(max),
+                format!(
+                    "would be exceeded ({n} daemons, none idle, have {} of shm tmpfs and this one's is {})",
+                    human(bytes),
+                    human(new)
+                ),
+            ),
+        };
+        StateError::DaemonCap {
+            scope: match self.uid {
+                Some(uid) => format!("for uid {uid}"),
+                None => "on this node".into(),
+            },
+            key: self.key,
+            cap,
+            why,
+            config: budget.config.clone(),
+        }
     }
 }
 
@@ -270,10 +462,15 @@ mod tests {
     fn budget(max_daemons: u32, max_daemons_per_uid: u32) -> Budget {
         Budget {
             shm_size: "1M".into(),
+            shm_bytes: 1 << 20,
+            shm_per_uid: None,
+            shm_total: None,
             log_size: 1 << 20,
             max_daemons,
             max_daemons_per_uid,
             lock_wait: Duration::from_secs(1),
+            pending_grace: 30,
+            stop_grace: Duration::from_secs(1),
             config: "/etc/gpushare/runtime.toml".into(),
         }
     }
@@ -302,13 +499,21 @@ mod tests {
         let state = StateDir::new(dir.path().join("s"));
         state.ensure_root().unwrap();
         let euid = nix::unistd::geteuid().as_raw();
-        // Two daemons of this uid, one of another (its pipe directory owned by it).
+        // Two daemons of this uid, one of another (its pipe directory owned by it), each
+        // in use by a pending create of this process: none can be reclaimed.
         for id in [
             "0000000000000000000000000000000a",
             "0000000000000000000000000000000b",
             "0000000000000000000000000000000c",
         ] {
             std::fs::create_dir_all(state.pipe_dir(id)).unwrap();
+            std::fs::create_dir_all(state.containers_dir(id)).unwrap();
+            state
+                .add_container(
+                    id,
+                    &crate::state::ContainerRecord::pending("c".into(), None),
+                )
+                .unwrap();
         }
         let other = euid.wrapping_add(1);
         if euid == 0 {
@@ -331,24 +536,35 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             err.to_string(),
-            format!("cannot start another MPS daemon for uid {euid}: mps.max-daemons-per-uid = 2 reached (2 daemons); stopped daemons free their place (gpushare daemon list / gc), or raise it in /etc/gpushare/runtime.toml")
+            format!("cannot start another MPS daemon for uid {euid}: mps.max-daemons-per-uid = 2 reached (2 daemons, none idle); their containers free their place when they end (gpushare status), or raise it in /etc/gpushare/runtime.toml")
         );
         let err = state
             .ensure_skeleton(new, owner, &budget(3, 8))
             .unwrap_err();
         assert_eq!(
             err.to_string(),
-            "cannot start another MPS daemon on this node: mps.max-daemons = 3 reached (3 daemons); stopped daemons free their place (gpushare daemon list / gc), or raise it in /etc/gpushare/runtime.toml"
+            "cannot start another MPS daemon on this node: mps.max-daemons = 3 reached (3 daemons, none idle); their containers free their place when they end (gpushare status), or raise it in /etc/gpushare/runtime.toml"
         );
         assert!(matches!(
             err,
             StateError::DaemonCap {
-                cap: 3,
-                count: 3,
+                key: "mps.max-daemons",
                 ..
             }
         ));
         assert!(!state.daemon_dir(new).exists(), "nothing made");
+        // Once their creates are gone, the three are abandoned: a full cap takes back
+        // every abandoned directory it counts.
+        for id in [
+            "0000000000000000000000000000000a",
+            "0000000000000000000000000000000b",
+            "0000000000000000000000000000000c",
+        ] {
+            std::fs::remove_dir_all(state.containers_dir(id)).unwrap();
+        }
+        let _node = state.lock_node(Instant::now()).unwrap();
+        state.check_caps(euid, true, &budget(3, 8)).unwrap();
+        assert!(state.daemon_ids().unwrap().is_empty());
         assert!(state.node_lock_path().exists());
         assert_ne!(state.node_lock_path(), state.lock_path(new));
     }

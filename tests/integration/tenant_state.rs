@@ -269,7 +269,7 @@ fn daemons_are_capped_per_uid_and_per_node() {
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(
         third.last_error(),
-        format!("gpushare: cannot start another MPS daemon for uid 1000: mps.max-daemons-per-uid = 2 reached (2 daemons); stopped daemons free their place (gpushare daemon list / gc), or raise it in {config}")
+        format!("gpushare: cannot start another MPS daemon for uid 1000: mps.max-daemons-per-uid = 2 reached (2 daemons, none idle); their containers free their place when they end (gpushare status), or raise it in {config}")
     );
     assert_eq!(third.config_bytes(), before, "config.json untouched");
     assert_eq!(env.daemon_ids().len(), 2, "no third daemon directory");
@@ -291,7 +291,7 @@ fn daemons_are_capped_per_uid_and_per_node() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(
-        text(&out.stderr).contains("mps.max-daemons-per-uid = 2 reached (2 daemons)"),
+        text(&out.stderr).contains("mps.max-daemons-per-uid = 2 reached (2 daemons, none idle)"),
         "{}",
         text(&out.stderr)
     );
@@ -334,7 +334,7 @@ fn daemons_are_capped_per_uid_and_per_node() {
     assert_eq!(third.try_create().status.code(), Some(1));
     assert_eq!(
         third.last_error(),
-        format!("gpushare: cannot start another MPS daemon on this node: mps.max-daemons = 2 reached (2 daemons); stopped daemons free their place (gpushare daemon list / gc), or raise it in {config}")
+        format!("gpushare: cannot start another MPS daemon on this node: mps.max-daemons = 2 reached (2 daemons, none idle); their containers free their place when they end (gpushare status), or raise it in {config}")
     );
     assert_eq!(third.config_bytes(), before);
     assert_eq!(env.daemon_ids().len(), 2);
@@ -449,4 +449,284 @@ fn a_log_flood_stays_in_the_daemons_log_tmpfs() {
         .create();
     assert_eq!(client_line(&other.run())["shm"], "ok");
     holder.delete();
+}
+
+/// Replaces one line of the env's `[mps]` config (the harness writes `shm-size = "64M"`).
+fn replace_config(env: &Env, old: &str, new: &str) {
+    let text = std::fs::read_to_string(&env.config).unwrap();
+    assert!(text.contains(old), "the harness config has {old}: {text}");
+    std::fs::write(&env.config, text.replace(old, new)).unwrap();
+}
+
+/// A rootfs whose `/tmp` is a plain file: runc cannot make the pipe directory's mount
+/// point there and fails the create after the shim made the daemon's directories.
+fn tmp_file_rootfs(env: &Env) -> std::path::PathBuf {
+    let root = env.path().join("tmp-is-a-file");
+    if !root.exists() {
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::write(root.join("tmp"), "not a directory").unwrap();
+    }
+    root
+}
+
+/// A request of `uid` with thread percentage `tp` (a daemon of its own) in an image whose
+/// `/tmp` is a file.
+fn doomed<'a>(env: &'a Env, name: &str, uid: u32, tp: &str) -> Container<'a> {
+    let c = with_tp(env, name, uid, tp);
+    let path = c.bundle.join("config.json");
+    let mut spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    spec["root"]["path"] = serde_json::json!(tmp_file_rootfs(env));
+    std::fs::write(&path, serde_json::to_vec_pretty(&spec).unwrap()).unwrap();
+    c
+}
+
+/// `create` through `runtime` (another copy of the shim) with the harness's flags.
+fn create_with(env: &Env, runtime: &Path, c: &Container) -> Output {
+    env.cmd(runtime.to_str().unwrap())
+        .arg("--root")
+        .arg(&env.runc_root)
+        .arg("--log")
+        .arg(c.log())
+        .args(["--log-format", "json", "create", "--bundle"])
+        .arg(&c.bundle)
+        .arg(&c.id)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_failed_create_leaves_nothing_that_holds_a_cap_slot_or_a_mount() {
+    let env = Env::with_config("max-daemons-per-uid = 2");
+    // More failed creates than the cap, each a daemon of its own: runc fails on the
+    // pipe directory's mount, after the shim made the daemon's directories and mounts.
+    for (name, tp) in [("fail-1", "10"), ("fail-2", "20"), ("fail-3", "30")] {
+        let c = doomed(&env, name, 1000, tp);
+        let before = c.config_bytes();
+        assert_eq!(c.try_create().status.code(), Some(1), "{name} must fail");
+        let err = c.last_error();
+        assert!(!err.contains("mps.max-daemons"), "{name}: {err}");
+        assert_ne!(c.config_bytes(), before, "the shim edited it; runc failed");
+    }
+    // Nothing stays past mps.start-timeout, without an operator: no directory, no mount.
+    let cleared = wait_until(Duration::from_secs(10), || {
+        env.daemon_ids().is_empty() && mounts_under(&env) == 0
+    });
+    assert!(
+        cleared,
+        "left behind: {:?}, {} mounts\n{}",
+        env.daemon_ids(),
+        mounts_under(&env),
+        env.gpushare_log()
+    );
+
+    // Where the reaper could not run (a copy of the shim without `gpushare` beside it),
+    // the abandoned directories show in `status` and hold no cap slot: the next create
+    // of the UID takes their place.
+    let lone = env.path().join("lone");
+    std::fs::create_dir(&lone).unwrap();
+    let shim = lone.join("gpushare-runtime");
+    std::fs::copy(RUNTIME, &shim).unwrap();
+    for (name, tp) in [("lone-1", "40"), ("lone-2", "50")] {
+        let c = doomed(&env, name, 1000, tp);
+        assert_eq!(create_with(&env, &shim, &c).status.code(), Some(1));
+    }
+    let abandoned = env.daemon_ids();
+    assert_eq!(abandoned.len(), 2, "{abandoned:?}");
+    assert_eq!(mounts_under(&env), 4, "shm and log of each");
+    let status = env.status();
+    for id in &abandoned {
+        let d = status
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["id"] == id.as_str())
+            .unwrap_or_else(|| panic!("status shows {id}: {status}"));
+        assert_eq!(d["status"], "abandoned", "{d}");
+        assert_eq!(d["uid"], 1000, "{d}");
+    }
+    let table = env.cmd(GPUSHARE).arg("status").output().unwrap();
+    assert!(
+        text(&table.stdout).contains(&abandoned[0]) && text(&table.stdout).contains("abandoned"),
+        "{}",
+        text(&table.stdout)
+    );
+    let next = env
+        .container("after-abandoned")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "60")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(client_line(&next.run())["shm"], "ok");
+    for id in &abandoned {
+        assert!(gone(&env, id), "{id} taken back");
+    }
+    assert_eq!(mounts_under(&env), 2, "only the new daemon's mounts");
+    next.delete();
+}
+
+/// The supervisor pid a daemon's record names.
+fn supervisor_pid(env: &Env, id: &str) -> i32 {
+    env.record(id)["supervisor"]["pid"].as_i64().unwrap() as i32
+}
+
+#[test]
+fn idle_daemons_of_one_tenant_never_lock_out_another() {
+    let env = Env::with_config("max-daemons = 3\nmax-daemons-per-uid = 3");
+    let config = env.config.display().to_string();
+    // One tenant fills the node's cap with one-shot containers, all exited and deleted:
+    // their daemons stay for mps.idle-timeout (5 minutes).
+    let mut idle = Vec::new();
+    for (name, tp) in [("shot-10", "10"), ("shot-20", "20"), ("shot-30", "30")] {
+        let c = env
+            .container(name)
+            .uid(1000)
+            .device("0")
+            .annotation("gpushare.io/active-thread-percentage", tp)
+            .sh(CLIENT)
+            .create();
+        assert_eq!(client_line(&c.run())["shm"], "ok");
+        c.delete();
+        let id = env.daemon_of(&c);
+        idle.push((id.clone(), supervisor_pid(&env, &id)));
+        // Distinct "idle since" times, oldest first.
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(env.daemon_ids().len(), 3);
+    // Another tenant's create is served: the longest idle daemon is stopped for it.
+    let victim = env
+        .container("victim")
+        .uid(2000)
+        .device("0")
+        .sh("sleep 60")
+        .create();
+    victim.start();
+    let vid = env.daemon_of(&victim);
+    let vsup = supervisor_pid(&env, &vid);
+    assert!(gone(&env, &idle[0].0), "the oldest idle daemon went");
+    assert!(
+        wait_until(Duration::from_secs(5), || !alive(idle[0].1)),
+        "its supervisor exited"
+    );
+    assert!(!gone(&env, &idle[1].0) && !gone(&env, &idle[2].0));
+    assert!(
+        env.gpushare_log()
+            .contains("idle MPS daemon stopped and removed to make room under a cap"),
+        "{}",
+        env.gpushare_log()
+    );
+    // The tenant comes back for more: only idle daemons make room, never one in use.
+    let again = env
+        .container("shot-40")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "40")
+        .sh("sleep 60")
+        .create();
+    assert!(gone(&env, &idle[1].0));
+    let third = env
+        .container("t3000")
+        .uid(3000)
+        .device("0")
+        .sh("sleep 60")
+        .create();
+    assert!(gone(&env, &idle[2].0));
+    // Every daemon now has a live container: the cap holds, naming itself.
+    let refused = env
+        .container("t4000")
+        .uid(4000)
+        .device("0")
+        .sh("true")
+        .bundle();
+    assert_eq!(refused.try_create().status.code(), Some(1));
+    assert_eq!(
+        refused.last_error(),
+        format!("gpushare: cannot start another MPS daemon on this node: mps.max-daemons = 3 reached (3 daemons, none idle); their containers free their place when they end (gpushare status), or raise it in {config}")
+    );
+    assert_eq!(
+        supervisor_pid(&env, &vid),
+        vsup,
+        "the victim's daemon was never touched"
+    );
+    assert!(alive(vsup));
+    assert_eq!(
+        mounts_under(&env),
+        6,
+        "two mounts for each of the three daemons"
+    );
+    for c in [&victim, &again, &third] {
+        c.delete();
+    }
+}
+
+/// Bytes used and the size of the tmpfs at `path`.
+fn tmpfs_use(path: &Path) -> (u64, u64) {
+    let fs = nix::sys::statfs::statfs(path).unwrap();
+    let bs = fs.block_size() as u64;
+    ((fs.blocks() - fs.blocks_free()) * bs, fs.blocks() * bs)
+}
+
+#[test]
+fn daemon_shm_is_bounded_per_daemon_per_uid_and_per_node() {
+    const MIB: u64 = 1 << 20;
+    let env = Env::new();
+    replace_config(
+        &env,
+        "shm-size = \"64M\"",
+        "shm-size = \"16M\"\nshm-size-per-uid = \"32M\"\nshm-size-total = \"48M\"",
+    );
+    let config = env.config.display().to_string();
+    let hold = |name: &str, uid: u32, tp: &str| {
+        let c = env
+            .container(name)
+            .uid(uid)
+            .device("0")
+            .annotation("gpushare.io/active-thread-percentage", tp)
+            .sh("dd if=/dev/zero of=/dev/shm/park-$$ bs=1M count=24 2>/dev/null; sleep 60")
+            .create();
+        c.start();
+        c
+    };
+    // Each container tries to park 24 MiB in /dev/shm, the daemon's tmpfs: 16 MiB fit.
+    let a = hold("shm-a", 1000, "10");
+    let b = hold("shm-b", 1000, "20");
+    for c in [&a, &b] {
+        let shm = env.state.join("mps").join(env.daemon_of(c)).join("shm");
+        assert!(wait_until(Duration::from_secs(10), || tmpfs_use(&shm).0 >= 15 * MIB));
+        let (used, size) = tmpfs_use(&shm);
+        assert_eq!(size, 16 * MIB, "mps.shm-size bounds each daemon");
+        assert!(used <= 16 * MIB, "{used}");
+    }
+    // A third daemon of the same UID would bring its daemons' shm past mps.shm-size-per-uid.
+    let third = with_tp(&env, "shm-c", 1000, "30");
+    let before = third.config_bytes();
+    assert_eq!(third.try_create().status.code(), Some(1));
+    assert_eq!(
+        third.last_error(),
+        format!("gpushare: cannot start another MPS daemon for uid 1000: mps.shm-size-per-uid = 32 MiB would be exceeded (2 daemons, none idle, have 32 MiB of shm tmpfs and this one's is 16 MiB); their containers free their place when they end (gpushare status), or raise it in {config}")
+    );
+    assert_eq!(third.config_bytes(), before, "config.json untouched");
+    assert_eq!(env.daemon_ids().len(), 2, "nothing made");
+    // Another UID gets one; then the node's total is reached.
+    let other = hold("shm-d", 2000, "10");
+    let fourth = with_tp(&env, "shm-e", 3000, "10");
+    assert_eq!(fourth.try_create().status.code(), Some(1));
+    assert_eq!(
+        fourth.last_error(),
+        format!("gpushare: cannot start another MPS daemon on this node: mps.shm-size-total = 48 MiB would be exceeded (3 daemons, none idle, have 48 MiB of shm tmpfs and this one's is 16 MiB); their containers free their place when they end (gpushare status), or raise it in {config}")
+    );
+    // What a deleted container parked goes with its daemon when a cap needs the room.
+    other.delete();
+    let fifth = with_tp(&env, "shm-f", 3000, "10");
+    assert!(
+        fifth.try_create().status.success(),
+        "{}",
+        fifth.last_error()
+    );
+    assert_eq!(env.daemon_ids().len(), 3);
+    for c in [&a, &b, &fifth] {
+        c.delete();
+    }
 }
