@@ -101,6 +101,10 @@ pub struct Config {
     /// What a container without a device key asks for (`default-device`); `None`: nothing,
     /// it passes through.
     pub default_device: Option<crate::request::DefaultDevice>,
+    /// Whether a container's own `NVIDIA_VISIBLE_DEVICES` counts as an allocation
+    /// (`accept-visible-devices-env`): a pod author can write it, so it is off unless the
+    /// node's allocator writes nothing else.
+    pub accept_visible_devices_env: bool,
     pub inventory: crate::device::InventorySource,
     /// How long the create path may use the cached NVML inventory (`inventory_cache`);
     /// zero: never.
@@ -154,6 +158,7 @@ struct RawConfig {
     log_format: Option<LogFormat>,
     accept_env_requests: Option<bool>,
     default_device: Option<String>,
+    accept_visible_devices_env: Option<bool>,
     inventory: Option<String>,
     inventory_cache_ttl: Option<String>,
     #[serde(default)]
@@ -330,6 +335,7 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         log_format: raw.log_format.unwrap_or(LogFormat::Text),
         accept_env_requests: raw.accept_env_requests.unwrap_or(true),
         default_device,
+        accept_visible_devices_env: raw.accept_visible_devices_env.unwrap_or(false),
         inventory,
         inventory_cache_ttl,
         mps: check.mps(&raw.mps)?,
