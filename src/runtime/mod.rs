@@ -238,9 +238,11 @@ const CRI_CONTAINER_MARKERS: [&str; 2] = [
 
 /// Why the container's IPC namespace is its pod's, if it is: joined by path (containerd's
 /// CRI and Podman pods give every container the sandbox's namespace that way, Docker's
-/// `--ipc=container:`), or any `ipc` entry in a CRI container (a pod without `hostIPC`).
-/// A `hostIPC` pod's containers have no `ipc` entry; Docker's and ctr's containers have a
-/// new one and no CRI marker.
+/// `--ipc=container:`) unless that namespace is the one this process runs in, the host's
+/// (containerd gives a `hostIPC` pod's containers the sandbox's namespace by path, and the
+/// sandbox has the host's); or a new `ipc` entry in a CRI container. Docker's and ctr's
+/// containers have a new one and no CRI marker. A path that cannot be looked at counts as
+/// the pod's own.
 fn pod_ipc_namespace(spec: &SpecFile) -> Option<String> {
     let ns = spec
         .typed
@@ -251,6 +253,14 @@ fn pod_ipc_namespace(spec: &SpecFile) -> Option<String> {
         .iter()
         .find(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::Ipc)?;
     if let Some(path) = ns.path() {
+        let id = |p: &Path| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
+        };
+        let joined = id(path);
+        if joined.is_some() && joined == id(Path::new("/proc/self/ns/ipc")) {
+            return None;
+        }
         return Some(format!(
             "linux.namespaces joins {}",
             crate::device::quote(&path.display().to_string())
@@ -393,15 +403,15 @@ mod tests {
     }
 
     /// `v` as a CRI container of containerd: its marker, and the sandbox's ipc namespace
-    /// joined by path when `joined` (a pod without hostIPC), none at all when `ipc` is false
-    /// (a hostIPC pod).
+    /// joined by path when `joined` (a pod without hostIPC; a pid above any pid_max, so
+    /// that no process on the test machine has it), none at all when `ipc` is false.
     fn cri_container(mut v: Value, ipc: bool, joined: bool) -> Value {
         v["annotations"] = json!({"io.kubernetes.cri.container-type": "container"});
         let ns = v["linux"]["namespaces"].as_array_mut().expect("namespaces");
         ns.retain(|n| n["type"] != "ipc");
         if ipc {
             ns.push(if joined {
-                json!({"type": "ipc", "path": "/proc/4242/ns/ipc"})
+                json!({"type": "ipc", "path": "/proc/4194305/ns/ipc"})
             } else {
                 json!({"type": "ipc"})
             });
@@ -439,12 +449,15 @@ mod tests {
             .expect("ns")
         {
             if n["type"] == "ipc" {
-                n["path"] = json!("/proc/77/ns/ipc");
+                n["path"] = json!("/proc/4194306/ns/ipc");
             }
         }
         let cases = [
-            (&joined, "linux.namespaces joins \"/proc/4242/ns/ipc\""),
-            (&podman_pod, "linux.namespaces joins \"/proc/77/ns/ipc\""),
+            (&joined, "linux.namespaces joins \"/proc/4194305/ns/ipc\""),
+            (
+                &podman_pod,
+                "linux.namespaces joins \"/proc/4194306/ns/ipc\"",
+            ),
             (
                 &cri_container(containerd.clone(), true, false),
                 "a CRI container (io.kubernetes.cri.container-type) with an ipc namespace",
@@ -467,9 +480,20 @@ mod tests {
             );
         }
 
-        // A hostIPC pod's container (no ipc entry), and Docker's, ctr's and Podman's own
-        // new namespaces: the override stands where the node allows it.
+        // A hostIPC pod's container (no ipc entry, or the host's namespace by path as
+        // containerd gives it), and Docker's, ctr's and Podman's own new namespaces: the
+        // override stands where the node allows it.
+        let mut host_by_path = cri_container(containerd.clone(), true, true);
+        for n in host_by_path["linux"]["namespaces"]
+            .as_array_mut()
+            .expect("ns")
+        {
+            if n["type"] == "ipc" {
+                n["path"] = json!("/proc/self/ns/ipc");
+            }
+        }
         for v in [
+            host_by_path,
             cri_container(containerd.clone(), false, false),
             containerd,
             fixture("docker-20.10-config.json"),
