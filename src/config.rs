@@ -763,6 +763,20 @@ mod tests {
     }
 
     #[test]
+    fn visible_devices_env_is_off_unless_the_node_says_so() {
+        assert!(!parse("", None).unwrap().accept_visible_devices_env);
+        assert!(
+            parse("accept-visible-devices-env = true\n", None)
+                .unwrap()
+                .accept_visible_devices_env
+        );
+        let err = parse("accept-visible-devices-env = \"yes\"\n", None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("accept-visible-devices-env"), "{err}");
+    }
+
+    #[test]
     fn default_device_is_unset_or_allocated() {
         assert_eq!(parse("", None).unwrap().default_device, None);
         assert_eq!(
