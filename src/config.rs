@@ -113,6 +113,10 @@ pub struct Config {
     /// What a container without a device key asks for (`default-device`); `None`: nothing,
     /// it passes through.
     pub default_device: Option<crate::request::DefaultDevice>,
+    /// Whether a container's own `NVIDIA_VISIBLE_DEVICES` counts as an allocation
+    /// (`accept-visible-devices-env`): a pod author can write it, so it is off unless the
+    /// node's allocator writes nothing else.
+    pub accept_visible_devices_env: bool,
     pub inventory: crate::device::InventorySource,
     /// How long the create path may use the cached NVML inventory (`inventory_cache`);
     /// zero: never.
@@ -170,6 +174,7 @@ struct RawConfig {
     log_format: Option<LogFormat>,
     accept_env_requests: Option<bool>,
     default_device: Option<String>,
+    accept_visible_devices_env: Option<bool>,
     inventory: Option<String>,
     inventory_cache_ttl: Option<String>,
     #[serde(default)]
@@ -348,6 +353,7 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         log_format: raw.log_format.unwrap_or(LogFormat::Text),
         accept_env_requests: raw.accept_env_requests.unwrap_or(true),
         default_device,
+        accept_visible_devices_env: raw.accept_visible_devices_env.unwrap_or(false),
         inventory,
         inventory_cache_ttl,
         mps: check.mps(&raw.mps)?,
@@ -807,6 +813,20 @@ mod tests {
             let err = parse(text, None).unwrap_err().to_string();
             assert!(err.contains(key) && err.contains(allowed), "{text}: {err}");
         }
+    }
+
+    #[test]
+    fn visible_devices_env_is_off_unless_the_node_says_so() {
+        assert!(!parse("", None).unwrap().accept_visible_devices_env);
+        assert!(
+            parse("accept-visible-devices-env = true\n", None)
+                .unwrap()
+                .accept_visible_devices_env
+        );
+        let err = parse("accept-visible-devices-env = \"yes\"\n", None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("accept-visible-devices-env"), "{err}");
     }
 
     #[test]

@@ -63,6 +63,7 @@ pub(crate) fn resolve_spec(
     let options = request::Options {
         accept_env: cfg.accept_env_requests,
         default_device: cfg.default_device,
+        accept_visible_devices_env: cfg.accept_visible_devices_env,
     };
     let Some(req) = request::parse(&spec.request_inputs(), &options)? else {
         return Ok(None);
@@ -85,9 +86,12 @@ pub(crate) fn resolve(
         crate::inventory_cache::load(&cfg.inventory, &cfg.state_dir, cfg.inventory_cache_ttl)?;
     let devices = req.device.resolve(&inventory)?;
     if let DeviceValue::Allocated(found) = &req.device.value {
+        let sources: Vec<String> = found
+            .sources()
+            .map(|s| format!("{}={}", s.source, s.found))
+            .collect();
         tracing::debug!(
-            source = %found.source,
-            found = %found.found,
+            sources = %sources.join(" "),
             devices = %devices.uuids.join(","),
             "{}={} resolved from the container's allocation",
             req.device.key,

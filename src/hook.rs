@@ -91,6 +91,9 @@ pub(crate) fn engine_of(state: &State) -> String {
 pub(crate) fn create_runtime(cfg: &Config, state: &State) -> anyhow::Result<()> {
     tracing::debug!("createRuntime hook started");
     let ident = crate::decision::identity_from_annotations(&state.annotations)?;
+    if let Some(pid) = state.pid {
+        check_daemon_user(&ident, pid)?;
+    }
     let dirs = StateDir::new(&cfg.state_dir);
     let ensured = ensure::ensure(cfg, &dirs, &ident, Some(&state.container_record()))?;
     tracing::info!(
@@ -101,6 +104,34 @@ pub(crate) fn create_runtime(cfg: &Config, state: &State) -> anyhow::Result<()> 
         "container attached to MPS daemon"
     );
     Ok(())
+}
+
+/// Refuses a per-user daemon whose UID the container's user namespace does not map: the
+/// container could never be that user, so the decision was made for another namespace
+/// (a spec whose mappings are not the namespace it joins). Read from the container's init
+/// process, which runc has put into its namespaces before any hook runs; in the host's
+/// user namespace every UID passes. A multi-user daemon is root's by design.
+pub(crate) fn check_daemon_user(ident: &crate::identity::Identity, pid: i32) -> anyhow::Result<()> {
+    if ident.multi_user {
+        return Ok(());
+    }
+    let pid = u32::try_from(pid)
+        .ok()
+        .filter(|p| *p > 0)
+        .with_context(|| format!("the container state's pid {pid} is not a process id"))?;
+    let (uids, _) = crate::userns::read_proc(pid).map_err(anyhow::Error::msg)?;
+    if crate::userns::is_identity(&uids) || crate::userns::maps_host(&uids, ident.uid) {
+        return Ok(());
+    }
+    let ranges: Vec<String> = uids
+        .iter()
+        .map(|r| format!("{}-{}", r.host, u64::from(r.host) + u64::from(r.size) - 1))
+        .collect();
+    bail!(
+        "the daemon's host uid {} is no user of the container's user namespace, which maps host uids {}: the decision was made for another namespace; allowed is a spec whose linux.uidMappings are those of the user namespace it joins",
+        ident.uid,
+        ranges.join(", ")
+    )
 }
 
 /// `poststop`: forget the container. Logs, never fails.

@@ -84,6 +84,7 @@ pub(crate) fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
     };
     let ident = served.identity;
     let pid = state.pid.context("the container state has no pid")?;
+    crate::hook::check_daemon_user(&ident, pid)?;
     let dirs = StateDir::new(&cfg.state_dir);
     // The pid and the bundle checked above are the state's own, which the record names.
     let ensured = crate::mps::ensure::ensure(cfg, &dirs, &ident, Some(&state.container_record()))?;

@@ -56,6 +56,7 @@ pub mod state;
 mod status;
 #[allow(unsafe_code)]
 mod sys;
+pub(crate) mod userns;
 pub mod util;
 
 /// The control daemon's replies as gpushare reads them: public for the fuzz target

@@ -124,6 +124,9 @@ pub struct Options {
     pub accept_env: bool,
     /// `default-device`.
     pub default_device: Option<DefaultDevice>,
+    /// `accept-visible-devices-env`: whether the container's own `NVIDIA_VISIBLE_DEVICES`
+    /// is a source of its allocation.
+    pub accept_visible_devices_env: bool,
 }
 
 /// A device key's value: devices named by the request, or the container's allocation.
@@ -246,15 +249,7 @@ impl Sourced<DeviceValue> {
             DeviceValue::Named(req) => inventory
                 .resolve(self.key, &self.raw, req)
                 .map_err(|e| RequestError::Device(Box::new(e))),
-            DeviceValue::Allocated(found) => {
-                found
-                    .resolve(inventory)
-                    .map_err(|source| RequestError::AllocationUnusable {
-                        key: self.key,
-                        value: self.raw.clone(),
-                        source: Box::new(source),
-                    })
-            }
+            DeviceValue::Allocated(found) => found.resolve(self.key, &self.raw, inventory),
         }
     }
 }
@@ -306,17 +301,34 @@ pub enum RequestError {
         what: &'static str,
     },
 
-    #[error("{key}={} found no devices allocated to the container: {}; allowed is {ALLOCATED} in a container given GPUs by a device plugin or DRA driver, or devices named explicitly (0, GPU-<uuid>, MIG-<uuid>, 0:1)", quote(.value), allocation::LOOKED_AT)]
-    NoAllocation { key: &'static str, value: String },
+    #[error("{key}={} found no devices allocated to the container: {}; allowed is {ALLOCATED} in a container given GPUs by a device plugin or DRA driver, or devices named explicitly (0, GPU-<uuid>, MIG-<uuid>, 0:1)", quote(.value), allocation::looked_at(*.env_read))]
+    NoAllocation {
+        key: &'static str,
+        value: String,
+        /// Whether `NVIDIA_VISIBLE_DEVICES` was read (`accept-visible-devices-env`).
+        env_read: bool,
+    },
 
-    #[error("{key}={} is refused: the container's allocation already carries its allocator's MPS (CUDA_MPS_PIPE_DIRECTORY={} with a mount there from {}), and gpushare never stacks a second MPS on it; allowed is an allocation without the allocator's MPS sharing (device plugin sharing.mps, DRA driver MPS)", quote(.value), quote(.pipe), quote(.mount_source))]
+    #[error("{key}={} is refused: the container's allocation already carries its allocator's MPS (a mount at {} from {}, {why}), and gpushare never stacks a second MPS on it; allowed is an allocation without the allocator's MPS sharing (device plugin sharing.mps, DRA driver MPS)", quote(.value), quote(.pipe), quote(.mount_source))]
     AllocatorMps {
         key: &'static str,
         value: String,
-        /// `CUDA_MPS_PIPE_DIRECTORY` in the container's env.
+        /// The mount's destination: an MPS pipe directory.
         pipe: String,
-        /// The host side of the mount at that directory.
+        /// The host side of that mount.
         mount_source: String,
+        /// Which pipe directory that is.
+        why: &'static str,
+    },
+
+    #[error("{key}={} is refused: the sources of the container's allocation disagree ({first}, but {other}), and gpushare never merges them; allowed is an allocation whose sources all name the same devices", quote(.value))]
+    AllocationDisagrees {
+        key: &'static str,
+        value: String,
+        /// The first source, what it said and the devices it names.
+        first: String,
+        /// A source that names other devices.
+        other: String,
     },
 
     #[error("{key}={} cannot use the container's allocation: {source_key}={} {problem}; allowed is {allowed}", quote(.value), quote(.found))]
@@ -679,7 +691,7 @@ pub fn parse(c: &Inputs<'_>, opts: &Options) -> Result<Option<Request>, RequestE
             .transpose()
     }
     let allocated = |key: &'static str, raw: &str| {
-        allocation(c, key, raw).map(|found| {
+        allocation(c, key, raw, opts.accept_visible_devices_env).map(|found| {
             found.map(|found| Sourced {
                 value: DeviceValue::Allocated(found),
                 key,
@@ -692,6 +704,7 @@ pub fn parse(c: &Inputs<'_>, opts: &Options) -> Result<Option<Request>, RequestE
             allocated(key, raw)?.ok_or_else(|| RequestError::NoAllocation {
                 key,
                 value: raw.to_owned(),
+                env_read: opts.accept_visible_devices_env,
             })?
         }
         Some((key, raw)) => Sourced {
@@ -1092,6 +1105,7 @@ mod tests {
             &Options {
                 accept_env,
                 default_device: None,
+                accept_visible_devices_env: false,
             },
         )
     }

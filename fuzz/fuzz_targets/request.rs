@@ -32,6 +32,7 @@ fuzz_target!(|data: &[u8]| {
             .get(1)
             .is_some_and(|b| b & 1 == 1)
             .then_some(gpushare::request::DefaultDevice::Allocated),
+        accept_visible_devices_env: data.get(1).is_some_and(|b| b & 2 == 2),
     };
     match gpushare::request::parse(&inputs, &opts) {
         Ok(Some(req)) => {

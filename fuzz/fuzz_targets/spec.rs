@@ -29,7 +29,11 @@ fuzz_target!(|data: &[u8]| {
     // The shim's fast path: bytes that cannot spell a request hold none.
     let raw = RawSpec { path: "config.json".into(), mode: 0o644, bytes: data.to_vec() };
     let parse = |default_device| {
-        let opts = gpushare::request::Options { accept_env: true, default_device };
+        let opts = gpushare::request::Options {
+            accept_env: true,
+            default_device,
+            accept_visible_devices_env: true,
+        };
         gpushare::request::parse(&spec.request_inputs(), &opts)
     };
     if !raw.may_request() {

@@ -1,26 +1,37 @@
 //! `allocated`: the devices a container was allocated, read from what NVIDIA's device plugin
-//! or DRA driver wrote into its spec (k8s-facts.md §1.2, §1.3, §1.6, §2, §6.2).
+//! or DRA driver wrote into its spec (docs/requests.md, "Allocated devices").
 //!
 //! Invariants:
 //! - Plain data in, plain data out, no I/O: [`allocation`] reads the spec's annotations, env,
 //!   mounts and device nodes; device nodes become GPUs only against the inventory
 //!   ([`Allocation::resolve`], by minor number).
-//! - The sources are read in this order, and the first that names any device is the
-//!   allocation (the others are not read). 1–3 are NVIDIA's toolkit's own precedence
-//!   (`VisibleDevices()`); device nodes come last because they name devices only through the
-//!   inventory's minor numbers:
+//! - An allocation is read only from what a pod's author cannot write: the kubelet and the
+//!   engine write these sources, a pod's spec does not reach them. Every source that names
+//!   devices is read, and they must name the same devices ([`Allocation::resolve`], after
+//!   the inventory, since an index and a UUID, or a device node and a name, may be one
+//!   GPU): sources that disagree are refused, never merged. The first in this order (NVIDIA's
+//!   toolkit's own precedence, `VisibleDevices()`, device nodes last) gives the order of the
+//!   devices:
 //!   1. `cdi.k8s.io/*` annotations (device plugin `cdi-annotations`; the key's suffix is
 //!      random): every entry `k8s.device-plugin.nvidia.com/gpu=<id>` or `nvidia.com/gpu=<id>`
 //!      of their comma-separated values, keys in sorted order. Other vendors and classes
 //!      (a DRA claim, `…/gdrcopy=all`, IMEX channels) and the CDI `all` device are not read.
-//!   2. mounts at `/var/run/nvidia-container-devices/<id>` (`volume-mounts`), in mount
-//!      order; deeper paths (`imex/<channel>`, `cdi/…`) are not devices.
-//!   3. `NVIDIA_VISIBLE_DEVICES` (`envvar`), the last entry of the name, comma-separated.
-//!   4. `/dev/nvidia<N>` nodes in `linux.devices` (`cdi-cri`, the DRA driver): the GPUs with
+//!      containerd takes a container's annotations from the kubelet's allocation only
+//!      (pod annotations reach it only through `pod_annotations`, which must not pass
+//!      `cdi.k8s.io/*`).
+//!   2. mounts at `/var/run/nvidia-container-devices/<id>` whose source is `/dev/null`
+//!      (`volume-mounts`), in mount order, as NVIDIA's toolkit reads them; deeper paths
+//!      (`imex/<channel>`, `cdi/…`) are not devices. A mount there from any other source (a
+//!      pod's own `emptyDir`) is no allocation and is ignored, as the toolkit ignores it.
+//!   3. `/dev/nvidia<N>` nodes in `linux.devices` (`cdi-cri`, the DRA driver): the GPUs with
 //!      minor number N, in spec order, and with them the MIG access nodes
 //!      `/dev/nvidia-caps/nvidia-cap<M>` (see below). Read only when a `/dev/nvidia<N>` is
 //!      there. Not read in a privileged container (one whose `linux.resources.devices` allows
 //!      every device), which holds every node of the host.
+//!   4. `NVIDIA_VISIBLE_DEVICES` (`envvar`), the last entry of the name, comma-separated,
+//!      and only where the node accepts it (`accept-visible-devices-env`, off by default): a
+//!      pod's own env replaces the device plugin's value of the same name, so the variable
+//!      is forgeable. It then only ever has to agree with the other sources.
 //! - An id is what the device plugin writes: `GPU-<uuid>`, `MIG-<uuid>`, an index `0` or
 //!   `<gpu>:<mig>` (its replicas' `::<n>` suffix is stripped before the spec). The ids then
 //!   meet the rules of named devices, so a list of MIG devices is refused.
@@ -30,9 +41,7 @@
 //!   ambiguous value: CUDA base images set `NVIDIA_VISIBLE_DEVICES=all` in their own env,
 //!   which stays in the spec whenever the device plugin uses CDI strategies only; and the
 //!   device plugin never writes `all` (it writes the ids it allocated), nor does the DRA
-//!   driver (it writes no `NVIDIA_VISIBLE_DEVICES`). So `all` never counts, whoever set it,
-//!   and a value naming devices always does: an image that bakes in specific ids is read as
-//!   allocated those.
+//!   driver (it writes no `NVIDIA_VISIBLE_DEVICES`). So `all` never counts, whoever set it.
 //! - A MIG device injected by CDI (`cdi-cri`, DRA) is its parent's `/dev/nvidia<N>` plus the
 //!   `/dev/nvidia-caps/nvidia-cap<M>` access nodes of its GPU instance and compute instance,
 //!   M as the driver's `/proc/driver/nvidia-caps/mig-minors` gives them
@@ -47,9 +56,12 @@
 //!   in MIG mode, where CUDA cannot run.
 //! - Old MIG UUIDs `MIG-GPU-<uuid>/<gi>/<ci>` (drivers before R470) are refused: the
 //!   inventory knows MIG devices by `MIG-<uuid>` only.
-//! - An allocation that carries its allocator's MPS — `CUDA_MPS_PIPE_DIRECTORY=<dir>` in the
-//!   env and a mount at `<dir>`, as the device plugin's `sharing.mps` and the DRA driver's
-//!   MPS both add — is refused: gpushare never stacks a second MPS on it.
+//! - An allocation that carries its allocator's MPS is refused: gpushare never stacks a
+//!   second MPS on it. The allocator's MPS is known by a mount at an MPS pipe directory,
+//!   which a pod cannot remove: where the env's `CUDA_MPS_PIPE_DIRECTORY` points, CUDA's
+//!   default `/tmp/nvidia-mps` (the DRA driver's), or `/mps/<resource>/pipe` (the device
+//!   plugin's `sharing.mps`). The env alone is not enough, either way: a pod's own env
+//!   replaces the allocator's `CUDA_MPS_PIPE_DIRECTORY`.
 //! - Every source spells `nvidia` (`NVIDIA_VISIBLE_DEVICES`, `nvidia-container-devices`,
 //!   `/dev/nvidia`, the two CDI vendors): a spec whose bytes cannot spell it holds no
 //!   allocation (`RawSpec::may_hold_allocation` relies on this).
@@ -62,16 +74,29 @@ use super::{
     RequestError, ResolvedDevices, MAX_DEVICES,
 };
 
-/// What [`RequestError::NoAllocation`] says was looked at.
-pub(super) const LOOKED_AT: &str = "no cdi.k8s.io/* annotation names an NVIDIA GPU, no mount is under /var/run/nvidia-container-devices/, NVIDIA_VISIBLE_DEVICES names no device (all, none, void and empty are no allocation), and linux.devices holds no /dev/nvidia<N> (not read in a privileged container)";
+/// What [`RequestError::NoAllocation`] says was looked at; `env_read`: whether the node
+/// accepts `NVIDIA_VISIBLE_DEVICES` (`accept-visible-devices-env`).
+pub(super) fn looked_at(env_read: bool) -> &'static str {
+    if env_read {
+        "no cdi.k8s.io/* annotation names an NVIDIA GPU, no mount from /dev/null is under /var/run/nvidia-container-devices/, linux.devices holds no /dev/nvidia<N> (not read in a privileged container), and NVIDIA_VISIBLE_DEVICES names no device (all, none, void and empty are no allocation)"
+    } else {
+        "no cdi.k8s.io/* annotation names an NVIDIA GPU, no mount from /dev/null is under /var/run/nvidia-container-devices/, and linux.devices holds no /dev/nvidia<N> (not read in a privileged container); NVIDIA_VISIBLE_DEVICES is not read on this node (accept-visible-devices-env = false)"
+    }
+}
 
 const VOLUME_DIR: &str = "/var/run/nvidia-container-devices";
+/// The only source a volume-mounts allocation has (the device plugin's, and what NVIDIA's
+/// toolkit requires): a pod's own volumes come from elsewhere.
+const VOLUME_SOURCE: &str = "/dev/null";
 const CDI_PREFIX: &str = "cdi.k8s.io/";
 /// The CDI kinds whose devices are NVIDIA GPUs named by device-plugin ids: the device
 /// plugin's, and the toolkit's own (`nvidia-ctk cdi generate`, Docker's `--gpus`).
 const CDI_KINDS: [&str; 2] = ["k8s.device-plugin.nvidia.com/gpu", "nvidia.com/gpu"];
 const VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
 const PIPE_ENV: &str = "CUDA_MPS_PIPE_DIRECTORY";
+/// Where MPS clients look without `CUDA_MPS_PIPE_DIRECTORY`; the DRA driver's MPS mounts
+/// its pipe directory there.
+const DEFAULT_PIPE_DIR: &str = "/tmp/nvidia-mps";
 
 const IDS_ALLOWED: &str = "device ids as NVIDIA's device plugin writes them: GPU-<uuid>, MIG-<uuid>, a GPU index like 0 or <gpu>:<mig> like 0:1, comma-separated, at most 16";
 const OLD_MIG_ALLOWED: &str = "MIG-<uuid>, the MIG device names of NVIDIA drivers R470 and later";
@@ -85,8 +110,8 @@ const CAPS_DIR: &str = "/dev/nvidia-caps/";
 pub enum AllocationSource {
     CdiAnnotations,
     VolumeMounts,
-    Env,
     DeviceNodes,
+    Env,
 }
 
 impl AllocationSource {
@@ -95,8 +120,8 @@ impl AllocationSource {
         match self {
             Self::CdiAnnotations => "cdi.k8s.io/*",
             Self::VolumeMounts => "/var/run/nvidia-container-devices/*",
-            Self::Env => VISIBLE_DEVICES,
             Self::DeviceNodes => "linux.devices",
+            Self::Env => VISIBLE_DEVICES,
         }
     }
 }
@@ -107,8 +132,8 @@ impl fmt::Display for AllocationSource {
         f.write_str(match self {
             Self::CdiAnnotations => "cdi-annotations",
             Self::VolumeMounts => "volume-mounts",
-            Self::Env => "envvar",
             Self::DeviceNodes => "device-nodes",
+            Self::Env => "envvar",
         })
     }
 }
@@ -123,19 +148,19 @@ pub enum AllocatedDevices {
     Nodes { gpus: Vec<u32>, caps: Vec<u32> },
 }
 
-/// What [`allocation`] found.
+/// What one source of an allocation says.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Allocation {
+pub struct Said {
     pub source: AllocationSource,
     /// What the source says, for errors: the ids joined by `,` (for device nodes, their paths).
     pub found: String,
     pub devices: AllocatedDevices,
 }
 
-impl Allocation {
+impl Said {
     /// The devices against the inventory, under the rules of named devices; errors name the
     /// source and what it said.
-    pub(crate) fn resolve(&self, inventory: &Inventory) -> Result<ResolvedDevices, DeviceError> {
+    fn resolve(&self, inventory: &Inventory) -> Result<ResolvedDevices, DeviceError> {
         let key = self.source.key();
         match &self.devices {
             AllocatedDevices::Named(req) => inventory.resolve(key, &self.found, req),
@@ -145,6 +170,68 @@ impl Allocation {
                 &inventory.devices_by_nodes(key, &self.found, gpus, caps)?,
             ),
         }
+    }
+}
+
+/// What [`allocation`] found: every source that names devices, in the module doc's order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Allocation {
+    /// The first source; its order of the devices is the allocation's.
+    pub first: Said,
+    /// The other sources that name devices, which must name the same ones.
+    pub others: Vec<Said>,
+}
+
+impl Allocation {
+    /// Every source, the first first.
+    pub fn sources(&self) -> impl Iterator<Item = &Said> {
+        std::iter::once(&self.first).chain(&self.others)
+    }
+
+    /// The devices against the inventory, under the rules of named devices, once every
+    /// source has resolved to the same set of devices. `key` and `value` are the request's,
+    /// for errors: a source that does not resolve is named with what it said; sources that
+    /// disagree are refused naming both.
+    pub(crate) fn resolve(
+        &self,
+        key: &'static str,
+        value: &str,
+        inventory: &Inventory,
+    ) -> Result<ResolvedDevices, RequestError> {
+        let resolve = |said: &Said| {
+            said.resolve(inventory)
+                .map_err(|source| RequestError::AllocationUnusable {
+                    key,
+                    value: value.to_owned(),
+                    source: Box::new(source),
+                })
+        };
+        let devices = resolve(&self.first)?;
+        let set = |d: &ResolvedDevices| {
+            let mut uuids = d.uuids.clone();
+            uuids.sort();
+            uuids
+        };
+        for other in &self.others {
+            let theirs = resolve(other)?;
+            if set(&theirs) != set(&devices) {
+                let says = |said: &Said, d: &ResolvedDevices| {
+                    format!(
+                        "{}={} names {}",
+                        said.source.key(),
+                        quote(&said.found),
+                        d.uuids.join(",")
+                    )
+                };
+                return Err(RequestError::AllocationDisagrees {
+                    key,
+                    value: value.to_owned(),
+                    first: says(&self.first, &devices),
+                    other: says(other, &theirs),
+                });
+            }
+        }
+        Ok(devices)
     }
 }
 
@@ -158,47 +245,76 @@ struct Unreadable {
 
 /// The devices this container was allocated, or `None` when no source names any (see the
 /// module doc for the sources, their order and what does not count). `key` and `value` are
-/// the request's (`gpushare.io/device=allocated`, `default-device`), for errors.
+/// the request's (`gpushare.io/device=allocated`, `default-device`), for errors;
+/// `env_read`: whether the node accepts `NVIDIA_VISIBLE_DEVICES` as a source.
 pub(crate) fn allocation(
     c: &Inputs<'_>,
     key: &'static str,
     value: &str,
+    env_read: bool,
 ) -> Result<Option<Allocation>, RequestError> {
-    let found = from_cdi_annotations(c)
-        .transpose()
-        .or_else(|| from_volume_mounts(c).transpose())
-        .or_else(|| from_env(c).transpose())
-        .or_else(|| from_device_nodes(c).transpose())
-        .transpose()
-        .map_err(|u| RequestError::AllocationUnreadable {
+    let unreadable = |u: Unreadable| RequestError::AllocationUnreadable {
+        key,
+        value: value.to_owned(),
+        source_key: u.source.key(),
+        found: u.found,
+        problem: u.problem,
+        allowed: u.allowed,
+    };
+    let mut sources = Vec::with_capacity(1);
+    for said in [
+        from_cdi_annotations(c),
+        from_volume_mounts(c),
+        from_device_nodes(c),
+        if env_read { from_env(c) } else { Ok(None) },
+    ] {
+        sources.extend(said.map_err(unreadable)?);
+    }
+    let mut sources = sources.into_iter();
+    let Some(first) = sources.next() else {
+        return Ok(None);
+    };
+    if let Some((pipe, mount_source, why)) = allocator_mps(c) {
+        return Err(RequestError::AllocatorMps {
             key,
             value: value.to_owned(),
-            source_key: u.source.key(),
-            found: u.found,
-            problem: u.problem,
-            allowed: u.allowed,
-        })?;
-    if found.is_some() {
-        if let Some(pipe) = env_lookup(c.env, PIPE_ENV).filter(|p| !p.is_empty()) {
-            if let Some(mount) = c.mounts.iter().find(|m| m.destination() == Path::new(pipe)) {
-                return Err(RequestError::AllocatorMps {
-                    key,
-                    value: value.to_owned(),
-                    pipe: pipe.to_owned(),
-                    mount_source: mount
-                        .source()
-                        .as_deref()
-                        .map(|s| s.display().to_string())
-                        .unwrap_or_default(),
-                });
-            }
-        }
+            pipe,
+            mount_source,
+            why,
+        });
     }
-    Ok(found)
+    Ok(Some(Allocation {
+        first,
+        others: sources.collect(),
+    }))
+}
+
+/// The allocator's MPS, if the spec carries it: the mount at an MPS pipe directory (see
+/// the module doc), as (its destination, its source, which pipe directory that is).
+fn allocator_mps(c: &Inputs<'_>) -> Option<(String, String, &'static str)> {
+    let pipe_env = env_lookup(c.env, PIPE_ENV).filter(|p| !p.is_empty());
+    c.mounts.iter().find_map(|m| {
+        let dest = m.destination().to_str()?;
+        let why = if Some(dest) == pipe_env {
+            "where the container's CUDA_MPS_PIPE_DIRECTORY points"
+        } else if dest == DEFAULT_PIPE_DIR {
+            "CUDA's default MPS pipe directory, where the DRA driver's MPS puts its own"
+        } else if dest.starts_with("/mps/") && dest.ends_with("/pipe") {
+            "where the device plugin's sharing.mps puts its pipe directory"
+        } else {
+            return None;
+        };
+        let source = m
+            .source()
+            .as_deref()
+            .map(|s| s.display().to_string())
+            .unwrap_or_default();
+        Some((dest.to_owned(), source, why))
+    })
 }
 
 /// Device-plugin ids → named devices; `found` is what errors show.
-fn named(source: AllocationSource, found: String, ids: &[&str]) -> Result<Allocation, Unreadable> {
+fn named(source: AllocationSource, found: String, ids: &[&str]) -> Result<Said, Unreadable> {
     let unreadable = |problem: String, allowed| Unreadable {
         source,
         found: found.clone(),
@@ -239,14 +355,14 @@ fn named(source: AllocationSource, found: String, ids: &[&str]) -> Result<Alloca
             }
         }
     }
-    Ok(Allocation {
+    Ok(Said {
         source,
         found,
         devices: AllocatedDevices::Named(DeviceRequest(selectors)),
     })
 }
 
-fn from_cdi_annotations(c: &Inputs<'_>) -> Result<Option<Allocation>, Unreadable> {
+fn from_cdi_annotations(c: &Inputs<'_>) -> Result<Option<Said>, Unreadable> {
     let Some(annotations) = c.annotations else {
         return Ok(None);
     };
@@ -268,10 +384,11 @@ fn from_cdi_annotations(c: &Inputs<'_>) -> Result<Option<Allocation>, Unreadable
     named(AllocationSource::CdiAnnotations, ids.join(","), &ids).map(Some)
 }
 
-fn from_volume_mounts(c: &Inputs<'_>) -> Result<Option<Allocation>, Unreadable> {
+fn from_volume_mounts(c: &Inputs<'_>) -> Result<Option<Said>, Unreadable> {
     let ids: Vec<&str> = c
         .mounts
         .iter()
+        .filter(|m| m.source().as_deref() == Some(Path::new(VOLUME_SOURCE)))
         .filter_map(|m| {
             m.destination()
                 .to_str()?
@@ -286,7 +403,7 @@ fn from_volume_mounts(c: &Inputs<'_>) -> Result<Option<Allocation>, Unreadable> 
     named(AllocationSource::VolumeMounts, ids.join(","), &ids).map(Some)
 }
 
-fn from_env(c: &Inputs<'_>) -> Result<Option<Allocation>, Unreadable> {
+fn from_env(c: &Inputs<'_>) -> Result<Option<Said>, Unreadable> {
     let Some(value) = env_lookup(c.env, VISIBLE_DEVICES) else {
         return Ok(None);
     };
@@ -300,7 +417,7 @@ fn from_env(c: &Inputs<'_>) -> Result<Option<Allocation>, Unreadable> {
     named(AllocationSource::Env, value.to_owned(), &ids).map(Some)
 }
 
-fn from_device_nodes(c: &Inputs<'_>) -> Result<Option<Allocation>, Unreadable> {
+fn from_device_nodes(c: &Inputs<'_>) -> Result<Option<Said>, Unreadable> {
     if c.all_devices_allowed {
         return Ok(None);
     }
@@ -358,7 +475,7 @@ fn from_device_nodes(c: &Inputs<'_>) -> Result<Option<Allocation>, Unreadable> {
         return Ok(None);
     }
     paths.extend(cap_paths);
-    Ok(Some(Allocation {
+    Ok(Some(Said {
         source: AllocationSource::DeviceNodes,
         found: paths.join(","),
         devices: AllocatedDevices::Nodes { gpus: minors, caps },
@@ -466,7 +583,18 @@ mod tests {
         }
     }
 
+    /// Parsed on a node that accepts `NVIDIA_VISIBLE_DEVICES` (`accept-visible-devices-env =
+    /// true`, the envvar strategy's node).
     fn run(v: &Value, default_device: Option<DefaultDevice>) -> Parsed {
+        run_with(v, default_device, true)
+    }
+
+    /// Parsed on a node of the documented defaults: `NVIDIA_VISIBLE_DEVICES` is not read.
+    fn run_default(v: &Value, default_device: Option<DefaultDevice>) -> Parsed {
+        run_with(v, default_device, false)
+    }
+
+    fn run_with(v: &Value, default_device: Option<DefaultDevice>, visible_env: bool) -> Parsed {
         let bytes = serde_json::to_vec(v).expect("json");
         let spec = SpecFile::from_bytes(Path::new("config.json"), &bytes).expect("a spec");
         let result = parse(
@@ -474,6 +602,7 @@ mod tests {
             &Options {
                 accept_env: true,
                 default_device,
+                accept_visible_devices_env: visible_env,
             },
         );
         Parsed { bytes, result }
@@ -485,7 +614,12 @@ mod tests {
         run(&v, None)
     }
 
-    fn found(p: &Parsed) -> Allocation {
+    /// The first source of the allocation.
+    fn found(p: &Parsed) -> Said {
+        allocation_of(p).first
+    }
+
+    fn allocation_of(p: &Parsed) -> Allocation {
         match p.result.as_ref().expect("parses") {
             Some(Request {
                 device:
@@ -577,7 +711,7 @@ mod tests {
             let msg = refusal(&p);
             assert_eq!(
                 msg,
-                format!("gpushare.io/device=\"allocated\" found no devices allocated to the container: {LOOKED_AT}; allowed is allocated in a container given GPUs by a device plugin or DRA driver, or devices named explicitly (0, GPU-<uuid>, MIG-<uuid>, 0:1)"),
+                format!("gpushare.io/device=\"allocated\" found no devices allocated to the container: {}; allowed is allocated in a container given GPUs by a device plugin or DRA driver, or devices named explicitly (0, GPU-<uuid>, MIG-<uuid>, 0:1)", looked_at(true)),
                 "{value}"
             );
             // With the node's default, the same container passes through.
@@ -949,15 +1083,45 @@ mod tests {
             "/tmp/nvidia-mps",
             &["rbind"],
         );
-        for (v, pipe, source) in [
+        const BY_ENV: &str = "where the container's CUDA_MPS_PIPE_DIRECTORY points";
+        const PLUGIN: &str = "where the device plugin's sharing.mps puts its pipe directory";
+        const DRA: &str =
+            "CUDA's default MPS pipe directory, where the DRA driver's MPS puts its own";
+        // A pod's own env replaces the allocator's CUDA_MPS_PIPE_DIRECTORY in place (the
+        // kubelet puts it after the device plugin's, containerd keeps one entry per name):
+        // the mount still gives the allocator's MPS away.
+        let forged = |mut v: Value| {
+            for e in v["process"]["env"].as_array_mut().expect("env") {
+                if e.as_str()
+                    .is_some_and(|e| e.starts_with("CUDA_MPS_PIPE_DIRECTORY="))
+                {
+                    *e = json!("CUDA_MPS_PIPE_DIRECTORY=/pod/elsewhere");
+                }
+            }
+            v
+        };
+        for (v, pipe, source, why) in [
             (
-                plugin,
+                plugin.clone(),
                 "/mps/nvidia.com/gpu/pipe",
                 "/run/nvidia/mps/nvidia.com/gpu/pipe".to_owned(),
+                BY_ENV,
             ),
-            (dra, "/tmp/nvidia-mps", format!("{dir}/pipe")),
+            (
+                forged(plugin),
+                "/mps/nvidia.com/gpu/pipe",
+                "/run/nvidia/mps/nvidia.com/gpu/pipe".to_owned(),
+                PLUGIN,
+            ),
+            (
+                dra.clone(),
+                "/tmp/nvidia-mps",
+                format!("{dir}/pipe"),
+                BY_ENV,
+            ),
+            (forged(dra), "/tmp/nvidia-mps", format!("{dir}/pipe"), DRA),
         ] {
-            let tail = format!("is refused: the container's allocation already carries its allocator's MPS (CUDA_MPS_PIPE_DIRECTORY=\"{pipe}\" with a mount there from {}), and gpushare never stacks a second MPS on it; allowed is an allocation without the allocator's MPS sharing (device plugin sharing.mps, DRA driver MPS)", crate::device::quote(&source));
+            let tail = format!("is refused: the container's allocation already carries its allocator's MPS (a mount at \"{pipe}\" from {}, {why}), and gpushare never stacks a second MPS on it; allowed is an allocation without the allocator's MPS sharing (device plugin sharing.mps, DRA driver MPS)", crate::device::quote(&source));
             assert_eq!(
                 refusal(&asked(v.clone())),
                 format!("gpushare.io/device=\"allocated\" {tail}")
@@ -977,6 +1141,145 @@ mod tests {
             ],
         );
         assert_eq!(resolved(&asked(v)).0, vec![GPU2]);
+    }
+
+    /// A pod's `emptyDir` at `/var/run/nvidia-container-devices/<id>`, as containerd writes
+    /// the kubelet's volume mount.
+    fn push_pod_volume(v: &mut Value, id: &str) {
+        push_mount(
+            v,
+            "/var/lib/kubelet/pods/8d3b6a3c/volumes/kubernetes.io~empty-dir/forged",
+            &format!("/var/run/nvidia-container-devices/{id}"),
+            &["rbind", "rprivate", "rw"],
+        );
+    }
+
+    #[test]
+    fn only_what_a_pod_cannot_write_is_an_allocation() {
+        // A pod allocated no GPU names another tenant's in its own env, or with an
+        // emptyDir where the device plugin's volume mounts go: on a node of the documented
+        // defaults, neither is an allocation.
+        let mut env_only = cri();
+        push_env(&mut env_only, &[&format!("NVIDIA_VISIBLE_DEVICES={GPU2}")]);
+        let mut volume_only = cri();
+        push_pod_volume(&mut volume_only, GPU2);
+        for v in [&env_only, &volume_only] {
+            assert!(run_default(v, Some(DefaultDevice::Allocated))
+                .result
+                .expect("passes through")
+                .is_none());
+            let mut asked = v.clone();
+            annotate(&mut asked, "gpushare.io/device", ALLOCATED);
+            let msg = refusal(&run_default(&asked, None));
+            assert!(msg.contains("found no devices allocated to the container: no cdi.k8s.io/* annotation names an NVIDIA GPU, no mount from /dev/null is under /var/run/nvidia-container-devices/, and linux.devices holds no /dev/nvidia<N> (not read in a privileged container); NVIDIA_VISIBLE_DEVICES is not read on this node (accept-visible-devices-env = false)"), "{msg}");
+        }
+        // A volume that is not /dev/null is no allocation on a node that reads the env too.
+        assert!(run(&volume_only, Some(DefaultDevice::Allocated))
+            .result
+            .expect("passes through")
+            .is_none());
+
+        // A pod allocated GPU 0 (/dev/nvidia2) by CDI, plus the emptyDir naming GPU 2, plus
+        // the env naming GPU 2: served GPU 0 alone.
+        let mut v = cri();
+        push_cdi_gpu(&mut v, 2);
+        push_pod_volume(&mut v, GPU2);
+        push_env(&mut v, &[&format!("NVIDIA_VISIBLE_DEVICES={GPU2}")]);
+        let p = run_default(&v, Some(DefaultDevice::Allocated));
+        let a = allocation_of(&p);
+        assert_eq!(
+            (a.first.source, a.others.len()),
+            (AllocationSource::DeviceNodes, 0)
+        );
+        assert_eq!(resolved(&p), (vec![GPU0.to_owned()], DeviceKind::Gpus));
+
+        // The device plugin's /dev/null mounts still count, beside a pod's emptyDir.
+        let mut v = cri();
+        push_mount(
+            &mut v,
+            "/dev/null",
+            &format!("/var/run/nvidia-container-devices/{GPU0}"),
+            &["ro", "bind"],
+        );
+        push_pod_volume(&mut v, GPU2);
+        let p = run_default(&v, Some(DefaultDevice::Allocated));
+        assert_eq!(found(&p).found, GPU0);
+        assert_eq!(resolved(&p).0, vec![GPU0]);
+
+        // The image's own all is never one, wherever the env is read.
+        let mut v = cri();
+        push_env(&mut v, &[IMAGE_ALL]);
+        for p in [
+            run(&v, Some(DefaultDevice::Allocated)),
+            run_default(&v, Some(DefaultDevice::Allocated)),
+        ] {
+            assert!(p.result.expect("passes through").is_none());
+        }
+    }
+
+    #[test]
+    fn sources_that_disagree_are_refused_never_merged() {
+        let tail = "and gpushare never merges them; allowed is an allocation whose sources all name the same devices";
+        // Allocated GPU 0 by DRA-style device nodes, GPU 2 in the pod's env, on a node that
+        // reads the env: refused, naming both (the env would have moved it to GPU 2).
+        let mut v = cri();
+        push_cdi_gpu(&mut v, 2);
+        push_env(&mut v, &[&format!("NVIDIA_VISIBLE_DEVICES={GPU2}")]);
+        let p = run(&v, Some(DefaultDevice::Allocated));
+        assert_eq!(
+            resolve_refusal(&p),
+            format!("default-device=\"allocated\" is refused: the sources of the container's allocation disagree (linux.devices=\"/dev/nvidia2\" names {GPU0}, but NVIDIA_VISIBLE_DEVICES=\"{GPU2}\" names {GPU2}), {tail}")
+        );
+        // Allocated GPU 0 by CDI annotation, plus a /dev/null volume (a pod allowed hostPath
+        // volumes) for GPU 2 as well: refused, never "GPU 0, GPU 2".
+        let mut v = cri();
+        annotate(
+            &mut v,
+            CDI_KEY,
+            &format!("k8s.device-plugin.nvidia.com/gpu={GPU0}"),
+        );
+        for id in [GPU0, GPU2] {
+            push_mount(
+                &mut v,
+                "/dev/null",
+                &format!("/var/run/nvidia-container-devices/{id}"),
+                &["ro", "bind"],
+            );
+        }
+        let msg = resolve_refusal(&run_default(&v, Some(DefaultDevice::Allocated)));
+        assert!(
+            msg.contains(&format!("(cdi.k8s.io/*=\"{GPU0}\" names {GPU0}, but /var/run/nvidia-container-devices/*=\"{GPU0},GPU-7b2c3d4e-5f60-4182-…\" names {GPU0},{GPU2})")),
+            "{msg}"
+        );
+        // Sources that name the same devices, spelled differently (an index, a UUID, a
+        // device node), agree; the order is the first source's.
+        let mut v = cri();
+        annotate(
+            &mut v,
+            CDI_KEY,
+            "k8s.device-plugin.nvidia.com/gpu=2,k8s.device-plugin.nvidia.com/gpu=0",
+        );
+        push_cdi_gpu(&mut v, 2);
+        push_cdi_gpu(&mut v, 1);
+        push_env(&mut v, &[&format!("NVIDIA_VISIBLE_DEVICES={GPU0},{GPU2}")]);
+        let p = run(&v, Some(DefaultDevice::Allocated));
+        let a = allocation_of(&p);
+        let sources: Vec<AllocationSource> = a.sources().map(|s| s.source).collect();
+        assert_eq!(
+            sources,
+            [
+                AllocationSource::CdiAnnotations,
+                AllocationSource::DeviceNodes,
+                AllocationSource::Env
+            ]
+        );
+        assert_eq!(resolved(&p).0, vec![GPU2, GPU0]);
+        // A second source that does not resolve is refused as it would be alone.
+        let mut v = cri();
+        push_cdi_gpu(&mut v, 2);
+        push_env(&mut v, &["NVIDIA_VISIBLE_DEVICES=7"]);
+        assert!(resolve_refusal(&run(&v, Some(DefaultDevice::Allocated)))
+            .ends_with("NVIDIA_VISIBLE_DEVICES=\"7\" names GPU 7, which does not exist: this node has GPUs 0, 1, 2"));
     }
 
     #[test]
@@ -1017,6 +1320,7 @@ mod tests {
         let off = Options {
             accept_env: false,
             default_device: Some(DefaultDevice::Allocated),
+            accept_visible_devices_env: true,
         };
         let err = parse(&spec.request_inputs(), &off)
             .expect_err("env off")
@@ -1062,6 +1366,7 @@ mod tests {
                 let off = Options {
                     accept_env: false,
                     default_device: None,
+                    accept_visible_devices_env: true,
                 };
                 assert!(parse(&spec.request_inputs(), &off)
                     .expect("no error")

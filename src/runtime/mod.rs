@@ -143,7 +143,8 @@ pub(crate) fn prepare(
     container_id: Option<&str>,
 ) -> anyhow::Result<bool> {
     let bundle = spec.path().parent().map(Path::to_owned);
-    let Some(served) = decision::resolve_spec(cfg, &spec, |req| decide_ipc(cfg, req))? else {
+    let Some(served) = decision::resolve_spec(cfg, &spec, |req| decide_ipc(cfg, &spec, req))?
+    else {
         tracing::debug!("no gpushare request: passing through");
         return Ok(false);
     };
@@ -204,18 +205,76 @@ pub(crate) fn prepare(
     Ok(true)
 }
 
-fn decide_ipc(cfg: &Config, req: &Request) -> anyhow::Result<IpcMode> {
+/// The IPC mode for a request: the node's `ipc`, or the request's where
+/// `allow-ipc-override` allows it — but never the host's for a container whose pod has an
+/// IPC namespace of its own ([`pod_ipc_namespace`]): a pod gets the host's IPC only by
+/// `hostIPC`, which admission (Pod Security) sees, never by an annotation it does not.
+fn decide_ipc(cfg: &Config, spec: &SpecFile, req: &Request) -> anyhow::Result<IpcMode> {
     let configured = cfg.mps.ipc_mode();
-    match &req.ipc {
+    let ipc = match &req.ipc {
         Some(asked) if asked.value != configured && !cfg.mps.allow_ipc_override => {
             anyhow::bail!(
                 "{}={:?} is refused: this node's gpushare config sets ipc = {:?} and allow-ipc-override = false; allowed is {:?} or leaving {} unset",
                 asked.key, asked.raw, configured.to_string(), configured.to_string(), asked.key
             )
         }
-        Some(asked) => Ok(asked.value),
-        None => Ok(configured),
+        Some(asked) => asked.value,
+        None => configured,
+    };
+    if ipc == IpcMode::Host {
+        if let Some(why) = pod_ipc_namespace(spec) {
+            let asker = match &req.ipc {
+                Some(asked) => format!("{}={:?}", asked.key, asked.raw),
+                None => "this node's gpushare config ipc = \"host\"".to_owned(),
+            };
+            anyhow::bail!(
+                "{asker} is refused: the container's pod has an IPC namespace of its own ({why}), and gpushare never gives a pod the host's; allowed is isolated, or hostIPC: true on the pod (which admission sees) and then nothing from gpushare"
+            );
+        }
     }
+    Ok(ipc)
+}
+
+/// Annotations that mark a container of a CRI pod (containerd, CRI-O), whatever their value.
+const CRI_CONTAINER_MARKERS: [&str; 2] = [
+    "io.kubernetes.cri.container-type",
+    "io.kubernetes.cri-o.ContainerType",
+];
+
+/// Why the container's IPC namespace is its pod's, if it is: joined by path (containerd's
+/// CRI and Podman pods give every container the sandbox's namespace that way, Docker's
+/// `--ipc=container:`) unless that namespace is the one this process runs in, the host's
+/// (containerd gives a `hostIPC` pod's containers the sandbox's namespace by path, and the
+/// sandbox has the host's); or a new `ipc` entry in a CRI container. Docker's and ctr's
+/// containers have a new one and no CRI marker. A path that cannot be looked at counts as
+/// the pod's own.
+fn pod_ipc_namespace(spec: &SpecFile) -> Option<String> {
+    let ns = spec
+        .typed
+        .linux
+        .as_ref()?
+        .namespaces
+        .as_deref()?
+        .iter()
+        .find(|n| n.typ() == oci_spec::runtime::LinuxNamespaceType::Ipc)?;
+    if let Some(path) = ns.path() {
+        let id = |p: &Path| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()))
+        };
+        let joined = id(path);
+        if joined.is_some() && joined == id(Path::new("/proc/self/ns/ipc")) {
+            return None;
+        }
+        return Some(format!(
+            "linux.namespaces joins {}",
+            crate::device::quote(&path.display().to_string())
+        ));
+    }
+    CRI_CONTAINER_MARKERS
+        .into_iter()
+        .find(|key| spec.annotation(key).is_some())
+        .map(|key| format!("a CRI container ({key}) with an ipc namespace"))
 }
 
 /// The spec edits for a request the pipeline served (DESIGN §4). `id` is the served
@@ -328,4 +387,138 @@ fn hooks(cfg: &Config) -> anyhow::Result<SetHooks> {
             ("poststop", "poststop", POSTSTOP_TIMEOUT),
         ],
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use serde_json::{json, Value};
+
+    use super::*;
+
+    fn fixture(name: &str) -> Value {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name);
+        serde_json::from_slice(&std::fs::read(path).expect("fixture")).expect("fixture json")
+    }
+
+    fn spec(v: &Value) -> SpecFile {
+        SpecFile::from_bytes(
+            Path::new("config.json"),
+            &serde_json::to_vec(v).expect("json"),
+        )
+        .expect("spec")
+    }
+
+    /// `v` as a CRI container of containerd: its marker, and the sandbox's ipc namespace
+    /// joined by path when `joined` (a pod without hostIPC; a pid above any pid_max, so
+    /// that no process on the test machine has it), none at all when `ipc` is false.
+    fn cri_container(mut v: Value, ipc: bool, joined: bool) -> Value {
+        v["annotations"] = json!({"io.kubernetes.cri.container-type": "container"});
+        let ns = v["linux"]["namespaces"].as_array_mut().expect("namespaces");
+        ns.retain(|n| n["type"] != "ipc");
+        if ipc {
+            ns.push(if joined {
+                json!({"type": "ipc", "path": "/proc/4194305/ns/ipc"})
+            } else {
+                json!({"type": "ipc"})
+            });
+        }
+        v
+    }
+
+    #[test]
+    fn a_pods_own_ipc_namespace_never_becomes_the_hosts() {
+        let request = |ipc: Option<IpcMode>| Request {
+            device: request::Sourced {
+                value: request::DeviceValue::Named(request::parse_device("d", "0").expect("0")),
+                key: "gpushare.io/device",
+                raw: "0".into(),
+            },
+            active_thread_percentage: None,
+            pinned_memory_limit: None,
+            ipc: ipc.map(|value| request::Sourced {
+                value,
+                key: "gpushare.io/ipc",
+                raw: value.to_string(),
+            }),
+        };
+        let node = |text: &str| crate::config::parse(text, None).expect("config");
+        let overridable = node("[mps]\nallow-ipc-override = true\n");
+        let host_node = node("[mps]\nipc = \"host\"\n");
+        let containerd = fixture("containerd-1.6-config.json");
+
+        // Pods without hostIPC: the sandbox's namespace by path, or a CRI container with an
+        // ipc entry; the request and the node's default are both refused, in one line.
+        let joined = cri_container(containerd.clone(), true, true);
+        let mut podman_pod = fixture("podman-4.3-config.json");
+        for n in podman_pod["linux"]["namespaces"]
+            .as_array_mut()
+            .expect("ns")
+        {
+            if n["type"] == "ipc" {
+                n["path"] = json!("/proc/4194306/ns/ipc");
+            }
+        }
+        let cases = [
+            (&joined, "linux.namespaces joins \"/proc/4194305/ns/ipc\""),
+            (
+                &podman_pod,
+                "linux.namespaces joins \"/proc/4194306/ns/ipc\"",
+            ),
+            (
+                &cri_container(containerd.clone(), true, false),
+                "a CRI container (io.kubernetes.cri.container-type) with an ipc namespace",
+            ),
+        ];
+        for (v, why) in cases {
+            let s = spec(v);
+            let err = decide_ipc(&overridable, &s, &request(Some(IpcMode::Host)))
+                .expect_err("refused")
+                .to_string();
+            assert_eq!(err, format!("gpushare.io/ipc=\"host\" is refused: the container's pod has an IPC namespace of its own ({why}), and gpushare never gives a pod the host's; allowed is isolated, or hostIPC: true on the pod (which admission sees) and then nothing from gpushare"));
+            let err = decide_ipc(&host_node, &s, &request(None))
+                .expect_err("refused")
+                .to_string();
+            assert!(err.starts_with("this node's gpushare config ipc = \"host\" is refused: the container's pod has an IPC namespace of its own"), "{err}");
+            // Isolated is what they get otherwise.
+            assert_eq!(
+                decide_ipc(&overridable, &s, &request(None)).expect("isolated"),
+                IpcMode::Isolated
+            );
+        }
+
+        // A hostIPC pod's container (no ipc entry, or the host's namespace by path as
+        // containerd gives it), and Docker's, ctr's and Podman's own new namespaces: the
+        // override stands where the node allows it.
+        let mut host_by_path = cri_container(containerd.clone(), true, true);
+        for n in host_by_path["linux"]["namespaces"]
+            .as_array_mut()
+            .expect("ns")
+        {
+            if n["type"] == "ipc" {
+                n["path"] = json!("/proc/self/ns/ipc");
+            }
+        }
+        for v in [
+            host_by_path,
+            cri_container(containerd.clone(), false, false),
+            containerd,
+            fixture("docker-20.10-config.json"),
+            fixture("docker-20.10-ipc-host-config.json"),
+            fixture("podman-4.3-config.json"),
+        ] {
+            let s = spec(&v);
+            assert_eq!(
+                decide_ipc(&overridable, &s, &request(Some(IpcMode::Host))).expect("host"),
+                IpcMode::Host
+            );
+            assert_eq!(
+                decide_ipc(&host_node, &s, &request(None)).expect("host"),
+                IpcMode::Host
+            );
+        }
+    }
 }

@@ -27,6 +27,8 @@ use oci_spec::runtime::{
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
+use crate::userns::IdRange;
+
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
     #[error("cannot read {path} (a symlink is refused)")]
@@ -101,11 +103,6 @@ pub struct ResourcesView {
 }
 
 impl LinuxView {
-    /// Whether the container gets a namespace of this type of its own (no `path`).
-    pub(crate) fn new_namespace(&self, typ: LinuxNamespaceType) -> bool {
-        self.has_namespace(typ, |n| n.path().is_none())
-    }
-
     /// Whether `linux.namespaces` lists this type at all (new or joined).
     pub(crate) fn has_namespace(
         &self,
@@ -278,9 +275,22 @@ impl SpecFile {
         }
     }
 
-    /// The container user's host UID and GID: `process.user` mapped through
-    /// `linux.uidMappings` / `gidMappings` when the container has a user namespace.
+    /// The container user's host UID and GID: `process.user` mapped through the container's
+    /// user namespace when it has one, new or joined by path (containerd's CRI gives the
+    /// containers of a `hostUsers: false` pod the sandbox's namespace by path, with the
+    /// mappings): through `linux.uidMappings`/`gidMappings` when the spec has them, else,
+    /// for a namespace joined as `/proc/<pid>/ns/user`, through that process's
+    /// `uid_map`/`gid_map`. Anything else is refused: a user namespace gpushare cannot map
+    /// would get a daemon of the wrong host user.
     pub fn host_user(&self) -> Result<(u32, u32), SpecError> {
+        self.host_user_with(crate::userns::read_proc)
+    }
+
+    /// [`SpecFile::host_user`], reading a joined namespace's maps with `read_proc(pid)`.
+    pub(crate) fn host_user_with(
+        &self,
+        read_proc: impl FnOnce(u32) -> Result<(Vec<IdRange>, Vec<IdRange>), String>,
+    ) -> Result<(u32, u32), SpecError> {
         let (uid, gid) = self
             .typed
             .process
@@ -290,24 +300,55 @@ impl SpecFile {
         let Some(linux) = self.typed.linux.as_ref() else {
             return Ok((uid, gid));
         };
-        if !linux.new_namespace(LinuxNamespaceType::User) {
+        let Some(ns) = linux
+            .namespaces
+            .as_deref()
+            .unwrap_or(&[])
+            .iter()
+            .find(|n| n.typ() == LinuxNamespaceType::User)
+        else {
             return Ok((uid, gid));
-        }
-        let map = |id: u32, maps: &Option<Vec<LinuxIdMapping>>, what: &str| {
-            let maps = maps.as_deref().unwrap_or(&[]);
-            maps.iter()
-                .find(|m| id >= m.container_id() && id - m.container_id() < m.size())
-                .and_then(|m| m.host_id().checked_add(id - m.container_id()))
-                .ok_or_else(|| SpecError::User {
-                    message: format!(
-                        "process.user.{what} {id} has no mapping in linux.{what}Mappings of the container's user namespace: allowed is an id inside one of its mapped ranges"
-                    ),
-                })
         };
-        Ok((
-            map(uid, &linux.uid_mappings, "uid")?,
-            map(gid, &linux.gid_mappings, "gid")?,
-        ))
+        let ranges = |maps: &Option<Vec<LinuxIdMapping>>| -> Vec<IdRange> {
+            maps.as_deref()
+                .unwrap_or(&[])
+                .iter()
+                .map(|m| IdRange {
+                    container: m.container_id(),
+                    host: m.host_id(),
+                    size: m.size(),
+                })
+                .collect()
+        };
+        let (uids, gids) = (ranges(&linux.uid_mappings), ranges(&linux.gid_mappings));
+        let (uids, gids, whose) = match ns.path() {
+            Some(path) if uids.is_empty() && gids.is_empty() => {
+                let shown = path.display().to_string();
+                let pid = crate::userns::proc_pid(path).ok_or_else(|| SpecError::User {
+                    message: format!(
+                        "linux.namespaces joins the user namespace {} without linux.uidMappings, and gpushare cannot read that namespace's maps to find the container user's host uid; allowed is a user namespace joined as /proc/<pid>/ns/user, or one given with linux.uidMappings and gidMappings",
+                        crate::device::quote(&shown)
+                    ),
+                })?;
+                let (uids, gids) = read_proc(pid).map_err(|e| SpecError::User {
+                    message: format!(
+                        "linux.namespaces joins the user namespace {} without linux.uidMappings, and its maps cannot be read: {e}",
+                        crate::device::quote(&shown)
+                    ),
+                })?;
+                (uids, gids, format!("/proc/{pid}/"))
+            }
+            _ => (uids, gids, "linux.".to_owned()),
+        };
+        let map = |id: u32, maps: &[IdRange], what: &str| {
+            crate::userns::to_host(maps, id).ok_or_else(|| SpecError::User {
+                message: format!(
+                    "process.user.{what} {id} has no mapping in {whose}{what}{} of the container's user namespace: allowed is an id inside one of its mapped ranges",
+                    if whose.starts_with("linux.") { "Mappings" } else { "_map" }
+                ),
+            })
+        };
+        Ok((map(uid, &uids, "uid")?, map(gid, &gids, "gid")?))
     }
 
     /// Serialises the document (compact, as engines write it). A JSON object does not
@@ -578,5 +619,57 @@ mod tests {
             err.contains("uid 1000") && err.contains("uidMappings"),
             "{err}"
         );
+    }
+
+    /// containerd's CRI container of a `hostUsers: false` pod: the sandbox's user namespace
+    /// joined by path, with the mappings (the captured containerd spec, reshaped so).
+    fn joined_userns(path: &str, mappings: bool) -> SpecFile {
+        let mut v: Value = serde_json::from_slice(&fixture("containerd-1.6-config.json")).unwrap();
+        v["process"]["user"]["uid"] = 1000.into();
+        v["process"]["user"]["gid"] = 1000.into();
+        v["linux"]["namespaces"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({"type": "user", "path": path}));
+        if mappings {
+            v["linux"]["uidMappings"] =
+                serde_json::json!([{"containerID": 0, "hostID": 200000, "size": 65536}]);
+            v["linux"]["gidMappings"] =
+                serde_json::json!([{"containerID": 0, "hostID": 200000, "size": 65536}]);
+        }
+        SpecFile::parse(Path::new("u"), &serde_json::to_vec(&v).unwrap(), 0o644).unwrap()
+    }
+
+    #[test]
+    fn a_joined_user_namespace_maps_the_uid_too() {
+        let no_proc = |_| -> Result<(Vec<IdRange>, Vec<IdRange>), String> {
+            panic!("the spec's mappings are used")
+        };
+        // Joined by path with the spec's mappings: uid 1000 is host 201000, never 1000.
+        let spec = joined_userns("/proc/4242/ns/user", true);
+        assert_eq!(spec.host_user_with(no_proc).unwrap(), (201000, 201000));
+        // Joined by path without mappings: that process's maps.
+        let spec = joined_userns("/proc/4242/ns/user", false);
+        let maps = |pid| {
+            assert_eq!(pid, 4242);
+            let m = crate::userns::parse("0 300000 65536\n").unwrap();
+            Ok((m.clone(), m))
+        };
+        assert_eq!(spec.host_user_with(maps).unwrap(), (301000, 301000));
+        let err = spec
+            .host_user_with(|_| Err("cannot read /proc/4242/uid_map: gone".into()))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "linux.namespaces joins the user namespace \"/proc/4242/ns/user\" without linux.uidMappings, and its maps cannot be read: cannot read /proc/4242/uid_map: gone");
+        let small = |_| {
+            let m = crate::userns::parse("0 300000 10\n").unwrap();
+            Ok((m.clone(), m))
+        };
+        let err = spec.host_user_with(small).unwrap_err().to_string();
+        assert_eq!(err, "process.user.uid 1000 has no mapping in /proc/4242/uid_map of the container's user namespace: allowed is an id inside one of its mapped ranges");
+        // Any other path, without mappings: refused in one line.
+        let spec = joined_userns("/run/userns/pod-a", false);
+        let err = spec.host_user_with(no_proc).unwrap_err().to_string();
+        assert_eq!(err, "linux.namespaces joins the user namespace \"/run/userns/pod-a\" without linux.uidMappings, and gpushare cannot read that namespace's maps to find the container user's host uid; allowed is a user namespace joined as /proc/<pid>/ns/user, or one given with linux.uidMappings and gidMappings");
     }
 }

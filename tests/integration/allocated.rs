@@ -217,7 +217,8 @@ fn a_pod_gets_one_daemon_for_its_workload_and_none_for_its_pause_container() {
 
 #[test]
 fn each_strategy_brings_its_gpu_and_mig_device_to_their_daemon() {
-    let env = Env::new();
+    // The envvar strategy is read only where the node accepts the variable.
+    let env = Env::with_configs("accept-visible-devices-env = true", "");
     // (strategy, the GPU's id in the spec, its UUID, the MIG device's id, its UUID)
     let cases: [(Strategy, String, &str, Option<&str>, &str); 4] = [
         (Strategy::Envvar, GPU0.into(), GPU0, Some(MIG0), MIG0),
@@ -343,7 +344,7 @@ fn no_allocation_is_refused_naming_what_was_looked_at() {
     assert_eq!(c.try_create().status.code(), Some(1));
     assert_eq!(
         c.last_error(),
-        "gpushare: gpushare.io/device=\"allocated\" found no devices allocated to the container: no cdi.k8s.io/* annotation names an NVIDIA GPU, no mount is under /var/run/nvidia-container-devices/, NVIDIA_VISIBLE_DEVICES names no device (all, none, void and empty are no allocation), and linux.devices holds no /dev/nvidia<N> (not read in a privileged container); allowed is allocated in a container given GPUs by a device plugin or DRA driver, or devices named explicitly (0, GPU-<uuid>, MIG-<uuid>, 0:1)"
+        "gpushare: gpushare.io/device=\"allocated\" found no devices allocated to the container: no cdi.k8s.io/* annotation names an NVIDIA GPU, no mount from /dev/null is under /var/run/nvidia-container-devices/, and linux.devices holds no /dev/nvidia<N> (not read in a privileged container); NVIDIA_VISIBLE_DEVICES is not read on this node (accept-visible-devices-env = false); allowed is allocated in a container given GPUs by a device plugin or DRA driver, or devices named explicitly (0, GPU-<uuid>, MIG-<uuid>, 0:1)"
     );
     assert_untouched(&c, &before, "none");
     assert_no_state(&env, "none");
@@ -352,32 +353,166 @@ fn no_allocation_is_refused_naming_what_was_looked_at() {
 #[test]
 fn the_allocators_own_mps_is_refused_and_nothing_is_touched() {
     let env = Env::new();
-    // The device plugin with sharing.mps: env, pipe and shm mounts of its own.
+    // The device plugin with sharing.mps: env, pipe and shm mounts of its own; and the
+    // same with the pod's own CUDA_MPS_PIPE_DIRECTORY in place of the plugin's (a pod's
+    // env replaces the allocator's value of the same name), which must not hide it.
+    for (id, pipe_env, why) in [
+        (
+            "plugin-mps",
+            "/mps/nvidia.com/gpu/pipe",
+            "where the container's CUDA_MPS_PIPE_DIRECTORY points",
+        ),
+        (
+            "plugin-mps-pod-env",
+            "/pod/elsewhere",
+            "where the device plugin's sharing.mps puts its pipe directory",
+        ),
+    ] {
+        let c = env.container(id).uid(1000).device("allocated").bundle();
+        edit(&c, |v| {
+            allocate(v, Strategy::VolumeMounts, GPU2);
+            push_env(v, &format!("CUDA_MPS_PIPE_DIRECTORY={pipe_env}"));
+            push_mount(
+                v,
+                json!({"destination": "/mps/nvidia.com/gpu/pipe", "type": "bind", "source": "/run/nvidia/mps/nvidia.com/gpu/pipe", "options": ["rbind"]}),
+            );
+            push_mount(
+                v,
+                json!({"destination": "/dev/shm", "type": "bind", "source": "/run/nvidia/mps/shm", "options": ["rbind"]}),
+            );
+        });
+        let before = c.config_bytes();
+        assert_eq!(c.try_create().status.code(), Some(1), "{id}");
+        assert_eq!(
+            c.last_error(),
+            format!("gpushare: gpushare.io/device=\"allocated\" is refused: the container's allocation already carries its allocator's MPS (a mount at \"/mps/nvidia.com/gpu/pipe\" from \"/run/nvidia/mps/nvidia.com/gpu/pipe\", {why}), and gpushare never stacks a second MPS on it; allowed is an allocation without the allocator's MPS sharing (device plugin sharing.mps, DRA driver MPS)")
+        );
+        assert_untouched(&c, &before, id);
+        assert_no_state(&env, id);
+    }
+}
+
+/// Makes `env`'s low-level runtime a stand-in for NVIDIA's shim (by its name, which is how
+/// gpushare knows it): it keeps the spec of each container it creates as
+/// `<dir>/<id>.json`, then runs runc. Returns `<dir>`.
+fn nvidia_stand_in(env: &Env) -> std::path::PathBuf {
+    let dir = env.path().join("nv");
+    std::fs::create_dir_all(&dir).unwrap();
+    let stand_in = dir.join("nvidia-container-runtime");
+    let runc = which("runc").unwrap();
+    std::fs::write(
+        &stand_in,
+        format!(
+            "#!/bin/sh\nb=.\nprev=\nfor a in \"$@\"; do [ \"$prev\" = --bundle ] && b=$a; prev=$a; done\ncase \" $* \" in *' create '*) cp \"$b/config.json\" {dir}/\"$prev\".json;; esac\nexec {runc} \"$@\"\n",
+            dir = dir.display(),
+            runc = runc.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &stand_in,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let cfg = std::fs::read_to_string(&env.config).unwrap().replace(
+        &format!("low-level-runtime = [{:?}]", runc.display().to_string()),
+        &format!("low-level-runtime = [{:?}]", stand_in.display().to_string()),
+    );
+    std::fs::write(&env.config, cfg).unwrap();
+    dir
+}
+
+/// A pod's own `emptyDir` where the device plugin's volume mounts go (and the tmpfs the
+/// read-only test rootfs needs under it).
+fn push_pod_volume(env: &Env, v: &mut Value, id: &str) {
+    let empty_dir = env.path().join("empty-dir");
+    std::fs::create_dir_all(&empty_dir).unwrap();
+    push_mount(
+        v,
+        json!({"destination": "/var/run", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=755"]}),
+    );
+    push_mount(
+        v,
+        json!({"destination": format!("/var/run/nvidia-container-devices/{id}"), "type": "bind", "source": empty_dir, "options": ["rbind", "rw"]}),
+    );
+}
+
+/// Item 3 of the security issue, through runc: on a node that serves allocations by
+/// default, what the pod's author writes (its env's `NVIDIA_VISIBLE_DEVICES`, an
+/// `emptyDir` at `/var/run/nvidia-container-devices/<uuid>`) neither makes an allocation
+/// nor moves one, and NVIDIA's runtime is handed the allocated GPU, not the forged one;
+/// where the node reads the env, a disagreeing env is refused, never merged.
+#[test]
+fn a_pod_s_own_env_and_volumes_neither_make_nor_move_its_allocation() {
+    let env = Env::with_configs("default-device = \"allocated\"", "");
+    let handed = nvidia_stand_in(&env);
+    // Allocated nothing: another tenant's GPU 2 by env, or by emptyDir.
+    for (id, forge) in [("forged-env", true), ("forged-volume", false)] {
+        let c = env.container(id).uid(1000).sh("echo plain").bundle();
+        edit(&c, |v| {
+            if forge {
+                push_env(v, &format!("NVIDIA_VISIBLE_DEVICES={GPU2}"));
+            } else {
+                push_pod_volume(&env, v, GPU2);
+            }
+        });
+        let before = c.config_bytes();
+        let out = c.try_create();
+        assert!(out.status.success(), "{id}: {}", c.last_error());
+        assert_untouched(&c, &before, id);
+        assert_no_state(&env, id);
+        assert_eq!(c.run(), "plain\n");
+    }
+    // Allocated GPU 0 by CDI-injected device nodes, plus both forgeries naming GPU 2:
+    // served GPU 0 alone, and NVIDIA's runtime sees GPU 0 only.
     let c = env
-        .container("plugin-mps")
+        .container("allocated-and-forged")
         .uid(1000)
-        .device("allocated")
+        .sh(CLIENT)
         .bundle();
     edit(&c, |v| {
-        allocate(v, Strategy::Envvar, GPU2);
-        push_env(v, "CUDA_MPS_PIPE_DIRECTORY=/mps/nvidia.com/gpu/pipe");
-        push_mount(
-            v,
-            json!({"destination": "/mps/nvidia.com/gpu/pipe", "type": "bind", "source": "/run/nvidia/mps/nvidia.com/gpu/pipe", "options": ["rbind"]}),
-        );
-        push_mount(
-            v,
-            json!({"destination": "/dev/shm", "type": "bind", "source": "/run/nvidia/mps/shm", "options": ["rbind"]}),
-        );
+        allocate(v, Strategy::DeviceNodes, &GPU0_MINOR.to_string());
+        push_pod_volume(&env, v, GPU2);
+        push_env(v, &format!("NVIDIA_VISIBLE_DEVICES={GPU2}"));
+    });
+    let out = c.try_create();
+    assert!(out.status.success(), "{}", c.last_error());
+    assert_eq!(client_line(&c.run())["shm"], "ok");
+    let daemons = env.daemon_ids();
+    assert_eq!(daemons.len(), 1);
+    assert_eq!(
+        env.record(&daemons[0])["identity"]["devices"],
+        json!([GPU0])
+    );
+    let spec: Value =
+        serde_json::from_slice(&std::fs::read(handed.join("allocated-and-forged.json")).unwrap())
+            .unwrap();
+    let visible: Vec<&str> = spec["process"]["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e.as_str()?.strip_prefix("NVIDIA_VISIBLE_DEVICES="))
+        .collect();
+    assert_eq!(visible, [GPU0], "what NVIDIA's runtime is handed");
+
+    // A node that reads the env: GPU 0 by device nodes, GPU 2 by env: refused naming both.
+    let env = Env::with_configs(
+        "default-device = \"allocated\"\naccept-visible-devices-env = true",
+        "",
+    );
+    let c = env.container("disagree").uid(1000).sh(CLIENT).bundle();
+    edit(&c, |v| {
+        allocate(v, Strategy::DeviceNodes, &GPU0_MINOR.to_string());
+        push_env(v, &format!("NVIDIA_VISIBLE_DEVICES={GPU2}"));
     });
     let before = c.config_bytes();
     assert_eq!(c.try_create().status.code(), Some(1));
     assert_eq!(
         c.last_error(),
-        "gpushare: gpushare.io/device=\"allocated\" is refused: the container's allocation already carries its allocator's MPS (CUDA_MPS_PIPE_DIRECTORY=\"/mps/nvidia.com/gpu/pipe\" with a mount there from \"/run/nvidia/mps/nvidia.com/gpu/pipe\"), and gpushare never stacks a second MPS on it; allowed is an allocation without the allocator's MPS sharing (device plugin sharing.mps, DRA driver MPS)"
+        format!("gpushare: default-device=\"allocated\" is refused: the sources of the container's allocation disagree (linux.devices=\"/dev/nvidia{GPU0_MINOR}\" names {GPU0}, but NVIDIA_VISIBLE_DEVICES=\"{GPU2}\" names {GPU2}), and gpushare never merges them; allowed is an allocation whose sources all name the same devices")
     );
-    assert_untouched(&c, &before, "plugin-mps");
-    assert_no_state(&env, "plugin-mps");
+    assert_untouched(&c, &before, "disagree");
+    assert_no_state(&env, "disagree");
 }
 
 #[test]

@@ -156,6 +156,8 @@ struct PodSpec<'a> {
     /// The pod's `securityContext.runAsUser` (the sandbox's user; kubelet also copies it
     /// to every container that sets none, which the tests do by hand in `ContainerSpec::run_as_user`).
     run_as_user: Option<i64>,
+    /// `hostIPC: true` (the CRI's NODE ipc namespace mode); else the pod's own (POD).
+    host_ipc: bool,
 }
 
 #[derive(Debug)]
@@ -172,6 +174,8 @@ struct ContainerSpec<'a> {
     run_as_user: Option<i64>,
     envs: &'a [(&'a str, &'a str)],
     devices: &'a [&'a str],
+    /// (host path, container path): the pod's volumes, a device plugin's mounts.
+    mounts: &'a [(&'a str, &'a str)],
 }
 
 /// gpushare's line for a pod annotated `gpushare.io/active-thread-percentage=101`.
@@ -406,7 +410,7 @@ impl<'e> Node<'e> {
                     namespace_options: Some(NamespaceOption {
                         network: NAMESPACE_NODE,
                         pid: 1,
-                        ipc: 0,
+                        ipc: if spec.host_ipc { NAMESPACE_NODE } else { 0 },
                     }),
                     run_as_user: spec.run_as_user.map(|value| Int64Value { value }),
                     run_as_group: spec.run_as_user.map(|value| Int64Value { value }),
@@ -443,6 +447,15 @@ impl<'e> Node<'e> {
                 .map(|(k, v)| KeyValue {
                     key: k.to_string(),
                     value: v.to_string(),
+                })
+                .collect(),
+            mounts: c
+                .mounts
+                .iter()
+                .map(|(host, container)| CriMount {
+                    container_path: container.to_string(),
+                    host_path: host.to_string(),
+                    readonly: false,
                 })
                 .collect(),
             devices: c
@@ -693,6 +706,7 @@ fn cri_pods_of_two_users_share_gpu_0_at_once_on_their_own_daemons() {
         name: "alice",
         annotations: &ann,
         run_as_user: Some(1000),
+        ..Default::default()
     });
     let a = ContainerSpec {
         name: "cuda",
@@ -709,6 +723,7 @@ fn cri_pods_of_two_users_share_gpu_0_at_once_on_their_own_daemons() {
         name: "bob",
         annotations: &ann,
         run_as_user: Some(2000),
+        ..Default::default()
     });
     let b = ContainerSpec {
         name: "cuda",
@@ -747,6 +762,7 @@ fn cri_pods_of_two_users_share_gpu_0_at_once_on_their_own_daemons() {
         name: "carol",
         annotations: &ann,
         run_as_user: None,
+        ..Default::default()
     });
     let c = ContainerSpec {
         name: "cuda",
@@ -784,6 +800,7 @@ fn cri_restarted_container_reattaches_and_removal_leaves_nothing() {
             ("gpushare.io/active-thread-percentage", "50"),
         ],
         run_as_user: Some(1000),
+        ..Default::default()
     });
     let first = ContainerSpec {
         name: "cuda",
@@ -870,6 +887,7 @@ fn cri_plain_pods_pass_through_and_a_bad_request_fails_the_container_with_gpusha
         name: "plain",
         annotations: &[("example.com/other", "x")],
         run_as_user: Some(1000),
+        ..Default::default()
     });
     let c = ContainerSpec {
         name: "app",
@@ -936,6 +954,7 @@ fn cri_sandboxes_are_never_requests() {
             name,
             annotations: &ann,
             run_as_user: user,
+            ..Default::default()
         }));
     }
     for pod in &pods {
@@ -992,6 +1011,7 @@ fn cri_sandboxes_are_never_requests() {
             ("gpushare.io/active-thread-percentage", "101"),
         ],
         run_as_user: Some(1000),
+        ..Default::default()
     });
     node.refuse(&bad, &c, BAD_PERCENTAGE_LINE);
     assert_eq!(env.daemon_ids(), daemons, "nor for its sandbox");
@@ -1044,6 +1064,7 @@ fn node_installer_registers_gpushare_and_restarts_the_host_s_containerd() {
         name: "before",
         annotations: &[("gpushare.io/device", "0")],
         run_as_user: Some(1000),
+        ..Default::default()
     };
     let err = node.try_pod(&spec).expect_err("no gpushare runtime yet");
     assert!(
@@ -1206,9 +1227,12 @@ fn cri_install_on_a_config_without_cri_tables_keeps_the_plugin_loading() {
 
 /// Issue 12 item 3 through CRI: on a node whose config says `default-device =
 /// "allocated"`, a pod without gpushare annotations is served the GPU NVIDIA's device
-/// plugin allocated to it — here as the plugin's default strategy writes it, the GPU's
-/// UUID in the CRI container config's `envs` — with the pod's limit annotations; a
-/// container without an allocation, in the same pod, passes through untouched.
+/// plugin allocated to it — here as the plugin's volume-mounts strategy has the kubelet
+/// write it, `/dev/null` mounted at `/var/run/nvidia-container-devices/<uuid>` — with the
+/// pod's limit annotations; a container without an allocation, in the same pod, passes
+/// through untouched. And the security issue's item 3: what the pod's author writes — its
+/// env's `NVIDIA_VISIBLE_DEVICES`, an `emptyDir` where the plugin's mounts go — neither
+/// makes an allocation nor moves one.
 #[test]
 fn cri_an_allocation_by_nvidia_s_device_plugin_is_served_on_a_node_that_defaults_to_it() {
     let env = Env::with_configs("default-device = \"allocated\"\n", "");
@@ -1217,12 +1241,27 @@ fn cri_an_allocation_by_nvidia_s_device_plugin_is_served_on_a_node_that_defaults
         name: "allocated",
         annotations: &[("gpushare.io/active-thread-percentage", "25")],
         run_as_user: Some(1000),
+        ..Default::default()
     });
+    let allocated = format!("/var/run/nvidia-container-devices/{GPU2}");
+    let forged = format!("/var/run/nvidia-container-devices/{GPU0}");
+    let empty_dir = node.dir.join("empty-dir");
+    std::fs::create_dir_all(&empty_dir).unwrap();
+    let empty_dir = empty_dir.display().to_string();
     let c = ContainerSpec {
         name: "cuda",
         script: &hold(30),
         run_as_user: Some(1000),
-        envs: &[("NVIDIA_VISIBLE_DEVICES", GPU2)],
+        // The plugin's env, then the pod's own naming GPU 0, which replaces it; and the
+        // pod's emptyDir naming GPU 0 too.
+        envs: &[
+            (
+                "NVIDIA_VISIBLE_DEVICES",
+                "/var/run/nvidia-container-devices",
+            ),
+            ("NVIDIA_VISIBLE_DEVICES", GPU0),
+        ],
+        mounts: &[("/dev/null", &allocated), (&empty_dir, &forged)],
         ..Default::default()
     };
     let id = node.run(&pod, &c);
@@ -1248,20 +1287,81 @@ fn cri_an_allocation_by_nvidia_s_device_plugin_is_served_on_a_node_that_defaults
         "the sandbox is untouched"
     );
 
-    // No allocation: no request, whatever the node's default.
-    let plain = ContainerSpec {
-        name: "sidecar",
-        script: "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset}; exec sleep 3600",
+    // No allocation: no request, whatever the node's default, and whatever the pod's
+    // author forged (GPU 0 by env, by emptyDir).
+    for (name, envs, mounts) in [
+        ("sidecar", &[][..], &[][..]),
+        (
+            "forged-env",
+            &[("NVIDIA_VISIBLE_DEVICES", GPU0)][..],
+            &[][..],
+        ),
+        (
+            "forged-volume",
+            &[][..],
+            &[(empty_dir.as_str(), forged.as_str())][..],
+        ),
+    ] {
+        let plain = ContainerSpec {
+            name,
+            script: "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset}; exec sleep 3600",
+            run_as_user: Some(1000),
+            envs,
+            mounts,
+            ..Default::default()
+        };
+        let plain_id = node.run(&pod, &plain);
+        assert!(
+            wait_until(Duration::from_secs(20), || node
+                .output(&pod, &plain)
+                .contains("PIPE=unset")),
+            "{name}: {}",
+            node.output(&pod, &plain)
+        );
+        let generated = Node::generated_spec(&node.cri().container_status(&plain_id).unwrap().info);
+        assert_eq!(node.bundle_spec(&plain_id), generated, "{name}");
+    }
+    assert_eq!(env.daemon_ids(), vec![daemon]);
+}
+
+/// The security issue's item 7 through CRI: on a node with `mps.allow-ipc-override =
+/// true`, a pod that did not ask for `hostIPC` (its containers join the sandbox's IPC
+/// namespace by path) and asks `gpushare.io/ipc: host` fails with gpushare's line and no
+/// daemon; a `hostIPC: true` pod may ask.
+#[test]
+fn cri_a_pod_without_host_ipc_never_gets_it_by_annotation() {
+    let env = Env::with_config("allow-ipc-override = true");
+    let mut node = Node::start(&env);
+    let ann = [("gpushare.io/device", "0"), ("gpushare.io/ipc", "host")];
+    let c = ContainerSpec {
+        name: "cuda",
+        script: &hold(30),
         run_as_user: Some(1000),
         ..Default::default()
     };
-    let plain_id = node.run(&pod, &plain);
-    assert!(wait_until(Duration::from_secs(20), || node
-        .output(&pod, &plain)
-        .contains("PIPE=unset")));
-    let generated = Node::generated_spec(&node.cri().container_status(&plain_id).unwrap().info);
-    assert_eq!(node.bundle_spec(&plain_id), generated);
-    assert_eq!(env.daemon_ids(), vec![daemon]);
+    let pod = node.pod(&PodSpec {
+        name: "own-ipc",
+        annotations: &ann,
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
+    node.refuse(
+        &pod,
+        &c,
+        "gpushare: gpushare.io/ipc=\"host\" is refused: the container's pod has an IPC namespace of its own (linux.namespaces joins \"/proc/",
+    );
+    let host_pod = node.pod(&PodSpec {
+        name: "host-ipc",
+        annotations: &ann,
+        run_as_user: Some(1000),
+        host_ipc: true,
+    });
+    let id = node.run(&host_pod, &c);
+    assert_eq!(
+        node.bundle_spec(&id)["annotations"]["gpushare.io/ipc-mode"],
+        "host"
+    );
+    assert_eq!(node.client_line(&host_pod, &c)["server_uid"], "1000");
 }
 
 /// Registers runtime class `name` on the containerd config at `config` the way an
@@ -1327,6 +1427,7 @@ fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
         name: "hookonly",
         annotations: &[("gpushare.io/device", "0")],
         run_as_user: Some(1000),
+        ..Default::default()
     });
     let c = ContainerSpec {
         name: "work",
@@ -1375,6 +1476,7 @@ fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
         name: "plain",
         annotations: &[],
         run_as_user: Some(2000),
+        ..Default::default()
     });
     let c = ContainerSpec {
         name: "app",
@@ -1401,6 +1503,7 @@ fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
             ("gpushare.io/active-thread-percentage", "101"),
         ],
         run_as_user: Some(3000),
+        ..Default::default()
     });
     let c = ContainerSpec {
         name: "bad",
@@ -1479,6 +1582,7 @@ fn cri_pod_start_bench() {
                 name: &name,
                 annotations,
                 run_as_user: Some(1000),
+                ..Default::default()
             });
             std::thread::sleep(Duration::from_millis(100));
             let t = std::time::Instant::now();
@@ -1541,6 +1645,7 @@ fn cri_a_containerd_restart_keeps_a_pod_s_job_and_its_daemon() {
         name: "held",
         annotations: &[("gpushare.io/device", "0")],
         run_as_user: Some(1000),
+        ..Default::default()
     };
     let pod = node.pod(&spec);
     let c = ContainerSpec {

@@ -191,6 +191,17 @@ pub struct Device {
     pub permissions: String,
 }
 
+/// `Mount` of api.proto (named apart from oci-spec's).
+#[derive(Clone, PartialEq, Message)]
+pub struct CriMount {
+    #[prost(string, tag = "1")]
+    pub container_path: String,
+    #[prost(string, tag = "2")]
+    pub host_path: String,
+    #[prost(bool, tag = "3")]
+    pub readonly: bool,
+}
+
 #[derive(Clone, PartialEq, Message)]
 pub struct ContainerMetadata {
     #[prost(string, tag = "1")]
@@ -225,6 +236,9 @@ pub struct ContainerConfig {
     pub args: Vec<String>,
     #[prost(message, repeated, tag = "6")]
     pub envs: Vec<KeyValue>,
+    /// What the kubelet passes for the pod's volumes and a device plugin's `Mounts`.
+    #[prost(message, repeated, tag = "7")]
+    pub mounts: Vec<CriMount>,
     #[prost(message, repeated, tag = "8")]
     pub devices: Vec<Device>,
     #[prost(map = "string, string", tag = "9")]

@@ -838,8 +838,9 @@ fn deploy_manifests_are_valid() {
 /// annotation naming devices, or a device plugin's `nvidia.com/gpu` (with `allocated`, or
 /// no device annotation and the node's `default-device = "allocated"`). Each is parsed as
 /// the node would parse its container — for an `nvidia.com/gpu` pod, with the
-/// `NVIDIA_VISIBLE_DEVICES=<uuid>` that deploy/nvidia-device-plugin-config.yaml's
-/// strategy writes — and must be a valid request.
+/// `/dev/null` mount at `/var/run/nvidia-container-devices/<uuid>` that
+/// deploy/nvidia-device-plugin-config.yaml's strategy writes, on a node of the documented
+/// defaults — and must be a valid request.
 fn check_pod(name: &str, pod: &yaml_rust2::Yaml, handler: &str) {
     use gpushare::request::{DefaultDevice, Inputs, Options};
     assert_eq!(
@@ -856,7 +857,14 @@ fn check_pod(name: &str, pod: &yaml_rust2::Yaml, handler: &str) {
         .filter_map(|(k, v)| Some((k.as_str()?.to_owned(), v.as_str()?.to_owned())))
         .collect();
     let device = ann.get("gpushare.io/device").map(String::as_str);
-    let plugin_env = [format!("NVIDIA_VISIBLE_DEVICES={GPU0}")];
+    let plugin_env = ["NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices".to_owned()];
+    let plugin_mounts = [oci_spec::runtime::MountBuilder::default()
+        .destination(format!("/var/run/nvidia-container-devices/{GPU0}"))
+        .typ("bind")
+        .source("/dev/null")
+        .options(vec!["ro".to_owned(), "rbind".to_owned()])
+        .build()
+        .unwrap()];
     for c in containers {
         let allocated = !c["resources"]["limits"]["nvidia.com/gpu"].is_badvalue();
         if matches!(device, None | Some("allocated")) {
@@ -868,11 +876,13 @@ fn check_pod(name: &str, pod: &yaml_rust2::Yaml, handler: &str) {
         let inputs = Inputs {
             annotations: Some(&ann),
             env: if allocated { &plugin_env } else { &[] },
+            mounts: if allocated { &plugin_mounts } else { &[] },
             ..Default::default()
         };
         let opts = Options {
             accept_env: true,
             default_device: device.is_none().then_some(DefaultDevice::Allocated),
+            accept_visible_devices_env: false,
         };
         gpushare::request::parse(&inputs, &opts)
             .unwrap_or_else(|e| panic!("{name}: {e}"))
@@ -956,7 +966,8 @@ fn check_daemonset(
 }
 
 /// NVIDIA's device plugin config: time-slicing replicas of nvidia.com/gpu (the share
-/// count), the GPU's UUID in NVIDIA_VISIBLE_DEVICES, and never the plugin's own MPS.
+/// count), the GPU's UUID as a /dev/null volume mount (a source no pod can write, unlike
+/// NVIDIA_VISIBLE_DEVICES), and never the plugin's own MPS.
 fn check_device_plugin_config(name: &str, cm: &yaml_rust2::Yaml) {
     let text = cm["data"]["config"].as_str().expect("data.config");
     let cfg = &yaml_rust2::YamlLoader::load_from_str(text).unwrap()[0];
@@ -967,7 +978,7 @@ fn check_device_plugin_config(name: &str, cm: &yaml_rust2::Yaml) {
     );
     assert_eq!(
         cfg["flags"]["plugin"]["deviceListStrategy"].as_str(),
-        Some("envvar")
+        Some("volume-mounts")
     );
     assert_eq!(
         cfg["flags"]["plugin"]["deviceIDStrategy"].as_str(),

@@ -423,3 +423,198 @@ fn a_tenant_cannot_raise_enforced_limits_from_inside() {
         "the server was started with the enforced value:\n{log}"
     );
 }
+
+/// A process holding namespaces of its own (`unshare <flags> sleep`), as a pod's sandbox
+/// does; killed and reaped on drop.
+struct Holder(std::process::Child);
+
+impl Holder {
+    /// `flags` for unshare(1); with `--user`, the namespace maps container ids 0.. to host
+    /// ids `200000..` (65536), written here as runc writes a new namespace's maps.
+    fn new(flags: &[&str]) -> Holder {
+        let child = Command::new(need("unshare", "util-linux"))
+            .args(flags)
+            .args(["sleep", "600"])
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        let holder = Holder(child);
+        let pid = holder.pid();
+        let ours = |ns: &str| std::fs::read_link(format!("/proc/self/ns/{ns}")).ok();
+        let theirs = |ns: &str| std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).ok();
+        let ns = if flags.contains(&"--user") {
+            "user"
+        } else {
+            "ipc"
+        };
+        assert!(
+            wait_until(std::time::Duration::from_secs(10), || theirs(ns).is_some()
+                && theirs(ns) != ours(ns)),
+            "unshare {flags:?} made no namespace"
+        );
+        if ns == "user" {
+            for map in ["uid_map", "gid_map"] {
+                std::fs::write(format!("/proc/{pid}/{map}"), "0 200000 65536\n").unwrap();
+            }
+        }
+        holder
+    }
+
+    fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Item 4 of the security issue: a container that joins a user namespace by path — the
+/// spec containerd's CRI gives the containers of a `hostUsers: false` pod, the sandbox's
+/// namespace with its mappings — is served as its host UID (uid 1000 → host 201000), never
+/// as its unmapped UID (the real uid 1000's daemons, which it cannot use, and whose
+/// per-UID cap it filled); one joined without mappings is mapped through the namespace's
+/// own maps, or refused when they cannot be read; and the createRuntime hook refuses a
+/// daemon UID the container's namespace does not map.
+#[test]
+fn a_joined_user_namespace_is_served_as_the_container_s_host_uid() {
+    let env = Env::new();
+    let holder = Holder::new(&["--user"]);
+    let ns = format!("/proc/{}/ns/user", holder.pid());
+    let joined = |id: &str, ns_path: &str, mappings: bool| {
+        let c = env.container(id).uid(1000).device("0").sh(CLIENT).bundle();
+        let mut v = c.config();
+        v["linux"]["namespaces"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({"type": "user", "path": ns_path}));
+        if mappings {
+            let m = serde_json::json!([{"containerID": 0, "hostID": 200000, "size": 65536}]);
+            v["linux"]["uidMappings"] = m.clone();
+            v["linux"]["gidMappings"] = m;
+        }
+        std::fs::write(c.bundle.join("config.json"), v.to_string()).unwrap();
+        c
+    };
+
+    // containerd's shape: joined by path, with the mappings.
+    let c = joined("joined", &ns, true);
+    let out = c.try_create();
+    assert!(out.status.success(), "{}", c.last_error());
+    assert_eq!(c.config()["annotations"]["gpushare.io/host-uid"], "201000");
+    let line = client_line(&c.run());
+    assert_eq!(line["server_uid"], "201000", "{line:?}");
+    assert_eq!(line["shm"], "ok");
+    let id = env.daemon_of(&c);
+    assert_eq!(env.record(&id)["identity"]["uid"], 201000);
+    assert_eq!(uid_and_capeff(env.daemon_pid(&id)).0, 201000);
+
+    // Joined by /proc/<pid>/ns/user without mappings: that namespace's own maps. (runc
+    // itself may not run such a spec; gpushare's decision is what is checked.)
+    let c = joined("joined-nomap", &ns, false);
+    let _ = c.try_create();
+    let v = c.config();
+    assert_eq!(
+        v["annotations"]["gpushare.io/host-uid"],
+        "201000",
+        "{}",
+        c.last_error()
+    );
+
+    // Joined by a path whose maps gpushare cannot read, without mappings: one line.
+    let c = joined("joined-elsewhere", "/run/gs-userns-test/pod", false);
+    let before = c.config_bytes();
+    assert_eq!(c.try_create().status.code(), Some(1));
+    assert_eq!(c.last_error(), "gpushare: linux.namespaces joins the user namespace \"/run/gs-userns-test/pod\" without linux.uidMappings, and gpushare cannot read that namespace's maps to find the container user's host uid; allowed is a user namespace joined as /proc/<pid>/ns/user, or one given with linux.uidMappings and gidMappings");
+    assert_eq!(c.config_bytes(), before);
+
+    // The hook's own check: a decision for host uid 1000 (a container without a user
+    // namespace) handed to the hook for a process in the 200000 namespace is refused.
+    let plain = env
+        .container("plain")
+        .uid(1000)
+        .device("0")
+        .sh("true")
+        .create();
+    let ann = plain.config()["annotations"].clone();
+    assert_eq!(ann["gpushare.io/host-uid"], "1000");
+    let state = serde_json::json!({
+        "ociVersion": "1.0.2", "id": "forged-userns", "status": "creating",
+        "pid": holder.pid(), "bundle": plain.bundle, "annotations": ann,
+    });
+    let mut hook = env
+        .cmd(GPUSHARE)
+        .args(["hook", "create-runtime"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    hook.stdin
+        .take()
+        .unwrap()
+        .write_all(state.to_string().as_bytes())
+        .unwrap();
+    let out = hook.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim(),
+        "gpushare: the daemon's host uid 1000 is no user of the container's user namespace, which maps host uids 200000-265535: the decision was made for another namespace; allowed is a spec whose linux.uidMappings are those of the user namespace it joins"
+    );
+}
+
+/// Item 7 of the security issue: where `mps.allow-ipc-override = true`, a pod's container
+/// (here: one that joins its sandbox's IPC namespace by path, as containerd's CRI and
+/// Podman pods make them) that asks `gpushare.io/ipc: host` is refused in one line, never
+/// given the host's IPC namespace and `/dev/shm` (a host secret there stays unread); a
+/// container of its own IPC namespace (Docker's, ctr's) still gets the override.
+#[test]
+fn a_pod_s_container_never_gets_the_host_s_ipc_by_annotation() {
+    let env = Env::with_config("allow-ipc-override = true");
+    let sandbox = Holder::new(&["--ipc"]);
+    let secret = format!("/dev/shm/gs-ipc-secret-{}", std::process::id());
+    std::fs::write(&secret, "host-secret\n").unwrap();
+    struct Rm(String);
+    impl Drop for Rm {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let _rm = Rm(secret.clone());
+    let c = env
+        .container("pod-member")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/ipc", "host")
+        .sh(&format!("cat {secret}"))
+        .bundle();
+    let mut v = c.config();
+    for n in v["linux"]["namespaces"].as_array_mut().unwrap() {
+        if n["type"] == "ipc" {
+            n["path"] = format!("/proc/{}/ns/ipc", sandbox.pid()).into();
+        }
+    }
+    std::fs::write(c.bundle.join("config.json"), v.to_string()).unwrap();
+    let before = c.config_bytes();
+    assert_eq!(c.try_create().status.code(), Some(1), "{}", c.stdout());
+    assert_eq!(
+        c.last_error(),
+        format!("gpushare: gpushare.io/ipc=\"host\" is refused: the container's pod has an IPC namespace of its own (linux.namespaces joins \"/proc/{}/ns/ipc\"), and gpushare never gives a pod the host's; allowed is isolated, or hostIPC: true on the pod (which admission sees) and then nothing from gpushare", sandbox.pid())
+    );
+    assert_eq!(c.config_bytes(), before);
+    assert!(env.daemon_ids().is_empty());
+
+    // A container with a new IPC namespace of its own: the operator's override stands.
+    let own = env
+        .container("own-ipc")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/ipc", "host")
+        .sh(&format!("cat {secret}"))
+        .create();
+    assert_eq!(own.run(), "host-secret\n");
+}
