@@ -197,6 +197,34 @@ pub fn proc_start_time(pid: i32) -> Option<u64> {
     fields.nth(18)?.parse().ok()
 }
 
+/// The pids of every living descendant of `pid` (children, their children, …), from each
+/// process's parent in /proc/<pid>/stat; a snapshot, so a process forked meanwhile may be
+/// missing.
+pub(crate) fn descendants(pid: i32) -> Vec<i32> {
+    let parent_of = |p: i32| -> Option<i32> {
+        let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+        // Field 4 (ppid), after the command name, which may hold spaces and parens.
+        stat[stat.rfind(')')? + 2..].split(' ').nth(1)?.parse().ok()
+    };
+    let pids: Vec<(i32, i32)> = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+                .filter_map(|p| Some((p, parent_of(p)?)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut found = vec![pid];
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        found.extend(pids.iter().filter(|(_, pp)| *pp == parent).map(|(p, _)| *p));
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
 /// The metadata of `path` if it is a regular file (after links) with an exec bit.
 pub(crate) fn executable(path: &Path) -> Option<std::fs::Metadata> {
     let md = std::fs::metadata(path).ok()?;
@@ -454,6 +482,35 @@ mod tests {
         );
         assert!(read_regular(&dir.path().join("absent"), 64)
             .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound));
+    }
+
+    #[test]
+    fn descendants_finds_grandchildren() {
+        let mut sh = std::process::Command::new("sh")
+            .args(["-c", "sleep 30 & sleep 30 & wait"])
+            .spawn()
+            .unwrap();
+        let ok = poll_until(
+            Instant::now() + Duration::from_secs(5),
+            Duration::from_millis(10),
+            Duration::from_millis(10),
+            || (descendants(sh.id() as i32).len() == 2).then_some(()),
+        );
+        let found = descendants(std::process::id() as i32);
+        let sleeps = descendants(sh.id() as i32);
+        let _ = sh.kill();
+        for p in sleeps {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(p),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        let _ = sh.wait();
+        assert!(ok.is_some());
+        assert!(
+            found.contains(&(sh.id() as i32)) && found.len() >= 3,
+            "{found:?}"
+        );
     }
 
     #[test]

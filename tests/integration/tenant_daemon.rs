@@ -16,6 +16,13 @@ const CLIENT: &str = "gpushare-mps-sim client";
 /// Sends one control command to daemon `id` as `uid`, from the host: what a tenant does
 /// through the control socket mounted in its container (same socket, same uid).
 fn control_as(env: &Env, id: &str, uid: u32, cmd: &str) -> String {
+    String::from_utf8_lossy(&control_output(env, id, uid, cmd).stdout)
+        .trim()
+        .to_owned()
+}
+
+/// `control_as`, with the control client's exit status.
+fn control_output(env: &Env, id: &str, uid: u32, cmd: &str) -> std::process::Output {
     let mut child = Command::new(sim())
         .env_clear()
         .env(
@@ -35,8 +42,7 @@ fn control_as(env: &Env, id: &str, uid: u32, cmd: &str) -> String {
         .unwrap()
         .write_all(format!("{cmd}\n").as_bytes())
         .unwrap();
-    let out = child.wait_with_output().unwrap();
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    child.wait_with_output().unwrap()
 }
 
 /// A root-only file in a root-only directory of the test's temp dir: what a daemon must
@@ -409,4 +415,124 @@ fn the_daemon_runs_in_its_own_cgroup_with_memory_and_pids_limits() {
         (512u64 << 20).to_string()
     );
     assert_eq!(std::fs::read_to_string(&pids).unwrap().trim(), "200");
+}
+
+/// The simulator's cap on simultaneous control connections (`MAX_CONNECTIONS` in
+/// sim/src/daemon.rs): past it, a connection is answered `too many connections`.
+const SIM_MAX_CONNECTIONS: usize = 512;
+
+/// Control connections held open with a slow partial line: one byte of a command every
+/// half second, never the newline, so the daemon keeps waiting for the rest. Dropped:
+/// the connections close.
+struct Stall {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    dripper: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Stall {
+    fn hold(socket: &Path, n: usize) -> Stall {
+        use std::os::unix::net::UnixStream;
+        let mut conns: Vec<UnixStream> = (0..n)
+            .map(|_| {
+                let c = UnixStream::connect(socket).unwrap();
+                (&c).write_all(b"g").unwrap();
+                c
+            })
+            .collect();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let done = stop.clone();
+        let dripper = std::thread::spawn(move || {
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                // A daemon that was killed closed its ends: those writes fail, and that is fine.
+                conns.retain(|mut c| c.write_all(b"e").is_ok());
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        });
+        Stall {
+            stop,
+            dripper: Some(dripper),
+        }
+    }
+}
+
+impl Drop for Stall {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(d) = self.dripper.take() {
+            let _ = d.join();
+        }
+    }
+}
+
+#[test]
+fn a_tenant_stalling_the_control_socket_cannot_keep_raised_limits() {
+    // Before: a tenant raised its daemon's default to 100 %, then held every control
+    // connection the daemon would take with a slow partial line. The supervisor logged
+    // "cannot check the daemon's limits" every interval, and a new client got 100 %
+    // instead of the enforced 25 % for as long as the stall lasted. Now two checks in a
+    // row that cannot confirm the limits restart the daemon (its servers killed with it),
+    // and the new daemon has the limits from its first instant.
+    let env = Env::new();
+    let first = env
+        .container("first")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "25")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(client_line(&first.run())["server_uid"], "1000");
+    let id = env.daemon_of(&first);
+    let before = env.daemon_pid(&id);
+    let socket = env.state.join("mps").join(&id).join("pipe").join("control");
+    // Stall every connection but one, raise the limits through the last one, then take
+    // it too: the supervisor's check never sees the raise before the stall is complete.
+    // The first client's server still runs: new clients of the identity attach to it, so
+    // the tenant raises its limit too.
+    let server = control_as(&env, &id, 1000, "get_server_list");
+    assert!(!server.is_empty(), "no server");
+    let most = Stall::hold(&socket, SIM_MAX_CONNECTIONS - 1);
+    for cmd in [
+        "set_default_active_thread_percentage 100".to_owned(),
+        format!("set_active_thread_percentage {server} 100"),
+    ] {
+        assert!(
+            wait_until(Duration::from_secs(10), || control_output(
+                &env, &id, 1000, &cmd
+            )
+            .status
+            .success()),
+            "the tenant could not send {cmd}"
+        );
+    }
+    let last = Stall::hold(&socket, 1);
+    // Within the bound SECURITY.md states (2 checks of at most 2 s each, one default
+    // interval of 2 s apart, then the restart), the daemon is restarted.
+    let restarted = wait_until(Duration::from_secs(20), || {
+        env.gpushare_log().contains("did not confirm its limits")
+            && env.record(&id)["status"] == "ready"
+            && env.record(&id)["daemon"]["pid"].as_i64() != Some(i64::from(before))
+    });
+    // Free one connection and start a client at once, before any check can come: a
+    // client without the limit in its own environment (a tenant controls that) gets
+    // what the daemon's server now has.
+    drop(last);
+    let next = env
+        .container("next")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "25")
+        .sh(&format!(
+            "unset CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; {CLIENT}"
+        ))
+        .create();
+    let line = client_line(&next.run());
+    drop(most);
+    assert_eq!(
+        line["active_thread_percentage"].parse::<f64>().unwrap(),
+        25.0,
+        "the new client got the raised default: {line:?}\n{}",
+        env.gpushare_log()
+    );
+    assert!(restarted, "no restart:\n{}", env.gpushare_log());
+    assert_eq!(env.record(&id)["restarts"], 1, "{}", env.record(&id));
 }
