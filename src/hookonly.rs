@@ -46,7 +46,10 @@ pub(crate) fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
     if let Some((key, value)) =
         request::sandbox_marker(|k| state.annotations.get(k).map(String::as_str))
     {
-        tracing::debug!("{key}={value}: a pod's sandbox is never a request");
+        tracing::debug!(
+            "{key}={}: a pod's sandbox is never a request",
+            crate::util::escape(value)
+        );
         return Ok(());
     }
     let bundle = state

@@ -446,6 +446,29 @@ fn clear(top: &mut Dir) -> std::io::Result<()> {
     }
 }
 
+/// `raw` safe to show on a terminal, in a JSON document read by people, in a Prometheus
+/// label or in the log: every control character (C0 with ESC and BEL, DEL, C1), every
+/// other character Rust does not print as itself (format characters such as bidi
+/// overrides, unassigned ones) and `\` written as a Rust escape (`\n`, `\u{1b}`, `\\`);
+/// quotes and everything printable kept. The one rule for text a tenant or a daemon
+/// writes (a control reply, an annotation's value); `device::quote` quotes with it.
+/// Bytes that are not UTF-8 arrive here already replaced (`String::from_utf8_lossy`).
+pub(crate) fn escape(raw: &str) -> String {
+    let mut out = String::with_capacity(raw.len());
+    for c in raw.chars() {
+        escape_char(c, &mut out);
+    }
+    out
+}
+
+/// One character of [`escape`].
+pub(crate) fn escape_char(c: char, out: &mut String) {
+    match c {
+        '"' | '\'' => out.push(c),
+        _ => out.extend(c.escape_debug()),
+    }
+}
+
 /// `s` on one line: every run of whitespace (newlines included) becomes one space, and
 /// none leads or trails. For another program's text quoted in one error line.
 pub(crate) fn one_line(s: &str) -> String {
@@ -482,6 +505,18 @@ mod tests {
         );
         assert!(read_regular(&dir.path().join("absent"), 64)
             .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound));
+    }
+
+    #[test]
+    fn escape_leaves_no_terminal_control() {
+        let raw = "ok \"q\" \\ \x1b]0;t\x07\x1b[2J\u{9b}31m\x7f\n\t\u{202e}é";
+        let out = escape(raw);
+        assert_eq!(
+            out,
+            "ok \"q\" \\\\ \\u{1b}]0;t\\u{7}\\u{1b}[2J\\u{9b}31m\\u{7f}\\n\\t\\u{202e}é"
+        );
+        assert!(!out.chars().any(|c| c.is_control()));
+        assert_eq!(escape(&String::from_utf8_lossy(b"a\xffb")), "a\u{fffd}b");
     }
 
     #[test]

@@ -882,7 +882,7 @@ impl Supervisor {
         ask: &dyn Fn(&str) -> anyhow::Result<String>,
     ) -> anyhow::Result<bool> {
         let unreadable = |cmd: &str, reply: &str| {
-            tracing::error!(daemon = %self.id, command = cmd, reply = reply.trim(), "cannot read a server's limit back; it is not checked");
+            tracing::error!(daemon = %self.id, command = cmd, reply = %crate::util::escape(reply.trim()), "cannot read a server's limit back; it is not checked");
             false
         };
         let mut over = false;

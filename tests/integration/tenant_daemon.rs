@@ -536,3 +536,103 @@ fn a_tenant_stalling_the_control_socket_cannot_keep_raised_limits() {
     assert!(restarted, "no restart:\n{}", env.gpushare_log());
     assert_eq!(env.record(&id)["restarts"], 1, "{}", env.record(&id));
 }
+
+/// Whether `bytes` hold a terminal control: a C0 control other than newline and tab, DEL,
+/// or a C1 control (as UTF-8, U+0080 to U+009F).
+fn has_terminal_control(bytes: &[u8]) -> bool {
+    bytes
+        .iter()
+        .any(|&b| (b < 0x20 && b != b'\n' && b != b'\t') || b == 0x7f)
+        || bytes
+            .windows(2)
+            .any(|w| w[0] == 0xc2 && (0x80..0xa0).contains(&w[1]))
+}
+
+#[test]
+fn a_listener_planted_at_control_gets_no_escape_sequence_to_roots_screen_or_log() {
+    // Before: a host account with a daemon's UID replaced `pipe/control` with its own
+    // listener, which answered every command with escape sequences (window title, erase
+    // screen, cursor moves, erase line); root's `gpushare status` printed them raw, and
+    // gpushare.log got raw ESC bytes from the supervisor's limit check.
+    use std::os::unix::net::UnixListener;
+    let env = Env::new();
+    let c = env
+        .container("victim")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "25")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(client_line(&c.run())["server_uid"], "1000");
+    let id = env.daemon_of(&c);
+    let socket = env.state.join("mps").join(&id).join("pipe").join("control");
+    std::fs::remove_file(&socket).unwrap();
+    let listener = UnixListener::bind(&socket).unwrap();
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let done = stop.clone();
+    let evil = "ERR\n\x1b]0;pwned\x07\x1b[2J\x1b[1;1H\x1b[K\u{9b}31m\x7f evil \u{202e}txt\n";
+    let planted = std::thread::spawn(move || {
+        while !done.load(std::sync::atomic::Ordering::SeqCst) {
+            match listener.accept() {
+                Ok((mut conn, _)) => {
+                    // Read the command (a few bytes, one line), then answer and close.
+                    let _ = conn.set_nonblocking(false);
+                    let _ = conn.set_read_timeout(Some(Duration::from_secs(1)));
+                    let mut line = [0u8; 256];
+                    let _ = std::io::Read::read(&mut conn, &mut line);
+                    let _ = conn.write_all(evil.as_bytes());
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    });
+    let status = |args: &[&str]| {
+        let out = env.cmd(GPUSHARE).arg("status").args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    };
+    let table = status(&[]);
+    let json = status(&["--json"]);
+    let prometheus = status(&["--format", "prometheus"]);
+    // The supervisor's limit check asks the planted listener too, and logs why it failed.
+    let logged = wait_until(Duration::from_secs(10), || {
+        env.gpushare_log()
+            .contains("cannot check the daemon's limits")
+    });
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    planted.join().unwrap();
+    let table_text = String::from_utf8_lossy(&table);
+    assert!(
+        table_text.contains("\\u{1b}]0;pwned\\u{7}"),
+        "the reply is shown, escaped:\n{table_text}"
+    );
+    for (what, bytes) in [
+        ("status", &table),
+        ("status --json", &json),
+        ("status --format prometheus", &prometheus),
+    ] {
+        assert!(
+            !has_terminal_control(bytes),
+            "{what} printed a terminal control:\n{}",
+            String::from_utf8_lossy(bytes).escape_debug()
+        );
+    }
+    let v: serde_json::Value = serde_json::from_slice(&json).unwrap();
+    let reason = v["daemons"][0]["health_reason"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(reason.contains("\\u{1b}"), "{v}");
+    assert!(logged, "{}", env.gpushare_log());
+    let log = std::fs::read(env.path().join("gpushare.log")).unwrap();
+    assert!(
+        !has_terminal_control(&log),
+        "gpushare.log holds a terminal control:\n{}",
+        String::from_utf8_lossy(&log).escape_debug()
+    );
+}
