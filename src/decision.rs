@@ -24,7 +24,7 @@
 //! decision harmless is that the shim writes all five on every container it serves,
 //! replacing whatever the container carried (`SetAnnotations` is the last spec edit and
 //! replaces keys), and only a container the shim served carries the `createRuntime` hook
-//! that acts on them. The hook still re-validates every value before it touches a path or
+//! that acts on them; hook-only mode never reads them. The hook still re-validates every value before it touches a path or
 //! starts anything ([`identity_from_annotations`]): the daemon id must be a valid id, the
 //! identity well formed (devices, limits, a multi-user daemon is root's), and its id must
 //! equal the daemon annotation — which proves only that the two annotations agree, not
@@ -181,8 +181,9 @@ pub enum DecisionError {
 }
 
 /// The daemon id as the annotation holds it, unvalidated: `poststop` hands it to
-/// `ensure::release` (which validates it), hook-only mode takes its presence as "prepared
-/// by gpushare-runtime".
+/// `ensure::release` (which validates it and only looks there first). Nothing takes its
+/// presence for "prepared by gpushare-runtime": a container's author can write it
+/// (hook-only mode asks the spec's hooks, `SpecFile::prepared_by_shim`).
 pub(crate) fn daemon_annotation(ann: &HashMap<String, String>) -> Option<&str> {
     ann.get(ANN_DAEMON).map(String::as_str)
 }

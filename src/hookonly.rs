@@ -9,8 +9,10 @@
 //! cloned in the host's namespace (`open_tree`) and attached by fd (`move_mount`); the
 //! targets are opened with `openat2(RESOLVE_IN_ROOT)` under the container's rootfs, so a
 //! symlink in the image can never redirect a mount outside it; a container the shim
-//! already prepared (decision annotations present) is left alone, and so is a pod's
-//! sandbox, checked first on the state's own annotations (`request::sandbox_marker`).
+//! already prepared is left alone — known from its spec's `createRuntime` hooks
+//! (`SpecFile::prepared_by_shim`), which a container's author cannot write, never from
+//! the decision annotations, which it can — and so is a pod's sandbox, checked first on
+//! the state's own annotations (`request::sandbox_marker`).
 //!
 //! The clones are made read-only, nosuid, nodev and noexec (`mount_setattr`) before they
 //! are attached, so the container never sees them writable, even for an instant (issue
@@ -44,11 +46,10 @@ pub(crate) fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
     if let Some((key, value)) =
         request::sandbox_marker(|k| state.annotations.get(k).map(String::as_str))
     {
-        tracing::debug!("{key}={value}: a pod's sandbox is never a request");
-        return Ok(());
-    }
-    if crate::decision::daemon_annotation(&state.annotations).is_some() {
-        tracing::debug!("prepared by gpushare-runtime: nothing to do in hook-only mode");
+        tracing::debug!(
+            "{key}={}: a pod's sandbox is never a request",
+            crate::util::escape(value)
+        );
         return Ok(());
     }
     let bundle = state
@@ -57,6 +58,12 @@ pub(crate) fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
         .filter(|b| b.is_absolute())
         .context("the container state names no absolute bundle path")?;
     let spec = SpecFile::load(&bundle.join("config.json"))?;
+    // Decided by the spec's hooks, never by annotations: a container's author can write
+    // `gpushare.io/daemon` (the decision annotation the shim writes) but not a hook.
+    if spec.prepared_by_shim() {
+        tracing::debug!("prepared by gpushare-runtime: nothing to do in hook-only mode");
+        return Ok(());
+    }
     let has_ipc_ns = spec
         .typed
         .linux

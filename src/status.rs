@@ -437,10 +437,12 @@ pub(crate) fn table(view: &StatusView) -> String {
     out
 }
 
+/// A label value: [`crate::util::escape`]d (no control character is left, a newline
+/// included), then escaped as the exposition format wants (`\\`, `\"`).
 fn label(v: &str) -> String {
-    v.replace('\\', "\\\\")
+    crate::util::escape(v)
+        .replace('\\', "\\\\")
         .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 /// Prometheus text exposition format (node-exporter textfile collector).

@@ -197,6 +197,34 @@ pub fn proc_start_time(pid: i32) -> Option<u64> {
     fields.nth(18)?.parse().ok()
 }
 
+/// The pids of every living descendant of `pid` (children, their children, …), from each
+/// process's parent in /proc/<pid>/stat; a snapshot, so a process forked meanwhile may be
+/// missing.
+pub(crate) fn descendants(pid: i32) -> Vec<i32> {
+    let parent_of = |p: i32| -> Option<i32> {
+        let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+        // Field 4 (ppid), after the command name, which may hold spaces and parens.
+        stat[stat.rfind(')')? + 2..].split(' ').nth(1)?.parse().ok()
+    };
+    let pids: Vec<(i32, i32)> = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+                .filter_map(|p| Some((p, parent_of(p)?)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut found = vec![pid];
+    let mut i = 0;
+    while i < found.len() {
+        let parent = found[i];
+        found.extend(pids.iter().filter(|(_, pp)| *pp == parent).map(|(p, _)| *p));
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
 /// The metadata of `path` if it is a regular file (after links) with an exec bit.
 pub(crate) fn executable(path: &Path) -> Option<std::fs::Metadata> {
     let md = std::fs::metadata(path).ok()?;
@@ -418,6 +446,29 @@ fn clear(top: &mut Dir) -> std::io::Result<()> {
     }
 }
 
+/// `raw` safe to show on a terminal, in a JSON document read by people, in a Prometheus
+/// label or in the log: every control character (C0 with ESC and BEL, DEL, C1), every
+/// other character Rust does not print as itself (format characters such as bidi
+/// overrides, unassigned ones) and `\` written as a Rust escape (`\n`, `\u{1b}`, `\\`);
+/// quotes and everything printable kept. The one rule for text a tenant or a daemon
+/// writes (a control reply, an annotation's value); `device::quote` quotes with it.
+/// Bytes that are not UTF-8 arrive here already replaced (`String::from_utf8_lossy`).
+pub(crate) fn escape(raw: &str) -> String {
+    let mut out = String::with_capacity(raw.len());
+    for c in raw.chars() {
+        escape_char(c, &mut out);
+    }
+    out
+}
+
+/// One character of [`escape`].
+pub(crate) fn escape_char(c: char, out: &mut String) {
+    match c {
+        '"' | '\'' => out.push(c),
+        _ => out.extend(c.escape_debug()),
+    }
+}
+
 /// `s` on one line: every run of whitespace (newlines included) becomes one space, and
 /// none leads or trails. For another program's text quoted in one error line.
 pub(crate) fn one_line(s: &str) -> String {
@@ -454,6 +505,47 @@ mod tests {
         );
         assert!(read_regular(&dir.path().join("absent"), 64)
             .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound));
+    }
+
+    #[test]
+    fn escape_leaves_no_terminal_control() {
+        let raw = "ok \"q\" \\ \x1b]0;t\x07\x1b[2J\u{9b}31m\x7f\n\t\u{202e}é";
+        let out = escape(raw);
+        assert_eq!(
+            out,
+            "ok \"q\" \\\\ \\u{1b}]0;t\\u{7}\\u{1b}[2J\\u{9b}31m\\u{7f}\\n\\t\\u{202e}é"
+        );
+        assert!(!out.chars().any(|c| c.is_control()));
+        assert_eq!(escape(&String::from_utf8_lossy(b"a\xffb")), "a\u{fffd}b");
+    }
+
+    #[test]
+    fn descendants_finds_grandchildren() {
+        let mut sh = std::process::Command::new("sh")
+            .args(["-c", "sleep 30 & sleep 30 & wait"])
+            .spawn()
+            .unwrap();
+        let ok = poll_until(
+            Instant::now() + Duration::from_secs(5),
+            Duration::from_millis(10),
+            Duration::from_millis(10),
+            || (descendants(sh.id() as i32).len() == 2).then_some(()),
+        );
+        let found = descendants(std::process::id() as i32);
+        let sleeps = descendants(sh.id() as i32);
+        let _ = sh.kill();
+        for p in sleeps {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(p),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        let _ = sh.wait();
+        assert!(ok.is_some());
+        assert!(
+            found.contains(&(sh.id() as i32)) && found.len() >= 3,
+            "{found:?}"
+        );
     }
 
     #[test]

@@ -19,7 +19,11 @@ pub(crate) fn quote(raw: &str) -> String {
     let mut out = String::from("\"");
     let mut chars = raw.chars();
     for c in chars.by_ref().take(QUOTE_MAX_CHARS) {
-        out.extend(c.escape_debug());
+        if c == '"' {
+            out.push_str("\\\"");
+        } else {
+            crate::util::escape_char(c, &mut out);
+        }
     }
     if chars.next().is_some() {
         out.push('…');

@@ -1,6 +1,6 @@
 //! containerd: a runc-v2 runtime whose `BinaryName` is gpushare-runtime, with a
-//! `pod_annotations = ["gpushare.io/*"]` allowlist (CRI passes no pod annotation to the
-//! OCI spec unless allowed; runtime-facts.md §4) and `container_annotations =
+//! `pod_annotations` allowlist naming exactly the request annotations ([`pod_annotations`];
+//! CRI passes no pod annotation to the OCI spec unless allowed, docs/kubernetes.md) and `container_annotations =
 //! ["cdi.k8s.io/*"]`, so that NVIDIA's device plugin's `cdi-annotations` allocation
 //! reaches `gpushare.io/device: allocated`. Config version 2 (containerd 1.6/1.7,
 //! CRI plugin `io.containerd.grpc.v1.cri`) and version 3 (2.x, `io.containerd.cri.v1.runtime`).
@@ -77,6 +77,14 @@ pub(crate) fn base_spec(
     let mut text = serde_json::to_string_pretty(&spec).map_err(|e| shape(&e.to_string()))?;
     text.push('\n');
     Ok(text)
+}
+
+/// The pod annotations the runtime class lets through: exactly the request keys
+/// (`request::KEYS`), never a pattern: `gpushare.io/*` would also let through the decision
+/// annotations gpushare writes for its own hooks (`gpushare.io/daemon`, …), which a pod
+/// must not be able to set.
+pub(crate) fn pod_annotations() -> Array {
+    crate::request::KEYS.iter().map(|k| k.annotation).collect()
 }
 
 /// Where the runtimes table lives for each config version.
@@ -170,9 +178,7 @@ pub(crate) fn edit(
     let rt = table(runtimes, name).ok_or_else(|| shape(name))?;
     rt.set_implicit(false);
     rt.insert("runtime_type", value("io.containerd.runc.v2"));
-    let mut allow = Array::new();
-    allow.push("gpushare.io/*");
-    rt.insert("pod_annotations", value(allow));
+    rt.insert("pod_annotations", value(pod_annotations()));
     let mut cdi = Array::new();
     cdi.push("cdi.k8s.io/*");
     rt.insert("container_annotations", value(cdi));
@@ -215,6 +221,21 @@ pub(crate) fn edit(
 mod tests {
     use super::*;
 
+    /// The allowlist every class must carry: the request annotations, not a pattern
+    /// (`gpushare.io/*` would let a pod set `gpushare.io/daemon`, the shim's decision).
+    fn request_keys() -> toml::Value {
+        toml::Value::Array(
+            [
+                "gpushare.io/device",
+                "gpushare.io/active-thread-percentage",
+                "gpushare.io/pinned-memory-limit",
+                "gpushare.io/ipc",
+            ]
+            .map(toml::Value::from)
+            .to_vec(),
+        )
+    }
+
     const RT: &str = "/usr/local/bin/gpushare-runtime";
 
     fn run(text: &str, default_version: i64) -> Result<Option<String>, InstallError> {
@@ -250,7 +271,11 @@ mod tests {
         let v: toml::Table = toml::from_str(&out).unwrap();
         let rt = &v["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["gpushare"];
         assert_eq!(rt["runtime_type"].as_str(), Some("io.containerd.runc.v2"));
-        assert_eq!(rt["pod_annotations"][0].as_str(), Some("gpushare.io/*"));
+        assert_eq!(
+            rt["pod_annotations"],
+            request_keys(),
+            "exactly the request keys"
+        );
         assert_eq!(rt["base_runtime_spec"].as_str(), Some(BASE));
         assert_eq!(rt["options"].get("BinaryName"), None, "no shim");
         assert_eq!(rt["options"]["SystemdCgroup"].as_bool(), Some(true));
@@ -329,7 +354,11 @@ root = "/var/lib/containerd"
         let v: toml::Table = toml::from_str(&out).unwrap();
         let rt = &v["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["gpushare"];
         assert_eq!(rt["runtime_type"].as_str(), Some("io.containerd.runc.v2"));
-        assert_eq!(rt["pod_annotations"][0].as_str(), Some("gpushare.io/*"));
+        assert_eq!(
+            rt["pod_annotations"],
+            request_keys(),
+            "exactly the request keys"
+        );
         assert_eq!(
             rt["container_annotations"][0].as_str(),
             Some("cdi.k8s.io/*")

@@ -3,6 +3,9 @@
 //!
 //! Invariants: the client runs with an explicit environment (no inherited LD_PRELOAD or
 //! CUDA variables), as the daemon's user, and is killed when it outlives its deadline.
+//! Its output is the daemon's, which a tenant can influence (a host account with the
+//! daemon's UID can even put its own listener at `control`): it is read bounded, and an
+//! error carries it escaped (`util::escape`), so it reaches no terminal or log raw.
 
 use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
@@ -55,6 +58,19 @@ pub(crate) fn resolve_binary(binary: &str) -> Result<PathBuf, ControlError> {
     })
 }
 
+/// The most of a control client's stdout or stderr read: replies are a few lines.
+const MAX_OUTPUT: u64 = 64 << 10;
+
+/// What a control client wrote, at most `MAX_OUTPUT` bytes, bytes that are not UTF-8
+/// replaced. A reply is the daemon's (or whatever listens on its socket): hostile.
+fn read_bounded(pipe: Option<impl Read>) -> String {
+    let mut bytes = Vec::new();
+    if let Some(p) = pipe {
+        let _ = p.take(MAX_OUTPUT).read_to_end(&mut bytes);
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
 /// A handle on one control daemon.
 #[derive(Debug, Clone)]
 pub(crate) struct Control {
@@ -100,22 +116,16 @@ impl Control {
                 timeout,
             });
         };
-        let mut out = String::new();
-        if let Some(mut o) = child.stdout.take() {
-            let _ = o.read_to_string(&mut out);
-        }
+        let out = read_bounded(child.stdout.take());
         if status.success() {
             Ok(out)
         } else {
-            let mut err = String::new();
-            if let Some(mut e) = child.stderr.take() {
-                let _ = e.read_to_string(&mut err);
-            }
+            let err = read_bounded(child.stderr.take());
             let text = format!("{} {}", out.trim(), err.trim());
             Err(ControlError::Failed {
                 command: command.to_owned(),
                 status: status.to_string(),
-                output: crate::util::one_line(&text),
+                output: crate::util::escape(&crate::util::one_line(&text)),
             })
         }
     }

@@ -264,12 +264,19 @@ pub(crate) fn ensure(
 }
 
 /// Removes a container's record from whichever daemon it used. Never fails the caller.
+/// `daemon_id` (the decision annotation) is only where to look first: a container the shim
+/// did not prepare (hook-only mode) may carry a forged one, so a record not found there is
+/// looked for under every daemon.
 pub(crate) fn release(state: &StateDir, daemon_id: Option<&str>, container_id: &str) -> bool {
-    let ids: Vec<String> = match daemon_id {
-        Some(id) if crate::identity::valid_id(id) => vec![id.to_owned()],
-        _ => state.daemon_ids().unwrap_or_default(),
-    };
-    ids.iter()
+    let named = daemon_id.filter(|id| crate::identity::valid_id(id));
+    if named.is_some_and(|id| state.remove_container(id, container_id).unwrap_or(false)) {
+        return true;
+    }
+    state
+        .daemon_ids()
+        .unwrap_or_default()
+        .iter()
+        .filter(|id| Some(id.as_str()) != named)
         .any(|id| state.remove_container(id, container_id).unwrap_or(false))
 }
 

@@ -19,7 +19,12 @@
 //! - limits are applied with control commands before the record says `ready`, again
 //!   after every restart (MPS forgets `set_default_*` when the daemon quits), and checked
 //!   every `mps.limit-check-interval`: a tenant that raised them through its control
-//!   socket finds them set back, the defaults and each running server's.
+//!   socket finds them set back, the defaults and each running server's. The check fails
+//!   closed: each check has one deadline (`CHECK_DEADLINE`) for all its commands, and a
+//!   daemon that cannot confirm its limits in `UNCONFIRMED_CHECKS` checks in a row is
+//!   killed with its servers, without being asked, and restarted with its limits (in its
+//!   environment from its first instant): no stall of the control socket holds the
+//!   supervisor or keeps a raised limit.
 //!
 //! A daemon that dies is restarted with exponential backoff; SIGTERM quits it cleanly.
 //! A supervisor whose record is gone (its state directory deleted, as a host reboot
@@ -54,6 +59,14 @@ const BACKOFF_FIRST: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(10);
 /// A daemon that ran this long resets the backoff.
 const STABLE_AFTER: Duration = Duration::from_secs(60);
+/// The longest one limit check may take, all its control commands together: a daemon
+/// that has not answered by then has not confirmed its limits.
+pub(crate) const CHECK_DEADLINE: Duration = Duration::from_secs(2);
+/// Limit checks in a row that may fail to confirm the limits (no answer, an error, past
+/// `CHECK_DEADLINE`) before the daemon is restarted with them: a tenant that raised them
+/// and then keeps the daemon from answering (its control connections held with slow
+/// partial lines) must not keep them raised.
+pub(crate) const UNCONFIRMED_CHECKS: u32 = 2;
 
 /// The commands that put a daemon's limits in place, in order (DESIGN §5, mps-facts §1.2).
 /// Pinned memory is set per device by ordinal: the daemon sees only its own devices,
@@ -84,6 +97,27 @@ fn set_limits(ident: &Identity, server: Option<u32>) -> Vec<String> {
         }
     }
     cmds
+}
+
+/// The limits in the daemon's own environment, so that it has them from its first instant:
+/// the control daemon takes `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and
+/// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`<ordinal>=<size>,…`) as its defaults at start (MPS
+/// guide, "Environment variables"), before any client can connect; the `set_default_*`
+/// commands of `limit_commands` then set the same values again and are what the limit
+/// check reads back.
+fn limit_env(ident: &Identity) -> Vec<(&'static str, String)> {
+    let mut env = Vec::new();
+    if let Some(p) = ident.active_thread_percentage {
+        env.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", p.to_string()));
+    }
+    if let Some(bytes) = ident.pinned_memory_limit {
+        let size = crate::request::format_mps_size(bytes);
+        let each: Vec<String> = (0..ident.devices.len())
+            .map(|i| format!("{i}={size}"))
+            .collect();
+        env.push(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", each.join(",")));
+    }
+    env
 }
 
 /// Leaves the caller's session; closes every fd above stderr. Must run before the
@@ -488,6 +522,7 @@ impl Supervisor {
         sfd: &mut SignalFd,
         idle_timeout: Duration,
         pending_grace: u64,
+        cgroups: &[PathBuf],
     ) -> anyhow::Result<()> {
         let mut backoff = Backoff(BACKOFF_FIRST);
         let mut first = true;
@@ -514,6 +549,18 @@ impl Supervisor {
                     self.quit(&mut child);
                     tracing::warn!(daemon = %self.id, record = %self.state.record_path(&self.id).display(), "the daemon's record is gone (state directory deleted?); MPS control daemon stopped");
                     return Ok(());
+                }
+                Watch::Unconfirmed => {
+                    tracing::warn!(daemon = %self.id, checks = UNCONFIRMED_CHECKS, "the daemon did not confirm its limits in {UNCONFIRMED_CHECKS} checks in a row; killing it with its MPS servers and restarting it with its limits");
+                    self.kill_daemon_tree(&mut child, cgroups);
+                    self.update(|r| {
+                        r.status = DaemonStatus::Restarting;
+                        r.daemon = None;
+                        r.restarts += 1;
+                    })?;
+                    if !backoff.wait(sfd) {
+                        break;
+                    }
                 }
                 Watch::ChildExited => {
                     if started.elapsed() > STABLE_AFTER {
@@ -654,6 +701,7 @@ impl Supervisor {
             .env("CUDA_MPS_PIPE_DIRECTORY", self.state.pipe_dir(&self.id))
             .env("CUDA_MPS_LOG_DIRECTORY", &log_dir)
             .env("CUDA_VISIBLE_DEVICES", self.ident.devices.join(","))
+            .envs(limit_env(&self.ident))
             .current_dir("/")
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
@@ -769,44 +817,55 @@ impl Supervisor {
     /// (`shutdown_server -f`) was tried and is worse on the real driver: the server kept
     /// its clients, stopped answering, and the identity's next client waited behind it.
     /// Returns how many violations were found.
-    fn enforce_limits(&self) -> anyhow::Result<u32> {
+    /// Every control command of one check shares `deadline`: an error, or a command that
+    /// has not answered by then, ends the check unconfirmed (`Err`).
+    fn enforce_limits(&self, deadline: Instant) -> anyhow::Result<u32> {
         let want = Wanted::of(&self.ident);
+        let ask = |cmd: &str| self.ask(cmd, deadline);
         let mut violations = 0;
-        if self.defaults_changed(&want)? {
+        if self.defaults_changed(&want, &ask)? {
             violations += 1;
             tracing::warn!(daemon = %self.id, "the daemon's default limits were changed through its control socket; setting them again");
             for cmd in limit_commands(&self.ident) {
-                self.ask(&cmd)?;
+                ask(&cmd)?;
             }
         }
-        for server in reply::pids(&self.ask("get_server_list")?) {
-            if self.server_raised(server, &want) {
+        for server in reply::pids(&ask("get_server_list")?) {
+            if self.server_raised(server, &want, &ask)? {
                 violations += 1;
                 tracing::warn!(daemon = %self.id, server, "an MPS server's limits were raised through the control socket; setting them back");
                 for cmd in set_limits(&self.ident, Some(server)) {
-                    self.ask(&cmd)?;
+                    ask(&cmd)?;
                 }
             }
         }
         Ok(violations)
     }
 
-    /// One control command for the limit check.
-    fn ask(&self, cmd: &str) -> Result<String, super::control::ControlError> {
-        self.control.command(cmd, Duration::from_secs(2))
+    /// One control command of a limit check, answered by `deadline` or an error.
+    fn ask(&self, cmd: &str, deadline: Instant) -> anyhow::Result<String> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            bail!("the limit check did not finish within {CHECK_DEADLINE:?}");
+        }
+        Ok(self.control.command(cmd, left)?)
     }
 
     /// Whether the daemon's default limits differ from the identity's.
-    fn defaults_changed(&self, want: &Wanted) -> anyhow::Result<bool> {
+    fn defaults_changed(
+        &self,
+        want: &Wanted,
+        ask: &dyn Fn(&str) -> anyhow::Result<String>,
+    ) -> anyhow::Result<bool> {
         let mut changed = false;
         if let Some(p) = want.tp {
-            changed |= parse_percentage(&self.ask("get_default_active_thread_percentage")?)
+            changed |= parse_percentage(&ask("get_default_active_thread_percentage")?)
                 .is_none_or(|got| (got - p).abs() > 0.01);
         }
         if let Some(m) = want.mem {
             for i in 0..want.devices {
                 changed |=
-                    parse_mps_mem(&self.ask(&format!("get_default_device_pinned_mem_limit {i}"))?)
+                    parse_mps_mem(&ask(&format!("get_default_device_pinned_mem_limit {i}"))?)
                         != Some(m);
             }
         }
@@ -816,27 +875,30 @@ impl Supervisor {
     /// Whether running server `server` has limits above the identity's. A reply that
     /// cannot be read is reported, not taken for a violation: shutting servers down on a
     /// driver whose format differs would stop every job.
-    fn server_raised(&self, server: u32, want: &Wanted) -> bool {
+    fn server_raised(
+        &self,
+        server: u32,
+        want: &Wanted,
+        ask: &dyn Fn(&str) -> anyhow::Result<String>,
+    ) -> anyhow::Result<bool> {
         let unreadable = |cmd: &str, reply: &str| {
-            tracing::error!(daemon = %self.id, command = cmd, reply = reply.trim(), "cannot read a server's limit back; it is not checked");
+            tracing::error!(daemon = %self.id, command = cmd, reply = %crate::util::escape(reply.trim()), "cannot read a server's limit back; it is not checked");
             false
         };
         let mut over = false;
         if let Some(p) = want.tp {
             let cmd = format!("get_active_thread_percentage {server}");
-            if let Ok(g) = self.ask(&cmd) {
-                over |= parse_percentage(&g).map_or_else(|| unreadable(&cmd, &g), |g| g > p + 0.01);
-            }
+            let g = ask(&cmd)?;
+            over |= parse_percentage(&g).map_or_else(|| unreadable(&cmd, &g), |g| g > p + 0.01);
         }
         if let Some(m) = want.mem {
             for i in 0..want.devices {
                 let cmd = format!("get_device_pinned_mem_limit {server} {i}");
-                if let Ok(g) = self.ask(&cmd) {
-                    over |= parse_mps_mem(&g).map_or_else(|| unreadable(&cmd, &g), |g| g > m);
-                }
+                let g = ask(&cmd)?;
+                over |= parse_mps_mem(&g).map_or_else(|| unreadable(&cmd, &g), |g| g > m);
             }
         }
-        over
+        Ok(over)
     }
 
     /// How often `watch` wakes: for the log rotation, and often enough for the idle
@@ -853,14 +915,65 @@ impl Supervisor {
     }
 
     /// Checks the limits (`enforce_limits`) once `next_check` has come, and sets the next.
-    fn check_limits_when_due(&self, next_check: &mut Option<Instant>) {
+    /// Counts the checks in a row that could not confirm them in `unconfirmed`; `true` when
+    /// that reaches `UNCONFIRMED_CHECKS`: the daemon must be restarted.
+    fn check_limits_when_due(
+        &self,
+        next_check: &mut Option<Instant>,
+        unconfirmed: &mut u32,
+    ) -> bool {
         if let (Some(at), Some(every)) = (*next_check, self.limit_check) {
             if Instant::now() >= at {
                 *next_check = Some(Instant::now() + every);
-                if let Err(e) = self.enforce_limits() {
-                    tracing::warn!(daemon = %self.id, error = %e, "cannot check the daemon's limits");
+                match self.enforce_limits(Instant::now() + CHECK_DEADLINE) {
+                    Ok(_) => *unconfirmed = 0,
+                    Err(e) => {
+                        *unconfirmed += 1;
+                        tracing::warn!(daemon = %self.id, error = %format!("{e:#}"), "cannot check the daemon's limits");
+                    }
                 }
             }
+        }
+        *unconfirmed >= UNCONFIRMED_CHECKS
+    }
+
+    /// Ends the daemon without asking it (it may not answer): SIGKILL to every process of
+    /// its tree — its MPS servers, which the real control daemon leaves running when it
+    /// dies, and anything else they started — found both as the daemon's descendants and
+    /// as the other members of the supervisor's own cgroups, then reaps it. Bounded: past
+    /// `QUIT_GRACE` it gives up on members that will not go (the restart goes on).
+    fn kill_daemon_tree(&self, child: &mut Child, cgroups: &[PathBuf]) {
+        use nix::sys::signal::{kill, Signal};
+        let me = std::process::id() as i32;
+        let descendants = crate::util::descendants(child.id() as i32);
+        for pid in descendants {
+            let _ = kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        let members = || -> Vec<i32> {
+            cgroups
+                .iter()
+                .filter_map(|cg| std::fs::read_to_string(cg.join("cgroup.procs")).ok())
+                .flat_map(|procs| {
+                    procs
+                        .split_whitespace()
+                        .filter_map(|p| p.parse::<i32>().ok())
+                        .collect::<Vec<_>>()
+                })
+                .filter(|&p| p != me)
+                .collect()
+        };
+        let every = Duration::from_millis(10);
+        let left = poll_until(Instant::now() + QUIT_GRACE, every, every, || {
+            let others = members();
+            for &pid in &others {
+                let _ = kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+            }
+            others.is_empty().then_some(())
+        });
+        if left.is_none() {
+            tracing::warn!(daemon = %self.id, members = ?members(), "processes of the daemon's cgroup outlived SIGKILL");
         }
     }
 
@@ -978,6 +1091,8 @@ enum Watch {
     Removed,
     /// The record is gone: someone deleted the state directory (or the daemon's).
     Orphaned,
+    /// `UNCONFIRMED_CHECKS` limit checks in a row could not confirm the daemon's limits.
+    Unconfirmed,
 }
 
 /// Ticks in a row the record must be missing before the supervisor believes it gone (the
@@ -998,6 +1113,7 @@ fn watch(
     let mut next_check = sup.limit_check.map(|every| Instant::now() + every);
     let mut idle_since: Option<Instant> = None;
     let mut missing = 0;
+    let mut unconfirmed = 0;
     loop {
         match wait_event(sfd, Some(&mut *child), Some(tick)) {
             Event::Stop => return Watch::Stop,
@@ -1013,7 +1129,9 @@ fn watch(
             return Watch::Orphaned;
         }
         sup.rotate_logs();
-        sup.check_limits_when_due(&mut next_check);
+        if sup.check_limits_when_due(&mut next_check, &mut unconfirmed) {
+            return Watch::Unconfirmed;
+        }
         if idle.is_zero() {
             continue;
         }
@@ -1128,7 +1246,7 @@ pub(crate) fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
     let setup = binary
         .map_err(anyhow::Error::from)
         .and_then(|_| sup.setup());
-    let _cgroups = CgroupGuard(own_cgroup(
+    let cgroups = CgroupGuard(own_cgroup(
         id,
         CgroupLimits {
             memory: cfg.mps.daemon_memory_max,
@@ -1141,6 +1259,7 @@ pub(crate) fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
         &mut sfd,
         cfg.mps.idle_timeout,
         cfg.mps.pending_grace().as_secs(),
+        &cgroups.0,
     )
 }
 

@@ -249,6 +249,22 @@ impl SpecFile {
             .map(String::as_str)
     }
 
+    /// Whether gpushare-runtime prepared this spec: its `createRuntime` hooks hold
+    /// gpushare's `hook create-runtime`, which only the shim puts there. Hooks are the
+    /// engine's and the operator's to write (Docker, containerd's CRI plugin, Podman and
+    /// CRI-O give a container's author no way to add one), unlike annotations, which the
+    /// author writes: what a container carries never decides this.
+    pub(crate) fn prepared_by_shim(&self) -> bool {
+        self.doc
+            .get("hooks")
+            .and_then(|h| h.get("createRuntime"))
+            .and_then(Value::as_array)
+            .is_some_and(|list| {
+                list.iter()
+                    .any(|h| edits::gpushare_hook_stage(h) == Some("create-runtime"))
+            })
+    }
+
     /// `process.env`, empty when absent.
     pub fn env(&self) -> &[String] {
         self.typed
@@ -412,6 +428,36 @@ mod tests {
             let original: Value = serde_json::from_slice(&bytes).unwrap();
             let again: Value = serde_json::from_slice(&spec.to_bytes().unwrap()).unwrap();
             assert_eq!(original, again, "{name}");
+        }
+    }
+
+    #[test]
+    fn only_the_shims_create_runtime_hook_marks_a_spec_prepared() {
+        use edits::SpecEdit;
+        for name in FIXTURES {
+            let bytes = fixture(name);
+            let mut spec = SpecFile::parse(Path::new(name), &bytes, 0o644).unwrap();
+            assert!(!spec.prepared_by_shim(), "{name}");
+            // What a container's author can write: the decision annotations, and gpushare's
+            // prestart (hook-only) and poststop hooks come from the operator's base spec.
+            let ann = spec
+                .doc
+                .entry("annotations")
+                .or_insert_with(|| serde_json::json!({}));
+            ann["gpushare.io/daemon"] = "0".repeat(32).into();
+            let hook_only = edits::SetHooks {
+                binary: "/usr/bin/gpushare".into(),
+                env: vec![],
+                stages: vec![("prestart", "prestart", 20), ("poststop", "poststop", 10)],
+            };
+            hook_only.apply(&mut spec.doc).unwrap();
+            assert!(!spec.prepared_by_shim(), "{name}");
+            let shim = edits::SetHooks {
+                stages: vec![("createRuntime", "create-runtime", 15)],
+                ..hook_only
+            };
+            shim.apply(&mut spec.doc).unwrap();
+            assert!(spec.prepared_by_shim(), "{name}");
         }
     }
 

@@ -1702,3 +1702,98 @@ fn cri_a_containerd_restart_keeps_a_pod_s_job_and_its_daemon() {
         "the held container is still listed: {status}"
     );
 }
+
+/// A pod's forged decision annotation in the hook-only class. `gpushare.io/daemon` is
+/// what gpushare-runtime writes for its own hook; the hook-only prestart used to take it
+/// as "prepared by the shim" and skip the container: no daemon, no node default limit, no
+/// validation (`active-thread-percentage: "101"` ran). Two classes: `gpushare-hooks` as
+/// `gpushare install containerd --hook-only` writes it now (the allowlist names only the
+/// request keys, so containerd drops the forged annotation), and `gpushare-old` with the
+/// `gpushare.io/*` allowlist an older install wrote (the annotation reaches the spec, and
+/// the prestart hook must ignore it: it decides from the spec's hooks).
+#[test]
+fn cri_a_forged_decision_annotation_never_makes_the_hook_only_class_skip_a_pod() {
+    let env = Env::with_config("default-active-thread-percentage = 25");
+    let dir = env.path().join("k");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("config.toml");
+    std::fs::write(&config, base_config(&dir)).unwrap();
+    install_hook_only(&env, &config, "gpushare-hooks");
+    install_hook_only(&env, &config, "gpushare-old");
+    let toml = std::fs::read_to_string(&config).unwrap();
+    let keys = r#"pod_annotations = ["gpushare.io/device", "gpushare.io/active-thread-percentage", "gpushare.io/pinned-memory-limit", "gpushare.io/ipc"]"#;
+    assert_eq!(toml.matches(keys).count(), 2, "{toml}");
+    let old = toml
+        .replacen(keys, r#"pod_annotations = ["gpushare.io/*"]"#, 2)
+        .replacen(r#"pod_annotations = ["gpushare.io/*"]"#, keys, 1);
+    assert!(old.contains("gpushare.io/*"), "{old}");
+    std::fs::write(&config, old).unwrap();
+    let mut node = Node::start_with(&env, dir, config, &[]);
+    node.import_images();
+
+    let forged = "0".repeat(32);
+    for (n, handler) in ["gpushare-hooks", "gpushare-old"].into_iter().enumerate() {
+        let uid = 1000 + n as u32;
+        let mut pod = |name: &str, extra: &[(&str, &str)]| {
+            let mut annotations = vec![
+                ("gpushare.io/device", "0"),
+                ("gpushare.io/daemon", forged.as_str()),
+            ];
+            annotations.extend_from_slice(extra);
+            let config = node.pod_config(&PodSpec {
+                name: &format!("{name}-{n}"),
+                annotations: &annotations,
+                run_as_user: Some(i64::from(uid)),
+                host_ipc: false,
+            });
+            (config, handler)
+        };
+        let bad = pod(
+            "forged-bad",
+            &[("gpushare.io/active-thread-percentage", "101")],
+        );
+        let good = pod("forged", &[]);
+        let start = |(config, handler): (PodSandboxConfig, &str)| Pod {
+            id: node.cri().run_pod(&config, handler).unwrap(),
+            config,
+        };
+        // A bad request with the forged decision: still validated and refused.
+        let c = ContainerSpec {
+            name: "bad",
+            script: CLIENT,
+            run_as_user: Some(i64::from(uid)),
+            ..Default::default()
+        };
+        node.refuse(&start(bad), &c, BAD_PERCENTAGE_LINE);
+
+        // A request with the forged decision: served, with the node's default limit.
+        let pod = start(good);
+        let c = ContainerSpec {
+            name: "work",
+            script: &format!("{CLIENT}; exec sleep 3600"),
+            run_as_user: Some(i64::from(uid)),
+            ..Default::default()
+        };
+        let cid = node.run(&pod, &c);
+        let spec = node.bundle_spec(&cid);
+        assert_eq!(
+            spec["annotations"].get("gpushare.io/daemon").is_some(),
+            handler == "gpushare-old",
+            "{handler}: only the old allowlist passes the forged annotation: {}",
+            spec["annotations"]
+        );
+        let line = node.client_line(&pod, &c);
+        assert_eq!(line["server_uid"], uid.to_string(), "{handler}: {line:?}");
+        assert_eq!(
+            line["active_thread_percentage"].parse::<f64>().unwrap(),
+            25.0,
+            "{handler}: the node's default limit: {line:?}"
+        );
+        let daemon = node.daemon_of(&cid).expect("the container is on a daemon");
+        assert_ne!(daemon, forged);
+        assert_eq!(
+            env.record(&daemon)["identity"]["active_thread_percentage"],
+            25
+        );
+    }
+}

@@ -400,7 +400,7 @@ fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
             "{dump}"
         );
         assert!(
-            dump.contains(r#"pod_annotations = ["gpushare.io/*"]"#),
+            dump.contains(r#"pod_annotations = ["gpushare.io/device", "gpushare.io/active-thread-percentage", "gpushare.io/pinned-memory-limit", "gpushare.io/ipc"]"#),
             "{dump}"
         );
         let again = env
@@ -757,7 +757,15 @@ fn deploy_manifests_are_valid() {
                 let rt = &dropin["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
                     [handler.as_str()];
                 assert_eq!(rt["runtime_type"].as_str(), Some("io.containerd.runc.v2"));
-                assert_eq!(rt["pod_annotations"][0].as_str(), Some("gpushare.io/*"));
+                assert_eq!(
+                    rt["pod_annotations"].as_array().map(|a| a.len()),
+                    Some(4),
+                    "{name}: exactly the request annotations"
+                );
+                assert_eq!(
+                    rt["pod_annotations"][0].as_str(),
+                    Some("gpushare.io/device")
+                );
                 assert!(rt["options"]["BinaryName"]
                     .as_str()
                     .unwrap()

@@ -618,3 +618,66 @@ fn a_pod_s_container_never_gets_the_host_s_ipc_by_annotation() {
         .create();
     assert_eq!(own.run(), "host-secret\n");
 }
+
+/// The decision annotations (`gpushare.io/daemon`, `gpushare.io/identity`) are what
+/// gpushare-runtime writes for its own hooks; a container's author can write them too.
+/// Through the shim they decide nothing: a container without a request passes through
+/// with no gpushare hook and no daemon, and one with a request gets the shim's decision,
+/// which replaces the forged one (a uid-0, 100 % identity that hashes to its own id).
+#[test]
+fn forged_decision_annotations_decide_nothing_through_the_shim() {
+    forged_decisions(&Env::new());
+}
+
+fn forged_decisions<'a>(env: &'a Env) {
+    use gpushare::identity::Identity;
+    let forged = Identity {
+        devices: vec![inventory_json()["gpus"][0]["uuid"].as_str().unwrap().into()],
+        uid: 0,
+        gid: 0,
+        multi_user: false,
+        active_thread_percentage: Some(100),
+        pinned_memory_limit: None,
+        ipc_host: true,
+    };
+    let (forged_id, forged_json) = (forged.id(), serde_json::to_string(&forged).unwrap());
+    let forge = |b: ContainerBuilder<'a>| -> Container<'a> {
+        b.annotation("gpushare.io/daemon", &forged_id)
+            .annotation("gpushare.io/identity", &forged_json)
+            .create()
+    };
+    let plain = forge(env.container("forged-plain").uid(1000).sh("echo plain"));
+    assert!(
+        plain
+            .config()
+            .get("hooks")
+            .is_none_or(|h| !h.to_string().contains("gpushare")),
+        "no gpushare hook on a container without a request: {}",
+        plain.config()["hooks"]
+    );
+    assert_eq!(plain.run().trim(), "plain");
+    assert!(
+        env.daemon_ids().is_empty(),
+        "no daemon: {:?}",
+        env.daemon_ids()
+    );
+
+    let served = forge(
+        env.container("forged-served")
+            .uid(1000)
+            .device("0")
+            .annotation("gpushare.io/active-thread-percentage", "25")
+            .sh(CLIENT),
+    );
+    let line = client_line(&served.run());
+    assert_eq!(line["server_uid"], "1000", "{line:?}");
+    assert_eq!(
+        line["active_thread_percentage"].parse::<f64>().unwrap(),
+        25.0,
+        "{line:?}"
+    );
+    let id = env.daemon_of(&served);
+    assert_ne!(id, forged.id());
+    assert_eq!(env.daemon_ids(), vec![id.clone()]);
+    assert_eq!(served.config()["annotations"]["gpushare.io/daemon"], id);
+}

@@ -16,6 +16,13 @@ const CLIENT: &str = "gpushare-mps-sim client";
 /// Sends one control command to daemon `id` as `uid`, from the host: what a tenant does
 /// through the control socket mounted in its container (same socket, same uid).
 fn control_as(env: &Env, id: &str, uid: u32, cmd: &str) -> String {
+    String::from_utf8_lossy(&control_output(env, id, uid, cmd).stdout)
+        .trim()
+        .to_owned()
+}
+
+/// `control_as`, with the control client's exit status.
+fn control_output(env: &Env, id: &str, uid: u32, cmd: &str) -> std::process::Output {
     let mut child = Command::new(sim())
         .env_clear()
         .env(
@@ -35,8 +42,7 @@ fn control_as(env: &Env, id: &str, uid: u32, cmd: &str) -> String {
         .unwrap()
         .write_all(format!("{cmd}\n").as_bytes())
         .unwrap();
-    let out = child.wait_with_output().unwrap();
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    child.wait_with_output().unwrap()
 }
 
 /// A root-only file in a root-only directory of the test's temp dir: what a daemon must
@@ -409,4 +415,224 @@ fn the_daemon_runs_in_its_own_cgroup_with_memory_and_pids_limits() {
         (512u64 << 20).to_string()
     );
     assert_eq!(std::fs::read_to_string(&pids).unwrap().trim(), "200");
+}
+
+/// The simulator's cap on simultaneous control connections (`MAX_CONNECTIONS` in
+/// sim/src/daemon.rs): past it, a connection is answered `too many connections`.
+const SIM_MAX_CONNECTIONS: usize = 512;
+
+/// Control connections held open with a slow partial line: one byte of a command every
+/// half second, never the newline, so the daemon keeps waiting for the rest. Dropped:
+/// the connections close.
+struct Stall {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    dripper: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Stall {
+    fn hold(socket: &Path, n: usize) -> Stall {
+        use std::os::unix::net::UnixStream;
+        let mut conns: Vec<UnixStream> = (0..n)
+            .map(|_| {
+                let c = UnixStream::connect(socket).unwrap();
+                (&c).write_all(b"g").unwrap();
+                c
+            })
+            .collect();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let done = stop.clone();
+        let dripper = std::thread::spawn(move || {
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                // A daemon that was killed closed its ends: those writes fail, and that is fine.
+                conns.retain(|mut c| c.write_all(b"e").is_ok());
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        });
+        Stall {
+            stop,
+            dripper: Some(dripper),
+        }
+    }
+}
+
+impl Drop for Stall {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(d) = self.dripper.take() {
+            let _ = d.join();
+        }
+    }
+}
+
+#[test]
+fn a_tenant_stalling_the_control_socket_cannot_keep_raised_limits() {
+    // Before: a tenant raised its daemon's default to 100 %, then held every control
+    // connection the daemon would take with a slow partial line. The supervisor logged
+    // "cannot check the daemon's limits" every interval, and a new client got 100 %
+    // instead of the enforced 25 % for as long as the stall lasted. Now two checks in a
+    // row that cannot confirm the limits restart the daemon (its servers killed with it),
+    // and the new daemon has the limits from its first instant.
+    let env = Env::new();
+    let first = env
+        .container("first")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "25")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(client_line(&first.run())["server_uid"], "1000");
+    let id = env.daemon_of(&first);
+    let before = env.daemon_pid(&id);
+    let socket = env.state.join("mps").join(&id).join("pipe").join("control");
+    // Stall every connection but one, raise the limits through the last one, then take
+    // it too: the supervisor's check never sees the raise before the stall is complete.
+    // The first client's server still runs: new clients of the identity attach to it, so
+    // the tenant raises its limit too.
+    let server = control_as(&env, &id, 1000, "get_server_list");
+    assert!(!server.is_empty(), "no server");
+    let most = Stall::hold(&socket, SIM_MAX_CONNECTIONS - 1);
+    for cmd in [
+        "set_default_active_thread_percentage 100".to_owned(),
+        format!("set_active_thread_percentage {server} 100"),
+    ] {
+        assert!(
+            wait_until(Duration::from_secs(10), || control_output(
+                &env, &id, 1000, &cmd
+            )
+            .status
+            .success()),
+            "the tenant could not send {cmd}"
+        );
+    }
+    let last = Stall::hold(&socket, 1);
+    // Within the bound SECURITY.md states (2 checks of at most 2 s each, one default
+    // interval of 2 s apart, then the restart), the daemon is restarted.
+    let restarted = wait_until(Duration::from_secs(20), || {
+        env.gpushare_log().contains("did not confirm its limits")
+            && env.record(&id)["status"] == "ready"
+            && env.record(&id)["daemon"]["pid"].as_i64() != Some(i64::from(before))
+    });
+    // Free one connection and start a client at once, before any check can come: a
+    // client without the limit in its own environment (a tenant controls that) gets
+    // what the daemon's server now has.
+    drop(last);
+    let next = env
+        .container("next")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "25")
+        .sh(&format!(
+            "unset CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; {CLIENT}"
+        ))
+        .create();
+    let line = client_line(&next.run());
+    drop(most);
+    assert_eq!(
+        line["active_thread_percentage"].parse::<f64>().unwrap(),
+        25.0,
+        "the new client got the raised default: {line:?}\n{}",
+        env.gpushare_log()
+    );
+    assert!(restarted, "no restart:\n{}", env.gpushare_log());
+    assert_eq!(env.record(&id)["restarts"], 1, "{}", env.record(&id));
+}
+
+/// Whether `bytes` hold a terminal control: a C0 control other than newline and tab, DEL,
+/// or a C1 control (as UTF-8, U+0080 to U+009F).
+fn has_terminal_control(bytes: &[u8]) -> bool {
+    bytes
+        .iter()
+        .any(|&b| (b < 0x20 && b != b'\n' && b != b'\t') || b == 0x7f)
+        || bytes
+            .windows(2)
+            .any(|w| w[0] == 0xc2 && (0x80..0xa0).contains(&w[1]))
+}
+
+#[test]
+fn a_listener_planted_at_control_gets_no_escape_sequence_to_roots_screen_or_log() {
+    // Before: a host account with a daemon's UID replaced `pipe/control` with its own
+    // listener, which answered every command with escape sequences (window title, erase
+    // screen, cursor moves, erase line); root's `gpushare status` printed them raw, and
+    // gpushare.log got raw ESC bytes from the supervisor's limit check.
+    use std::os::unix::net::UnixListener;
+    let env = Env::new();
+    let c = env
+        .container("victim")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "25")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(client_line(&c.run())["server_uid"], "1000");
+    let id = env.daemon_of(&c);
+    let socket = env.state.join("mps").join(&id).join("pipe").join("control");
+    std::fs::remove_file(&socket).unwrap();
+    let listener = UnixListener::bind(&socket).unwrap();
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let done = stop.clone();
+    let evil = "ERR\n\x1b]0;pwned\x07\x1b[2J\x1b[1;1H\x1b[K\u{9b}31m\x7f evil \u{202e}txt\n";
+    let planted = std::thread::spawn(move || {
+        while !done.load(std::sync::atomic::Ordering::SeqCst) {
+            match listener.accept() {
+                Ok((mut conn, _)) => {
+                    // Read the command (a few bytes, one line), then answer and close.
+                    let _ = conn.set_nonblocking(false);
+                    let _ = conn.set_read_timeout(Some(Duration::from_secs(1)));
+                    let mut line = [0u8; 256];
+                    let _ = std::io::Read::read(&mut conn, &mut line);
+                    let _ = conn.write_all(evil.as_bytes());
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    });
+    let status = |args: &[&str]| {
+        let out = env.cmd(GPUSHARE).arg("status").args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    };
+    let table = status(&[]);
+    let json = status(&["--json"]);
+    let prometheus = status(&["--format", "prometheus"]);
+    // The supervisor's limit check asks the planted listener too, and logs why it failed.
+    let logged = wait_until(Duration::from_secs(10), || {
+        env.gpushare_log()
+            .contains("cannot check the daemon's limits")
+    });
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    planted.join().unwrap();
+    let table_text = String::from_utf8_lossy(&table);
+    assert!(
+        table_text.contains("\\u{1b}]0;pwned\\u{7}"),
+        "the reply is shown, escaped:\n{table_text}"
+    );
+    for (what, bytes) in [
+        ("status", &table),
+        ("status --json", &json),
+        ("status --format prometheus", &prometheus),
+    ] {
+        assert!(
+            !has_terminal_control(bytes),
+            "{what} printed a terminal control:\n{}",
+            String::from_utf8_lossy(bytes).escape_debug()
+        );
+    }
+    let v: serde_json::Value = serde_json::from_slice(&json).unwrap();
+    let reason = v["daemons"][0]["health_reason"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(reason.contains("\\u{1b}"), "{v}");
+    assert!(logged, "{}", env.gpushare_log());
+    let log = std::fs::read(env.path().join("gpushare.log")).unwrap();
+    assert!(
+        !has_terminal_control(&log),
+        "gpushare.log holds a terminal control:\n{}",
+        String::from_utf8_lossy(&log).escape_debug()
+    );
 }
