@@ -27,7 +27,7 @@ use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
 
 use crate::config::Config;
@@ -124,29 +124,26 @@ pub(crate) fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn open_in_root(root: &OwnedFd, rel: &str) -> nix::Result<OwnedFd> {
-    let how = OpenHow::new()
-        .flags(OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC)
-        .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
-    nix::fcntl::openat2(root, rel, how)
+fn open_dir(root: &OwnedFd, rel: &str) -> nix::Result<OwnedFd> {
+    crate::rootfs::open_in_root(root, rel, OFlag::O_DIRECTORY)
 }
 
 /// Opens `rel` (a directory under the container's root), creating its last component
 /// if missing; every component is resolved inside the root.
 fn target_dir(root: &OwnedFd, rel: &str) -> anyhow::Result<OwnedFd> {
-    match open_in_root(root, rel) {
+    match open_dir(root, rel) {
         Ok(fd) => return Ok(fd),
         Err(nix::errno::Errno::ENOENT) => {}
         Err(e) => return Err(e).with_context(|| format!("open /{rel} in the container")),
     }
     let (parent, name) = rel.rsplit_once('/').unwrap_or(("", rel));
-    let parent_fd = open_in_root(root, if parent.is_empty() { "." } else { parent })
+    let parent_fd = open_dir(root, if parent.is_empty() { "." } else { parent })
         .with_context(|| format!("open /{parent} in the container"))?;
     match nix::sys::stat::mkdirat(&parent_fd, name, Mode::from_bits_truncate(0o755)) {
         Ok(()) | Err(nix::errno::Errno::EEXIST) => {}
         Err(e) => return Err(e).with_context(|| format!("create /{rel} in the container")),
     }
-    open_in_root(root, rel).with_context(|| format!("open /{rel} in the container"))
+    open_dir(root, rel).with_context(|| format!("open /{rel} in the container"))
 }
 
 /// One host directory to bind into the container.

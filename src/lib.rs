@@ -10,7 +10,8 @@
 //! - `hook` (createRuntime / poststop)
 //! - `decision` (the request pipeline; the shim↔hook contract), `mps` (control interface,
 //!   supervisor, ensure, the reaper of a failed create's directories)
-//! - `spec` (config.json load/edit/save), `state` (the state directory: layout, records,
+//! - `spec` (config.json load/edit/save), `rootfs` (what the image holds where gpushare
+//!   mounts), `state` (the state directory: layout, records,
 //!   locks, a daemon's directories and tmpfs, the caps and what they take back, removal),
 //!   `inventory_cache`
 //! - `identity` (a daemon's identity and the rule that derives it), `logging`
@@ -50,6 +51,7 @@ mod logging;
 mod mps;
 mod ops;
 pub mod request;
+mod rootfs;
 pub mod runtime;
 pub mod spec;
 pub mod state;

@@ -27,6 +27,7 @@ use crate::config::Config;
 use crate::decision::{self, Resolved};
 use crate::mps::control::SAFE_PATH;
 use crate::request::{self, IpcMode, Request};
+use crate::rootfs::Maker;
 use crate::spec::edits::{self, IpcPlan, SetHooks};
 use crate::spec::SpecFile;
 use crate::state::{valid_container_id, ContainerRecord, StateDir};
@@ -152,6 +153,7 @@ pub(crate) fn prepare(
     let id = ident.id();
     tracing::debug!(daemon = %id, "request resolved");
 
+    check_pipe_mount_point(cfg, &spec)?;
     let container_id = container_id
         .filter(|c| valid_container_id(c))
         .ok_or_else(|| {
@@ -203,6 +205,34 @@ pub(crate) fn prepare(
         "spec edited for MPS"
     );
     Ok(true)
+}
+
+/// Refuses an image that runc could not mount the pipe directory into
+/// (`mps.container-pipe-dir`), before anything is made for the container.
+fn check_pipe_mount_point(cfg: &Config, spec: &SpecFile) -> anyhow::Result<()> {
+    let Some(root) = spec.typed.root.as_ref().map(|r| r.path()) else {
+        return Ok(());
+    };
+    let rootfs = match spec.path().parent() {
+        Some(bundle) if root.is_relative() => bundle.join(root),
+        _ => root.clone(),
+    };
+    let maker = match spec.user_maps()? {
+        None => Maker::HostRoot,
+        Some(maps) => Maker::UserNs(crate::userns::to_host(&maps.uids, 0)),
+    };
+    let target = &cfg.mps.container_pipe_dir;
+    if let Some(problem) = crate::rootfs::mount_point_problem(&rootfs, target, maker) {
+        anyhow::bail!(
+            "the MPS pipe directory cannot be mounted at {} (mps.container-pipe-dir): {problem}; allowed is an image where that path is a directory or can be made, or another mps.container-pipe-dir in {}",
+            target.display(),
+            cfg.path
+                .as_deref()
+                .unwrap_or(Path::new(crate::config::DEFAULT_PATH))
+                .display()
+        );
+    }
+    Ok(())
 }
 
 /// The IPC mode for a request: the node's `ipc`, or the request's where

@@ -313,8 +313,34 @@ impl SpecFile {
             .as_ref()
             .map(|p| (p.user.uid(), p.user.gid()))
             .unwrap_or((0, 0));
-        let Some(linux) = self.typed.linux.as_ref() else {
+        let Some(maps) = self.user_maps_with(read_proc)? else {
             return Ok((uid, gid));
+        };
+        let whose = &maps.whose;
+        let map = |id: u32, ranges: &[IdRange], what: &str| {
+            crate::userns::to_host(ranges, id).ok_or_else(|| SpecError::User {
+                message: format!(
+                    "process.user.{what} {id} has no mapping in {whose}{what}{} of the container's user namespace: allowed is an id inside one of its mapped ranges",
+                    if whose.starts_with("linux.") { "Mappings" } else { "_map" }
+                ),
+            })
+        };
+        Ok((map(uid, &maps.uids, "uid")?, map(gid, &maps.gids, "gid")?))
+    }
+
+    /// The id maps of the container's user namespace, `None` without one: the spec's
+    /// `linux.uidMappings`/`gidMappings`, whether the namespace is new or joined by path,
+    /// or, for one joined as `/proc/<pid>/ns/user` without them, that process's maps.
+    pub(crate) fn user_maps(&self) -> Result<Option<UserMaps>, SpecError> {
+        self.user_maps_with(crate::userns::read_proc)
+    }
+
+    fn user_maps_with(
+        &self,
+        read_proc: impl FnOnce(u32) -> Result<(Vec<IdRange>, Vec<IdRange>), String>,
+    ) -> Result<Option<UserMaps>, SpecError> {
+        let Some(linux) = self.typed.linux.as_ref() else {
+            return Ok(None);
         };
         let Some(ns) = linux
             .namespaces
@@ -323,7 +349,7 @@ impl SpecFile {
             .iter()
             .find(|n| n.typ() == LinuxNamespaceType::User)
         else {
-            return Ok((uid, gid));
+            return Ok(None);
         };
         let ranges = |maps: &Option<Vec<LinuxIdMapping>>| -> Vec<IdRange> {
             maps.as_deref()
@@ -356,15 +382,7 @@ impl SpecFile {
             }
             _ => (uids, gids, "linux.".to_owned()),
         };
-        let map = |id: u32, maps: &[IdRange], what: &str| {
-            crate::userns::to_host(maps, id).ok_or_else(|| SpecError::User {
-                message: format!(
-                    "process.user.{what} {id} has no mapping in {whose}{what}{} of the container's user namespace: allowed is an id inside one of its mapped ranges",
-                    if whose.starts_with("linux.") { "Mappings" } else { "_map" }
-                ),
-            })
-        };
-        Ok((map(uid, &uids, "uid")?, map(gid, &gids, "gid")?))
+        Ok(Some(UserMaps { uids, gids, whose }))
     }
 
     /// Serialises the document (compact, as engines write it). A JSON object does not
@@ -389,6 +407,15 @@ impl SpecFile {
             },
         )
     }
+}
+
+/// A container's user namespace id maps (`SpecFile::user_maps`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct UserMaps {
+    pub uids: Vec<IdRange>,
+    pub gids: Vec<IdRange>,
+    /// Where they were read, for messages: `linux.` or `/proc/<pid>/`.
+    whose: String,
 }
 
 /// A device cgroup rule that allows every device, as engines write for a privileged

@@ -114,7 +114,7 @@ pub fn require_root_and_runc() {
     );
 }
 
-fn busybox() -> Option<PathBuf> {
+pub fn busybox() -> Option<PathBuf> {
     ["/bin/busybox", "/usr/bin/busybox"]
         .iter()
         .map(PathBuf::from)

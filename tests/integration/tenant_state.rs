@@ -458,27 +458,81 @@ fn replace_config(env: &Env, old: &str, new: &str) {
     std::fs::write(&env.config, text.replace(old, new)).unwrap();
 }
 
-/// A rootfs whose `/tmp` is a plain file: runc cannot make the pipe directory's mount
-/// point there and fails the create after the shim made the daemon's directories.
-fn tmp_file_rootfs(env: &Env) -> std::path::PathBuf {
-    let root = env.path().join("tmp-is-a-file");
-    if !root.exists() {
-        std::fs::create_dir_all(&root).unwrap();
-        std::fs::write(root.join("tmp"), "not a directory").unwrap();
-    }
-    root
-}
-
-/// A request of `uid` with thread percentage `tp` (a daemon of its own) in an image whose
-/// `/tmp` is a file.
+/// A request of `uid` with thread percentage `tp` (a daemon of its own) that runc fails
+/// after the shim made the daemon's directories: a bind mount whose source is missing,
+/// which the shim does not look at.
 fn doomed<'a>(env: &'a Env, name: &str, uid: u32, tp: &str) -> Container<'a> {
     let c = with_tp(env, name, uid, tp);
     let path = c.bundle.join("config.json");
     let mut spec: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    spec["root"]["path"] = serde_json::json!(tmp_file_rootfs(env));
+    let missing = env.path().join("no-such-source");
+    spec["mounts"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({
+            "destination": "/mnt", "type": "bind", "source": missing, "options": ["rbind"]
+        }));
     std::fs::write(&path, serde_json::to_vec_pretty(&spec).unwrap()).unwrap();
     c
+}
+
+/// A request in an image at `rootfs` (made by `make` under the test's dir), optionally in
+/// a new user namespace (container 0 → host 300000).
+fn in_image<'a>(env: &'a Env, name: &str, make: impl FnOnce(&Path), userns: bool) -> Container<'a> {
+    let root = env.path().join(format!("image-{name}"));
+    std::fs::create_dir_all(&root).unwrap();
+    make(&root);
+    let mut c = env.container(name).uid(1000).device("0");
+    if userns {
+        c = c.userns(300000, 65536);
+    }
+    let c = c.bundle();
+    let path = c.bundle.join("config.json");
+    let mut spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    spec["root"]["path"] = serde_json::json!(root);
+    std::fs::write(&path, serde_json::to_vec_pretty(&spec).unwrap()).unwrap();
+    c
+}
+
+#[test]
+fn an_image_runc_cannot_mount_the_pipe_dir_into_is_refused_before_anything_is_made() {
+    let env = Env::new();
+    // An image whose /tmp is a file (runc: "not a directory"), and one without /tmp in a
+    // user namespace whose root does not own the image's / (runc: mkdir permission
+    // denied): each fails with gpushare's line, config.json untouched, nothing made.
+    let file = |r: &Path| std::fs::write(r.join("tmp"), "not a directory").unwrap();
+    let bare = |_: &Path| {};
+    for (name, c, want) in [
+        ("tmp-file", in_image(&env, "tmp-file", file, false), "/tmp is not a directory in the image"),
+        ("no-tmp-userns", in_image(&env, "no-tmp-userns", bare, true), "/tmp is missing from the image, and the container's root (host uid 300000) may not create it in /"),
+    ] {
+        let before = c.config_bytes();
+        assert_eq!(c.try_create().status.code(), Some(1), "{name}");
+        let err = c.last_error();
+        assert!(
+            err.starts_with("gpushare: the MPS pipe directory cannot be mounted at /tmp/nvidia-mps (mps.container-pipe-dir): ")
+                && err.contains(want)
+                && !err.contains('\n'),
+            "{name}: {err}"
+        );
+        assert_eq!(c.config_bytes(), before, "{name}: config.json untouched");
+        assert!(env.daemon_ids().is_empty(), "{name}: nothing made: {:?}", env.daemon_ids());
+    }
+    // Without a user namespace runc makes a missing /tmp itself: served.
+    let only_true = |r: &Path| {
+        std::fs::create_dir(r.join("bin")).unwrap();
+        std::fs::copy(busybox().unwrap(), r.join("bin/true")).unwrap();
+    };
+    let made = in_image(&env, "no-tmp", only_true, false);
+    assert_eq!(
+        made.try_create().status.code(),
+        Some(0),
+        "{}",
+        made.last_error()
+    );
+    made.delete();
 }
 
 /// `create` through `runtime` (another copy of the shim) with the harness's flags.
@@ -499,8 +553,8 @@ fn create_with(env: &Env, runtime: &Path, c: &Container) -> Output {
 #[test]
 fn a_failed_create_leaves_nothing_that_holds_a_cap_slot_or_a_mount() {
     let env = Env::with_config("max-daemons-per-uid = 2");
-    // More failed creates than the cap, each a daemon of its own: runc fails on the
-    // pipe directory's mount, after the shim made the daemon's directories and mounts.
+    // More failed creates than the cap, each a daemon of its own: runc fails on a mount,
+    // after the shim made the daemon's directories and mounts.
     for (name, tp) in [("fail-1", "10"), ("fail-2", "20"), ("fail-3", "30")] {
         let c = doomed(&env, name, 1000, tp);
         let before = c.config_bytes();
