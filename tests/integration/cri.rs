@@ -9,6 +9,10 @@
 //! (`PrivateMounts`): /run, /var/lib, /var/cache, /etc/cni are empty tmpfs there, so
 //! nothing reaches the host's. Everything is stopped and removed in `Drop`, even when a
 //! test fails: pods through CRI, then containerd, leftover shims, the cgroup parent.
+//!
+//! A pod of its own user namespace (`hostUsers: false`) needs containerd 2.x, which Debian
+//! 12 does not ship: `Node::start_containerd2` runs the one `scripts/fetch-engines`
+//! extracted (config version 3; a pod network of its own, see `pod_network`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -72,6 +76,103 @@ fn base_config(dir: &Path) -> String {
         cni_bin = p("cni/bin"),
         cni_conf = p("cni/net.d"),
     )
+}
+
+/// containerd 2.x's config (version 3) for a private containerd under `dir`: its own
+/// keys as in `daemon_config`, the CRI plugin split in two (images: the snapshotter and
+/// the pause image; runtime: the rest of what `base_config` sets). No `gpushare` runtime.
+fn base_config_v3(dir: &Path) -> String {
+    let p = |name: &str| format!("{:?}", dir.join(name).display().to_string());
+    let restrict_oom = !caps::has_cap(
+        None,
+        caps::CapSet::Effective,
+        caps::Capability::CAP_SYS_RESOURCE,
+    )
+    .unwrap_or(false);
+    format!(
+        r#"version = 3
+root = {root}
+state = {state}
+
+[grpc]
+  address = {sock}
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = {opt}
+
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "native"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "{PAUSE}"
+
+[plugins."io.containerd.cri.v1.runtime"]
+  restrict_oom_score_adj = {restrict_oom}
+  disable_apparmor = true
+  enable_selinux = false
+  [plugins."io.containerd.cri.v1.runtime".containerd]
+    default_runtime_name = "runc"
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = [{cni_bin}]
+    conf_dir = {cni_conf}
+    # The pod network's loopback without the loopback plugin (see `pod_network`).
+    use_internal_loopback = true
+"#,
+        root = p("root"),
+        state = p("state"),
+        sock = p("c.sock"),
+        opt = p("opt"),
+        cni_bin = p("cni/bin"),
+        cni_conf = p("cni/net.d"),
+    )
+}
+
+/// A pod network of nothing but the pod's own network namespace, for the pods containerd
+/// 2.x cannot run on the host's network (a `hostUsers: false` pod: its CRI plugin pins the
+/// pod's user namespace through the pod's network namespace). The CNI plugin is a script
+/// under `dir`/cni that claims an address and touches nothing (no interface, no route, no
+/// rule on the host); containerd brings up the namespace's loopback itself.
+fn pod_network(dir: &Path) {
+    let bin = dir.join("cni/bin");
+    let conf = dir.join("cni/net.d");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::create_dir_all(&conf).unwrap();
+    let plugin = bin.join("gs-none");
+    std::fs::write(
+        &plugin,
+        r#"#!/bin/sh
+cat >/dev/null
+case "$CNI_COMMAND" in
+ADD) echo '{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"'"$CNI_NETNS"'"}],"ips":[{"address":"10.255.0.2/24","interface":0}]}' ;;
+VERSION) echo '{"cniVersion":"1.0.0","supportedVersions":["0.4.0","1.0.0"]}' ;;
+esac
+"#,
+    )
+    .unwrap();
+    std::fs::set_permissions(&plugin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    std::fs::write(
+        conf.join("10-gs-none.conflist"),
+        r#"{"cniVersion":"1.0.0","name":"gs-none","plugins":[{"type":"gs-none"}]}"#,
+    )
+    .unwrap();
+}
+
+/// Where `scripts/fetch-engines` put containerd 2.x (containerd, containerd-shim-runc-v2,
+/// ctr): `GPUSHARE_TEST_CONTAINERD2` (scripts/test sets it), else the script's default
+/// cache. A test that needs it fails without it, saying how to fetch it.
+fn containerd2_bin() -> PathBuf {
+    let dir = std::env::var_os("GPUSHARE_TEST_CONTAINERD2")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/gpushare-test/engines/sid/root/usr/bin"));
+    for bin in ["containerd", "containerd-shim-runc-v2", "ctr"] {
+        assert!(
+            dir.join(bin).is_file(),
+            "containerd 2.x is not fetched ({} is missing): run ./scripts/fetch-engines (the README's test command, ./scripts/test, runs it), or set GPUSHARE_TEST_CONTAINERD2 to a directory holding containerd, containerd-shim-runc-v2 and ctr",
+            dir.join(bin).display()
+        );
+    }
+    dir
 }
 
 /// A docker-archive (`docker save` format) of one image: `layer` as its only layer.
@@ -158,6 +259,9 @@ struct PodSpec<'a> {
     run_as_user: Option<i64>,
     /// `hostIPC: true` (the CRI's NODE ipc namespace mode); else the pod's own (POD).
     host_ipc: bool,
+    /// `hostUsers: false`: the pod's own user namespace, container ids 0..size mapped to
+    /// host ids from this (host id, size), as kubelet allocates them.
+    userns: Option<(u32, u32)>,
 }
 
 #[derive(Debug)]
@@ -193,6 +297,9 @@ struct Node<'e> {
     cri: Option<Cri>,
     ns: Option<PrivateMounts>,
     pods: usize,
+    /// The directory (as seen in the namespace) of the containerd, shim and ctr this node
+    /// runs; None: Debian's, on PATH.
+    bin: Option<PathBuf>,
 }
 
 impl<'e> Node<'e> {
@@ -202,7 +309,18 @@ impl<'e> Node<'e> {
         need("containerd", "containerd");
         need("ctr", "containerd");
         std::fs::create_dir_all(&dir).unwrap();
-        let ns = PrivateMounts::new();
+        Node::start_in(env, dir, config, PrivateMounts::new(), None, prepare)
+    }
+
+    /// containerd (the one in `bin`, as seen in `ns`, else Debian's) on `config`, in `ns`.
+    fn start_in(
+        env: &'e Env,
+        dir: PathBuf,
+        config: PathBuf,
+        ns: PrivateMounts,
+        bin: Option<PathBuf>,
+        prepare: &[&[&str]],
+    ) -> Node<'e> {
         for args in prepare {
             let st = ns.cmd(args[0]).args(&args[1..]).status().unwrap();
             assert!(st.success(), "{args:?}");
@@ -222,9 +340,45 @@ impl<'e> Node<'e> {
             cri: None,
             ns: Some(ns),
             pods: 0,
+            bin,
         };
         node.restart();
         node
+    }
+
+    /// A node of containerd 2.x (fetched by scripts/fetch-engines; its CRI plugin gives
+    /// pods user namespaces), configured like a fresh one: `base_config_v3`, then `gpushare
+    /// install containerd`. The fetched binaries are bound into the namespace (its tmpfs
+    /// covers /var/cache).
+    fn start_containerd2(env: &'e Env) -> Node<'e> {
+        let fetched = containerd2_bin();
+        let dir = env.path().join("k");
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("config.toml");
+        std::fs::write(&config, base_config_v3(&dir)).unwrap();
+        pod_network(&dir);
+        let out = env
+            .cmd(GPUSHARE)
+            .args(["install", "containerd", "--config"])
+            .arg(&config)
+            .arg("--runtime-path")
+            .arg(RUNTIME)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        let bin = dir.join("bin");
+        let ns = PrivateMounts::with_binds(&[(&fetched, &bin)]);
+        let node = Node::start_in(env, dir, config, ns, Some(bin), &[]);
+        node.import_images();
+        node
+    }
+
+    /// `name` (containerd, ctr) of the containerd this node runs.
+    fn program(&self, name: &str) -> PathBuf {
+        match &self.bin {
+            Some(bin) => bin.join(name),
+            None => need(name, "containerd"),
+        }
     }
 
     /// A node configured like a fresh one: the base config, then `gpushare install
@@ -273,9 +427,15 @@ impl<'e> Node<'e> {
             .append(true)
             .open(&self.log)
             .unwrap();
-        let child = self
-            .ns()
-            .cmd(need("containerd", "containerd"))
+        let mut cmd = self.ns().cmd(self.program("containerd"));
+        if let Some(bin) = &self.bin {
+            // containerd finds its shim on PATH before beside itself.
+            let path = std::env::var_os("PATH").unwrap_or_default();
+            let mut dirs = vec![bin.clone()];
+            dirs.extend(std::env::split_paths(&path));
+            cmd.env("PATH", std::env::join_paths(dirs).unwrap());
+        }
+        let child = cmd
             .env("GPUSHARE_CONFIG", &self.env.config)
             .arg("--config")
             .arg(&self.config)
@@ -343,7 +503,7 @@ impl<'e> Node<'e> {
         for tar in &tars {
             let out = self
                 .ns()
-                .cmd("ctr")
+                .cmd(self.program("ctr"))
                 .arg("--address")
                 .arg(&self.sock)
                 .args([
@@ -354,6 +514,9 @@ impl<'e> Node<'e> {
                     "--snapshotter",
                     "native",
                 ])
+                // ctr 2.x imports through containerd's transfer service, which unpacks
+                // only for the snapshotters its own config lists: the client does it.
+                .args(self.bin.as_ref().map(|_| "--local"))
                 .arg(tar)
                 .stdin(Stdio::null())
                 .output()
@@ -406,11 +569,28 @@ impl<'e> Node<'e> {
             linux: Some(LinuxPodSandboxConfig {
                 cgroup_parent: self.cgroup.clone(),
                 security_context: Some(LinuxSandboxSecurityContext {
-                    // hostNetwork: true (no CNI here).
+                    // hostNetwork: true (no CNI here), but for a pod of its own user
+                    // namespace (`pod_network`).
                     namespace_options: Some(NamespaceOption {
-                        network: NAMESPACE_NODE,
+                        network: if spec.userns.is_some() {
+                            0
+                        } else {
+                            NAMESPACE_NODE
+                        },
                         pid: 1,
                         ipc: if spec.host_ipc { NAMESPACE_NODE } else { 0 },
+                        userns_options: spec.userns.map(|(host_id, length)| {
+                            let ids = vec![IdMapping {
+                                host_id,
+                                container_id: 0,
+                                length,
+                            }];
+                            UserNamespace {
+                                mode: 0,
+                                uids: ids.clone(),
+                                gids: ids,
+                            }
+                        }),
                     }),
                     run_as_user: spec.run_as_user.map(|value| Int64Value { value }),
                     run_as_group: spec.run_as_user.map(|value| Int64Value { value }),
@@ -432,6 +612,43 @@ impl<'e> Node<'e> {
     }
 
     fn create(&self, pod: &Pod, c: &ContainerSpec) -> Result<String, Status> {
+        let userns = pod
+            .config
+            .linux
+            .as_ref()
+            .and_then(|l| l.security_context.as_ref())
+            .and_then(|s| s.namespace_options.as_ref())
+            .and_then(|n| n.userns_options.clone());
+        let mut mounts: Vec<CriMount> = c
+            .mounts
+            .iter()
+            .map(|(host, container)| CriMount {
+                container_path: container.to_string(),
+                host_path: host.to_string(),
+                readonly: false,
+            })
+            .collect();
+        if userns.is_some() {
+            // In a pod of its own user namespace, containerd 2.x mounts its own
+            // /etc/hostname, /etc/hosts and /etc/resolv.conf idmapped, which runc < 1.2
+            // cannot do ("idmap mounts not supported"); a CRI mount of the same path, as
+            // kubelet gives for /etc/hosts, replaces containerd's. Plain binds of the
+            // node's files: the container reads them as the overflow owner.
+            let etc = self.dir.join("pod-etc");
+            std::fs::create_dir_all(&etc).unwrap();
+            for (name, content) in [
+                ("hostname", "gs-pod\n"),
+                ("hosts", "127.0.0.1 localhost\n"),
+                ("resolv.conf", ""),
+            ] {
+                std::fs::write(etc.join(name), content).unwrap();
+                mounts.push(CriMount {
+                    container_path: format!("/etc/{name}"),
+                    host_path: etc.join(name).display().to_string(),
+                    readonly: true,
+                });
+            }
+        }
         let config = ContainerConfig {
             metadata: Some(ContainerMetadata {
                 name: c.name.into(),
@@ -449,15 +666,7 @@ impl<'e> Node<'e> {
                     value: v.to_string(),
                 })
                 .collect(),
-            mounts: c
-                .mounts
-                .iter()
-                .map(|(host, container)| CriMount {
-                    container_path: container.to_string(),
-                    host_path: host.to_string(),
-                    readonly: false,
-                })
-                .collect(),
+            mounts,
             devices: c
                 .devices
                 .iter()
@@ -470,6 +679,12 @@ impl<'e> Node<'e> {
             log_path: format!("{}_{}.log", c.name, c.attempt),
             linux: Some(LinuxContainerConfig {
                 security_context: Some(LinuxContainerSecurityContext {
+                    // The pod's user namespace, as kubelet gives it to each container
+                    // (the other modes left as POD: the pod's namespaces).
+                    namespace_options: userns.map(|userns| NamespaceOption {
+                        userns_options: Some(userns),
+                        ..Default::default()
+                    }),
                     run_as_user: c.run_as_user.map(|value| Int64Value { value }),
                     run_as_group: c.run_as_user.map(|value| Int64Value { value }),
                 }),
@@ -1355,6 +1570,7 @@ fn cri_a_pod_without_host_ipc_never_gets_it_by_annotation() {
         annotations: &ann,
         run_as_user: Some(1000),
         host_ipc: true,
+        ..Default::default()
     });
     let id = node.run(&host_pod, &c);
     assert_eq!(
@@ -1745,6 +1961,7 @@ fn cri_a_forged_decision_annotation_never_makes_the_hook_only_class_skip_a_pod()
                 annotations: &annotations,
                 run_as_user: Some(i64::from(uid)),
                 host_ipc: false,
+                userns: None,
             });
             (config, handler)
         };
@@ -1796,4 +2013,62 @@ fn cri_a_forged_decision_annotation_never_makes_the_hook_only_class_skip_a_pod()
             25
         );
     }
+}
+
+/// A `hostUsers: false` pod, on containerd 2.x: its CRI plugin gives the pause a new user
+/// namespace with the pod's mappings and each container *joins it by path, with the same
+/// `uidMappings`*. uid 1000 in the pod is host uid 201000: the container must be served
+/// by a daemon of 201000 (one of host uid 1000 could not be used by it, and would count
+/// against the real uid 1000's daemons).
+#[test]
+fn cri_host_users_false_pod_is_served_as_its_host_uid() {
+    let env = Env::new();
+    let mut node = Node::start_containerd2(&env);
+    let pod = node.pod(&PodSpec {
+        name: "userns",
+        annotations: &[("gpushare.io/device", "0")],
+        run_as_user: Some(1000),
+        userns: Some((200000, 65536)),
+        ..Default::default()
+    });
+    let c = ContainerSpec {
+        name: "cuda",
+        script: &hold(0),
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let id = node.run(&pod, &c);
+
+    // containerd's shape, as the runtime got it: the pod's user namespace joined by
+    // path, with the mappings; the process user 1000 of that namespace.
+    let spec = node.bundle_spec(&id);
+    let user_ns = spec["linux"]["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["type"] == "user")
+        .cloned()
+        .unwrap_or_default();
+    assert!(user_ns["path"].is_string(), "{}", spec["linux"]);
+    assert_eq!(spec["linux"]["uidMappings"][0]["hostID"], 200000);
+    assert_eq!(spec["process"]["user"]["uid"], 1000);
+    assert_eq!(spec["annotations"]["gpushare.io/host-uid"], "201000");
+
+    let line = node.client_line(&pod, &c);
+    assert_eq!(line["server_uid"], "201000", "{line:?}");
+    assert_eq!(line["shm"], "ok", "{line:?}");
+    let daemon = node
+        .daemon_of(&id)
+        .expect("gpushare status lists the container");
+    assert_eq!(env.record(&daemon)["identity"]["uid"], 201000);
+    assert_eq!(uid_and_capeff(env.daemon_pid(&daemon)).0, 201000);
+    let status = env.status();
+    let listed = status
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["id"] == daemon.as_str())
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(listed["uid"], 201000, "{listed}");
 }

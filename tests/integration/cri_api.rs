@@ -60,6 +60,31 @@ pub struct NamespaceOption {
     pub pid: i32,
     #[prost(int32, tag = "3")]
     pub ipc: i32,
+    /// A `hostUsers: false` pod's user namespace (mode POD with the pod's mappings); the
+    /// node's when absent.
+    #[prost(message, optional, tag = "5")]
+    pub userns_options: Option<UserNamespace>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct UserNamespace {
+    #[prost(int32, tag = "1")]
+    pub mode: i32,
+    #[prost(message, repeated, tag = "2")]
+    pub uids: Vec<IdMapping>,
+    #[prost(message, repeated, tag = "3")]
+    pub gids: Vec<IdMapping>,
+}
+
+/// `IDMapping`: container ids `container_id..container_id+length` are host ids from `host_id`.
+#[derive(Clone, PartialEq, Message)]
+pub struct IdMapping {
+    #[prost(uint32, tag = "1")]
+    pub host_id: u32,
+    #[prost(uint32, tag = "2")]
+    pub container_id: u32,
+    #[prost(uint32, tag = "3")]
+    pub length: u32,
 }
 
 #[derive(Clone, PartialEq, Message)]
@@ -212,6 +237,10 @@ pub struct ContainerMetadata {
 
 #[derive(Clone, PartialEq, Message)]
 pub struct LinuxContainerSecurityContext {
+    /// kubelet gives each container its pod's namespace options (the user namespace's
+    /// mappings among them).
+    #[prost(message, optional, tag = "3")]
+    pub namespace_options: Option<NamespaceOption>,
     #[prost(message, optional, tag = "5")]
     pub run_as_user: Option<Int64Value>,
     #[prost(message, optional, tag = "12")]

@@ -724,10 +724,25 @@ impl PrivateMounts {
     ];
 
     pub fn new() -> PrivateMounts {
-        PrivateMounts::with(&format!(
+        PrivateMounts::with_binds(&[])
+    }
+
+    /// As `new`, with each (source, target) bound first, so that a source the tmpfs
+    /// covers (a cache under /var/cache) is still reached at its target in the namespace.
+    pub fn with_binds(binds: &[(&Path, &Path)]) -> PrivateMounts {
+        let mut setup = String::new();
+        for (source, target) in binds {
+            setup += &format!(
+                "mkdir -p '{t}'\nmount --bind '{s}' '{t}'\n",
+                s = source.display(),
+                t = target.display()
+            );
+        }
+        setup += &format!(
             "for d in {}; do if [ -d \"$d\" ]; then mount -t tmpfs -o mode=0755 gs-engine \"$d\"; fi; done",
             Self::COVERED.join(" ")
-        ))
+        );
+        PrivateMounts::with(&setup)
     }
 
     /// A mount namespace set up by the shell commands `setup` (run with `set -e`) instead
