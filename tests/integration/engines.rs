@@ -7,6 +7,12 @@
 //! /run/docker/plugins, the containerd shim's /run/containerd/{s,fifo,runc}, Podman's
 //! /var/lib/containers/cache and /var/cache/containers): each engine runs in a mount
 //! namespace of its own (`PrivateMounts`) where those places are empty tmpfs.
+//!
+//! The engine tier (`engine_tier`) runs on every engine version users run: Debian 12's
+//! Docker 20.10, containerd 1.6 and Podman 4.3, and the newer ones `scripts/fetch-engines`
+//! extracts from Debian trixie and sid (Docker 26 and 28, containerd 1.7 and 2.x, Podman
+//! 5), found through the `GPUSHARE_TEST_*` variables scripts/test exports. A test whose
+//! engine is not fetched fails, saying how to fetch it.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -21,6 +27,9 @@ pub(crate) struct Dockerd {
     sock: String,
     child: Child,
     config: PathBuf,
+    /// A fetched Docker's directory (dockerd, docker, and the containerd it starts); `None`:
+    /// Debian 12's, on PATH.
+    bin: Option<PathBuf>,
 }
 
 impl Dockerd {
@@ -31,6 +40,11 @@ impl Dockerd {
     /// A private dockerd configured by `gpushare install docker`, plus `live-restore` when
     /// asked (what Docker users turn on to keep containers through a dockerd restart).
     pub(crate) fn start_with(env: &Env, ns: &PrivateMounts, live_restore: bool) -> Dockerd {
+        Dockerd::start_in(env, ns, live_restore, None)
+    }
+
+    /// As `start_with`, with the Docker whose binaries are in `bin` (see `fetched`).
+    fn start_in(env: &Env, ns: &PrivateMounts, live_restore: bool, bin: Option<&Path>) -> Dockerd {
         let dir = env.path().join("d");
         std::fs::create_dir_all(&dir).unwrap();
         // Configured by our own installer.
@@ -55,9 +69,10 @@ impl Dockerd {
         }
         let d = Dockerd {
             sock: format!("unix://{}", dir.join("docker.sock").display()),
-            child: Dockerd::spawn(&dir, &env.config, ns),
+            child: Dockerd::spawn(&dir, &env.config, ns, bin),
             dir,
             config: env.config.clone(),
+            bin: bin.map(Path::to_owned),
         };
         d.wait_up();
         let tar = rootfs_tar(&d.dir);
@@ -69,20 +84,27 @@ impl Dockerd {
     /// Stops dockerd (SIGTERM, as `systemctl restart docker` does) and starts it again.
     pub(crate) fn restart(&mut self, ns: &PrivateMounts) {
         stop_child(&mut self.child, Duration::from_secs(30));
-        self.child = Dockerd::spawn(&self.dir, &self.config, ns);
+        self.child = Dockerd::spawn(&self.dir, &self.config, ns, self.bin.as_deref());
         self.wait_up();
     }
 
-    fn spawn(dir: &Path, config: &Path, ns: &PrivateMounts) -> Child {
-        let dockerd = need("dockerd", "docker.io");
+    fn spawn(dir: &Path, config: &Path, ns: &PrivateMounts, bin: Option<&Path>) -> Child {
+        let dockerd = match bin {
+            Some(bin) => bin.join("dockerd"),
+            None => need("dockerd", "docker.io"),
+        };
         let daemon_json = dir.join("daemon.json");
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(dir.join("dockerd.log"))
             .unwrap();
-        ns.cmd(dockerd)
-            .env("GPUSHARE_CONFIG", config)
+        let mut cmd = ns.cmd(dockerd);
+        if let Some(bin) = bin {
+            // dockerd starts the containerd (and its shim) it finds on PATH: its own.
+            cmd.env("PATH", path_with(bin));
+        }
+        cmd.env("GPUSHARE_CONFIG", config)
             .arg("--data-root")
             .arg(dir.join("data"))
             .arg("--exec-root")
@@ -121,7 +143,11 @@ impl Dockerd {
     }
 
     pub(crate) fn docker(&self, args: &[&str]) -> Output {
-        Command::new("docker")
+        let docker = match &self.bin {
+            Some(bin) => bin.join("docker"),
+            None => PathBuf::from("docker"),
+        };
+        Command::new(docker)
             .arg("--host")
             .arg(&self.sock)
             .args(args)
@@ -253,16 +279,32 @@ pub(crate) struct Containerd {
     sock: PathBuf,
     config: PathBuf,
     child: Child,
+    /// A fetched containerd's directory (containerd, its shim, ctr); `None`: Debian 12's.
+    bin: Option<PathBuf>,
 }
 
 impl Containerd {
     pub(crate) fn start(env: &Env, ns: &PrivateMounts, dir: &Path) -> Containerd {
+        Containerd::start_in(env, ns, dir, None, 2)
+    }
+
+    /// As `start`, with the containerd whose binaries are in `bin` (see `fetched`), on a
+    /// config of `version` (2: containerd 1.x, 3: 2.x).
+    fn start_in(
+        env: &Env,
+        ns: &PrivateMounts,
+        dir: &Path,
+        bin: Option<&Path>,
+        version: u32,
+    ) -> Containerd {
         std::fs::create_dir_all(dir).unwrap();
         let sock = dir.join("c.sock");
+        // No CRI plugin: ctr needs none (2.x's is split in three; their ids are allowed to
+        // be absent from the list in every version).
         std::fs::write(
             dir.join("daemon.toml"),
             format!(
-                "version = 2\nroot = {:?}\nstate = {:?}\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n[grpc]\n  address = {:?}\n{}",
+                "version = {version}\nroot = {:?}\nstate = {:?}\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\", \"io.containerd.cri.v1.runtime\", \"io.containerd.cri.v1.images\"]\n[grpc]\n  address = {:?}\n{}",
                 dir.join("root").display().to_string(),
                 dir.join("state").display().to_string(),
                 sock.display().to_string(),
@@ -271,23 +313,32 @@ impl Containerd {
         )
         .unwrap();
         let c = Containerd {
-            child: Containerd::spawn(dir, &env.config, ns),
+            child: Containerd::spawn(dir, &env.config, ns, bin),
             dir: dir.to_owned(),
             sock,
             config: env.config.clone(),
+            bin: bin.map(Path::to_owned),
         };
         c.wait_up(ns);
         c
     }
 
-    fn spawn(dir: &Path, config: &Path, ns: &PrivateMounts) -> Child {
+    fn spawn(dir: &Path, config: &Path, ns: &PrivateMounts, bin: Option<&Path>) -> Child {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(dir.join("containerd.log"))
             .unwrap();
-        ns.cmd(need("containerd", "containerd"))
-            .env("GPUSHARE_CONFIG", config)
+        let mut cmd = match bin {
+            // containerd finds its shim on PATH before beside itself.
+            Some(bin) => {
+                let mut cmd = ns.cmd(bin.join("containerd"));
+                cmd.env("PATH", path_with(bin));
+                cmd
+            }
+            None => ns.cmd(need("containerd", "containerd")),
+        };
+        cmd.env("GPUSHARE_CONFIG", config)
             .arg("--config")
             .arg(dir.join("daemon.toml"))
             .stdin(Stdio::null())
@@ -310,12 +361,16 @@ impl Containerd {
     /// Stops containerd (SIGTERM; its shims and their containers stay) and starts it again.
     pub(crate) fn restart(&mut self, ns: &PrivateMounts) {
         stop_child(&mut self.child, Duration::from_secs(10));
-        self.child = Containerd::spawn(&self.dir, &self.config, ns);
+        self.child = Containerd::spawn(&self.dir, &self.config, ns, self.bin.as_deref());
         self.wait_up(ns);
     }
 
     pub(crate) fn ctr(&self, ns: &PrivateMounts, args: &[&str]) -> Output {
-        ns.cmd("ctr")
+        let ctr = match &self.bin {
+            Some(bin) => bin.join("ctr"),
+            None => PathBuf::from("ctr"),
+        };
+        ns.cmd(ctr)
             .arg("--address")
             .arg(&self.sock)
             .args(args)
@@ -461,21 +516,7 @@ fn podman_hook_only_mode_mounts_the_daemon_into_the_container() {
     let ns = PrivateMounts::new();
     let dir = env.path().join("p");
     let hooks = dir.join("hooks.d");
-    std::fs::create_dir_all(&hooks).unwrap();
-    // gpushare's own hooks.d files, pointed at the binary under test and this env's config.
-    for name in ["gpushare.json", "gpushare-poststop.json"] {
-        let shipped = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("hooks/oci-hooks.d")
-            .join(name);
-        let mut v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(shipped).unwrap()).unwrap();
-        v["hook"]["path"] = GPUSHARE.into();
-        v["hook"]["env"]
-            .as_array_mut()
-            .unwrap()
-            .push(format!("GPUSHARE_CONFIG={}", env.config.display()).into());
-        std::fs::write(hooks.join(name), v.to_string()).unwrap();
-    }
+    write_hooks_d(&env, &hooks);
     let pm = |args: &[&str]| {
         ns.cmd(&podman)
             .arg("--root")
@@ -595,6 +636,663 @@ fn podman_hook_only_mode_mounts_the_daemon_into_the_container() {
         text(&out)
     );
     assert!(!text(&out).contains("control"));
+}
+
+/// `bin` first on PATH (a fetched engine's helpers: containerd's shim, docker-init).
+fn path_with(bin: &Path) -> std::ffi::OsString {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut dirs = vec![bin.to_owned()];
+    dirs.extend(std::env::split_paths(&path));
+    std::env::join_paths(dirs).unwrap()
+}
+
+/// The extracted tree a fetched engine's `bin` (…/root/usr/bin) belongs to.
+fn fetched_root(bin: &Path) -> PathBuf {
+    bin.ancestors().nth(2).unwrap().to_owned()
+}
+
+/// How a container asks: an annotation or an env var (`key=value`).
+#[derive(Clone, Copy)]
+enum Ask<'a> {
+    Annotation(&'a str),
+    Env(&'a str),
+}
+
+/// One engine version as the tier drives it: containers by name, as a user, asking in
+/// the given ways, running `sh -c <cmd>`.
+trait Engine {
+    /// Starts a container and leaves it running; its id.
+    fn start(&self, name: &str, uid: u32, asks: &[Ask], cmd: &str) -> String;
+    /// What a started container printed so far.
+    fn output(&self, id: &str) -> String;
+    /// Runs a container to its end and removes it.
+    fn run(&self, name: &str, uid: u32, asks: &[Ask], cmd: &str) -> Output;
+    /// Removes a started container (stopping it first).
+    fn remove(&self, id: &str);
+    /// The containers the engine still has.
+    fn listed(&self) -> String;
+}
+
+/// The tier every engine version runs: a bad request fails with gpushare's line and
+/// nothing started; a container without a request passes through; two users at once on
+/// GPU 0, each with a daemon of their own (`first` and `second` say how each asks); and
+/// once they are removed, nothing of theirs is left.
+fn engine_tier(env: &Env, e: &dyn Engine, first: Ask, second: Ask, bad: Ask) {
+    let out = e.run("bad", 1000, &[first, bad], "echo ran");
+    let s = text(&out);
+    assert!(!out.status.success(), "{s}");
+    assert!(
+        s.contains("gpushare: ")
+            && s.contains("=\"101\" is invalid: allowed is an integer from 1 to 100"),
+        "{s}"
+    );
+    assert!(!s.contains("ran"), "{s}");
+    assert!(
+        env.daemon_ids().is_empty(),
+        "a refused request starts nothing"
+    );
+    assert!(e.listed().trim().is_empty(), "{}", e.listed());
+
+    let out = e.run(
+        "plain",
+        1000,
+        &[],
+        "echo plain; ls /tmp/nvidia-mps; echo PIPE=$CUDA_MPS_PIPE_DIRECTORY",
+    );
+    let s = text(&out);
+    assert!(out.status.success() && s.contains("plain"), "{s}");
+    assert!(
+        !s.contains("control") && s.contains("PIPE=\n"),
+        "passed through:\n{s}"
+    );
+    assert!(env.daemon_ids().is_empty());
+
+    // The pipe directory at CUDA's default path (hook-only mode cannot set the env).
+    let script = format!("ls /tmp/nvidia-mps; {CLIENT}; exec sleep 60");
+    let a = e.start("u1000", 1000, &[first], &script);
+    let b = e.start("u2000", 2000, &[second], &script);
+    for (id, uid) in [(&a, "1000"), (&b, "2000")] {
+        let mut s = String::new();
+        let served = wait_until(Duration::from_secs(30), || {
+            s = e.output(id);
+            s.contains("mps-client ")
+        });
+        assert!(served, "{uid}:\n{s}\n{}", env.gpushare_log());
+        assert!(s.lines().any(|l| l == "control"), "{s}");
+        let line = client_line(&s);
+        assert_eq!(
+            (line["shm"].as_str(), line["server_uid"].as_str()),
+            ("ok", uid),
+            "{s}"
+        );
+    }
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 2, "one daemon per user: {ids:?}");
+    let mut uids: Vec<u32> = ids
+        .iter()
+        .map(|id| uid_and_capeff(env.daemon_pid(id)).0)
+        .collect();
+    uids.sort();
+    assert_eq!(uids, [1000, 2000]);
+
+    e.remove(&a);
+    e.remove(&b);
+    assert!(e.listed().trim().is_empty(), "{}", e.listed());
+    let mut status = serde_json::Value::Null;
+    let released = wait_until(Duration::from_secs(10), || {
+        status = env.status();
+        status
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|d| d["containers"].as_array().unwrap().is_empty())
+    });
+    assert!(released, "every container released:\n{status:#}");
+}
+
+/// A dockerd of one version configured by `gpushare install docker`, containers through
+/// `--runtime gpushare`.
+struct DockerTier(Dockerd);
+
+impl DockerTier {
+    fn args<'a>(name: &'a str, uid: &'a str, asks: &[Ask<'a>]) -> Vec<&'a str> {
+        let mut args = vec!["--name", name, "--runtime", "gpushare", "-u", uid];
+        for ask in asks {
+            match ask {
+                Ask::Annotation(kv) => args.extend(["--annotation", kv]),
+                Ask::Env(kv) => args.extend(["-e", kv]),
+            }
+        }
+        args
+    }
+}
+
+impl Engine for DockerTier {
+    fn start(&self, name: &str, uid: u32, asks: &[Ask], cmd: &str) -> String {
+        let uid = uid.to_string();
+        let mut args = vec!["run", "-d"];
+        args.extend(DockerTier::args(name, &uid, asks));
+        args.extend(["gpushare-test", "sh", "-c", cmd]);
+        let out = self.0.docker(&args);
+        assert!(out.status.success(), "{}", text(&out));
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    fn output(&self, id: &str) -> String {
+        text(&self.0.docker(&["logs", id]))
+    }
+
+    fn run(&self, name: &str, uid: u32, asks: &[Ask], cmd: &str) -> Output {
+        let uid = uid.to_string();
+        let mut args = vec!["run", "--rm"];
+        args.extend(DockerTier::args(name, &uid, asks));
+        args.extend(["gpushare-test", "sh", "-c", cmd]);
+        self.0.docker(&args)
+    }
+
+    fn remove(&self, id: &str) {
+        let out = self.0.docker(&["rm", "-f", id]);
+        assert!(out.status.success(), "{}", text(&out));
+    }
+
+    fn listed(&self) -> String {
+        String::from_utf8_lossy(&self.0.docker(&["ps", "-aq"]).stdout).into_owned()
+    }
+}
+
+/// Docker `bin` (`None`: Debian 12's 20.10) through the tier. Docker 20.10 asks by env
+/// only; Docker ≥ 24 passes `--annotation` into the spec, which the first user uses.
+fn docker_tier(bin: Option<PathBuf>) {
+    let env = Env::new();
+    let ns = match &bin {
+        Some(bin) => PrivateMounts::keeping(env.path(), &[&fetched_root(bin)]),
+        None => PrivateMounts::new(),
+    };
+    let d = DockerTier(Dockerd::start_in(&env, &ns, false, bin.as_deref()));
+    let version = text(&d.0.docker(&["version", "--format", "{{.Server.Version}}"]));
+    eprintln!("dockerd {version}");
+    let first = match bin {
+        Some(_) => Ask::Annotation("gpushare.io/device=0"),
+        None => Ask::Env("GPUSHARE_DEVICE=0"),
+    };
+    engine_tier(
+        &env,
+        &d,
+        first,
+        Ask::Env("GPUSHARE_DEVICE=0"),
+        Ask::Env("GPUSHARE_ACTIVE_THREAD_PERCENTAGE=101"),
+    );
+}
+
+#[test]
+fn docker_20_10_engine_tier() {
+    docker_tier(None);
+}
+
+#[test]
+fn docker_26_engine_tier() {
+    docker_tier(Some(fetched(
+        "GPUSHARE_TEST_DOCKER26",
+        "trixie",
+        &["dockerd", "docker", "containerd", "containerd-shim-runc-v2"],
+    )));
+}
+
+#[test]
+fn docker_28_engine_tier() {
+    docker_tier(Some(fetched(
+        "GPUSHARE_TEST_DOCKER28",
+        "sid",
+        &["dockerd", "docker", "containerd", "containerd-shim-runc-v2"],
+    )));
+}
+
+/// A private containerd of one version driven by `ctr run --runc-binary gpushare-runtime`,
+/// each container on a rootfs of its own whose /out collects what it prints.
+struct CtrTier<'a> {
+    c: Containerd,
+    ns: &'a PrivateMounts,
+    /// ctr has `--user` (1.7 on); containerd 1.6's ctr is given the whole spec instead
+    /// (`--config`: `ctr oci spec` with the user, command, env and annotations set).
+    user_flag: bool,
+    /// Appended to every container id: ctr's cgroups are /default/<id> on the host,
+    /// shared by every containerd the tests run at once.
+    tag: String,
+}
+
+impl CtrTier<'_> {
+    fn rootfs(&self, name: &str) -> PathBuf {
+        let own = self.c.dir.join(format!("rootfs-{name}"));
+        assert!(Command::new("cp")
+            .arg("-a")
+            .arg(rootfs())
+            .arg(&own)
+            .status()
+            .unwrap()
+            .success());
+        // What the container prints, for any user.
+        std::fs::write(own.join("out"), "").unwrap();
+        std::fs::set_permissions(
+            own.join("out"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o666),
+        )
+        .unwrap();
+        own
+    }
+
+    /// `ctr oci spec` made into the container's: for a ctr without `--user`.
+    fn spec(&self, name: &str, rootfs: &Path, uid: u32, asks: &[Ask], cmd: &str) -> PathBuf {
+        let out = self.c.ctr(self.ns, &["oci", "spec"]);
+        assert!(out.status.success(), "{}", text(&out));
+        let mut spec: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        spec["process"]["user"] = serde_json::json!({"uid": uid, "gid": uid});
+        spec["process"]["args"] = serde_json::json!(["sh", "-c", cmd]);
+        spec["root"] = serde_json::json!({"path": rootfs});
+        // As ctr does with an image or --rootfs (the spec's own is /default itself).
+        spec["linux"]["cgroupsPath"] = format!("/default/{name}").into();
+        let mut env = vec!["PATH=/usr/bin:/bin".to_owned()];
+        let mut annotations = serde_json::Map::new();
+        for ask in asks {
+            match ask {
+                Ask::Annotation(kv) => {
+                    let (k, v) = kv.split_once('=').unwrap();
+                    annotations.insert(k.to_owned(), v.into());
+                }
+                Ask::Env(kv) => env.push((*kv).to_owned()),
+            }
+        }
+        spec["process"]["env"] = serde_json::json!(env);
+        spec["annotations"] = annotations.into();
+        let path = self.c.dir.join(format!("spec-{name}.json"));
+        std::fs::write(&path, spec.to_string()).unwrap();
+        path
+    }
+
+    /// The container `name` is run as `<name>-<tag>`: its id.
+    fn ctr_run(&self, detach: bool, name: &str, uid: u32, asks: &[Ask], cmd: &str) -> Output {
+        let id = format!("{name}-{}", self.tag);
+        let name = id.as_str();
+        let rootfs = self.rootfs(name);
+        let uid = uid.to_string();
+        let cmd = format!("exec >/out 2>&1; {cmd}");
+        let mut args = vec![
+            "run",
+            if detach { "-d" } else { "--rm" },
+            "--rootfs",
+            "--runc-binary",
+            RUNTIME,
+            "--user",
+            &uid,
+            "--env",
+            "PATH=/usr/bin:/bin",
+        ];
+        for ask in asks {
+            match ask {
+                Ask::Annotation(kv) => args.extend(["--annotation", kv]),
+                Ask::Env(kv) => args.extend(["--env", kv]),
+            }
+        }
+        let rootfs_arg = rootfs.to_str().unwrap();
+        let spec;
+        if self.user_flag {
+            args.extend([rootfs_arg, name, "sh", "-c", &cmd]);
+        } else {
+            spec = self.spec(name, &rootfs, uid.parse().unwrap(), asks, &cmd);
+            args = vec![
+                "run",
+                if detach { "-d" } else { "--rm" },
+                "--runc-binary",
+                RUNTIME,
+                "--config",
+                spec.to_str().unwrap(),
+                name,
+            ];
+        }
+        let out = self.c.ctr(self.ns, &args);
+        if !detach {
+            // What the container printed, after ctr's own lines.
+            let printed = std::fs::read(rootfs.join("out")).unwrap_or_default();
+            let _ = self.c.ctr(self.ns, &["containers", "delete", name]);
+            let mut out = out;
+            out.stdout.extend(printed);
+            return out;
+        }
+        out
+    }
+}
+
+impl Engine for CtrTier<'_> {
+    fn start(&self, name: &str, uid: u32, asks: &[Ask], cmd: &str) -> String {
+        let out = self.ctr_run(true, name, uid, asks, cmd);
+        assert!(out.status.success(), "{}", text(&out));
+        format!("{name}-{}", self.tag)
+    }
+
+    fn output(&self, id: &str) -> String {
+        std::fs::read_to_string(self.c.dir.join(format!("rootfs-{id}/out"))).unwrap_or_default()
+    }
+
+    fn run(&self, name: &str, uid: u32, asks: &[Ask], cmd: &str) -> Output {
+        self.ctr_run(false, name, uid, asks, cmd)
+    }
+
+    fn remove(&self, id: &str) {
+        let out = self.c.ctr(self.ns, &["tasks", "delete", "--force", id]);
+        assert!(out.status.success(), "{}", text(&out));
+        let out = self.c.ctr(self.ns, &["containers", "delete", id]);
+        assert!(out.status.success(), "{}", text(&out));
+    }
+
+    fn listed(&self) -> String {
+        String::from_utf8_lossy(&self.c.ctr(self.ns, &["containers", "list", "-q"]).stdout)
+            .into_owned()
+    }
+}
+
+/// containerd `bin` (`None`: Debian 12's 1.6) through the tier with ctr, after `gpushare
+/// install containerd` wrote a config of `version` for it that it accepts.
+fn containerd_tier(bin: Option<PathBuf>, version: u32) {
+    let env = Env::new();
+    let dir = env.path().join("c");
+    std::fs::create_dir_all(&dir).unwrap();
+    let containerd = match &bin {
+        Some(bin) => bin.join("containerd"),
+        None => need("containerd", "containerd"),
+    };
+    // The installer on a new file, with this containerd first on PATH (it picks the config
+    // version by asking `containerd --version`), then the containerd reads it back with the
+    // runtime where that version's CRI plugin looks.
+    let cfg = dir.join("installed.toml");
+    let mut install = env.cmd(GPUSHARE);
+    if let Some(bin) = &bin {
+        install.env("PATH", path_with(bin));
+    }
+    let out = install
+        .args(["install", "containerd", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let written = std::fs::read_to_string(&cfg).unwrap();
+    assert!(
+        written.starts_with(&format!("version = {version}\n")),
+        "{written}"
+    );
+    let dump = Command::new(&containerd)
+        .arg("--config")
+        .arg(&cfg)
+        .args(["config", "dump"])
+        .output()
+        .unwrap();
+    let dump = text(&dump);
+    // containerd 2.x dumps its config with single quotes, and its CRI plugin is split.
+    let (table, quote) = match version {
+        2 => (
+            r#"[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.gpushare]"#,
+            '"',
+        ),
+        _ => (
+            "[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.gpushare]",
+            '\'',
+        ),
+    };
+    assert!(dump.contains(table), "{dump}");
+    assert!(
+        dump.contains(&format!(
+            "BinaryName = {quote}{}{quote}",
+            Path::new(RUNTIME).display()
+        )),
+        "{dump}"
+    );
+    assert!(
+        dump.contains(&format!(
+            "pod_annotations = [{quote}gpushare.io/device{quote}"
+        )),
+        "{dump}"
+    );
+
+    let ns = match &bin {
+        Some(bin) => PrivateMounts::keeping(env.path(), &[&fetched_root(bin)]),
+        None => PrivateMounts::new(),
+    };
+    let c = Containerd::start_in(&env, &ns, &dir, bin.as_deref(), version);
+    let version = text(&c.ctr(&ns, &["version"]));
+    eprintln!("{version}");
+    let tier = CtrTier {
+        c,
+        ns: &ns,
+        user_flag: bin.is_some(),
+        tag: env
+            .path()
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned(),
+    };
+    engine_tier(
+        &env,
+        &tier,
+        Ask::Annotation("gpushare.io/device=0"),
+        Ask::Annotation("gpushare.io/device=0"),
+        Ask::Annotation("gpushare.io/active-thread-percentage=101"),
+    );
+}
+
+#[test]
+fn containerd_1_6_engine_tier() {
+    containerd_tier(None, 2);
+}
+
+#[test]
+fn containerd_1_7_engine_tier() {
+    containerd_tier(
+        Some(fetched(
+            "GPUSHARE_TEST_CONTAINERD17",
+            "trixie",
+            &["containerd", "containerd-shim-runc-v2", "ctr"],
+        )),
+        2,
+    );
+}
+
+#[test]
+fn containerd_2_engine_tier() {
+    containerd_tier(
+        Some(fetched(
+            "GPUSHARE_TEST_CONTAINERD2",
+            "sid",
+            &["containerd", "containerd-shim-runc-v2", "ctr"],
+        )),
+        3,
+    );
+}
+
+/// gpushare's own hooks.d files in `hooks`, pointed at the binary under test and `env`'s
+/// config.
+fn write_hooks_d(env: &Env, hooks: &Path) {
+    std::fs::create_dir_all(hooks).unwrap();
+    for name in ["gpushare.json", "gpushare-poststop.json"] {
+        let shipped = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("hooks/oci-hooks.d")
+            .join(name);
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(shipped).unwrap()).unwrap();
+        v["hook"]["path"] = GPUSHARE.into();
+        v["hook"]["env"]
+            .as_array_mut()
+            .unwrap()
+            .push(format!("GPUSHARE_CONFIG={}", env.config.display()).into());
+        std::fs::write(hooks.join(name), v.to_string()).unwrap();
+    }
+}
+
+/// Podman of one version with gpushare's hooks.d files (hook-only mode), its storage and
+/// state under `dir`. Every podman command is bounded (`timeout`), so that an engine that
+/// hangs fails the test instead of holding it.
+struct PodmanTier<'a> {
+    ns: &'a PrivateMounts,
+    dir: PathBuf,
+    podman: PathBuf,
+    /// A fetched Podman's own containers.conf (its conmon and helpers; Debian 12's
+    /// /usr/share/containers/containers.conf is Podman 4.3's).
+    conf: Option<PathBuf>,
+}
+
+impl PodmanTier<'_> {
+    fn pm(&self, args: &[&str]) -> Output {
+        let mut cmd = self.ns.cmd(need("timeout", "coreutils"));
+        cmd.arg("60").arg(&self.podman);
+        if let Some(conf) = &self.conf {
+            cmd.env("CONTAINERS_CONF", conf)
+                .env("PODMAN_IGNORE_CGROUPSV1_WARNING", "1");
+        }
+        cmd.arg("--root")
+            .arg(self.dir.join("storage"))
+            .arg("--runroot")
+            .arg(self.dir.join("run"))
+            .arg("--tmpdir")
+            .arg(self.dir.join("tmp"))
+            .arg("--hooks-dir")
+            .arg(self.dir.join("hooks.d"))
+            .args(["--storage-driver", "vfs", "--runtime"])
+            .arg(which("runc").unwrap())
+            .args(["--cgroup-manager", "cgroupfs", "--events-backend", "file"])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    fn args<'b>(name: &'b str, uid: &'b str, asks: &[Ask<'b>]) -> Vec<&'b str> {
+        // The machine's own nofile/nproc limits may be lower than Podman's defaults.
+        let mut args = vec![
+            "--name",
+            name,
+            "--network",
+            "none",
+            "--user",
+            uid,
+            "--ulimit",
+            "nofile=1024:1024",
+            "--ulimit",
+            "nproc=1024:1024",
+        ];
+        for ask in asks {
+            match ask {
+                Ask::Annotation(kv) => args.extend(["--annotation", kv]),
+                Ask::Env(kv) => args.extend(["--env", kv]),
+            }
+        }
+        args
+    }
+}
+
+impl Engine for PodmanTier<'_> {
+    fn start(&self, name: &str, uid: u32, asks: &[Ask], cmd: &str) -> String {
+        let uid = uid.to_string();
+        let mut args = vec!["run", "-d"];
+        args.extend(PodmanTier::args(name, &uid, asks));
+        args.extend(["gpushare-test", "sh", "-c", cmd]);
+        let out = self.pm(&args);
+        assert!(out.status.success(), "{}", text(&out));
+        name.to_owned()
+    }
+
+    fn output(&self, id: &str) -> String {
+        text(&self.pm(&["logs", id]))
+    }
+
+    fn run(&self, name: &str, uid: u32, asks: &[Ask], cmd: &str) -> Output {
+        let uid = uid.to_string();
+        let mut args = vec!["run", "--rm"];
+        args.extend(PodmanTier::args(name, &uid, asks));
+        args.extend(["gpushare-test", "sh", "-c", cmd]);
+        let out = self.pm(&args);
+        // A container whose prestart hook failed is left created: removed here too.
+        let _ = self.pm(&["rm", "-f", name]);
+        out
+    }
+
+    fn remove(&self, id: &str) {
+        let out = self.pm(&["rm", "-f", "-t", "0", id]);
+        assert!(out.status.success(), "{}", text(&out));
+    }
+
+    fn listed(&self) -> String {
+        String::from_utf8_lossy(&self.pm(&["ps", "-aq"]).stdout).into_owned()
+    }
+}
+
+impl Drop for PodmanTier<'_> {
+    fn drop(&mut self) {
+        let _ = self.pm(&["rm", "-af", "-t", "0"]);
+        umount_below(&self.dir);
+    }
+}
+
+/// Podman `bin` (`None`: Debian 12's 4.3) through the tier, asking by annotation (the
+/// hooks.d files run the hook on `gpushare.io/device`).
+///
+/// Podman 5's conmon waits for the processes it adopted before it exits: a daemon's
+/// supervisor that a prestart hook started is one of them, so `podman run` of a container
+/// that started a daemon (a cold one) does not return until that daemon idles out. The
+/// tier starts its served containers detached (`run -d`, which returns once the container
+/// runs) and removes them with `rm -f`, and every podman command is bounded.
+fn podman_tier(bin: Option<PathBuf>) {
+    let env = Env::new();
+    let dir = env.path().join("p");
+    write_hooks_d(&env, &dir.join("hooks.d"));
+    let (ns, podman, conf) = match &bin {
+        Some(bin) => {
+            let conf = dir.join("containers.conf");
+            std::fs::write(
+                &conf,
+                format!(
+                    "[engine]\nconmon_path = [{:?}]\nhelper_binaries_dir = [{:?}]\n",
+                    bin.join("conmon").display().to_string(),
+                    bin.join("../lib/podman").display().to_string()
+                ),
+            )
+            .unwrap();
+            (
+                PrivateMounts::keeping(env.path(), &[&fetched_root(bin)]),
+                bin.join("podman"),
+                Some(conf),
+            )
+        }
+        None => (PrivateMounts::new(), need("podman", "podman"), None),
+    };
+    let p = PodmanTier {
+        ns: &ns,
+        dir: dir.clone(),
+        podman,
+        conf,
+    };
+    let tar = rootfs_tar(&dir);
+    let out = p.pm(&["import", tar.to_str().unwrap(), "gpushare-test"]);
+    assert!(out.status.success(), "{}", text(&out));
+    eprintln!("{}", text(&p.pm(&["--version"])));
+    engine_tier(
+        &env,
+        &p,
+        Ask::Annotation("gpushare.io/device=0"),
+        Ask::Annotation("gpushare.io/device=0"),
+        Ask::Annotation("gpushare.io/active-thread-percentage=101"),
+    );
+}
+
+#[test]
+fn podman_4_3_engine_tier() {
+    podman_tier(None);
+}
+
+#[test]
+fn podman_5_engine_tier() {
+    podman_tier(Some(fetched(
+        "GPUSHARE_TEST_PODMAN5",
+        "trixie",
+        &["podman", "conmon", "../lib/podman/netavark"],
+    )));
 }
 
 #[test]

@@ -702,6 +702,26 @@ impl Container<'_> {
     }
 }
 
+/// The directory of binaries `scripts/fetch-engines` extracted for one engine version
+/// (`var`, which scripts/test exports, else the script's default cache `suite`), checked
+/// to hold `bins`. A test that needs it fails without it, saying how to fetch it.
+pub fn fetched(var: &str, suite: &str, bins: &[&str]) -> PathBuf {
+    let dir = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
+        Path::new("/var/cache/gpushare-test/engines")
+            .join(suite)
+            .join("root/usr/bin")
+    });
+    for bin in bins {
+        assert!(
+            dir.join(bin).is_file(),
+            "{} is missing: the engine is not fetched; run ./scripts/fetch-engines (the README's test command, ./scripts/test, runs it and sets {var}), or set {var} to a directory holding {}",
+            dir.join(bin).display(),
+            bins.join(", ")
+        );
+    }
+    dir
+}
+
 pub fn need(bin: &str, package: &str) -> PathBuf {
     which(bin).unwrap_or_else(|| panic!("{bin} is not installed: the README's test command (./scripts/test) installs {package} with apt-get"))
 }
@@ -743,6 +763,33 @@ impl PrivateMounts {
             Self::COVERED.join(" ")
         );
         PrivateMounts::with(&setup)
+    }
+
+    /// As `new`, with each of `paths` (a fetched engine's tree under /var/cache, whose
+    /// patched binaries name their loader by its absolute path) still seen at its own place:
+    /// bound to a directory under `stage` before the tmpfs covers it, and back after.
+    pub fn keeping(stage: &Path, paths: &[&Path]) -> PrivateMounts {
+        let mut setup = String::new();
+        let mut back = String::new();
+        for (i, path) in paths.iter().enumerate() {
+            let staged = stage.join(format!("keep{i}"));
+            std::fs::create_dir_all(&staged).unwrap();
+            setup += &format!(
+                "mount --bind '{p}' '{s}'\n",
+                p = path.display(),
+                s = staged.display()
+            );
+            back += &format!(
+                "mkdir -p '{p}'\nmount --bind '{s}' '{p}'\n",
+                p = path.display(),
+                s = staged.display()
+            );
+        }
+        setup += &format!(
+            "for d in {}; do if [ -d \"$d\" ]; then mount -t tmpfs -o mode=0755 gs-engine \"$d\"; fi; done\n",
+            Self::COVERED.join(" ")
+        );
+        PrivateMounts::with(&(setup + &back))
     }
 
     /// A mount namespace set up by the shell commands `setup` (run with `set -e`) instead
