@@ -57,16 +57,43 @@ fn library_files(dir: &Path, module: &str, out: &mut Vec<PathBuf>) {
 
 #[test]
 fn every_test_security_md_names_exists() {
-    let root = root();
-    let text = std::fs::read_to_string(root.join("SECURITY.md")).unwrap();
+    let text = std::fs::read_to_string(root().join("SECURITY.md")).unwrap();
     let names = named_paths(&text);
     assert!(
         names.len() > 20,
         "SECURITY.md names only {} tests",
         names.len()
     );
+    let missing = missing_tests(&names);
+    assert!(
+        missing.is_empty(),
+        "SECURITY.md names tests that do not exist: {missing:?}"
+    );
+}
+
+/// docs/install.md's table of engines and versions names the test behind every cell.
+#[test]
+fn every_test_the_engine_table_names_exists() {
+    let text = std::fs::read_to_string(root().join("docs/install.md")).unwrap();
+    let names = named_paths(&text);
+    assert!(
+        names.len() >= 8,
+        "docs/install.md names only {} tests",
+        names.len()
+    );
+    let missing = missing_tests(&names);
+    assert!(
+        missing.is_empty(),
+        "docs/install.md names tests that do not exist: {missing:?}"
+    );
+}
+
+/// The names (`module::test`, `module::tests::test`, `module::tests`) that lead to no
+/// function (or test module).
+fn missing_tests(names: &[String]) -> Vec<String> {
+    let root = root();
     let mut missing = Vec::new();
-    for name in &names {
+    for name in names {
         let parts: Vec<&str> = name.split("::").collect();
         let (module, item) = (parts[0], parts[parts.len() - 1]);
         let integration = root.join("tests/integration").join(format!("{module}.rs"));
@@ -90,8 +117,5 @@ fn every_test_security_md_names_exists() {
             missing.push(name.clone());
         }
     }
-    assert!(
-        missing.is_empty(),
-        "SECURITY.md names tests that do not exist: {missing:?}"
-    );
+    missing
 }
