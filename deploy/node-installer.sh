@@ -12,7 +12,8 @@
 #      nothing; a node on containerd's built-in defaults keeps its default runtime);
 #   4. restarts containerd when its config changed — containerd has no config reload.
 #      Running containers are not affected: they belong to their shims, not to containerd;
-#   5. then waits, so the DaemonSet's pod stays Running (`--once`: exits instead).
+#   5. then runs the node's agent (`gpushare agent`) in the host's mount namespace, so that
+#      MPS supervisors belong to no engine (`--once`: exits instead; AGENT=none: only waits).
 #
 # Environment (default):
 #   HOST_ROOT          where the host's / is seen (/host)
@@ -28,6 +29,8 @@
 #                               (systemd's Restart=always, an init script) starts it again
 #                      none:    only print that containerd must be restarted
 #   CONTAINERD_PID     containerd's pid, for RESTART_MODE=signal
+#   AGENT              run (default): step 5 runs `gpushare agent` through `nsenter -t 1 -m`
+#                      (needs hostPID); none: a host service runs it (docs/install.md)
 set -eu
 
 HOST_ROOT=${HOST_ROOT:-/host}
@@ -167,7 +170,12 @@ else
 fi
 say "done: RuntimeClass handler $RUNTIME_NAME, runtime $INSTALL_DIR/gpushare-runtime"
 
-# 5. Stay up (a DaemonSet's pod), until the pod is deleted.
+# 5. The agent in the host's mount namespace (where runc runs the hooks), until the pod is
+# deleted: SIGTERM stops it; the supervisors it started run on.
+if [ -z "$once" ] && [ "${AGENT:-run}" = run ]; then
+    say "running the agent: $INSTALL_DIR/gpushare agent"
+    exec nsenter --target 1 --mount -- "$INSTALL_DIR/gpushare" agent
+fi
 if [ -z "$once" ]; then
     trap 'exit 0' TERM INT
     sleep 2147483647 &

@@ -1,6 +1,6 @@
 //! The `gpushare` command line: the arguments (clap), and the dispatch of each command to
-//! the hooks (`hook`, `hookonly`), the supervisor (`mps::supervisor`), `doctor`, and the
-//! operator commands (`ops`), mapping each result to the exit code.
+//! the hooks (`hook`, `hookonly`), the supervisor (`mps::supervisor`), the node's agent
+//! (`mps::agent`), `doctor`, and the operator commands (`ops`), mapping each result to the exit code.
 //!
 //! Invariants: a hook failure is one line `gpushare: …` on stderr and exit 1 (runc shows
 //! it to the user); `poststop` always exits 0; `status` reads state without taking any
@@ -62,6 +62,10 @@ enum Command {
     /// cleaned. Exit code 0 when everything stale was cleaned (or nothing was stale), 1 when
     /// anything could not be.
     Gc,
+    /// Run the node's agent: it starts the supervisors (and reapers) the hooks ask for as
+    /// its own children, outside every engine's process tree, so no conmon or containerd
+    /// shim adopts or waits for them. Runs until SIGTERM; root only (docs/install.md).
+    Agent,
     /// Manage MPS daemons directly.
     Daemon {
         #[command(subcommand)]
@@ -354,6 +358,7 @@ fn run(cfg: &Config, command: Command) -> i32 {
         } => doctor(cfg, docker_config, containerd_config),
         Command::Install { engine } => report(ops::install::run(engine.into())),
         Command::Daemon { command } => daemon(cfg, command),
+        Command::Agent => report(crate::mps::agent::run(cfg)),
     }
 }
 

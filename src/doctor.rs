@@ -486,10 +486,34 @@ pub(crate) fn run(cfg: &Config, paths: &Paths) -> Vec<Check> {
     }
     out.push(control_binary_check(cfg));
     state_dir_checks(cfg, &mut out);
+    out.push(agent_check(cfg));
     out.push(host_pipe_check());
     engine_checks(paths, &mut out);
     out.push(low_level_runtime_check(cfg));
     out
+}
+
+/// Whether the node's agent answers: without it a hook starts supervisors itself, and an
+/// engine that is a subreaper adopts them (Podman 5's and CRI-O's conmon wait for them).
+fn agent_check(cfg: &Config) -> Check {
+    let state = crate::state::StateDir::new(&cfg.state_dir);
+    match crate::mps::agent::ping(&state) {
+        Ok(pid) => ok(
+            "agent",
+            format!(
+                "gpushare agent (pid {pid}) answers on {}: supervisors belong to no engine",
+                state.agent_socket().display()
+            ),
+        ),
+        Err(e) => warn(
+            "agent",
+            format!(
+                "the hooks cannot use the agent: {e:#}; they start supervisors themselves, the engine's subreaper adopts them, and `podman run` on Podman 5 (conmon 2.1.12 and later) and CRI-O's conmon wait for them until the daemon idles out",
+                e = anyhow::Error::new(e)
+            ),
+            "start it as root: `systemctl enable --now gpushare-agent` (Debian package), the node installer DaemonSet (Kubernetes), or `gpushare agent` in the background (docs/install.md)",
+        ),
+    }
 }
 
 /// The low-level runtime resolves, and not to gpushare-runtime: the shim would exec

@@ -1,7 +1,8 @@
 //! Command line, shaped like `nvidia-cuda-mps-control`'s: `-d`, `-f`, `-v`, the multi-user
 //! option (`-M`, or `-multiuser-server` as the MPS guide spells it), nothing for control client
-//! mode; plus `client [--hold S] [--timeout S]` for the stand-in CUDA process and two hidden
-//! modes this binary re-executes itself with.
+//! mode; plus `client [--hold S] [--timeout S]` for the stand-in CUDA process,
+//! `subreaper <command> [args…]` for a stand-in engine subreaper that waits (`subreaper`),
+//! and two hidden modes this binary re-executes itself with.
 //!
 //! Invariant: parsing is pure; anything not recognised is a [`UsageError`], which `main`
 //! reports on one line with exit code 2.
@@ -29,11 +30,13 @@ pub enum Mode {
     Client(ClientOptions),
     /// Hidden: an MPS server process started by the daemon.
     Server,
+    /// `subreaper <command> [args…]`: run the command as a waiting child subreaper.
+    Subreaper(Vec<String>),
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum UsageError {
-    #[error("unknown option {0:?}; usage: gpushare-mps-sim [-d | -f] [-M] | -v | client [--hold <s>] [--timeout <s>]")]
+    #[error("unknown option {0:?}; usage: gpushare-mps-sim [-d | -f] [-M] | -v | client [--hold <s>] [--timeout <s>] | subreaper <command> [args...]")]
     Unknown(String),
     #[error("options -d and -f cannot be combined")]
     DaemonAndForeground,
@@ -51,6 +54,7 @@ pub const HIDDEN_DAEMON: &str = "--internal-daemon";
 pub fn parse(args: &[String]) -> Result<Mode, UsageError> {
     match args.first().map(String::as_str) {
         Some("client") => return parse_client(&args[1..]).map(Mode::Client),
+        Some("subreaper") if args.len() > 1 => return Ok(Mode::Subreaper(args[1..].to_vec())),
         // The server ignores its arguments; the uid after the flag shows in `ps` only.
         Some(HIDDEN_SERVER) => return Ok(Mode::Server),
         Some(HIDDEN_DAEMON) => {

@@ -27,6 +27,7 @@ mod log;
 mod sched;
 mod server;
 mod session;
+mod subreaper;
 mod wire;
 
 use std::path::PathBuf;
@@ -78,6 +79,7 @@ fn run(mode: Mode) -> u8 {
             cuda_client::run(&env_dir("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_PIPE_DIR), &opts)
         }
         Mode::Server => report(server::run_server().map(|()| 0)),
+        Mode::Subreaper(command) => report(subreaper::run(&command)),
     }
 }
 

@@ -8,12 +8,11 @@
 //! the very processes it names (pid and start time), else the state is stale and replaced.
 //! The warm path is a lock, a record read, two /proc reads and a container record.
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-use super::control::SAFE_PATH;
+use super::launch::{launch, Job, Launched};
 use crate::config::Config;
 use crate::identity::Identity;
 use crate::state::{Budget, ContainerRecord, DaemonRecord, DaemonStatus, Owner, StateDir};
@@ -53,11 +52,15 @@ pub(crate) fn budget(cfg: &Config) -> Budget {
 /// `gpushare daemon stop` stops, has to quit its daemon before it is killed.
 pub(crate) const STOP_GRACE: Duration = Duration::from_secs(5);
 
-/// Starts the reaper of a daemon directory this process has just made
-/// (`reaper::spawn`, with `gpushare` being this very binary); a reaper that cannot start
-/// is logged: the caps and `gc` still take the directory back.
-pub(crate) fn start_reaper(gpushare: anyhow::Result<std::path::PathBuf>, cfg: &Config, id: &str) {
-    if let Err(e) = gpushare.and_then(|exe| super::reaper::spawn(&exe, cfg, id)) {
+/// Starts the reaper of a daemon directory this process has just made (`launch`: by the
+/// agent, else here with `gpushare`, this very binary); a reaper that cannot start is
+/// logged: the caps and `gc` still take the directory back.
+pub(crate) fn start_reaper(
+    gpushare: impl FnOnce() -> anyhow::Result<std::path::PathBuf>,
+    cfg: &Config,
+    id: &str,
+) {
+    if let Err(e) = launch(cfg, gpushare, Job::Reap, id) {
         tracing::warn!(daemon = %id, error = %format!("{e:#}"), "cannot start the reaper of a new daemon directory");
     }
 }
@@ -70,31 +73,11 @@ pub(crate) struct Ensured {
     pub started: bool,
 }
 
-fn spawn_supervisor(cfg: &Config, id: &str) -> anyhow::Result<Child> {
-    let exe = std::env::current_exe().context("find the gpushare binary")?;
-    let mut cmd = Command::new(&exe);
-    cmd.args(["daemon", "supervise", "--id", id])
-        .env_clear()
-        .env("PATH", SAFE_PATH)
-        .current_dir("/")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    if let Some(path) = &cfg.path {
-        cmd.env(crate::config::ENV_VAR, path);
-    }
-    if let Some(level) = std::env::var_os("GPUSHARE_LOG") {
-        cmd.env("GPUSHARE_LOG", level);
-    }
-    cmd.spawn()
-        .with_context(|| format!("start the supervisor {}", exe.display()))
-}
-
 /// Polls the record until the daemon is ready, the supervisor fails, or the deadline.
 fn wait_ready(
     state: &StateDir,
     id: &str,
-    mut spawned: Option<&mut Child>,
+    mut spawned: Option<&mut Launched>,
     deadline: Instant,
     timeout: Duration,
 ) -> anyhow::Result<DaemonRecord> {
@@ -116,10 +99,7 @@ fn wait_ready(
             // The one started here exited: gone, unless the record names another that
             // runs (one started for a create killed before it named itself, which holds
             // the supervisor lock: the one started here left it the daemon).
-            Some(child) => {
-                child.try_wait().ok().flatten().is_some()
-                    && !rec.supervisor.is_some_and(|p| p.alive())
-            }
+            Some(child) => child.exited() && !rec.supervisor.is_some_and(|p| p.alive()),
             None => rec.supervisor.is_some_and(|p| !p.alive()),
         };
         if supervisor_gone {
@@ -158,18 +138,6 @@ fn wait_ready(
 /// (its cgroup drain takes up to 2 s) before it kills it.
 const SUPERVISOR_GRACE: Duration = Duration::from_secs(3);
 
-/// SIGTERM to `child`, then SIGKILL if it is still there after `grace`; reaps it.
-fn stop_supervisor(child: &mut Child, grace: Duration) {
-    use nix::sys::signal::{kill, Signal};
-    if let Ok(None) = child.try_wait() {
-        let _ = kill(
-            nix::unistd::Pid::from_raw(child.id() as i32),
-            Signal::SIGTERM,
-        );
-    }
-    crate::util::wait_or_kill(child, grace);
-}
-
 /// Kills the processes a stale record names, if they are still those very processes.
 pub(crate) fn kill_stale(rec: &DaemonRecord) {
     rec.kill_processes();
@@ -194,7 +162,7 @@ pub(crate) fn ensure(
         && state.ensure_skeleton(&id, owner(ident), &budget(cfg))?;
     if new {
         start_reaper(
-            std::env::current_exe().context("find the gpushare binary"),
+            || std::env::current_exe().context("find the gpushare binary"),
             cfg,
             &id,
         );
@@ -239,8 +207,13 @@ pub(crate) fn ensure(
                 error: None,
             };
             state.write_record(&rec)?;
-            let mut child = spawn_supervisor(cfg, &id)?;
-            tracing::debug!(daemon = %id, pid = child.id(), "supervisor spawned");
+            let mut child = launch(
+                cfg,
+                || std::env::current_exe().context("find the gpushare binary"),
+                Job::Supervise,
+                &id,
+            )?;
+            tracing::debug!(daemon = %id, pid = child.pid(), "supervisor spawned");
             match wait_ready(state, &id, Some(&mut child), deadline, timeout) {
                 Ok(rec) => (rec, true),
                 Err(e) => {
@@ -248,7 +221,7 @@ pub(crate) fn ensure(
                     // It gets SIGTERM and a moment first: one that is giving up by itself
                     // (status failed) or is told to stop quits its daemon and removes its
                     // cgroup on the way out, which SIGKILL would leave behind.
-                    stop_supervisor(&mut child, SUPERVISOR_GRACE);
+                    child.stop(SUPERVISOR_GRACE);
                     if let Ok(Some(rec)) = state.read_record(&id) {
                         kill_stale(&rec);
                     }

@@ -1,9 +1,12 @@
 //! MPS control daemons: the control interface, the supervisor that runs one, the
 //! hook-side `ensure` that finds or starts the daemon for an identity, and the reaper that
-//! removes what a failed create left.
+//! removes what a failed create left; how those two are started (`launch`), and the
+//! node's agent that starts them outside every engine's process tree (`agent`).
 
+pub(crate) mod agent;
 pub(crate) mod control;
 pub(crate) mod ensure;
+pub(crate) mod launch;
 pub(crate) mod reaper;
 pub mod reply;
 pub(crate) mod supervisor;

@@ -4,8 +4,8 @@
 //!
 //! Whoever makes a new daemon directory (the shim, or the hook's `ensure` in hook-only
 //! mode and for `gpushare daemon start`) starts `gpushare daemon reap --id <id>` the way
-//! the supervisor is started: stdio on /dev/null, an explicit environment, its own
-//! session, no inherited fds. It looks at the directory every few milliseconds
+//! the supervisor is started (`launch`: by the agent where one runs): stdio on /dev/null,
+//! an explicit environment, its own session, no inherited fds. It looks at the directory every few milliseconds
 //! (`StateDir::reclaim_abandoned`) and exits as soon as a supervisor runs the daemon or
 //! the daemon was ready once (the create worked: from then on the directory is the
 //! supervisor's, and `gc`'s if that one crashes), the directory is gone, or it has
@@ -16,38 +16,10 @@
 //! may keep a directory in use) plus one look; it removes only through
 //! `reclaim_abandoned`, under the identity's lock.
 
-use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
-
-use super::control::SAFE_PATH;
 use crate::config::Config;
 use crate::state::{Abandoned, StateDir};
-
-/// Starts the reaper of daemon `id`: `gpushare` (the binary at `gpushare`) with the
-/// config this process read. It detaches itself at once (`supervisor::detach`); this
-/// process does not wait for it.
-pub(crate) fn spawn(gpushare: &Path, cfg: &Config, id: &str) -> anyhow::Result<()> {
-    let mut cmd = Command::new(gpushare);
-    cmd.args(["daemon", "reap", "--id", id])
-        .env_clear()
-        .env("PATH", SAFE_PATH)
-        .current_dir("/")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    if let Some(path) = &cfg.path {
-        cmd.env(crate::config::ENV_VAR, path);
-    }
-    if let Some(level) = std::env::var_os("GPUSHARE_LOG") {
-        cmd.env("GPUSHARE_LOG", level);
-    }
-    cmd.spawn()
-        .with_context(|| format!("start the reaper {}", gpushare.display()))?;
-    Ok(())
-}
 
 /// The reaper's loop (the caller has detached): returns what it last found.
 pub(crate) fn run(cfg: &Config, id: &str) -> anyhow::Result<Abandoned> {

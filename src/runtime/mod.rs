@@ -190,7 +190,7 @@ pub(crate) fn prepare(
         if new {
             // If runc fails before the hook (a mount it cannot make in this image), the
             // reaper removes the directories this create made once runc has exited.
-            crate::mps::ensure::start_reaper(gpushare_binary(), cfg, &id);
+            crate::mps::ensure::start_reaper(gpushare_binary, cfg, &id);
         }
     }
 

@@ -44,6 +44,16 @@ impl StateDir {
         }
     }
 
+    /// The agent's lock (`mps::agent`), held by the node's one agent for its whole life;
+    /// `None` while another agent holds it.
+    pub(crate) fn try_lock_agent(&self) -> Result<Option<Flock<File>>, StateError> {
+        match self.lock_file(self.agent_lock_path(), Instant::now()) {
+            Ok(lock) => Ok(Some(lock)),
+            Err(StateError::LockTimeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     fn lock_file(&self, path: PathBuf, deadline: Instant) -> Result<Flock<File>, StateError> {
         let started = Instant::now();
         let open = || {

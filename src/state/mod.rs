@@ -6,6 +6,8 @@
 //!   locks/<id>.lock            0600 root   flock per daemon identity; never removed
 //!   locks/<id>.sup             0600 root   flock held by the daemon's supervisor all its life
 //!   locks/node.lock            0600 root   flock held while a new daemon's directories are made
+//!   locks/agent.lock           0600 root   flock held by the node's agent all its life
+//!   agent.sock                 0600 root   the agent's socket (`mps::agent`)
 //!   mps/                       0711 root
 //!     <id>/                    0711 root
 //!       daemon.json            0644 root   record of the daemon (identity, pids, status)
@@ -153,6 +155,14 @@ impl StateDir {
     /// The node lock: not a daemon id, so no identity's lock can be it.
     pub(crate) fn node_lock_path(&self) -> PathBuf {
         self.root.join("locks").join("node.lock")
+    }
+    /// The agent's lock: not a daemon id either.
+    pub(crate) fn agent_lock_path(&self) -> PathBuf {
+        self.root.join("locks").join("agent.lock")
+    }
+    /// Where the node's agent listens (`mps::agent`).
+    pub(crate) fn agent_socket(&self) -> PathBuf {
+        self.root.join("agent.sock")
     }
     pub(crate) fn control_socket(&self, id: &str) -> PathBuf {
         self.pipe_dir(id).join("control")

@@ -231,6 +231,8 @@ pub struct Env {
     /// What every command `cmd` makes gets besides the config (`set_var`, `enter`).
     vars: Vec<(String, std::ffi::OsString)>,
     mount_ns: Option<u32>,
+    /// The node's agent, where the test started one (`start_agent`).
+    agent: Option<Child>,
 }
 
 impl Env {
@@ -288,6 +290,7 @@ impl Env {
             containers: Default::default(),
             vars: Vec::new(),
             mount_ns: None,
+            agent: None,
         }
     }
 
@@ -319,6 +322,40 @@ impl Env {
 
     pub fn path(&self) -> &Path {
         self.dir.path()
+    }
+
+    /// Starts `gpushare agent` for this env's state dir (stopping the one started before,
+    /// if any) and waits until it answers; it is stopped when the env is dropped, after
+    /// the supervisors. Its pid.
+    pub fn start_agent(&mut self) -> i32 {
+        if let Some(mut old) = self.agent.take() {
+            stop_child(&mut old, Duration::from_secs(5));
+        }
+        let child = self
+            .cmd(GPUSHARE)
+            .arg("agent")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        self.agent = Some(child);
+        let sock = self.state.join("agent.sock");
+        assert!(
+            wait_until(Duration::from_secs(10), || {
+                std::os::unix::net::UnixStream::connect(&sock).is_ok()
+            }),
+            "the agent did not listen on {}:\n{}",
+            sock.display(),
+            self.gpushare_log()
+        );
+        pid
+    }
+
+    /// The pid of the agent `start_agent` started.
+    pub fn agent_pid(&self) -> Option<i32> {
+        self.agent.as_ref().map(|c| c.id() as i32)
     }
 
     /// A command for one of our binaries, configured for this env.
@@ -459,6 +496,10 @@ impl Drop for Env {
                 stop_process(p, rec["daemon"]["start_time"].as_u64());
             }
         }
+        // The agent after the supervisors it started (it reaps them as they go).
+        if let Some(mut agent) = self.agent.take() {
+            stop_child(&mut agent, Duration::from_secs(5));
+        }
         // The daemons' tmpfs mounts and the rootfs bind: nothing stays mounted.
         umount_below(self.dir.path());
         // A supervisor killed here cannot remove its cgroup `gpushare/<id>-<pid>`: do it
@@ -587,6 +628,12 @@ impl Container<'_> {
 
     pub fn config(&self) -> Value {
         serde_json::from_slice(&self.config_bytes()).unwrap()
+    }
+
+    /// Deletes the container when the env is dropped (`try_create` does this itself; for
+    /// a container created some other way).
+    pub fn track(&self) {
+        self.env.containers.lock().unwrap().push(self.id.clone());
     }
 
     /// `gpushare-runtime create`; the container's stdio goes to files in the bundle.

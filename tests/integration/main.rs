@@ -1,6 +1,7 @@
 //! Integration tests: the real `gpushare-runtime`, `gpushare` and `gpushare-mps-sim`
 //! binaries through real runc, as root. Run them with the README's test command.
 
+mod agent;
 mod allocated;
 mod core_path;
 mod cri;

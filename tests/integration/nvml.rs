@@ -56,7 +56,8 @@ echo 'NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  (fake, for gpus
 
 #[test]
 fn doctor_and_status_see_the_fake_gpus() {
-    let (env, _lib) = nvml_env();
+    let (mut env, _lib) = nvml_env();
+    env.start_agent();
     let out = env.cmd(GPUSHARE).arg("doctor").output().unwrap();
     let report = String::from_utf8_lossy(&out.stdout);
     for line in [

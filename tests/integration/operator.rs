@@ -160,7 +160,7 @@ fn status_shows_daemons_health_and_containers_in_three_formats() {
 
 #[test]
 fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
-    let env = Env::new();
+    let mut env = Env::new();
     // A state dir too long for MPS's socket paths, writable by everyone, and no MPS binary.
     let long = env.path().join("x".repeat(90)).join("state");
     std::fs::create_dir_all(&long).unwrap();
@@ -205,7 +205,8 @@ fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
     );
 
     // The test setup itself: every check printed and ok (no engine runs here: nothing to
-    // configure), and doctor writes nothing, not even the log file.
+    // configure; the node's agent runs), and doctor writes nothing, not even the log file.
+    env.start_agent();
     let log = env.path().join("gpushare.log");
     let _ = std::fs::remove_file(&log);
     let out = env
@@ -230,6 +231,7 @@ fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
         "mps-control",
         "socket-path",
         "state-dir",
+        "agent",
         "host-mps-pipe",
         "docker",
         "containerd",
