@@ -288,34 +288,43 @@ fn text_of(o: &Output) -> String {
 /// subreaper that stays alive as long as a process it adopted does. With the agent it
 /// exits when the container does, cold daemon or warm, and the supervisor is the agent's
 /// child. Fails with the agent path removed (conmon stays, the supervisor is conmon's).
-#[test]
-fn podman_conmon_exits_with_its_container_and_adopts_no_supervisor() {
+fn podman_run_returns_at_once(bin: Option<PathBuf>) {
     let mut env = Env::with_config("idle-timeout = \"120s\"");
-    let podman = need("podman", "podman");
-    // The agent runs where the hooks run: in the engine's mount namespace.
-    let ns = PrivateMounts::new();
+    // The agent runs where the hooks run: in the engine's mount namespace. A fetched
+    // Podman (5) brings its conmon and helpers, named in a containers.conf of its own.
+    let (ns, podman, conf) = match &bin {
+        Some(bin) => {
+            let conf = env.path().join("containers.conf");
+            std::fs::write(
+                &conf,
+                format!(
+                    "[engine]\nconmon_path = [{:?}]\nhelper_binaries_dir = [{:?}]\n",
+                    bin.join("conmon").display().to_string(),
+                    bin.join("../lib/podman").display().to_string()
+                ),
+            )
+            .unwrap();
+            (
+                PrivateMounts::keeping(env.path(), &[&fetched_root(bin)]),
+                bin.join("podman"),
+                Some(conf),
+            )
+        }
+        None => (PrivateMounts::new(), need("podman", "podman"), None),
+    };
     env.enter(&ns);
     let agent = env.start_agent();
     let dir = env.path().join("p");
     let hooks = dir.join("hooks.d");
-    std::fs::create_dir_all(&hooks).unwrap();
-    for name in ["gpushare.json", "gpushare-poststop.json"] {
-        let shipped = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("hooks/oci-hooks.d")
-            .join(name);
-        let mut v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(shipped).unwrap()).unwrap();
-        v["hook"]["path"] = GPUSHARE.into();
-        v["hook"]["env"]
-            .as_array_mut()
-            .unwrap()
-            .push(format!("GPUSHARE_CONFIG={}", env.config.display()).into());
-        std::fs::write(hooks.join(name), v.to_string()).unwrap();
-    }
+    write_hooks_d(&env, &hooks);
     let runroot: PathBuf = dir.join("run");
     let pm = |args: &[&str]| {
-        ns.cmd(&podman)
-            .arg("--root")
+        let mut cmd = ns.cmd("timeout");
+        cmd.arg("120").arg(&podman);
+        if let Some(conf) = &conf {
+            cmd.env("CONTAINERS_CONF", conf);
+        }
+        cmd.arg("--root")
             .arg(dir.join("storage"))
             .arg("--runroot")
             .arg(&runroot)
@@ -389,6 +398,22 @@ fn podman_conmon_exits_with_its_container_and_adopts_no_supervisor() {
             started.elapsed()
         );
     }
+}
+
+#[test]
+fn podman_conmon_exits_with_its_container_and_adopts_no_supervisor() {
+    podman_run_returns_at_once(None);
+}
+
+/// Podman 5: its conmon (2.1.12) waits for every process it adopted before it exits, so a
+/// supervisor it adopted would hold `podman run` until the daemon idles out (120 s here).
+#[test]
+fn podman_5_run_returns_as_soon_as_the_container_exits_cold_or_warm() {
+    podman_run_returns_at_once(Some(fetched(
+        "GPUSHARE_TEST_PODMAN5",
+        "trixie",
+        &["podman", "conmon", "../lib/podman/netavark"],
+    )));
 }
 
 /// containerd's runc shim (`ctr run`, the shim path): the supervisor is the agent's child,

@@ -646,11 +646,6 @@ fn path_with(bin: &Path) -> std::ffi::OsString {
     std::env::join_paths(dirs).unwrap()
 }
 
-/// The extracted tree a fetched engine's `bin` (…/root/usr/bin) belongs to.
-fn fetched_root(bin: &Path) -> PathBuf {
-    bin.ancestors().nth(2).unwrap().to_owned()
-}
-
 /// How a container asks: an annotation or an env var (`key=value`).
 #[derive(Clone, Copy)]
 enum Ask<'a> {
@@ -1105,25 +1100,6 @@ fn containerd_2_engine_tier() {
         )),
         3,
     );
-}
-
-/// gpushare's own hooks.d files in `hooks`, pointed at the binary under test and `env`'s
-/// config.
-fn write_hooks_d(env: &Env, hooks: &Path) {
-    std::fs::create_dir_all(hooks).unwrap();
-    for name in ["gpushare.json", "gpushare-poststop.json"] {
-        let shipped = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("hooks/oci-hooks.d")
-            .join(name);
-        let mut v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(shipped).unwrap()).unwrap();
-        v["hook"]["path"] = GPUSHARE.into();
-        v["hook"]["env"]
-            .as_array_mut()
-            .unwrap()
-            .push(format!("GPUSHARE_CONFIG={}", env.config.display()).into());
-        std::fs::write(hooks.join(name), v.to_string()).unwrap();
-    }
 }
 
 /// Podman of one version with gpushare's hooks.d files (hook-only mode), its storage and

@@ -961,3 +961,27 @@ pub fn environ(pid: i32) -> Vec<String> {
         .map(|s| String::from_utf8_lossy(s).into_owned())
         .collect()
 }
+
+/// The extracted tree a fetched engine's `bin` (…/root/usr/bin) belongs to.
+pub fn fetched_root(bin: &Path) -> PathBuf {
+    bin.ancestors().nth(2).unwrap().to_owned()
+}
+
+/// gpushare's own hooks.d files in `hooks`, pointed at the binary under test and `env`'s
+/// config.
+pub fn write_hooks_d(env: &Env, hooks: &Path) {
+    std::fs::create_dir_all(hooks).unwrap();
+    for name in ["gpushare.json", "gpushare-poststop.json"] {
+        let shipped = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("hooks/oci-hooks.d")
+            .join(name);
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(shipped).unwrap()).unwrap();
+        v["hook"]["path"] = GPUSHARE.into();
+        v["hook"]["env"]
+            .as_array_mut()
+            .unwrap()
+            .push(format!("GPUSHARE_CONFIG={}", env.config.display()).into());
+        std::fs::write(hooks.join(name), v.to_string()).unwrap();
+    }
+}
