@@ -1209,10 +1209,10 @@ impl Drop for PodmanTier<'_> {
 /// Podman `bin` (`None`: Debian 12's 4.3) through the tier, asking by annotation (the
 /// hooks.d files run the hook on `gpushare.io/device`).
 ///
-/// Podman 5's conmon waits for the processes it adopted before it exits: a daemon's
-/// supervisor that a prestart hook started is one of them, so `podman run` of a container
-/// that started a daemon (a cold one) does not return until that daemon idles out. The
-/// tier starts its served containers detached (`run -d`, which returns once the container
+/// This tier starts no agent, so a daemon's supervisor is the hook's and conmon adopts it;
+/// Podman 5's conmon waits for the processes it adopted before it exits (the agent tests
+/// show a foreground `podman run` with the agent). The tier starts its served containers
+/// detached (`run -d`, which returns once the container
 /// runs) and removes them with `rm -f`, and every podman command is bounded.
 fn podman_tier(bin: Option<PathBuf>) {
     let env = Env::new();
