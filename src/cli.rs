@@ -29,6 +29,15 @@ enum Command {
     Hook {
         #[arg(value_enum)]
         stage: HookStage,
+        /// The request of a CDI device (prestart only, as `gpushare cdi generate` writes
+        /// it): --cdi-device <device> [--profile <name>].
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        flags: Vec<String>,
+    },
+    /// CDI (Container Device Interface) specs for gpushare's devices.
+    Cdi {
+        #[command(subcommand)]
+        command: CdiCommand,
     },
     /// Show MPS daemons, their health, and the containers using them.
     Status {
@@ -124,6 +133,18 @@ enum HookStage {
 }
 
 #[derive(Subcommand)]
+enum CdiCommand {
+    /// Write the CDI spec of this node's devices (kind gpushare.io/gpu): one device per
+    /// GPU index and UUID and per MIG device (<gpu>-mig-<mig>, MIG-<uuid>), and each once
+    /// more per [cdi.profiles.<name>] as <device>-<name>. Written atomically.
+    Generate {
+        /// Where to write it; `-` prints it.
+        #[arg(long, default_value = crate::cdi::DEFAULT_OUTPUT)]
+        output: std::path::PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
 enum DaemonCommand {
     /// Start (or find) the daemon for an identity, outside any container.
     Start {
@@ -192,9 +213,23 @@ fn load_config() -> Result<Config, i32> {
     })
 }
 
-/// `gpushare hook <stage>`: the container state on stdin, one `gpushare: …` line on
-/// stderr and exit 1 on failure (poststop: the line, and exit 0 — DESIGN §8).
-fn hook(stage: HookStage) -> i32 {
+/// `gpushare hook <stage> [flags]`: the container state on stdin, one `gpushare: …` line
+/// on stderr and exit 1 on failure (poststop: the line, and exit 0 — DESIGN §8). Flags
+/// are the request of a CDI device, for `prestart` only.
+fn hook(stage: HookStage, flags: &[String]) -> i32 {
+    let cdi = match (stage, crate::cdi::CdiAsk::from_flags(flags)) {
+        (_, Ok(None)) => None,
+        (HookStage::Prestart, Ok(Some(ask))) => Some(ask),
+        (HookStage::Poststop, _) => None,
+        (_, Ok(Some(_))) => {
+            eprintln!("gpushare: {} is only an argument of gpushare hook prestart", crate::cdi::DEVICE_FLAG);
+            return 1;
+        }
+        (_, Err(e)) => {
+            eprintln!("gpushare: {e}");
+            return 1;
+        }
+    };
     let cfg = match load_config() {
         Ok(c) => c,
         Err(_) if matches!(stage, HookStage::Poststop) => return 0,
@@ -227,7 +262,7 @@ fn hook(stage: HookStage) -> i32 {
             crate::hook::poststop(&cfg, &state);
             0
         }
-        HookStage::Prestart => match crate::hookonly::prestart(&cfg, &state) {
+        HookStage::Prestart => match crate::hookonly::prestart(&cfg, &state, cdi.as_ref()) {
             Ok(()) => 0,
             Err(e) => {
                 tracing::error!("prestart: {e:#}");
@@ -242,14 +277,14 @@ fn hook(stage: HookStage) -> i32 {
 pub fn main() -> i32 {
     crate::device::read_nvml_in_process();
     if let Some(stage) = hook_argv() {
-        return hook(stage);
+        return hook(stage, &[]);
     }
     if is_argv(&[crate::device::NVML_SUBCOMMAND]) {
         return nvml_inventory();
     }
     let cli = Cli::parse();
-    if let Command::Hook { stage } = cli.command {
-        return hook(stage);
+    if let Command::Hook { stage, flags } = &cli.command {
+        return hook(*stage, flags);
     }
     if let Command::Daemon {
         command: DaemonCommand::Supervise { .. } | DaemonCommand::Reap { .. },
@@ -337,7 +372,10 @@ impl Command {
 fn run(cfg: &Config, command: Command) -> i32 {
     match command {
         // `main` runs a hook before the config is loaded: not reached from there.
-        Command::Hook { stage } => hook(stage),
+        Command::Hook { stage, flags } => hook(stage, &flags),
+        Command::Cdi {
+            command: CdiCommand::Generate { output },
+        } => report(crate::cdi::generate(cfg, &output)),
         Command::Status {
             json,
             format,

@@ -37,6 +37,7 @@ pub const VERSION: &str = concat!(
     ")"
 );
 
+pub mod cdi;
 pub mod cli;
 pub mod config;
 pub mod decision;

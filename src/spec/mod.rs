@@ -265,6 +265,34 @@ impl SpecFile {
             })
     }
 
+    /// The request of the CDI device of gpushare's this spec carries, if any: the
+    /// `--cdi-device` arguments of its gpushare `prestart` hook, which only a CDI spec (the
+    /// node's: see `cdi`) puts there, never a container's author. More than one such hook
+    /// (two devices, or one twice) is refused: each would serve the container.
+    pub(crate) fn cdi_ask(&self) -> anyhow::Result<Option<crate::cdi::CdiAsk>> {
+        let list = self
+            .doc
+            .get("hooks")
+            .and_then(|h| h.get("prestart"))
+            .and_then(Value::as_array)
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        let mut asks = crate::cdi::CdiAsk::in_hooks(list)?;
+        match asks.len() {
+            0 | 1 => Ok(asks.pop()),
+            n => {
+                let names: Vec<String> = asks
+                    .iter()
+                    .map(|a| format!("{}={}", crate::request::CDI_KIND, a.name()))
+                    .collect();
+                anyhow::bail!(
+                    "the container has {n} CDI devices of gpushare ({}): allowed is one; ask for several GPUs with one gpushare.io/device list instead",
+                    names.join(", ")
+                )
+            }
+        }
+    }
+
     /// `process.env`, empty when absent.
     pub fn env(&self) -> &[String] {
         self.typed
