@@ -2,6 +2,7 @@
 //! binaries through real runc, as root. Run them with the README's test command.
 
 mod allocated;
+mod cdi;
 mod core_path;
 mod cri;
 mod cri_api;
