@@ -261,7 +261,10 @@ mod tests {
     }
 
     fn sample_spec(profiles: &BTreeMap<String, CdiProfile>) -> Value {
-        let env = vec!["PATH=/usr/bin".to_owned(), "GPUSHARE_CONFIG=/etc/g.toml".into()];
+        let env = vec![
+            "PATH=/usr/bin".to_owned(),
+            "GPUSHARE_CONFIG=/etc/g.toml".into(),
+        ];
         spec(
             &crate::device::sample(),
             profiles,
@@ -314,8 +317,7 @@ mod tests {
         for n in names(&with) {
             assert!(
                 n.starts_with(|c: char| c.is_ascii_alphanumeric())
-                    && n
-                        .chars()
+                    && n.chars()
                         .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)),
                 "{n}"
             );
@@ -385,7 +387,10 @@ mod tests {
             &["--device", "0"],
         ] {
             let err = CdiAsk::from_flags(bad).expect_err("bad").to_string();
-            assert!(err.contains("allowed is gpushare hook prestart --cdi-device"), "{err}");
+            assert!(
+                err.contains("allowed is gpushare hook prestart --cdi-device"),
+                "{err}"
+            );
         }
     }
 }

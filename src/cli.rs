@@ -222,7 +222,10 @@ fn hook(stage: HookStage, flags: &[String]) -> i32 {
         (HookStage::Prestart, Ok(Some(ask))) => Some(ask),
         (HookStage::Poststop, _) => None,
         (_, Ok(Some(_))) => {
-            eprintln!("gpushare: {} is only an argument of gpushare hook prestart", crate::cdi::DEVICE_FLAG);
+            eprintln!(
+                "gpushare: {} is only an argument of gpushare hook prestart",
+                crate::cdi::DEVICE_FLAG
+            );
             return 1;
         }
         (_, Err(e)) => {

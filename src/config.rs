@@ -834,6 +834,35 @@ mod tests {
     }
 
     #[test]
+    fn cdi_profiles_are_named_limits_within_the_ceilings() {
+        let cfg = parse(
+            "[mps]\nmax-active-thread-percentage = 50\n[cdi.profiles.small]\nactive-thread-percentage = 25\n[cdi.profiles.mem4]\npinned-memory-limit = \"4G\"\n",
+            None,
+        )
+        .expect("profiles");
+        assert_eq!(
+            cfg.cdi_profiles.keys().collect::<Vec<_>>(),
+            ["mem4", "small"]
+        );
+        assert_eq!(cfg.cdi_profiles["small"].active_thread_percentage, Some(25));
+        for (text, want) in [
+            ("[cdi.profiles.Big]\nactive-thread-percentage = 5", "[cdi.profiles.Big]: the name is invalid: allowed is 1 to 32 lowercase letters"),
+            ("[cdi.profiles.mig]\nactive-thread-percentage = 5", "[cdi.profiles.mig]: the name is invalid"),
+            ("[cdi.profiles.a-b]\nactive-thread-percentage = 5", "[cdi.profiles.a-b]: the name is invalid"),
+            ("[cdi.profiles.none]\n", "[cdi.profiles.none]: sets no limit"),
+            ("[cdi.profiles.p]\nactive-thread-percentage = 0", "active-thread-percentage = 0: allowed is an integer from 1 to 100"),
+            ("[cdi.profiles.p]\npinned-memory-limit = \"4\"", "pinned-memory-limit=\"4\" is invalid"),
+            ("[mps]\nmax-active-thread-percentage = 50\n[cdi.profiles.p]\nactive-thread-percentage = 60", "above mps.max-active-thread-percentage = 50"),
+            ("[mps]\nmax-pinned-memory-limit = \"2G\"\n[cdi.profiles.p]\npinned-memory-limit = \"4G\"", "above mps.max-pinned-memory-limit"),
+            ("[cdi.profiles.p]\nthreads = 5", "threads"),
+        ] {
+            let err = parse(text, None).expect_err(text).to_string();
+            assert!(err.contains(want), "{text}: {err}");
+            assert!(!err.contains('\n'), "{err}");
+        }
+    }
+
+    #[test]
     fn unknown_key_is_named() {
         let err = parse("stat-dir = \"/run/x\"\n", None)
             .unwrap_err()

@@ -1749,4 +1749,145 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn cdi_device_names_parse_as_one_device() {
+        use DeviceSelector::*;
+        for (raw, want) in [
+            ("0", Index(0)),
+            (GPU0, GpuUuid(GPU0.into())),
+            (MIG1, MigUuid(MIG1.into())),
+            ("1-mig-1", MigIndex { gpu: 1, mig: 1 }),
+        ] {
+            assert_eq!(parse_cdi_device(raw).expect(raw), DeviceRequest(vec![want]));
+        }
+        for bad in [
+            "0:1",
+            "0,1",
+            "1-mig-",
+            "-mig-1",
+            "x",
+            "",
+            "0-small",
+            "allocated",
+        ] {
+            let err = parse_cdi_device(bad).expect_err(bad);
+            assert!(err.to_string().starts_with("gpushare.io/gpu="), "{err}");
+        }
+    }
+
+    #[test]
+    fn beside_a_cdi_device_the_container_may_only_repeat_it() {
+        let opts = |accept_env| Options {
+            accept_env,
+            default_device: Some(DefaultDevice::Allocated),
+            accept_visible_devices_env: false,
+        };
+        let small = ProfileLimits {
+            active_thread_percentage: Some(25),
+            pinned_memory_limit: Some("4G"),
+        };
+        let ask = |ann: &[(&str, &str)], env: &[&str], accept_env: bool, profile| {
+            let ann: HashMap<String, String> = ann
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let env: Vec<String> = env.iter().map(|e| e.to_string()).collect();
+            let c = Inputs {
+                annotations: Some(&ann),
+                env: &env,
+                ..Default::default()
+            };
+            from_cdi(&c, &opts(accept_env), "0", profile)
+        };
+        // The CDI device alone: its device and its profile's limits, env refused or not.
+        let r = ask(&[], &[], false, Some(small)).unwrap().unwrap();
+        assert_eq!(r.request.device.key, CDI_KIND);
+        assert_eq!(r.request.active_thread_percentage.unwrap().value, 25);
+        assert_eq!(r.request.pinned_memory_limit.unwrap().value, 4 << 30);
+        assert!(r.own_device.is_none());
+        // Repeats are fine; the device key is compared once resolved.
+        let r = ask(
+            &[
+                ("gpushare.io/device", "2"),
+                ("gpushare.io/active-thread-percentage", "25"),
+                ("gpushare.io/pinned-memory-limit", "4096M"),
+                ("gpushare.io/ipc", "host"),
+            ],
+            &[],
+            true,
+            Some(small),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(r.own_device.unwrap().raw, "2");
+        assert_eq!(r.request.ipc.unwrap().value, IpcMode::Host);
+        // A limit that differs, or one the device's profile does not set, is refused;
+        // so is an env request where the node takes none.
+        for (ann, env, accept_env, profile, key, raw, want) in [
+            (
+                &[("gpushare.io/active-thread-percentage", "100")][..],
+                &[][..],
+                true,
+                Some(small),
+                "gpushare.io/active-thread-percentage",
+                "100",
+                "(whose profile sets 25)",
+            ),
+            (
+                &[],
+                &["GPUSHARE_PINNED_MEMORY_LIMIT=8G"],
+                true,
+                Some(small),
+                "GPUSHARE_PINNED_MEMORY_LIMIT",
+                "8G",
+                "(whose profile sets 4G)",
+            ),
+            (
+                &[("gpushare.io/pinned-memory-limit", "8G")],
+                &[],
+                true,
+                None,
+                "gpushare.io/pinned-memory-limit",
+                "8G",
+                "(which sets none)",
+            ),
+            (
+                &[],
+                &["GPUSHARE_DEVICE=0"],
+                false,
+                None,
+                "GPUSHARE_DEVICE",
+                "0",
+                "env requests are disabled",
+            ),
+        ] {
+            let err = ask(ann, env, accept_env, profile).expect_err(raw);
+            assert_msg(&err, key, raw, want);
+        }
+        // Resolved: the same GPU by another name passes, another GPU is refused.
+        let inv = sample();
+        let cdi = Sourced {
+            value: DeviceValue::Named(parse_cdi_device("0").unwrap()),
+            key: CDI_KIND,
+            raw: "0".into(),
+        };
+        let own = |raw: &str| Sourced {
+            value: DeviceValue::Named(parse_device(DEVICE.annotation, raw).unwrap()),
+            key: DEVICE.annotation,
+            raw: raw.into(),
+        };
+        let cdi_devices = cdi.resolve(&inv).unwrap();
+        let same = own(GPU0);
+        check_same_devices(&cdi, &cdi_devices, &same, &same.resolve(&inv).unwrap()).unwrap();
+        let other = own("2");
+        let err = check_same_devices(&cdi, &cdi_devices, &other, &other.resolve(&inv).unwrap())
+            .unwrap_err();
+        assert_msg(
+            &err,
+            "gpushare.io/device",
+            "2",
+            &format!("other than the container's CDI device gpushare.io/gpu=0 (which is {GPU0})"),
+        );
+    }
 }

@@ -545,6 +545,55 @@ mod tests {
     }
 
     #[test]
+    fn one_cdi_device_of_gpushare_is_the_request_two_are_refused() {
+        let hook = |args: &[&str]| serde_json::json!({"path": "/usr/bin/gpushare", "args": args});
+        let mut v: Value = serde_json::from_slice(&fixture("podman-4.3-config.json")).unwrap();
+        let spec = |v: &Value| {
+            SpecFile::parse(Path::new("c"), &serde_json::to_vec(v).unwrap(), 0o644).unwrap()
+        };
+        assert!(spec(&v).cdi_ask().unwrap().is_none());
+        // The hooks.d hook (no arguments) and other programs' hooks are no CDI request.
+        v["hooks"] = serde_json::json!({"prestart": [
+            hook(&["gpushare", "hook", "prestart"]),
+            {"path": "/usr/bin/other", "args": ["other", "hook", "prestart", "--cdi-device", "1"]},
+        ]});
+        assert!(spec(&v).cdi_ask().unwrap().is_none());
+        v["hooks"]["prestart"].as_array_mut().unwrap().push(hook(&[
+            "gpushare",
+            "hook",
+            "prestart",
+            "--cdi-device",
+            "0",
+            "--profile",
+            "small",
+        ]));
+        let ask = spec(&v).cdi_ask().unwrap().unwrap();
+        assert_eq!(ask.name(), "0-small");
+        // A CDI hook in another stage asks for nothing.
+        v["hooks"]["poststart"] =
+            serde_json::json!([hook(&["gpushare", "hook", "prestart", "--cdi-device", "2"])]);
+        assert_eq!(spec(&v).cdi_ask().unwrap().unwrap().name(), "0-small");
+        for second in ["0", "2"] {
+            let mut two = v.clone();
+            two["hooks"]["prestart"]
+                .as_array_mut()
+                .unwrap()
+                .push(hook(&[
+                    "gpushare",
+                    "hook",
+                    "prestart",
+                    "--cdi-device",
+                    second,
+                ]));
+            let err = spec(&two).cdi_ask().unwrap_err().to_string();
+            assert!(err.starts_with("the container has 2 CDI devices of gpushare (gpushare.io/gpu=0-small, gpushare.io/gpu="), "{err}");
+        }
+        let mut bad = v.clone();
+        bad["hooks"]["prestart"][2] = hook(&["gpushare", "hook", "prestart", "--cdi-device"]);
+        assert!(spec(&bad).cdi_ask().is_err());
+    }
+
+    #[test]
     fn may_request_sees_every_spelling_and_only_those() {
         let raw = |bytes: &[u8]| RawSpec {
             path: "config.json".into(),

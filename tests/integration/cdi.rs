@@ -122,7 +122,11 @@ fn podman_serves_a_cdi_device_once_and_the_container_cannot_change_its_request()
     let served = |extra: &[&str]| {
         let out = run(extra);
         let s = text(&out);
-        assert!(out.status.success(), "{extra:?}: {s}\n{}", env.gpushare_log());
+        assert!(
+            out.status.success(),
+            "{extra:?}: {s}\n{}",
+            env.gpushare_log()
+        );
         assert_eq!(
             pipe_mounts(&s),
             1,
@@ -135,7 +139,11 @@ fn podman_serves_a_cdi_device_once_and_the_container_cannot_change_its_request()
     let refused = |extra: &[&str], want: &str| {
         let out = run(extra);
         assert!(!out.status.success(), "{extra:?} must be refused");
-        assert!(text(&out).contains(want), "want {want:?} in: {}", text(&out));
+        assert!(
+            text(&out).contains(want),
+            "want {want:?} in: {}",
+            text(&out)
+        );
     };
 
     // The CDI device alone: the hooks.d hook does not run (no annotation), the CDI hook
@@ -169,7 +177,12 @@ fn podman_serves_a_cdi_device_once_and_the_container_cannot_change_its_request()
     );
     // The env cannot either: this node refuses env requests outright.
     refused(
-        &["--device", "gpushare.io/gpu=0", "--env", "GPUSHARE_DEVICE=2"],
+        &[
+            "--device",
+            "gpushare.io/gpu=0",
+            "--env",
+            "GPUSHARE_DEVICE=2",
+        ],
         "GPUSHARE_DEVICE=\"2\" is refused: env requests are disabled",
     );
     assert!(

@@ -2168,7 +2168,11 @@ fn cri_containerd2_serves_a_cdi_device_once_through_the_shim() {
     let spec = node.bundle_spec(&id);
     let hooks = spec["hooks"].to_string();
     assert!(!hooks.contains("--cdi-device"), "{hooks}");
-    assert_eq!(spec["hooks"]["createRuntime"].as_array().map(Vec::len), Some(1), "{hooks}");
+    assert_eq!(
+        spec["hooks"]["createRuntime"].as_array().map(Vec::len),
+        Some(1),
+        "{hooks}"
+    );
 
     // By the cdi.k8s.io annotation, a profile's device: its limit.
     let c = ContainerSpec {
