@@ -203,13 +203,17 @@ pub(crate) fn to_bytes(spec: &Value) -> Vec<u8> {
 /// The spec this node would generate now: the inventory, the configured profiles, this
 /// binary and the hook environment of the config this process read.
 pub(crate) fn current(cfg: &crate::config::Config) -> anyhow::Result<Value> {
+    for_node(cfg, &crate::device::load(&cfg.inventory)?)
+}
+
+/// [`current`] for an inventory already loaded.
+pub(crate) fn for_node(cfg: &crate::config::Config, inv: &Inventory) -> anyhow::Result<Value> {
     use anyhow::Context;
-    let inv = crate::device::load(&cfg.inventory)?;
     let binary = std::env::current_exe().context("find gpushare's own path")?;
     let (config, named) = crate::config::location();
     let env = crate::runtime::hook_env(named.then_some(config.as_path()));
     Ok(spec(
-        &inv,
+        inv,
         &cfg.cdi_profiles,
         &HookProgram {
             binary: &binary,
@@ -217,6 +221,17 @@ pub(crate) fn current(cfg: &crate::config::Config) -> anyhow::Result<Value> {
             prestart_timeout: cfg.mps.start_timeout.as_secs() + 5,
         },
     ))
+}
+
+/// The device names of a spec, in its order (what `doctor` compares first).
+pub(crate) fn names(spec: &Value) -> Vec<&str> {
+    spec["devices"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[])
+        .iter()
+        .filter_map(|d| d["name"].as_str())
+        .collect()
 }
 
 /// `gpushare cdi generate`: writes [`current`] to `output` atomically (mode 0644, its
@@ -277,12 +292,7 @@ mod tests {
     }
 
     fn names(spec: &Value) -> Vec<String> {
-        spec["devices"]
-            .as_array()
-            .expect("devices")
-            .iter()
-            .map(|d| d["name"].as_str().expect("name").to_owned())
-            .collect()
+        super::names(spec).into_iter().map(str::to_owned).collect()
     }
 
     #[test]

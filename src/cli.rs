@@ -59,6 +59,10 @@ enum Command {
         /// containerd's config.toml to check.
         #[arg(long, default_value = crate::install::DEFAULT_CONTAINERD_CONFIG)]
         containerd_config: std::path::PathBuf,
+        /// A CDI spec of gpushare's to compare with the inventory (repeatable; default:
+        /// /etc/cdi/gpushare.json and /var/run/cdi/gpushare.json, where they exist).
+        #[arg(long)]
+        cdi_spec: Vec<std::path::PathBuf>,
     },
     /// Register gpushare-runtime with a container engine.
     Install {
@@ -119,6 +123,13 @@ enum Engine {
         /// <name>-base-spec.json) runs gpushare in hook-only mode. --runtime-path is unused.
         #[arg(long)]
         hook_only: bool,
+    },
+    /// Write gpushare's CDI spec (`gpushare cdi generate`) where every CDI engine reads it
+    /// across reboots (default /etc/cdi/gpushare.json), and say how each engine uses it.
+    Cdi {
+        /// Where to write it.
+        #[arg(long, default_value = crate::install::CDI_STATIC_SPEC)]
+        output: std::path::PathBuf,
     },
 }
 
@@ -392,8 +403,9 @@ fn run(cfg: &Config, command: Command) -> i32 {
         Command::Doctor {
             docker_config,
             containerd_config,
-        } => doctor(cfg, docker_config, containerd_config),
-        Command::Install { engine } => report(ops::install::run(engine.into())),
+            cdi_spec,
+        } => doctor(cfg, docker_config, containerd_config, cdi_spec),
+        Command::Install { engine } => report(install(cfg, engine)),
         Command::Daemon { command } => daemon(cfg, command),
     }
 }
@@ -478,15 +490,21 @@ fn supervise(cfg: &Config, id: &str) -> i32 {
     }
 }
 
-fn doctor(cfg: &Config, docker: std::path::PathBuf, containerd: std::path::PathBuf) -> i32 {
-    let checks = crate::doctor::run(
-        cfg,
-        &crate::doctor::Paths {
-            docker,
-            containerd,
-            ..Default::default()
-        },
-    );
+fn doctor(
+    cfg: &Config,
+    docker: std::path::PathBuf,
+    containerd: std::path::PathBuf,
+    cdi_specs: Vec<std::path::PathBuf>,
+) -> i32 {
+    let mut paths = crate::doctor::Paths {
+        docker,
+        containerd,
+        ..Default::default()
+    };
+    if !cdi_specs.is_empty() {
+        paths.cdi_specs = cdi_specs;
+    }
+    let checks = crate::doctor::run(cfg, &paths);
     let (text, code) = crate::doctor::report(&checks);
     print!("{text}");
     code
@@ -512,28 +530,28 @@ impl From<Format> for ops::status::Format {
     }
 }
 
-impl From<Engine> for ops::install::Install {
-    fn from(engine: Engine) -> Self {
-        let (args, engine) = match engine {
-            Engine::Docker(args) => (args, ops::install::Engine::Docker),
-            Engine::Containerd {
-                args,
+/// `gpushare install <engine>`: the CDI spec, or a runtime registered with an engine.
+fn install(cfg: &Config, engine: Engine) -> anyhow::Result<()> {
+    let (args, engine) = match engine {
+        Engine::Cdi { output } => return ops::install::cdi(cfg, &output),
+        Engine::Docker(args) => (args, ops::install::Engine::Docker),
+        Engine::Containerd {
+            args,
+            config_version,
+            hook_only,
+        } => (
+            args,
+            ops::install::Engine::Containerd {
                 config_version,
                 hook_only,
-            } => (
-                args,
-                ops::install::Engine::Containerd {
-                    config_version,
-                    hook_only,
-                },
-            ),
-        };
-        ops::install::Install {
-            engine,
-            config: args.config,
-            runtime_path: args.runtime_path,
-            name: args.name,
-            dry_run: args.dry_run,
-        }
-    }
+            },
+        ),
+    };
+    ops::install::run(ops::install::Install {
+        engine,
+        config: args.config,
+        runtime_path: args.runtime_path,
+        name: args.name,
+        dry_run: args.dry_run,
+    })
 }

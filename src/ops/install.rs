@@ -175,6 +175,25 @@ fn default_spec() -> anyhow::Result<Vec<u8>> {
     Ok(out.stdout)
 }
 
+/// `gpushare install cdi`: the CDI spec written where the engines read it, and what each
+/// engine needs to read it.
+pub(crate) fn cdi(cfg: &crate::config::Config, output: &Path) -> anyhow::Result<()> {
+    crate::cdi::generate(cfg, output)?;
+    let dir = output.parent().unwrap_or(Path::new("/"));
+    println!("then ask for a share with a CDI device, e.g. gpushare.io/gpu=0 (docs/requests.md):");
+    println!("  Podman 4.1+: podman run --device gpushare.io/gpu=0 … (Podman 4.x reads only /etc/cdi and /var/run/cdi)");
+    println!(
+        "  Docker 25+: \"features\": {{\"cdi\": true}} and \"cdi-spec-dirs\": [\"{}\"] in daemon.json, then docker run --device gpushare.io/gpu=0 …",
+        dir.display()
+    );
+    println!(
+        "  containerd 1.7+ (CRI): enable_cdi = true and cdi_spec_dirs = [\"{}\"] in the CRI runtime plugin's table (on by default in 2.x); kubelet passes CDI devices from device plugins and DRA drivers",
+        dir.display()
+    );
+    println!("run this command again after the GPUs, MIG devices or [cdi.profiles] change (gpushare doctor says when)");
+    Ok(())
+}
+
 /// What the operator does next for the engine to use the new runtime.
 fn print_next_steps(is_docker: bool, name: &str) {
     if is_docker {

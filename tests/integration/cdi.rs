@@ -58,6 +58,17 @@ fn podman_serves_a_cdi_device_once_and_the_container_cannot_change_its_request()
         "{}",
         text(&out)
     );
+    let out = ns
+        .cmd(GPUSHARE)
+        .args(["doctor", "--cdi-spec", "/var/run/cdi/gpushare.json"])
+        .env("GPUSHARE_CONFIG", &env.config)
+        .output()
+        .unwrap();
+    assert!(
+        text(&out).contains("/var/run/cdi/gpushare.json is current: 24 devices of gpushare.io/gpu"),
+        "{}",
+        text(&out)
+    );
     let pm = |args: &[&str]| {
         ns.cmd(&podman)
             .arg("--root")

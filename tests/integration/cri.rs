@@ -2109,11 +2109,16 @@ fn cri_containerd2_serves_a_cdi_device_once_through_the_shim() {
     let cdi = env.path().join("cdi");
     let out = env
         .cmd(GPUSHARE)
-        .args(["cdi", "generate", "--output"])
+        .args(["install", "cdi", "--output"])
         .arg(cdi.join("gpushare.json"))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("cdi_spec_dirs = [\"{}\"]", cdi.display())),
+        "{}",
+        text(&out)
+    );
     let mut node = Node::start_containerd2_with(
         &env,
         &format!(
