@@ -1,5 +1,6 @@
 //! CDI (Container Device Interface) as a way to ask for a share: the spec `gpushare cdi
-//! generate` writes from the node's inventory, and the request its hooks carry.
+//! generate` writes from the node's inventory (the request each device's hook carries is
+//! `request::CdiAsk`, read back from a container's spec by `SpecFile::cdi_ask`).
 //!
 //! The spec has kind `gpushare.io/gpu` and `cdiVersion` 0.5.0, the newest that Podman 4.3
 //! reads and the first that allows device names starting with a digit; Docker 25+,
@@ -16,7 +17,7 @@
 //! device nor raise the profile's limits (`request::from_cdi` holds them to repeating
 //! it); a container's author cannot write a hook (Docker, Podman, containerd's CRI and
 //! CRI-O give it no way to), so a spec carrying the `--cdi-device` hook was given it by the
-//! node ([`CdiAsk::in_hooks`]). The spec is a pure function of the inventory, the
+//! node (`SpecFile::cdi_ask`). The spec is a pure function of the inventory, the
 //! profiles, the binary, the hooks' environment and the start timeout, so `doctor` can
 //! regenerate it and compare.
 
@@ -27,6 +28,7 @@ use serde_json::{json, Value};
 
 use crate::config::CdiProfile;
 use crate::device::Inventory;
+use crate::request::CdiAsk;
 
 /// The CDI version written: every engine gpushare supports reads it (see the module doc).
 pub(crate) const CDI_VERSION: &str = "0.5.0";
@@ -34,85 +36,8 @@ pub(crate) const CDI_VERSION: &str = "0.5.0";
 /// that every CDI engine reads, Podman 4.3 included (it reads only `/etc/cdi` and
 /// `/var/run/cdi`).
 pub(crate) const DEFAULT_OUTPUT: &str = "/var/run/cdi/gpushare.json";
-/// The hook argument naming the CDI device's base name.
-pub(crate) const DEVICE_FLAG: &str = "--cdi-device";
-/// The hook argument naming the device's profile.
-pub(crate) const PROFILE_FLAG: &str = "--profile";
 /// Seconds the engine gives the poststop hook.
 const POSTSTOP_TIMEOUT: u64 = 10;
-
-/// What a CDI device of gpushare's asks for: its hook's arguments.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CdiAsk {
-    /// The base device name (`0`, `GPU-<uuid>`, `1-mig-0`, `MIG-<uuid>`).
-    pub device: String,
-    /// The profile of `[cdi.profiles]`, if any.
-    pub profile: Option<String>,
-}
-
-/// A hook's arguments that are not a `--cdi-device` request gpushare writes.
-#[derive(Debug, thiserror::Error)]
-#[error("the hook's arguments {args:?} are invalid: allowed is gpushare hook prestart {DEVICE_FLAG} <device> [{PROFILE_FLAG} <name>], as gpushare cdi generate writes them")]
-pub struct BadHookArgs {
-    args: Vec<String>,
-}
-
-impl CdiAsk {
-    /// The CDI device name: `<device>` or `<device>-<profile>`.
-    pub(crate) fn name(&self) -> String {
-        match &self.profile {
-            Some(p) => format!("{}-{p}", self.device),
-            None => self.device.clone(),
-        }
-    }
-
-    /// The arguments after `gpushare hook prestart`.
-    fn flags(&self) -> Vec<String> {
-        let mut args = vec![DEVICE_FLAG.to_owned(), self.device.clone()];
-        if let Some(p) = &self.profile {
-            args.extend([PROFILE_FLAG.to_owned(), p.clone()]);
-        }
-        args
-    }
-
-    /// Parses the arguments after `gpushare hook prestart`: `None` when there are none
-    /// (the hooks.d hook), the request for exactly `--cdi-device <d> [--profile <p>]`.
-    /// The values are checked later, by the request pipeline and the config.
-    pub(crate) fn from_flags<S: AsRef<str>>(flags: &[S]) -> Result<Option<Self>, BadHookArgs> {
-        let f: Vec<&str> = flags.iter().map(AsRef::as_ref).collect();
-        let bad = || BadHookArgs {
-            args: f.iter().map(|s| (*s).to_owned()).collect(),
-        };
-        let ask = |device: &str, profile: Option<&str>| CdiAsk {
-            device: device.to_owned(),
-            profile: profile.map(str::to_owned),
-        };
-        match f.as_slice() {
-            [] => Ok(None),
-            [DEVICE_FLAG, d] => Ok(Some(ask(d, None))),
-            [DEVICE_FLAG, d, PROFILE_FLAG, p] => Ok(Some(ask(d, Some(p)))),
-            _ => Err(bad()),
-        }
-    }
-
-    /// The `--cdi-device` requests among a spec's hooks of one stage: each of gpushare's
-    /// `hook prestart` hooks that carries arguments after the stage. A hook with
-    /// unreadable ones is an error.
-    pub(crate) fn in_hooks(list: &[Value]) -> Result<Vec<Self>, BadHookArgs> {
-        list.iter()
-            .filter(|h| crate::spec::edits::gpushare_hook_stage(h) == Some("prestart"))
-            .filter_map(|h| {
-                let args: Vec<&str> = h
-                    .get("args")
-                    .and_then(Value::as_array)?
-                    .iter()
-                    .map(|a| a.as_str().unwrap_or(""))
-                    .collect();
-                Self::from_flags(args.get(3..).unwrap_or(&[])).transpose()
-            })
-            .collect()
-    }
-}
 
 /// The base device names of an inventory, in a fixed order: per GPU its index and UUID,
 /// then per MIG device of it `<gpu>-mig-<mig>` and its UUID.
@@ -365,7 +290,7 @@ mod tests {
         // parses as one device.
         let hooks = d["containerEdits"]["hooks"].as_array().expect("hooks");
         assert_eq!(
-            CdiAsk::in_hooks(hooks).expect("asks"),
+            crate::spec::SpecFile::cdi_asks_in(hooks).expect("asks"),
             [CdiAsk {
                 device: "1-mig-2".into(),
                 profile: Some("small".into())

@@ -228,14 +228,14 @@ fn load_config() -> Result<Config, i32> {
 /// on stderr and exit 1 on failure (poststop: the line, and exit 0 — DESIGN §8). Flags
 /// are the request of a CDI device, for `prestart` only.
 fn hook(stage: HookStage, flags: &[String]) -> i32 {
-    let cdi = match (stage, crate::cdi::CdiAsk::from_flags(flags)) {
+    let cdi = match (stage, crate::request::CdiAsk::from_flags(flags)) {
         (_, Ok(None)) => None,
         (HookStage::Prestart, Ok(Some(ask))) => Some(ask),
         (HookStage::Poststop, _) => None,
         (_, Ok(Some(_))) => {
             eprintln!(
                 "gpushare: {} is only an argument of gpushare hook prestart",
-                crate::cdi::DEVICE_FLAG
+                crate::request::CDI_DEVICE_FLAG
             );
             return 1;
         }

@@ -47,7 +47,7 @@ pub(crate) const PIPE_IN_CONTAINER: &str = "tmp/nvidia-mps";
 pub(crate) fn prestart(
     cfg: &Config,
     state: &State,
-    cdi: Option<&crate::cdi::CdiAsk>,
+    cdi: Option<&crate::request::CdiAsk>,
 ) -> anyhow::Result<()> {
     if let Some((key, value)) =
         request::sandbox_marker(|k| state.annotations.get(k).map(String::as_str))

@@ -39,6 +39,9 @@
 //!   `iB` or `B`, all meaning powers of 1024 as MPS does. A size without a unit is refused as
 //!   ambiguous; the minimum is 1M; a size that is not a whole MiB is rounded down by
 //!   [`format_mps_size`].
+//! - A CDI device of gpushare's is a request source of its own ([`from_cdi`]): its request
+//!   is its hook's arguments ([`CdiAsk`]), which the node's CDI spec wrote; beside it the
+//!   container's own keys may only repeat it, and `default-device` does not apply.
 //! - [`check`] is the one place a parsed request meets the node: the devices' memory and
 //!   the operator's ceilings (`mps.max-active-thread-percentage`,
 //!   `mps.max-pinned-memory-limit`). A request above a ceiling is refused, never lowered
@@ -762,6 +765,65 @@ fn device_value(
         key,
         raw: raw.to_owned(),
     })
+}
+
+/// The hook argument naming the CDI device's base name.
+pub(crate) const CDI_DEVICE_FLAG: &str = "--cdi-device";
+/// The hook argument naming the device's profile.
+pub(crate) const CDI_PROFILE_FLAG: &str = "--profile";
+/// What a CDI device of gpushare's asks for: its hook's arguments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CdiAsk {
+    /// The base device name (`0`, `GPU-<uuid>`, `1-mig-0`, `MIG-<uuid>`).
+    pub device: String,
+    /// The profile of `[cdi.profiles]`, if any.
+    pub profile: Option<String>,
+}
+
+/// A hook's arguments that are not a `--cdi-device` request gpushare writes.
+#[derive(Debug, thiserror::Error)]
+#[error("the hook's arguments {args:?} are invalid: allowed is gpushare hook prestart {CDI_DEVICE_FLAG} <device> [{CDI_PROFILE_FLAG} <name>], as gpushare cdi generate writes them")]
+pub struct BadHookArgs {
+    args: Vec<String>,
+}
+
+impl CdiAsk {
+    /// The CDI device name: `<device>` or `<device>-<profile>`.
+    pub(crate) fn name(&self) -> String {
+        match &self.profile {
+            Some(p) => format!("{}-{p}", self.device),
+            None => self.device.clone(),
+        }
+    }
+
+    /// The arguments after `gpushare hook prestart`.
+    pub(crate) fn flags(&self) -> Vec<String> {
+        let mut args = vec![CDI_DEVICE_FLAG.to_owned(), self.device.clone()];
+        if let Some(p) = &self.profile {
+            args.extend([CDI_PROFILE_FLAG.to_owned(), p.clone()]);
+        }
+        args
+    }
+
+    /// Parses the arguments after `gpushare hook prestart`: `None` when there are none
+    /// (the hooks.d hook), the request for exactly `--cdi-device <d> [--profile <p>]`.
+    /// The values are checked later, by the request pipeline and the config.
+    pub(crate) fn from_flags<S: AsRef<str>>(flags: &[S]) -> Result<Option<Self>, BadHookArgs> {
+        let f: Vec<&str> = flags.iter().map(AsRef::as_ref).collect();
+        let bad = || BadHookArgs {
+            args: f.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        let ask = |device: &str, profile: Option<&str>| CdiAsk {
+            device: device.to_owned(),
+            profile: profile.map(str::to_owned),
+        };
+        match f.as_slice() {
+            [] => Ok(None),
+            [CDI_DEVICE_FLAG, d] => Ok(Some(ask(d, None))),
+            [CDI_DEVICE_FLAG, d, CDI_PROFILE_FLAG, p] => Ok(Some(ask(d, Some(p)))),
+            _ => Err(bad()),
+        }
+    }
 }
 
 /// The CDI kind of gpushare's devices; errors about a CDI device name it as `<kind>=<name>`.

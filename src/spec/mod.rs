@@ -265,11 +265,31 @@ impl SpecFile {
             })
     }
 
+    /// The `--cdi-device` requests among a spec's hooks of one stage: each of gpushare's
+    /// `hook prestart` hooks that carries arguments after the stage. A hook with
+    /// unreadable ones is an error.
+    pub(crate) fn cdi_asks_in(
+        list: &[Value],
+    ) -> Result<Vec<crate::request::CdiAsk>, crate::request::BadHookArgs> {
+        list.iter()
+            .filter(|h| edits::gpushare_hook_stage(h) == Some("prestart"))
+            .filter_map(|h| {
+                let args: Vec<&str> = h
+                    .get("args")
+                    .and_then(Value::as_array)?
+                    .iter()
+                    .map(|a| a.as_str().unwrap_or(""))
+                    .collect();
+                crate::request::CdiAsk::from_flags(args.get(3..).unwrap_or(&[])).transpose()
+            })
+            .collect()
+    }
+
     /// The request of the CDI device of gpushare's this spec carries, if any: the
     /// `--cdi-device` arguments of its gpushare `prestart` hook, which only a CDI spec (the
     /// node's: see `cdi`) puts there, never a container's author. More than one such hook
     /// (two devices, or one twice) is refused: each would serve the container.
-    pub(crate) fn cdi_ask(&self) -> anyhow::Result<Option<crate::cdi::CdiAsk>> {
+    pub(crate) fn cdi_ask(&self) -> anyhow::Result<Option<crate::request::CdiAsk>> {
         let list = self
             .doc
             .get("hooks")
@@ -277,7 +297,7 @@ impl SpecFile {
             .and_then(Value::as_array)
             .map(Vec::as_slice)
             .unwrap_or(&[]);
-        let mut asks = crate::cdi::CdiAsk::in_hooks(list)?;
+        let mut asks = Self::cdi_asks_in(list)?;
         match asks.len() {
             0 | 1 => Ok(asks.pop()),
             n => {
