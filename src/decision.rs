@@ -87,7 +87,9 @@ pub(crate) fn resolve_spec(
                 )
             })?),
         };
-        let Some(cdi) = request::from_cdi(&inputs, &options, &ask.device, profile)? else {
+        let cdi = request::from_cdi(&inputs, &options, &ask.device, profile)
+            .with_context(|| named.clone())?;
+        let Some(cdi) = cdi else {
             return Ok(None);
         };
         return resolve_with(cfg, cdi.request, cdi.own_device.as_ref(), ipc, host_user)
