@@ -130,7 +130,22 @@ enum Engine {
         /// Where to write it.
         #[arg(long, default_value = crate::install::CDI_STATIC_SPEC)]
         output: std::path::PathBuf,
+        /// Also turn CDI on in this engine's config, reading the spec's directory: Docker's
+        /// daemon.json (`features.cdi`, `cdi-spec-dirs`) or containerd's config.toml
+        /// (`enable_cdi`, `cdi_spec_dirs` of the CRI plugin).
+        #[arg(long, value_enum)]
+        enable: Option<CdiEngine>,
+        /// The engine's config file (default: /etc/docker/daemon.json or
+        /// /etc/containerd/config.toml).
+        #[arg(long, requires = "enable")]
+        config: Option<std::path::PathBuf>,
     },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CdiEngine {
+    Docker,
+    Containerd,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -533,7 +548,20 @@ impl From<Format> for ops::status::Format {
 /// `gpushare install <engine>`: the CDI spec, or a runtime registered with an engine.
 fn install(cfg: &Config, engine: Engine) -> anyhow::Result<()> {
     let (args, engine) = match engine {
-        Engine::Cdi { output } => return ops::install::cdi(cfg, &output),
+        Engine::Cdi {
+            output,
+            enable,
+            config,
+        } => {
+            let enable = enable.map(|e| match e {
+                CdiEngine::Docker => ops::install::Engine::Docker,
+                CdiEngine::Containerd => ops::install::Engine::Containerd {
+                    config_version: None,
+                    hook_only: false,
+                },
+            });
+            return ops::install::cdi(cfg, &output, enable, config);
+        }
         Engine::Docker(args) => (args, ops::install::Engine::Docker),
         Engine::Containerd {
             args,

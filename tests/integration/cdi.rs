@@ -215,6 +215,28 @@ fn podman_serves_a_cdi_device_once_and_the_container_cannot_change_its_request()
         "gpushare.io/active-thread-percentage=\"100\" is refused: it asks for something other than the container's CDI device gpushare.io/gpu=0 (whose profile sets 25)",
     );
     assert_eq!(env.daemon_ids().len(), 2, "GPU 0, and GPU 0 at 25 %");
+
+    // The profile leaves the config: its devices are refused, and doctor says the spec
+    // is out of date.
+    let text_before = std::fs::read_to_string(&env.config).unwrap();
+    let profile = "[cdi.profiles.small]\nactive-thread-percentage = 25\n";
+    assert!(text_before.contains(profile));
+    std::fs::write(&env.config, text_before.replace(profile, "")).unwrap();
+    refused(
+        &["--device", "gpushare.io/gpu=0-small"],
+        "CDI device gpushare.io/gpu=0-small: profile small is not in this node's config",
+    );
+    let out = ns
+        .cmd(GPUSHARE)
+        .args(["doctor", "--cdi-spec", "/var/run/cdi/gpushare.json"])
+        .env("GPUSHARE_CONFIG", &env.config)
+        .output()
+        .unwrap();
+    assert!(
+        text(&out).contains("/var/run/cdi/gpushare.json is out of date with the inventory and config: devices no longer on this node: [0-small,"),
+        "{}",
+        text(&out)
+    );
     // The poststop hooks released every container.
     assert!(wait_until(Duration::from_secs(5), || env
         .status()

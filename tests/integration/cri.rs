@@ -355,19 +355,17 @@ impl<'e> Node<'e> {
     /// install containerd`. The fetched binaries are bound into the namespace (its tmpfs
     /// covers /var/cache).
     fn start_containerd2(env: &'e Env) -> Node<'e> {
-        Node::start_containerd2_with(env, "")
+        Node::start_containerd2_with(env, &|_| {})
     }
 
-    /// [`Node::start_containerd2`], with `runtime_keys` added to the CRI runtime plugin's
-    /// table.
-    fn start_containerd2_with(env: &'e Env, runtime_keys: &str) -> Node<'e> {
+    /// [`Node::start_containerd2`], with `configure` run on the config file after
+    /// `gpushare install containerd`, before containerd starts.
+    fn start_containerd2_with(env: &'e Env, configure: &dyn Fn(&Path)) -> Node<'e> {
         let fetched = containerd2_bin();
         let dir = env.path().join("k");
         std::fs::create_dir_all(&dir).unwrap();
         let config = dir.join("config.toml");
-        let table = "[plugins.\"io.containerd.cri.v1.runtime\"]\n";
-        let base = base_config_v3(&dir).replacen(table, &format!("{table}{runtime_keys}"), 1);
-        std::fs::write(&config, base).unwrap();
+        std::fs::write(&config, base_config_v3(&dir)).unwrap();
         pod_network(&dir);
         let out = env
             .cmd(GPUSHARE)
@@ -378,6 +376,7 @@ impl<'e> Node<'e> {
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", text(&out));
+        configure(&config);
         let bin = dir.join("bin");
         let ns = PrivateMounts::with_binds(&[(&fetched, &bin)]);
         let node = Node::start_in(env, dir, config, ns, Some(bin), &[]);
@@ -2098,7 +2097,8 @@ fn cri_host_users_false_pod_is_served_as_its_host_uid() {
 }
 
 /// CDI on containerd 2.x's CRI plugin (`enable_cdi`, a private `cdi_spec_dirs` holding the
-/// spec `gpushare cdi generate` wrote), with the gpushare runtime class: a CDI device of
+/// spec, both written by `gpushare install cdi --enable containerd`), with the gpushare
+/// runtime class: a CDI device of
 /// gpushare's, by the CRI `CDI_devices` field or a `cdi.k8s.io/*` annotation, is served
 /// once — the shim takes the request from the CDI hook and replaces that hook by its own
 /// — on the GPU it names, with its profile's limit; a pod annotation asking for another
@@ -2107,25 +2107,29 @@ fn cri_host_users_false_pod_is_served_as_its_host_uid() {
 fn cri_containerd2_serves_a_cdi_device_once_through_the_shim() {
     let env = Env::with_configs("[cdi.profiles.small]\nactive-thread-percentage = 25\n", "");
     let cdi = env.path().join("cdi");
-    let out = env
-        .cmd(GPUSHARE)
-        .args(["install", "cdi", "--output"])
-        .arg(cdi.join("gpushare.json"))
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains(&format!("cdi_spec_dirs = [\"{}\"]", cdi.display())),
-        "{}",
-        text(&out)
-    );
-    let mut node = Node::start_containerd2_with(
-        &env,
-        &format!(
-            "  enable_cdi = true\n  cdi_spec_dirs = [{:?}]\n",
-            cdi.display().to_string()
-        ),
-    );
+    // `gpushare install cdi` writes the spec into a private directory and turns CDI on in
+    // the node's config, with that directory among its `cdi_spec_dirs`.
+    let mut node = Node::start_containerd2_with(&env, &|config| {
+        let out = env
+            .cmd(GPUSHARE)
+            .args(["install", "cdi", "--output"])
+            .arg(cdi.join("gpushare.json"))
+            .args(["--enable", "containerd", "--config"])
+            .arg(config)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        let t: toml::Table = std::fs::read_to_string(config).unwrap().parse().unwrap();
+        let cri = &t["plugins"]["io.containerd.cri.v1.runtime"];
+        assert_eq!(cri["enable_cdi"].as_bool(), Some(true), "{t}");
+        assert!(
+            cri["cdi_spec_dirs"]
+                .as_array()
+                .unwrap()
+                .contains(&toml::Value::from(cdi.display().to_string())),
+            "{t}"
+        );
+    });
     let script = format!("{CLIENT}; cat /proc/self/mountinfo; exec sleep 3600");
     let pipe_mounts = |out: &str| {
         out.lines()
