@@ -29,6 +29,15 @@ enum Command {
     Hook {
         #[arg(value_enum)]
         stage: HookStage,
+        /// The request of a CDI device (prestart only, as `gpushare cdi generate` writes
+        /// it): --cdi-device <device> [--profile <name>].
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        flags: Vec<String>,
+    },
+    /// CDI (Container Device Interface) specs for gpushare's devices.
+    Cdi {
+        #[command(subcommand)]
+        command: CdiCommand,
     },
     /// Show MPS daemons, their health, and the containers using them.
     Status {
@@ -50,6 +59,10 @@ enum Command {
         /// containerd's config.toml to check.
         #[arg(long, default_value = crate::install::DEFAULT_CONTAINERD_CONFIG)]
         containerd_config: std::path::PathBuf,
+        /// A CDI spec of gpushare's to compare with the inventory (repeatable; default:
+        /// /etc/cdi/gpushare.json and /var/run/cdi/gpushare.json, where they exist).
+        #[arg(long)]
+        cdi_spec: Vec<std::path::PathBuf>,
     },
     /// Register gpushare-runtime with a container engine.
     Install {
@@ -115,6 +128,28 @@ enum Engine {
         #[arg(long)]
         hook_only: bool,
     },
+    /// Write gpushare's CDI spec (`gpushare cdi generate`) where every CDI engine reads it
+    /// across reboots (default /etc/cdi/gpushare.json), and say how each engine uses it.
+    Cdi {
+        /// Where to write it.
+        #[arg(long, default_value = crate::install::CDI_STATIC_SPEC)]
+        output: std::path::PathBuf,
+        /// Also turn CDI on in this engine's config, reading the spec's directory: Docker's
+        /// daemon.json (`features.cdi`, `cdi-spec-dirs`) or containerd's config.toml
+        /// (`enable_cdi`, `cdi_spec_dirs` of the CRI plugin).
+        #[arg(long, value_enum)]
+        enable: Option<CdiEngine>,
+        /// The engine's config file (default: /etc/docker/daemon.json or
+        /// /etc/containerd/config.toml).
+        #[arg(long, requires = "enable")]
+        config: Option<std::path::PathBuf>,
+    },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CdiEngine {
+    Docker,
+    Containerd,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -125,6 +160,18 @@ enum HookStage {
     Poststop,
     /// Hook-only mode (hooks.d, no shim): resolve, ensure, and mount into the container.
     Prestart,
+}
+
+#[derive(Subcommand)]
+enum CdiCommand {
+    /// Write the CDI spec of this node's devices (kind gpushare.io/gpu): one device per
+    /// GPU index and UUID and per MIG device (<gpu>-mig-<mig>, MIG-<uuid>), and each once
+    /// more per [cdi.profiles.<name>] as <device>-<name>. Written atomically.
+    Generate {
+        /// Where to write it; `-` prints it.
+        #[arg(long, default_value = crate::cdi::DEFAULT_OUTPUT)]
+        output: std::path::PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -196,9 +243,26 @@ fn load_config() -> Result<Config, i32> {
     })
 }
 
-/// `gpushare hook <stage>`: the container state on stdin, one `gpushare: …` line on
-/// stderr and exit 1 on failure (poststop: the line, and exit 0 — DESIGN §8).
-fn hook(stage: HookStage) -> i32 {
+/// `gpushare hook <stage> [flags]`: the container state on stdin, one `gpushare: …` line
+/// on stderr and exit 1 on failure (poststop: the line, and exit 0 — DESIGN §8). Flags
+/// are the request of a CDI device, for `prestart` only.
+fn hook(stage: HookStage, flags: &[String]) -> i32 {
+    let cdi = match (stage, crate::request::CdiAsk::from_flags(flags)) {
+        (_, Ok(None)) => None,
+        (HookStage::Prestart, Ok(Some(ask))) => Some(ask),
+        (HookStage::Poststop, _) => None,
+        (_, Ok(Some(_))) => {
+            eprintln!(
+                "gpushare: {} is only an argument of gpushare hook prestart",
+                crate::request::CDI_DEVICE_FLAG
+            );
+            return 1;
+        }
+        (_, Err(e)) => {
+            eprintln!("gpushare: {e}");
+            return 1;
+        }
+    };
     let cfg = match load_config() {
         Ok(c) => c,
         Err(_) if matches!(stage, HookStage::Poststop) => return 0,
@@ -231,7 +295,7 @@ fn hook(stage: HookStage) -> i32 {
             crate::hook::poststop(&cfg, &state);
             0
         }
-        HookStage::Prestart => match crate::hookonly::prestart(&cfg, &state) {
+        HookStage::Prestart => match crate::hookonly::prestart(&cfg, &state, cdi.as_ref()) {
             Ok(()) => 0,
             Err(e) => {
                 tracing::error!("prestart: {e:#}");
@@ -246,14 +310,14 @@ fn hook(stage: HookStage) -> i32 {
 pub fn main() -> i32 {
     crate::device::read_nvml_in_process();
     if let Some(stage) = hook_argv() {
-        return hook(stage);
+        return hook(stage, &[]);
     }
     if is_argv(&[crate::device::NVML_SUBCOMMAND]) {
         return nvml_inventory();
     }
     let cli = Cli::parse();
-    if let Command::Hook { stage } = cli.command {
-        return hook(stage);
+    if let Command::Hook { stage, flags } = &cli.command {
+        return hook(*stage, flags);
     }
     if let Command::Daemon {
         command: DaemonCommand::Supervise { .. } | DaemonCommand::Reap { .. },
@@ -341,7 +405,10 @@ impl Command {
 fn run(cfg: &Config, command: Command) -> i32 {
     match command {
         // `main` runs a hook before the config is loaded: not reached from there.
-        Command::Hook { stage } => hook(stage),
+        Command::Hook { stage, flags } => hook(stage, &flags),
+        Command::Cdi {
+            command: CdiCommand::Generate { output },
+        } => report(crate::cdi::generate(cfg, &output)),
         Command::Status {
             json,
             format,
@@ -355,8 +422,9 @@ fn run(cfg: &Config, command: Command) -> i32 {
         Command::Doctor {
             docker_config,
             containerd_config,
-        } => doctor(cfg, docker_config, containerd_config),
-        Command::Install { engine } => report(ops::install::run(engine.into())),
+            cdi_spec,
+        } => doctor(cfg, docker_config, containerd_config, cdi_spec),
+        Command::Install { engine } => report(install(cfg, engine)),
         Command::Daemon { command } => daemon(cfg, command),
         Command::Agent => report(crate::mps::agent::run(cfg)),
     }
@@ -442,15 +510,21 @@ fn supervise(cfg: &Config, id: &str) -> i32 {
     }
 }
 
-fn doctor(cfg: &Config, docker: std::path::PathBuf, containerd: std::path::PathBuf) -> i32 {
-    let checks = crate::doctor::run(
-        cfg,
-        &crate::doctor::Paths {
-            docker,
-            containerd,
-            ..Default::default()
-        },
-    );
+fn doctor(
+    cfg: &Config,
+    docker: std::path::PathBuf,
+    containerd: std::path::PathBuf,
+    cdi_specs: Vec<std::path::PathBuf>,
+) -> i32 {
+    let mut paths = crate::doctor::Paths {
+        docker,
+        containerd,
+        ..Default::default()
+    };
+    if !cdi_specs.is_empty() {
+        paths.cdi_specs = cdi_specs;
+    }
+    let checks = crate::doctor::run(cfg, &paths);
     let (text, code) = crate::doctor::report(&checks);
     print!("{text}");
     code
@@ -476,28 +550,41 @@ impl From<Format> for ops::status::Format {
     }
 }
 
-impl From<Engine> for ops::install::Install {
-    fn from(engine: Engine) -> Self {
-        let (args, engine) = match engine {
-            Engine::Docker(args) => (args, ops::install::Engine::Docker),
-            Engine::Containerd {
-                args,
+/// `gpushare install <engine>`: the CDI spec, or a runtime registered with an engine.
+fn install(cfg: &Config, engine: Engine) -> anyhow::Result<()> {
+    let (args, engine) = match engine {
+        Engine::Cdi {
+            output,
+            enable,
+            config,
+        } => {
+            let enable = enable.map(|e| match e {
+                CdiEngine::Docker => ops::install::Engine::Docker,
+                CdiEngine::Containerd => ops::install::Engine::Containerd {
+                    config_version: None,
+                    hook_only: false,
+                },
+            });
+            return ops::install::cdi(cfg, &output, enable, config);
+        }
+        Engine::Docker(args) => (args, ops::install::Engine::Docker),
+        Engine::Containerd {
+            args,
+            config_version,
+            hook_only,
+        } => (
+            args,
+            ops::install::Engine::Containerd {
                 config_version,
                 hook_only,
-            } => (
-                args,
-                ops::install::Engine::Containerd {
-                    config_version,
-                    hook_only,
-                },
-            ),
-        };
-        ops::install::Install {
-            engine,
-            config: args.config,
-            runtime_path: args.runtime_path,
-            name: args.name,
-            dry_run: args.dry_run,
-        }
-    }
+            },
+        ),
+    };
+    ops::install::run(ops::install::Install {
+        engine,
+        config: args.config,
+        runtime_path: args.runtime_path,
+        name: args.name,
+        dry_run: args.dry_run,
+    })
 }

@@ -35,6 +35,12 @@ pub enum ConfigError {
         value: String,
         allowed: &'static str,
     },
+    #[error("invalid config {path}: [cdi.profiles.{name}]: {message}")]
+    Profile {
+        path: PathBuf,
+        name: String,
+        message: String,
+    },
 }
 
 /// How MPS servers are shared between users (DESIGN §5).
@@ -122,6 +128,37 @@ pub struct Config {
     /// zero: never.
     pub inventory_cache_ttl: Duration,
     pub mps: MpsConfig,
+    /// `[cdi.profiles.<name>]`: the named limit profiles `gpushare cdi generate` offers as
+    /// CDI devices `<device>-<name>`, by name.
+    pub cdi_profiles: std::collections::BTreeMap<String, CdiProfile>,
+}
+
+/// A named limit profile (`[cdi.profiles.<name>]`): the limits a CDI device `<dev>-<name>`
+/// asks for, kept as written (the request pipeline parses them as it parses a request's).
+/// At least one is set; each is valid and within the `[mps]` ceilings.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct CdiProfile {
+    pub active_thread_percentage: Option<u8>,
+    pub pinned_memory_limit: Option<String>,
+}
+
+/// Longest profile name.
+const MAX_PROFILE_NAME: usize = 32;
+/// What a profile name may be: it becomes the suffix of CDI device names (`0-<name>`).
+pub(crate) const PROFILE_NAME_ALLOWED: &str =
+    "1 to 32 lowercase letters and digits, starting with a letter, not \"mig\"";
+
+/// Whether `name` may name a CDI profile ([`PROFILE_NAME_ALLOWED`]): no `-`, so that a
+/// device name splits at its last `-` only where a profile begins, and not `mig`, which
+/// would read as a MIG device (`1-mig-0`).
+pub(crate) fn valid_profile_name(name: &str) -> bool {
+    (1..=MAX_PROFILE_NAME).contains(&name.len())
+        && name.starts_with(|c: char| c.is_ascii_lowercase())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        && name != "mig"
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -179,6 +216,15 @@ struct RawConfig {
     inventory_cache_ttl: Option<String>,
     #[serde(default)]
     mps: RawMps,
+    #[serde(default)]
+    cdi: RawCdi,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct RawCdi {
+    #[serde(default)]
+    profiles: std::collections::BTreeMap<String, CdiProfile>,
 }
 
 #[derive(Deserialize, Default)]
@@ -344,6 +390,8 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         "a duration up to 1h such as \"30s\", or \"0\" to load the NVML inventory on every create",
     )?;
 
+    let mps = check.mps(&raw.mps)?;
+    let cdi_profiles = check.cdi_profiles(raw.cdi.profiles, &mps)?;
     Ok(Config {
         path: path.map(Path::to_owned),
         low_level_runtime,
@@ -356,7 +404,8 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         accept_visible_devices_env: raw.accept_visible_devices_env.unwrap_or(false),
         inventory,
         inventory_cache_ttl,
-        mps: check.mps(&raw.mps)?,
+        mps,
+        cdi_profiles,
     })
 }
 
@@ -535,6 +584,56 @@ impl Check {
             daemon_memory_max,
             daemon_pids_max: m.daemon_pids_max.unwrap_or(1024),
         })
+    }
+
+    /// `[cdi.profiles.*]`: each name valid, at least one limit, each limit valid and
+    /// within the `[mps]` ceilings (a profile is the node's own request, so it is held to
+    /// what a container's would be).
+    fn cdi_profiles(
+        &self,
+        profiles: std::collections::BTreeMap<String, CdiProfile>,
+        mps: &MpsConfig,
+    ) -> Result<std::collections::BTreeMap<String, CdiProfile>, ConfigError> {
+        for (name, p) in &profiles {
+            let bad = |message: String| ConfigError::Profile {
+                path: self.path.clone(),
+                name: crate::util::escape(name).chars().take(64).collect(),
+                message,
+            };
+            if !valid_profile_name(name) {
+                return Err(bad(format!(
+                    "the name is invalid: allowed is {PROFILE_NAME_ALLOWED}"
+                )));
+            }
+            if p.active_thread_percentage.is_none() && p.pinned_memory_limit.is_none() {
+                return Err(bad(
+                    "sets no limit: allowed is active-thread-percentage, pinned-memory-limit or both".into(),
+                ));
+            }
+            if let Some(pct) = p.active_thread_percentage {
+                if !(1..=100).contains(&pct) {
+                    return Err(bad(format!(
+                        "active-thread-percentage = {pct}: allowed is an integer from 1 to 100"
+                    )));
+                }
+                if let Some(max) = mps.max_active_thread_percentage.filter(|m| pct > *m) {
+                    return Err(bad(format!(
+                        "active-thread-percentage = {pct} is above mps.max-active-thread-percentage = {max}"
+                    )));
+                }
+            }
+            if let Some(raw) = &p.pinned_memory_limit {
+                let bytes = crate::request::parse_size("pinned-memory-limit", raw)
+                    .map_err(|e| bad(e.to_string()))?;
+                if let Some(max) = mps.max_pinned_memory_limit.filter(|m| bytes > *m) {
+                    return Err(bad(format!(
+                        "pinned-memory-limit = {raw:?} is above mps.max-pinned-memory-limit ({} MiB)",
+                        max >> 20
+                    )));
+                }
+            }
+        }
+        Ok(profiles)
     }
 
     fn control_binary(&self, value: Option<&str>) -> Result<String, ConfigError> {
@@ -732,6 +831,35 @@ mod tests {
         let from_file = parse(shipped, None).expect("shipped config parses");
         let defaults = parse("", None).expect("empty config parses");
         assert_eq!(from_file, defaults);
+    }
+
+    #[test]
+    fn cdi_profiles_are_named_limits_within_the_ceilings() {
+        let cfg = parse(
+            "[mps]\nmax-active-thread-percentage = 50\n[cdi.profiles.small]\nactive-thread-percentage = 25\n[cdi.profiles.mem4]\npinned-memory-limit = \"4G\"\n",
+            None,
+        )
+        .expect("profiles");
+        assert_eq!(
+            cfg.cdi_profiles.keys().collect::<Vec<_>>(),
+            ["mem4", "small"]
+        );
+        assert_eq!(cfg.cdi_profiles["small"].active_thread_percentage, Some(25));
+        for (text, want) in [
+            ("[cdi.profiles.Big]\nactive-thread-percentage = 5", "[cdi.profiles.Big]: the name is invalid: allowed is 1 to 32 lowercase letters"),
+            ("[cdi.profiles.mig]\nactive-thread-percentage = 5", "[cdi.profiles.mig]: the name is invalid"),
+            ("[cdi.profiles.a-b]\nactive-thread-percentage = 5", "[cdi.profiles.a-b]: the name is invalid"),
+            ("[cdi.profiles.none]\n", "[cdi.profiles.none]: sets no limit"),
+            ("[cdi.profiles.p]\nactive-thread-percentage = 0", "active-thread-percentage = 0: allowed is an integer from 1 to 100"),
+            ("[cdi.profiles.p]\npinned-memory-limit = \"4\"", "pinned-memory-limit=\"4\" is invalid"),
+            ("[mps]\nmax-active-thread-percentage = 50\n[cdi.profiles.p]\nactive-thread-percentage = 60", "above mps.max-active-thread-percentage = 50"),
+            ("[mps]\nmax-pinned-memory-limit = \"2G\"\n[cdi.profiles.p]\npinned-memory-limit = \"4G\"", "above mps.max-pinned-memory-limit"),
+            ("[cdi.profiles.p]\nthreads = 5", "threads"),
+        ] {
+            let err = parse(text, None).expect_err(text).to_string();
+            assert!(err.contains(want), "{text}: {err}");
+            assert!(!err.contains('\n'), "{err}");
+        }
     }
 
     #[test]

@@ -32,6 +32,8 @@
 
 use std::collections::HashMap;
 
+use anyhow::Context;
+
 use crate::config::Config;
 use crate::device::{is_well_formed_uuid, ResolvedDevices};
 use crate::identity::{valid_id, Identity, ID_ALLOWED};
@@ -52,8 +54,11 @@ pub(crate) struct Resolved {
 }
 
 /// The pipeline for a container's spec (the shim, hook-only mode): the request in it under
-/// this node's config ([`request::parse`] with `accept-env-requests` and
-/// `default-device`), then [`resolve`] for the container's user (`SpecFile::host_user`).
+/// this node's config, then [`resolve`] for the container's user (`SpecFile::host_user`).
+/// A spec that carries a CDI device of gpushare's (`SpecFile::cdi_ask`) asks for what its
+/// hook's arguments say, with the profile's limits from `[cdi.profiles]`, and the
+/// container's own request keys may only repeat it ([`request::from_cdi`]); any other
+/// spec is read by [`request::parse`] with `accept-env-requests` and `default-device`.
 /// `Ok(None)`: no request (a sandbox, no device key and no default that applies).
 pub(crate) fn resolve_spec(
     cfg: &Config,
@@ -65,10 +70,36 @@ pub(crate) fn resolve_spec(
         default_device: cfg.default_device,
         accept_visible_devices_env: cfg.accept_visible_devices_env,
     };
-    let Some(req) = request::parse(&spec.request_inputs(), &options)? else {
+    let inputs = spec.request_inputs();
+    let host_user = || Ok(spec.host_user()?);
+    if let Some(ask) = spec.cdi_ask()? {
+        let named = format!("CDI device {}={}", request::CDI_KIND, ask.name());
+        let profile = match &ask.profile {
+            None => None,
+            Some(name) => Some(cfg.cdi_profiles.get(name).map(|p| request::ProfileLimits {
+                active_thread_percentage: p.active_thread_percentage,
+                pinned_memory_limit: p.pinned_memory_limit.as_deref(),
+            }).with_context(|| {
+                format!(
+                    "{named}: profile {} is not in this node's config (no [cdi.profiles.{}]); allowed is a profile the config has: regenerate the CDI spec (gpushare cdi generate) after changing [cdi.profiles]",
+                    crate::util::escape(name),
+                    crate::util::escape(name)
+                )
+            })?),
+        };
+        let cdi = request::from_cdi(&inputs, &options, &ask.device, profile)
+            .with_context(|| named.clone())?;
+        let Some(cdi) = cdi else {
+            return Ok(None);
+        };
+        return resolve_with(cfg, cdi.request, cdi.own_device.as_ref(), ipc, host_user)
+            .with_context(|| named)
+            .map(Some);
+    }
+    let Some(req) = request::parse(&inputs, &options)? else {
         return Ok(None);
     };
-    resolve(cfg, req, ipc, || Ok(spec.host_user()?)).map(Some)
+    resolve(cfg, req, ipc, host_user).map(Some)
 }
 
 /// The pipeline's node half for a parsed request, in this order, the first fault stopping
@@ -82,9 +113,25 @@ pub(crate) fn resolve(
     ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
     host_user: impl FnOnce() -> anyhow::Result<(u32, u32)>,
 ) -> anyhow::Result<Resolved> {
+    resolve_with(cfg, req, None, ipc, host_user)
+}
+
+/// [`resolve`], and for a CDI device's request the container's own device key beside it
+/// (`own_device`), which must resolve to the same devices.
+fn resolve_with(
+    cfg: &Config,
+    req: Request,
+    own_device: Option<&request::Sourced<DeviceValue>>,
+    ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
+    host_user: impl FnOnce() -> anyhow::Result<(u32, u32)>,
+) -> anyhow::Result<Resolved> {
     let inventory =
         crate::inventory_cache::load(&cfg.inventory, &cfg.state_dir, cfg.inventory_cache_ttl)?;
     let devices = req.device.resolve(&inventory)?;
+    if let Some(own) = own_device {
+        let own_devices = own.resolve(&inventory)?;
+        request::check_same_devices(&req.device, &devices, own, &own_devices)?;
+    }
     if let DeviceValue::Allocated(found) = &req.device.value {
         let sources: Vec<String> = found
             .sources()

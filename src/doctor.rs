@@ -56,6 +56,9 @@ pub(crate) struct Paths {
     /// Whether an engine runs here at all is told by its socket.
     pub docker_socket: PathBuf,
     pub containerd_socket: PathBuf,
+    /// Where gpushare's CDI spec may be: each one there is compared with the spec this
+    /// node would generate now.
+    pub cdi_specs: Vec<PathBuf>,
 }
 
 impl Default for Paths {
@@ -65,6 +68,10 @@ impl Default for Paths {
             containerd: crate::install::DEFAULT_CONTAINERD_CONFIG.into(),
             docker_socket: "/run/docker.sock".into(),
             containerd_socket: "/run/containerd/containerd.sock".into(),
+            cdi_specs: vec![
+                crate::install::CDI_STATIC_SPEC.into(),
+                crate::cdi::DEFAULT_OUTPUT.into(),
+            ],
         }
     }
 }
@@ -481,8 +488,9 @@ pub(crate) fn run(cfg: &Config, paths: &Paths) -> Vec<Check> {
             |p| format!("{} parses", p.display()),
         ),
     )];
-    if let Some(inv) = inventory_checks(cfg, &mut out) {
-        gpu_checks(cfg, &inv, &mut out);
+    let inv = inventory_checks(cfg, &mut out);
+    if let Some(inv) = &inv {
+        gpu_checks(cfg, inv, &mut out);
     }
     out.push(control_binary_check(cfg));
     state_dir_checks(cfg, &mut out);
@@ -490,6 +498,7 @@ pub(crate) fn run(cfg: &Config, paths: &Paths) -> Vec<Check> {
     out.push(host_pipe_check());
     engine_checks(paths, &mut out);
     out.push(low_level_runtime_check(cfg));
+    cdi_checks(cfg, inv.as_ref(), &paths.cdi_specs, &mut out);
     out
 }
 
@@ -513,6 +522,86 @@ fn agent_check(cfg: &Config) -> Check {
             ),
             "start it as root: `systemctl enable --now gpushare-agent` (Debian package), the node installer DaemonSet (Kubernetes), or `gpushare agent` in the background (docs/install.md)",
         ),
+    }
+}
+
+/// Each of gpushare's CDI specs on disk is the one this node would generate now (`gpushare
+/// cdi generate`): the same devices (the inventory and the profiles), the same hooks (this
+/// binary, the config). None at all is fine: CDI is not in use.
+fn cdi_checks(cfg: &Config, inv: Option<&Inventory>, specs: &[PathBuf], out: &mut Vec<Check>) {
+    let found: Vec<&PathBuf> = specs.iter().filter(|p| p.exists()).collect();
+    if found.is_empty() {
+        out.push(ok(
+            "cdi",
+            "no CDI spec of gpushare's (CDI devices are not offered)",
+        ));
+        return;
+    }
+    let Some(inv) = inv else {
+        out.push(warn(
+            "cdi",
+            "cannot compare the CDI spec: the inventory does not load",
+            "fix the inventory first",
+        ));
+        return;
+    };
+    let want = match crate::cdi::for_node(cfg, inv) {
+        Ok(w) => w,
+        Err(e) => {
+            out.push(warn(
+                "cdi",
+                format!("cannot generate the CDI spec: {e:#}"),
+                "see `gpushare cdi generate`",
+            ));
+            return;
+        }
+    };
+    for path in found {
+        let regenerate = format!("run `gpushare cdi generate --output {}`", path.display());
+        let on_disk = std::fs::read(path)
+            .map_err(|e| e.to_string())
+            .and_then(|b| {
+                serde_json::from_slice::<serde_json::Value>(&b).map_err(|e| e.to_string())
+            });
+        let check = match on_disk {
+            Err(e) => warn(
+                "cdi",
+                format!("{} cannot be read as JSON: {e}", path.display()),
+                regenerate,
+            ),
+            Ok(have) if have == want => ok(
+                "cdi",
+                format!(
+                    "{} is current: {} devices of {}",
+                    path.display(),
+                    crate::cdi::names(&want).len(),
+                    crate::request::CDI_KIND
+                ),
+            ),
+            Ok(have) => {
+                let (h, w) = (crate::cdi::names(&have), crate::cdi::names(&want));
+                let gone: Vec<&str> = h.iter().filter(|n| !w.contains(n)).copied().collect();
+                let new: Vec<&str> = w.iter().filter(|n| !h.contains(n)).copied().collect();
+                let why = if gone.is_empty() && new.is_empty() {
+                    "the same devices, but other hooks, version or order (another gpushare binary or config?)".to_owned()
+                } else {
+                    format!(
+                        "devices no longer on this node: [{}]; devices missing from it: [{}]",
+                        gone.join(", "),
+                        new.join(", ")
+                    )
+                };
+                warn(
+                    "cdi",
+                    format!(
+                        "{} is out of date with the inventory and config: {why}",
+                        path.display()
+                    ),
+                    regenerate,
+                )
+            }
+        };
+        out.push(check);
     }
 }
 
@@ -593,6 +682,7 @@ mod tests {
             containerd: dir.join("config.toml"),
             docker_socket: dir.join("docker.sock"),
             containerd_socket: dir.join("containerd.sock"),
+            cdi_specs: vec![],
         };
         for (served, sock) in [
             (docker_served, &p.docker_socket),
@@ -603,6 +693,61 @@ mod tests {
             }
         }
         p
+    }
+
+    #[test]
+    fn a_cdi_spec_on_disk_is_compared_with_the_one_generated_now() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = crate::config::parse(
+            "[cdi.profiles.small]\nactive-thread-percentage = 25\n",
+            None,
+        )
+        .unwrap();
+        let inv = crate::device::sample();
+        let path = dir.path().join("gpushare.json");
+        let check = |specs: &[PathBuf]| {
+            let mut out = Vec::new();
+            cdi_checks(&cfg, Some(&inv), specs, &mut out);
+            assert_eq!(out.len(), 1);
+            out.remove(0)
+        };
+        let none = check(std::slice::from_ref(&path));
+        assert_eq!(
+            (none.level, none.detail.as_str()),
+            (
+                Level::Ok,
+                "no CDI spec of gpushare's (CDI devices are not offered)"
+            )
+        );
+        let spec = crate::cdi::for_node(&cfg, &inv).unwrap();
+        std::fs::write(&path, crate::cdi::to_bytes(&spec)).unwrap();
+        let current = check(std::slice::from_ref(&path));
+        assert_eq!(current.level, Level::Ok, "{}", current.detail);
+        assert!(
+            current
+                .detail
+                .ends_with("is current: 24 devices of gpushare.io/gpu"),
+            "{}",
+            current.detail
+        );
+        // GPU 2 gone from the node (a spec written before), a profile removed since.
+        let mut fewer = inv.clone();
+        fewer.gpus.pop();
+        let old = crate::cdi::for_node(&cfg, &fewer).unwrap();
+        std::fs::write(&path, crate::cdi::to_bytes(&old)).unwrap();
+        let stale = check(std::slice::from_ref(&path));
+        assert_eq!(stale.level, Level::Warn);
+        assert!(stale.detail.contains("devices no longer on this node: []; devices missing from it: [2, 2-small, GPU-7b2c3d4e-5f60-4182-93a4-b5c6d7e8f901, GPU-7b2c3d4e-5f60-4182-93a4-b5c6d7e8f901-small]"), "{}", stale.detail);
+        assert_eq!(
+            stale.fix.unwrap(),
+            format!("run `gpushare cdi generate --output {}`", path.display())
+        );
+        let mut other_hooks = spec.clone();
+        other_hooks["devices"][0]["containerEdits"]["hooks"][0]["path"] = "/opt/gpushare".into();
+        std::fs::write(&path, crate::cdi::to_bytes(&other_hooks)).unwrap();
+        assert!(check(std::slice::from_ref(&path))
+            .detail
+            .contains("the same devices, but other hooks"));
     }
 
     #[test]

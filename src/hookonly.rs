@@ -39,10 +39,16 @@ use crate::state::StateDir;
 /// Where the pipe directory appears in hook-only mode: CUDA's default.
 pub(crate) const PIPE_IN_CONTAINER: &str = "tmp/nvidia-mps";
 
-/// `prestart` in hook-only mode. Returns without doing anything for a pod's sandbox
-/// (known from the state's annotations, before config.json is read), for containers
-/// without a request, and for those already prepared by gpushare-runtime.
-pub(crate) fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
+/// `prestart` in hook-only mode: `cdi` is the request of the CDI hook
+/// (`--cdi-device`), `None` for the hooks.d hook. Returns without doing anything for a
+/// pod's sandbox (known from the state's annotations, before config.json is read), for
+/// containers without a request, for those already prepared by gpushare-runtime, and, as
+/// the hooks.d hook, for those whose spec carries gpushare's CDI hook, which serves them.
+pub(crate) fn prestart(
+    cfg: &Config,
+    state: &State,
+    cdi: Option<&crate::request::CdiAsk>,
+) -> anyhow::Result<()> {
     if let Some((key, value)) =
         request::sandbox_marker(|k| state.annotations.get(k).map(String::as_str))
     {
@@ -63,6 +69,27 @@ pub(crate) fn prestart(cfg: &Config, state: &State) -> anyhow::Result<()> {
     if spec.prepared_by_shim() {
         tracing::debug!("prepared by gpushare-runtime: nothing to do in hook-only mode");
         return Ok(());
+    }
+    // One hook serves a container: the CDI hook when the spec carries one (the engine put
+    // it there from the node's CDI spec), the hooks.d hook otherwise. Both read the same
+    // spec, so they agree on which one acts, whatever order they run in.
+    match (spec.cdi_ask()?, cdi) {
+        (Some(_), None) => {
+            tracing::debug!("the spec carries gpushare's CDI hook, which serves it");
+            return Ok(());
+        }
+        (Some(found), Some(mine)) if found != *mine => bail!(
+            "the CDI hook's arguments ask for {}={} but the spec's CDI hook for {}: allowed is the hook as the engine copied it from the CDI spec",
+            crate::request::CDI_KIND,
+            mine.name(),
+            found.name()
+        ),
+        (None, Some(mine)) => bail!(
+            "the CDI hook for {}={} is not in the container's spec: allowed is the hook as the engine copied it from the CDI spec",
+            crate::request::CDI_KIND,
+            mine.name()
+        ),
+        _ => {}
     }
     let has_ipc_ns = spec
         .typed

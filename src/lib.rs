@@ -6,6 +6,7 @@
 //! - `cli` (the `gpushare` command: arguments, dispatch, exit codes)
 //! - `ops` (the operator commands: daemon start/stop, gc, install, status output)
 //! - `doctor`, `status` (what `gpushare doctor` and `gpushare status` report)
+//! - `cdi` (the CDI spec of the node's devices, `gpushare cdi generate`)
 //! - `runtime` (the `gpushare-runtime` shim), `hookonly` (hooks.d mode), `install`
 //! - `hook` (createRuntime / poststop)
 //! - `decision` (the request pipeline; the shim↔hook contract), `mps` (control interface,
@@ -16,7 +17,7 @@
 //!   `inventory_cache`
 //! - `identity` (a daemon's identity and the rule that derives it), `logging`
 //! - `config`
-//! - `request` (annotations/env → request)
+//! - `request` (annotations/env, or a CDI device's hook arguments → request)
 //! - `device` (inventory: load and validate, NVML, resolve; the test inventory)
 //! - `util`, `sys` (the only `unsafe`)
 
@@ -37,6 +38,7 @@ pub const VERSION: &str = concat!(
     ")"
 );
 
+mod cdi;
 pub mod cli;
 pub mod config;
 pub mod decision;

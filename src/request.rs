@@ -39,6 +39,9 @@
 //!   `iB` or `B`, all meaning powers of 1024 as MPS does. A size without a unit is refused as
 //!   ambiguous; the minimum is 1M; a size that is not a whole MiB is rounded down by
 //!   [`format_mps_size`].
+//! - A CDI device of gpushare's is a request source of its own ([`from_cdi`]): its request
+//!   is its hook's arguments ([`CdiAsk`]), which the node's CDI spec wrote; beside it the
+//!   container's own keys may only repeat it, and `default-device` does not apply.
 //! - [`check`] is the one place a parsed request meets the node: the devices' memory and
 //!   the operator's ceilings (`mps.max-active-thread-percentage`,
 //!   `mps.max-pinned-memory-limit`). A request above a ceiling is refused, never lowered
@@ -355,6 +358,16 @@ pub enum RequestError {
     #[error(transparent)]
     Device(Box<DeviceError>),
 
+    #[error("{key}={} is refused: it asks for something other than the container's CDI device {CDI_KIND}={device} ({what}), whose request is the node's; allowed is no gpushare request key beside a CDI device of gpushare's, or one that repeats what the device asks", quote(.value))]
+    BesideCdi {
+        key: &'static str,
+        value: String,
+        /// The CDI device's base name.
+        device: String,
+        /// What the CDI device asks instead.
+        what: String,
+    },
+
     #[error("{key}={} is refused: env requests are disabled by accept-env-requests = false; use the annotation {annotation} instead", quote(.value))]
     EnvDisabled {
         key: &'static str,
@@ -663,33 +676,8 @@ pub fn parse(c: &Inputs<'_>, opts: &Options) -> Result<Option<Request>, RequestE
     if sandbox_marker(|k| c.annotation(k)).is_some() {
         return Ok(None);
     }
-    let (env, accept_env) = (c.env, opts.accept_env);
-    if !accept_env {
-        for key in KEYS {
-            if let Some(value) = env_lookup(env, key.env) {
-                return Err(RequestError::EnvDisabled {
-                    key: key.env,
-                    value: value.to_owned(),
-                    annotation: key.annotation,
-                });
-            }
-        }
-    }
-    let lookup = |key: Key| -> Option<(&'static str, &str)> {
-        match c.annotation(key.annotation) {
-            Some(raw) => Some((key.annotation, raw)),
-            None if accept_env => env_lookup(env, key.env).map(|raw| (key.env, raw)),
-            None => None,
-        }
-    };
-    fn sourced<T>(
-        found: Option<(&'static str, &str)>,
-        parse: fn(&'static str, &str) -> Result<T, RequestError>,
-    ) -> Result<Option<Sourced<T>>, RequestError> {
-        found
-            .map(|(key, raw)| Sourced::parse(key, raw, parse))
-            .transpose()
-    }
+    refuse_env(c, opts)?;
+    let lookup = |key| lookup(c, opts, key);
     let allocated = |key: &'static str, raw: &str| {
         allocation(c, key, raw, opts.accept_visible_devices_env).map(|found| {
             found.map(|found| Sourced {
@@ -700,18 +688,7 @@ pub fn parse(c: &Inputs<'_>, opts: &Options) -> Result<Option<Request>, RequestE
         })
     };
     let device = match lookup(DEVICE) {
-        Some((key, raw)) if raw == ALLOCATED => {
-            allocated(key, raw)?.ok_or_else(|| RequestError::NoAllocation {
-                key,
-                value: raw.to_owned(),
-                env_read: opts.accept_visible_devices_env,
-            })?
-        }
-        Some((key, raw)) => Sourced {
-            value: DeviceValue::Named(parse_device(key, raw)?),
-            key,
-            raw: raw.to_owned(),
-        },
+        Some((key, raw)) => device_value(c, opts, key, raw)?,
         None => match opts.default_device {
             Some(DefaultDevice::Allocated) => match allocated(DEFAULT_DEVICE_KEY, ALLOCATED)? {
                 Some(device) => device,
@@ -726,6 +703,259 @@ pub fn parse(c: &Inputs<'_>, opts: &Options) -> Result<Option<Request>, RequestE
         pinned_memory_limit: sourced(lookup(PINNED_MEMORY_LIMIT), parse_size)?,
         ipc: sourced(lookup(IPC), parse_ipc)?,
     }))
+}
+
+/// With `accept_env == false`, refuses the first `GPUSHARE_*` request variable in the env.
+fn refuse_env(c: &Inputs<'_>, opts: &Options) -> Result<(), RequestError> {
+    if opts.accept_env {
+        return Ok(());
+    }
+    for key in KEYS {
+        if let Some(value) = env_lookup(c.env, key.env) {
+            return Err(RequestError::EnvDisabled {
+                key: key.env,
+                value: value.to_owned(),
+                annotation: key.annotation,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A key's value and the name it was found under: the annotation, else the env var when
+/// env requests are accepted.
+fn lookup<'a>(c: &Inputs<'a>, opts: &Options, key: Key) -> Option<(&'static str, &'a str)> {
+    match c.annotation(key.annotation) {
+        Some(raw) => Some((key.annotation, raw)),
+        None if opts.accept_env => env_lookup(c.env, key.env).map(|raw| (key.env, raw)),
+        None => None,
+    }
+}
+
+fn sourced<T>(
+    found: Option<(&'static str, &str)>,
+    parse: fn(&'static str, &str) -> Result<T, RequestError>,
+) -> Result<Option<Sourced<T>>, RequestError> {
+    found
+        .map(|(key, raw)| Sourced::parse(key, raw, parse))
+        .transpose()
+}
+
+/// A device key's value: [`ALLOCATED`] (what the container was allocated) or named devices.
+fn device_value(
+    c: &Inputs<'_>,
+    opts: &Options,
+    key: &'static str,
+    raw: &str,
+) -> Result<Sourced<DeviceValue>, RequestError> {
+    let value = if raw == ALLOCATED {
+        let found = allocation(c, key, raw, opts.accept_visible_devices_env)?.ok_or_else(|| {
+            RequestError::NoAllocation {
+                key,
+                value: raw.to_owned(),
+                env_read: opts.accept_visible_devices_env,
+            }
+        })?;
+        DeviceValue::Allocated(found)
+    } else {
+        DeviceValue::Named(parse_device(key, raw)?)
+    };
+    Ok(Sourced {
+        value,
+        key,
+        raw: raw.to_owned(),
+    })
+}
+
+/// The hook argument naming the CDI device's base name.
+pub(crate) const CDI_DEVICE_FLAG: &str = "--cdi-device";
+/// The hook argument naming the device's profile.
+pub(crate) const CDI_PROFILE_FLAG: &str = "--profile";
+/// What a CDI device of gpushare's asks for: its hook's arguments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CdiAsk {
+    /// The base device name (`0`, `GPU-<uuid>`, `1-mig-0`, `MIG-<uuid>`).
+    pub device: String,
+    /// The profile of `[cdi.profiles]`, if any.
+    pub profile: Option<String>,
+}
+
+/// A hook's arguments that are not a `--cdi-device` request gpushare writes.
+#[derive(Debug, thiserror::Error)]
+#[error("the hook's arguments {args:?} are invalid: allowed is gpushare hook prestart {CDI_DEVICE_FLAG} <device> [{CDI_PROFILE_FLAG} <name>], as gpushare cdi generate writes them")]
+pub struct BadHookArgs {
+    args: Vec<String>,
+}
+
+impl CdiAsk {
+    /// The CDI device name: `<device>` or `<device>-<profile>`.
+    pub(crate) fn name(&self) -> String {
+        match &self.profile {
+            Some(p) => format!("{}-{p}", self.device),
+            None => self.device.clone(),
+        }
+    }
+
+    /// The arguments after `gpushare hook prestart`.
+    pub(crate) fn flags(&self) -> Vec<String> {
+        let mut args = vec![CDI_DEVICE_FLAG.to_owned(), self.device.clone()];
+        if let Some(p) = &self.profile {
+            args.extend([CDI_PROFILE_FLAG.to_owned(), p.clone()]);
+        }
+        args
+    }
+
+    /// Parses the arguments after `gpushare hook prestart`: `None` when there are none
+    /// (the hooks.d hook), the request for exactly `--cdi-device <d> [--profile <p>]`.
+    /// The values are checked later, by the request pipeline and the config.
+    pub(crate) fn from_flags<S: AsRef<str>>(flags: &[S]) -> Result<Option<Self>, BadHookArgs> {
+        let f: Vec<&str> = flags.iter().map(AsRef::as_ref).collect();
+        let bad = || BadHookArgs {
+            args: f.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        let ask = |device: &str, profile: Option<&str>| CdiAsk {
+            device: device.to_owned(),
+            profile: profile.map(str::to_owned),
+        };
+        match f.as_slice() {
+            [] => Ok(None),
+            [CDI_DEVICE_FLAG, d] => Ok(Some(ask(d, None))),
+            [CDI_DEVICE_FLAG, d, CDI_PROFILE_FLAG, p] => Ok(Some(ask(d, Some(p)))),
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// The CDI kind of gpushare's devices; errors about a CDI device name it as `<kind>=<name>`.
+pub(crate) const CDI_KIND: &str = "gpushare.io/gpu";
+/// The keys a CDI profile's limits are named by in errors.
+const CDI_PERCENTAGE_KEY: &str = "the CDI profile's active-thread-percentage";
+const CDI_PINNED_KEY: &str = "the CDI profile's pinned-memory-limit";
+const CDI_DEVICE_ALLOWED: &str = "a device of gpushare's CDI spec: a GPU index like 0, GPU-<uuid>, MIG-<uuid>, or <gpu>-mig-<mig> like 1-mig-0";
+
+/// A profile's limits as the config holds them (`[cdi.profiles.<name>]`).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ProfileLimits<'a> {
+    pub active_thread_percentage: Option<u8>,
+    pub pinned_memory_limit: Option<&'a str>,
+}
+
+/// The request a CDI device of gpushare's carries, and the container's own device key
+/// beside it, which [`check_same_devices`] compares once both are resolved.
+#[derive(Debug)]
+pub(crate) struct CdiRequest {
+    pub request: Request,
+    pub own_device: Option<Sourced<DeviceValue>>,
+}
+
+/// Parses a CDI device's base name (the `--cdi-device` of its hook): `0`, `GPU-<uuid>`,
+/// `MIG-<uuid>` or `<gpu>-mig-<mig>` (CDI names cannot hold `:`). One device, never a list.
+pub(crate) fn parse_cdi_device(raw: &str) -> Result<DeviceRequest, RequestError> {
+    check_raw(CDI_KIND, raw, CDI_DEVICE_ALLOWED)?;
+    let selector = match raw.split_once("-mig-") {
+        Some((gpu, mig)) => parse_index(gpu)
+            .zip(parse_index(mig))
+            .map(|(gpu, mig)| DeviceSelector::MigIndex { gpu, mig }),
+        None if raw.contains([',', ':']) => None,
+        None => parse_selector(raw),
+    };
+    selector
+        .map(|s| DeviceRequest(vec![s]))
+        .ok_or_else(|| invalid(CDI_KIND, raw, CDI_DEVICE_ALLOWED))
+}
+
+/// The request of a CDI device (its hook's arguments: `device`, and the limits of its
+/// profile), with what the container's own request keys say beside it.
+///
+/// The CDI device is the node's: its CDI spec, written by root, put the hook there, and a
+/// container's author cannot write a hook. The container's own keys (annotations, and
+/// `GPUSHARE_*` variables where `accept-env-requests` takes them) may only repeat it: a
+/// limit key must equal the profile's (a profile that sets no such limit allows none), a
+/// device key is returned in [`CdiRequest::own_device`] to be compared once resolved;
+/// `gpushare.io/ipc` is carried into the request, under the node's rules for it as for
+/// any request. `default-device` never applies: the CDI device is the container's device.
+/// `Ok(None)` for a pod's sandbox, as [`parse`].
+pub(crate) fn from_cdi(
+    c: &Inputs<'_>,
+    opts: &Options,
+    device: &str,
+    profile: Option<ProfileLimits<'_>>,
+) -> Result<Option<CdiRequest>, RequestError> {
+    if sandbox_marker(|k| c.annotation(k)).is_some() {
+        return Ok(None);
+    }
+    let cdi_device = Sourced {
+        value: DeviceValue::Named(parse_cdi_device(device)?),
+        key: CDI_KIND,
+        raw: device.to_owned(),
+    };
+    let profile = profile.unwrap_or_default();
+    let active_thread_percentage = profile
+        .active_thread_percentage
+        .map(|p| Sourced::parse(CDI_PERCENTAGE_KEY, &p.to_string(), parse_percentage))
+        .transpose()?;
+    let pinned_memory_limit = profile
+        .pinned_memory_limit
+        .map(|raw| Sourced::parse(CDI_PINNED_KEY, raw, parse_size))
+        .transpose()?;
+    refuse_env(c, opts)?;
+    let lookup = |key| lookup(c, opts, key);
+    let differs = |key: &'static str, raw: &str, what: String| RequestError::BesideCdi {
+        key,
+        value: raw.to_owned(),
+        device: device.to_owned(),
+        what,
+    };
+    if let Some((key, raw)) = lookup(ACTIVE_THREAD_PERCENTAGE) {
+        let own = parse_percentage(key, raw)?;
+        match &active_thread_percentage {
+            Some(p) if p.value == own => {}
+            Some(p) => return Err(differs(key, raw, format!("whose profile sets {}", p.value))),
+            None => return Err(differs(key, raw, "which sets none".into())),
+        }
+    }
+    if let Some((key, raw)) = lookup(PINNED_MEMORY_LIMIT) {
+        let own = parse_size(key, raw)?;
+        match &pinned_memory_limit {
+            Some(p) if p.value == own => {}
+            Some(p) => return Err(differs(key, raw, format!("whose profile sets {}", p.raw))),
+            None => return Err(differs(key, raw, "which sets none".into())),
+        }
+    }
+    let own_device = lookup(DEVICE)
+        .map(|(key, raw)| device_value(c, opts, key, raw))
+        .transpose()?;
+    Ok(Some(CdiRequest {
+        request: Request {
+            device: cdi_device,
+            active_thread_percentage,
+            pinned_memory_limit,
+            ipc: sourced(lookup(IPC), parse_ipc)?,
+        },
+        own_device,
+    }))
+}
+
+/// Refuses a container's device key that resolved to other devices than its CDI device.
+pub(crate) fn check_same_devices(
+    cdi: &Sourced<DeviceValue>,
+    cdi_devices: &ResolvedDevices,
+    own: &Sourced<DeviceValue>,
+    own_devices: &ResolvedDevices,
+) -> Result<(), RequestError> {
+    let mut a = cdi_devices.uuids.clone();
+    let mut b = own_devices.uuids.clone();
+    a.sort();
+    b.sort();
+    if a == b {
+        return Ok(());
+    }
+    Err(RequestError::BesideCdi {
+        key: own.key,
+        value: own.raw.clone(),
+        device: cdi.raw.clone(),
+        what: format!("which is {}", cdi_devices.uuids.join(",")),
+    })
 }
 
 /// Checks a parsed request against this node, for every path that serves one (the shim,
@@ -1580,5 +1810,146 @@ mod tests {
                 key.env.trim_start_matches("GPUSHARE_")
             );
         }
+    }
+
+    #[test]
+    fn cdi_device_names_parse_as_one_device() {
+        use DeviceSelector::*;
+        for (raw, want) in [
+            ("0", Index(0)),
+            (GPU0, GpuUuid(GPU0.into())),
+            (MIG1, MigUuid(MIG1.into())),
+            ("1-mig-1", MigIndex { gpu: 1, mig: 1 }),
+        ] {
+            assert_eq!(parse_cdi_device(raw).expect(raw), DeviceRequest(vec![want]));
+        }
+        for bad in [
+            "0:1",
+            "0,1",
+            "1-mig-",
+            "-mig-1",
+            "x",
+            "",
+            "0-small",
+            "allocated",
+        ] {
+            let err = parse_cdi_device(bad).expect_err(bad);
+            assert!(err.to_string().starts_with("gpushare.io/gpu="), "{err}");
+        }
+    }
+
+    #[test]
+    fn beside_a_cdi_device_the_container_may_only_repeat_it() {
+        let opts = |accept_env| Options {
+            accept_env,
+            default_device: Some(DefaultDevice::Allocated),
+            accept_visible_devices_env: false,
+        };
+        let small = ProfileLimits {
+            active_thread_percentage: Some(25),
+            pinned_memory_limit: Some("4G"),
+        };
+        let ask = |ann: &[(&str, &str)], env: &[&str], accept_env: bool, profile| {
+            let ann: HashMap<String, String> = ann
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let env: Vec<String> = env.iter().map(|e| e.to_string()).collect();
+            let c = Inputs {
+                annotations: Some(&ann),
+                env: &env,
+                ..Default::default()
+            };
+            from_cdi(&c, &opts(accept_env), "0", profile)
+        };
+        // The CDI device alone: its device and its profile's limits, env refused or not.
+        let r = ask(&[], &[], false, Some(small)).unwrap().unwrap();
+        assert_eq!(r.request.device.key, CDI_KIND);
+        assert_eq!(r.request.active_thread_percentage.unwrap().value, 25);
+        assert_eq!(r.request.pinned_memory_limit.unwrap().value, 4 << 30);
+        assert!(r.own_device.is_none());
+        // Repeats are fine; the device key is compared once resolved.
+        let r = ask(
+            &[
+                ("gpushare.io/device", "2"),
+                ("gpushare.io/active-thread-percentage", "25"),
+                ("gpushare.io/pinned-memory-limit", "4096M"),
+                ("gpushare.io/ipc", "host"),
+            ],
+            &[],
+            true,
+            Some(small),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(r.own_device.unwrap().raw, "2");
+        assert_eq!(r.request.ipc.unwrap().value, IpcMode::Host);
+        // A limit that differs, or one the device's profile does not set, is refused;
+        // so is an env request where the node takes none.
+        for (ann, env, accept_env, profile, key, raw, want) in [
+            (
+                &[("gpushare.io/active-thread-percentage", "100")][..],
+                &[][..],
+                true,
+                Some(small),
+                "gpushare.io/active-thread-percentage",
+                "100",
+                "(whose profile sets 25)",
+            ),
+            (
+                &[],
+                &["GPUSHARE_PINNED_MEMORY_LIMIT=8G"],
+                true,
+                Some(small),
+                "GPUSHARE_PINNED_MEMORY_LIMIT",
+                "8G",
+                "(whose profile sets 4G)",
+            ),
+            (
+                &[("gpushare.io/pinned-memory-limit", "8G")],
+                &[],
+                true,
+                None,
+                "gpushare.io/pinned-memory-limit",
+                "8G",
+                "(which sets none)",
+            ),
+            (
+                &[],
+                &["GPUSHARE_DEVICE=0"],
+                false,
+                None,
+                "GPUSHARE_DEVICE",
+                "0",
+                "env requests are disabled",
+            ),
+        ] {
+            let err = ask(ann, env, accept_env, profile).expect_err(raw);
+            assert_msg(&err, key, raw, want);
+        }
+        // Resolved: the same GPU by another name passes, another GPU is refused.
+        let inv = sample();
+        let cdi = Sourced {
+            value: DeviceValue::Named(parse_cdi_device("0").unwrap()),
+            key: CDI_KIND,
+            raw: "0".into(),
+        };
+        let own = |raw: &str| Sourced {
+            value: DeviceValue::Named(parse_device(DEVICE.annotation, raw).unwrap()),
+            key: DEVICE.annotation,
+            raw: raw.into(),
+        };
+        let cdi_devices = cdi.resolve(&inv).unwrap();
+        let same = own(GPU0);
+        check_same_devices(&cdi, &cdi_devices, &same, &same.resolve(&inv).unwrap()).unwrap();
+        let other = own("2");
+        let err = check_same_devices(&cdi, &cdi_devices, &other, &other.resolve(&inv).unwrap())
+            .unwrap_err();
+        assert_msg(
+            &err,
+            "gpushare.io/device",
+            "2",
+            &format!("other than the container's CDI device gpushare.io/gpu=0 (which is {GPU0})"),
+        );
     }
 }

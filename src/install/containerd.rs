@@ -217,6 +217,73 @@ pub(crate) fn edit(
     })
 }
 
+/// The CDI spec directories containerd's CRI plugin reads when `cdi_spec_dirs` is not set.
+const CONTAINERD_CDI_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
+
+/// Turns CDI on in the CRI plugin (`enable_cdi = true`) and makes `dir` one of its CDI
+/// spec directories (`cdi_spec_dirs`, which lists containerd's defaults too when it must
+/// be written), keeping the rest of the file byte for byte. containerd 1.6 ignores both.
+pub(crate) fn enable_cdi(
+    path: &Path,
+    text: &str,
+    dir: &Path,
+    default_version: i64,
+) -> Result<Edited, InstallError> {
+    let mut doc: DocumentMut =
+        text.parse()
+            .map_err(|e: toml_edit::TomlError| InstallError::Parse {
+                path: path.to_owned(),
+                format: "TOML",
+                message: crate::util::one_line(&e.to_string()),
+            })?;
+    let empty = doc.as_table().is_empty();
+    let version = version_of(&doc, empty, default_version).unwrap_or(1);
+    let Some(plugin) = cri_plugin(version) else {
+        return Err(InstallError::Unsupported {
+            path: path.to_owned(),
+            message: format!(
+                "config version {version} is not supported: allowed are versions 2 (containerd 1.7) and 3 (2.x); run `containerd config migrate` first"
+            ),
+        });
+    };
+    if empty {
+        doc.insert("version", value(version));
+    }
+    let before = doc.to_string();
+    let shape = |what: &str| InstallError::Unsupported {
+        path: path.to_owned(),
+        message: format!("{what} is not a table"),
+    };
+    let plugins = table(doc.as_table_mut(), "plugins").ok_or_else(|| shape("plugins"))?;
+    let cri = table(plugins, plugin).ok_or_else(|| shape(plugin))?;
+    cri.set_implicit(false);
+    cri.insert("enable_cdi", value(true));
+    let dir = dir.to_string_lossy().into_owned();
+    match cri.get_mut("cdi_spec_dirs") {
+        Some(item) => {
+            let dirs = item
+                .as_array_mut()
+                .ok_or_else(|| InstallError::Unsupported {
+                    path: path.to_owned(),
+                    message: "cdi_spec_dirs is not a list of directories".into(),
+                })?;
+            if !dirs.iter().any(|d| d.as_str() == Some(dir.as_str())) {
+                dirs.push(dir.as_str());
+            }
+        }
+        None if CONTAINERD_CDI_DIRS.contains(&dir.as_str()) => {}
+        None => {
+            let mut dirs: Array = CONTAINERD_CDI_DIRS.iter().copied().collect();
+            dirs.push(dir.as_str());
+            cri.insert("cdi_spec_dirs", value(dirs));
+        }
+    }
+    let after = doc.to_string();
+    Ok(Edited {
+        text: (after != before || empty).then_some(after),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -439,5 +506,46 @@ root = "/var/lib/containerd"
         );
         let err = run("version = 2\n[plugins\n", 2).err().unwrap().to_string();
         assert!(err.contains("config.toml is not valid TOML"), "{err}");
+    }
+
+    #[test]
+    fn enable_cdi_in_either_version_keeps_the_file_and_adds_the_directory_once() {
+        let enable = |text: &str, dir: &str| {
+            enable_cdi(Path::new("config.toml"), text, Path::new(dir), 3)
+                .unwrap()
+                .text
+        };
+        let v2 = "version = 2\n# mine\n[plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"p\"\n";
+        let out = enable(v2, "/etc/cdi").unwrap();
+        assert!(out.starts_with("version = 2\n# mine\n"), "{out}");
+        let t: toml::Table = out.parse().unwrap();
+        let cri = &t["plugins"]["io.containerd.grpc.v1.cri"];
+        assert_eq!(cri["enable_cdi"].as_bool(), Some(true));
+        assert_eq!(cri["sandbox_image"].as_str(), Some("p"));
+        assert!(cri.get("cdi_spec_dirs").is_none());
+        assert_eq!(enable(&out, "/etc/cdi"), None, "twice changes nothing");
+        let out = enable("", "/opt/cdi").unwrap();
+        let t: toml::Table = out.parse().unwrap();
+        let cri = &t["plugins"]["io.containerd.cri.v1.runtime"];
+        assert_eq!(
+            cri["cdi_spec_dirs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_str().unwrap())
+                .collect::<Vec<_>>(),
+            ["/etc/cdi", "/var/run/cdi", "/opt/cdi"]
+        );
+        assert_eq!(enable(&out, "/opt/cdi"), None);
+        for bad in [
+            "version = 1\n",
+            "version = 3\n[plugins]\n\"io.containerd.cri.v1.runtime\" = 1\n",
+            "version = 3\n[plugins.\"io.containerd.cri.v1.runtime\"]\ncdi_spec_dirs = 1\n",
+        ] {
+            assert!(
+                enable_cdi(Path::new("c"), bad, Path::new("/etc/cdi"), 3).is_err(),
+                "{bad}"
+            );
+        }
     }
 }

@@ -61,6 +61,62 @@ pub(crate) fn edit(
     Ok(Edited { text: Some(out) })
 }
 
+/// The CDI spec directories Docker reads when `cdi-spec-dirs` is not set.
+const DOCKER_CDI_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
+
+/// Turns CDI on (`"features": {"cdi": true}`) and makes `dir` one of the CDI spec
+/// directories Docker reads: added to `cdi-spec-dirs` when the file lists them, or when
+/// `dir` is not one of Docker's defaults (the defaults are then listed too, so that
+/// nothing Docker read before is lost). Every other key is kept in place and order.
+pub(crate) fn enable_cdi(path: &Path, text: &str, dir: &Path) -> Result<Edited, InstallError> {
+    let parse = |message: String| InstallError::Parse {
+        path: path.to_owned(),
+        format: "JSON",
+        message,
+    };
+    let shape = |key: &str, is: &Value, want: &str| InstallError::Unsupported {
+        path: path.to_owned(),
+        message: format!("\"{key}\" is {is}, not {want}: fix or remove that key"),
+    };
+    let mut doc: Map<String, Value> = if text.trim().is_empty() {
+        Map::new()
+    } else {
+        match serde_json::from_str(text).map_err(|e| parse(e.to_string()))? {
+            Value::Object(m) => m,
+            _ => return Err(parse("the top level is not an object".into())),
+        }
+    };
+    let before = doc.clone();
+    let features = doc
+        .entry("features")
+        .or_insert_with(|| Value::Object(Map::new()));
+    let Value::Object(features) = features else {
+        return Err(shape("features", features, "an object"));
+    };
+    features.insert("cdi".into(), Value::Bool(true));
+    let dir = dir.to_string_lossy().into_owned();
+    match doc.get_mut("cdi-spec-dirs") {
+        Some(Value::Array(dirs)) => {
+            if !dirs.iter().any(|d| d.as_str() == Some(dir.as_str())) {
+                dirs.push(Value::String(dir));
+            }
+        }
+        Some(other) => return Err(shape("cdi-spec-dirs", other, "a list of directories")),
+        None if DOCKER_CDI_DIRS.contains(&dir.as_str()) => {}
+        None => {
+            let mut dirs: Vec<Value> = DOCKER_CDI_DIRS.iter().map(|d| Value::from(*d)).collect();
+            dirs.push(Value::String(dir));
+            doc.insert("cdi-spec-dirs".into(), Value::Array(dirs));
+        }
+    }
+    if doc == before && !text.trim().is_empty() {
+        return Ok(Edited { text: None });
+    }
+    let mut out = serde_json::to_string_pretty(&doc).map_err(|e| parse(e.to_string()))?;
+    out.push('\n');
+    Ok(Edited { text: Some(out) })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,6 +193,50 @@ mod tests {
             assert!(
                 err.contains("/etc/docker/daemon.json is not valid JSON"),
                 "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn enable_cdi_turns_the_feature_on_and_adds_the_directory_once() {
+        let enable = |text: &str, dir: &str| {
+            enable_cdi(Path::new("daemon.json"), text, Path::new(dir))
+                .unwrap()
+                .text
+        };
+        let out = enable(
+            r#"{"runtimes": {"x": {"path": "y"}}, "features": {"buildkit": true}}"#,
+            "/etc/cdi",
+        )
+        .unwrap();
+        let v: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(
+            v["features"],
+            serde_json::json!({"buildkit": true, "cdi": true})
+        );
+        assert!(
+            v.get("cdi-spec-dirs").is_none(),
+            "a default directory needs no list"
+        );
+        assert_eq!(enable(&out, "/etc/cdi"), None, "twice changes nothing");
+        let out = enable("", "/opt/cdi").unwrap();
+        let v: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(
+            v["cdi-spec-dirs"],
+            serde_json::json!(["/etc/cdi", "/var/run/cdi", "/opt/cdi"])
+        );
+        assert_eq!(enable(&out, "/opt/cdi"), None);
+        let out = enable(r#"{"cdi-spec-dirs": ["/mine"]}"#, "/etc/cdi").unwrap();
+        let v: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["cdi-spec-dirs"], serde_json::json!(["/mine", "/etc/cdi"]));
+        for bad in [
+            r#"{"features": true}"#,
+            r#"{"cdi-spec-dirs": "/etc/cdi"}"#,
+            "[1]",
+        ] {
+            assert!(
+                enable_cdi(Path::new("d"), bad, Path::new("/etc/cdi")).is_err(),
+                "{bad}"
             );
         }
     }

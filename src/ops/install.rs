@@ -175,6 +175,67 @@ fn default_spec() -> anyhow::Result<Vec<u8>> {
     Ok(out.stdout)
 }
 
+/// `gpushare install cdi`: the CDI spec written where the engines read it, CDI turned on
+/// in one engine's config when asked (`enable`, its file `config` or the standard one),
+/// and what each engine needs to read it.
+pub(crate) fn cdi(
+    cfg: &crate::config::Config,
+    output: &Path,
+    enable: Option<Engine>,
+    config: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    crate::cdi::generate(cfg, output)?;
+    let dir = output.parent().unwrap_or(Path::new("/"));
+    if let Some(engine) = enable {
+        let is_docker = engine == Engine::Docker;
+        let path = config.unwrap_or_else(|| {
+            if is_docker {
+                install::DEFAULT_DOCKER_CONFIG.into()
+            } else {
+                install::DEFAULT_CONTAINERD_CONFIG.into()
+            }
+        });
+        let text = install::read(&path)?;
+        let edited = if is_docker {
+            docker::enable_cdi(&path, &text, dir)?
+        } else {
+            containerd::enable_cdi(&path, &text, dir, installed_containerd_config_version())?
+        };
+        match edited.text {
+            None => println!(
+                "{} already reads CDI specs from {}",
+                path.display(),
+                dir.display()
+            ),
+            Some(new) => {
+                install::write(&path, &new)?;
+                println!(
+                    "turned CDI on in {}, reading {}; {}",
+                    path.display(),
+                    dir.display(),
+                    if is_docker {
+                        "restart dockerd to use it"
+                    } else {
+                        "restart containerd to use it"
+                    }
+                );
+            }
+        }
+    }
+    println!("then ask for a share with a CDI device, e.g. gpushare.io/gpu=0 (docs/requests.md):");
+    println!("  Podman 4.1+: podman run --device gpushare.io/gpu=0 … (Podman 4.x reads only /etc/cdi and /var/run/cdi)");
+    println!(
+        "  Docker 25+: \"features\": {{\"cdi\": true}} and \"cdi-spec-dirs\": [\"{}\"] in daemon.json, then docker run --device gpushare.io/gpu=0 …",
+        dir.display()
+    );
+    println!(
+        "  containerd 1.7+ (CRI): enable_cdi = true and cdi_spec_dirs = [\"{}\"] in the CRI runtime plugin's table (on by default in 2.x); kubelet passes CDI devices from device plugins and DRA drivers",
+        dir.display()
+    );
+    println!("run this command again after the GPUs, MIG devices or [cdi.profiles] change (gpushare doctor says when)");
+    Ok(())
+}
+
 /// What the operator does next for the engine to use the new runtime.
 fn print_next_steps(is_docker: bool, name: &str) {
     if is_docker {

@@ -265,6 +265,54 @@ impl SpecFile {
             })
     }
 
+    /// The `--cdi-device` requests among a spec's hooks of one stage: each of gpushare's
+    /// `hook prestart` hooks that carries arguments after the stage. A hook with
+    /// unreadable ones is an error.
+    pub(crate) fn cdi_asks_in(
+        list: &[Value],
+    ) -> Result<Vec<crate::request::CdiAsk>, crate::request::BadHookArgs> {
+        list.iter()
+            .filter(|h| edits::gpushare_hook_stage(h) == Some("prestart"))
+            .filter_map(|h| {
+                let args: Vec<&str> = h
+                    .get("args")
+                    .and_then(Value::as_array)?
+                    .iter()
+                    .map(|a| a.as_str().unwrap_or(""))
+                    .collect();
+                crate::request::CdiAsk::from_flags(args.get(3..).unwrap_or(&[])).transpose()
+            })
+            .collect()
+    }
+
+    /// The request of the CDI device of gpushare's this spec carries, if any: the
+    /// `--cdi-device` arguments of its gpushare `prestart` hook, which only a CDI spec (the
+    /// node's: see `cdi`) puts there, never a container's author. More than one such hook
+    /// (two devices, or one twice) is refused: each would serve the container.
+    pub(crate) fn cdi_ask(&self) -> anyhow::Result<Option<crate::request::CdiAsk>> {
+        let list = self
+            .doc
+            .get("hooks")
+            .and_then(|h| h.get("prestart"))
+            .and_then(Value::as_array)
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        let mut asks = Self::cdi_asks_in(list)?;
+        match asks.len() {
+            0 | 1 => Ok(asks.pop()),
+            n => {
+                let names: Vec<String> = asks
+                    .iter()
+                    .map(|a| format!("{}={}", crate::request::CDI_KIND, a.name()))
+                    .collect();
+                anyhow::bail!(
+                    "the container has {n} CDI devices of gpushare ({}): allowed is one; ask for several GPUs with one gpushare.io/device list instead",
+                    names.join(", ")
+                )
+            }
+        }
+    }
+
     /// `process.env`, empty when absent.
     pub fn env(&self) -> &[String] {
         self.typed
@@ -514,6 +562,55 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn one_cdi_device_of_gpushare_is_the_request_two_are_refused() {
+        let hook = |args: &[&str]| serde_json::json!({"path": "/usr/bin/gpushare", "args": args});
+        let mut v: Value = serde_json::from_slice(&fixture("podman-4.3-config.json")).unwrap();
+        let spec = |v: &Value| {
+            SpecFile::parse(Path::new("c"), &serde_json::to_vec(v).unwrap(), 0o644).unwrap()
+        };
+        assert!(spec(&v).cdi_ask().unwrap().is_none());
+        // The hooks.d hook (no arguments) and other programs' hooks are no CDI request.
+        v["hooks"] = serde_json::json!({"prestart": [
+            hook(&["gpushare", "hook", "prestart"]),
+            {"path": "/usr/bin/other", "args": ["other", "hook", "prestart", "--cdi-device", "1"]},
+        ]});
+        assert!(spec(&v).cdi_ask().unwrap().is_none());
+        v["hooks"]["prestart"].as_array_mut().unwrap().push(hook(&[
+            "gpushare",
+            "hook",
+            "prestart",
+            "--cdi-device",
+            "0",
+            "--profile",
+            "small",
+        ]));
+        let ask = spec(&v).cdi_ask().unwrap().unwrap();
+        assert_eq!(ask.name(), "0-small");
+        // A CDI hook in another stage asks for nothing.
+        v["hooks"]["poststart"] =
+            serde_json::json!([hook(&["gpushare", "hook", "prestart", "--cdi-device", "2"])]);
+        assert_eq!(spec(&v).cdi_ask().unwrap().unwrap().name(), "0-small");
+        for second in ["0", "2"] {
+            let mut two = v.clone();
+            two["hooks"]["prestart"]
+                .as_array_mut()
+                .unwrap()
+                .push(hook(&[
+                    "gpushare",
+                    "hook",
+                    "prestart",
+                    "--cdi-device",
+                    second,
+                ]));
+            let err = spec(&two).cdi_ask().unwrap_err().to_string();
+            assert!(err.starts_with("the container has 2 CDI devices of gpushare (gpushare.io/gpu=0-small, gpushare.io/gpu="), "{err}");
+        }
+        let mut bad = v.clone();
+        bad["hooks"]["prestart"][2] = hook(&["gpushare", "hook", "prestart", "--cdi-device"]);
+        assert!(spec(&bad).cdi_ask().is_err());
     }
 
     #[test]

@@ -280,6 +280,10 @@ struct ContainerSpec<'a> {
     devices: &'a [&'a str],
     /// (host path, container path): the pod's volumes, a device plugin's mounts.
     mounts: &'a [(&'a str, &'a str)],
+    /// The container's own annotations (a device plugin's `cdi.k8s.io/*`).
+    annotations: &'a [(&'a str, &'a str)],
+    /// CRI `CDI_devices` (a device plugin's `CDIDevices`, a DRA driver's).
+    cdi_devices: &'a [&'a str],
 }
 
 /// gpushare's line for a pod annotated `gpushare.io/active-thread-percentage=101`.
@@ -351,6 +355,12 @@ impl<'e> Node<'e> {
     /// install containerd`. The fetched binaries are bound into the namespace (its tmpfs
     /// covers /var/cache).
     fn start_containerd2(env: &'e Env) -> Node<'e> {
+        Node::start_containerd2_with(env, &|_| {})
+    }
+
+    /// [`Node::start_containerd2`], with `configure` run on the config file after
+    /// `gpushare install containerd`, before containerd starts.
+    fn start_containerd2_with(env: &'e Env, configure: &dyn Fn(&Path)) -> Node<'e> {
         let fetched = containerd2_bin();
         let dir = env.path().join("k");
         std::fs::create_dir_all(&dir).unwrap();
@@ -366,6 +376,7 @@ impl<'e> Node<'e> {
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", text(&out));
+        configure(&config);
         let bin = dir.join("bin");
         let ns = PrivateMounts::with_binds(&[(&fetched, &bin)]);
         let node = Node::start_in(env, dir, config, ns, Some(bin), &[]);
@@ -674,6 +685,18 @@ impl<'e> Node<'e> {
                     container_path: d.to_string(),
                     host_path: d.to_string(),
                     permissions: "rw".into(),
+                })
+                .collect(),
+            annotations: c
+                .annotations
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            cdi_devices: c
+                .cdi_devices
+                .iter()
+                .map(|name| CdiDevice {
+                    name: name.to_string(),
                 })
                 .collect(),
             log_path: format!("{}_{}.log", c.name, c.attempt),
@@ -2071,4 +2094,127 @@ fn cri_host_users_false_pod_is_served_as_its_host_uid() {
         .cloned()
         .unwrap_or_default();
     assert_eq!(listed["uid"], 201000, "{listed}");
+}
+
+/// CDI on containerd 2.x's CRI plugin (`enable_cdi`, a private `cdi_spec_dirs` holding the
+/// spec, both written by `gpushare install cdi --enable containerd`), with the gpushare
+/// runtime class: a CDI device of
+/// gpushare's, by the CRI `CDI_devices` field or a `cdi.k8s.io/*` annotation, is served
+/// once — the shim takes the request from the CDI hook and replaces that hook by its own
+/// — on the GPU it names, with its profile's limit; a pod annotation asking for another
+/// GPU beside it is refused, and no daemon ever serves that GPU.
+#[test]
+fn cri_containerd2_serves_a_cdi_device_once_through_the_shim() {
+    let env = Env::with_configs("[cdi.profiles.small]\nactive-thread-percentage = 25\n", "");
+    let cdi = env.path().join("cdi");
+    // `gpushare install cdi` writes the spec into a private directory and turns CDI on in
+    // the node's config, with that directory among its `cdi_spec_dirs`.
+    let mut node = Node::start_containerd2_with(&env, &|config| {
+        let out = env
+            .cmd(GPUSHARE)
+            .args(["install", "cdi", "--output"])
+            .arg(cdi.join("gpushare.json"))
+            .args(["--enable", "containerd", "--config"])
+            .arg(config)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        let t: toml::Table = std::fs::read_to_string(config).unwrap().parse().unwrap();
+        let cri = &t["plugins"]["io.containerd.cri.v1.runtime"];
+        assert_eq!(cri["enable_cdi"].as_bool(), Some(true), "{t}");
+        assert!(
+            cri["cdi_spec_dirs"]
+                .as_array()
+                .unwrap()
+                .contains(&toml::Value::from(cdi.display().to_string())),
+            "{t}"
+        );
+    });
+    let script = format!("{CLIENT}; cat /proc/self/mountinfo; exec sleep 3600");
+    let pipe_mounts = |out: &str| {
+        out.lines()
+            .filter(|l| l.split(' ').nth(4) == Some("/tmp/nvidia-mps"))
+            .count()
+    };
+    let devices_served = |env: &Env| -> Vec<Value> {
+        env.daemon_ids()
+            .iter()
+            .map(|id| env.record(id)["identity"]["devices"].clone())
+            .collect()
+    };
+
+    // By the CDI_devices field.
+    let pod = node.pod(&PodSpec {
+        name: "cdi",
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
+    let c = ContainerSpec {
+        name: "field",
+        script: &script,
+        run_as_user: Some(1000),
+        cdi_devices: &["gpushare.io/gpu=0"],
+        ..Default::default()
+    };
+    let id = node.run(&pod, &c);
+    let line = node.client_line(&pod, &c);
+    assert_eq!(
+        (line["server_uid"].as_str(), line["shm"].as_str()),
+        ("1000", "ok"),
+        "{line:?}"
+    );
+    assert!(wait_until(Duration::from_secs(10), || node
+        .output(&pod, &c)
+        .contains("/dev/shm")));
+    assert_eq!(
+        pipe_mounts(&node.output(&pod, &c)),
+        1,
+        "served once:\n{}",
+        node.output(&pod, &c)
+    );
+    assert_eq!(devices_served(&env), [serde_json::json!([GPU0])]);
+    // The shim served it: its createRuntime hook, and the CDI hook gone.
+    let spec = node.bundle_spec(&id);
+    let hooks = spec["hooks"].to_string();
+    assert!(!hooks.contains("--cdi-device"), "{hooks}");
+    assert_eq!(
+        spec["hooks"]["createRuntime"].as_array().map(Vec::len),
+        Some(1),
+        "{hooks}"
+    );
+
+    // By the cdi.k8s.io annotation, a profile's device: its limit.
+    let c = ContainerSpec {
+        name: "annotation",
+        script: &script,
+        run_as_user: Some(1000),
+        annotations: &[("cdi.k8s.io/gpushare", "gpushare.io/gpu=0-small")],
+        ..Default::default()
+    };
+    node.run(&pod, &c);
+    let line = node.client_line(&pod, &c);
+    assert_eq!(line["active_thread_percentage"], "25.0", "{line:?}");
+    assert_eq!(devices_served(&env).len(), 2);
+
+    // A pod annotation asking for GPU 2 beside the CDI device: refused.
+    let other = node.pod(&PodSpec {
+        name: "other",
+        annotations: &[("gpushare.io/device", "2")],
+        run_as_user: Some(2000),
+        ..Default::default()
+    });
+    let c = ContainerSpec {
+        name: "redirect",
+        script: &script,
+        run_as_user: Some(2000),
+        cdi_devices: &["gpushare.io/gpu=0"],
+        ..Default::default()
+    };
+    node.refuse(
+        &other,
+        &c,
+        "gpushare.io/device=\"2\" is refused: it asks for something other than the container's CDI device gpushare.io/gpu=0",
+    );
+    assert!(!devices_served(&env).contains(&serde_json::json!([GPU2])));
+    node.remove_all();
 }

@@ -216,6 +216,14 @@ pub struct Device {
     pub permissions: String,
 }
 
+/// `CDIDevice` of api.proto: a fully qualified CDI device name (`vendor/class=name`),
+/// which the kubelet takes from a device plugin's `CDIDevices` or a DRA driver.
+#[derive(Clone, PartialEq, Message)]
+pub struct CdiDevice {
+    #[prost(string, tag = "1")]
+    pub name: String,
+}
+
 /// `Mount` of api.proto (named apart from oci-spec's).
 #[derive(Clone, PartialEq, Message)]
 pub struct CriMount {
@@ -279,6 +287,9 @@ pub struct ContainerConfig {
     pub log_path: String,
     #[prost(message, optional, tag = "15")]
     pub linux: Option<LinuxContainerConfig>,
+    /// `CDI_devices`: the CDI devices the engine injects (containerd 1.7+ with CDI on).
+    #[prost(message, repeated, tag = "17")]
+    pub cdi_devices: Vec<CdiDevice>,
 }
 
 #[derive(Clone, PartialEq, Message)]

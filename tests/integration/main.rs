@@ -3,6 +3,7 @@
 
 mod agent;
 mod allocated;
+mod cdi;
 mod core_path;
 mod cri;
 mod cri_api;
