@@ -1,14 +1,21 @@
-//! CDI devices of gpushare's (`gpushare cdi generate`) through Podman: the spec is written
-//! by the binary under test into `/var/run/cdi` of a private mount namespace (Podman 4.3
-//! reads only `/etc/cdi` and `/var/run/cdi`; `PrivateMounts` covers `/run` with an empty
-//! tmpfs, so the machine's own directories are never touched), and Podman runs with
-//! gpushare's hooks.d files too, so that a container given both is served once. The node
-//! refuses env requests (`accept-env-requests = false`): a CDI request is not one.
+//! CDI devices of gpushare's (`gpushare cdi generate`, `gpushare install cdi`) through the
+//! engines that read CDI specs from `--device`: Podman 4.3 and 5, Docker 26 and 28.
+//!
+//! Podman: the spec is written by the binary under test into `/var/run/cdi` of a private
+//! mount namespace (Podman 4.3 reads only `/etc/cdi` and `/var/run/cdi`; `PrivateMounts`
+//! covers `/run` with an empty tmpfs, so the machine's own directories are never touched),
+//! and Podman runs with gpushare's hooks.d files too, so that a container given both is
+//! served once. Docker: `gpushare install cdi --enable docker` writes the spec into a
+//! private directory and turns CDI on in the test dockerd's daemon.json; a CDI device is
+//! served by runc running the spec's hooks (hook-only) or by the shim (`--runtime
+//! gpushare`). The nodes refuse env requests (`accept-env-requests = false`): a CDI
+//! request is not one.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Output, Stdio};
 use std::time::Duration;
 
+use crate::engines::Dockerd;
 use crate::harness::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
@@ -21,29 +28,44 @@ fn pipe_mounts(mountinfo: &str) -> usize {
         .count()
 }
 
-#[test]
-fn podman_serves_a_cdi_device_once_and_the_container_cannot_change_its_request() {
-    let env = Env::with_configs(
+/// Podman `bin` (`None`: Debian 12's 4.3, else a fetched one with its own conmon and
+/// helpers named in a containers.conf of its own): a CDI device of gpushare's, alone or
+/// beside the hooks.d hook, is served once on the GPU it names, with its profile's limit;
+/// an annotation or env asking for something else beside it is refused, and no daemon
+/// ever serves GPU 2. A fetched Podman (5) runs with the node's agent: its conmon waits
+/// for every process it adopted, so without the agent a foreground `podman run` would
+/// wait for the daemon's supervisor.
+fn podman_serves_a_cdi_device(bin: Option<PathBuf>) {
+    let mut env = Env::with_configs(
         "accept-env-requests = false\n[cdi.profiles.small]\nactive-thread-percentage = 25\n",
         "",
     );
-    let podman = need("podman", "podman");
-    let ns = PrivateMounts::new();
     let dir = env.path().join("p");
     let hooks = dir.join("hooks.d");
-    std::fs::create_dir_all(&hooks).unwrap();
-    for name in ["gpushare.json", "gpushare-poststop.json"] {
-        let shipped = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("hooks/oci-hooks.d")
-            .join(name);
-        let mut v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(shipped).unwrap()).unwrap();
-        v["hook"]["path"] = GPUSHARE.into();
-        v["hook"]["env"]
-            .as_array_mut()
-            .unwrap()
-            .push(format!("GPUSHARE_CONFIG={}", env.config.display()).into());
-        std::fs::write(hooks.join(name), v.to_string()).unwrap();
+    write_hooks_d(&env, &hooks);
+    let (ns, podman, conf) = match &bin {
+        Some(bin) => {
+            let conf = env.path().join("containers.conf");
+            std::fs::write(
+                &conf,
+                format!(
+                    "[engine]\nconmon_path = [{:?}]\nhelper_binaries_dir = [{:?}]\n",
+                    bin.join("conmon").display().to_string(),
+                    bin.join("../lib/podman").display().to_string()
+                ),
+            )
+            .unwrap();
+            (
+                PrivateMounts::keeping(env.path(), &[&fetched_root(bin)]),
+                bin.join("podman"),
+                Some(conf),
+            )
+        }
+        None => (PrivateMounts::new(), need("podman", "podman"), None),
+    };
+    if bin.is_some() {
+        env.enter(&ns);
+        env.start_agent();
     }
     // The spec, by the binary under test, where Podman reads it (in the namespace only).
     let out = ns
@@ -69,9 +91,15 @@ fn podman_serves_a_cdi_device_once_and_the_container_cannot_change_its_request()
         "{}",
         text(&out)
     );
+    // Bounded, so that an engine that hangs fails the test instead of holding it.
     let pm = |args: &[&str]| {
-        ns.cmd(&podman)
-            .arg("--root")
+        let mut cmd = ns.cmd(need("timeout", "coreutils"));
+        cmd.arg("120").arg(&podman);
+        if let Some(conf) = &conf {
+            cmd.env("CONTAINERS_CONF", conf)
+                .env("PODMAN_IGNORE_CGROUPSV1_WARNING", "1");
+        }
+        cmd.arg("--root")
             .arg(dir.join("storage"))
             .arg("--runroot")
             .arg(dir.join("run"))
@@ -79,16 +107,9 @@ fn podman_serves_a_cdi_device_once_and_the_container_cannot_change_its_request()
             .arg(dir.join("tmp"))
             .arg("--hooks-dir")
             .arg(&hooks)
-            .args([
-                "--storage-driver",
-                "vfs",
-                "--runtime",
-                "runc",
-                "--cgroup-manager",
-                "cgroupfs",
-                "--events-backend",
-                "file",
-            ])
+            .args(["--storage-driver", "vfs", "--runtime"])
+            .arg(which("runc").unwrap())
+            .args(["--cgroup-manager", "cgroupfs", "--events-backend", "file"])
             .args(args)
             .stdin(Stdio::null())
             .output()
@@ -105,6 +126,7 @@ fn podman_serves_a_cdi_device_once_and_the_container_cannot_change_its_request()
     let tar = rootfs_tar(&dir);
     let out = pm(&["import", tar.to_str().unwrap(), "gpushare-test"]);
     assert!(out.status.success(), "{}", text(&out));
+    eprintln!("{}", text(&pm(&["--version"])));
     let run = |extra: &[&str]| {
         let mut args = vec![
             "run",
@@ -244,4 +266,136 @@ fn podman_serves_a_cdi_device_once_and_the_container_cannot_change_its_request()
         .unwrap()
         .iter()
         .all(|d| d["containers"].as_array().unwrap().is_empty())));
+}
+
+#[test]
+fn podman_serves_a_cdi_device_once_and_the_container_cannot_change_its_request() {
+    podman_serves_a_cdi_device(None);
+}
+
+#[test]
+fn podman_5_serves_a_cdi_device_once_and_the_container_cannot_change_its_request() {
+    podman_serves_a_cdi_device(Some(fetched(
+        "GPUSHARE_TEST_PODMAN5",
+        "trixie",
+        &["podman", "conmon", "../lib/podman/netavark"],
+    )));
+}
+
+/// Docker `bin` (a fetched one, ≥ 25) configured by `gpushare install docker` and then
+/// `gpushare install cdi --enable docker` (CDI on, a private spec directory): a CDI
+/// device is served once on GPU 0, by runc running the spec's hooks (hook-only: no
+/// `CUDA_MPS_PIPE_DIRECTORY`) and by the shim (`--runtime gpushare`, which takes the
+/// request from the CDI hook and sets the env); an annotation asking for GPU 2 beside it
+/// is refused with gpushare's line on either path, and no daemon ever serves GPU 2.
+fn docker_serves_a_cdi_device(bin: PathBuf) {
+    let env = Env::with_configs("accept-env-requests = false\n", "");
+    let ns = PrivateMounts::keeping(env.path(), &[&fetched_root(&bin)]);
+    let cdi = env.path().join("cdi");
+    let d = Dockerd::start_configured(&env, &ns, Some(&bin), &|daemon_json| {
+        let out = env
+            .cmd(GPUSHARE)
+            .args(["install", "cdi", "--output"])
+            .arg(cdi.join("gpushare.json"))
+            .args(["--enable", "docker", "--config"])
+            .arg(daemon_json)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(daemon_json).unwrap()).unwrap();
+        assert_eq!(v["features"]["cdi"], true, "{v}");
+        assert!(
+            v["cdi-spec-dirs"]
+                .as_array()
+                .unwrap()
+                .contains(&cdi.display().to_string().into()),
+            "{v}"
+        );
+    });
+    let version = text(&d.docker(&["version", "--format", "{{.Server.Version}}"]));
+    eprintln!("dockerd {version}");
+    let script = format!("echo PIPE=$CUDA_MPS_PIPE_DIRECTORY; {CLIENT}; cat /proc/self/mountinfo");
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "--rm", "-u", "1000"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["gpushare-test", "sh", "-c", &script]);
+        d.docker(&args)
+    };
+    let devices_served = || -> Vec<serde_json::Value> {
+        env.daemon_ids()
+            .iter()
+            .map(|id| env.record(id)["identity"]["devices"].clone())
+            .collect()
+    };
+    for (runtime, pipe_env) in [
+        (&[][..], "PIPE=\n"),
+        (&["--runtime", "gpushare"][..], "PIPE=/tmp/nvidia-mps\n"),
+    ] {
+        let mut args = runtime.to_vec();
+        args.extend(["--device", "gpushare.io/gpu=0"]);
+        let out = run(&args);
+        let s = text(&out);
+        assert!(
+            out.status.success(),
+            "{args:?}: {s}\n{}",
+            env.gpushare_log()
+        );
+        assert!(s.contains(pipe_env), "{args:?}: {s}");
+        assert_eq!(
+            pipe_mounts(&s),
+            1,
+            "{args:?}: served once, one pipe mount:\n{s}"
+        );
+        let line = client_line(&s);
+        assert_eq!(
+            (line["shm"].as_str(), line["server_uid"].as_str()),
+            ("ok", "1000"),
+            "{s}"
+        );
+        assert_eq!(
+            devices_served(),
+            [serde_json::json!([GPU0])],
+            "one daemon, GPU 0"
+        );
+
+        args.extend(["--annotation", "gpushare.io/device=2"]);
+        let out = run(&args);
+        let s = text(&out);
+        assert!(!out.status.success(), "{args:?} must be refused: {s}");
+        assert!(
+            s.contains("gpushare: CDI device gpushare.io/gpu=0: gpushare.io/device=\"2\" is refused: it asks for something other than the container's CDI device gpushare.io/gpu=0"),
+            "{args:?}: {s}"
+        );
+        assert!(!s.contains("mps-client"), "{s}");
+    }
+    assert!(
+        !devices_served().contains(&serde_json::json!([GPU2])),
+        "{:?}",
+        devices_served()
+    );
+    assert!(wait_until(Duration::from_secs(10), || env
+        .status()
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|d| d["containers"].as_array().unwrap().is_empty())));
+}
+
+#[test]
+fn docker_26_serves_a_cdi_device_once_and_the_container_cannot_change_its_request() {
+    docker_serves_a_cdi_device(fetched(
+        "GPUSHARE_TEST_DOCKER26",
+        "trixie",
+        &["dockerd", "docker", "containerd", "containerd-shim-runc-v2"],
+    ));
+}
+
+#[test]
+fn docker_28_serves_a_cdi_device_once_and_the_container_cannot_change_its_request() {
+    docker_serves_a_cdi_device(fetched(
+        "GPUSHARE_TEST_DOCKER28",
+        "sid",
+        &["dockerd", "docker", "containerd", "containerd-shim-runc-v2"],
+    ));
 }

@@ -12,7 +12,9 @@
 //!
 //! A pod of its own user namespace (`hostUsers: false`) needs containerd 2.x, which Debian
 //! 12 does not ship: `Node::start_containerd2` runs the one `scripts/fetch-engines`
-//! extracted (config version 3; a pod network of its own, see `pod_network`).
+//! extracted (config version 3; a pod network of its own, see `pod_network`). CDI needs
+//! containerd 1.7 or later: `Node::start_containerd_1_7_with` runs the extracted 1.7 on a
+//! version 2 config, as 1.6's.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -361,11 +363,39 @@ impl<'e> Node<'e> {
     /// [`Node::start_containerd2`], with `configure` run on the config file after
     /// `gpushare install containerd`, before containerd starts.
     fn start_containerd2_with(env: &'e Env, configure: &dyn Fn(&Path)) -> Node<'e> {
-        let fetched = containerd2_bin();
+        Node::start_fetched_with(env, containerd2_bin(), 3, configure)
+    }
+
+    /// A node of containerd 1.7 (fetched by scripts/fetch-engines), configured like a
+    /// fresh one: `base_config` (version 2, which 1.7 reads as 1.6 does), then `gpushare
+    /// install containerd`, then `configure`.
+    fn start_containerd_1_7_with(env: &'e Env, configure: &dyn Fn(&Path)) -> Node<'e> {
+        let fetched = fetched(
+            "GPUSHARE_TEST_CONTAINERD17",
+            "trixie",
+            &["containerd", "containerd-shim-runc-v2", "ctr"],
+        );
+        Node::start_fetched_with(env, fetched, 2, configure)
+    }
+
+    /// A node of the containerd in `fetched` on a config of `version` (2: `base_config`,
+    /// 3: `base_config_v3`), then `gpushare install containerd`, then `configure`; the
+    /// fetched binaries are bound into the namespace (its tmpfs covers /var/cache) and
+    /// first on containerd's PATH.
+    fn start_fetched_with(
+        env: &'e Env,
+        fetched: PathBuf,
+        version: u32,
+        configure: &dyn Fn(&Path),
+    ) -> Node<'e> {
         let dir = env.path().join("k");
         std::fs::create_dir_all(&dir).unwrap();
         let config = dir.join("config.toml");
-        std::fs::write(&config, base_config_v3(&dir)).unwrap();
+        let base = match version {
+            2 => base_config(&dir),
+            _ => base_config_v3(&dir),
+        };
+        std::fs::write(&config, base).unwrap();
         pod_network(&dir);
         let out = env
             .cmd(GPUSHARE)
@@ -2096,20 +2126,19 @@ fn cri_host_users_false_pod_is_served_as_its_host_uid() {
     assert_eq!(listed["uid"], 201000, "{listed}");
 }
 
-/// CDI on containerd 2.x's CRI plugin (`enable_cdi`, a private `cdi_spec_dirs` holding the
-/// spec, both written by `gpushare install cdi --enable containerd`), with the gpushare
-/// runtime class: a CDI device of
-/// gpushare's, by the CRI `CDI_devices` field or a `cdi.k8s.io/*` annotation, is served
-/// once — the shim takes the request from the CDI hook and replaces that hook by its own
-/// — on the GPU it names, with its profile's limit; a pod annotation asking for another
-/// GPU beside it is refused, and no daemon ever serves that GPU.
-#[test]
-fn cri_containerd2_serves_a_cdi_device_once_through_the_shim() {
+/// CDI on containerd's CRI plugin (1.7: config version 2, 2.x: version 3; `enable_cdi`,
+/// a private `cdi_spec_dirs` holding the spec, both written by `gpushare install cdi
+/// --enable containerd`), with the gpushare runtime class: a CDI device of gpushare's, by
+/// the CRI `CDI_devices` field or a `cdi.k8s.io/*` annotation, is served once — the shim
+/// takes the request from the CDI hook and replaces that hook by its own — on the GPU it
+/// names, with its profile's limit; a pod annotation asking for another GPU beside it is
+/// refused, and no daemon ever serves that GPU.
+fn cri_serves_a_cdi_device_once_through_the_shim(version: u32) {
     let env = Env::with_configs("[cdi.profiles.small]\nactive-thread-percentage = 25\n", "");
     let cdi = env.path().join("cdi");
     // `gpushare install cdi` writes the spec into a private directory and turns CDI on in
     // the node's config, with that directory among its `cdi_spec_dirs`.
-    let mut node = Node::start_containerd2_with(&env, &|config| {
+    let configure = |config: &Path| {
         let out = env
             .cmd(GPUSHARE)
             .args(["install", "cdi", "--output"])
@@ -2120,7 +2149,10 @@ fn cri_containerd2_serves_a_cdi_device_once_through_the_shim() {
             .unwrap();
         assert!(out.status.success(), "{}", text(&out));
         let t: toml::Table = std::fs::read_to_string(config).unwrap().parse().unwrap();
-        let cri = &t["plugins"]["io.containerd.cri.v1.runtime"];
+        let cri = match version {
+            2 => &t["plugins"]["io.containerd.grpc.v1.cri"],
+            _ => &t["plugins"]["io.containerd.cri.v1.runtime"],
+        };
         assert_eq!(cri["enable_cdi"].as_bool(), Some(true), "{t}");
         assert!(
             cri["cdi_spec_dirs"]
@@ -2129,7 +2161,19 @@ fn cri_containerd2_serves_a_cdi_device_once_through_the_shim() {
                 .contains(&toml::Value::from(cdi.display().to_string())),
             "{t}"
         );
-    });
+    };
+    let mut node = match version {
+        2 => Node::start_containerd_1_7_with(&env, &configure),
+        _ => Node::start_containerd2_with(&env, &configure),
+    };
+    let containerd = node.program("containerd");
+    let out = node
+        .ns()
+        .cmd(&containerd)
+        .arg("--version")
+        .output()
+        .unwrap();
+    eprintln!("{}", text(&out));
     let script = format!("{CLIENT}; cat /proc/self/mountinfo; exec sleep 3600");
     let pipe_mounts = |out: &str| {
         out.lines()
@@ -2217,4 +2261,14 @@ fn cri_containerd2_serves_a_cdi_device_once_through_the_shim() {
     );
     assert!(!devices_served(&env).contains(&serde_json::json!([GPU2])));
     node.remove_all();
+}
+
+#[test]
+fn cri_containerd_1_7_serves_a_cdi_device_once_through_the_shim() {
+    cri_serves_a_cdi_device_once_through_the_shim(2);
+}
+
+#[test]
+fn cri_containerd2_serves_a_cdi_device_once_through_the_shim() {
+    cri_serves_a_cdi_device_once_through_the_shim(3);
 }

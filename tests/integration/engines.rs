@@ -45,6 +45,24 @@ impl Dockerd {
 
     /// As `start_with`, with the Docker whose binaries are in `bin` (see `fetched`).
     fn start_in(env: &Env, ns: &PrivateMounts, live_restore: bool, bin: Option<&Path>) -> Dockerd {
+        Dockerd::start_configured(env, ns, bin, &|daemon_json| {
+            if live_restore {
+                let mut v: serde_json::Value =
+                    serde_json::from_slice(&std::fs::read(daemon_json).unwrap()).unwrap();
+                v["live-restore"] = serde_json::json!(true);
+                std::fs::write(daemon_json, v.to_string()).unwrap();
+            }
+        })
+    }
+
+    /// A private dockerd (the one in `bin`, else Debian 12's) configured by `gpushare
+    /// install docker`, then by `configure` on its daemon.json before it starts.
+    pub(crate) fn start_configured(
+        env: &Env,
+        ns: &PrivateMounts,
+        bin: Option<&Path>,
+        configure: &dyn Fn(&Path),
+    ) -> Dockerd {
         let dir = env.path().join("d");
         std::fs::create_dir_all(&dir).unwrap();
         // Configured by our own installer.
@@ -61,12 +79,7 @@ impl Dockerd {
             "{}",
             text(&out)
         );
-        if live_restore {
-            let mut v: serde_json::Value =
-                serde_json::from_slice(&std::fs::read(&daemon_json).unwrap()).unwrap();
-            v["live-restore"] = serde_json::json!(true);
-            std::fs::write(&daemon_json, v.to_string()).unwrap();
-        }
+        configure(&daemon_json);
         let d = Dockerd {
             sock: format!("unix://{}", dir.join("docker.sock").display()),
             child: Dockerd::spawn(&dir, &env.config, ns, bin),
