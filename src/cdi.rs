@@ -40,12 +40,16 @@ pub(crate) const DEFAULT_OUTPUT: &str = "/var/run/cdi/gpushare.json";
 const POSTSTOP_TIMEOUT: u64 = 10;
 
 /// The base device names of an inventory, in a fixed order: per GPU its index and UUID,
-/// then per MIG device of it `<gpu>-mig-<mig>` and its UUID.
+/// then per MIG device of it `<gpu>-mig-<mig>` and its UUID. A GPU in MIG mode (one with
+/// MIG devices) gets no name of its own: CUDA runs only on its MIG devices, and a request
+/// for the whole GPU is refused.
 pub(crate) fn device_names(inv: &Inventory) -> Vec<String> {
     let mut names = Vec::new();
     for gpu in &inv.gpus {
-        names.push(gpu.index.to_string());
-        names.push(gpu.uuid.clone());
+        if gpu.mig_devices.is_empty() {
+            names.push(gpu.index.to_string());
+            names.push(gpu.uuid.clone());
+        }
         for mig in &gpu.mig_devices {
             names.push(format!("{}-mig-{}", gpu.index, mig.index));
             names.push(mig.uuid.clone());
@@ -189,7 +193,7 @@ pub(crate) fn generate(cfg: &crate::config::Config, output: &Path) -> anyhow::Re
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::testing::{GPU0, GPU1, GPU2, MIG0, MIG1, MIG2};
+    use crate::device::testing::{GPU0, GPU2, MIG0, MIG1, MIG2};
 
     fn profiles() -> BTreeMap<String, CdiProfile> {
         let cfg = crate::config::parse(
@@ -228,8 +232,6 @@ mod tests {
         let expected = [
             "0".to_owned(),
             GPU0.into(),
-            "1".into(),
-            GPU1.into(),
             "1-mig-0".into(),
             MIG0.into(),
             "1-mig-1".into(),

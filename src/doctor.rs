@@ -726,7 +726,7 @@ mod tests {
         assert!(
             current
                 .detail
-                .ends_with("is current: 24 devices of gpushare.io/gpu"),
+                .ends_with("is current: 20 devices of gpushare.io/gpu"),
             "{}",
             current.detail
         );
