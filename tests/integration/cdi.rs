@@ -87,7 +87,7 @@ fn podman_serves_a_cdi_device(bin: Option<PathBuf>) {
         .output()
         .unwrap();
     assert!(
-        text(&out).contains("/var/run/cdi/gpushare.json is current: 24 devices of gpushare.io/gpu"),
+        text(&out).contains("/var/run/cdi/gpushare.json is current: 20 devices of gpushare.io/gpu"),
         "{}",
         text(&out)
     );
