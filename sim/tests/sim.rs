@@ -169,6 +169,8 @@ fn shm_file(server: &str) -> PathBuf {
 /// One simulated node: pipe and log directories, the daemons started on them.
 struct Sim {
     dir: tempfile::TempDir,
+    /// The simulator, copied where every uid reaches it.
+    exe: PathBuf,
     pipe: PathBuf,
     log: PathBuf,
     daemon: Option<Proc>,
@@ -197,8 +199,14 @@ impl Sim {
         fs::create_dir(&pipe).expect("mkdir pipe");
         fs::set_permissions(&pipe, fs::Permissions::from_mode(0o755)).expect("chmod pipe");
         let log = dir.path().join("log");
+        // A copy in the test's directory: other uids cannot reach target/ in a checkout
+        // under a 0700 directory (root's home, `mktemp -d`).
+        let exe = dir.path().join("gpushare-mps-sim");
+        fs::copy(bin(), &exe).expect("copy the simulator");
+        fs::set_permissions(&exe, fs::Permissions::from_mode(0o755)).expect("chmod copy");
         Sim {
             dir,
+            exe,
             pipe,
             log,
             daemon: None,
@@ -207,7 +215,7 @@ impl Sim {
     }
 
     fn cmd(&self) -> Command {
-        let mut cmd = Command::new(bin());
+        let mut cmd = Command::new(&self.exe);
         cmd.env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe)
             .env("CUDA_MPS_LOG_DIRECTORY", &self.log)
             .env_remove("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")

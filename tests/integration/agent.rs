@@ -71,7 +71,7 @@ fn a_waiting_subreaper_returns_when_the_container_exits_cold_or_warm() {
         );
         let started = Instant::now();
         let mut waiter = env
-            .cmd(sim())
+            .cmd(env.sim().to_str().unwrap())
             .args(["subreaper", "sh", "-c", &script])
             .stdin(Stdio::null())
             .spawn()

@@ -130,10 +130,11 @@ fn one_shared_daemon_makes_the_second_user_wait() {
         .unwrap();
     let pipe = dir.path().join("pipe");
     let log = dir.path().join("log");
+    let sim = sim_copy(dir.path());
     // A host-wide daemon shared by several users needs a pipe dir they can all enter.
     std::fs::create_dir(&pipe).unwrap();
     std::fs::set_permissions(&pipe, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let mut daemon = Command::new(sim())
+    let mut daemon = Command::new(&sim)
         .arg("-f")
         .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
         .env("CUDA_MPS_LOG_DIRECTORY", &log)
@@ -148,7 +149,7 @@ fn one_shared_daemon_makes_the_second_user_wait() {
         .join("nvidia-cuda-mps-control.pid")
         .exists()));
     let client = |uid: u32| {
-        Command::new(sim())
+        Command::new(&sim)
             .args(["client", "--hold", "1.5"])
             .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
             .uid(uid)

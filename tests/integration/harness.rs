@@ -42,6 +42,20 @@ pub fn sim() -> &'static str {
     })
 }
 
+/// A copy of the simulator in `dir/bin` (0755), for the daemons a test starts as other
+/// users: they must reach the control binary, and a checkout under a 0700 directory
+/// (root's home, `mktemp -d`) keeps them out of target/.
+pub fn sim_copy(dir: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let copy = bin.join("gpushare-mps-sim");
+    std::fs::copy(sim(), &copy).unwrap();
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+    copy
+}
+
 pub const GPU0: &str = "GPU-8f8bff94-112e-9541-43da-cfd453333404";
 pub const GPU1: &str = "GPU-6a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9";
 pub const GPU2: &str = "GPU-7b2c3d4e-5f60-4182-93a4-b5c6d7e8f901";
@@ -267,6 +281,7 @@ impl Env {
         let runc_root = dir.path().join("runc");
         let inventory = dir.path().join("inventory.json");
         std::fs::write(&inventory, inventory_json().to_string()).unwrap();
+        let sim = sim_copy(dir.path());
         let config = dir.path().join("runtime.toml");
         let runc = which("runc").unwrap();
         std::fs::write(
@@ -277,7 +292,7 @@ impl Env {
                 state = state.display().to_string(),
                 log = dir.path().join("gpushare.log").display().to_string(),
                 inv = inventory.display(),
-                sim = sim(),
+                sim = sim.display().to_string(),
             ),
         )
         .unwrap();
@@ -292,6 +307,11 @@ impl Env {
             mount_ns: None,
             agent: None,
         }
+    }
+
+    /// The simulator this env's config names (`sim_copy`): reachable by every uid.
+    pub fn sim(&self) -> PathBuf {
+        self.dir.path().join("bin/gpushare-mps-sim")
     }
 
     /// Replaces the config's `inventory` (the test inventory file) with `source`, e.g.

@@ -82,7 +82,7 @@ fn status_shows_daemons_health_and_containers_in_three_formats() {
     std::fs::write(
         &no_binary,
         std::fs::read_to_string(&env.config).unwrap().replace(
-            &format!("control-binary = {:?}", sim()),
+            &format!("control-binary = {:?}", env.sim().display().to_string()),
             "control-binary = \"/nonexistent/nvidia-cuda-mps-control\"",
         ),
     )
@@ -173,7 +173,7 @@ fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
             &format!("state-dir = {:?}", long.display().to_string()),
         )
         .replace(
-            &format!("control-binary = {:?}", sim()),
+            &format!("control-binary = {:?}", env.sim().display().to_string()),
             "control-binary = \"/nonexistent/nvidia-cuda-mps-control\"",
         );
     std::fs::write(&broken, text).unwrap();

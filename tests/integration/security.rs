@@ -351,7 +351,7 @@ fn a_per_user_daemon_is_confined_to_its_own_directories() {
         );
     }
     // Another uid cannot even reach the daemon's control socket.
-    let out = Command::new(sim())
+    let out = Command::new(env.sim())
         .arg("client")
         .env("CUDA_MPS_PIPE_DIRECTORY", mps.join(&ida).join("pipe"))
         .uid(2000)

@@ -23,7 +23,7 @@ fn control_as(env: &Env, id: &str, uid: u32, cmd: &str) -> String {
 
 /// `control_as`, with the control client's exit status.
 fn control_output(env: &Env, id: &str, uid: u32, cmd: &str) -> std::process::Output {
-    let mut child = Command::new(sim())
+    let mut child = Command::new(env.sim())
         .env_clear()
         .env(
             "CUDA_MPS_PIPE_DIRECTORY",
@@ -90,7 +90,7 @@ fn a_daemon_cannot_write_host_files_or_open_host_devices() {
                }} > $out 2>/dev/null\n\
              fi\n\
              exec {sim} \"$@\"\n",
-            sim = sim(),
+            sim = probe_env.sim().display(),
             victim = victims.join("victim").display(),
             new = victims.join("new").display(),
             node = node.display(),
@@ -103,7 +103,7 @@ fn a_daemon_cannot_write_host_files_or_open_host_devices() {
     std::fs::write(
         &env.config,
         cfg.replace(
-            &format!("control-binary = {:?}", sim()),
+            &format!("control-binary = {:?}", env.sim().display().to_string()),
             &format!("control-binary = {:?}", wrapper.display().to_string()),
         ),
     )

@@ -405,7 +405,7 @@ fn a_log_flood_stays_in_the_daemons_log_tmpfs() {
     }
     drop(f);
     let answers = env.path().join("answers");
-    let mut flood = Command::new(sim())
+    let mut flood = Command::new(env.sim())
         .env_clear()
         .env("CUDA_MPS_PIPE_DIRECTORY", dir.join("pipe"))
         .stdin(std::fs::File::open(&junk).unwrap())
