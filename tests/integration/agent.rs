@@ -292,26 +292,7 @@ fn podman_run_returns_at_once(bin: Option<PathBuf>) {
     let mut env = Env::with_config("idle-timeout = \"120s\"");
     // The agent runs where the hooks run: in the engine's mount namespace. A fetched
     // Podman (5) brings its conmon and helpers, named in a containers.conf of its own.
-    let (ns, podman, conf) = match &bin {
-        Some(bin) => {
-            let conf = env.path().join("containers.conf");
-            std::fs::write(
-                &conf,
-                format!(
-                    "[engine]\nconmon_path = [{:?}]\nhelper_binaries_dir = [{:?}]\n",
-                    bin.join("conmon").display().to_string(),
-                    bin.join("../lib/podman").display().to_string()
-                ),
-            )
-            .unwrap();
-            (
-                PrivateMounts::keeping(env.path(), &[&fetched_root(bin)]),
-                bin.join("podman"),
-                Some(conf),
-            )
-        }
-        None => (PrivateMounts::new(), need("podman", "podman"), None),
-    };
+    let (ns, podman, conf) = podman_at(env.path(), bin.as_deref());
     env.enter(&ns);
     let agent = env.start_agent();
     let dir = env.path().join("p");
@@ -409,11 +390,7 @@ fn podman_conmon_exits_with_its_container_and_adopts_no_supervisor() {
 /// supervisor it adopted would hold `podman run` until the daemon idles out (120 s here).
 #[test]
 fn podman_5_run_returns_as_soon_as_the_container_exits_cold_or_warm() {
-    podman_run_returns_at_once(Some(fetched(
-        "GPUSHARE_TEST_PODMAN5",
-        "trixie",
-        &["podman", "conmon", "../lib/podman/netavark"],
-    )));
+    podman_run_returns_at_once(Some(fetched_podman5()));
 }
 
 /// containerd's runc shim (`ctr run`, the shim path): the supervisor is the agent's child,

@@ -43,26 +43,7 @@ fn podman_serves_a_cdi_device(bin: Option<PathBuf>) {
     let dir = env.path().join("p");
     let hooks = dir.join("hooks.d");
     write_hooks_d(&env, &hooks);
-    let (ns, podman, conf) = match &bin {
-        Some(bin) => {
-            let conf = env.path().join("containers.conf");
-            std::fs::write(
-                &conf,
-                format!(
-                    "[engine]\nconmon_path = [{:?}]\nhelper_binaries_dir = [{:?}]\n",
-                    bin.join("conmon").display().to_string(),
-                    bin.join("../lib/podman").display().to_string()
-                ),
-            )
-            .unwrap();
-            (
-                PrivateMounts::keeping(env.path(), &[&fetched_root(bin)]),
-                bin.join("podman"),
-                Some(conf),
-            )
-        }
-        None => (PrivateMounts::new(), need("podman", "podman"), None),
-    };
+    let (ns, podman, conf) = podman_at(env.path(), bin.as_deref());
     if bin.is_some() {
         env.enter(&ns);
         env.start_agent();
@@ -275,11 +256,7 @@ fn podman_serves_a_cdi_device_once_and_the_container_cannot_change_its_request()
 
 #[test]
 fn podman_5_serves_a_cdi_device_once_and_the_container_cannot_change_its_request() {
-    podman_serves_a_cdi_device(Some(fetched(
-        "GPUSHARE_TEST_PODMAN5",
-        "trixie",
-        &["podman", "conmon", "../lib/podman/netavark"],
-    )));
+    podman_serves_a_cdi_device(Some(fetched_podman5()));
 }
 
 /// Docker `bin` (a fetched one, ≥ 25) configured by `gpushare install docker` and then

@@ -1231,26 +1231,7 @@ fn podman_tier(bin: Option<PathBuf>) {
     let env = Env::new();
     let dir = env.path().join("p");
     write_hooks_d(&env, &dir.join("hooks.d"));
-    let (ns, podman, conf) = match &bin {
-        Some(bin) => {
-            let conf = dir.join("containers.conf");
-            std::fs::write(
-                &conf,
-                format!(
-                    "[engine]\nconmon_path = [{:?}]\nhelper_binaries_dir = [{:?}]\n",
-                    bin.join("conmon").display().to_string(),
-                    bin.join("../lib/podman").display().to_string()
-                ),
-            )
-            .unwrap();
-            (
-                PrivateMounts::keeping(env.path(), &[&fetched_root(bin)]),
-                bin.join("podman"),
-                Some(conf),
-            )
-        }
-        None => (PrivateMounts::new(), need("podman", "podman"), None),
-    };
+    let (ns, podman, conf) = podman_at(env.path(), bin.as_deref());
     let p = PodmanTier {
         ns: &ns,
         dir: dir.clone(),
@@ -1277,11 +1258,7 @@ fn podman_4_3_engine_tier() {
 
 #[test]
 fn podman_5_engine_tier() {
-    podman_tier(Some(fetched(
-        "GPUSHARE_TEST_PODMAN5",
-        "trixie",
-        &["podman", "conmon", "../lib/podman/netavark"],
-    )));
+    podman_tier(Some(fetched_podman5()));
 }
 
 #[test]

@@ -1005,3 +1005,37 @@ pub fn write_hooks_d(env: &Env, hooks: &Path) {
         std::fs::write(hooks.join(name), v.to_string()).unwrap();
     }
 }
+
+/// Podman 5, fetched by scripts/fetch-engines (trixie's, with its conmon and netavark).
+pub fn fetched_podman5() -> PathBuf {
+    fetched(
+        "GPUSHARE_TEST_PODMAN5",
+        "trixie",
+        &["podman", "conmon", "../lib/podman/netavark"],
+    )
+}
+
+/// A Podman to drive: `bin`, a fetched one (its tree kept visible in the private mount
+/// namespace, its conmon and helpers named in a containers.conf written under `dir`, to
+/// pass as `CONTAINERS_CONF`), or Debian's own (`None`). Returns the namespace, the
+/// podman binary and the containers.conf, if any.
+pub fn podman_at(dir: &Path, bin: Option<&Path>) -> (PrivateMounts, PathBuf, Option<PathBuf>) {
+    let Some(bin) = bin else {
+        return (PrivateMounts::new(), need("podman", "podman"), None);
+    };
+    let conf = dir.join("containers.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "[engine]\nconmon_path = [{:?}]\nhelper_binaries_dir = [{:?}]\n",
+            bin.join("conmon").display().to_string(),
+            bin.join("../lib/podman").display().to_string()
+        ),
+    )
+    .unwrap();
+    (
+        PrivateMounts::keeping(dir, &[&fetched_root(bin)]),
+        bin.join("podman"),
+        Some(conf),
+    )
+}
