@@ -114,6 +114,58 @@ fn table<'a>(parent: &'a mut Table, key: &str) -> Option<&'a mut Table> {
     parent.get_mut(key)?.as_table_mut()
 }
 
+/// Parses a containerd config and finds its CRI plugin's table name by its `version`
+/// (`default_version` for an empty file, which gets that `version` written). Returns the
+/// document, whether it was empty, and the plugin's name. `v2_engines` names the
+/// containerd releases that read version 2 in the refusal of another version.
+fn parse_versioned(
+    path: &Path,
+    text: &str,
+    default_version: i64,
+    v2_engines: &str,
+) -> Result<(DocumentMut, bool, &'static str), InstallError> {
+    let mut doc: DocumentMut =
+        text.parse()
+            .map_err(|e: toml_edit::TomlError| InstallError::Parse {
+                path: path.to_owned(),
+                format: "TOML",
+                message: crate::util::one_line(&e.to_string()),
+            })?;
+    let empty = doc.as_table().is_empty();
+    let version = version_of(&doc, empty, default_version).unwrap_or(1);
+    let Some(plugin) = cri_plugin(version) else {
+        return Err(InstallError::Unsupported {
+            path: path.to_owned(),
+            message: format!(
+                "config version {version} is not supported: allowed are versions 2 (containerd {v2_engines}) and 3 (2.x); run `containerd config migrate` first"
+            ),
+        });
+    };
+    if empty {
+        doc.insert("version", value(version));
+    }
+    Ok((doc, empty, plugin))
+}
+
+/// `[plugins."<plugin>"]` of `doc`, made where missing; a non-table on the way is refused.
+fn cri_table<'d>(
+    path: &Path,
+    doc: &'d mut DocumentMut,
+    plugin: &str,
+) -> Result<&'d mut Table, InstallError> {
+    let plugins =
+        table(doc.as_table_mut(), "plugins").ok_or_else(|| not_a_table(path, "plugins"))?;
+    table(plugins, plugin).ok_or_else(|| not_a_table(path, plugin))
+}
+
+/// The refusal of a config whose `what` is there but not a table.
+fn not_a_table(path: &Path, what: &str) -> InstallError {
+    InstallError::Unsupported {
+        path: path.to_owned(),
+        message: format!("{what} is not a table"),
+    }
+}
+
 /// Adds or updates `[plugins."<cri>".containerd.runtimes.<name>]`, keeping the rest of
 /// the file byte for byte. `default_version` applies to an empty or missing file.
 pub(crate) fn edit(
@@ -123,37 +175,10 @@ pub(crate) fn edit(
     registration: Registration,
     default_version: i64,
 ) -> Result<Edited, InstallError> {
-    let mut doc: DocumentMut =
-        text.parse()
-            .map_err(|e: toml_edit::TomlError| InstallError::Parse {
-                path: path.to_owned(),
-                format: "TOML",
-                message: e
-                    .to_string()
-                    .split_whitespace()
-                    .collect::<Vec<_>>()
-                    .join(" "),
-            })?;
-    let empty = doc.as_table().is_empty();
-    let version = version_of(&doc, empty, default_version).unwrap_or(1);
-    let Some(plugin) = cri_plugin(version) else {
-        return Err(InstallError::Unsupported {
-            path: path.to_owned(),
-            message: format!(
-                "config version {version} is not supported: allowed are versions 2 (containerd 1.6/1.7) and 3 (2.x); run `containerd config migrate` first"
-            ),
-        });
-    };
-    if empty {
-        doc.insert("version", value(version));
-    }
+    let (mut doc, empty, plugin) = parse_versioned(path, text, default_version, "1.6/1.7")?;
     let before = doc.to_string();
-    let shape = |what: &str| InstallError::Unsupported {
-        path: path.to_owned(),
-        message: format!("{what} is not a table"),
-    };
-    let plugins = table(doc.as_table_mut(), "plugins").ok_or_else(|| shape("plugins"))?;
-    let cri = table(plugins, plugin).ok_or_else(|| shape(plugin))?;
+    let cri = cri_table(path, &mut doc, plugin)?;
+    let shape = |what: &str| not_a_table(path, what);
     let ctrd = table(cri, "containerd").ok_or_else(|| shape("containerd"))?;
     let default_runtime = ctrd
         .get("default_runtime_name")
@@ -229,33 +254,9 @@ pub(crate) fn enable_cdi(
     dir: &Path,
     default_version: i64,
 ) -> Result<Edited, InstallError> {
-    let mut doc: DocumentMut =
-        text.parse()
-            .map_err(|e: toml_edit::TomlError| InstallError::Parse {
-                path: path.to_owned(),
-                format: "TOML",
-                message: crate::util::one_line(&e.to_string()),
-            })?;
-    let empty = doc.as_table().is_empty();
-    let version = version_of(&doc, empty, default_version).unwrap_or(1);
-    let Some(plugin) = cri_plugin(version) else {
-        return Err(InstallError::Unsupported {
-            path: path.to_owned(),
-            message: format!(
-                "config version {version} is not supported: allowed are versions 2 (containerd 1.7) and 3 (2.x); run `containerd config migrate` first"
-            ),
-        });
-    };
-    if empty {
-        doc.insert("version", value(version));
-    }
+    let (mut doc, empty, plugin) = parse_versioned(path, text, default_version, "1.7")?;
     let before = doc.to_string();
-    let shape = |what: &str| InstallError::Unsupported {
-        path: path.to_owned(),
-        message: format!("{what} is not a table"),
-    };
-    let plugins = table(doc.as_table_mut(), "plugins").ok_or_else(|| shape("plugins"))?;
-    let cri = table(plugins, plugin).ok_or_else(|| shape(plugin))?;
+    let cri = cri_table(path, &mut doc, plugin)?;
     cri.set_implicit(false);
     cri.insert("enable_cdi", value(true));
     let dir = dir.to_string_lossy().into_owned();
