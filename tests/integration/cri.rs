@@ -133,8 +133,8 @@ state = {state}
 /// A pod network of nothing but the pod's own network namespace, for the pods containerd
 /// 2.x cannot run on the host's network (a `hostUsers: false` pod: its CRI plugin pins the
 /// pod's user namespace through the pod's network namespace). The CNI plugin is a script
-/// under `dir`/cni that claims an address and touches nothing (no interface, no route, no
-/// rule on the host); containerd brings up the namespace's loopback itself.
+/// under `dir`/cni that claims a loopback-range address and touches nothing (no interface,
+/// no route, no rule on the host); containerd brings up the namespace's loopback itself.
 fn pod_network(dir: &Path) {
     let bin = dir.join("cni/bin");
     let conf = dir.join("cni/net.d");
@@ -146,7 +146,7 @@ fn pod_network(dir: &Path) {
         r#"#!/bin/sh
 cat >/dev/null
 case "$CNI_COMMAND" in
-ADD) echo '{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"'"$CNI_NETNS"'"}],"ips":[{"address":"10.255.0.2/24","interface":0}]}' ;;
+ADD) echo '{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"'"$CNI_NETNS"'"}],"ips":[{"address":"127.0.0.2/8","interface":0}]}' ;;
 VERSION) echo '{"cniVersion":"1.0.0","supportedVersions":["0.4.0","1.0.0"]}' ;;
 esac
 "#,
