@@ -199,11 +199,16 @@ impl Sim {
         fs::create_dir(&pipe).expect("mkdir pipe");
         fs::set_permissions(&pipe, fs::Permissions::from_mode(0o755)).expect("chmod pipe");
         let log = dir.path().join("log");
-        // A copy in the test's directory: other uids cannot reach target/ in a checkout
-        // under a 0700 directory (root's home, `mktemp -d`).
+        // In the test's directory: other uids cannot reach target/ in a checkout under a
+        // 0700 directory (root's home, `mktemp -d`). A hard link where the file system
+        // allows one: a copy is a file open for writing, which a child forked by another
+        // test thread in that instant holds until it execs (spawning the copy then fails
+        // with ETXTBSY).
         let exe = dir.path().join("gpushare-mps-sim");
-        fs::copy(bin(), &exe).expect("copy the simulator");
-        fs::set_permissions(&exe, fs::Permissions::from_mode(0o755)).expect("chmod copy");
+        if fs::hard_link(bin(), &exe).is_err() {
+            fs::copy(bin(), &exe).expect("copy the simulator");
+            fs::set_permissions(&exe, fs::Permissions::from_mode(0o755)).expect("chmod copy");
+        }
         Sim {
             dir,
             exe,

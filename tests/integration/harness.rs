@@ -42,17 +42,21 @@ pub fn sim() -> &'static str {
     })
 }
 
-/// A copy of the simulator in `dir/bin` (0755), for the daemons a test starts as other
-/// users: they must reach the control binary, and a checkout under a 0700 directory
-/// (root's home, `mktemp -d`) keeps them out of target/.
+/// The simulator at `dir/bin` (0755), for the daemons a test starts as other users: they
+/// must reach the control binary, and a checkout under a 0700 directory (root's home,
+/// `mktemp -d`) keeps them out of target/. A hard link where the file system allows one:
+/// a copy is a file open for writing, and a child that another test thread forks in that
+/// instant holds it until it execs, so an exec of the copy can fail with ETXTBSY.
 pub fn sim_copy(dir: &Path) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     let bin = dir.join("bin");
     std::fs::create_dir_all(&bin).unwrap();
     std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
     let copy = bin.join("gpushare-mps-sim");
-    std::fs::copy(sim(), &copy).unwrap();
-    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+    if std::fs::hard_link(sim(), &copy).is_err() {
+        std::fs::copy(sim(), &copy).unwrap();
+        std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
     copy
 }
 
