@@ -177,6 +177,23 @@ pub fn epoch_now() -> f64 {
         .as_secs_f64()
 }
 
+/// Whether a 64-bit little-endian ELF file has a PT_INTERP program header (a dynamically
+/// linked executable does, a static or static-pie one does not); `None` if it is not one.
+pub fn elf_has_interpreter(b: &[u8]) -> Option<bool> {
+    if b.get(..6)? != b"\x7fELF\x02\x01" {
+        return None;
+    }
+    let u16_at = |o: usize| Some(u16::from_le_bytes(b.get(o..o + 2)?.try_into().ok()?));
+    let phoff = u64::from_le_bytes(b.get(0x20..0x28)?.try_into().ok()?) as usize;
+    let (size, num) = (u16_at(0x36)? as usize, u16_at(0x38)? as usize);
+    let mut interp = false;
+    for i in 0..num {
+        let o = phoff + i * size;
+        interp |= u32::from_le_bytes(b.get(o..o + 4)?.try_into().ok()?) == 3;
+    }
+    Some(interp)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,5 +287,13 @@ mod tests {
     fn run_ids_are_compact_utc() {
         let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_795_391_443);
         assert_eq!(compact_utc(t), "20261122T235043Z");
+    }
+
+    #[test]
+    fn a_dynamic_executable_names_an_interpreter_and_text_is_no_elf() {
+        let me = std::fs::read("/proc/self/exe").expect("read /proc/self/exe");
+        assert_eq!(elf_has_interpreter(&me), Some(true));
+        assert_eq!(elf_has_interpreter(b"#!/bin/sh\n"), None);
+        assert_eq!(elf_has_interpreter(&me[..40]), None, "cut short");
     }
 }

@@ -26,6 +26,7 @@ use serde_json::{json, Value};
 
 use crate::calc::{self, epoch_now};
 use crate::common::which;
+use crate::opts::Options;
 use crate::proc;
 use crate::tier::Tier;
 
@@ -75,6 +76,23 @@ impl Ct {
         hold: f64,
         shared_pipe: &Path,
     ) -> Result<(), String> {
+        self.make_bundle_with(name, uid, mode, annotations, hold, shared_pipe, &[], &[])
+    }
+
+    /// `make_bundle`, with `before` put in front of the workload's command (a tenant's
+    /// `env VAR=…` wrapper) and `workload` replacing the matmul arguments when not empty.
+    #[allow(clippy::too_many_arguments)]
+    fn make_bundle_with(
+        &self,
+        name: &str,
+        uid: u32,
+        mode: Mode,
+        annotations: &[(&str, &str)],
+        hold: f64,
+        shared_pipe: &Path,
+        before: &[&str],
+        workload: &[&str],
+    ) -> Result<(), String> {
         let b = self.bundle(name);
         proc::mkdir(&b, 0o755).map_err(|e| format!("{}: {e}", b.display()))?;
         let _ = std::fs::remove_file(b.join("config.json"));
@@ -103,17 +121,26 @@ impl Ct {
             "PYTHONDONTWRITEBYTECODE=1".into(),
             "CUDA_CACHE_PATH=/tmp/.nv".into(),
         ];
-        p["args"] = json!([
-            self.py,
-            "/gpu/workload.py",
+        let hold = format!("{hold}");
+        let matmul = [
             "matmul",
             "--size",
             "4096",
             "--seconds",
-            format!("{hold}"),
+            &hold,
             "--batch",
-            "10"
-        ]);
+            "10",
+        ];
+        let mut args: Vec<String> = before.iter().map(|a| a.to_string()).collect();
+        args.push(self.py.display().to_string());
+        args.push("/gpu/workload.py".into());
+        let what: &[&str] = if workload.is_empty() {
+            &matmul
+        } else {
+            workload
+        };
+        args.extend(what.iter().map(|a| a.to_string()));
+        p["args"] = json!(args);
         c["hostname"] = json!(name);
         let mut mounts: Vec<Value> = c["mounts"]
             .as_array()
@@ -384,7 +411,7 @@ fn ok(v: &Value) -> bool {
     v.get("ok").and_then(Value::as_bool).unwrap_or(false)
 }
 
-pub fn run(t: &mut Tier) {
+pub fn run(t: &mut Tier, opts: &Options) {
     t.section("containers: two users' PyTorch containers through gpushare-runtime and runc");
     if t.simulate {
         t.skip_sim(
@@ -394,7 +421,17 @@ pub fn run(t: &mut Tier) {
         return;
     }
     match setup(t) {
-        Ok(ct) => sections(t, &ct),
+        Ok(ct) => {
+            if opts.wants("containers") {
+                sections(t, &ct);
+            }
+            if opts.wants("skip-mps") {
+                skip_mps(t, &ct);
+            }
+            if opts.wants("cdi") {
+                cdi(t, &ct);
+            }
+        }
         Err(e) => t.check("FAIL", "containers: setup", &e),
     }
 }
@@ -435,7 +472,10 @@ fn setup(t: &mut Tier) -> Result<Ct, String> {
             std::fs::Permissions::from_mode(0o644),
         );
     }
-    for d in ["proc", "dev", "sys", "tmp", "usr", "etc", "opt", "gpu"] {
+    // /mnt stays empty: the pipe directory of a tenant that skips MPS (section C).
+    for d in [
+        "proc", "dev", "sys", "tmp", "usr", "etc", "opt", "gpu", "mnt",
+    ] {
         mk(&rootfs.join(d), 0o755)?;
     }
     for l in ["bin", "sbin", "lib", "lib64", "lib32", "libx32"] {
@@ -837,4 +877,279 @@ fn record(t: &mut Tier, ct: &Ct, name: &str, label: &str, t_launch: f64) {
         json!({"event": "container", "section": "containers", "label": label,
         "t_launch": t_launch, "payload": payload}),
     );
+}
+
+/// The tenant of section C: GPU 0, a quarter of the threads, a 2G pinned limit.
+const QUARTER: &[(&str, &str)] = &[
+    ("gpushare.io/device", "0"),
+    ("gpushare.io/active-thread-percentage", "25"),
+    ("gpushare.io/pinned-memory-limit", "2G"),
+];
+
+/// One container from create to its end; its merged result lines. `smi` prints
+/// nvidia-smi's process table once its first kernel ran.
+fn run_to_end(t: &mut Tier, ct: &Ct, runtime: &Path, name: &str, smi: bool) -> Value {
+    let t0 = match ct.start(runtime, name) {
+        Ok(t0) => t0,
+        Err(e) => {
+            ct.delete(name);
+            return json!({"ok": false, "error": e});
+        }
+    };
+    if ct.wait_first_kernel(name, 120) && smi {
+        let out = proc::run(
+            &mut Command::new("nvidia-smi"),
+            None,
+            Duration::from_secs(30),
+            Duration::from_secs(5),
+        )
+        .out;
+        let lines: Vec<&str> = out.lines().collect();
+        println!("-- nvidia-smi while {name} computes (processes)");
+        for l in &lines[lines.len().saturating_sub(8)..] {
+            println!("{l}");
+        }
+    }
+    if !ct.wait_stopped(name, 240) {
+        println!("{name} did not stop");
+    }
+    ct.print_output(name);
+    record(t, ct, name, &format!("skip-mps-{name}"), t0);
+    let r = ct.result(name);
+    ct.delete(name);
+    r
+}
+
+/// C: a tenant that skips MPS. UID 1000's container, served by a 25 % / 2G daemon and
+/// given the GPU's device nodes, runs the throughput workload as given and with
+/// `CUDA_MPS_PIPE_DIRECTORY` pointing at an empty directory, and a 4 GiB allocation with
+/// the client limit variable unset, with and without MPS, and with a limit that names a
+/// device the container cannot see. What runs and what is refused is the evidence for what
+/// SECURITY.md may claim; the two refusals that gpushare's limits promise are checks.
+fn skip_mps(t: &mut Tier, ct: &Ct) {
+    t.section("containers C: a tenant that skips MPS (UID 1000, 25 % threads, 2G pinned, device nodes given)");
+    let shared_pipe = t.work.join("h/ct-shared/pipe");
+    let hold = t.hold.clamp(3.0, 5.0);
+    let gib4 = (4u64 << 30).to_string();
+    let alloc: [&str; 3] = ["alloc", "--bytes", &gib4];
+    let env = "/usr/bin/env";
+    let no_pipe = "CUDA_MPS_PIPE_DIRECTORY=/mnt";
+    let unset = ["-u", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"];
+    let dev1 = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=1=64G";
+    let fake_uuid = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=GPU-00000000-1111-2222-3333-444444444444=64G";
+    // (name, through gpushare, wrapper, workload, print nvidia-smi)
+    type Run<'a> = (&'a str, bool, Vec<&'a str>, &'a [&'a str], bool);
+    let runs: Vec<Run> = vec![
+        ("c-ref", false, vec![], &[], false),
+        ("c-mps", true, vec![], &[], true),
+        ("c-skip", true, vec![env, no_pipe], &[], true),
+        (
+            "c-alloc-mps",
+            true,
+            [&[env][..], &unset].concat(),
+            &alloc,
+            false,
+        ),
+        (
+            "c-alloc-skip",
+            true,
+            [&[env][..], &unset, &[no_pipe]].concat(),
+            &alloc,
+            false,
+        ),
+        ("c-alloc-dev1", true, vec![env, dev1], &alloc, false),
+        ("c-alloc-uuid", true, vec![env, fake_uuid], &alloc, false),
+    ];
+    let mut res = std::collections::BTreeMap::new();
+    for (name, gs, before, workload, smi) in runs {
+        let ann = if gs { QUARTER } else { &[] };
+        if let Err(e) = ct.make_bundle_with(
+            name,
+            1000,
+            Mode::Gpushare,
+            ann,
+            hold,
+            &shared_pipe,
+            &before,
+            workload,
+        ) {
+            t.check("FAIL", "containers: bundles", &e);
+            return;
+        }
+        let runtime = if gs { ct.runtime() } else { ct.runc.clone() };
+        let r = run_to_end(t, ct, &runtime, name, smi);
+        println!(
+            "{name}: ok={} tflops={} error={}",
+            ok(&r),
+            calc::f2(num(&r, "tflops")),
+            text(&r, "error")
+        );
+        res.insert(name, r);
+    }
+    let tf = |n: &str| res.get(n).and_then(|r| num(r, "tflops"));
+    let ratio = |n: &str| tf(n).zip(tf("c-ref")).map(|(x, r)| x / r);
+    let ev = format!(
+        "fp32 4096²: no MPS (plain runc) {} TFLOP/s; through its 25 % daemon {} ({} of it); with an empty CUDA_MPS_PIPE_DIRECTORY {} ({} of it)",
+        calc::f2(tf("c-ref")),
+        calc::f2(tf("c-mps")),
+        calc::f2(ratio("c-mps")),
+        calc::f2(tf("c-skip")),
+        calc::f2(ratio("c-skip"))
+    );
+    t.check("INFO", "skip MPS: the thread limit", &ev);
+    let verdict = |n: &str| match res.get(n) {
+        Some(r) if ok(r) => "allocated".to_owned(),
+        Some(r) => format!("refused ({})", calc::cut(&text(r, "error"), 90)),
+        None => "not run".to_owned(),
+    };
+    let ev = format!(
+        "4 GiB under a 2G limit, the client variable unset: through MPS {}; with an empty CUDA_MPS_PIPE_DIRECTORY {}",
+        verdict("c-alloc-mps"),
+        verdict("c-alloc-skip")
+    );
+    t.check("INFO", "skip MPS: the pinned memory limit", &ev);
+    let refused = |n: &str| {
+        res.get(n)
+            .is_some_and(|r| !ok(r) && !text(r, "error").is_empty())
+    };
+    t.check(
+        if refused("c-alloc-mps") {
+            "PASS"
+        } else {
+            "FAIL"
+        },
+        "the daemon's 2G limit binds an MPS client without the client variable",
+        &verdict("c-alloc-mps"),
+    );
+    for (n, what) in [
+        ("c-alloc-dev1", "1=64G"),
+        ("c-alloc-uuid", "an unknown GPU's UUID=64G"),
+    ] {
+        t.check(
+            if refused(n) { "PASS" } else { "FAIL" },
+            &format!("a client limit naming another device ({what}) keeps the 2G limit"),
+            &format!("4 GiB: {}", verdict(n)),
+        );
+    }
+    let stop = ct.gpushare(&["daemon", "stop", "--all", "--force"]);
+    if !stop.ok() {
+        let ev = calc::first_line(&stop.out, 220);
+        t.check("FAIL", "gpushare daemon stop --all --force (skip MPS)", &ev);
+    }
+}
+
+/// D: a CDI-shaped request. The bundle carries exactly what the CDI spec that `gpushare
+/// cdi generate` wrote adds for device `0` (its prestart and poststop hooks), plus the
+/// GPU's device nodes as NVIDIA's CDI spec would add them, and is run by plain runc: the
+/// hook serves UID 2000's PyTorch client from a daemon of its own.
+fn cdi(t: &mut Tier, ct: &Ct) {
+    t.section("containers D: a CDI-shaped request: the hooks of `gpushare cdi generate`, run by plain runc");
+    let name = "cdi-bob";
+    let spec_path = ct.dir.join("cdi.json");
+    let g = ct.gpushare(&[
+        "cdi",
+        "generate",
+        "--output",
+        &spec_path.display().to_string(),
+    ]);
+    let spec: Option<Value> = std::fs::read(&spec_path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    let hooks = spec
+        .as_ref()
+        .and_then(|s| s["devices"].as_array())
+        .and_then(|d| d.iter().find(|d| d["name"] == "0"))
+        .and_then(|d| d["containerEdits"]["hooks"].as_array())
+        .cloned();
+    let Some(hooks) = hooks.filter(|_| g.ok()) else {
+        let ev = format!("rc {}: {}", g.code, calc::first_line(&g.out, 220));
+        t.check("FAIL", "cdi: gpushare cdi generate", &ev);
+        return;
+    };
+    println!(
+        "-- the CDI spec's edits for device 0: {}",
+        Value::Array(hooks.clone())
+    );
+    let shared_pipe = t.work.join("h/ct-shared/pipe");
+    let made = ct.make_bundle(
+        name,
+        2000,
+        Mode::Gpushare,
+        &[],
+        t.hold.clamp(3.0, 5.0),
+        &shared_pipe,
+    );
+    let edited = made.and_then(|_| {
+        let path = ct.bundle(name).join("config.json");
+        let mut c: Value = std::fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .ok_or("config.json unreadable")?;
+        for h in &hooks {
+            let stage = h["hookName"].as_str().unwrap_or_default().to_owned();
+            let mut h = h.clone();
+            if let Some(o) = h.as_object_mut() {
+                o.remove("hookName");
+            }
+            if !c["hooks"].is_object() {
+                c["hooks"] = json!({});
+            }
+            let list = &mut c["hooks"][stage.as_str()];
+            if !list.is_array() {
+                *list = json!([]);
+            }
+            if let Some(a) = list.as_array_mut() {
+                a.push(h);
+            }
+        }
+        std::fs::write(&path, serde_json::to_vec_pretty(&c).unwrap_or_default())
+            .map_err(|e| format!("{}: {e}", path.display()))
+    });
+    if let Err(e) = edited {
+        t.check("FAIL", "cdi: bundle", &e);
+        return;
+    }
+    let t0 = match ct.start(&ct.runc, name) {
+        Ok(t0) => t0,
+        Err(e) => {
+            t.check("FAIL", "cdi: the hook served UID 2000's client", &e);
+            ct.delete(name);
+            return;
+        }
+    };
+    let kernel = ct.wait_first_kernel(name, 120);
+    let status = ct.gpushare(&["status"]).out;
+    println!("-- gpushare status while {name} computes\n{status}");
+    if !ct.wait_stopped(name, 240) {
+        println!("{name} did not stop");
+    }
+    ct.print_output(name);
+    record(t, ct, name, "cdi-bob", t0);
+    let r = ct.result(name);
+    ct.delete(name);
+    let served = status
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .any(|w| w.contains(&"2000") && w.contains(&"ok"));
+    let ev = format!(
+        "first kernel {kernel}, ok={}, {} TFLOP/s; status showed a daemon of UID 2000: {served}",
+        ok(&r),
+        calc::f2(num(&r, "tflops"))
+    );
+    t.check(
+        if ok(&r) && kernel && served {
+            "PASS"
+        } else {
+            "FAIL"
+        },
+        "cdi: the hook served UID 2000's client",
+        &ev,
+    );
+    let after = ct.gpushare(&["status"]).out;
+    println!("-- gpushare status after delete (poststop released the client)\n{after}");
+    let stop = ct.gpushare(&["daemon", "stop", "--all", "--force"]);
+    if !stop.ok() {
+        let ev = calc::first_line(&stop.out, 220);
+        t.check("FAIL", "gpushare daemon stop --all --force (cdi)", &ev);
+    }
 }

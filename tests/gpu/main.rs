@@ -126,9 +126,8 @@ fn run(opts: &opts::Options, simulate: bool) -> u8 {
         }
     };
     tier::catch_signals();
-    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        sections::run(&mut t, opts.containers)
-    }));
+    let ran =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sections::run(&mut t, opts)));
     let (aborted, stop) = match ran {
         Ok(sections::Ended::Done) => (None, None),
         Ok(sections::Ended::Stop(code)) => (None, Some(code)),

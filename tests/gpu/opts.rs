@@ -31,9 +31,32 @@ usage: cargo test --test gpu -- [OPTIONS]      (or the test executable itself, a
   --containers     then two users' PyTorch containers through gpushare-runtime and runc
                    (real GPU only; formerly scripts/gpu/containers)    GPUSHARE_GPU_CONTAINERS=1
   --runc PATH      runc for --containers (default: runc on PATH)                GPUSHARE_GPU_RUNC
+  --only LIST      run only these sections (comma-separated; the header, the preflight and the
+                   restore always run): per-user, shared, flags, multi-user, tenant-control,
+                   limits, uuid-limit, small-batch, create-path, and the container sections
+                   containers, skip-mps, cdi (real GPU only; naming one implies --containers)
+                                                                               GPUSHARE_GPU_ONLY
   -h, --help       this text
 also read: GPUSHARE_GPU_CREATE_ROUNDS (creates per inventory in section 7, default 30) and
 GPUSHARE_GPU_INVENTORY (replaces inventory = \"nvml\", a test hook: file:/path)";
+
+/// The sections `--only` can name, in the order they run.
+pub const SECTIONS: &[&str] = &[
+    "per-user",
+    "shared",
+    "flags",
+    "multi-user",
+    "tenant-control",
+    "limits",
+    "uuid-limit",
+    "small-batch",
+    "create-path",
+    "containers",
+    "skip-mps",
+    "cdi",
+];
+/// The sections that run real containers (`--containers`).
+pub const CONTAINER_SECTIONS: &[&str] = &["containers", "skip-mps", "cdi"];
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Options {
@@ -47,6 +70,8 @@ pub struct Options {
     pub keep: bool,
     pub containers: bool,
     pub runc: Option<PathBuf>,
+    /// `--only`: the sections to run; `None` runs every section.
+    pub only: Option<Vec<String>>,
     pub create_rounds: u32,
     pub inventory_override: Option<String>,
     /// What to do instead of running: print usage, list the test, or nothing (filtered out).
@@ -63,6 +88,17 @@ pub enum Action {
 }
 
 impl Options {
+    /// Whether section `name` runs: every one without `--only`, else those it names
+    /// (the container sections only with `--containers`).
+    pub fn wants(&self, name: &str) -> bool {
+        if CONTAINER_SECTIONS.contains(&name) && !self.containers {
+            return false;
+        }
+        self.only
+            .as_ref()
+            .is_none_or(|o| o.iter().any(|n| n == name))
+    }
+
     /// `--hold`, else the default of the mode the run ended up in (no GPU: simulated).
     pub fn hold(&self, simulate: bool) -> f64 {
         self.hold.unwrap_or(if simulate { 1.5 } else { 6.0 })
@@ -92,12 +128,14 @@ pub fn parse(args: &[String], env: &dyn Fn(&str) -> Option<String>) -> Result<Op
         runc: env("GPUSHARE_GPU_RUNC")
             .filter(|v| !v.is_empty())
             .map(PathBuf::from),
+        only: None,
         create_rounds: 30,
         inventory_override: env("GPUSHARE_GPU_INVENTORY").filter(|v| !v.is_empty()),
         action: Action::Run,
     };
     let mut iterations = env("GPUSHARE_GPU_ITERATIONS").filter(|v| !v.is_empty());
     let mut hold = env("GPUSHARE_GPU_HOLD").filter(|v| !v.is_empty());
+    let mut only = env("GPUSHARE_GPU_ONLY").filter(|v| !v.is_empty());
     if let Some(r) = env("GPUSHARE_GPU_CREATE_ROUNDS").filter(|v| !v.is_empty()) {
         o.create_rounds = r.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
             format!("GPUSHARE_GPU_CREATE_ROUNDS must be a positive integer, not {r:?}")
@@ -131,6 +169,7 @@ pub fn parse(args: &[String], env: &dyn Fn(&str) -> Option<String>) -> Result<Op
             "--python" => o.python = Some(value("--python")?.into()),
             "--iterations" => iterations = Some(value("--iterations")?),
             "--hold" => hold = Some(value("--hold")?),
+            "--only" => only = Some(value("--only")?),
             "-h" | "--help" => o.action = Action::Help,
             "--list" => o.action = Action::List,
             // libtest's flags (cargo test passes some to every test executable): no meaning
@@ -167,6 +206,32 @@ pub fn parse(args: &[String], env: &dyn Fn(&str) -> Option<String>) -> Result<Op
                 format!("--hold must be a number of seconds from 0.5 to 120, not {h:?}")
             })?;
         o.hold = Some(s);
+    }
+    if let Some(list) = only {
+        let names: Vec<String> = list
+            .split(',')
+            .map(|n| n.trim().to_owned())
+            .filter(|n| !n.is_empty())
+            .collect();
+        if let Some(bad) = names.iter().find(|n| !SECTIONS.contains(&n.as_str())) {
+            return Err(format!(
+                "--only: no section {bad:?}; the sections are {}",
+                SECTIONS.join(", ")
+            ));
+        }
+        if names.is_empty() {
+            return Err(format!(
+                "--only needs at least one of {}",
+                SECTIONS.join(", ")
+            ));
+        }
+        if names
+            .iter()
+            .any(|n| CONTAINER_SECTIONS.contains(&n.as_str()))
+        {
+            o.containers = true;
+        }
+        o.only = Some(names);
     }
     let matches = |f: &String| {
         if exact {
@@ -263,6 +328,26 @@ mod tests {
             let e = parse(&args(a), &no_env).unwrap_err();
             assert!(e.contains(needle), "{a:?}: {e}");
         }
+    }
+
+    #[test]
+    fn only_selects_sections_and_names_the_known_ones() {
+        let o = parse(&[], &no_env).unwrap();
+        assert!(o.wants("per-user") && o.wants("small-batch") && !o.wants("skip-mps"));
+        let o = parse(&args(&["--only", "small-batch,skip-mps"]), &no_env).unwrap();
+        assert!(o.containers, "a container section implies --containers");
+        assert!(o.wants("small-batch") && o.wants("skip-mps"));
+        assert!(!o.wants("per-user") && !o.wants("containers") && !o.wants("cdi"));
+        let env = |k: &str| (k == "GPUSHARE_GPU_ONLY").then(|| "tenant-control".to_owned());
+        let o = parse(&[], &env).unwrap();
+        assert!(o.wants("tenant-control") && !o.wants("limits") && !o.containers);
+        let e = parse(&args(&["--only=small,cdi"]), &no_env).unwrap_err();
+        assert!(
+            e.contains("no section \"small\"") && e.contains("tenant-control"),
+            "{e}"
+        );
+        let e = parse(&args(&["--only", ","]), &no_env).unwrap_err();
+        assert!(e.contains("at least one"), "{e}");
     }
 
     #[test]

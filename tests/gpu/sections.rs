@@ -4,9 +4,11 @@
 //! 2. one shared (plain, root) daemon: the second UID queues behind the first;
 //! 3. which multi-user flag the driver accepts (-M, -multiuser-server);
 //! 4. gpushare's user-mode = "multi-user" with it;
+//! 4. (b) what a non-root client can do to a multi-user daemon (its control commands);
 //! 5. enforced limits: 25 % threads slower than 100 %, an allocation beyond the pinned limit
 //!    fails, a client's own env cannot raise either; UUID-keyed limits (INFO);
-//! 6. the small-batch experiment of NVIDIA's KubeCon NA 2024 GPU-sharing study;
+//! 6. the small-batch experiment of NVIDIA's KubeCon NA 2024 GPU-sharing study, plus four
+//!    UIDs on one multi-user daemon;
 //! 7. the shim's create path: what inventory = "nvml" costs every create with a request.
 //!
 //! The restore (8) is `Tier::restore`. Simulated, what needs real CUDA prints
@@ -22,6 +24,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::calc::{self, f2, first_line, fixed, Total};
+use crate::opts::Options;
 use crate::proc;
 use crate::tier::{Daemon, Tier, UA, UB, UIDS};
 
@@ -32,8 +35,9 @@ pub enum Ended {
     Stop(u8),
 }
 
-/// Every section; then, with `containers`, the containers (containers.rs).
-pub fn run(t: &mut Tier, containers: bool) -> Ended {
+/// Every section `opts` wants (all of them without `--only`); then, with `--containers`,
+/// the containers (containers.rs).
+pub fn run(t: &mut Tier, opts: &Options) -> Ended {
     if let Ended::Stop(code) = header(t) {
         return Ended::Stop(code);
     }
@@ -42,16 +46,38 @@ pub fn run(t: &mut Tier, containers: bool) -> Ended {
             return Ended::Stop(code);
         }
     }
-    per_user(t);
-    shared(t);
-    let flag = multi_user_flags(t);
-    gpushare_multi_user(t, &flag);
-    limits(t);
-    uuid_limit(t);
-    kubecon(t);
-    create_path(t);
-    if containers {
-        crate::containers::run(t);
+    if opts.wants("per-user") {
+        per_user(t);
+    }
+    if opts.wants("shared") {
+        shared(t);
+    }
+    // Without section 3, the configured default (accepted by every driver seen so far).
+    let flag = if opts.wants("flags") {
+        multi_user_flags(t)
+    } else {
+        "-M".to_owned()
+    };
+    if opts.wants("multi-user") {
+        gpushare_multi_user(t, &flag);
+    }
+    if opts.wants("tenant-control") {
+        tenant_control(t, &flag);
+    }
+    if opts.wants("limits") {
+        limits(t);
+    }
+    if opts.wants("uuid-limit") {
+        uuid_limit(t);
+    }
+    if opts.wants("small-batch") {
+        kubecon(t, &flag);
+    }
+    if opts.wants("create-path") {
+        create_path(t);
+    }
+    if opts.containers {
+        crate::containers::run(t, opts);
     }
     println!();
     println!("{}: all sections done", crate::tier::ME);
@@ -569,6 +595,186 @@ fn gpushare_multi_user(t: &mut Tier, flag: &str) {
     t.gs_stop(&[&dm.id]);
 }
 
+/// Section 4b: what a non-root client of a multi-user daemon can do to it and to the other
+/// users' work: each control command as UID 1000 against a daemon gpushare started with a
+/// 50 % default, while UID 2000's client computes on it. Informative: the answers are the
+/// driver's, and SECURITY.md's multi-user table follows from them.
+fn tenant_control(t: &mut Tier, flag: &str) {
+    t.section(&format!(
+        "4b. what a non-root client can do to a multi-user daemon (multi-user-flag = \"{flag}\")"
+    ));
+    let cfg_mu = t.work.join("runtime-tenant-control.toml");
+    if let Err(e) = std::fs::write(&cfg_mu, t.config("multi-user", Some(flag))) {
+        t.check(
+            "FAIL",
+            "tenant control: daemon start",
+            &format!("config: {e}"),
+        );
+        return;
+    }
+    let dm = t.gs_start(&cfg_mu, &["--active-thread-percentage", "50"]);
+    if !dm.ok {
+        let ev = first_line(&dm.out, 220);
+        t.check("FAIL", "tenant control: daemon start", &ev);
+        return;
+    }
+    let listing: Vec<String> = std::fs::read_dir(&dm.pipe)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| {
+            let m = e.metadata().ok();
+            let (mode, uid) = m
+                .map(|m| {
+                    use std::os::unix::fs::MetadataExt;
+                    (m.mode(), m.uid())
+                })
+                .unwrap_or_default();
+            format!("{} {:o} uid {uid}", e.file_name().to_string_lossy(), mode)
+        })
+        .collect();
+    let privileged = dm.pipe.join("control_privileged");
+    t.check(
+        "INFO",
+        "multi-user pipe directory",
+        &format!(
+            "{}; control_privileged {}",
+            listing.join(", "),
+            if privileged.exists() {
+                "exists"
+            } else {
+                "absent"
+            }
+        ),
+    );
+    // UID 2000's client holds a server while UID 1000 issues the commands.
+    let hold = if t.simulate {
+        9.0
+    } else {
+        t.hold.max(4.0) + 8.0
+    };
+    let lb = format!("tc-{UB}");
+    let cmd = t.client_cmd(hold);
+    t.launch(
+        &lb,
+        UB,
+        Some(&dm.pipe),
+        Some(&dm.shm),
+        t.tmo(hold),
+        &[],
+        cmd,
+    );
+    let attached = t.wait_attached(t.tmo(hold), &lb);
+    let root = |t: &Tier, c: &str| t.ctl1(0, &dm.pipe, c);
+    let servers = root(t, "get_server_list");
+    let srv = servers.split_whitespace().next().unwrap_or("").to_owned();
+    let mut ev = vec![format!(
+        "UID {UB}'s client attached: {attached}; servers '{servers}'"
+    )];
+    let as_a = |t: &Tier, c: &str| t.ctl1(UA, &dm.pipe, c);
+    ev.push(format!(
+        "get_server_list -> '{}'",
+        as_a(t, "get_server_list")
+    ));
+    let r = as_a(t, "set_default_active_thread_percentage 10");
+    ev.push(format!(
+        "set_default_active_thread_percentage 10 -> '{r}', root reads '{}'",
+        root(t, "get_default_active_thread_percentage")
+    ));
+    if !srv.is_empty() {
+        let r = as_a(t, &format!("set_active_thread_percentage {srv} 10"));
+        ev.push(format!(
+            "set_active_thread_percentage {srv} 10 -> '{r}', root reads '{}'",
+            root(t, &format!("get_active_thread_percentage {srv}"))
+        ));
+        let r = as_a(t, &format!("set_device_pinned_mem_limit {srv} 0 1G"));
+        ev.push(format!(
+            "set_device_pinned_mem_limit {srv} 0 1G -> '{r}', root reads '{}'",
+            root(t, &format!("get_device_pinned_mem_limit {srv} 0"))
+        ));
+    }
+    t.check(
+        "INFO",
+        "tenant control: limit commands as UID 1000",
+        &ev.join("; "),
+    );
+    // What the supervisor made of it (its check runs every 2 s).
+    crate::tier::pause(Duration::from_secs(5));
+    let after = root(t, "get_default_active_thread_percentage");
+    let srv_after = if srv.is_empty() {
+        String::new()
+    } else {
+        root(t, &format!("get_active_thread_percentage {srv}"))
+    };
+    t.check(
+        "INFO",
+        "tenant control: 5 s later",
+        &format!("default reads '{after}', server {srv} reads '{srv_after}'"),
+    );
+    if privileged.exists() {
+        // Can UID 1000 connect to control_privileged at all? (The nvidia-cuda-mps-control
+        // client has no switch to use it.)
+        let script = "import socket,sys\ns=socket.socket(socket.AF_UNIX,socket.SOCK_SEQPACKET)\ntry:\n s.connect(sys.argv[1]); print('connected')\nexcept OSError as e: print('refused:', e)";
+        let mut c = Command::new(&t.py);
+        {
+            use std::os::unix::process::CommandExt;
+            c.arg("-c").arg(script).arg(&privileged).uid(UA).gid(UA);
+        }
+        let r = proc::run(
+            &mut c,
+            None,
+            Duration::from_secs(20),
+            Duration::from_secs(2),
+        );
+        t.check(
+            "INFO",
+            "tenant control: connect to control_privileged as UID 1000",
+            &first_line(&r.out, 200),
+        );
+    }
+    let mut ev = Vec::new();
+    if !srv.is_empty() {
+        let r = as_a(t, &format!("shutdown_server {srv} -f"));
+        crate::tier::pause(Duration::from_secs(1));
+        ev.push(format!(
+            "shutdown_server {srv} -f -> '{r}'; servers after: '{}'",
+            root(t, "get_server_list")
+        ));
+    }
+    let r = as_a(t, "quit");
+    crate::tier::pause(Duration::from_secs(1));
+    let alive = t.ctl(0, &dm.pipe, "get_server_list");
+    ev.push(format!(
+        "quit -> '{r}'; the daemon then answers root: {} ('{}')",
+        alive.ok(),
+        calc::cut(&alive.out.replace('\n', " "), 80)
+    ));
+    t.check(
+        "INFO",
+        "tenant control: shutdown and quit as UID 1000",
+        &ev.join("; "),
+    );
+    t.wait_done(t.tmo(hold), &[&lb]);
+    let b = t.collect(&lb, UB, "tenant-control");
+    let ev = if b.ok() {
+        "ran to its end".to_owned()
+    } else {
+        format!("failed: {}", calc::cut(&b.error(), 200))
+    };
+    t.check("INFO", &format!("tenant control: UID {UB}'s client"), &ev);
+    let status = proc::run(
+        Command::new(&t.bins.gpushare)
+            .env("GPUSHARE_CONFIG", &cfg_mu)
+            .args(["status"]),
+        None,
+        Duration::from_secs(30),
+        Duration::from_secs(5),
+    );
+    println!("-- gpushare status after the commands");
+    print!("{}", status.out);
+    t.gs_stop(&[&dm.id]);
+}
+
 fn limits(t: &mut Tier) {
     t.section(&format!("5. enforced limits (UID {UA})"));
     let cfg = t.cfg.clone();
@@ -907,7 +1113,7 @@ fn kc_report(t: &mut Tier, how: Total, name: &str, labels: &[String]) -> Option<
     }
 }
 
-fn kubecon(t: &mut Tier) {
+fn kubecon(t: &mut Tier, flag: &str) {
     let n = t.iterations;
     t.section(&format!(
         "6. small-batch experiment (KubeCon NA 2024): 4 processes x {n} 256x256 fp32 products"
@@ -918,6 +1124,7 @@ fn kubecon(t: &mut Tier) {
             "small batch: 4 concurrent, time-slicing",
             "small batch: 4 concurrent, one gpushare daemon",
             "small batch: 4 UIDs, 4 per-user daemons",
+            "small batch: 4 UIDs, one multi-user gpushare daemon",
         ] {
             t.skip_sim(name, "needs CUDA kernels");
         }
@@ -1015,14 +1222,59 @@ fn kubecon(t: &mut Tier) {
     }
     let ids: Vec<&str> = daemons.iter().map(|(_, d)| d.id.as_str()).collect();
     t.gs_stop(&ids);
+    // (e) four UIDs on one multi-user gpushare daemon: one server (as root) for all four
+    let cfg_mu = t.work.join("runtime-kc-multi-user.toml");
+    let mut t_mu = None;
+    let dm = match std::fs::write(&cfg_mu, t.config("multi-user", Some(flag))) {
+        Ok(()) => t.gs_start(&cfg_mu, &[]),
+        Err(e) => {
+            t.check(
+                "FAIL",
+                "small batch: multi-user daemon start",
+                &format!("config: {e}"),
+            );
+            return;
+        }
+    };
+    if dm.ok {
+        let mu = labels("kc-mu", &UIDS);
+        for (u, l) in UIDS.iter().zip(&mu) {
+            t.launch(l, *u, Some(&dm.pipe), Some(&dm.shm), ktmo, &[], kc.clone());
+        }
+        let servers = if t.wait_attached(ktmo, &mu[3]) {
+            t.ctl1(0, &dm.pipe, "get_server_list")
+        } else {
+            String::new()
+        };
+        t.wait_done(ktmo, &mu.iter().map(String::as_str).collect::<Vec<_>>());
+        for (u, l) in UIDS.iter().zip(&mu) {
+            t.collect(l, *u, "kubecon");
+        }
+        t_mu = kc_report(
+            t,
+            Total::Parallel,
+            "4 UIDs, one multi-user gpushare daemon",
+            &mu,
+        );
+        t.check(
+            "INFO",
+            "small batch: multi-user servers",
+            &format!("while the fourth ran: '{servers}'"),
+        );
+    } else {
+        let ev = first_line(&dm.out, 220);
+        t.check("FAIL", "small batch: multi-user daemon start", &ev);
+    }
+    t.gs_stop(&[&dm.id]);
     if let (Some(a), Some(ts), Some(gs)) = (t_alone, t_ts, t_gs) {
         let ev = format!(
-            "alone x4 {}s, time-slicing {}s, gpushare 1 daemon {}s (x{} vs time-slicing), 4 per-user daemons {}s",
+            "alone x4 {}s, time-slicing {}s, gpushare 1 daemon {}s (x{} vs time-slicing), 4 per-user daemons {}s, 4 UIDs on 1 multi-user daemon {}s",
             f2(Some(a)),
             f2(Some(ts)),
             f2(Some(gs)),
             f2(Some(ts / gs)),
-            f2(t_pu)
+            f2(t_pu),
+            f2(t_mu)
         );
         t.check("INFO", "small batch: comparison", &ev);
     }
@@ -1125,6 +1377,18 @@ fn create_path(t: &mut Tier) {
         calc::median(ms.get(v).map(Vec::as_slice).unwrap_or_default()).map(|m| calc::round(m, 3))
     };
     let (a, bm, c) = (med("a"), med("b"), med("c"));
+    // The first create with the cache is the fill on a fresh node (empty state dir).
+    let first_fill = ms
+        .get("a")
+        .and_then(|v| v.first())
+        .map(|m| calc::round(*m, 3));
+    let shim_bytes = std::fs::read(&t.bins.runtime).unwrap_or_default();
+    let linked = match calc::elf_has_interpreter(&shim_bytes) {
+        Some(true) => "dynamic (it names a program interpreter)",
+        Some(false) => "static (no program interpreter)",
+        None => "not a 64-bit ELF file",
+    };
+    let cache = std::fs::read_to_string(cr.join("s").join("inventory.json")).unwrap_or_default();
     let stop = proc::run(
         Command::new(&t.bins.gpushare)
             .env("GPUSHARE_CONFIG", cr.join("b.toml"))
@@ -1142,7 +1406,13 @@ fn create_path(t: &mut Tier) {
     t.record(
         json!({"event": "create_path", "rounds": rounds, "inventory_a": inv_a,
         "median_ms_a": a, "median_ms_uncached": c, "median_ms_file": bm,
+        "first_create_ms_a": first_fill, "shim": linked,
         "failure": fail.clone().unwrap_or_default()}),
+    );
+    println!("shim {}: {linked}", t.bins.runtime.display());
+    println!(
+        "-- the inventory cache after the run: {}",
+        calc::cut(&cache, 600)
     );
     let name = format!("create path: {rounds} creates per inventory");
     if let Some(f) = fail {
@@ -1170,5 +1440,34 @@ fn create_path(t: &mut Tier) {
             fixed(sub(a, bm), 3)
         );
         t.check("INFO", "create path: NVML's cost per create", &ev);
+        let ev = format!(
+            "the first create with the cache (the fill, an empty state dir) took {} ms; the shim is {linked}",
+            fixed(first_fill, 3)
+        );
+        t.check("INFO", "create path: the cache's first fill", &ev);
+        let inv = proc::run(
+            Command::new(&t.bins.gpushare).arg("nvml-inventory"),
+            None,
+            Duration::from_secs(30),
+            Duration::from_secs(5),
+        );
+        println!(
+            "-- gpushare nvml-inventory (what the static shim runs): rc {}",
+            inv.code
+        );
+        println!("{}", calc::cut(&inv.out, 900));
+        let same = serde_json::from_str::<serde_json::Value>(inv.out.trim())
+            .ok()
+            .zip(
+                serde_json::from_str::<serde_json::Value>(&cache)
+                    .ok()
+                    .map(|c| c["inventory"].clone()),
+            )
+            .map(|(x, y)| x == y);
+        t.check(
+            "INFO",
+            "create path: nvml-inventory and the cache agree",
+            &format!("{same:?} (None: one of them did not parse as expected)"),
+        );
     }
 }
