@@ -92,14 +92,43 @@ pub(crate) fn resolve_spec(
         let Some(cdi) = cdi else {
             return Ok(None);
         };
-        return resolve_with(cfg, cdi.request, cdi.own_device.as_ref(), ipc, host_user)
-            .with_context(|| named)
-            .map(Some);
+        let resolved = resolve_with(cfg, cdi.request, cdi.own_device.as_ref(), ipc, host_user)
+            .with_context(|| named)?;
+        refuse_client_memory_limit(inputs.env, &resolved)?;
+        return Ok(Some(resolved));
     }
     let Some(req) = request::parse(&inputs, &options)? else {
         return Ok(None);
     };
-    resolve(cfg, req, ipc, host_user).map(Some)
+    let resolved = resolve(cfg, req, ipc, host_user)?;
+    refuse_client_memory_limit(inputs.env, &resolved)?;
+    Ok(Some(resolved))
+}
+
+/// The client variable that sets an MPS client's own pinned memory limits.
+const CLIENT_MEMORY_LIMIT_VAR: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
+
+/// Refuses a container whose own `process.env` sets the client's pinned memory limit
+/// when its daemon enforces one. MPS reads the variable in the client, and an entry that
+/// names a device the client cannot see makes the server drop the daemon's limit for that
+/// client altogether (docs/gpu-validation.md, the 2026-11-26 run); gpushare writes the
+/// variable itself where it can (the shim), so a request never needs it. This closes the
+/// route through the spec (a pod's or `docker run -e` env, which the hook-only and CDI
+/// paths cannot overwrite); a process that sets it for itself at run time is beyond any
+/// runtime's reach (SECURITY.md, "What the limits bind").
+fn refuse_client_memory_limit(env: &[String], resolved: &Resolved) -> anyhow::Result<()> {
+    let Some(limit) = resolved.identity.pinned_memory_limit else {
+        return Ok(());
+    };
+    let prefix = format!("{CLIENT_MEMORY_LIMIT_VAR}=");
+    if let Some(set) = env.iter().find(|e| e.starts_with(&prefix)) {
+        anyhow::bail!(
+            "process.env sets {}: an MPS client's own pinned memory limit that names a device it cannot see lifts its daemon's limit ({} here); allowed: no {CLIENT_MEMORY_LIMIT_VAR} in the container's environment (gpushare gives the client its limit; ask for a lower one with gpushare.io/pinned-memory-limit)",
+            crate::util::escape(set),
+            request::format_mps_size(limit)
+        );
+    }
+    Ok(())
 }
 
 /// The pipeline's node half for a parsed request, in this order, the first fault stopping

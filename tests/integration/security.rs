@@ -424,6 +424,55 @@ fn a_tenant_cannot_raise_enforced_limits_from_inside() {
     );
 }
 
+/// A container whose own env sets `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` beside an enforced
+/// pinned limit is refused, through the shim and in hook-only mode (where nothing would
+/// overwrite it): on NVIDIA's driver an entry naming a device the client cannot see
+/// (`1=64G`) lifts the daemon's limit for that client. Without a pinned limit the variable
+/// is the container's own business.
+#[test]
+fn a_client_memory_limit_in_the_container_env_is_refused_beside_an_enforced_one() {
+    let env = Env::new();
+    let _cleanup = crate::tenant_mounts::RuncDelete(&env, vec!["lift-ho".into()]);
+    let lifted = |id: &str| {
+        env.container(id)
+            .uid(1000)
+            .device("0")
+            .annotation("gpushare.io/pinned-memory-limit", "2G")
+            .env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=1=64G")
+            .sh(CLIENT)
+            .bundle()
+    };
+    let c = lifted("lift-shim");
+    let before = c.config_bytes();
+    assert_eq!(c.try_create().status.code(), Some(1));
+    let msg = c.last_error();
+    assert!(
+        msg.contains("process.env sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=1=64G")
+            && msg.contains("lifts its daemon's limit (2048M here)")
+            && msg.contains("gpushare.io/pinned-memory-limit"),
+        "{msg}"
+    );
+    assert_eq!(c.config_bytes(), before, "config.json untouched");
+    assert!(env.daemon_ids().is_empty(), "no daemon for a refused create");
+
+    let h = lifted("lift-ho");
+    let out = crate::tenant_mounts::hook_only_create(&env, &h);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "hook-only create succeeded");
+    assert!(err.contains("process.env sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), "{err}");
+    assert!(env.daemon_ids().is_empty(), "no daemon for a refused hook");
+
+    // No pinned limit: the variable stays the container's own.
+    let free = env
+        .container("own-limit")
+        .uid(1000)
+        .device("0")
+        .env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1G")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(client_line(&free.run())["pinned_mem_limit"], "0=1G");
+}
+
 /// A process holding namespaces of its own (`unshare <flags> sleep`), as a pod's sandbox
 /// does; killed and reaped on drop.
 struct Holder(std::process::Child);
