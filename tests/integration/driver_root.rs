@@ -303,3 +303,54 @@ fn doctor_and_the_shim_warn_when_nvidia_s_runtime_listed_first_is_missing() {
         "{report}"
     );
 }
+
+/// deploy/node-installer.sh refuses a host whose glibc is older than gpushare's binaries
+/// need, in one line, before it changes anything; it asks the host's own
+/// `getconf GNU_LIBC_VERSION` (here a script in a fake host root with busybox's sh).
+#[test]
+fn the_node_installer_refuses_a_host_glibc_older_than_2_34() {
+    use std::os::unix::fs::PermissionsExt;
+    let busybox = busybox().expect("busybox-static");
+    let dir = tempfile::tempdir().unwrap();
+    let host = dir.path().join("host");
+    let image = dir.path().join("image");
+    for d in [host.join("bin"), host.join("usr/bin"), image.clone()] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    std::fs::copy(&busybox, host.join("bin/sh")).unwrap();
+    for f in ["gpushare", "gpushare-runtime"] {
+        std::fs::write(image.join(f), "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(image.join(f), std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let getconf = host.join("usr/bin/getconf");
+    let run = |version: &str| {
+        std::fs::write(&getconf, format!("#!/bin/sh\necho 'glibc {version}'\n")).unwrap();
+        std::fs::set_permissions(&getconf, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::process::Command::new("sh")
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/node-installer.sh"))
+            .arg("--once")
+            .env("HOST_ROOT", &host)
+            .env("SOURCE_DIR", &image)
+            .env("RESTART_MODE", "none")
+            .env("AGENT", "none")
+            .output()
+            .unwrap()
+    };
+    let out = run("2.31");
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "gpushare-node-installer: the host's glibc is 2.31; gpushare needs 2.34 or later (Debian 12, Ubuntu 22.04, RHEL 9 or newer): nothing was changed\n"
+    );
+    assert!(out.stdout.is_empty(), "{}", text(&out));
+    assert!(!host.join("usr/local").exists() && !host.join("etc").exists());
+    // 2.34 passes the check (the run then stops later, at this fake image's binaries).
+    for version in ["2.34", "2.36", "3.0"] {
+        let out = run(version);
+        assert!(
+            !String::from_utf8_lossy(&out.stderr).contains("glibc"),
+            "{version}: {}",
+            text(&out)
+        );
+    }
+}
