@@ -51,6 +51,23 @@ done
 say() { echo "gpushare-node-installer: $*"; }
 die() { echo "gpushare-node-installer: $*" >&2; exit 1; }
 
+# The host runs gpushare's binaries, which are dynamic and need glibc 2.34 or later there:
+# an older host is refused before anything is changed. A host root where
+# `getconf GNU_LIBC_VERSION` cannot run (no shell, no getconf) cannot tell, and goes on.
+check_host_glibc() {
+    v=$(chroot "$HOST_ROOT" getconf GNU_LIBC_VERSION 2>/dev/null) || return 0
+    case $v in
+    "glibc "[0-9]*.[0-9]*) v=${v#glibc } ;;
+    *) return 0 ;;
+    esac
+    major=${v%%.*} minor=${v#*.}
+    minor=${minor%%[!0-9]*}
+    case $major in *[!0-9]* | "") return 0 ;; esac
+    if [ "$major" -lt 2 ] || { [ "$major" -eq 2 ] && [ "${minor:-0}" -lt 34 ]; }; then
+        die "the host's glibc is $v; gpushare needs 2.34 or later (Debian 12, Ubuntu 22.04, RHEL 9 or newer): nothing was changed"
+    fi
+}
+
 case $RESTART_MODE in
 auto | systemd | signal | none) ;;
 *) die "RESTART_MODE=$RESTART_MODE is invalid: allowed are auto, systemd, signal, none" ;;
@@ -63,6 +80,7 @@ esac
 for f in gpushare gpushare-runtime; do
     [ -x "$SOURCE_DIR/$f" ] || die "$SOURCE_DIR/$f is missing"
 done
+check_host_glibc
 
 config="$HOST_ROOT$CONTAINERD_CONFIG"
 # 1. Binaries: a temp file in the target directory, renamed over the old one.

@@ -132,7 +132,10 @@ pub(crate) fn to_bytes(spec: &Value) -> Vec<u8> {
 /// The spec this node would generate now: the inventory, the configured profiles, this
 /// binary and the hook environment of the config this process read.
 pub(crate) fn current(cfg: &crate::config::Config) -> anyhow::Result<Value> {
-    for_node(cfg, &crate::device::load(&cfg.inventory)?)
+    for_node(
+        cfg,
+        &crate::device::load(&cfg.inventory, cfg.driver_root.as_deref())?,
+    )
 }
 
 /// [`current`] for an inventory already loaded.

@@ -312,8 +312,8 @@ pub fn main() -> i32 {
     if let Some(stage) = hook_argv() {
         return hook(stage, &[]);
     }
-    if is_argv(&[crate::device::NVML_SUBCOMMAND]) {
-        return nvml_inventory();
+    if let Some(library) = nvml_argv() {
+        return nvml_inventory(library.as_deref());
     }
     let cli = Cli::parse();
     if let Command::Hook { stage, flags } = &cli.command {
@@ -346,11 +346,13 @@ pub fn main() -> i32 {
     run(&cfg, cli.command)
 }
 
-/// `gpushare nvml-inventory`, run by the static shim (`device::reader`): the NVML
-/// inventory, validated, as one line of JSON on stdout; else one `gpushare: …` line on
-/// stderr and exit 1. Internal (not in `--help`); reads no config, writes no log.
-fn nvml_inventory() -> i32 {
-    let json = crate::device::load(&crate::device::InventorySource::Nvml)
+/// `gpushare nvml-inventory [--library <absolute path>]`, run by the static shim
+/// (`device::reader`): the NVML inventory, validated, as one line of JSON on stdout; else
+/// one `gpushare: …` line on stderr and exit 1. NVML is the library named (the shim
+/// resolved it under `driver-root`), else the loader finds it by name. Internal (not in
+/// `--help`); reads no config, writes no log.
+fn nvml_inventory(library: Option<&std::path::Path>) -> i32 {
+    let json = crate::device::load_nvml(library)
         .map_err(anyhow::Error::new)
         .and_then(|inv| Ok(serde_json::to_string(&inv)?));
     match json {
@@ -365,10 +367,21 @@ fn nvml_inventory() -> i32 {
     }
 }
 
-/// Whether argv after the program name is exactly `words`.
-fn is_argv(words: &[&str]) -> bool {
-    let mut args = std::env::args_os().skip(1);
-    words.iter().all(|w| args.next().is_some_and(|a| a == *w)) && args.next().is_none()
+/// `Some` when argv is `nvml-inventory`, with the library when it is followed by
+/// `--library <absolute path>`.
+fn nvml_argv() -> Option<Option<std::path::PathBuf>> {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).take(4).collect();
+    match &args[..] {
+        [word] if word == crate::device::NVML_SUBCOMMAND => Some(None),
+        [word, flag, path]
+            if word == crate::device::NVML_SUBCOMMAND
+                && flag == crate::device::LIBRARY_FLAG
+                && std::path::Path::new(path).is_absolute() =>
+        {
+            Some(Some(path.into()))
+        }
+        _ => None,
+    }
 }
 
 /// The stage of `gpushare hook <stage>` when that is the exact argv: runc runs it for

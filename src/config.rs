@@ -124,6 +124,13 @@ pub struct Config {
     /// node's allocator writes nothing else.
     pub accept_visible_devices_env: bool,
     pub inventory: crate::device::InventorySource,
+    /// Where the NVIDIA driver's files are (`driver-root`): `None` for the host's own
+    /// paths, else a directory (the GPU Operator's `/run/nvidia/driver`) under which NVML,
+    /// the MPS control binary and an MPS server's libraries are looked up (`driver`).
+    /// Checked here for its form only: whether it exists is told where it is used, in one
+    /// line, so that a driver container that restarts fails creates but never `status`,
+    /// `gc` or a poststop hook.
+    pub driver_root: Option<PathBuf>,
     /// How long the create path may use the cached NVML inventory (`inventory_cache`);
     /// zero: never.
     pub inventory_cache_ttl: Duration,
@@ -214,6 +221,7 @@ struct RawConfig {
     accept_visible_devices_env: Option<bool>,
     inventory: Option<String>,
     inventory_cache_ttl: Option<String>,
+    driver_root: Option<String>,
     #[serde(default)]
     mps: RawMps,
     #[serde(default)]
@@ -389,6 +397,7 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         |d| d <= Duration::from_secs(3600),
         "a duration up to 1h such as \"30s\", or \"0\" to load the NVML inventory on every create",
     )?;
+    let driver_root = check.driver_root(raw.driver_root.as_deref().unwrap_or(""))?;
 
     let mps = check.mps(&raw.mps)?;
     let cdi_profiles = check.cdi_profiles(raw.cdi.profiles, &mps)?;
@@ -404,6 +413,7 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         accept_visible_devices_env: raw.accept_visible_devices_env.unwrap_or(false),
         inventory,
         inventory_cache_ttl,
+        driver_root,
         mps,
         cdi_profiles,
     })
@@ -518,6 +528,26 @@ impl Check {
                 "\"allocated\" (the devices a device plugin or DRA driver allocated to the container), or unset",
             )),
         }
+    }
+
+    /// `driver-root`: `""` for the host's own paths, else an absolute path without `..`
+    /// (and not `/`, which is the host's own paths spelled another way).
+    fn driver_root(&self, value: &str) -> Result<Option<PathBuf>, ConfigError> {
+        if value.is_empty() {
+            return Ok(None);
+        }
+        let root = self
+            .abs("driver-root", value)
+            .ok()
+            .filter(|p| p.parent().is_some())
+            .ok_or_else(|| {
+                self.bad(
+                    "driver-root",
+                    value,
+                    "\"\" (the host's own paths) or an absolute path without '..' other than \"/\", like \"/run/nvidia/driver\"",
+                )
+            })?;
+        Ok(Some(root))
     }
 
     fn inventory(&self, value: &str) -> Result<crate::device::InventorySource, ConfigError> {
@@ -936,10 +966,40 @@ mod tests {
             ),
             ("default-device = \"Allocated\"", "default-device", "\"allocated\""),
             ("default-device = \"\"", "default-device", "or unset"),
+            ("driver-root = \"run/nvidia/driver\"", "driver-root", "an absolute path"),
+            (
+                "driver-root = \"/run/nvidia/../driver\"",
+                "driver-root = \"/run/nvidia/../driver\"",
+                "without '..'",
+            ),
+            ("driver-root = \"/\"", "driver-root", "other than \"/\""),
         ];
         for (text, key, allowed) in cases {
             let err = parse(text, None).unwrap_err().to_string();
             assert!(err.contains(key) && err.contains(allowed), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn driver_root_is_unset_or_an_absolute_path() {
+        assert_eq!(parse("", None).unwrap().driver_root, None);
+        assert_eq!(
+            parse("driver-root = \"\"\n", None).unwrap().driver_root,
+            None
+        );
+        assert_eq!(
+            parse("driver-root = \"/run/nvidia/driver\"\n", None)
+                .unwrap()
+                .driver_root,
+            Some(PathBuf::from("/run/nvidia/driver"))
+        );
+        // Whether it exists is not the config's to say (`driver`).
+        assert!(parse("driver-root = \"/nonexistent/driver\"\n", None).is_ok());
+        for bad in ["run/nvidia/driver", "/run/nvidia/../../etc", "/", "/x\u{0}"] {
+            let err = parse(&format!("driver-root = {bad:?}\n"), None)
+                .expect_err(bad)
+                .to_string();
+            assert!(err.contains("driver-root") && !err.contains('\n'), "{err}");
         }
     }
 

@@ -154,8 +154,12 @@ fn resolve_with(
     ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
     host_user: impl FnOnce() -> anyhow::Result<(u32, u32)>,
 ) -> anyhow::Result<Resolved> {
-    let inventory =
-        crate::inventory_cache::load(&cfg.inventory, &cfg.state_dir, cfg.inventory_cache_ttl)?;
+    let inventory = crate::inventory_cache::load(
+        &cfg.inventory,
+        cfg.driver_root.as_deref(),
+        &cfg.state_dir,
+        cfg.inventory_cache_ttl,
+    )?;
     let devices = req.device.resolve(&inventory)?;
     if let Some(own) = own_device {
         let own_devices = own.resolve(&inventory)?;

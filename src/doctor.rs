@@ -77,18 +77,22 @@ impl Default for Paths {
 }
 
 fn inventory_checks(cfg: &Config, out: &mut Vec<Check>) -> Option<Inventory> {
-    let nvml = crate::device::load(&InventorySource::Nvml);
+    let nvml = crate::device::load(&InventorySource::Nvml, cfg.driver_root.as_deref());
     match (&cfg.inventory, &nvml) {
         (InventorySource::Nvml, Ok(inv)) => out.push(ok("driver", format!("NVML answers: driver {}, {} GPU(s)", inv.driver_version, inv.gpus.len()))),
         (InventorySource::Nvml, Err(e)) => out.push(fail(
             "driver",
             crate::util::error_chain(e),
-            "install and load the NVIDIA driver (nvidia-smi must work), or set inventory = \"file:<path>\" on a machine without a GPU",
+            match &cfg.driver_root {
+                None => "install and load the NVIDIA driver (nvidia-smi must work), or set inventory = \"file:<path>\" on a machine without a GPU".to_owned(),
+                Some(root) => format!("check that the driver under driver-root {} is running (the GPU Operator's driver pod) and that its kernel module is loaded", root.display()),
+            },
         )),
         (_, Ok(inv)) => out.push(ok("driver", format!("NVML answers (driver {}), but inventory = \"{}\" is used", inv.driver_version, cfg.inventory))),
+        (_, Err(_)) if cfg.driver_root.is_some() => out.push(ok("driver", format!("NVML does not answer from driver-root; inventory = \"{}\" stands in for it", cfg.inventory))),
         (_, Err(_)) => out.push(ok("driver", format!("no NVIDIA driver on this machine; inventory = \"{}\" stands in for it (test mode)", cfg.inventory))),
     }
-    match crate::device::load(&cfg.inventory) {
+    match crate::device::load(&cfg.inventory, cfg.driver_root.as_deref()) {
         Ok(inv) => {
             let migs: usize = inv.gpus.iter().map(|g| g.mig_devices.len()).sum();
             out.push(ok(
@@ -166,8 +170,68 @@ fn runnable_by_others(path: &Path) -> bool {
     ox(path) && path.ancestors().skip(1).all(ox)
 }
 
+/// `driver-root`: where NVML, the control binary and the MPS servers' libraries are
+/// taken from, each by the path found (the same lookups the commands make).
+fn driver_root_check(cfg: &Config) -> Check {
+    use crate::driver;
+    let Some(root) = &cfg.driver_root else {
+        return ok(
+            "driver-root",
+            "not set: NVML, nvidia-cuda-mps-control and the libraries MPS servers load are the host's own",
+        );
+    };
+    let control = &cfg.mps.control_binary;
+    let mut found = Vec::new();
+    let mut missing = Vec::new();
+    let mut note = |what: &str, r: Result<PathBuf, driver::DriverError>| match r {
+        Ok(p) => found.push(format!("{what} {}", p.display())),
+        Err(e) => missing.push(e),
+    };
+    note(
+        driver::NVML_LIBRARY,
+        driver::find_library(root, driver::NVML_LIBRARY),
+    );
+    if !control.contains('/') {
+        note(control, driver::find_binary(root, control));
+    }
+    match driver::server_libraries(root) {
+        Ok(libs) => found.push(format!(
+            "{} {} and {} more driver libraries for MPS servers",
+            driver::CUDA_LIBRARY,
+            libs[driver::CUDA_LIBRARY].display(),
+            libs.len() - 1
+        )),
+        Err(e) => missing.push(e),
+    }
+    if let Some(first) = missing.first() {
+        // A root that cannot be opened fails every lookup the same way: say it once.
+        let detail = match first {
+            driver::DriverError::Root { .. } => crate::util::error_chain(first),
+            _ => missing
+                .iter()
+                .map(|e| crate::util::error_chain(e))
+                .collect::<Vec<_>>()
+                .join("; "),
+        };
+        return fail(
+            "driver-root",
+            detail,
+            "point driver-root at the driver's root directory (the GPU Operator's is /run/nvidia/driver, while its driver pod runs), or set it to \"\" where the driver is installed on the host",
+        );
+    }
+    if control.contains('/') {
+        found.push(format!(
+            "mps.control-binary {control} is an absolute path, used as it is"
+        ));
+    }
+    ok(
+        "driver-root",
+        format!("{}: {}", root.display(), found.join(", ")),
+    )
+}
+
 fn control_binary_check(cfg: &Config) -> Check {
-    match crate::mps::control::resolve_binary(&cfg.mps.control_binary) {
+    match crate::mps::control::resolve_binary(&cfg.mps.control_binary, cfg.driver_root.as_deref()) {
         Ok(path) if cfg.mps.user_mode == UserMode::PerUser && !runnable_by_others(&path) => fail(
             "mps-control",
             format!(
@@ -187,6 +251,7 @@ fn control_binary_check(cfg: &Config) -> Check {
                 .filter(|v| !v.is_empty());
             ok("mps-control", format!("{} ({})", path.display(), version.as_deref().unwrap_or("version not reported")))
         }
+        Err(e) if cfg.driver_root.is_some() => fail("mps-control", crate::util::error_chain(&e), "the driver under driver-root must have it (NVIDIA's driver containers do), or set mps.control-binary to an absolute path"),
         Err(e) => fail("mps-control", e.to_string(), "install nvidia-cuda-mps-control (NVIDIA driver utilities) or set mps.control-binary to its absolute path"),
     }
 }
@@ -488,6 +553,7 @@ pub(crate) fn run(cfg: &Config, paths: &Paths) -> Vec<Check> {
             |p| format!("{} parses", p.display()),
         ),
     )];
+    out.push(driver_root_check(cfg));
     let inv = inventory_checks(cfg, &mut out);
     if let Some(inv) = &inv {
         gpu_checks(cfg, inv, &mut out);
@@ -628,6 +694,17 @@ fn low_level_runtime_check(cfg: &Config) -> Check {
                         p.display()
                     ),
                     "point low-level-runtime at runc, crun or nvidia-container-runtime",
+                )
+            } else if let Some(missing) =
+                crate::runtime::lowlevel::missing_nvidia(&cfg.low_level_runtime, &p)
+            {
+                warn(
+                    "low-level-runtime",
+                    format!(
+                        "{missing}, the first choice, is not found (on PATH or at that path): {} runs the containers, which get gpushare's MPS pipe directory but no GPU device nodes or driver libraries from NVIDIA's toolkit",
+                        p.display()
+                    ),
+                    "name NVIDIA's runtime by its absolute path in low-level-runtime (the GPU Operator's: /usr/local/nvidia/toolkit/nvidia-container-runtime), or install the NVIDIA Container Toolkit",
                 )
             } else {
                 ok("low-level-runtime", format!("{}", p.display()))

@@ -49,24 +49,25 @@ struct CacheFile {
 
 /// The inventory of `source` for a create: from the cache in `state_dir` when `source` is
 /// NVML, `ttl` is not zero, and the cache is fresh (module doc); else loaded, and then
-/// cached.
+/// cached. NVML is the one under `driver_root` when that is set.
 pub(crate) fn load(
     source: &InventorySource,
+    driver_root: Option<&Path>,
     state_dir: &Path,
     ttl: Duration,
 ) -> Result<Inventory, DeviceError> {
     if *source != InventorySource::Nvml || ttl.is_zero() {
-        return device::load(source);
+        return device::load(source, driver_root);
     }
     let Some(fingerprint) = fingerprint(Path::new("/proc")) else {
-        return device::load(source);
+        return device::load(source, driver_root);
     };
     cached(
         &state_dir.join(CACHE_FILE),
         &fingerprint,
         ttl,
         now_ms(),
-        || device::load(source),
+        || device::load(source, driver_root),
     )
 }
 

@@ -44,6 +44,7 @@ pub mod config;
 pub mod decision;
 pub mod device;
 mod doctor;
+pub mod driver;
 pub mod hook;
 mod hookonly;
 pub mod identity;

@@ -191,8 +191,9 @@ fn probe_all(controls: &[Option<Control>]) -> Vec<Option<Answer>> {
 /// for their servers and clients side by side (`probe_all`).
 pub(crate) fn collect(cfg: &Config) -> StatusView {
     let state = StateDir::new(&cfg.state_dir);
-    let inventory = crate::device::load(&cfg.inventory).ok();
-    let binary = resolve_binary(&cfg.mps.control_binary).map_err(|e| e.to_string());
+    let inventory = crate::device::load(&cfg.inventory, cfg.driver_root.as_deref()).ok();
+    let binary = resolve_binary(&cfg.mps.control_binary, cfg.driver_root.as_deref())
+        .map_err(|e| e.to_string());
     let now = crate::util::unix_now();
     let mut bare = Vec::new();
     let records: Vec<_> = state

@@ -43,14 +43,14 @@ pub(super) fn is_safe_profile(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'+' | b'-' | b'_'))
 }
 
-/// Loads and validates the inventory.
-pub(crate) fn load(source: &InventorySource) -> Result<Inventory, DeviceError> {
+/// Loads and validates the inventory; NVML is the one under `driver_root` when that is
+/// set (`driver::nvml_library`).
+pub(crate) fn load(
+    source: &InventorySource,
+    driver_root: Option<&Path>,
+) -> Result<Inventory, DeviceError> {
     match source {
-        InventorySource::Nvml => {
-            let inventory = reader::nvml()?;
-            inventory.validate(&source.to_string())?;
-            Ok(inventory)
-        }
+        InventorySource::Nvml => load_nvml(crate::driver::nvml_library(driver_root)?.as_deref()),
         InventorySource::File(path) => {
             let text = std::fs::read_to_string(path).map_err(|error| DeviceError::ReadFile {
                 path: path.clone(),
@@ -59,6 +59,13 @@ pub(crate) fn load(source: &InventorySource) -> Result<Inventory, DeviceError> {
             parse_file(path, &text)
         }
     }
+}
+
+/// The NVML inventory, validated: NVML is `library`, else found by name.
+pub(crate) fn load_nvml(library: Option<&Path>) -> Result<Inventory, DeviceError> {
+    let inventory = reader::nvml(library)?;
+    inventory.validate(&InventorySource::Nvml.to_string())?;
+    Ok(inventory)
 }
 
 /// The text of the inventory file at `path` as a validated inventory: the half of [`load`]
@@ -297,7 +304,7 @@ mod tests {
 
     fn load_text(text: &str) -> (tempfile::NamedTempFile, Result<Inventory, DeviceError>) {
         let file = write_temp(text);
-        let result = load(&InventorySource::File(file.path().to_path_buf()));
+        let result = load(&InventorySource::File(file.path().to_path_buf()), None);
         (file, result)
     }
 
@@ -485,7 +492,7 @@ mod tests {
     fn missing_file_names_path() {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("absent.json");
-        let err = load(&InventorySource::File(path.clone())).expect_err("missing");
+        let err = load(&InventorySource::File(path.clone()), None).expect_err("missing");
         assert!(matches!(err, DeviceError::ReadFile { .. }));
         let msg = chain(&err);
         assert!(
@@ -493,7 +500,7 @@ mod tests {
             "{msg}"
         );
         // A directory is unreadable as a file.
-        let err = load(&InventorySource::File(dir.path().to_path_buf())).expect_err("dir");
+        let err = load(&InventorySource::File(dir.path().to_path_buf()), None).expect_err("dir");
         assert!(err.to_string().contains(&dir.path().display().to_string()));
     }
 

@@ -39,13 +39,13 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use inventory::parse_file;
-pub(crate) use inventory::{is_well_formed_uuid, load};
+pub(crate) use inventory::{is_well_formed_uuid, load, load_nvml};
 pub use preset::sample;
 #[cfg(test)]
 pub(crate) use preset::testing;
 pub(crate) use quote::quote;
 use quote::{cap_list, gpu_list, mig_list, minor_list, parent_node, uuid_list};
-pub use reader::{read_nvml_in_process, NVML_SUBCOMMAND};
+pub use reader::{read_nvml_in_process, LIBRARY_FLAG, NVML_SUBCOMMAND};
 
 /// The most GPUs an inventory may hold.
 pub(crate) const MAX_GPUS: usize = 64;
@@ -279,6 +279,10 @@ pub enum DeviceError {
         #[source]
         error: nvml_wrapper::error::NvmlError,
     },
+
+    /// NVML's library is not where `driver-root` says the driver is.
+    #[error(transparent)]
+    Driver(#[from] crate::driver::DriverError),
 
     /// `gpushare nvml-inventory` failed: its own line (an NVML error above, as it printed it).
     #[error("{message}")]

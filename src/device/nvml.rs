@@ -19,8 +19,14 @@ fn op(operation: String) -> impl FnOnce(NvmlError) -> DeviceError {
     move |error| DeviceError::Nvml { operation, error }
 }
 
-pub(super) fn load() -> Result<Inventory, DeviceError> {
-    let nvml = Nvml::init().map_err(|error| DeviceError::NvmlInit { error })?;
+/// The inventory through NVML: the library at `library`, else `libnvidia-ml.so.1` by
+/// name (the loader's search).
+pub(super) fn load(library: Option<&std::path::Path>) -> Result<Inventory, DeviceError> {
+    let nvml = match library {
+        Some(path) => Nvml::builder().lib_path(path.as_os_str()).init(),
+        None => Nvml::init(),
+    }
+    .map_err(|error| DeviceError::NvmlInit { error })?;
     let driver_version = nvml
         .sys_driver_version()
         .map_err(op("read the driver version".to_owned()))?;
@@ -160,7 +166,7 @@ mod tests {
     #[test]
     fn nvml_without_driver_is_an_error_not_a_panic() {
         crate::device::read_nvml_in_process();
-        match load(&InventorySource::Nvml) {
+        match load(&InventorySource::Nvml, None) {
             // A GPU machine: whatever NVML reports must be a valid inventory.
             Ok(inv) => inv.validate("nvml").expect("nvml inventory valid"),
             Err(err) => {

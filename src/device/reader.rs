@@ -20,8 +20,11 @@
 //!   the `LD_LIBRARY_PATH` that finds the driver's libraries) and stdin on /dev/null; its
 //!   error is the same one line an in-process load gives; its output is parsed as JSON
 //!   and validated like any inventory, never trusted blindly.
+//! - Which NVML library is loaded is decided by the caller (`driver::nvml_library`: the
+//!   loader's search, or a path under the config's `driver-root`); the helper gets the
+//!   path as `--library <path>` and reads no config.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
@@ -30,8 +33,13 @@ use super::{DeviceError, Inventory, MAX_NVML_JSON_BYTES};
 /// The argv word of the `gpushare` subcommand that prints the NVML inventory.
 pub const NVML_SUBCOMMAND: &str = "nvml-inventory";
 
-/// The in-process reader, once registered.
-static IN_PROCESS: OnceLock<fn() -> Result<Inventory, DeviceError>> = OnceLock::new();
+/// The helper's option naming the NVML library to load.
+pub const LIBRARY_FLAG: &str = "--library";
+
+/// The in-process reader, once registered: it loads NVML from the path given, else by
+/// name through the loader's search.
+type Reader = fn(Option<&Path>) -> Result<Inventory, DeviceError>;
+static IN_PROCESS: OnceLock<Reader> = OnceLock::new();
 
 /// Makes this process read NVML itself (the `gpushare` binary); without it, NVML is read
 /// by running `gpushare nvml-inventory` (module doc).
@@ -39,15 +47,16 @@ pub fn read_nvml_in_process() {
     let _ = IN_PROCESS.set(super::nvml::load);
 }
 
-/// The NVML inventory, not yet validated, by whichever reader this process has.
-pub(super) fn nvml() -> Result<Inventory, DeviceError> {
+/// The NVML inventory, not yet validated, by whichever reader this process has; NVML is
+/// `library` when given.
+pub(super) fn nvml(library: Option<&Path>) -> Result<Inventory, DeviceError> {
     match IN_PROCESS.get() {
-        Some(load) => load(),
-        None => through_helper(),
+        Some(load) => load(library),
+        None => through_helper(library),
     }
 }
 
-fn through_helper() -> Result<Inventory, DeviceError> {
+fn through_helper(library: Option<&Path>) -> Result<Inventory, DeviceError> {
     // Beside this binary, as the hooks the shim injects; never looked up on PATH.
     let helper = std::env::current_exe()
         .map(|exe| exe.with_file_name("gpushare"))
@@ -55,8 +64,12 @@ fn through_helper() -> Result<Inventory, DeviceError> {
             helper: PathBuf::from("gpushare"),
             error,
         })?;
-    let out = Command::new(&helper)
-        .arg(NVML_SUBCOMMAND)
+    let mut cmd = Command::new(&helper);
+    cmd.arg(NVML_SUBCOMMAND);
+    if let Some(library) = library {
+        cmd.arg(LIBRARY_FLAG).arg(library);
+    }
+    let out = cmd
         .stdin(Stdio::null())
         .output()
         .map_err(|error| DeviceError::NvmlHelper {

@@ -24,6 +24,8 @@ pub(crate) enum ControlError {
     NotFound { binary: String },
     #[error("MPS control binary {path} does not exist; set mps.control-binary to where nvidia-cuda-mps-control is")]
     Missing { path: PathBuf },
+    #[error(transparent)]
+    Driver(#[from] crate::driver::DriverError),
     #[error("cannot run {binary}")]
     Spawn {
         binary: PathBuf,
@@ -40,9 +42,17 @@ pub(crate) enum ControlError {
     Timeout { command: String, timeout: Duration },
 }
 
-/// Resolves `mps.control-binary`: an absolute path that exists, a name on the safe PATH
-/// (an executable file there, see `util::find_executable`).
-pub(crate) fn resolve_binary(binary: &str) -> Result<PathBuf, ControlError> {
+/// Resolves `mps.control-binary`: an absolute path that exists; a name under
+/// `driver_root` when that is set (`driver::find_binary`: never the host's own, which
+/// would be another driver version's); else a name on the safe PATH (an executable file
+/// there, see `util::find_executable`).
+pub(crate) fn resolve_binary(
+    binary: &str,
+    driver_root: Option<&std::path::Path>,
+) -> Result<PathBuf, ControlError> {
+    if let (false, Some(root)) = (binary.contains('/'), driver_root) {
+        return Ok(crate::driver::find_binary(root, binary)?);
+    }
     if binary.contains('/') {
         let path = PathBuf::from(binary);
         return if path.is_file() {

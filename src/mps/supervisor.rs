@@ -463,6 +463,8 @@ struct Supervisor {
     limit_check: Option<Duration>,
     /// This process: every record update names it (see `update`).
     me: Option<ProcRef>,
+    /// `driver-root`: the daemon's servers load the driver libraries under it.
+    driver_root: Option<PathBuf>,
 }
 
 impl Supervisor {
@@ -490,6 +492,7 @@ impl Supervisor {
                 .then_some(cfg.mps.limit_check_interval),
             ident,
             me,
+            driver_root: cfg.driver_root.clone(),
         }
     }
 
@@ -688,6 +691,19 @@ impl Supervisor {
         conf
     }
 
+    /// With `driver-root`, the daemon's `LD_LIBRARY_PATH`: a directory of links to the
+    /// driver libraries under the root, made again before each start (a driver container
+    /// upgraded while the daemon ran has other files). Never the root's library
+    /// directories themselves, which hold the driver container's own C library too.
+    fn driver_libraries(&self) -> anyhow::Result<Option<(&'static str, PathBuf)>> {
+        let Some(root) = &self.driver_root else {
+            return Ok(None);
+        };
+        let dir = self.state.driver_lib_dir(&self.id);
+        crate::driver::link_server_libraries(root, &dir)?;
+        Ok(Some(("LD_LIBRARY_PATH", dir)))
+    }
+
     fn spawn_daemon(&self) -> anyhow::Result<Child> {
         let log_dir = self.state.log_dir(&self.id);
         let out = open_daemon_out(&self.state.daemon_dir(&self.id))?;
@@ -702,6 +718,7 @@ impl Supervisor {
             .env("CUDA_MPS_LOG_DIRECTORY", &log_dir)
             .env("CUDA_VISIBLE_DEVICES", self.ident.devices.join(","))
             .envs(limit_env(&self.ident))
+            .envs(self.driver_libraries()?)
             .current_dir("/")
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
@@ -1229,7 +1246,7 @@ pub(crate) fn run(cfg: &Config, id: &str) -> anyhow::Result<()> {
         tracing::info!(daemon = %id, "another supervisor runs this daemon; leaving it to that one");
         return Ok(());
     };
-    let binary = resolve_binary(&cfg.mps.control_binary);
+    let binary = resolve_binary(&cfg.mps.control_binary, cfg.driver_root.as_deref());
     let sup = Supervisor::new(
         cfg,
         state,

@@ -59,6 +59,24 @@ pub(crate) fn is_nvidia(path: &Path) -> bool {
         .is_some_and(|n| n.starts_with("nvidia-container-runtime"))
 }
 
+/// The NVIDIA runtime among `candidates` that was passed over because it is not there,
+/// when `used` (what [`resolve`] chose) is not NVIDIA's: every candidate listed before
+/// the one used was not found. Containers then get no device nodes or driver libraries
+/// from NVIDIA's toolkit, only what gpushare adds (the MPS pipe directory).
+pub(crate) fn missing_nvidia<'a>(candidates: &'a [String], used: &Path) -> Option<&'a str> {
+    if is_nvidia(used) {
+        return None;
+    }
+    let is_used = |c: &String| {
+        Path::new(c) == used || (!c.contains('/') && used.file_name() == Some(c.as_ref()))
+    };
+    let before = candidates.iter().position(is_used)?;
+    candidates[..before]
+        .iter()
+        .find(|c| is_nvidia(Path::new(c.as_str())))
+        .map(String::as_str)
+}
+
 /// Replaces this process with `runtime`, passing `args` (without argv[0]) verbatim.
 /// Only returns on failure.
 pub(crate) fn exec(runtime: &Path, args: &[OsString]) -> LowLevelError {
@@ -98,6 +116,42 @@ mod tests {
         let me = std::fs::read_link("/proc/self/exe").unwrap();
         let err = resolve(&[me.display().to_string()]).unwrap_err();
         assert!(matches!(err, LowLevelError::IsSelf { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_missing_nvidia_runtime_passed_over_is_named() {
+        let list = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let toolkit = "/usr/local/nvidia/toolkit/nvidia-container-runtime";
+        for (candidates, used, want) in [
+            (
+                list(&["nvidia-container-runtime", "runc"]),
+                "/usr/bin/runc",
+                Some("nvidia-container-runtime"),
+            ),
+            (
+                list(&[toolkit, "/usr/sbin/runc"]),
+                "/usr/sbin/runc",
+                Some(toolkit),
+            ),
+            (
+                list(&["nvidia-container-runtime", "runc"]),
+                "/usr/bin/nvidia-container-runtime",
+                None,
+            ),
+            // Listed after the one used: not passed over.
+            (
+                list(&["runc", "nvidia-container-runtime"]),
+                "/usr/bin/runc",
+                None,
+            ),
+            (list(&["runc", "crun"]), "/usr/bin/crun", None),
+        ] {
+            assert_eq!(
+                missing_nvidia(&candidates, Path::new(used)),
+                want,
+                "{candidates:?} {used}"
+            );
+        }
     }
 
     #[test]

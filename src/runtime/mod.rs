@@ -131,7 +131,16 @@ fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
     let span = tracing::info_span!("create", container_id = %id);
     let _enter = span.enter();
     let runtime = lowlevel::resolve(&cfg.low_level_runtime)?;
-    prepare(&cfg, spec?, &runtime, Some(id).filter(|s| !s.is_empty()))?;
+    let served = prepare(&cfg, spec?, &runtime, Some(id).filter(|s| !s.is_empty()))?;
+    if let Some(missing) = served
+        .then(|| lowlevel::missing_nvidia(&cfg.low_level_runtime, &runtime))
+        .flatten()
+    {
+        tracing::warn!(
+            "low-level-runtime: {missing} is not found, so {} runs this container: it gets the MPS pipe directory but no GPU device nodes or driver libraries from NVIDIA's toolkit (name the toolkit's runtime by its absolute path, e.g. /usr/local/nvidia/toolkit/nvidia-container-runtime under the GPU Operator)",
+            runtime.display()
+        );
+    }
     Ok(runtime)
 }
 

@@ -140,6 +140,11 @@ impl StateDir {
     pub(crate) fn shm_dir(&self, id: &str) -> PathBuf {
         self.daemon_dir(id).join("shm")
     }
+    /// Links to the driver libraries under `driver-root`, the daemon's `LD_LIBRARY_PATH`
+    /// (root's, 0755; made by the supervisor before each start of the daemon).
+    pub(crate) fn driver_lib_dir(&self, id: &str) -> PathBuf {
+        self.daemon_dir(id).join("lib")
+    }
     pub(crate) fn containers_dir(&self, id: &str) -> PathBuf {
         self.daemon_dir(id).join("containers")
     }

@@ -8,6 +8,7 @@ mod core_path;
 mod cri;
 mod cri_api;
 mod docs;
+mod driver_root;
 mod engines;
 mod faults_found;
 mod faults_live;

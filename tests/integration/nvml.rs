@@ -17,7 +17,7 @@ const FAKE_GPU1: &str = "GPU-0fa4e000-0000-4000-8000-00000000a301";
 
 /// The fake NVML compiled into `<dir>/nvml/libnvidia-ml.so.1`, the name nvml-wrapper
 /// dlopens; returns that directory, for LD_LIBRARY_PATH.
-fn fake_nvml(dir: &Path) -> PathBuf {
+pub(crate) fn fake_nvml(dir: &Path) -> PathBuf {
     let cc = need("cc", "gcc");
     let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/integration/fake_nvml.c");
     let lib_dir = dir.join("nvml");
