@@ -367,3 +367,100 @@ fn json_logs_carry_the_container_id_and_passthrough_commands_log_nothing() {
     );
     c.delete();
 }
+
+/// A container's Kubernetes names are text its author wrote (any annotation through runc,
+/// `ctr` or Docker; a pod's name through CRI): `status` shows them escaped in the table,
+/// in `--json` and in Prometheus labels, where a newline or a quote would otherwise end
+/// the line or the label and forge another metric, and an escape sequence would reach
+/// root's terminal.
+#[test]
+fn a_pod_named_with_control_characters_and_quotes_is_escaped_everywhere() {
+    let env = Env::new();
+    let evil_pod = "p\"} 1\ngpushare_daemons 99\n\u{1b}]0;owned\u{7}\u{1b}[2J\\x";
+    let evil_ns = "ns\r\u{202e}";
+    let long_container = "c".repeat(4000);
+    let c = env
+        .container("named")
+        .uid(1000)
+        .device("0")
+        .annotation("io.kubernetes.cri.container-type", "container")
+        .annotation("io.kubernetes.cri.sandbox-namespace", evil_ns)
+        .annotation("io.kubernetes.cri.sandbox-name", evil_pod)
+        .annotation("io.kubernetes.cri.container-name", &long_container)
+        .sh("gpushare-mps-sim client --hold 30")
+        .create();
+    c.start();
+    assert!(
+        wait_until(Duration::from_secs(10), || c
+            .stdout()
+            .contains("mps-client")),
+        "attached"
+    );
+    let escaped_pod = "p\"} 1\\ngpushare_daemons 99\\n\\u{1b}]0;owned\\u{7}\\u{1b}[2J\\\\x";
+    let escaped_ns = "ns\\r\\u{202e}";
+
+    let json = env.status();
+    let rec = &json[0]["containers"][0];
+    assert_eq!(rec["pod"], escaped_pod, "{rec}");
+    assert_eq!(rec["namespace"], escaped_ns, "{rec}");
+    assert_eq!(rec["container"], "c".repeat(253), "bounded");
+    assert_eq!(rec["engine"], "kubernetes");
+    // Stored bounded too: the record holds 253 bytes of the 4000.
+    let stored: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(
+            env.state
+                .join("mps")
+                .join(env.daemon_of(&c))
+                .join("containers/named.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(stored["container"], "c".repeat(253));
+    assert_eq!(
+        stored["pod"], evil_pod,
+        "stored as written, escaped when shown"
+    );
+
+    let out = env.cmd(GPUSHARE).arg("status").output().unwrap();
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        table.contains(&format!(
+            "  pod={escaped_ns}/{escaped_pod}  container={}\n",
+            "c".repeat(253)
+        )),
+        "{table}"
+    );
+    let prom = String::from_utf8(
+        env.cmd(GPUSHARE)
+            .args(["status", "--format", "prometheus"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    let label = escaped_pod.replace('\\', "\\\\").replace('"', "\\\"");
+    assert!(
+        prom.contains(&format!(",pod=\"{label}\",")),
+        "{label} in:\n{prom}"
+    );
+    // Every line is a comment or one sample of gpushare's; the forged one is not there.
+    assert!(
+        prom.lines()
+            .all(|l| l.starts_with("# ") || l.starts_with("gpushare_")),
+        "{prom}"
+    );
+    assert!(
+        !prom.lines().any(|l| l.starts_with("gpushare_daemons 99")),
+        "{prom}"
+    );
+    for (what, text) in [("table", &table), ("prometheus", &prom)] {
+        assert!(
+            !text
+                .chars()
+                .any(|ch| ch.is_control() && ch != '\n' || ch == '\u{202e}'),
+            "{what} holds a control character: {text:?}"
+        );
+    }
+    c.delete();
+}
