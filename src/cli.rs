@@ -204,7 +204,9 @@ enum DaemonCommand {
         #[arg(long)]
         pinned_memory_limit: Option<String>,
     },
-    /// Stop daemons and remove their directories: one with --id <ID>, or every one with --all.
+    /// Stop daemons and remove their directories: one with --id <ID>, or every one with
+    /// --all (every idle one is stopped; each one in use is named on stderr, and the exit
+    /// code is 1 if any was left running).
     Stop {
         /// The daemon to stop (see `gpushare daemon list`).
         #[arg(long, conflicts_with = "all")]
@@ -387,8 +389,8 @@ fn hook_argv() -> Option<HookStage> {
 }
 
 impl Command {
-    /// Only commands that change something log; status, doctor and daemon list only read
-    /// (and must not even create the log file).
+    /// Only commands that change something log; status, doctor, daemon list and a dry
+    /// run of install only read (and must not even create the log file).
     fn reads_only(&self) -> bool {
         matches!(
             self,
@@ -396,6 +398,13 @@ impl Command {
                 | Command::Doctor { .. }
                 | Command::Daemon {
                     command: DaemonCommand::List { .. }
+                }
+                | Command::Install {
+                    engine: Engine::Docker(InstallArgs { dry_run: true, .. })
+                        | Engine::Containerd {
+                            args: InstallArgs { dry_run: true, .. },
+                            ..
+                        }
                 }
         )
     }
@@ -462,7 +471,15 @@ fn daemon(cfg: &Config, command: DaemonCommand) -> i32 {
                 },
             ))
         }
-        DaemonCommand::Stop { id, all, force } => report(ops::daemon::stop(cfg, id, all, force)),
+        DaemonCommand::Stop { id, all, force } => match ops::daemon::stop(cfg, id, all, force) {
+            Ok(0) => 0,
+            // Each daemon left running has had its line on stderr.
+            Ok(_) => 1,
+            Err(e) => {
+                eprintln!("gpushare: {e:#}");
+                1
+            }
+        },
         DaemonCommand::List { json } => report(ops::status::print(
             cfg,
             if json { Format::Json } else { Format::Table }.into(),

@@ -464,3 +464,142 @@ fn a_pod_named_with_control_characters_and_quotes_is_escaped_everywhere() {
     }
     c.delete();
 }
+
+/// `gpushare install docker|containerd --config <bare file name>` writes the file in the
+/// current directory (its parent is "", which named no directory to sync), and a dry run
+/// creates nothing, not even the log file.
+#[test]
+fn install_takes_a_bare_file_name_and_a_dry_run_creates_nothing() {
+    let env = Env::new();
+    let log = env.path().join("gpushare.log");
+    let cwd = env.path().join("cwd");
+    std::fs::create_dir(&cwd).unwrap();
+    let install = |args: &[&str]| {
+        env.cmd(GPUSHARE)
+            .arg("install")
+            .args(args)
+            .args(["--runtime-path", RUNTIME])
+            .current_dir(&cwd)
+            .output()
+            .unwrap()
+    };
+    for (engine, file) in [("docker", "probe2.json"), ("containerd", "probe2.toml")] {
+        let mut args = vec![engine, "--config", file, "--dry-run"];
+        if engine == "containerd" {
+            args.extend(["--config-version", "2"]);
+        }
+        let before = std::fs::read_dir(&cwd).unwrap().count();
+        let out = install(&args);
+        assert!(out.status.success(), "{}", text(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains(RUNTIME),
+            "{}",
+            text(&out)
+        );
+        assert_eq!(
+            std::fs::read_dir(&cwd).unwrap().count(),
+            before,
+            "a dry run writes nothing"
+        );
+        assert!(
+            !log.exists(),
+            "a dry run of install {engine} created the log"
+        );
+        args.retain(|a| *a != "--dry-run");
+        let out = install(&args);
+        assert!(out.status.success(), "{}", text(&out));
+        assert!(
+            std::fs::read_to_string(cwd.join(file))
+                .unwrap()
+                .contains(RUNTIME),
+            "{engine}"
+        );
+        // No temp file is left beside it.
+        let names: Vec<_> = std::fs::read_dir(&cwd)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(
+            names.iter().all(|n| !n.to_string_lossy().ends_with(".tmp")),
+            "{names:?}"
+        );
+        // A real install logs; the next engine's dry run starts without a log again.
+        let _ = std::fs::remove_file(&log);
+    }
+}
+
+/// `gpushare daemon stop --all` stops every idle daemon, whatever order the ids sort in,
+/// names each one in use on stderr, one line each, and exits 1 when any was left.
+#[test]
+fn daemon_stop_all_stops_every_idle_daemon_and_names_each_one_in_use() {
+    let env = Env::new();
+    let c = env
+        .container("busy")
+        .uid(1000)
+        .device("0")
+        .sh("gpushare-mps-sim client --hold 30")
+        .create();
+    c.start();
+    assert!(
+        wait_until(Duration::from_secs(10), || c
+            .stdout()
+            .contains("mps-client")),
+        "attached"
+    );
+    let busy = env.daemon_of(&c);
+    // Idle daemons until at least one sorts before and one after the busy one (ids are
+    // hashes of the identity; each percentage is another identity).
+    let mut idle = Vec::new();
+    for pct in 10..60 {
+        let out = env
+            .cmd(GPUSHARE)
+            .args([
+                "daemon", "start", "--device", "0", "--uid", "2000", "--json",
+            ])
+            .arg(format!("--active-thread-percentage={pct}"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        idle.push(v["id"].as_str().unwrap().to_owned());
+        if idle.iter().any(|i| *i < busy) && idle.iter().any(|i| *i > busy) {
+            break;
+        }
+    }
+    assert!(
+        idle.iter().any(|i| *i > busy),
+        "an idle daemon sorts after {busy}"
+    );
+    let out = env
+        .cmd(GPUSHARE)
+        .args(["daemon", "stop", "--all"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        stderr,
+        format!("gpushare: daemon {busy} is used by 1 container(s) (busy); stop them first or pass --force\n")
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for id in &idle {
+        assert!(
+            stdout.contains(&format!("stopped daemon {id}\n")),
+            "{stdout}"
+        );
+    }
+    assert_eq!(
+        env.daemon_ids(),
+        vec![busy.clone()],
+        "only the busy daemon is left"
+    );
+    // Nothing in use: --all stops everything and exits 0.
+    c.delete();
+    let out = env
+        .cmd(GPUSHARE)
+        .args(["daemon", "stop", "--all"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(env.daemon_ids().is_empty());
+}
