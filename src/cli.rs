@@ -69,6 +69,12 @@ enum Command {
         #[command(subcommand)]
         engine: Engine,
     },
+    /// Take gpushare's runtime out of a container engine's config: what `install docker`
+    /// or `install containerd` added, every other setting kept.
+    Uninstall {
+        #[command(subcommand)]
+        engine: UninstallEngine,
+    },
     /// Clean state left by crashes and reboots: stale container records, daemons whose
     /// supervisor is gone, half-removed directories. What cannot be cleaned is one line
     /// `gpushare: gc: <daemon or directory>: <reason>` on stderr and the rest is still
@@ -144,6 +150,29 @@ enum Engine {
         #[arg(long, requires = "enable")]
         config: Option<std::path::PathBuf>,
     },
+}
+
+#[derive(clap::Args)]
+struct UninstallArgs {
+    /// The engine's config file.
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+    /// Runtime name, as given to install.
+    #[arg(long, default_value = "gpushare")]
+    name: String,
+    /// Print the resulting file instead of writing it.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+#[derive(Subcommand)]
+enum UninstallEngine {
+    /// Remove `runtimes.<name>` from Docker's daemon.json (default
+    /// /etc/docker/daemon.json); an emptied "runtimes" stays as {}.
+    Docker(UninstallArgs),
+    /// Remove the runtime's tables from containerd's config.toml (default
+    /// /etc/containerd/config.toml), and the hook-only base spec of ours it named.
+    Containerd(UninstallArgs),
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -406,6 +435,10 @@ impl Command {
                             ..
                         }
                 }
+                | Command::Uninstall {
+                    engine: UninstallEngine::Docker(UninstallArgs { dry_run: true, .. })
+                        | UninstallEngine::Containerd(UninstallArgs { dry_run: true, .. })
+                }
         )
     }
 }
@@ -434,6 +467,24 @@ fn run(cfg: &Config, command: Command) -> i32 {
             cdi_spec,
         } => doctor(cfg, docker_config, containerd_config, cdi_spec),
         Command::Install { engine } => report(install(cfg, engine)),
+        Command::Uninstall { engine } => {
+            let (engine, args) = match engine {
+                UninstallEngine::Docker(a) => (ops::install::Engine::Docker, a),
+                UninstallEngine::Containerd(a) => (
+                    ops::install::Engine::Containerd {
+                        config_version: None,
+                        hook_only: false,
+                    },
+                    a,
+                ),
+            };
+            report(ops::install::uninstall(
+                engine,
+                args.config,
+                &args.name,
+                args.dry_run,
+            ))
+        }
         Command::Daemon { command } => daemon(cfg, command),
         Command::Agent => report(crate::mps::agent::run(cfg)),
     }

@@ -1176,6 +1176,41 @@ fn cri_containerd2_status_names_the_pod_of_every_client_container() {
     every_client_container_is_named_by_its_pod(&mut node);
 }
 
+/// `gpushare uninstall containerd` gives back the config as it was before `install
+/// containerd`, byte for byte; after a restart the CRI plugin has no gpushare handler.
+#[test]
+fn cri_uninstall_gives_back_the_config_and_containerd_forgets_the_handler() {
+    let env = Env::new();
+    let mut node = Node::start(&env);
+    let plain = node.pod(&PodSpec {
+        name: "before",
+        ..Default::default()
+    });
+    node.cri().stop_pod(&plain.id).unwrap();
+    node.cri().remove_pod(&plain.id).unwrap();
+    let out = env
+        .cmd(GPUSHARE)
+        .args(["uninstall", "containerd", "--config"])
+        .arg(&node.config)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        std::fs::read_to_string(&node.config).unwrap(),
+        base_config(&node.dir),
+        "the config as it was before install"
+    );
+    node.stop();
+    node.restart();
+    let err = node
+        .try_pod(&PodSpec {
+            name: "after",
+            ..Default::default()
+        })
+        .expect_err("no gpushare handler after uninstall");
+    assert!(err.message.contains("gpushare"), "{err}");
+}
+
 #[test]
 fn cri_restarted_container_reattaches_and_removal_leaves_nothing() {
     let env = Env::new();
