@@ -69,6 +69,12 @@ enum Command {
         #[command(subcommand)]
         engine: Engine,
     },
+    /// Take gpushare's runtime out of a container engine's config: what `install docker`
+    /// or `install containerd` added, every other setting kept.
+    Uninstall {
+        #[command(subcommand)]
+        engine: UninstallEngine,
+    },
     /// Clean state left by crashes and reboots: stale container records, daemons whose
     /// supervisor is gone, half-removed directories. What cannot be cleaned is one line
     /// `gpushare: gc: <daemon or directory>: <reason>` on stderr and the rest is still
@@ -146,6 +152,29 @@ enum Engine {
     },
 }
 
+#[derive(clap::Args)]
+struct UninstallArgs {
+    /// The engine's config file.
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+    /// Runtime name, as given to install.
+    #[arg(long, default_value = "gpushare")]
+    name: String,
+    /// Print the resulting file instead of writing it.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+#[derive(Subcommand)]
+enum UninstallEngine {
+    /// Remove `runtimes.<name>` from Docker's daemon.json (default
+    /// /etc/docker/daemon.json); an emptied "runtimes" stays as {}.
+    Docker(UninstallArgs),
+    /// Remove the runtime's tables from containerd's config.toml (default
+    /// /etc/containerd/config.toml), and the hook-only base spec of ours it named.
+    Containerd(UninstallArgs),
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum CdiEngine {
     Docker,
@@ -204,7 +233,9 @@ enum DaemonCommand {
         #[arg(long)]
         pinned_memory_limit: Option<String>,
     },
-    /// Stop daemons and remove their directories: one with --id <ID>, or every one with --all.
+    /// Stop daemons and remove their directories: one with --id <ID>, or every one with
+    /// --all (every idle one is stopped; each one in use is named on stderr, and the exit
+    /// code is 1 if any was left running).
     Stop {
         /// The daemon to stop (see `gpushare daemon list`).
         #[arg(long, conflicts_with = "all")]
@@ -400,8 +431,8 @@ fn hook_argv() -> Option<HookStage> {
 }
 
 impl Command {
-    /// Only commands that change something log; status, doctor and daemon list only read
-    /// (and must not even create the log file).
+    /// Only commands that change something log; status, doctor, daemon list and a dry
+    /// run of install only read (and must not even create the log file).
     fn reads_only(&self) -> bool {
         matches!(
             self,
@@ -409,6 +440,17 @@ impl Command {
                 | Command::Doctor { .. }
                 | Command::Daemon {
                     command: DaemonCommand::List { .. }
+                }
+                | Command::Install {
+                    engine: Engine::Docker(InstallArgs { dry_run: true, .. })
+                        | Engine::Containerd {
+                            args: InstallArgs { dry_run: true, .. },
+                            ..
+                        }
+                }
+                | Command::Uninstall {
+                    engine: UninstallEngine::Docker(UninstallArgs { dry_run: true, .. })
+                        | UninstallEngine::Containerd(UninstallArgs { dry_run: true, .. })
                 }
         )
     }
@@ -438,6 +480,24 @@ fn run(cfg: &Config, command: Command) -> i32 {
             cdi_spec,
         } => doctor(cfg, docker_config, containerd_config, cdi_spec),
         Command::Install { engine } => report(install(cfg, engine)),
+        Command::Uninstall { engine } => {
+            let (engine, args) = match engine {
+                UninstallEngine::Docker(a) => (ops::install::Engine::Docker, a),
+                UninstallEngine::Containerd(a) => (
+                    ops::install::Engine::Containerd {
+                        config_version: None,
+                        hook_only: false,
+                    },
+                    a,
+                ),
+            };
+            report(ops::install::uninstall(
+                engine,
+                args.config,
+                &args.name,
+                args.dry_run,
+            ))
+        }
         Command::Daemon { command } => daemon(cfg, command),
         Command::Agent => report(crate::mps::agent::run(cfg)),
     }
@@ -475,7 +535,15 @@ fn daemon(cfg: &Config, command: DaemonCommand) -> i32 {
                 },
             ))
         }
-        DaemonCommand::Stop { id, all, force } => report(ops::daemon::stop(cfg, id, all, force)),
+        DaemonCommand::Stop { id, all, force } => match ops::daemon::stop(cfg, id, all, force) {
+            Ok(0) => 0,
+            // Each daemon left running has had its line on stderr.
+            Ok(_) => 1,
+            Err(e) => {
+                eprintln!("gpushare: {e:#}");
+                1
+            }
+        },
         DaemonCommand::List { json } => report(ops::status::print(
             cfg,
             if json { Format::Json } else { Format::Table }.into(),

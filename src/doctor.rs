@@ -50,6 +50,7 @@ fn fail(name: &'static str, detail: impl Into<String>, fix: impl Into<String>) -
 }
 
 /// Where the engines' configs are looked for (overridable for tests and odd layouts).
+#[derive(Clone)]
 pub(crate) struct Paths {
     pub docker: PathBuf,
     pub containerd: PathBuf,
@@ -462,7 +463,18 @@ fn docker_check(paths: &Paths) -> Check {
 /// containerd: a `gpushare` runtime in its CRI plugin's config, where containerd serves
 /// Kubernetes.
 fn containerd_check(paths: &Paths) -> Check {
-    match std::fs::read_to_string(&paths.containerd) {
+    let text = std::fs::read_to_string(&paths.containerd);
+    // The containerd that reads this file listens where its `[grpc] address` says.
+    let socket = text
+        .as_ref()
+        .ok()
+        .and_then(|t| grpc_address(t))
+        .unwrap_or_else(|| paths.containerd_socket.clone());
+    let paths = &Paths {
+        containerd_socket: socket,
+        ..paths.clone()
+    };
+    match text {
         Err(_) if !serving(&paths.containerd_socket) => ok(
             "containerd",
             format!(
@@ -542,6 +554,15 @@ fn containerd_check(paths: &Paths) -> Check {
             }
         }
     }
+}
+
+/// containerd's socket as a config file sets it (`[grpc] address`), if it does.
+fn grpc_address(text: &str) -> Option<PathBuf> {
+    let v: toml::Table = toml::from_str(text).ok()?;
+    let address = v.get("grpc")?.get("address")?.as_str()?;
+    // A `unix://` prefix, as clients write the address, names the same path.
+    let path = address.strip_prefix("unix://").unwrap_or(address);
+    (!path.is_empty()).then(|| PathBuf::from(path))
 }
 
 /// Runs every check.
@@ -900,6 +921,49 @@ mod tests {
                 hooks.detail
             );
         }
+    }
+
+    #[test]
+    fn containerd_is_looked_for_at_the_socket_its_config_names() {
+        let dir = tempfile::tempdir().unwrap();
+        // Nothing at the default socket; the file's containerd listens elsewhere.
+        let p = paths(dir.path(), false, false);
+        let other = dir.path().join("private").join("c.sock");
+        std::fs::create_dir_all(other.parent().unwrap()).unwrap();
+        let _listener = std::os::unix::net::UnixListener::bind(&other).unwrap();
+        std::fs::write(
+            &p.containerd,
+            format!(
+                "version = 2\n[grpc]\n  address = {:?}\n",
+                other.display().to_string()
+            ),
+        )
+        .unwrap();
+        let check = containerd_check(&p);
+        assert_eq!(check.level, Level::Warn, "{}", check.detail);
+        assert_eq!(
+            check.detail,
+            format!("{} has no gpushare runtime", p.containerd.display())
+        );
+        // The same file with the address's containerd gone: nothing runs it.
+        std::fs::write(
+            &p.containerd,
+            format!(
+                "version = 2\n[grpc]\n  address = \"unix://{}\"\n",
+                dir.path().join("gone.sock").display()
+            ),
+        )
+        .unwrap();
+        let check = containerd_check(&p);
+        assert_eq!(check.level, Level::Ok, "{}", check.detail);
+        assert!(
+            check.detail.contains(&format!(
+                "containerd does not run (no {})",
+                dir.path().join("gone.sock").display()
+            )),
+            "{}",
+            check.detail
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ use serde::Deserialize;
 
 use crate::config::Config;
 use crate::mps::ensure;
-use crate::state::{valid_container_id, ContainerRecord, StateDir};
+use crate::state::{valid_container_id, ContainerRecord, PodNames, StateDir};
 
 /// Largest state document accepted on stdin.
 const MAX_STATE: u64 = 1 << 20;
@@ -36,12 +36,42 @@ impl State {
     /// The record of the container this state describes, as both hooks that ensure a
     /// daemon (`create-runtime`, hook-only `prestart`) write it.
     pub(crate) fn container_record(&self) -> ContainerRecord {
-        ContainerRecord::new(
-            self.id.clone(),
-            self.pid,
-            self.bundle.clone(),
-            Some(engine_of(self)),
-        )
+        ContainerRecord {
+            names: pod_names(self),
+            ..ContainerRecord::new(
+                self.id.clone(),
+                self.pid,
+                self.bundle.clone(),
+                Some(engine_of(self)),
+            )
+        }
+    }
+}
+
+/// The Kubernetes names of a container, from the annotations its CRI engine writes into
+/// every container's spec: containerd's `io.kubernetes.cri.sandbox-namespace`,
+/// `sandbox-name` and `container-name` (1.6 to 2.x; containerd's own values win over any a
+/// pod passes through), else CRI-O's copies of the kubelet's labels
+/// `io.kubernetes.pod.namespace`, `io.kubernetes.pod.name` and
+/// `io.kubernetes.container.name`. Each is bounded (`PodNames::bounded`); what they say is
+/// only as true as the engine that wrote them (Docker, `ctr`, Podman and runc take any
+/// annotation from the container's author).
+pub(crate) fn pod_names(state: &State) -> PodNames {
+    let first = |keys: [&str; 2]| {
+        keys.iter()
+            .find_map(|k| state.annotations.get(*k))
+            .map(|v| PodNames::bounded(v))
+    };
+    PodNames {
+        namespace: first([
+            "io.kubernetes.cri.sandbox-namespace",
+            "io.kubernetes.pod.namespace",
+        ]),
+        pod: first(["io.kubernetes.cri.sandbox-name", "io.kubernetes.pod.name"]),
+        container: first([
+            "io.kubernetes.cri.container-name",
+            "io.kubernetes.container.name",
+        ]),
     }
 }
 
@@ -74,7 +104,9 @@ pub(crate) fn engine_of(state: &State) -> String {
         .as_deref()
         .map(|b| b.to_string_lossy().into_owned())
         .unwrap_or_default();
-    if ann("io.kubernetes.cri.container-type").is_some() {
+    if ann("io.kubernetes.cri.container-type").is_some()
+        || ann("io.container.manager") == Some("cri-o")
+    {
         "kubernetes".into()
     } else if ann("io.container.manager") == Some("libpod") {
         "podman".into()
@@ -159,6 +191,66 @@ mod tests {
         let state = read_state(&bytes[..]).unwrap();
         assert_eq!(state.pid, Some(13530));
         assert_eq!(state.annotations["gpushare.io/device"], "0");
+    }
+
+    #[test]
+    fn pod_names_come_from_containerd_s_keys_then_cri_o_s_and_are_bounded() {
+        let state = |pairs: &[(&str, &str)]| State {
+            id: "c".into(),
+            pid: None,
+            bundle: None,
+            annotations: pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        let containerd = state(&[
+            ("io.kubernetes.cri.container-type", "container"),
+            ("io.kubernetes.cri.sandbox-namespace", "team-a"),
+            ("io.kubernetes.cri.sandbox-name", "trainer-0"),
+            ("io.kubernetes.cri.container-name", "cuda"),
+            ("io.kubernetes.pod.name", "not-this-one"),
+        ]);
+        let names = pod_names(&containerd);
+        assert_eq!(
+            (
+                names.namespace.as_deref(),
+                names.pod.as_deref(),
+                names.container.as_deref()
+            ),
+            (Some("team-a"), Some("trainer-0"), Some("cuda"))
+        );
+        assert_eq!(engine_of(&containerd), "kubernetes");
+        let crio = state(&[
+            ("io.container.manager", "cri-o"),
+            ("io.kubernetes.pod.namespace", "team-b"),
+            ("io.kubernetes.pod.name", "infer-1"),
+            ("io.kubernetes.container.name", "server"),
+        ]);
+        let names = pod_names(&crio);
+        assert_eq!(
+            (
+                names.namespace.as_deref(),
+                names.pod.as_deref(),
+                names.container.as_deref()
+            ),
+            (Some("team-b"), Some("infer-1"), Some("server"))
+        );
+        assert_eq!(engine_of(&crio), "kubernetes");
+        assert_eq!(pod_names(&state(&[])), PodNames::default());
+        let long = state(&[("io.kubernetes.cri.sandbox-name", &"p".repeat(5000))]);
+        assert_eq!(
+            pod_names(&long).pod.map(|p| p.len()),
+            Some(PodNames::MAX_BYTES)
+        );
+        assert_eq!(
+            state(&[("io.kubernetes.cri.sandbox-name", "x")])
+                .container_record()
+                .names
+                .pod
+                .as_deref(),
+            Some("x")
+        );
     }
 
     #[test]

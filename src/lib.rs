@@ -4,7 +4,7 @@
 //! Module map: a module uses only the modules on the lines below its own, never those
 //! beside or above it.
 //! - `cli` (the `gpushare` command: arguments, dispatch, exit codes)
-//! - `ops` (the operator commands: daemon start/stop, gc, install, status output)
+//! - `ops` (the operator commands: daemon start/stop, gc, install, uninstall, status output)
 //! - `doctor`, `status` (what `gpushare doctor` and `gpushare status` report)
 //! - `cdi` (the CDI spec of the node's devices, `gpushare cdi generate`)
 //! - `runtime` (the `gpushare-runtime` shim), `hookonly` (hooks.d mode), `install`

@@ -282,7 +282,7 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
             pipe_dir: state.pipe_dir(&id).display().to_string(),
             shm_dir: (!ident.ipc_host).then(|| state.shm_dir(&id).display().to_string()),
             log_dir: state.log_dir(&id).display().to_string(),
-            containers: state.containers(&id).unwrap_or_default(),
+            containers: shown(state.containers(&id).unwrap_or_default()),
             id,
         });
     }
@@ -337,9 +337,21 @@ fn directory_view(state: &StateDir, id: String, pending_grace: u64) -> DaemonVie
         pipe_dir: state.pipe_dir(&id).display().to_string(),
         shm_dir: shm.then(|| state.shm_dir(&id).display().to_string()),
         log_dir: state.log_dir(&id).display().to_string(),
-        containers,
+        containers: shown(containers),
         id,
     }
+}
+
+/// Container records as `status` shows them: their Kubernetes names bounded and
+/// escaped (`PodNames::escaped`), the one form every output starts from.
+fn shown(containers: Vec<ContainerRecord>) -> Vec<ContainerRecord> {
+    containers
+        .into_iter()
+        .map(|c| ContainerRecord {
+            names: c.names.escaped(),
+            ..c
+        })
+        .collect()
 }
 
 /// The first 12 characters of a 64-hex-digit engine id (as `docker ps` and `crictl ps`
@@ -423,13 +435,27 @@ pub(crate) fn table(view: &StatusView) -> String {
         }
         for c in &d.containers {
             // Engines' ids are 64 hex digits; 12 identify a container as `docker ps` shows.
-            let _ = writeln!(
+            let _ = write!(
                 out,
                 "  └ container {}  engine={}  pid={}",
                 short_container_id(&c.id),
                 c.engine.as_deref().unwrap_or("-"),
                 c.pid.map_or_else(dash, |p| p.to_string())
             );
+            // Kubernetes' names (already escaped), where the engine gave them.
+            let n = &c.names;
+            if n.namespace.is_some() || n.pod.is_some() {
+                let _ = write!(
+                    out,
+                    "  pod={}/{}",
+                    n.namespace.as_deref().unwrap_or("-"),
+                    n.pod.as_deref().unwrap_or("-")
+                );
+            }
+            if let Some(name) = &n.container {
+                let _ = write!(out, "  container={name}");
+            }
+            out.push('\n');
         }
     }
     if view.daemons.is_empty() {
@@ -439,11 +465,15 @@ pub(crate) fn table(view: &StatusView) -> String {
 }
 
 /// A label value: [`crate::util::escape`]d (no control character is left, a newline
-/// included), then escaped as the exposition format wants (`\\`, `\"`).
+/// included), then escaped as the exposition format wants (`label_escaped`).
 fn label(v: &str) -> String {
-    crate::util::escape(v)
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
+    label_escaped(&crate::util::escape(v))
+}
+
+/// A label value already [`crate::util::escape`]d (a container's names in the view),
+/// escaped as the exposition format wants: `\\` and `\"` (no newline is left).
+fn label_escaped(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"")
 }
 
 /// Prometheus text exposition format (node-exporter textfile collector).
@@ -514,6 +544,31 @@ pub(crate) fn prometheus(view: &StatusView) -> String {
         view.daemons
             .iter()
             .map(|d| (labels(d), d.containers.len().to_string()))
+            .collect(),
+    );
+    // One row per container, named as DCGM exporter names a pod's GPU metrics
+    // (`namespace`, `pod`, `container`), so that the two join; empty outside Kubernetes.
+    metric(
+        "gpushare_container_info",
+        "gauge",
+        "A container using the daemon: its id and, in Kubernetes, its namespace, pod and container.",
+        view.daemons
+            .iter()
+            .flat_map(|d| {
+                let daemon = labels(d);
+                d.containers.iter().map(move |c| {
+                    let name = |n: &Option<String>| label_escaped(n.as_deref().unwrap_or(""));
+                    let labels = format!(
+                        "{},container_id=\"{}\",namespace=\"{}\",pod=\"{}\",container=\"{}\"}}",
+                        daemon.trim_end_matches('}'),
+                        label(&c.id),
+                        name(&c.names.namespace),
+                        name(&c.names.pod),
+                        name(&c.names.container)
+                    );
+                    (labels, "1".to_owned())
+                })
+            })
             .collect(),
     );
     out
@@ -597,10 +652,36 @@ mod tests {
                 pipe_dir: String::new(),
                 shm_dir: None,
                 log_dir: String::new(),
-                containers: vec![],
+                containers: shown(vec![ContainerRecord {
+                    names: crate::state::PodNames {
+                        namespace: Some("team-a".into()),
+                        pod: Some("evil\n\"} 1\ngpushare_daemons 99\u{1b}[2J".into()),
+                        container: None,
+                    },
+                    ..ContainerRecord::new("c1".into(), None, None, Some("kubernetes".into()))
+                }]),
             }],
         };
         let text = prometheus(&view);
+        // The pod's name stays inside its label: escaped, then quoted for the format.
+        assert!(
+            text.contains(
+                "gpushare_container_info{daemon=\"0123456789abcdef0123456789abcdef\",device=\"GPU-a\\\"b\",uid=\"1000\",container_id=\"c1\",namespace=\"team-a\",pod=\"evil\\\\n\\\"} 1\\\\ngpushare_daemons 99\\\\u{1b}[2J\",container=\"\"} 1\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            !text.lines().any(|l| l.starts_with("gpushare_daemons 99")),
+            "{text}"
+        );
+        assert!(!text.contains('\u{1b}'));
+        let table = table(&view);
+        assert!(
+            table.contains(
+                "  └ container c1  engine=kubernetes  pid=-  pod=team-a/evil\\n\"} 1\\ngpushare_daemons 99\\u{1b}[2J\n"
+            ),
+            "{table}"
+        );
         assert!(text.contains("# TYPE gpushare_daemon_restarts_total counter"));
         assert!(
             text.contains(

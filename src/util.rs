@@ -147,7 +147,11 @@ pub(crate) fn write_atomic_with(
     mode: u32,
     durable: bool,
 ) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
+    // A bare file name's parent is "", which names no directory to open for its fsync.
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())

@@ -242,6 +242,45 @@ pub(crate) fn edit(
     })
 }
 
+/// Removes `[plugins."<cri>".containerd.runtimes.<name>]` and the tables below it, keeping
+/// the rest of the file byte for byte (the `runc` runtime `edit` may have spelt out stays:
+/// it is containerd's own default). Also returns the hook-only base spec the removed table
+/// named, when it is ours (`base_spec_name`), for the caller to delete.
+pub(crate) fn remove(
+    path: &Path,
+    text: &str,
+    name: &str,
+) -> Result<(Edited, Option<std::path::PathBuf>), InstallError> {
+    let unchanged = || Ok((Edited { text: None }, None));
+    if text.trim().is_empty() {
+        return unchanged();
+    }
+    let (mut doc, _, plugin) = parse_versioned(path, text, 2, "1.6/1.7")?;
+    let before = doc.to_string();
+    let runtimes = doc
+        .get_mut("plugins")
+        .and_then(|p| p.get_mut(plugin))
+        .and_then(|c| c.get_mut("containerd"))
+        .and_then(|c| c.get_mut("runtimes"))
+        .and_then(Item::as_table_like_mut);
+    let Some(removed) = runtimes.and_then(|r| r.remove(name)) else {
+        return unchanged();
+    };
+    let ours = Some(base_spec_name(name));
+    let base_spec = removed
+        .get("base_runtime_spec")
+        .and_then(Item::as_str)
+        .map(std::path::PathBuf::from)
+        .filter(|p| p.file_name().and_then(|f| f.to_str()) == ours.as_deref());
+    let after = doc.to_string();
+    Ok((
+        Edited {
+            text: (after != before).then_some(after),
+        },
+        base_spec,
+    ))
+}
+
 /// The CDI spec directories containerd's CRI plugin reads when `cdi_spec_dirs` is not set.
 const CONTAINERD_CDI_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
 
@@ -330,6 +369,39 @@ mod tests {
         .unwrap()
         .text
         .unwrap()
+    }
+
+    #[test]
+    fn remove_takes_out_the_runtime_s_tables_and_keeps_the_rest_byte_for_byte() {
+        let remove = |text: &str| remove(Path::new("config.toml"), text, "gpushare").unwrap();
+        let installed = run(V2, 2).unwrap().unwrap();
+        let (edited, base) = remove(&installed);
+        assert_eq!(
+            edited.text.as_deref(),
+            Some(V2),
+            "back to the file as it was"
+        );
+        assert_eq!(base, None);
+        assert_eq!(remove(V2).0.text, None, "nothing to remove");
+        assert_eq!(remove("").0.text, None);
+        // Version 3, from an empty file: only the runc table install spelt out is left.
+        let v3 = run("", 3).unwrap().unwrap();
+        let out = remove(&v3).0.text.unwrap();
+        let v: toml::Table = toml::from_str(&out).unwrap();
+        let runtimes = &v["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"];
+        assert_eq!(
+            runtimes.as_table().unwrap().keys().collect::<Vec<_>>(),
+            ["runc"],
+            "{out}"
+        );
+        // Hook-only: the base spec of ours is named for removal, an operator's is not.
+        let (edited, base) = remove(&hook_only(V2));
+        assert_eq!(edited.text.as_deref(), Some(V2));
+        assert_eq!(base.as_deref(), Some(Path::new(BASE)));
+        let theirs = "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.gpushare]\n  base_runtime_spec = \"/etc/containerd/mine.json\"\n";
+        let (edited, base) = remove(theirs);
+        assert_eq!(edited.text.as_deref(), Some("version = 2\n"));
+        assert_eq!(base, None);
     }
 
     #[test]

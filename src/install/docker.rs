@@ -61,6 +61,42 @@ pub(crate) fn edit(
     Ok(Edited { text: Some(out) })
 }
 
+/// Removes the runtime entry `name`, keeping every other key in place and order. An
+/// emptied `runtimes` stays, as `{}`: Docker 20.10 keeps the runtimes it loaded when a
+/// reload (SIGHUP) finds no `runtimes` key at all, and drops them for an empty object.
+pub(crate) fn remove(path: &Path, text: &str, name: &str) -> Result<Edited, InstallError> {
+    if text.trim().is_empty() {
+        return Ok(Edited { text: None });
+    }
+    let parse = |message: String| InstallError::Parse {
+        path: path.to_owned(),
+        format: "JSON",
+        message,
+    };
+    let mut doc: Map<String, Value> =
+        match serde_json::from_str(text).map_err(|e| parse(e.to_string()))? {
+            Value::Object(m) => m,
+            _ => return Err(parse("the top level is not an object".into())),
+        };
+    match doc.get_mut("runtimes") {
+        None => return Ok(Edited { text: None }),
+        Some(Value::Object(runtimes)) => {
+            if runtimes.shift_remove(name).is_none() {
+                return Ok(Edited { text: None });
+            }
+        }
+        Some(other) => {
+            return Err(InstallError::Unsupported {
+                path: path.to_owned(),
+                message: format!("\"runtimes\" is {other}, not an object: fix or remove that key"),
+            })
+        }
+    }
+    let mut out = serde_json::to_string_pretty(&doc).map_err(|e| parse(e.to_string()))?;
+    out.push('\n');
+    Ok(Edited { text: Some(out) })
+}
+
 /// The CDI spec directories Docker reads when `cdi-spec-dirs` is not set.
 const DOCKER_CDI_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
 
@@ -195,6 +231,33 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn remove_takes_out_only_the_runtime_and_keeps_an_empty_runtimes_object() {
+        let remove = |text: &str| {
+            remove(Path::new("daemon.json"), text, "gpushare")
+                .unwrap()
+                .text
+        };
+        let installed =
+            run(r#"{"log-driver": "journald", "runtimes": {"nvidia": {"path": "n"}}, "zz": 1}"#)
+                .unwrap();
+        let out = remove(&installed).unwrap();
+        let v: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"log-driver": "journald", "runtimes": {"nvidia": {"path": "n"}}, "zz": 1})
+        );
+        let keys: Vec<&String> = v.as_object().unwrap().keys().collect();
+        assert_eq!(keys, ["log-driver", "runtimes", "zz"]);
+        // The last runtime gone: `"runtimes": {}` stays (Docker 20.10 unregisters only so).
+        let out = remove(&run("").unwrap()).unwrap();
+        assert_eq!(out, "{\n  \"runtimes\": {}\n}\n");
+        assert_eq!(remove(&out), None, "twice changes nothing");
+        assert_eq!(remove(""), None);
+        assert_eq!(remove(r#"{"debug": true}"#), None);
+        assert!(super::remove(Path::new("d"), r#"{"runtimes": 5}"#, "gpushare").is_err());
     }
 
     #[test]

@@ -114,17 +114,17 @@ fn print_text(state: &StateDir, ident: &Identity, ensured: &Ensured) {
 }
 
 /// `gpushare daemon stop`: daemon `id`, or every daemon (`all`); one that containers
-/// still use only with `force`.
-pub(crate) fn stop(cfg: &Config, id: Option<String>, all: bool, force: bool) -> anyhow::Result<()> {
+/// still use only with `force`. With `all`, every daemon that can be stopped is: each one
+/// left running (in use, or its stop failed) gets one line on stderr, and their number is
+/// returned. A single `id` that cannot be stopped is an error.
+pub(crate) fn stop(
+    cfg: &Config,
+    id: Option<String>,
+    all: bool,
+    force: bool,
+) -> anyhow::Result<usize> {
     let state = StateDir::new(&cfg.state_dir);
-    let ids = match (id, all) {
-        (_, true) => state.daemon_ids()?,
-        (Some(id), false) => vec![id],
-        (None, false) => anyhow::bail!(
-            "daemon stop needs --id <ID> (one daemon; see gpushare daemon list) or --all (every daemon)"
-        ),
-    };
-    for id in &ids {
+    let one = |id: &str| -> anyhow::Result<()> {
         if !crate::identity::valid_id(id) {
             anyhow::bail!(
                 "daemon id {id:?} is invalid: allowed is {} (see gpushare daemon list)",
@@ -151,6 +151,22 @@ pub(crate) fn stop(cfg: &Config, id: Option<String>, all: bool, force: bool) -> 
         }
         crate::mps::ensure::stop(cfg, &state, id, std::time::Duration::from_secs(5))?;
         println!("stopped daemon {id}");
+        Ok(())
+    };
+    match (id, all) {
+        (_, true) => {
+            let mut left = 0;
+            for id in state.daemon_ids()? {
+                if let Err(e) = one(&id) {
+                    eprintln!("gpushare: {e:#}");
+                    left += 1;
+                }
+            }
+            Ok(left)
+        }
+        (Some(id), false) => one(&id).map(|()| 0),
+        (None, false) => anyhow::bail!(
+            "daemon stop needs --id <ID> (one daemon; see gpushare daemon list) or --all (every daemon)"
+        ),
     }
-    Ok(())
 }

@@ -1,5 +1,6 @@
-//! `gpushare install docker|containerd`: which engine config to edit, the edit itself
-//! (`crate::install`, lossless and idempotent), and what to tell the operator next.
+//! `gpushare install docker|containerd` and `gpushare uninstall docker|containerd`: which
+//! engine config to edit, the edit itself (`crate::install`, lossless and idempotent), and
+//! what to tell the operator next.
 //!
 //! Invariants: `dry_run` prints the resulting file and writes nothing; a file that already
 //! registers the runtime is left untouched; a missing shim is a warning, not a refusal
@@ -95,6 +96,66 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
         path.display()
     );
     print_next_steps(is_docker, &args.name);
+    Ok(())
+}
+
+/// `gpushare uninstall docker|containerd`: runtime `name` taken out of the engine's
+/// config (`config`, else the standard one), every other key kept; for containerd also
+/// the hook-only base spec of ours that the runtime named. `dry_run` prints the result
+/// and writes nothing; a file without the runtime is left untouched.
+pub(crate) fn uninstall(
+    engine: Engine,
+    config: Option<PathBuf>,
+    name: &str,
+    dry_run: bool,
+) -> anyhow::Result<()> {
+    let is_docker = engine == Engine::Docker;
+    let path = config.unwrap_or_else(|| {
+        if is_docker {
+            install::DEFAULT_DOCKER_CONFIG.into()
+        } else {
+            install::DEFAULT_CONTAINERD_CONFIG.into()
+        }
+    });
+    let text = install::read(&path)?;
+    let (edited, base_spec) = if is_docker {
+        (docker::remove(&path, &text, name)?, None)
+    } else {
+        containerd::remove(&path, &text, name)?
+    };
+    let Some(new) = edited.text else {
+        println!(
+            "{} registers no runtime {name}; nothing to do",
+            path.display()
+        );
+        return Ok(());
+    };
+    if dry_run {
+        print!("{new}");
+        if let Some(spec) = &base_spec {
+            println!("# and delete {}", spec.display());
+        }
+        return Ok(());
+    }
+    install::write(&path, &new)?;
+    if let Some(spec) = &base_spec {
+        match std::fs::remove_file(spec) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("cannot delete {}", spec.display())),
+        }
+    }
+    println!("removed runtime {name} from {}", path.display());
+    if is_docker {
+        println!(
+            "reload Docker for it to forget the runtime: `kill -HUP $(pidof dockerd)` or `systemctl reload docker`"
+        );
+    } else {
+        println!(
+            "restart containerd for it to forget the runtime: `systemctl restart containerd`;"
+        );
+        println!("Kubernetes: delete the RuntimeClass whose handler is {name} once no pod uses it");
+    }
     Ok(())
 }
 

@@ -1,6 +1,6 @@
 //! The operator commands behind `gpushare`: what `daemon start` and `daemon stop`, `gc`,
-//! `install` and `status` do, on plain arguments. `cli` parses the command line, calls one
-//! of these, and maps its result to the exit code.
+//! `install`, `uninstall` and `status` do, on plain arguments. `cli` parses the command
+//! line, calls one of these, and maps its result to the exit code.
 //!
 //! Invariants: nothing here reads argv or exits; what the operator asked for is reported
 //! on stdout, and a failure is returned (one `anyhow` chain, which `cli` prints as one

@@ -43,7 +43,9 @@ mod remove;
 mod skeleton;
 
 pub(crate) use reclaim::Abandoned;
-pub use record::{valid_container_id, ContainerRecord, DaemonRecord, DaemonStatus, ProcRef};
+pub use record::{
+    valid_container_id, ContainerRecord, DaemonRecord, DaemonStatus, PodNames, ProcRef,
+};
 pub(crate) use skeleton::{Budget, Owner};
 
 use std::fs::DirBuilder;

@@ -131,6 +131,49 @@ pub struct ContainerRecord {
     /// process: stale at once, not after `pending_grace` (issue 15).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub creator: Option<ProcRef>,
+    /// The Kubernetes namespace, pod and container the engine named, where it did.
+    #[serde(flatten)]
+    pub names: PodNames,
+}
+
+/// A container's Kubernetes names, as the CRI engine wrote them into its spec (see
+/// `hook::pod_names`). Text a pod's author chose, and on engines without CRI any text the
+/// container's author chose: kept at most `MAX_BYTES` each, never trusted, and
+/// escaped wherever it is shown (`status`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodNames {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
+}
+
+impl PodNames {
+    /// The longest name kept, in bytes: Kubernetes' longest (a pod name, a DNS subdomain
+    /// of at most 253 characters; namespaces and container names are labels of at most 63).
+    pub const MAX_BYTES: usize = 253;
+
+    /// `raw` cut to at most `MAX_BYTES` bytes, on a character boundary.
+    pub(crate) fn bounded(raw: &str) -> String {
+        let mut end = raw.len().min(Self::MAX_BYTES);
+        while !raw.is_char_boundary(end) {
+            end -= 1;
+        }
+        raw[..end].to_owned()
+    }
+
+    /// Each name cut to `PodNames::MAX_BYTES` (a record on disk is root's, but bounded anyway)
+    /// and [`util::escape`]d: safe on a terminal, in JSON read by people, in a log.
+    pub(crate) fn escaped(&self) -> PodNames {
+        let e = |n: &Option<String>| n.as_deref().map(|n| util::escape(&Self::bounded(n)));
+        PodNames {
+            namespace: e(&self.namespace),
+            pod: e(&self.pod),
+            container: e(&self.container),
+        }
+    }
 }
 
 impl ContainerRecord {
@@ -150,6 +193,7 @@ impl ContainerRecord {
             bundle,
             created_at: util::unix_now(),
             creator: None,
+            names: PodNames::default(),
         }
     }
 
@@ -381,6 +425,7 @@ mod tests {
                 created_at: 0,
                 engine: None,
                 creator: None,
+                names: PodNames::default(),
             };
             assert!(
                 matches!(
@@ -409,12 +454,73 @@ mod tests {
             created_at: 3,
             engine: None,
             creator: None,
+            names: PodNames::default(),
         };
         state.add_container(id, &rec).unwrap();
         assert_eq!(state.containers(id).unwrap(), vec![rec]);
         assert!(state.remove_container(id, "c1").unwrap());
         assert!(!state.remove_container(id, "c1").unwrap());
         assert!(state.containers(id).unwrap().is_empty());
+    }
+
+    #[test]
+    fn pod_names_round_trip_are_optional_and_bounded() {
+        // A record written before the names existed still loads, without names.
+        let old: ContainerRecord = serde_json::from_str(
+            r#"{"id":"c1","pid":5,"start_time":7,"engine":"kubernetes","bundle":null,"created_at":3}"#,
+        )
+        .unwrap();
+        assert_eq!(old.names, PodNames::default());
+        assert_eq!(old.engine.as_deref(), Some("kubernetes"));
+        let named = ContainerRecord {
+            names: PodNames {
+                namespace: Some("team-a".into()),
+                pod: Some("trainer-0".into()),
+                container: Some("cuda".into()),
+            },
+            ..old.clone()
+        };
+        let json = serde_json::to_value(&named).unwrap();
+        assert_eq!(
+            (&json["namespace"], &json["pod"], &json["container"]),
+            (
+                &serde_json::json!("team-a"),
+                &serde_json::json!("trainer-0"),
+                &serde_json::json!("cuda")
+            )
+        );
+        assert_eq!(
+            serde_json::from_value::<ContainerRecord>(json).unwrap(),
+            named
+        );
+        assert!(serde_json::to_value(&old).unwrap().get("pod").is_none());
+        // Bounded on a character boundary; escaped for showing.
+        let long = "é".repeat(200);
+        let cut = PodNames::bounded(&long);
+        assert!(
+            cut.len() <= PodNames::MAX_BYTES && cut.len() >= PodNames::MAX_BYTES - 1,
+            "{}",
+            cut.len()
+        );
+        assert!(long.starts_with(&cut));
+        let evil = PodNames {
+            pod: Some("a\n\"b\u{1b}[2J\u{202e}".into()),
+            ..PodNames::default()
+        };
+        assert_eq!(
+            evil.escaped().pod.as_deref(),
+            Some("a\\n\"b\\u{1b}[2J\\u{202e}")
+        );
+        assert_eq!(
+            PodNames {
+                pod: Some("x".repeat(1000)),
+                ..PodNames::default()
+            }
+            .escaped()
+            .pod
+            .map(|p| p.len()),
+            Some(PodNames::MAX_BYTES)
+        );
     }
 
     #[test]
@@ -432,6 +538,7 @@ mod tests {
             created_at: 3,
             engine: None,
             creator: None,
+            names: PodNames::default(),
         };
         state.add_container(id, &good).unwrap();
         // serde refuses a path that is not UTF-8; the record on disk stays as it was.
@@ -481,6 +588,7 @@ mod tests {
             created_at,
             engine: None,
             creator: None,
+            names: PodNames::default(),
         };
         assert!(rec(Some(me), util::proc_start_time(me), now).live(10));
         assert!(!rec(Some(me), Some(1), now).live(10), "reused pid");

@@ -136,6 +136,7 @@ mod tests {
             created_at: util::unix_now(),
             engine: None,
             creator: None,
+            names: Default::default(),
         };
         state.add_container(id, &pending).unwrap();
         assert!(!state

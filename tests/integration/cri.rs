@@ -255,6 +255,8 @@ fn pause_tar(dir: &Path) -> PathBuf {
 #[derive(Default, Clone)]
 struct PodSpec<'a> {
     name: &'a str,
+    /// The pod's namespace; empty: `default`.
+    namespace: &'a str,
     annotations: &'a [(&'a str, &'a str)],
     /// The pod's `securityContext.runAsUser` (the sandbox's user; kubelet also copies it
     /// to every container that sets none, which the tests do by hand in `ContainerSpec::run_as_user`).
@@ -597,7 +599,11 @@ impl<'e> Node<'e> {
             metadata: Some(PodSandboxMetadata {
                 name: spec.name.into(),
                 uid: format!("uid-{}-{}", spec.name, self.pods),
-                namespace: "default".into(),
+                namespace: if spec.namespace.is_empty() {
+                    "default".into()
+                } else {
+                    spec.namespace.into()
+                },
                 attempt: 0,
             }),
             // None for a host-network pod (kubelet sets it only with a pod network).
@@ -1055,6 +1061,154 @@ fn cri_pods_of_two_users_share_gpu_0_at_once_on_their_own_daemons() {
         1000,
         "the container's own user"
     );
+}
+
+/// Two pods in two namespaces, three client containers: `gpushare status` names the
+/// namespace, pod and container of each (table, `--json`, Prometheus with DCGM exporter's
+/// label names), and lists no sandbox.
+fn every_client_container_is_named_by_its_pod(node: &mut Node) {
+    let ann = [("gpushare.io/device", "0")];
+    let mut want = Vec::new();
+    for (namespace, pod, uid, containers) in [
+        ("team-a", "trainer-0", 1000, &["trainer", "eval"][..]),
+        ("team-b", "infer-1", 2000, &["server"][..]),
+    ] {
+        let p = node.pod(&PodSpec {
+            name: pod,
+            namespace,
+            annotations: &ann,
+            run_as_user: Some(uid),
+            ..Default::default()
+        });
+        for name in containers {
+            let c = ContainerSpec {
+                name,
+                script: &hold(60),
+                run_as_user: Some(uid),
+                ..Default::default()
+            };
+            let id = node.run(&p, &c);
+            node.client_line(&p, &c);
+            want.push((id, namespace, pod, *name));
+        }
+    }
+    let daemons = node.env.status();
+    let listed: Vec<&Value> = daemons
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|d| d["containers"].as_array().unwrap())
+        .collect();
+    assert_eq!(
+        listed.len(),
+        want.len(),
+        "only the clients, no sandbox: {daemons:#}"
+    );
+    for (id, namespace, pod, name) in &want {
+        let c = listed
+            .iter()
+            .find(|c| c["id"] == id.as_str())
+            .unwrap_or_else(|| panic!("{id} not in status: {daemons:#}"));
+        assert_eq!(
+            (&c["namespace"], &c["pod"], &c["container"], &c["engine"]),
+            (
+                &Value::from(*namespace),
+                &Value::from(*pod),
+                &Value::from(*name),
+                &Value::from("kubernetes")
+            ),
+            "{c}"
+        );
+    }
+    let table = text(&node.env.cmd(GPUSHARE).arg("status").output().unwrap());
+    for (id, namespace, pod, name) in &want {
+        let line = format!("  └ container {}  engine=kubernetes  pid=", &id[..12]);
+        let row = table
+            .lines()
+            .find(|l| l.starts_with(&line))
+            .unwrap_or_else(|| panic!("{line:?} in:\n{table}"));
+        assert!(
+            row.ends_with(&format!("  pod={namespace}/{pod}  container={name}")),
+            "{row}"
+        );
+    }
+    let prom = text(
+        &node
+            .env
+            .cmd(GPUSHARE)
+            .args(["status", "--format", "prometheus"])
+            .output()
+            .unwrap(),
+    );
+    for (id, namespace, pod, name) in &want {
+        let labels =
+            format!(",container_id=\"{id}\",namespace=\"{namespace}\",pod=\"{pod}\",container=\"{name}\"}} 1");
+        assert_eq!(
+            prom.lines()
+                .filter(
+                    |l| l.starts_with("gpushare_container_info{daemon=\"") && l.ends_with(&labels)
+                )
+                .count(),
+            1,
+            "{labels} in:\n{prom}"
+        );
+    }
+}
+
+#[test]
+fn cri_status_names_the_pod_of_every_client_container() {
+    let env = Env::new();
+    let mut node = Node::start(&env);
+    every_client_container_is_named_by_its_pod(&mut node);
+}
+
+#[test]
+fn cri_containerd_1_7_status_names_the_pod_of_every_client_container() {
+    let env = Env::new();
+    let mut node = Node::start_containerd_1_7_with(&env, &|_| {});
+    every_client_container_is_named_by_its_pod(&mut node);
+}
+
+#[test]
+fn cri_containerd2_status_names_the_pod_of_every_client_container() {
+    let env = Env::new();
+    let mut node = Node::start_containerd2(&env);
+    every_client_container_is_named_by_its_pod(&mut node);
+}
+
+/// `gpushare uninstall containerd` gives back the config as it was before `install
+/// containerd`, byte for byte; after a restart the CRI plugin has no gpushare handler.
+#[test]
+fn cri_uninstall_gives_back_the_config_and_containerd_forgets_the_handler() {
+    let env = Env::new();
+    let mut node = Node::start(&env);
+    let plain = node.pod(&PodSpec {
+        name: "before",
+        ..Default::default()
+    });
+    node.cri().stop_pod(&plain.id).unwrap();
+    node.cri().remove_pod(&plain.id).unwrap();
+    let out = env
+        .cmd(GPUSHARE)
+        .args(["uninstall", "containerd", "--config"])
+        .arg(&node.config)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        std::fs::read_to_string(&node.config).unwrap(),
+        base_config(&node.dir),
+        "the config as it was before install"
+    );
+    node.stop();
+    node.restart();
+    let err = node
+        .try_pod(&PodSpec {
+            name: "after",
+            ..Default::default()
+        })
+        .expect_err("no gpushare handler after uninstall");
+    assert!(err.message.contains("gpushare"), "{err}");
 }
 
 #[test]
@@ -2015,6 +2169,7 @@ fn cri_a_forged_decision_annotation_never_makes_the_hook_only_class_skip_a_pod()
                 run_as_user: Some(i64::from(uid)),
                 host_ipc: false,
                 userns: None,
+                namespace: "",
             });
             (config, handler)
         };

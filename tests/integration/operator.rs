@@ -367,3 +367,239 @@ fn json_logs_carry_the_container_id_and_passthrough_commands_log_nothing() {
     );
     c.delete();
 }
+
+/// A container's Kubernetes names are text its author wrote (any annotation through runc,
+/// `ctr` or Docker; a pod's name through CRI): `status` shows them escaped in the table,
+/// in `--json` and in Prometheus labels, where a newline or a quote would otherwise end
+/// the line or the label and forge another metric, and an escape sequence would reach
+/// root's terminal.
+#[test]
+fn a_pod_named_with_control_characters_and_quotes_is_escaped_everywhere() {
+    let env = Env::new();
+    let evil_pod = "p\"} 1\ngpushare_daemons 99\n\u{1b}]0;owned\u{7}\u{1b}[2J\\x";
+    let evil_ns = "ns\r\u{202e}";
+    let long_container = "c".repeat(4000);
+    let c = env
+        .container("named")
+        .uid(1000)
+        .device("0")
+        .annotation("io.kubernetes.cri.container-type", "container")
+        .annotation("io.kubernetes.cri.sandbox-namespace", evil_ns)
+        .annotation("io.kubernetes.cri.sandbox-name", evil_pod)
+        .annotation("io.kubernetes.cri.container-name", &long_container)
+        .sh("gpushare-mps-sim client --hold 30")
+        .create();
+    c.start();
+    assert!(
+        wait_until(Duration::from_secs(10), || c
+            .stdout()
+            .contains("mps-client")),
+        "attached"
+    );
+    let escaped_pod = "p\"} 1\\ngpushare_daemons 99\\n\\u{1b}]0;owned\\u{7}\\u{1b}[2J\\\\x";
+    let escaped_ns = "ns\\r\\u{202e}";
+
+    let json = env.status();
+    let rec = &json[0]["containers"][0];
+    assert_eq!(rec["pod"], escaped_pod, "{rec}");
+    assert_eq!(rec["namespace"], escaped_ns, "{rec}");
+    assert_eq!(rec["container"], "c".repeat(253), "bounded");
+    assert_eq!(rec["engine"], "kubernetes");
+    // Stored bounded too: the record holds 253 bytes of the 4000.
+    let stored: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(
+            env.state
+                .join("mps")
+                .join(env.daemon_of(&c))
+                .join("containers/named.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(stored["container"], "c".repeat(253));
+    assert_eq!(
+        stored["pod"], evil_pod,
+        "stored as written, escaped when shown"
+    );
+
+    let out = env.cmd(GPUSHARE).arg("status").output().unwrap();
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        table.contains(&format!(
+            "  pod={escaped_ns}/{escaped_pod}  container={}\n",
+            "c".repeat(253)
+        )),
+        "{table}"
+    );
+    let prom = String::from_utf8(
+        env.cmd(GPUSHARE)
+            .args(["status", "--format", "prometheus"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    let label = escaped_pod.replace('\\', "\\\\").replace('"', "\\\"");
+    assert!(
+        prom.contains(&format!(",pod=\"{label}\",")),
+        "{label} in:\n{prom}"
+    );
+    // Every line is a comment or one sample of gpushare's; the forged one is not there.
+    assert!(
+        prom.lines()
+            .all(|l| l.starts_with("# ") || l.starts_with("gpushare_")),
+        "{prom}"
+    );
+    assert!(
+        !prom.lines().any(|l| l.starts_with("gpushare_daemons 99")),
+        "{prom}"
+    );
+    for (what, text) in [("table", &table), ("prometheus", &prom)] {
+        assert!(
+            !text
+                .chars()
+                .any(|ch| ch.is_control() && ch != '\n' || ch == '\u{202e}'),
+            "{what} holds a control character: {text:?}"
+        );
+    }
+    c.delete();
+}
+
+/// `gpushare install docker|containerd --config <bare file name>` writes the file in the
+/// current directory (its parent is "", which named no directory to sync), and a dry run
+/// creates nothing, not even the log file.
+#[test]
+fn install_takes_a_bare_file_name_and_a_dry_run_creates_nothing() {
+    let env = Env::new();
+    let log = env.path().join("gpushare.log");
+    let cwd = env.path().join("cwd");
+    std::fs::create_dir(&cwd).unwrap();
+    let install = |args: &[&str]| {
+        env.cmd(GPUSHARE)
+            .arg("install")
+            .args(args)
+            .args(["--runtime-path", RUNTIME])
+            .current_dir(&cwd)
+            .output()
+            .unwrap()
+    };
+    for (engine, file) in [("docker", "probe2.json"), ("containerd", "probe2.toml")] {
+        let mut args = vec![engine, "--config", file, "--dry-run"];
+        if engine == "containerd" {
+            args.extend(["--config-version", "2"]);
+        }
+        let before = std::fs::read_dir(&cwd).unwrap().count();
+        let out = install(&args);
+        assert!(out.status.success(), "{}", text(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains(RUNTIME),
+            "{}",
+            text(&out)
+        );
+        assert_eq!(
+            std::fs::read_dir(&cwd).unwrap().count(),
+            before,
+            "a dry run writes nothing"
+        );
+        assert!(
+            !log.exists(),
+            "a dry run of install {engine} created the log"
+        );
+        args.retain(|a| *a != "--dry-run");
+        let out = install(&args);
+        assert!(out.status.success(), "{}", text(&out));
+        assert!(
+            std::fs::read_to_string(cwd.join(file))
+                .unwrap()
+                .contains(RUNTIME),
+            "{engine}"
+        );
+        // No temp file is left beside it.
+        let names: Vec<_> = std::fs::read_dir(&cwd)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(
+            names.iter().all(|n| !n.to_string_lossy().ends_with(".tmp")),
+            "{names:?}"
+        );
+        // A real install logs; the next engine's dry run starts without a log again.
+        let _ = std::fs::remove_file(&log);
+    }
+}
+
+/// `gpushare daemon stop --all` stops every idle daemon, whatever order the ids sort in,
+/// names each one in use on stderr, one line each, and exits 1 when any was left.
+#[test]
+fn daemon_stop_all_stops_every_idle_daemon_and_names_each_one_in_use() {
+    let env = Env::new();
+    let c = env
+        .container("busy")
+        .uid(1000)
+        .device("0")
+        .sh("gpushare-mps-sim client --hold 30")
+        .create();
+    c.start();
+    assert!(
+        wait_until(Duration::from_secs(10), || c
+            .stdout()
+            .contains("mps-client")),
+        "attached"
+    );
+    let busy = env.daemon_of(&c);
+    // Idle daemons until at least one sorts before and one after the busy one (ids are
+    // hashes of the identity; each percentage is another identity).
+    let mut idle = Vec::new();
+    for pct in 10..60 {
+        let out = env
+            .cmd(GPUSHARE)
+            .args([
+                "daemon", "start", "--device", "0", "--uid", "2000", "--json",
+            ])
+            .arg(format!("--active-thread-percentage={pct}"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        idle.push(v["id"].as_str().unwrap().to_owned());
+        if idle.iter().any(|i| *i < busy) && idle.iter().any(|i| *i > busy) {
+            break;
+        }
+    }
+    assert!(
+        idle.iter().any(|i| *i > busy),
+        "an idle daemon sorts after {busy}"
+    );
+    let out = env
+        .cmd(GPUSHARE)
+        .args(["daemon", "stop", "--all"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        stderr,
+        format!("gpushare: daemon {busy} is used by 1 container(s) (busy); stop them first or pass --force\n")
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for id in &idle {
+        assert!(
+            stdout.contains(&format!("stopped daemon {id}\n")),
+            "{stdout}"
+        );
+    }
+    assert_eq!(
+        env.daemon_ids(),
+        vec![busy.clone()],
+        "only the busy daemon is left"
+    );
+    // Nothing in use: --all stops everything and exits 0.
+    c.delete();
+    let out = env
+        .cmd(GPUSHARE)
+        .args(["daemon", "stop", "--all"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(env.daemon_ids().is_empty());
+}
