@@ -33,12 +33,14 @@ usage: cargo test --test gpu -- [OPTIONS]      (or the test executable itself, a
   --runc PATH      runc for --containers (default: runc on PATH)                GPUSHARE_GPU_RUNC
   --only LIST      run only these sections (comma-separated; the header, the preflight and the
                    restore always run): per-user, shared, flags, multi-user, tenant-control,
-                   limits, uuid-limit, small-batch, create-path, and the container sections
+                   limits, uuid-limit, small-batch, create-path, driver-root, and the container sections
                    containers, skip-mps, cdi (real GPU only; naming one implies --containers)
                                                                                GPUSHARE_GPU_ONLY
   -h, --help       this text
-also read: GPUSHARE_GPU_CREATE_ROUNDS (creates per inventory in section 7, default 30) and
-GPUSHARE_GPU_INVENTORY (replaces inventory = \"nvml\", a test hook: file:/path)";
+also read: GPUSHARE_GPU_CREATE_ROUNDS (creates per inventory in section 7, default 30),
+GPUSHARE_GPU_INVENTORY (replaces inventory = \"nvml\", a test hook: file:/path) and
+GPUSHARE_GPU_DRIVER_ROOT (section 8's driver root; default: one made of read-only binds of
+the driver's own directories)";
 
 /// The sections `--only` can name, in the order they run.
 pub const SECTIONS: &[&str] = &[
@@ -51,6 +53,7 @@ pub const SECTIONS: &[&str] = &[
     "uuid-limit",
     "small-batch",
     "create-path",
+    "driver-root",
     "containers",
     "skip-mps",
     "cdi",

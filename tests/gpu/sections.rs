@@ -9,7 +9,9 @@
 //!    fails, a client's own env cannot raise either; UUID-keyed limits (INFO);
 //! 6. the small-batch experiment of NVIDIA's KubeCon NA 2024 GPU-sharing study, plus four
 //!    UIDs on one multi-user daemon;
-//! 7. the shim's create path: what inventory = "nvml" costs every create with a request.
+//! 7. the shim's create path: what inventory = "nvml" costs every create with a request;
+//! 8. driver-root: the driver's files under a root of their own, as NVIDIA's GPU Operator
+//!    lays them out.
 //!
 //! The restore (8) is `Tier::restore`. Simulated, what needs real CUDA prints
 //! `SKIP (simulated)`; everything about daemons, users, queueing, flags, limit read-back and
@@ -75,6 +77,9 @@ pub fn run(t: &mut Tier, opts: &Options) -> Ended {
     }
     if opts.wants("create-path") {
         create_path(t);
+    }
+    if opts.wants("driver-root") {
+        driver_root(t);
     }
     if opts.containers {
         crate::containers::run(t, opts);
@@ -1468,6 +1473,287 @@ fn create_path(t: &mut Tier) {
             "INFO",
             "create path: nvml-inventory and the cache agree",
             &format!("{same:?} (None: one of them did not parse as expected)"),
+        );
+    }
+}
+
+/// Where the driver's `name` library is: `ldconfig -p`, else the usual directories.
+fn driver_library(name: &str) -> Option<PathBuf> {
+    let ld = proc::run(
+        Command::new("ldconfig").arg("-p"),
+        None,
+        Duration::from_secs(30),
+        Duration::from_secs(5),
+    );
+    let listed = ld
+        .out
+        .lines()
+        .filter(|l| l.trim_start().starts_with(&format!("{name} ")) && l.contains("x86-64"))
+        .filter_map(|l| l.rsplit_once("=> ").map(|(_, p)| PathBuf::from(p.trim())))
+        .next();
+    listed.or_else(|| {
+        [
+            "/usr/local/nvidia/lib64",
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib64",
+        ]
+        .iter()
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.exists())
+    })
+}
+
+/// Section 8: gpushare with `driver-root` (the GPU Operator's layout: the driver's files
+/// under `/run/nvidia/driver`, not on the host's paths), pointed at the real driver's
+/// files: by default a root made of read-only binds of the directories that hold the
+/// control binary (as `usr/bin`) and NVML with libcuda (as `usr/lib/x86_64-linux-gnu`), so
+/// that nothing is found on the host's paths by accident. The config names only the root
+/// and the control binary's bare name: doctor's lines, a per-user daemon whose control
+/// binary and server libraries come from under the root (read from /proc), a client on
+/// it, and one shim create whose NVML comes from under the root (the static shim runs
+/// `gpushare nvml-inventory --library`).
+fn driver_root(t: &mut Tier) {
+    t.section(
+        "8. driver-root: the driver's files under a root of their own (the GPU Operator's layout)",
+    );
+    if t.simulate {
+        t.skip_sim("driver-root", "needs the real driver's files");
+        return;
+    }
+    let mut binds: Vec<PathBuf> = Vec::new();
+    let root = match std::env::var_os("GPUSHARE_GPU_DRIVER_ROOT").filter(|v| !v.is_empty()) {
+        Some(r) => PathBuf::from(r),
+        None => {
+            let root = t.work.join("driver");
+            let lib = driver_library("libnvidia-ml.so.1");
+            let Some(lib_dir) = lib.as_deref().and_then(Path::parent).map(Path::to_path_buf) else {
+                t.check(
+                    "FAIL",
+                    "driver-root: the driver's files",
+                    "libnvidia-ml.so.1 not found",
+                );
+                return;
+            };
+            let bin_dir = t
+                .control
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_default();
+            for (src, rel) in [
+                (&bin_dir, "usr/bin"),
+                (&lib_dir, "usr/lib/x86_64-linux-gnu"),
+            ] {
+                let dst = root.join(rel);
+                let made = std::fs::create_dir_all(&dst)
+                    .map_err(|e| e.to_string())
+                    .and_then(|_| {
+                        let m = proc::run(
+                            Command::new("mount")
+                                .args(["--bind", "-o", "ro"])
+                                .arg(src)
+                                .arg(&dst),
+                            None,
+                            Duration::from_secs(30),
+                            Duration::from_secs(5),
+                        );
+                        if m.ok() {
+                            Ok(())
+                        } else {
+                            Err(m.out)
+                        }
+                    });
+                match made {
+                    Ok(()) => binds.push(dst),
+                    Err(e) => {
+                        t.check(
+                            "FAIL",
+                            "driver-root: bind the driver's directories",
+                            &first_line(&e, 200),
+                        );
+                        unbind(&binds);
+                        return;
+                    }
+                }
+            }
+            println!(
+                "driver root {}: usr/bin <- {}, usr/lib/x86_64-linux-gnu <- {} (read-only binds)",
+                root.display(),
+                bin_dir.display(),
+                lib_dir.display()
+            );
+            root
+        }
+    };
+    let cfg = t.work.join("runtime-driver-root.toml");
+    let truth = crate::common::which("true").unwrap_or_else(|| PathBuf::from("/bin/true"));
+    let toml = format!(
+        "driver-root = {:?}\nstate-dir = {:?}\nlog-file = {:?}\nlog-level = \"debug\"\ninventory = \"nvml\"\ninventory-cache-ttl = \"0\"\nlow-level-runtime = [{:?}]\n[mps]\ncontrol-binary = \"nvidia-cuda-mps-control\"\nstart-timeout = \"60s\"\n",
+        root.display().to_string(),
+        t.state.display().to_string(),
+        t.work.join("gpushare-driver-root.log").display().to_string(),
+        truth.display().to_string(),
+    );
+    if let Err(e) = std::fs::write(&cfg, toml) {
+        t.check("FAIL", "driver-root: config", &e.to_string());
+        unbind(&binds);
+        return;
+    }
+    let doctor = proc::run(
+        Command::new(&t.bins.gpushare)
+            .env("GPUSHARE_CONFIG", &cfg)
+            .arg("doctor"),
+        None,
+        Duration::from_secs(60),
+        Duration::from_secs(5),
+    );
+    println!("-- gpushare doctor with driver-root\n{}", doctor.out);
+    for name in ["driver-root", "driver", "mps-control"] {
+        let line = doctor
+            .out
+            .lines()
+            .find(|l| l.split_whitespace().nth(1) == Some(name))
+            .unwrap_or("")
+            .to_owned();
+        let status = if line.starts_with("ok") {
+            "PASS"
+        } else {
+            "FAIL"
+        };
+        t.check(
+            status,
+            &format!("driver-root: doctor's {name} line"),
+            &calc::cut(&line, 300),
+        );
+    }
+    let ua = UA.to_string();
+    let d = t.gs_start(&cfg, &["--uid", &ua, "--active-thread-percentage", "50"]);
+    if d.ok {
+        let pid = std::fs::read_to_string(d.pipe.join("nvidia-cuda-mps-control.pid"))
+            .unwrap_or_default()
+            .trim()
+            .to_owned();
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let ld: String = environ
+            .split(|b| *b == 0)
+            .map(String::from_utf8_lossy)
+            .find(|v| v.starts_with("LD_LIBRARY_PATH="))
+            .map(|v| v.into_owned())
+            .unwrap_or_else(|| "no LD_LIBRARY_PATH".into());
+        t.check(
+            "INFO",
+            "driver-root: the control daemon",
+            &format!("pid {pid}, exe {}, {ld}", exe.display()),
+        );
+        let hold = t.hold.max(4.0);
+        let cmd = t.client_cmd(hold);
+        t.launch(
+            "dr-1000",
+            UA,
+            Some(&d.pipe),
+            Some(&d.shm),
+            t.tmo(hold),
+            &[],
+            cmd,
+        );
+        let mut maps = String::from("no server seen");
+        if t.wait_attached(t.tmo(hold), "dr-1000") {
+            let srv = t.ctl1(0, &d.pipe, "get_server_list");
+            let srv = srv.split_whitespace().next().unwrap_or("").to_owned();
+            let text = std::fs::read_to_string(format!("/proc/{srv}/maps")).unwrap_or_default();
+            let mut libs: Vec<&str> = text
+                .lines()
+                .filter_map(|l| l.split_whitespace().nth(5))
+                .filter(|p| p.contains("libcuda.so") || p.contains("libnvidia-ml"))
+                .collect();
+            libs.sort();
+            libs.dedup();
+            maps = format!("server {srv} mapped {}", libs.join(", "));
+        }
+        t.wait_done(t.tmo(hold), &["dr-1000"]);
+        let r = t.collect("dr-1000", UA, "driver-root");
+        let ev = if r.ok() {
+            format!("ran to its end; {maps}")
+        } else {
+            format!("failed: {}; {maps}", calc::cut(&r.error(), 200))
+        };
+        t.check(
+            if r.ok() { "PASS" } else { "FAIL" },
+            "driver-root: a client of the daemon",
+            &ev,
+        );
+    } else {
+        t.check(
+            "FAIL",
+            "driver-root: gpushare daemon start",
+            &first_line(&d.out, 220),
+        );
+    }
+    t.gs_stop(&[&d.id]);
+    // One shim create, NVML uncached: the static shim runs `gpushare nvml-inventory
+    // --library <under the root>`.
+    let b = t.work.join("driver-bundle");
+    let _ = proc::mkdir(&b, 0o711);
+    let spec = json!({"ociVersion": "1.0.2",
+        "process": {"user": {"uid": UA, "gid": UA}, "args": ["true"], "cwd": "/"},
+        "root": {"path": "rootfs"}, "annotations": {"gpushare.io/device": "0"}});
+    let _ = std::fs::write(b.join("config.json"), spec.to_string());
+    let log = t.work.join("driver-runc.log");
+    let t0 = Instant::now();
+    let ran = proc::run(
+        Command::new(&t.bins.runtime)
+            .env("GPUSHARE_CONFIG", &cfg)
+            .arg("--log")
+            .arg(&log)
+            .args(["--log-format", "json", "create", "--bundle"])
+            .arg(&b)
+            .arg("dr-create"),
+        None,
+        Duration::from_secs(60),
+        Duration::from_secs(5),
+    );
+    let ms = t0.elapsed().as_secs_f64() * 1000.0;
+    let last = std::fs::read_to_string(&log).unwrap_or_default();
+    let ev = if ran.ok() {
+        format!("created in {ms:.1} ms with inventory = nvml from under the root")
+    } else {
+        format!(
+            "rc {}: {}",
+            ran.code,
+            calc::cut(last.lines().last().unwrap_or(""), 250)
+        )
+    };
+    t.check(
+        if ran.ok() { "PASS" } else { "FAIL" },
+        "driver-root: a shim create",
+        &ev,
+    );
+    let stop = proc::run(
+        Command::new(&t.bins.gpushare)
+            .env("GPUSHARE_CONFIG", &cfg)
+            .args(["daemon", "stop", "--all", "--force"]),
+        None,
+        Duration::from_secs(60),
+        Duration::from_secs(5),
+    );
+    if !stop.ok() {
+        t.check(
+            "FAIL",
+            "driver-root: daemon stop --all --force",
+            &first_line(&stop.out, 220),
+        );
+    }
+    unbind(&binds);
+}
+
+/// Unmounts the binds of a driver root, last first.
+fn unbind(binds: &[PathBuf]) {
+    for b in binds.iter().rev() {
+        let _ = proc::run(
+            Command::new("umount").arg(b),
+            None,
+            Duration::from_secs(30),
+            Duration::from_secs(5),
         );
     }
 }
