@@ -114,7 +114,8 @@ fn print_text(state: &StateDir, ident: &Identity, ensured: &Ensured) {
 }
 
 /// `gpushare daemon stop`: daemon `id`, or every daemon (`all`); one that containers
-/// still use only with `force`.
+/// still use only with `force`. With `all`, a daemon in use is skipped and every other one
+/// is still stopped; the error at the end names those left running.
 pub(crate) fn stop(cfg: &Config, id: Option<String>, all: bool, force: bool) -> anyhow::Result<()> {
     let state = StateDir::new(&cfg.state_dir);
     let ids = match (id, all) {
@@ -124,6 +125,7 @@ pub(crate) fn stop(cfg: &Config, id: Option<String>, all: bool, force: bool) -> 
             "daemon stop needs --id <ID> (one daemon; see gpushare daemon list) or --all (every daemon)"
         ),
     };
+    let mut in_use = Vec::new();
     for id in &ids {
         if !crate::identity::valid_id(id) {
             anyhow::bail!(
@@ -139,18 +141,22 @@ pub(crate) fn stop(cfg: &Config, id: Option<String>, all: bool, force: bool) -> 
         }
         let users = state.containers(id)?;
         if !users.is_empty() && !force {
-            anyhow::bail!(
-                "daemon {id} is used by {} container(s) ({}); stop them first or pass --force",
+            in_use.push(format!(
+                "daemon {id} is used by {} container(s) ({})",
                 users.len(),
                 users
                     .iter()
                     .map(|c| c.id.as_str())
                     .collect::<Vec<_>>()
                     .join(", ")
-            );
+            ));
+            continue;
         }
         crate::mps::ensure::stop(cfg, &state, id, std::time::Duration::from_secs(5))?;
         println!("stopped daemon {id}");
+    }
+    if !in_use.is_empty() {
+        anyhow::bail!("{}; stop them first or pass --force", in_use.join("; "));
     }
     Ok(())
 }
