@@ -585,3 +585,50 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
     );
     c.delete();
 }
+
+/// `daemon stop --all` without `--force` stops every idle daemon, including those listed
+/// after one in use, keeps the one in use, and fails naming it (the node installer's
+/// uninstall relies on it).
+#[test]
+fn daemon_stop_all_stops_every_idle_daemon_and_names_the_one_in_use() {
+    let env = Env::new();
+    let c = env
+        .container("busy")
+        .uid(1000)
+        .device("0")
+        .sh("sleep 60")
+        .create();
+    c.start();
+    let busy = env.daemon_of(&c);
+    for uid in ["2000", "3000", "4000", "5000"] {
+        let out = env
+            .cmd(GPUSHARE)
+            .args(["daemon", "start", "--device", "0", "--uid", uid])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+    }
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 5);
+    assert!(
+        ids.iter().any(|id| *id > busy),
+        "an idle daemon is listed after the busy one: {ids:?}"
+    );
+    let out = env
+        .cmd(GPUSHARE)
+        .args(["daemon", "stop", "--all"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("daemon {busy} is used by 1 container(s) (busy)")),
+        "{err}"
+    );
+    assert_eq!(
+        env.daemon_ids(),
+        vec![busy.clone()],
+        "the idle ones are stopped"
+    );
+    c.delete();
+}
