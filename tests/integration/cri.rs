@@ -1581,11 +1581,10 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
             .stdin(Stdio::null())
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", text(&out));
-        text(&out)
+        (out.status.success(), text(&out))
     };
-    let s = bare_run("install");
-    assert!(s.contains("restart containerd on this node"), "{s}");
+    let (ok, s) = bare_run("install");
+    assert!(ok && s.contains("restart containerd on this node"), "{s}");
     let v: toml::Table =
         toml::from_str(&std::fs::read_to_string(bare.join("etc/containerd/config.toml")).unwrap())
             .unwrap();
@@ -1595,7 +1594,25 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
         "{v}"
     );
     assert!(bare.join("usr/local/bin/gpushare-runtime").is_file());
-    bare_run("uninstall");
+    // Someone else edits containerd's config after the install: uninstall does not
+    // undo their edit by putting the file back, and says what to do instead.
+    let bare_config = bare.join("etc/containerd/config.toml");
+    let installed_config = std::fs::read(&bare_config).unwrap();
+    let mut edited = installed_config.clone();
+    edited.extend_from_slice(b"# another installer's edit\n");
+    std::fs::write(&bare_config, &edited).unwrap();
+    let (ok, s) = bare_run("uninstall");
+    assert!(!ok, "{s}");
+    assert!(
+        s.contains("changed since the installer registered gpushare")
+            && s.contains("containerd.runtimes.gpushare]"),
+        "{s}"
+    );
+    assert_eq!(std::fs::read(&bare_config).unwrap(), edited, "kept");
+    assert!(bare.join("usr/local/bin/gpushare-runtime").is_file());
+    std::fs::write(&bare_config, &installed_config).unwrap();
+    let (ok, s) = bare_run("uninstall");
+    assert!(ok, "{s}");
     assert_eq!(
         host_tree(&bare),
         host_tree(&dir.join("empty")),
