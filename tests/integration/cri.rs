@@ -1285,8 +1285,9 @@ fn cri_sandboxes_are_never_requests() {
     assert_eq!(env.daemon_ids(), daemons, "nor for its sandbox");
 }
 
-/// Every file and directory under `root`: its path, mode and content (None: a directory).
-fn host_tree(root: &Path) -> std::collections::BTreeMap<String, (u32, Option<Vec<u8>>)> {
+/// Every file and directory under `root`: its path, mode and content's SHA-256 (None: a
+/// directory).
+fn host_tree(root: &Path) -> std::collections::BTreeMap<String, (u32, Option<String>)> {
     use std::os::unix::fs::PermissionsExt;
     let mut tree = std::collections::BTreeMap::new();
     let mut dirs = vec![root.to_owned()];
@@ -1298,7 +1299,8 @@ fn host_tree(root: &Path) -> std::collections::BTreeMap<String, (u32, Option<Vec
                 dirs.push(p.clone());
                 None
             } else {
-                Some(std::fs::read(&p).unwrap())
+                use sha2::Digest;
+                Some(hex(&sha2::Sha256::digest(std::fs::read(&p).unwrap())))
             };
             let name = p.strip_prefix(root).unwrap().display().to_string();
             tree.insert(name, (meta.permissions().mode(), content));
@@ -1403,6 +1405,32 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
             .unwrap();
         (out.status.success(), text(&out))
     };
+    // The service manager: containerd starts again when the installer has stopped it.
+    let run = |node: &mut Node, action: &str| {
+        let (ok, s) = installer(action, node.pid());
+        if s.contains("SIGTERM to pid") {
+            let exit = node.wait_exit(Duration::from_secs(10));
+            assert!(
+                exit.success(),
+                "containerd shut down cleanly on SIGTERM: {exit:?}"
+            );
+            node.restart();
+        }
+        (ok, s)
+    };
+    // Should the uninstall take the binaries away under a running pod, they come back for
+    // its removal (its shim runs gpushare-runtime to stop it); dropped before `node`.
+    struct Binaries<'a>(&'a Path, &'a Path);
+    impl Drop for Binaries<'_> {
+        fn drop(&mut self) {
+            for name in ["gpushare", "gpushare-runtime"] {
+                if !self.1.join(name).exists() {
+                    let _ = std::fs::copy(self.0.join(name), self.1.join(name));
+                }
+            }
+        }
+    }
+    let _binaries = Binaries(&image, &host_bin);
     let installed = |name: &str| host.join(name.trim_start_matches('/'));
     let inode = |p: &Path| {
         use std::os::unix::fs::MetadataExt;
@@ -1410,17 +1438,12 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
     };
 
     // Install.
-    let (ok, s) = installer("install", node.pid());
+    let (ok, s) = run(&mut node, "install");
     assert!(ok, "{s}");
     assert!(s.contains("SIGTERM to pid"), "{s}");
     assert!(
         !s.contains("does not exist"),
         "the container-view warning is dropped: {s}"
-    );
-    let exit = node.wait_exit(Duration::from_secs(10));
-    assert!(
-        exit.success(),
-        "containerd shut down cleanly on SIGTERM: {exit:?}"
     );
     for name in ["gpushare", "gpushare-runtime"] {
         let p = host_bin.join(name);
@@ -1456,9 +1479,8 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
         "the host's path, not the pod's view of it"
     );
 
-    // The service manager starts containerd again: the handler now runs pods, through the
-    // installed shim (its hooks are the gpushare beside it).
-    node.restart();
+    // containerd, started again, runs pods of the handler through the installed shim (its
+    // hooks are the gpushare beside it).
     let pod = node.pod(&PodSpec {
         name: "after",
         ..spec.clone()
@@ -1484,7 +1506,7 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
         .map(|n| inode(&host_bin.join(n)))
         .collect();
     let config_inode = inode(&installed("/etc/gpushare/runtime.toml"));
-    let (ok, s) = installer("install", node.pid());
+    let (ok, s) = run(&mut node, "install");
     assert!(ok, "{s}");
     assert_eq!(s.matches("is up to date").count(), 3, "{s}");
     assert!(s.contains("containerd is not restarted"), "{s}");
@@ -1505,7 +1527,7 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
     let mut cm = std::fs::read(&source).unwrap();
     cm.extend_from_slice(b"log-level = \"debug\"\n");
     std::fs::write(&source, &cm).unwrap();
-    let (ok, s) = installer("install", node.pid());
+    let (ok, s) = run(&mut node, "install");
     assert!(ok, "{s}");
     assert!(
         s.contains("installed /usr/local/bin/gpushare-runtime")
@@ -1526,15 +1548,14 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
 
     // Uninstall while the pod runs: containerd's config is put back and containerd
     // restarted; the daemon is in use, so the binaries stay and the run fails.
-    let (ok, s) = installer("uninstall", node.pid());
+    let (ok, s) = run(&mut node, "uninstall");
     assert!(!ok, "{s}");
     assert!(s.contains("restored /etc/containerd/config.toml"), "{s}");
+    assert!(s.contains("SIGTERM to pid"), "{s}");
     assert!(s.contains("MPS daemons are still in use"), "{s}");
     assert_eq!(std::fs::read(&config).unwrap(), original, "byte for byte");
-    node.wait_exit(Duration::from_secs(10));
     assert!(host_bin.join("gpushare-runtime").exists());
     assert!(host_bin.join("gpushare").exists());
-    node.restart();
     assert_eq!(env.daemon_ids(), daemons);
 
     // The pod goes (its shim still runs the installed gpushare-runtime); the daemon stays
@@ -1544,7 +1565,7 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
     node.cri().stop_pod(&pod.id).unwrap();
     node.cri().remove_pod(&pod.id).unwrap();
     assert_eq!(env.daemon_ids(), daemons, "an idle daemon");
-    let (ok, s) = installer("uninstall", node.pid());
+    let (ok, s) = run(&mut node, "uninstall");
     assert!(ok, "{s}");
     assert!(s.contains(&format!("stopped daemon {}", daemons[0])), "{s}");
     assert!(s.contains("containerd is not restarted"), "{s}");
@@ -1553,7 +1574,7 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
     assert_eq!(std::fs::read(&config).unwrap(), original, "byte for byte");
     assert_eq!(host_tree(&host), host_before, "the host as it was");
     // Nothing is left to undo.
-    let (ok, s) = installer("uninstall", node.pid());
+    let (ok, s) = run(&mut node, "uninstall");
     assert!(ok && s.contains("nothing to undo"), "{s}");
 
     // A node without a containerd config at all (containerd on its built-in defaults) and
