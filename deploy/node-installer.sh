@@ -8,7 +8,8 @@
 #      ($GPUSHARE_CONFIG_SOURCE: the ConfigMap's runtime.toml) to /etc/gpushare/runtime.toml,
 #      each only when its content differs (SHA-256); a temp file renamed into place, so
 #      running daemons keep the binary they started with;
-#   2. runs `gpushare install containerd` on the host's containerd config (adds the runtime
+#   2. checks that the host runs the copied gpushare (glibc 2.34 or later), then runs
+#      `gpushare install containerd` on the host's containerd config (adds the runtime
 #      $RUNTIME_NAME; every other line of the file is kept; a second run changes nothing);
 #   3. restarts containerd only when its config changed: containerd has no config reload.
 #      Running containers are not affected: they belong to their shims, not to containerd;

@@ -1604,6 +1604,28 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
             .unwrap();
         (out.status.success(), text(&out))
     };
+    // A host that cannot run the copied gpushare (here: it does not see it; an old glibc
+    // alike): the runtime is not registered, nor containerd's config written.
+    let blind_ns = PrivateMounts::with("mount -t tmpfs gs-blind /usr/local");
+    let blind = Command::new("sh")
+        .arg(repo.join("deploy/node-installer.sh"))
+        .arg("--once")
+        .env("HOST_ROOT", &bare)
+        .env("SOURCE_DIR", &image)
+        .env("GPUSHARE_CONFIG_SOURCE", &source)
+        .env("RESTART_MODE", "none")
+        .env("HOST_PID", blind_ns.holder_pid().to_string())
+        .env("GPUSHARE_CONFIG", &env.config)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        !blind.status.success() && text(&blind).contains("does not run on this node"),
+        "{}",
+        text(&blind)
+    );
+    assert!(!bare.join("etc/containerd").exists());
+    drop(blind_ns);
     let (ok, s) = bare_run("install");
     assert!(ok && s.contains("restart containerd on this node"), "{s}");
     let v: toml::Table =
