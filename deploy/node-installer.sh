@@ -248,6 +248,13 @@ do_install() {
         install_file "$f" "$SOURCE_DIR/$f" "$INSTALL_DIR/$f" 755
     done
 
+    # The host must run what containerd and runc will run: gpushare links the host's C
+    # library (glibc 2.34 or later), which this image's does not prove.
+    if ! out=$(on_host "$INSTALL_DIR/gpushare" --version 2>&1); then
+        printf '%s\n' "$out" >&2
+        die "$INSTALL_DIR/gpushare does not run on this node (it needs glibc 2.34 or later): the runtime is not registered with containerd"
+    fi
+
     # The runtime path is the host's; the installer's warning that it does not exist
     # refers to this container's view and is dropped.
     make_dir "$(dirname "$CONTAINERD_CONFIG")"
