@@ -1,44 +1,76 @@
 #!/bin/sh
-# gpushare node installer: sets up one Kubernetes node for the gpushare RuntimeClass, the
-# way NVIDIA's toolkit container sets up its runtime. It runs in the privileged pod of
-# deploy/node-installer.yaml, with the host's directories mounted under
-# $HOST_ROOT, and
-#   1. copies gpushare and gpushare-runtime into the host's $INSTALL_DIR (only when they
-#      changed; a temp file renamed into place, so running daemons keep their binary);
-#   2. installs the default /etc/gpushare/runtime.toml when the host has none (an existing
-#      one is never touched);
-#   3. runs `gpushare install containerd` on the host's containerd config (adds the
-#      runtime `gpushare`; every other line of the file is kept; a second run changes
-#      nothing; a node on containerd's built-in defaults keeps its default runtime);
-#   4. restarts containerd when its config changed — containerd has no config reload.
+# gpushare node installer: sets up one Kubernetes node for the gpushare RuntimeClass, and
+# takes it off again. It runs in the privileged pod of deploy/node-installer.yaml, with
+# the host's / mounted at $HOST_ROOT and the host's pids visible (hostPID).
+#
+# GPUSHARE_NODE_ACTION=install (default); every run of the pod, so an upgrade is a rollout:
+#   1. copies gpushare and gpushare-runtime into the host's $INSTALL_DIR and the config
+#      ($GPUSHARE_CONFIG_SOURCE: the ConfigMap's runtime.toml) to /etc/gpushare/runtime.toml,
+#      each only when its content differs (SHA-256); a temp file renamed into place, so
+#      running daemons keep the binary they started with;
+#   2. checks that the host runs the copied gpushare (glibc 2.34 or later), then runs
+#      `gpushare install containerd` on the host's containerd config (adds the runtime
+#      $RUNTIME_NAME; every other line of the file is kept; a second run changes nothing);
+#   3. restarts containerd only when its config changed: containerd has no config reload.
 #      Running containers are not affected: they belong to their shims, not to containerd;
-#   5. then runs the node's agent (`gpushare agent`) in the host's mount namespace, so that
-#      MPS supervisors belong to no engine (`--once`: exits instead; AGENT=none: only waits).
+#   4. runs the node's agent (`gpushare agent`) in the host's mount namespace, so that MPS
+#      supervisors belong to no engine (`--once`: exits instead; AGENT=none: only waits).
+#   Before it first changes a host file, the installer keeps the file as it was (or that
+#   there was none) under /etc/gpushare/node-installer, with the SHA-256 of what it wrote.
+#
+# GPUSHARE_NODE_ACTION=uninstall: puts back what install changed, in this order:
+#   1. containerd's config as it was before the first install, byte for byte, and restarts
+#      containerd (refused when the file changed since the installer wrote it and still
+#      registers $RUNTIME_NAME: restoring it would undo someone else's edit);
+#   2. `gpushare daemon stop --all` in the host's mount namespace, before the binary is
+#      gone: idle daemons stop; while a container still uses one, the run fails (exit 1,
+#      the kubelet retries) and the binaries stay, which that container's shim needs;
+#   3. the binaries and /etc/gpushare/runtime.toml as they were (removed where the node had
+#      none; a file changed since it was installed is kept), then the installer's records
+#      and the directories it created.
 #
 # Environment (default):
-#   HOST_ROOT          where the host's / is seen (/host)
-#   INSTALL_DIR        binaries, as the host sees the path (/usr/local/bin)
-#   SOURCE_DIR         this image's gpushare, gpushare-runtime and runtime.toml (/opt/gpushare)
-#   CONTAINERD_CONFIG  containerd's config, as the host sees the path (/etc/containerd/config.toml)
-#   RUNTIME_NAME       the containerd runtime, the RuntimeClass's handler (gpushare)
-#   RESTART_MODE       auto (default): systemd when the host's pid 1 is systemd, else signal
-#                      systemd: `systemctl restart containerd` in the host's mount namespace
-#                               (needs hostPID)
-#                      signal:  SIGTERM to containerd (CONTAINERD_PID, else the one process
-#                               named containerd; needs hostPID); its service manager
-#                               (systemd's Restart=always, an init script) starts it again
-#                      none:    only print that containerd must be restarted
-#   CONTAINERD_PID     containerd's pid, for RESTART_MODE=signal
-#   AGENT              run (default): step 5 runs `gpushare agent` through `nsenter -t 1 -m`
-#                      (needs hostPID); none: a host service runs it (docs/install.md)
+#   GPUSHARE_NODE_ACTION    install or uninstall (install)
+#   HOST_ROOT               where the host's / is seen (/host)
+#   INSTALL_DIR             binaries, as the host sees the path (/usr/local/bin)
+#   SOURCE_DIR              this image's gpushare, gpushare-runtime, runtime.toml (/opt/gpushare)
+#   GPUSHARE_CONFIG_SOURCE  the runtime.toml to install, as the pod sees it
+#                           (/etc/gpushare-config/runtime.toml where the ConfigMap is
+#                           mounted, else $SOURCE_DIR/runtime.toml)
+#   CONTAINERD_CONFIG       containerd's config, as the host sees the path
+#                           (/etc/containerd/config.toml)
+#   RUNTIME_NAME            the containerd runtime, the RuntimeClass's handler (gpushare)
+#   RESTART_MODE            auto (default): systemd when the host's pid 1 is systemd, else signal
+#                           systemd: `systemctl restart containerd` in the host's mount namespace
+#                           signal:  SIGTERM to containerd (CONTAINERD_PID, else the one process
+#                                    named containerd); its service manager (systemd's
+#                                    Restart=always, an init script) starts it again
+#                           none:    only print that containerd must be restarted
+#   CONTAINERD_PID          containerd's pid, for RESTART_MODE=signal
+#   HOST_PID                a process in the host's mount namespace, which nsenter enters
+#                           to run systemctl, `gpushare daemon stop` and the agent (1)
+#   AGENT                   run (default): install's step 4 runs `gpushare agent`; none: a
+#                           host service runs it (docs/install.md)
+#   READY_FILE              written when the action is done; the pod's readiness probe
+#                           (/tmp/gpushare-node-installer.ready)
 set -eu
 
+ACTION=${GPUSHARE_NODE_ACTION:-install}
 HOST_ROOT=${HOST_ROOT:-/host}
 INSTALL_DIR=${INSTALL_DIR:-/usr/local/bin}
 SOURCE_DIR=${SOURCE_DIR:-/opt/gpushare}
 CONTAINERD_CONFIG=${CONTAINERD_CONFIG:-/etc/containerd/config.toml}
 RUNTIME_NAME=${RUNTIME_NAME:-gpushare}
 RESTART_MODE=${RESTART_MODE:-auto}
+HOST_PID=${HOST_PID:-1}
+READY_FILE=${READY_FILE:-/tmp/gpushare-node-installer.ready}
+if [ -n "${GPUSHARE_CONFIG_SOURCE:-}" ]; then
+    config_source=$GPUSHARE_CONFIG_SOURCE
+elif [ -e /etc/gpushare-config/runtime.toml ]; then
+    config_source=/etc/gpushare-config/runtime.toml
+else
+    config_source=$SOURCE_DIR/runtime.toml
+fi
 
 once=
 for arg in "$@"; do
@@ -68,75 +100,107 @@ check_host_glibc() {
     fi
 }
 
+case $ACTION in
+install | uninstall) ;;
+*) die "GPUSHARE_NODE_ACTION=$ACTION is invalid: allowed are install, uninstall" ;;
+esac
 case $RESTART_MODE in
 auto | systemd | signal | none) ;;
 *) die "RESTART_MODE=$RESTART_MODE is invalid: allowed are auto, systemd, signal, none" ;;
 esac
-case $INSTALL_DIR$CONTAINERD_CONFIG in
-/*) ;;
-*) die "INSTALL_DIR and CONTAINERD_CONFIG must be absolute paths (as the host sees them)" ;;
-esac
-[ -d "$HOST_ROOT" ] || die "HOST_ROOT=$HOST_ROOT is not a directory: mount the host there"
-for f in gpushare gpushare-runtime; do
-    [ -x "$SOURCE_DIR/$f" ] || die "$SOURCE_DIR/$f is missing"
+for p in "$INSTALL_DIR" "$CONTAINERD_CONFIG"; do
+    case $p in
+    /*) ;;
+    *) die "$p must be an absolute path (as the host sees it): INSTALL_DIR and CONTAINERD_CONFIG" ;;
+    esac
 done
+[ -d "$HOST_ROOT" ] || die "HOST_ROOT=$HOST_ROOT is not a directory: mount the host's / there"
 check_host_glibc
 
-config="$HOST_ROOT$CONTAINERD_CONFIG"
-# 1. Binaries: a temp file in the target directory, renamed over the old one.
-copy() { # copy SRC DST MODE: only when DST differs
-    if cmp -s "$1" "$2"; then
-        return 1
-    fi
-    tmp="$2.gpushare-new.$$"
-    cp "$1" "$tmp"
-    chmod "$3" "$tmp"
-    mv -f "$tmp" "$2"
+# What the installer changed, on the host: for each file it manages (KEY below), KEY.orig
+# (the file as it was) or KEY.absent (there was none), and KEY.sha256 (what it wrote);
+# `dirs`: the directories it created. The records go before the change they describe.
+STATE=/etc/gpushare/node-installer
+state=$HOST_ROOT$STATE
+config=$HOST_ROOT$CONTAINERD_CONFIG
+pending=$state/containerd-restart-pending
+
+sha() { # the SHA-256 of a file, empty when there is none
+    if [ -f "$1" ]; then sha256sum <"$1" | cut -d' ' -f1; fi
 }
-mkdir -p "$HOST_ROOT$INSTALL_DIR"
-for f in gpushare gpushare-runtime; do
-    if copy "$SOURCE_DIR/$f" "$HOST_ROOT$INSTALL_DIR/$f" 755; then
-        say "installed $INSTALL_DIR/$f"
+put() { # put FILE TEXT: FILE holds TEXT, written atomically
+    printf '%s\n' "$2" >"$1.new"
+    mv -f "$1.new" "$1"
+}
+missing() { # the components of HOSTPATH that do not exist, deepest first
+    d=$1
+    while [ ! -e "$HOST_ROOT$d" ] && [ "$d" != / ]; do
+        echo "$d"
+        d=$(dirname "$d")
+    done
+}
+ensure_state() { # the records' directory, itself removed by uninstall
+    [ ! -d "$state" ] || return 0
+    made=$(missing "$STATE")
+    mkdir -p "$state"
+    for d in $made; do
+        if [ "$d" != "$STATE" ]; then echo "$d" >>"$state/dirs"; fi
+    done
+}
+make_dir() { # make_dir HOSTPATH: created where missing, each created component recorded
+    ensure_state
+    made=$(missing "$1")
+    mkdir -p "$HOST_ROOT$1"
+    for d in $made; do echo "$d" >>"$state/dirs"; done
+}
+remember() { # remember KEY HOSTPATH: keep the file as it was, once
+    [ ! -e "$state/$1.orig" ] && [ ! -e "$state/$1.absent" ] || return 0
+    if [ -e "$HOST_ROOT$2" ]; then
+        cp -p "$HOST_ROOT$2" "$state/$1.orig.new"
+        mv -f "$state/$1.orig.new" "$state/$1.orig"
     else
-        say "$INSTALL_DIR/$f is up to date"
+        : >"$state/$1.absent"
     fi
-done
+}
+install_file() { # install_file KEY SOURCE HOSTPATH MODE
+    want=$(sha "$2")
+    if [ "$want" = "$(sha "$HOST_ROOT$3")" ]; then
+        say "$3 is up to date"
+        # Recorded only where the installer wrote it once (else it is not the installer's).
+        if [ -e "$state/$1.sha256" ]; then put "$state/$1.sha256" "$want"; fi
+        return 0
+    fi
+    make_dir "$(dirname "$3")"
+    remember "$1" "$3"
+    tmp="$HOST_ROOT$3.gpushare-new.$$"
+    cp "$2" "$tmp"
+    chmod "$4" "$tmp"
+    mv -f "$tmp" "$HOST_ROOT$3"
+    put "$state/$1.sha256" "$want"
+    say "installed $3"
+}
+restore_file() { # restore_file KEY HOSTPATH: back as it was, where it is still the installer's
+    [ -e "$state/$1.sha256" ] || return 0
+    if [ "$(sha "$HOST_ROOT$2")" != "$(cat "$state/$1.sha256")" ]; then
+        say "$2 changed since it was installed: kept as it is"
+    elif [ -e "$state/$1.orig" ]; then
+        cp -p "$state/$1.orig" "$HOST_ROOT$2.gpushare-new.$$"
+        mv -f "$HOST_ROOT$2.gpushare-new.$$" "$HOST_ROOT$2"
+        say "restored $2 as it was before the install"
+    else
+        rm -f "$HOST_ROOT$2"
+        say "removed $2"
+    fi
+    rm -f "$state/$1.sha256" "$state/$1.orig" "$state/$1.absent"
+}
+on_host() { # a command in the host's mount namespace
+    nsenter --target "$HOST_PID" --mount -- "$@"
+}
 
-# 2. The default config, only where the host has none.
-config_source=${GPUSHARE_CONFIG_SOURCE:-$SOURCE_DIR/runtime.toml}
-if [ -e "$HOST_ROOT/etc/gpushare/runtime.toml" ]; then
-    say "/etc/gpushare/runtime.toml exists: kept as it is"
-elif [ -f "$config_source" ]; then
-    mkdir -p "$HOST_ROOT/etc/gpushare"
-    copy "$config_source" "$HOST_ROOT/etc/gpushare/runtime.toml" 644 || true
-    say "installed the default /etc/gpushare/runtime.toml"
-fi
-
-# 3. The containerd runtime. The runtime path is the host's; the installer's warning that
-# it does not exist refers to this container's view and can be ignored.
-before=$(cksum "$config" 2>/dev/null || echo none)
-set -- install containerd --config "$config" --runtime-path "$INSTALL_DIR/gpushare-runtime" \
-    --name "$RUNTIME_NAME"
-if ! out=$("$SOURCE_DIR/gpushare" "$@" 2>&1); then
-    printf '%s\n' "$out" >&2
-    die "gpushare install containerd failed on $CONTAINERD_CONFIG"
-fi
-printf '%s\n' "$out" | grep -v 'does not exist (yet)' || true
-after=$(cksum "$config" 2>/dev/null || echo none)
-[ "$after" != none ] || die "gpushare install containerd wrote no $CONTAINERD_CONFIG"
-# A changed config is marked until containerd has been restarted, so that a pod killed in
-# between restarts it on its next run.
-pending="$HOST_ROOT/etc/gpushare/.containerd-restart-pending"
-if [ "$before" != "$after" ]; then
-    mkdir -p "$HOST_ROOT/etc/gpushare"
-    : >"$pending"
-fi
-
-# 4. Restart containerd, only when its config changed.
 alive() { # a pid that has not exited (a zombie has)
     [ -r "/proc/$1/stat" ] || return 1
-    state=$(sed 's/^.*) //' "/proc/$1/stat" | cut -d' ' -f1)
-    [ "$state" != Z ] && [ "$state" != X ]
+    st=$(sed 's/^.*) //' "/proc/$1/stat" | cut -d' ' -f1)
+    [ "$st" != Z ] && [ "$st" != X ]
 }
 find_containerd() {
     if [ -n "${CONTAINERD_PID:-}" ]; then
@@ -154,17 +218,21 @@ find_containerd() {
     [ $# -eq 1 ] || die "found $# processes named containerd (${found# }): set CONTAINERD_PID (the pod needs hostPID: true)"
     echo "$1"
 }
-if [ ! -e "$pending" ]; then
-    say "$CONTAINERD_CONFIG already registers $RUNTIME_NAME: containerd is not restarted"
-else
+# A changed config is marked ($pending) until containerd has been restarted, so that a pod
+# killed in between restarts it on its next run.
+restart_containerd() {
+    if [ ! -e "$pending" ]; then
+        say "$CONTAINERD_CONFIG is unchanged: containerd is not restarted"
+        return 0
+    fi
     mode=$RESTART_MODE
     if [ "$mode" = auto ]; then
-        if [ "$(cat /proc/1/comm 2>/dev/null)" = systemd ]; then mode=systemd; else mode=signal; fi
+        if [ "$(cat "/proc/$HOST_PID/comm" 2>/dev/null)" = systemd ]; then mode=systemd; else mode=signal; fi
     fi
     case $mode in
     systemd)
         say "restarting containerd: systemctl restart containerd (in the host's mount namespace)"
-        nsenter --target 1 --mount -- systemctl restart containerd ||
+        on_host systemctl restart containerd ||
             die "systemctl restart containerd failed: restart it on the node yourself"
         ;;
     signal)
@@ -181,21 +249,120 @@ else
         say "containerd (pid $pid) has exited"
         ;;
     none)
-        say "restart containerd on this node to use the runtime (e.g. systemctl restart containerd)"
+        say "restart containerd on this node to use the change (e.g. systemctl restart containerd)"
         ;;
     esac
     rm -f "$pending"
-fi
-say "done: RuntimeClass handler $RUNTIME_NAME, runtime $INSTALL_DIR/gpushare-runtime"
+}
 
-# 5. The agent in the host's mount namespace (where runc runs the hooks), until the pod is
-# deleted: SIGTERM stops it; the supervisors it started run on.
-if [ -z "$once" ] && [ "${AGENT:-run}" = run ]; then
+do_install() {
+    for f in gpushare gpushare-runtime; do
+        [ -x "$SOURCE_DIR/$f" ] || die "$SOURCE_DIR/$f is missing"
+    done
+    [ -f "$config_source" ] || die "GPUSHARE_CONFIG_SOURCE=$config_source is not a file"
+    # The config first: the binaries must never run on a config they do not know.
+    install_file runtime.toml "$config_source" /etc/gpushare/runtime.toml 644
+    for f in gpushare gpushare-runtime; do
+        install_file "$f" "$SOURCE_DIR/$f" "$INSTALL_DIR/$f" 755
+    done
+
+    # The host must run what containerd and runc will run: gpushare links the host's C
+    # library (glibc 2.34 or later), which this image's does not prove.
+    if ! out=$(on_host "$INSTALL_DIR/gpushare" --version 2>&1); then
+        printf '%s\n' "$out" >&2
+        die "$INSTALL_DIR/gpushare does not run on this node (it needs glibc 2.34 or later): the runtime is not registered with containerd"
+    fi
+
+    # The runtime path is the host's; the installer's warning that it does not exist
+    # refers to this container's view and is dropped.
+    make_dir "$(dirname "$CONTAINERD_CONFIG")"
+    # Changed since the last install by someone else (another runtime's installer, an
+    # admin): the file as it was before gpushare no longer describes the node.
+    if [ -e "$state/containerd.toml.sha256" ] &&
+        [ "$(sha "$config")" != "$(cat "$state/containerd.toml.sha256")" ]; then
+        say "$CONTAINERD_CONFIG changed since the last install: the uninstall will not restore it, it will ask for the $RUNTIME_NAME runtime to be removed from it by hand"
+        rm -f "$state/containerd.toml.orig" "$state/containerd.toml.absent" \
+            "$state/containerd.toml.sha256"
+        : >"$state/containerd.toml.no-restore"
+    fi
+    [ -e "$state/containerd.toml.no-restore" ] || remember containerd.toml "$CONTAINERD_CONFIG"
+    before=$(sha "$config")
+    if ! out=$("$SOURCE_DIR/gpushare" install containerd --config "$config" \
+        --runtime-path "$INSTALL_DIR/gpushare-runtime" --name "$RUNTIME_NAME" 2>&1); then
+        printf '%s\n' "$out" >&2
+        die "gpushare install containerd failed on $CONTAINERD_CONFIG"
+    fi
+    printf '%s\n' "$out" | grep -v 'does not exist (yet)' || true
+    after=$(sha "$config")
+    [ -n "$after" ] || die "gpushare install containerd wrote no $CONTAINERD_CONFIG"
+    [ -e "$state/containerd.toml.no-restore" ] || put "$state/containerd.toml.sha256" "$after"
+    if [ "$before" != "$after" ]; then : >"$pending"; fi
+    restart_containerd
+    say "done: RuntimeClass handler $RUNTIME_NAME, runtime $INSTALL_DIR/gpushare-runtime"
+}
+
+registered() { # containerd's config names the runtime
+    grep -Eq "runtimes\.\"?$RUNTIME_NAME\"?\]" "$config" 2>/dev/null
+}
+refuse_restore() {
+    die "$CONTAINERD_CONFIG changed since the installer registered $RUNTIME_NAME, so it is not put back as it was (that would undo the other change): delete the tables [plugins.\"…\".containerd.runtimes.$RUNTIME_NAME] and [….options] from it yourself, restart containerd, and run the uninstall again"
+}
+do_uninstall() {
+    if [ ! -d "$state" ]; then
+        say "no $STATE on this node: nothing to undo"
+        return 0
+    fi
+    # 1. containerd first: no new container reaches gpushare after its restart.
+    if [ -e "$state/containerd.toml.sha256" ]; then
+        if [ "$(sha "$config")" != "$(cat "$state/containerd.toml.sha256")" ] && registered; then
+            refuse_restore
+        fi
+        before=$(sha "$config")
+        restore_file containerd.toml "$CONTAINERD_CONFIG"
+        if [ "$before" != "$(sha "$config")" ]; then : >"$pending"; fi
+    fi
+    if [ -e "$state/containerd.toml.no-restore" ]; then
+        ! registered || refuse_restore
+        rm -f "$state/containerd.toml.no-restore"
+    fi
+    restart_containerd
+    # 2. Idle daemons, while their binary is still there.
+    if [ -x "$HOST_ROOT$INSTALL_DIR/gpushare" ] && [ -e "$state/gpushare.sha256" ]; then
+        if ! out=$(on_host "$INSTALL_DIR/gpushare" daemon stop --all 2>&1); then
+            printf '%s\n' "$out" >&2
+            case $out in
+            *"is used by"*) die "MPS daemons are still in use: $INSTALL_DIR/gpushare and gpushare-runtime stay until their containers are gone (delete those pods; this pod retries)" ;;
+            esac
+            die "gpushare daemon stop --all failed in the host's mount namespace (pid $HOST_PID): nothing more is removed"
+        fi
+        if [ -n "$out" ]; then printf '%s\n' "$out"; fi
+    fi
+    # 3. The files, then the records and the directories the installer made.
+    restore_file gpushare-runtime "$INSTALL_DIR/gpushare-runtime"
+    restore_file gpushare "$INSTALL_DIR/gpushare"
+    restore_file runtime.toml /etc/gpushare/runtime.toml
+    dirs=
+    if [ -e "$state/dirs" ]; then dirs=$(sort -ru "$state/dirs"); fi
+    rm -f "$state/dirs" "$pending"
+    rmdir "$state" 2>/dev/null || say "$STATE keeps files the installer did not write: kept"
+    for d in $dirs; do
+        rmdir "$HOST_ROOT$d" 2>/dev/null || say "$d is not empty: kept"
+    done
+    say "done: gpushare removed from this node"
+}
+
+"do_$ACTION"
+
+if [ -n "$once" ]; then
+    exit 0
+fi
+: >"$READY_FILE"
+# install: the agent in the host's mount namespace (where runc runs the hooks), until the
+# pod is deleted; SIGTERM stops it, the supervisors it started run on.
+if [ "$ACTION" = install ] && [ "${AGENT:-run}" = run ]; then
     say "running the agent: $INSTALL_DIR/gpushare agent"
-    exec nsenter --target 1 --mount -- "$INSTALL_DIR/gpushare" agent
+    exec nsenter --target "$HOST_PID" --mount -- "$INSTALL_DIR/gpushare" agent
 fi
-if [ -z "$once" ]; then
-    trap 'exit 0' TERM INT
-    sleep 2147483647 &
-    wait
-fi
+trap 'exit 0' TERM INT
+sleep 2147483647 &
+wait

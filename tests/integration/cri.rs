@@ -1439,17 +1439,62 @@ fn cri_sandboxes_are_never_requests() {
     assert_eq!(env.daemon_ids(), daemons, "nor for its sandbox");
 }
 
-/// deploy/node-installer.sh, as the DaemonSet runs it, against a fake host root
-/// whose containerd is this test's: the binaries land in the host's /usr/local/bin, the
-/// host's config.toml gets the runtime, containerd is restarted and then serves the
-/// `gpushare` handler through the installed shim; a second run changes nothing.
+/// Every file and directory under `root`: its path, mode and content's SHA-256 (None: a
+/// directory).
+fn host_tree(root: &Path) -> std::collections::BTreeMap<String, (u32, Option<String>)> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut tree = std::collections::BTreeMap::new();
+    let mut dirs = vec![root.to_owned()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let meta = std::fs::symlink_metadata(&p).unwrap();
+            let content = if meta.is_dir() {
+                dirs.push(p.clone());
+                None
+            } else {
+                use sha2::Digest;
+                Some(hex(&sha2::Sha256::digest(std::fs::read(&p).unwrap())))
+            };
+            let name = p.strip_prefix(root).unwrap().display().to_string();
+            tree.insert(name, (meta.permissions().mode(), content));
+        }
+    }
+    tree
+}
+
+/// The runtime.toml of deploy/node-installer.yaml's ConfigMap, as the DaemonSet's pod
+/// sees it, written to `path`.
+fn configmap_runtime_toml(path: &Path) {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(repo.join("deploy/node-installer.yaml")).unwrap();
+    let docs = yaml_rust2::YamlLoader::load_from_str(&text).unwrap();
+    let cm = docs
+        .iter()
+        .find(|d| d["kind"].as_str() == Some("ConfigMap"))
+        .expect("the ConfigMap");
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, cm["data"]["runtime.toml"].as_str().unwrap()).unwrap();
+}
+
+/// deploy/node-installer.sh, as the DaemonSet runs it, against a fake host root whose
+/// containerd is this test's, through install, install again, upgrade and uninstall.
+/// Install: the binaries land in the host's /usr/local/bin and the ConfigMap's
+/// runtime.toml in /etc/gpushare, the host's config.toml gets the runtime, containerd is
+/// restarted and then serves the `gpushare` handler through the installed shim. Again:
+/// nothing is copied, containerd is not restarted. Upgrade (a new binary and config):
+/// those two are copied, containerd is not restarted. Uninstall: containerd's config is
+/// put back byte for byte and containerd restarted; while a pod's daemon is in use the
+/// binaries stay and the run fails; once the pod is gone, the idle daemon is stopped and
+/// the host's tree is exactly what it was before the install.
 #[test]
-fn node_installer_registers_gpushare_and_restarts_the_host_s_containerd() {
+fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd() {
     let env = Env::new();
     let dir = env.path().join("n");
     let host = dir.join("host");
     let host_bin = host.join("usr/local/bin");
     std::fs::create_dir_all(&host_bin).unwrap();
+    std::fs::write(host_bin.join("someone-else-s"), "#!/bin/sh\n").unwrap();
     std::fs::create_dir_all(host.join("etc/containerd")).unwrap();
     let config = host.join("etc/containerd/config.toml");
     // A node whose CRI runtimes are containerd's built-in ones (no runtimes table).
@@ -1460,18 +1505,17 @@ fn node_installer_registers_gpushare_and_restarts_the_host_s_containerd() {
     let host_config = base_config(&dir);
     assert!(host_config.contains(runc));
     std::fs::write(&config, host_config.replace(runc, "")).unwrap();
-    let original = std::fs::read_to_string(&config).unwrap();
-    // The image's /opt/gpushare: the binaries under test and the shipped config.
+    let original = std::fs::read(&config).unwrap();
+    let host_before = host_tree(&host);
+    // The image's /opt/gpushare (the binaries under test) and the ConfigMap's mount.
     let image = dir.join("image");
     std::fs::create_dir_all(&image).unwrap();
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
-    for (from, name) in [
-        (Path::new(GPUSHARE), "gpushare"),
-        (Path::new(RUNTIME), "gpushare-runtime"),
-        (&repo.join("config/runtime.toml"), "runtime.toml"),
-    ] {
+    for (from, name) in [(GPUSHARE, "gpushare"), (RUNTIME, "gpushare-runtime")] {
         std::fs::copy(from, image.join(name)).unwrap();
     }
+    let source = dir.join("configmap/runtime.toml");
+    configmap_runtime_toml(&source);
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
     // containerd sees the fake host's /usr/local/bin at /usr/local/bin (in its namespace
     // only), as the real host sees what the installer copied there.
     let bin = host_bin.display().to_string();
@@ -1495,89 +1539,86 @@ fn node_installer_registers_gpushare_and_restarts_the_host_s_containerd() {
         "{err}"
     );
 
-    let installer = |pid: u32| {
-        Command::new("sh")
+    // The host's mount namespace is the node's (its holder outlives containerd).
+    let host_pid = node.ns().holder_pid();
+    let installer = |action: &str, containerd: u32| {
+        let out = Command::new("sh")
             .arg(repo.join("deploy/node-installer.sh"))
             .arg("--once")
+            .env("GPUSHARE_NODE_ACTION", action)
             .env("HOST_ROOT", &host)
             .env("SOURCE_DIR", &image)
+            .env("GPUSHARE_CONFIG_SOURCE", &source)
             .env("RESTART_MODE", "signal")
-            .env("CONTAINERD_PID", pid.to_string())
-            // Where the installer's own log goes (a pod has its own /var/log).
+            .env("CONTAINERD_PID", containerd.to_string())
+            .env("HOST_PID", host_pid.to_string())
+            // gpushare's state and log (a pod has its own /var/log).
             .env("GPUSHARE_CONFIG", &env.config)
             .stdin(Stdio::null())
             .output()
-            .unwrap()
-    };
-    // A node without a containerd config at all (containerd on its built-in defaults),
-    // and no restart wanted: the config is written with containerd's runc kept.
-    let bare = dir.join("bare-host");
-    std::fs::create_dir_all(&bare).unwrap();
-    let out = Command::new("sh")
-        .arg(repo.join("deploy/node-installer.sh"))
-        .arg("--once")
-        .env("HOST_ROOT", &bare)
-        .env("SOURCE_DIR", &image)
-        .env("RESTART_MODE", "none")
-        .env("GPUSHARE_CONFIG", &env.config)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("restart containerd on this node"),
-        "{}",
-        text(&out)
-    );
-    let v: toml::Table =
-        toml::from_str(&std::fs::read_to_string(bare.join("etc/containerd/config.toml")).unwrap())
             .unwrap();
-    let runtimes = &v["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"];
-    assert!(
-        runtimes.get("runc").is_some() && runtimes.get("gpushare").is_some(),
-        "{v}"
-    );
-    assert!(bare.join("usr/local/bin/gpushare-runtime").is_file());
-    assert!(
-        node.cri().version().is_ok(),
-        "the test's containerd was not signalled"
-    );
+        (out.status.success(), text(&out))
+    };
+    // The service manager: containerd starts again when the installer has stopped it.
+    let run = |node: &mut Node, action: &str| {
+        let (ok, s) = installer(action, node.pid());
+        if s.contains("SIGTERM to pid") {
+            let exit = node.wait_exit(Duration::from_secs(10));
+            assert!(
+                exit.success(),
+                "containerd shut down cleanly on SIGTERM: {exit:?}"
+            );
+            node.restart();
+        }
+        (ok, s)
+    };
+    // Should the uninstall take the binaries away under a running pod, they come back for
+    // its removal (its shim runs gpushare-runtime to stop it); dropped before `node`.
+    struct Binaries<'a>(&'a Path, &'a Path);
+    impl Drop for Binaries<'_> {
+        fn drop(&mut self) {
+            for name in ["gpushare", "gpushare-runtime"] {
+                if !self.1.join(name).exists() {
+                    let _ = std::fs::copy(self.0.join(name), self.1.join(name));
+                }
+            }
+        }
+    }
+    let _binaries = Binaries(&image, &host_bin);
+    let installed = |name: &str| host.join(name.trim_start_matches('/'));
+    let inode = |p: &Path| {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(p).unwrap().ino()
+    };
 
-    let out = installer(node.pid());
-    let s = text(&out);
-    assert!(out.status.success(), "{s}");
+    // Install.
+    let (ok, s) = run(&mut node, "install");
+    assert!(ok, "{s}");
     assert!(s.contains("SIGTERM to pid"), "{s}");
     assert!(
         !s.contains("does not exist"),
         "the container-view warning is dropped: {s}"
     );
-    let exit = node.wait_exit(Duration::from_secs(10));
-    assert!(
-        exit.success(),
-        "containerd shut down cleanly on SIGTERM: {exit:?}"
-    );
     for name in ["gpushare", "gpushare-runtime"] {
-        let installed = host_bin.join(name);
+        let p = host_bin.join(name);
         assert_eq!(
-            std::fs::read(&installed).unwrap(),
+            std::fs::read(&p).unwrap(),
             std::fs::read(image.join(name)).unwrap()
         );
         use std::os::unix::fs::PermissionsExt;
         assert_eq!(
-            std::fs::metadata(&installed).unwrap().permissions().mode() & 0o7777,
+            std::fs::metadata(&p).unwrap().permissions().mode() & 0o7777,
             0o755
         );
     }
     assert_eq!(
-        std::fs::read(host.join("etc/gpushare/runtime.toml")).unwrap(),
-        std::fs::read(repo.join("config/runtime.toml")).unwrap()
+        std::fs::read(installed("/etc/gpushare/runtime.toml")).unwrap(),
+        std::fs::read(&source).unwrap(),
+        "the ConfigMap's runtime.toml"
     );
-    assert!(!host
-        .join("etc/gpushare/.containerd-restart-pending")
-        .exists());
     let after = std::fs::read_to_string(&config).unwrap();
     let mut rest = after.lines();
-    for line in original.lines() {
+    for line in String::from_utf8(original.clone()).unwrap().lines() {
         assert!(
             rest.any(|l| l == line),
             "line {line:?} of the host's config was lost:\n{after}"
@@ -1592,16 +1633,15 @@ fn node_installer_registers_gpushare_and_restarts_the_host_s_containerd() {
         "the host's path, not the pod's view of it"
     );
 
-    // The service manager starts containerd again: the handler now runs pods, through the
-    // installed shim (its hooks are the gpushare beside it).
-    node.restart();
+    // containerd, started again, runs pods of the handler through the installed shim (its
+    // hooks are the gpushare beside it).
     let pod = node.pod(&PodSpec {
         name: "after",
         ..spec.clone()
     });
     let c = ContainerSpec {
         name: "cuda",
-        script: &hold(30),
+        script: &hold(120),
         run_as_user: Some(1000),
         ..Default::default()
     };
@@ -1611,14 +1651,170 @@ fn node_installer_registers_gpushare_and_restarts_the_host_s_containerd() {
         node.bundle_spec(&id)["hooks"]["createRuntime"][0]["path"],
         "/usr/local/bin/gpushare"
     );
+    let daemons = env.daemon_ids();
+    assert_eq!(daemons.len(), 1, "{daemons:?}");
 
-    // A second run (a restarted pod): nothing changes, containerd keeps running.
-    let out = installer(node.pid());
-    let s = text(&out);
-    assert!(out.status.success(), "{s}");
+    // Again (a restarted pod): nothing is copied, containerd keeps running.
+    let inodes: Vec<u64> = ["gpushare", "gpushare-runtime"]
+        .iter()
+        .map(|n| inode(&host_bin.join(n)))
+        .collect();
+    let config_inode = inode(&installed("/etc/gpushare/runtime.toml"));
+    let (ok, s) = run(&mut node, "install");
+    assert!(ok, "{s}");
+    assert_eq!(s.matches("is up to date").count(), 3, "{s}");
     assert!(s.contains("containerd is not restarted"), "{s}");
     assert_eq!(std::fs::read_to_string(&config).unwrap(), after);
     assert!(node.cri().version().is_ok(), "containerd still serves");
+    for (n, was) in ["gpushare", "gpushare-runtime"].iter().zip(&inodes) {
+        assert_eq!(inode(&host_bin.join(n)), *was, "{n} was not copied again");
+    }
+    assert_eq!(
+        inode(&installed("/etc/gpushare/runtime.toml")),
+        config_inode
+    );
+
+    // Upgrade: a new image's shim and a changed ConfigMap are copied; the rest stays.
+    let mut shim = std::fs::read(image.join("gpushare-runtime")).unwrap();
+    shim.extend_from_slice(b"\0a rebuilt shim");
+    std::fs::write(image.join("gpushare-runtime"), &shim).unwrap();
+    let mut cm = std::fs::read(&source).unwrap();
+    cm.extend_from_slice(b"log-level = \"debug\"\n");
+    std::fs::write(&source, &cm).unwrap();
+    let (ok, s) = run(&mut node, "install");
+    assert!(ok, "{s}");
+    assert!(
+        s.contains("installed /usr/local/bin/gpushare-runtime")
+            && s.contains("installed /etc/gpushare/runtime.toml")
+            && s.contains("/usr/local/bin/gpushare is up to date"),
+        "{s}"
+    );
+    assert!(s.contains("containerd is not restarted"), "{s}");
+    assert_eq!(
+        std::fs::read(host_bin.join("gpushare-runtime")).unwrap(),
+        shim
+    );
+    assert_eq!(
+        std::fs::read(installed("/etc/gpushare/runtime.toml")).unwrap(),
+        cm
+    );
+    assert_eq!(inode(&host_bin.join("gpushare")), inodes[0]);
+
+    // Uninstall while the pod runs: containerd's config is put back and containerd
+    // restarted; the daemon is in use, so the binaries stay and the run fails.
+    let (ok, s) = run(&mut node, "uninstall");
+    assert!(!ok, "{s}");
+    assert!(s.contains("restored /etc/containerd/config.toml"), "{s}");
+    assert!(s.contains("SIGTERM to pid"), "{s}");
+    assert!(s.contains("MPS daemons are still in use"), "{s}");
+    assert_eq!(std::fs::read(&config).unwrap(), original, "byte for byte");
+    assert!(host_bin.join("gpushare-runtime").exists());
+    assert!(host_bin.join("gpushare").exists());
+    assert_eq!(env.daemon_ids(), daemons);
+
+    // The pod goes (its shim still runs the installed gpushare-runtime); the daemon stays
+    // until its idle-timeout, and the next run of the uninstall stops it.
+    node.cri().stop_container(&id, 0).unwrap();
+    node.cri().remove_container(&id).unwrap();
+    node.cri().stop_pod(&pod.id).unwrap();
+    node.cri().remove_pod(&pod.id).unwrap();
+    assert_eq!(env.daemon_ids(), daemons, "an idle daemon");
+    let (ok, s) = run(&mut node, "uninstall");
+    assert!(ok, "{s}");
+    assert!(s.contains(&format!("stopped daemon {}", daemons[0])), "{s}");
+    assert!(s.contains("containerd is not restarted"), "{s}");
+    assert!(node.cri().version().is_ok(), "containerd still serves");
+    assert_eq!(env.daemon_ids(), Vec::<String>::new());
+    assert_eq!(std::fs::read(&config).unwrap(), original, "byte for byte");
+    assert_eq!(host_tree(&host), host_before, "the host as it was");
+    // Nothing is left to undo.
+    let (ok, s) = run(&mut node, "uninstall");
+    assert!(ok && s.contains("nothing to undo"), "{s}");
+
+    // A node without a containerd config at all (containerd on its built-in defaults) and
+    // no directories of its own: install writes the config with containerd's runc kept,
+    // and uninstall takes away every file and directory it made.
+    let bare = dir.join("bare-host");
+    std::fs::create_dir_all(&bare).unwrap();
+    std::fs::create_dir_all(dir.join("empty")).unwrap();
+    // Its host namespace: /usr/local/bin leads to the bare host's, made by the install.
+    let bare_ns = PrivateMounts::with(&format!(
+        "mount -t tmpfs gs-bare /usr/local\nln -s '{}/usr/local/bin' /usr/local/bin",
+        bare.display()
+    ));
+    let bare_run = |action: &str| {
+        let out = Command::new("sh")
+            .arg(repo.join("deploy/node-installer.sh"))
+            .arg("--once")
+            .env("GPUSHARE_NODE_ACTION", action)
+            .env("HOST_ROOT", &bare)
+            .env("SOURCE_DIR", &image)
+            .env("GPUSHARE_CONFIG_SOURCE", &source)
+            .env("RESTART_MODE", "none")
+            .env("HOST_PID", bare_ns.holder_pid().to_string())
+            .env("GPUSHARE_CONFIG", &env.config)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        (out.status.success(), text(&out))
+    };
+    // A host that cannot run the copied gpushare (here: it does not see it; an old glibc
+    // alike): the runtime is not registered, nor containerd's config written.
+    let blind_ns = PrivateMounts::with("mount -t tmpfs gs-blind /usr/local");
+    let blind = Command::new("sh")
+        .arg(repo.join("deploy/node-installer.sh"))
+        .arg("--once")
+        .env("HOST_ROOT", &bare)
+        .env("SOURCE_DIR", &image)
+        .env("GPUSHARE_CONFIG_SOURCE", &source)
+        .env("RESTART_MODE", "none")
+        .env("HOST_PID", blind_ns.holder_pid().to_string())
+        .env("GPUSHARE_CONFIG", &env.config)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        !blind.status.success() && text(&blind).contains("does not run on this node"),
+        "{}",
+        text(&blind)
+    );
+    assert!(!bare.join("etc/containerd").exists());
+    drop(blind_ns);
+    let (ok, s) = bare_run("install");
+    assert!(ok && s.contains("restart containerd on this node"), "{s}");
+    let v: toml::Table =
+        toml::from_str(&std::fs::read_to_string(bare.join("etc/containerd/config.toml")).unwrap())
+            .unwrap();
+    let runtimes = &v["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"];
+    assert!(
+        runtimes.get("runc").is_some() && runtimes.get("gpushare").is_some(),
+        "{v}"
+    );
+    assert!(bare.join("usr/local/bin/gpushare-runtime").is_file());
+    // Someone else edits containerd's config after the install: uninstall does not
+    // undo their edit by putting the file back, and says what to do instead.
+    let bare_config = bare.join("etc/containerd/config.toml");
+    let installed_config = std::fs::read(&bare_config).unwrap();
+    let mut edited = installed_config.clone();
+    edited.extend_from_slice(b"# another installer's edit\n");
+    std::fs::write(&bare_config, &edited).unwrap();
+    let (ok, s) = bare_run("uninstall");
+    assert!(!ok, "{s}");
+    assert!(
+        s.contains("changed since the installer registered gpushare")
+            && s.contains("containerd.runtimes.gpushare]"),
+        "{s}"
+    );
+    assert_eq!(std::fs::read(&bare_config).unwrap(), edited, "kept");
+    assert!(bare.join("usr/local/bin/gpushare-runtime").is_file());
+    std::fs::write(&bare_config, &installed_config).unwrap();
+    let (ok, s) = bare_run("uninstall");
+    assert!(ok, "{s}");
+    assert_eq!(
+        host_tree(&bare),
+        host_tree(&dir.join("empty")),
+        "nothing is left"
+    );
 }
 
 /// A node whose containerd runs on the CRI plugin's built-in defaults (no CRI table in its

@@ -1438,12 +1438,28 @@ fn deploy_manifests_are_valid() {
                 .bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
     );
+    // GPU nodes by the label NVIDIA's stack sets, and their usual taint tolerated.
     let node_selector = y(&rc[0], "scheduling.nodeSelector");
-    assert!(node_selector.as_hash().is_some_and(|h| !h.is_empty()));
+    assert_eq!(
+        node_selector["nvidia.com/gpu.present"].as_str(),
+        Some("true")
+    );
+    let tolerations = y(&rc[0], "scheduling.tolerations");
+    assert!(
+        tolerations
+            .as_vec()
+            .unwrap()
+            .iter()
+            .any(|t| t["key"].as_str() == Some("nvidia.com/gpu")
+                && t["operator"].as_str() == Some("Exists")
+                && t["effect"].as_str() == Some("NoSchedule")),
+        "runtimeclass.yaml tolerates nvidia.com/gpu:NoSchedule"
+    );
 
     let mut seen = std::collections::BTreeMap::<String, usize>::new();
     let mut entrypoint_in_image = None;
-    let mut daemonset_command = None;
+    let mut daemonset = None;
+    let mut configmaps = std::collections::BTreeMap::new();
     for file in &files {
         let name = file.strip_prefix(&root).unwrap().display().to_string();
         let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("");
@@ -1463,10 +1479,10 @@ fn deploy_manifests_are_valid() {
                     match kind.as_str() {
                         "RuntimeClass" => assert_eq!(s(&doc, "handler"), Some(handler.clone())),
                         "Pod" => check_pod(&name, &doc, &handler),
-                        "DaemonSet" => {
-                            daemonset_command = Some(check_daemonset(&name, &doc, &node_selector));
+                        "DaemonSet" => daemonset = Some((name.clone(), doc.clone())),
+                        "ConfigMap" => {
+                            configmaps.insert(s(&doc, "metadata.name").unwrap(), doc.clone());
                         }
-                        "ConfigMap" => check_device_plugin_config(&name, &doc),
                         other => panic!("{name}: a {other} this test does not check"),
                     }
                 }
@@ -1530,13 +1546,27 @@ fn deploy_manifests_are_valid() {
             _ => panic!("{name}: a file this test does not check"),
         }
     }
+    let (name, ds) = daemonset.expect("the node installer's DaemonSet");
+    let command = check_daemonset(&name, &ds, &rc[0], &configmaps);
     // The DaemonSet runs the script the image holds.
-    assert_eq!(daemonset_command, entrypoint_in_image.map(|e| vec![e]));
+    assert_eq!(Some(command), entrypoint_in_image.map(|e| vec![e]));
+    for (cm_name, cm) in &configmaps {
+        match cm_name.as_str() {
+            "gpushare-config" => {
+                let text = cm["data"]["runtime.toml"]
+                    .as_str()
+                    .expect("gpushare-config: data.runtime.toml");
+                gpushare::config::parse(text, None)
+                    .unwrap_or_else(|e| panic!("gpushare-config's runtime.toml: {e}"));
+            }
+            _ => check_device_plugin_config(cm_name, cm),
+        }
+    }
     let want: std::collections::BTreeMap<String, usize> = [
         ("RuntimeClass", 1),
         ("Pod", 4),
         ("DaemonSet", 1),
-        ("ConfigMap", 1),
+        ("ConfigMap", 2),
         ("containerd drop-in", 1),
         ("script", 1),
         ("Dockerfile", 1),
@@ -1618,31 +1648,53 @@ fn check_pod(name: &str, pod: &yaml_rust2::Yaml, handler: &str) {
     }
 }
 
-/// The node installer: runs where the RuntimeClass schedules, mounts each host directory
-/// at `HOST_ROOT` + its host path (what entrypoint.sh expects), sees the host's pids.
+/// The node installer, as an API server and the kubelet would take it: the selector
+/// matches the pods, every mount names a volume, the ConfigMap it mounts exists in its
+/// namespace with the runtime.toml the script copies; it runs where the RuntimeClass
+/// `rc` schedules and registers its handler; the host's / is at HOST_ROOT, so INSTALL_DIR
+/// and CONTAINERD_CONFIG need no volume of their own; a versioned image that upgrades
+/// pull; Ready when the script says its action is done. Returns its command.
 fn check_daemonset(
     name: &str,
     ds: &yaml_rust2::Yaml,
-    node_selector: &yaml_rust2::Yaml,
+    rc: &yaml_rust2::Yaml,
+    configmaps: &std::collections::BTreeMap<String, yaml_rust2::Yaml>,
 ) -> Vec<String> {
     let spec = &ds["spec"]["template"]["spec"];
     let labels = ds["spec"]["template"]["metadata"]["labels"]
         .as_hash()
         .unwrap();
-    for (k, v) in ds["spec"]["selector"]["matchLabels"].as_hash().unwrap() {
+    let selector = ds["spec"]["selector"]["matchLabels"].as_hash().unwrap();
+    assert!(!selector.is_empty(), "{name}: spec.selector is required");
+    for (k, v) in selector {
         assert_eq!(
             labels.get(k),
             Some(v),
             "{name}: the selector matches the pods"
         );
     }
+    let namespace = ds["metadata"]["namespace"].as_str().unwrap();
     assert_eq!(
-        &spec["nodeSelector"], node_selector,
+        &spec["nodeSelector"], &rc["scheduling"]["nodeSelector"],
         "{name}: the RuntimeClass's nodes"
     );
+    assert_eq!(
+        &spec["tolerations"], &rc["scheduling"]["tolerations"],
+        "{name}: the RuntimeClass's tolerations"
+    );
     assert_eq!(spec["hostPID"].as_bool(), Some(true), "{name}");
-    let c = &spec["containers"][0];
-    assert!(c["image"].as_str().is_some_and(|i| !i.is_empty()));
+    let containers = spec["containers"].as_vec().unwrap();
+    assert_eq!(containers.len(), 1, "{name}");
+    let c = &containers[0];
+    assert!(c["name"].as_str().is_some_and(|n| !n.is_empty()));
+    let image = c["image"].as_str().unwrap();
+    let (_, tag) = image.rsplit_once(':').expect("a tagged image");
+    assert_eq!(
+        tag,
+        env!("CARGO_PKG_VERSION"),
+        "{name}: the image's tag is gpushare's version"
+    );
+    assert_eq!(c["imagePullPolicy"].as_str(), Some("Always"), "{name}");
     assert_eq!(c["securityContext"]["privileged"].as_bool(), Some(true));
     let env: std::collections::HashMap<&str, &str> = c["env"]
         .as_vec()
@@ -1650,40 +1702,56 @@ fn check_daemonset(
         .iter()
         .map(|e| (e["name"].as_str().unwrap(), e["value"].as_str().unwrap()))
         .collect();
-    let host_root = env["HOST_ROOT"];
-    let volumes: std::collections::HashMap<&str, &str> = spec["volumes"]
+    assert_eq!(env["GPUSHARE_NODE_ACTION"], "install");
+    assert_eq!(
+        Some(env["RUNTIME_NAME"]),
+        rc["handler"].as_str(),
+        "{name}: registers the RuntimeClass's handler"
+    );
+    let volumes: std::collections::HashMap<&str, &yaml_rust2::Yaml> = spec["volumes"]
         .as_vec()
         .unwrap()
         .iter()
-        .map(|v| {
-            (
-                v["name"].as_str().unwrap(),
-                v["hostPath"]["path"].as_str().unwrap(),
-            )
-        })
+        .map(|v| (v["name"].as_str().unwrap(), v))
         .collect();
-    let mut mounted = Vec::new();
+    let mut mounts = std::collections::HashMap::new();
     for m in c["volumeMounts"].as_vec().unwrap() {
-        let host = volumes[m["name"].as_str().unwrap()];
-        assert!(host.starts_with('/'));
-        assert_eq!(
-            m["mountPath"].as_str().unwrap(),
-            format!("{host_root}{host}"),
-            "{name}"
-        );
-        mounted.push(host);
-    }
-    for (key, is_dir) in [("INSTALL_DIR", true), ("CONTAINERD_CONFIG", false)] {
-        let path = Path::new(env[key]);
-        let dir = if is_dir { path } else { path.parent().unwrap() };
+        let volume = m["name"].as_str().unwrap();
         assert!(
-            mounted.contains(&dir.to_str().unwrap()),
-            "{name}: {key} is mounted"
+            volumes.contains_key(volume),
+            "{name}: the mount of {volume} names no volume"
         );
+        mounts.insert(m["mountPath"].as_str().unwrap(), volumes[volume]);
     }
+    let host_root = &mounts[env["HOST_ROOT"]]["hostPath"];
+    assert_eq!(host_root["path"].as_str(), Some("/"), "{name}");
+    for key in ["INSTALL_DIR", "CONTAINERD_CONFIG"] {
+        assert!(env[key].starts_with('/'), "{name}: {key}");
+    }
+    let source = Path::new(env["GPUSHARE_CONFIG_SOURCE"]);
+    let cm = &mounts[source.parent().unwrap().to_str().unwrap()]["configMap"]["name"];
+    let cm = &configmaps[cm.as_str().unwrap()];
+    assert_eq!(cm["metadata"]["namespace"].as_str(), Some(namespace));
     assert!(
-        mounted.contains(&"/etc/gpushare"),
-        "{name}: the config's directory"
+        cm["data"][source.file_name().unwrap().to_str().unwrap()]
+            .as_str()
+            .is_some(),
+        "{name}: the ConfigMap has {}",
+        source.display()
+    );
+    let script = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/node-installer.sh"),
+    )
+    .unwrap();
+    let probe: Vec<&str> = c["readinessProbe"]["exec"]["command"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert!(
+        script.contains(&format!("READY_FILE=${{READY_FILE:-{}}}", probe[2])),
+        "{name}: the probe's file is the script's READY_FILE: {probe:?}"
     );
     c["command"]
         .as_vec()

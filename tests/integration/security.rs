@@ -453,13 +453,19 @@ fn a_client_memory_limit_in_the_container_env_is_refused_beside_an_enforced_one(
         "{msg}"
     );
     assert_eq!(c.config_bytes(), before, "config.json untouched");
-    assert!(env.daemon_ids().is_empty(), "no daemon for a refused create");
+    assert!(
+        env.daemon_ids().is_empty(),
+        "no daemon for a refused create"
+    );
 
     let h = lifted("lift-ho");
     let out = crate::tenant_mounts::hook_only_create(&env, &h);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "hook-only create succeeded");
-    assert!(err.contains("process.env sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), "{err}");
+    assert!(
+        err.contains("process.env sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
+        "{err}"
+    );
     assert!(env.daemon_ids().is_empty(), "no daemon for a refused hook");
 
     // No pinned limit: the variable stays the container's own.
