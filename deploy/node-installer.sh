@@ -20,8 +20,9 @@
 #
 # GPUSHARE_NODE_ACTION=uninstall: puts back what install changed, in this order:
 #   1. containerd's config as it was before the first install, byte for byte, and restarts
-#      containerd (refused when the file changed since the installer wrote it and still
-#      registers $RUNTIME_NAME: restoring it would undo someone else's edit);
+#      containerd; when the file changed since the installer wrote it and still registers
+#      $RUNTIME_NAME, only that runtime's tables are taken out (`gpushare uninstall
+#      containerd`) and the rest is kept: restoring it would undo someone else's edit;
 #   2. `gpushare daemon stop --all` in the host's mount namespace, before the binary is
 #      gone: idle daemons stop; while a container still uses one, the run fails (exit 1,
 #      the kubelet retries) and the binaries stay, which that container's shim needs;
@@ -280,7 +281,7 @@ do_install() {
     # admin): the file as it was before gpushare no longer describes the node.
     if [ -e "$state/containerd.toml.sha256" ] &&
         [ "$(sha "$config")" != "$(cat "$state/containerd.toml.sha256")" ]; then
-        say "$CONTAINERD_CONFIG changed since the last install: the uninstall will not restore it, it will ask for the $RUNTIME_NAME runtime to be removed from it by hand"
+        say "$CONTAINERD_CONFIG changed since the last install: the uninstall will not restore it, it will take only the $RUNTIME_NAME runtime out of it"
         rm -f "$state/containerd.toml.orig" "$state/containerd.toml.absent" \
             "$state/containerd.toml.sha256"
         : >"$state/containerd.toml.no-restore"
@@ -307,6 +308,20 @@ registered() { # containerd's config names the runtime
 refuse_restore() {
     die "$CONTAINERD_CONFIG changed since the installer registered $RUNTIME_NAME, so it is not put back as it was (that would undo the other change): delete the tables [plugins.\"…\".containerd.runtimes.$RUNTIME_NAME] and [….options] from it yourself, restart containerd, and run the uninstall again"
 }
+# The config changed since the install (another runtime's installer, an admin) and still
+# registers the runtime: take out only the runtime's tables (this image's gpushare, on the
+# file as the host root shows it, as the install edits it) and keep the rest; the file is
+# then the node's own.
+remove_runtime_only() {
+    if ! out=$("$SOURCE_DIR/gpushare" uninstall containerd --config "$config" --name "$RUNTIME_NAME" 2>&1); then
+        printf '%s\n' "$out" >&2
+        refuse_restore
+    fi
+    registered && refuse_restore
+    say "$CONTAINERD_CONFIG changed since the install: only the $RUNTIME_NAME runtime was taken out of it, the rest is kept"
+    : >"$pending"
+    rm -f "$state/containerd.toml.sha256" "$state/containerd.toml.orig" "$state/containerd.toml.absent"
+}
 do_uninstall() {
     if [ ! -d "$state" ]; then
         say "no $STATE on this node: nothing to undo"
@@ -315,14 +330,15 @@ do_uninstall() {
     # 1. containerd first: no new container reaches gpushare after its restart.
     if [ -e "$state/containerd.toml.sha256" ]; then
         if [ "$(sha "$config")" != "$(cat "$state/containerd.toml.sha256")" ] && registered; then
-            refuse_restore
+            remove_runtime_only
+        else
+            before=$(sha "$config")
+            restore_file containerd.toml "$CONTAINERD_CONFIG"
+            if [ "$before" != "$(sha "$config")" ]; then : >"$pending"; fi
         fi
-        before=$(sha "$config")
-        restore_file containerd.toml "$CONTAINERD_CONFIG"
-        if [ "$before" != "$(sha "$config")" ]; then : >"$pending"; fi
     fi
     if [ -e "$state/containerd.toml.no-restore" ]; then
-        ! registered || refuse_restore
+        if registered; then remove_runtime_only; fi
         rm -f "$state/containerd.toml.no-restore"
     fi
     restart_containerd

@@ -1792,28 +1792,37 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
     );
     assert!(bare.join("usr/local/bin/gpushare-runtime").is_file());
     // Someone else edits containerd's config after the install: uninstall does not
-    // undo their edit by putting the file back, and says what to do instead.
+    // undo their edit by putting the file back; it takes out only gpushare's runtime (with
+    // `gpushare uninstall containerd`, while the binary is there) and keeps the rest.
     let bare_config = bare.join("etc/containerd/config.toml");
-    let installed_config = std::fs::read(&bare_config).unwrap();
-    let mut edited = installed_config.clone();
+    let mut edited = std::fs::read(&bare_config).unwrap();
     edited.extend_from_slice(b"# another installer's edit\n");
     std::fs::write(&bare_config, &edited).unwrap();
     let (ok, s) = bare_run("uninstall");
-    assert!(!ok, "{s}");
     assert!(
-        s.contains("changed since the installer registered gpushare")
-            && s.contains("containerd.runtimes.gpushare]"),
+        ok && s.contains("only the gpushare runtime was taken out of it"),
         "{s}"
     );
-    assert_eq!(std::fs::read(&bare_config).unwrap(), edited, "kept");
-    assert!(bare.join("usr/local/bin/gpushare-runtime").is_file());
-    std::fs::write(&bare_config, &installed_config).unwrap();
-    let (ok, s) = bare_run("uninstall");
-    assert!(ok, "{s}");
+    let left = std::fs::read_to_string(&bare_config).unwrap();
+    let v: toml::Table = toml::from_str(&left).unwrap();
+    let runtimes = &v["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"];
+    assert!(
+        runtimes.get("gpushare").is_none() && runtimes.get("runc").is_some(),
+        "{left}"
+    );
+    assert!(left.contains("# another installer's edit"), "{left}");
+    let mut expected = host_tree(&dir.join("empty"));
+    for d in ["etc", "etc/containerd"] {
+        expected.insert(d.into(), host_tree(&bare)[d].clone());
+    }
+    expected.insert(
+        "etc/containerd/config.toml".into(),
+        host_tree(&bare)["etc/containerd/config.toml"].clone(),
+    );
     assert_eq!(
         host_tree(&bare),
-        host_tree(&dir.join("empty")),
-        "nothing is left"
+        expected,
+        "only the edited config is left, as the node's own"
     );
 }
 
