@@ -1176,6 +1176,62 @@ fn cri_containerd2_status_names_the_pod_of_every_client_container() {
     every_client_container_is_named_by_its_pod(&mut node);
 }
 
+/// A node laid out as NVIDIA's GPU Operator lays it out (the driver's files under a root
+/// of their own, reproduced with driver_root.rs's fake driver tree) and configured as
+/// docs/kubernetes.md's "With NVIDIA's GPU Operator" says (`driver-root`, the control
+/// binary by name, `inventory = "nvml"`): through containerd's CRI plugin two users' pods
+/// on GPU 1, which only the root's NVML knows, get their share from daemons of their own
+/// that run the root's control binary; doctor reports no failure on that node.
+#[test]
+fn cri_pods_on_a_gpu_operator_node_get_their_share() {
+    let (env, root) = crate::driver_root::operator_env();
+    let mut node = Node::start(&env);
+    let (report, _) = crate::driver_root::doctor(&env);
+    for name in ["driver-root", "driver", "inventory", "mps-control"] {
+        assert!(
+            report
+                .lines()
+                .any(|l| l.starts_with("ok") && l.split_whitespace().nth(1) == Some(name)),
+            "doctor's {name} line is ok:\n{report}"
+        );
+    }
+    assert!(!report.lines().any(|l| l.starts_with("FAIL")), "{report}");
+    let ann = [
+        ("gpushare.io/device", "1"),
+        ("gpushare.io/active-thread-percentage", "50"),
+    ];
+    for (pod, uid) in [("alice", 1000), ("bob", 2000)] {
+        let p = node.pod(&PodSpec {
+            name: pod,
+            annotations: &ann,
+            run_as_user: Some(uid),
+            ..Default::default()
+        });
+        let c = ContainerSpec {
+            name: "cuda",
+            script: CLIENT,
+            run_as_user: Some(uid),
+            ..Default::default()
+        };
+        node.run(&p, &c);
+        let line = node.client_line(&p, &c);
+        assert_eq!(line["server_uid"], uid.to_string(), "{line:?}");
+        assert_eq!(
+            line["active_thread_percentage"].parse::<f64>().unwrap(),
+            50.0,
+            "{line:?}"
+        );
+    }
+    let control = std::fs::canonicalize(root.join("bin/nvidia-cuda-mps-control")).unwrap();
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 2, "one daemon per user: {ids:?}");
+    for id in &ids {
+        let pid = env.daemon_pid(id);
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap();
+        assert_eq!(exe, control, "daemon {id} runs the root's control binary");
+    }
+}
+
 /// `gpushare uninstall containerd` gives back the config as it was before `install
 /// containerd`, byte for byte; after a restart the CRI plugin has no gpushare handler.
 #[test]

@@ -73,7 +73,7 @@ fn set_line(env: &Env, prefix: &str, line: &str) {
 
 /// An env whose config names only the driver root: `inventory = "nvml"`, the control
 /// binary by name, and no LD_LIBRARY_PATH or PATH that would find either elsewhere.
-fn operator_env() -> (Env, PathBuf) {
+pub(crate) fn operator_env() -> (Env, PathBuf) {
     let env = Env::new();
     let root = driver_tree(env.path(), &env.sim());
     env.set_inventory("nvml");
@@ -90,7 +90,7 @@ fn operator_env() -> (Env, PathBuf) {
     (env, root)
 }
 
-fn doctor(env: &Env) -> (String, Option<i32>) {
+pub(crate) fn doctor(env: &Env) -> (String, Option<i32>) {
     let out = env.cmd(GPUSHARE).arg("doctor").output().unwrap();
     (
         String::from_utf8_lossy(&out.stdout).into_owned(),
