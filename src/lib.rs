@@ -52,6 +52,7 @@ mod install;
 mod inventory_cache;
 mod logging;
 mod mps;
+pub mod nri;
 mod ops;
 pub mod request;
 mod rootfs;
