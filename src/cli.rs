@@ -150,6 +150,11 @@ enum Engine {
         /// <name>-base-spec.json) runs gpushare in hook-only mode. --runtime-path is unused.
         #[arg(long)]
         hook_only: bool,
+        /// Instead of registering a runtime: turn containerd's NRI on (off by default in
+        /// 1.7, on in 2.x), for `gpushare nri` (docs/kubernetes.md). --name and
+        /// --runtime-path are unused.
+        #[arg(long, conflicts_with = "hook_only")]
+        nri: bool,
     },
     /// Write gpushare's CDI spec (`gpushare cdi generate`) where every CDI engine reads it
     /// across reboots (default /etc/cdi/gpushare.json), and say how each engine uses it.
@@ -700,7 +705,16 @@ fn install(cfg: &Config, engine: Engine) -> anyhow::Result<()> {
         Engine::Containerd {
             args,
             config_version,
+            nri: true,
+            ..
+        } => {
+            return ops::install::enable_nri(args.config, config_version, args.dry_run);
+        }
+        Engine::Containerd {
+            args,
+            config_version,
             hook_only,
+            nri: false,
         } => (
             args,
             ops::install::Engine::Containerd {
