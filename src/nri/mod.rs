@@ -41,10 +41,10 @@ use plugin::Plugin;
 use wire::{PLUGIN_CONN, RUNTIME_CONN, TYPE_REQUEST, TYPE_RESPONSE};
 
 /// NRI's default socket.
-pub const DEFAULT_SOCKET: &str = "/var/run/nri/nri.sock";
+pub(crate) const DEFAULT_SOCKET: &str = "/var/run/nri/nri.sock";
 /// The name and index the plugin registers under (plugins are called in index order).
-pub const DEFAULT_NAME: &str = "gpushare";
-pub const DEFAULT_INDEX: &str = "10";
+pub(crate) const DEFAULT_NAME: &str = "gpushare";
+pub(crate) const DEFAULT_INDEX: &str = "10";
 
 const PLUGIN_SERVICE: &str = "nri.pkg.api.v1alpha1.Plugin";
 const RUNTIME_SERVICE: &str = "nri.pkg.api.v1alpha1.Runtime";
@@ -94,7 +94,7 @@ impl PluginState {
 }
 
 /// How the plugin reaches its runtime.
-pub enum Endpoint {
+pub(crate) enum Endpoint {
     /// Dial this socket, again whenever the connection ends.
     Socket(PathBuf),
     /// The connection the runtime handed a plugin it launched (`NRI_PLUGIN_SOCKET`).
@@ -103,7 +103,7 @@ pub enum Endpoint {
 
 /// Runs the plugin until the runtime that launched it goes away (`Endpoint::Launched`),
 /// or for ever (`Endpoint::Socket`), registering as `name` with `index`.
-pub fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> anyhow::Result<()> {
+pub(crate) fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> anyhow::Result<()> {
     let dirs = StateDir::new(&cfg.state_dir);
     dirs.ensure_root()?;
     let plugin = Arc::new(Plugin::new(cfg.clone()));
