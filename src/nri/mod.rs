@@ -108,25 +108,31 @@ pub(crate) fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> 
     dirs.ensure_root()?;
     let plugin = Arc::new(Plugin::new(cfg.clone()));
     let me = ProcRef::of(std::process::id() as i32);
-    let state = |socket: &Path, connected: bool, runtime: Option<String>, error: Option<String>| {
-        PluginState {
-            process: me,
-            socket: socket.to_owned(),
-            connected,
-            runtime,
-            since: crate::util::unix_now(),
-            error,
-        }
-        .write(&dirs)
+    let state =
+        move |socket: &Path, connected: bool, runtime: Option<String>, error: Option<String>| {
+            PluginState {
+                process: me,
+                socket: socket.to_owned(),
+                connected,
+                runtime,
+                since: crate::util::unix_now(),
+                error,
+            }
+            .write(&dirs)
+        };
+    let state = Arc::new(state);
+    // What a session says once the runtime has configured the plugin (from the thread
+    // that answered Configure).
+    let on_configured = |socket: PathBuf| -> Connected {
+        let state = Arc::clone(&state);
+        Arc::new(move |runtime: String| state(&socket, true, Some(runtime), None))
     };
     let reaper = Arc::clone(&plugin);
     std::thread::spawn(move || reap_children(&reaper));
     match endpoint {
         Endpoint::Launched(stream) => {
             let socket = PathBuf::from("(the connection the runtime launched the plugin with)");
-            let end = session(&plugin, stream, name, index, &|runtime| {
-                state(&socket, true, Some(runtime), None)
-            });
+            let end = session(&plugin, stream, name, index, on_configured(socket.clone()));
             state(
                 &socket,
                 false,
@@ -142,9 +148,7 @@ pub(crate) fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> 
                 let end = UnixStream::connect(&socket)
                     .with_context(|| format!("connect to the NRI socket {}", socket.display()))
                     .and_then(|stream| {
-                        session(&plugin, stream, name, index, &|runtime| {
-                            state(&socket, true, Some(runtime), None)
-                        })
+                        session(&plugin, stream, name, index, on_configured(socket.clone()))
                     });
                 let why = match end {
                     Ok(registered) => {
@@ -186,6 +190,9 @@ fn reap_children(plugin: &Plugin) {
     }
 }
 
+/// Called once the runtime has configured the plugin, with the runtime's name and version.
+type Connected = Arc<dyn Fn(String) + Send + Sync>;
+
 /// The write half of a connection, shared by the threads that answer.
 struct Sender {
     stream: Mutex<UnixStream>,
@@ -213,7 +220,7 @@ fn session(
     stream: UnixStream,
     name: &str,
     index: &str,
-    connected: &dyn Fn(String),
+    connected: Connected,
 ) -> anyhow::Result<bool> {
     let mut reader = stream
         .try_clone()
@@ -242,11 +249,7 @@ fn session(
     let mut plugin_conn = wire::Stream::default();
     let mut runtime_conn = wire::Stream::default();
     let mut registered = false;
-    let (configured_tx, configured_rx) = std::sync::mpsc::channel::<String>();
     loop {
-        if let Ok(runtime) = configured_rx.try_recv() {
-            connected(runtime);
-        }
         let Some((conn, payload)) = wire::read_frame(&mut reader)? else {
             return Ok(registered);
         };
@@ -257,13 +260,13 @@ fn session(
                     if msg.typ != TYPE_REQUEST {
                         continue;
                     }
-                    let (plugin, sender, tx) = (
+                    let (plugin, sender, connected) = (
                         Arc::clone(plugin),
                         Arc::clone(&sender),
-                        configured_tx.clone(),
+                        Arc::clone(&connected),
                     );
                     std::thread::spawn(move || {
-                        let response = answer(&plugin, &msg.body, &tx);
+                        let response = answer(&plugin, &msg.body, &*connected);
                         if let Err(e) = sender.send(
                             PLUGIN_CONN,
                             msg.stream,
@@ -302,7 +305,7 @@ fn session(
 fn answer(
     plugin: &Plugin,
     body: &[u8],
-    configured: &std::sync::mpsc::Sender<String>,
+    configured: &(dyn Fn(String) + Send + Sync),
 ) -> api::Response {
     let fail = |code: i32, message: String| api::Response {
         status: Some(api::Status { code, message }),
@@ -340,7 +343,7 @@ fn handle(
     plugin: &Plugin,
     method: &str,
     payload: &[u8],
-    configured: &std::sync::mpsc::Sender<String>,
+    configured: &(dyn Fn(String) + Send + Sync),
 ) -> anyhow::Result<Vec<u8>> {
     let event = || api::ContainerEvent::decode(payload).context("decode the runtime's event");
     Ok(match method {
@@ -355,7 +358,7 @@ fn handle(
             if let Ok(mut r) = plugin.runtime.lock() {
                 *r = runtime.clone();
             }
-            let _ = configured.send(runtime);
+            configured(runtime);
             api::ConfigureResponse {
                 events: event::mask(&[
                     event::CREATE_CONTAINER,

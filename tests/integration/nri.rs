@@ -346,6 +346,45 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
     node.cri().stop_pod(&alice.id).unwrap();
     node.cri().remove_pod(&alice.id).unwrap();
 
+    // containerd restarts under bob's live pod: the plugin dials again by itself, bob's
+    // record stays, and a new pod is served.
+    let registrations = |env: &Env| env.gpushare_log().matches("NRI: plugin registered").count();
+    let before = registrations(&env);
+    node.stop();
+    node.restart();
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            let s: Value =
+                serde_json::from_slice(&std::fs::read(env.state.join("nri.json")).unwrap())
+                    .unwrap();
+            registrations(&env) > before && s["connected"] == true
+        }),
+        "the plugin did not reconnect after containerd's restart: {}",
+        env.gpushare_log()
+    );
+    assert!(node.daemon_of(&served[1].1).is_some());
+    let again = plain_pod(
+        &mut node,
+        &PodSpec {
+            name: "again",
+            annotations: &ann,
+            run_as_user: Some(3000),
+            ..Default::default()
+        },
+    );
+    let a = ContainerSpec {
+        name: "cuda",
+        script: &hold(0),
+        run_as_user: Some(3000),
+        ..Default::default()
+    };
+    let again_id = node.run(&again, &a);
+    assert_eq!(node.client_line(&again, &a)["server_uid"], "3000");
+    node.cri().stop_container(&again_id, 0).unwrap();
+    node.cri().remove_container(&again_id).unwrap();
+    node.cri().stop_pod(&again.id).unwrap();
+    node.cri().remove_pod(&again.id).unwrap();
+
     // A record whose container went away while the plugin was down is dropped at its
     // next Synchronize.
     let (bob, bob_id, _, _) = &served[1];
