@@ -85,6 +85,23 @@ enum Command {
     /// its own children, outside every engine's process tree, so no conmon or containerd
     /// shim adopts or waits for them. Runs until SIGTERM; root only (docs/install.md).
     Agent,
+    /// Run gpushare as an NRI plugin (containerd ≥ 1.7, CRI-O): every CRI pod with a
+    /// request is served at its creation, whatever its RuntimeClass, with no shim and no
+    /// hook process. Runs until killed, dialling the runtime again after it restarts;
+    /// root only (docs/kubernetes.md).
+    Nri {
+        /// The runtime's NRI socket (ignored when the runtime launched the plugin and
+        /// handed it a connection in NRI_PLUGIN_SOCKET).
+        #[arg(long, default_value = crate::nri::DEFAULT_SOCKET)]
+        socket: std::path::PathBuf,
+        /// The name the plugin registers under (NRI_PLUGIN_NAME when launched).
+        #[arg(long, default_value = crate::nri::DEFAULT_NAME)]
+        name: String,
+        /// Its index: plugins are called in ascending index order (NRI_PLUGIN_IDX when
+        /// launched).
+        #[arg(long, default_value = crate::nri::DEFAULT_INDEX)]
+        index: String,
+    },
     /// Manage MPS daemons directly.
     Daemon {
         #[command(subcommand)]
@@ -133,6 +150,11 @@ enum Engine {
         /// <name>-base-spec.json) runs gpushare in hook-only mode. --runtime-path is unused.
         #[arg(long)]
         hook_only: bool,
+        /// Instead of registering a runtime: turn containerd's NRI on (off by default in
+        /// 1.7, on in 2.x), for `gpushare nri` (docs/kubernetes.md). --name and
+        /// --runtime-path are unused.
+        #[arg(long, conflicts_with = "hook_only")]
+        nri: bool,
     },
     /// Write gpushare's CDI spec (`gpushare cdi generate`) where every CDI engine reads it
     /// across reboots (default /etc/cdi/gpushare.json), and say how each engine uses it.
@@ -500,7 +522,38 @@ fn run(cfg: &Config, command: Command) -> i32 {
         }
         Command::Daemon { command } => daemon(cfg, command),
         Command::Agent => report(crate::mps::agent::run(cfg)),
+        Command::Nri {
+            socket,
+            name,
+            index,
+        } => report(nri(cfg, socket, name, index)),
     }
+}
+
+/// `gpushare nri`: the runtime's connection when it launched the plugin (its
+/// `NRI_PLUGIN_SOCKET`, `NRI_PLUGIN_NAME`, `NRI_PLUGIN_IDX`), else `socket`.
+fn nri(
+    cfg: &Config,
+    socket: std::path::PathBuf,
+    name: String,
+    index: String,
+) -> anyhow::Result<()> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let endpoint = match var("NRI_PLUGIN_SOCKET") {
+        Some(fd) => {
+            let fd: i32 = fd.parse().ok().filter(|fd| *fd > 2).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "NRI_PLUGIN_SOCKET={:?} is invalid: allowed is the number of the socket the runtime handed the plugin",
+                    crate::util::escape(&fd)
+                )
+            })?;
+            crate::nri::Endpoint::Launched(crate::sys::adopt_unix_stream(fd)?)
+        }
+        None => crate::nri::Endpoint::Socket(socket),
+    };
+    let name = var("NRI_PLUGIN_NAME").unwrap_or(name);
+    let index = var("NRI_PLUGIN_IDX").unwrap_or(index);
+    crate::nri::run(cfg, endpoint, &name, &index)
 }
 
 fn daemon(cfg: &Config, command: DaemonCommand) -> i32 {
@@ -652,7 +705,16 @@ fn install(cfg: &Config, engine: Engine) -> anyhow::Result<()> {
         Engine::Containerd {
             args,
             config_version,
+            nri: true,
+            ..
+        } => {
+            return ops::install::enable_nri(args.config, config_version, args.dry_run);
+        }
+        Engine::Containerd {
+            args,
+            config_version,
             hook_only,
+            nri: false,
         } => (
             args,
             ops::install::Engine::Containerd {

@@ -1,7 +1,8 @@
 //! What gpushare decides for a request, and how the shim hands that decision to its hook.
 //!
 //! [`resolve`] is the request pipeline, the one every path that serves a request runs —
-//! the shim and hook-only mode through [`resolve_spec`], `gpushare daemon start` with a
+//! the shim and hook-only mode through [`resolve_spec`], the NRI plugin through
+//! [`resolve_nri`], `gpushare daemon start` with a
 //! request made from its flags: inventory → the devices the request resolves to →
 //! [`request::check`] against their memory and the operator's ceilings → IPC mode → host
 //! user → daemon identity ([`Identity::for_request`]). It creates nothing: a request is
@@ -65,13 +66,47 @@ pub(crate) fn resolve_spec(
     spec: &SpecFile,
     ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
 ) -> anyhow::Result<Option<Resolved>> {
+    resolve_spec_as(cfg, spec, ipc, || Ok(spec.host_user()?))
+}
+
+/// [`resolve_spec`] for a container an NRI runtime describes (the plugin builds its spec
+/// view from the runtime's message): the host user is the spec's only where the runtime
+/// told the container's user (`user_known`: NRI's `Container.user`, sent by containerd
+/// from 2.3.0 on). Without it a per-user request is refused with one line naming what is
+/// needed (`runtime`: the runtime's name and version, for that line), never served as
+/// UID 0 or a guessed one; a multi-user daemon is root's whoever the user is.
+pub(crate) fn resolve_nri(
+    cfg: &Config,
+    spec: &SpecFile,
+    user_known: bool,
+    runtime: &str,
+    ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
+) -> anyhow::Result<Option<Resolved>> {
+    resolve_spec_as(cfg, spec, ipc, || {
+        if user_known {
+            return Ok(spec.host_user()?);
+        }
+        if cfg.mps.user_mode == crate::config::UserMode::MultiUser {
+            return Ok((0, 0));
+        }
+        anyhow::bail!(
+            "the container's user is unknown: {runtime} does not tell NRI plugins a container's user (NRI's Container.user), and a per-user daemon must run as that user; allowed is containerd 2.3.0 or later, or gpushare's RuntimeClass (gpushare-runtime) on this node"
+        )
+    })
+}
+
+fn resolve_spec_as(
+    cfg: &Config,
+    spec: &SpecFile,
+    ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
+    host_user: impl FnOnce() -> anyhow::Result<(u32, u32)>,
+) -> anyhow::Result<Option<Resolved>> {
     let options = request::Options {
         accept_env: cfg.accept_env_requests,
         default_device: cfg.default_device,
         accept_visible_devices_env: cfg.accept_visible_devices_env,
     };
     let inputs = spec.request_inputs();
-    let host_user = || Ok(spec.host_user()?);
     if let Some(ask) = spec.cdi_ask()? {
         let named = format!("CDI device {}={}", request::CDI_KIND, ask.name());
         let profile = match &ask.profile {

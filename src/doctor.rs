@@ -582,6 +582,7 @@ pub(crate) fn run(cfg: &Config, paths: &Paths) -> Vec<Check> {
     out.push(control_binary_check(cfg));
     state_dir_checks(cfg, &mut out);
     out.push(agent_check(cfg));
+    out.extend(nri_check(cfg));
     out.push(host_pipe_check());
     engine_checks(paths, &mut out);
     out.push(low_level_runtime_check(cfg));
@@ -610,6 +611,22 @@ fn agent_check(cfg: &Config) -> Check {
             "start it as root: `systemctl enable --now gpushare-agent` (Debian package), the node installer DaemonSet (Kubernetes), or `gpushare agent` in the background (docs/install.md)",
         ),
     }
+}
+
+/// Whether the NRI plugin is connected, where one ever ran here (none: NRI is not in use).
+/// NRI fails open: while the plugin is away the runtime creates pods without it.
+fn nri_check(cfg: &Config) -> Option<Check> {
+    let state = crate::state::StateDir::new(&cfg.state_dir);
+    let nri = crate::status::NriView::read(&state)?;
+    Some(if nri.connected {
+        ok("nri", nri.line())
+    } else {
+        warn(
+            "nri",
+            nri.line(),
+            "start it: `systemctl enable --now gpushare-nri` (Debian package) or `gpushare nri` as root; `gpushare status` shows when it connects (docs/kubernetes.md)",
+        )
+    })
 }
 
 /// Each of gpushare's CDI specs on disk is the one this node would generate now (`gpushare

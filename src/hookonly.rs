@@ -91,28 +91,11 @@ pub(crate) fn prestart(
         ),
         _ => {}
     }
-    let has_ipc_ns = spec
-        .typed
-        .linux
-        .as_ref()
-        .is_some_and(|l| l.has_namespace(oci_spec::runtime::LinuxNamespaceType::Ipc, |_| true));
-    let ipc = if has_ipc_ns {
-        IpcMode::Isolated
-    } else {
-        IpcMode::Host
-    };
-    // The container's IPC namespace is the engine's to make: a request can only agree.
-    let honour_ipc = |req: &request::Request| {
-        if let Some(asked) = req.ipc.as_ref().filter(|a| a.value != ipc) {
-            bail!(
-                "{}={:?} cannot be honoured in hook-only mode: the container's IPC namespace is already {}; allowed is to ask the engine (e.g. podman --ipc=host) instead",
-                asked.key,
-                asked.raw,
-                if has_ipc_ns { "private" } else { "the host's" }
-            );
-        }
-        Ok(ipc)
-    };
+    let (ipc, honour_ipc) = engine_ipc(
+        &spec,
+        "hook-only mode",
+        "to ask the engine (e.g. podman --ipc=host) instead",
+    );
     let Some(served) = crate::decision::resolve_spec(cfg, &spec, honour_ipc)? else {
         return Ok(());
     };
@@ -149,6 +132,43 @@ pub(crate) fn prestart(
     mount_into(pid, &rootfs, &binds)?;
     tracing::info!(daemon = %id, uid = ident.uid, "hook-only: daemon ensured and mounted into the container");
     Ok(())
+}
+
+/// The IPC mode of a container whose spec the engine made and gpushare cannot change
+/// (hook-only mode, the NRI plugin): isolated when the spec has an `ipc` namespace (the
+/// daemon's shm goes over its /dev/shm), else the host's; and the check a request's
+/// `gpushare.io/ipc` must pass: it can only agree. `who` and `instead` complete the
+/// refusal's line.
+pub(crate) fn engine_ipc<'a>(
+    spec: &SpecFile,
+    who: &'a str,
+    instead: &'a str,
+) -> (
+    IpcMode,
+    impl FnOnce(&request::Request) -> anyhow::Result<IpcMode> + 'a,
+) {
+    let has_ipc_ns = spec
+        .typed
+        .linux
+        .as_ref()
+        .is_some_and(|l| l.has_namespace(oci_spec::runtime::LinuxNamespaceType::Ipc, |_| true));
+    let ipc = if has_ipc_ns {
+        IpcMode::Isolated
+    } else {
+        IpcMode::Host
+    };
+    let honour = move |req: &request::Request| {
+        if let Some(asked) = req.ipc.as_ref().filter(|a| a.value != ipc) {
+            bail!(
+                "{}={:?} cannot be honoured in {who}: the container's IPC namespace is already {}; allowed is {instead}",
+                asked.key,
+                asked.raw,
+                if has_ipc_ns { "private" } else { "the host's" }
+            );
+        }
+        Ok(ipc)
+    };
+    (ipc, honour)
 }
 
 fn open_dir(root: &OwnedFd, rel: &str) -> nix::Result<OwnedFd> {

@@ -7,6 +7,7 @@
 //! - `ops` (the operator commands: daemon start/stop, gc, install, uninstall, status output)
 //! - `doctor`, `status` (what `gpushare doctor` and `gpushare status` report)
 //! - `cdi` (the CDI spec of the node's devices, `gpushare cdi generate`)
+//! - `nri` (`gpushare nri`: the NRI plugin, its connection and its events)
 //! - `runtime` (the `gpushare-runtime` shim), `hookonly` (hooks.d mode), `install`
 //! - `hook` (createRuntime / poststop)
 //! - `decision` (the request pipeline; the shim↔hook contract), `mps` (control interface,
@@ -52,6 +53,7 @@ mod install;
 mod inventory_cache;
 mod logging;
 mod mps;
+mod nri;
 mod ops;
 pub mod request;
 mod rootfs;

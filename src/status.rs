@@ -99,6 +99,50 @@ pub(crate) struct StatusView {
     pub schema: &'static str,
     pub state_dir: String,
     pub daemons: Vec<DaemonView>,
+    /// The NRI plugin (`gpushare nri`), where one ever ran on this node.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nri: Option<NriView>,
+}
+
+/// Where the NRI plugin stands, from what it wrote of itself (`nri::PluginState`).
+#[derive(Debug, Serialize)]
+pub(crate) struct NriView {
+    /// Its process runs and is registered with a runtime.
+    pub connected: bool,
+    /// Its process runs (registered or not).
+    pub running: bool,
+    pub runtime: Option<String>,
+    /// Since when (Unix seconds) it has been connected, or not.
+    pub since: u64,
+    pub error: Option<String>,
+}
+
+impl NriView {
+    pub(crate) fn read(state: &StateDir) -> Option<NriView> {
+        let s = crate::nri::PluginState::read(state)?;
+        Some(NriView {
+            connected: s.live_and_connected(),
+            running: s.process.is_some_and(|p| p.alive()),
+            runtime: s.runtime.as_deref().map(crate::util::escape),
+            since: s.since,
+            error: s.error.as_deref().map(crate::util::escape),
+        })
+    }
+
+    /// One line for people: connected to what, or why not and what a pod gets meanwhile.
+    pub(crate) fn line(&self) -> String {
+        match (self.running, self.connected) {
+            (true, true) => format!(
+                "NRI plugin connected to {}",
+                self.runtime.as_deref().unwrap_or("the runtime")
+            ),
+            (true, false) => format!(
+                "NRI plugin running but not connected ({}): the runtime creates pods without it, and a pod with a request runs unserved",
+                self.error.as_deref().unwrap_or("not registered yet")
+            ),
+            (false, _) => "NRI plugin not running (it ran here before): the runtime creates pods without it, and a pod with a request runs unserved".to_owned(),
+        }
+    }
 }
 
 fn describe(inventory: Option<&Inventory>, uuid: &str) -> DeviceView {
@@ -295,6 +339,7 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
         schema: SCHEMA,
         state_dir: cfg.state_dir.display().to_string(),
         daemons,
+        nri: NriView::read(&state),
     }
 }
 
@@ -461,6 +506,9 @@ pub(crate) fn table(view: &StatusView) -> String {
     if view.daemons.is_empty() {
         let _ = writeln!(out, "(no MPS daemons under {})", view.state_dir);
     }
+    if let Some(nri) = &view.nri {
+        let _ = writeln!(out, "{}", nri.line());
+    }
     out
 }
 
@@ -626,6 +674,7 @@ mod tests {
         let view = StatusView {
             schema: SCHEMA,
             state_dir: "/run/gpushare".into(),
+            nri: None,
             daemons: vec![DaemonView {
                 id: "0123456789abcdef0123456789abcdef".into(),
                 devices: vec![DeviceView {

@@ -219,3 +219,20 @@ pub(crate) fn nvml_mig_instance_ids(mig: &nvml_wrapper::Device<'_>) -> Option<(u
     nvml_wrapper::error::nvml_try(ci_rc).ok()?;
     Some((gi, ci))
 }
+
+/// The Unix socket at file descriptor `fd` that the process was started with (an NRI
+/// runtime hands a plugin it launches its connection that way), as a stream this process
+/// owns. Refused unless `fd` is open and a socket, so that no other file is taken over.
+pub(crate) fn adopt_unix_stream(fd: i32) -> anyhow::Result<std::os::unix::net::UnixStream> {
+    use std::os::fd::{BorrowedFd, FromRawFd};
+    // SAFETY: the descriptor is only borrowed for the fstat, which fails cleanly (EBADF)
+    // on a closed one; it is owned below only once it is known to be an open socket.
+    let st = nix::sys::stat::fstat(unsafe { BorrowedFd::borrow_raw(fd) })
+        .map_err(|e| anyhow::anyhow!("file descriptor {fd} (NRI_PLUGIN_SOCKET): {e}"))?;
+    if st.st_mode & nix::libc::S_IFMT != nix::libc::S_IFSOCK {
+        anyhow::bail!("file descriptor {fd} (NRI_PLUGIN_SOCKET) is not a socket");
+    }
+    // SAFETY: an open socket that nothing else in this process owns: it was inherited,
+    // and this is the one place that takes it.
+    Ok(unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) })
+}

@@ -324,6 +324,36 @@ pub(crate) fn enable_cdi(
     })
 }
 
+/// containerd's NRI plugin (the same name in 1.7 and 2.x).
+const NRI_PLUGIN: &str = "io.containerd.nri.v1.nri";
+
+/// Turns containerd's NRI on: `disable = false` in `[plugins."io.containerd.nri.v1.nri"]`,
+/// which 1.7 needs (NRI is off there unless configured) and 2.x has by default (a 2.x
+/// file without the table is left as it is; one that disables it is turned on). The rest
+/// of the file is kept byte for byte; the socket stays NRI's default.
+pub(crate) fn enable_nri(
+    path: &Path,
+    text: &str,
+    default_version: i64,
+) -> Result<Edited, InstallError> {
+    let (mut doc, empty, _) = parse_versioned(path, text, default_version, "1.7")?;
+    let version = version_of(&doc, empty, default_version).unwrap_or(1);
+    let before = doc.to_string();
+    let present = doc.get("plugins").and_then(|p| p.get(NRI_PLUGIN)).is_some();
+    if version >= 3 && !present {
+        return Ok(Edited {
+            text: empty.then(|| doc.to_string()),
+        });
+    }
+    let nri = cri_table(path, &mut doc, NRI_PLUGIN)?;
+    nri.set_implicit(false);
+    nri.insert("disable", value(false));
+    let after = doc.to_string();
+    Ok(Edited {
+        text: (after != before || empty).then_some(after),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -357,6 +387,30 @@ mod tests {
     }
 
     const BASE: &str = "/etc/containerd/gpushare-base-spec.json";
+
+    #[test]
+    fn nri_is_turned_on_where_it_is_off_and_left_alone_where_it_is_on() {
+        let on = |text: &str, v: i64| enable_nri(Path::new("config.toml"), text, v).unwrap().text;
+        // containerd 1.7 (version 2): off unless configured.
+        let v2 = "version = 2\n# mine\n[plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"p\"\n";
+        let out = on(v2, 2).unwrap();
+        assert!(out.starts_with(v2), "the rest kept byte for byte:\n{out}");
+        let t: toml::Table = toml::from_str(&out).unwrap();
+        assert_eq!(
+            t["plugins"]["io.containerd.nri.v1.nri"]["disable"],
+            toml::Value::Boolean(false)
+        );
+        assert_eq!(on(&out, 2), None, "idempotent");
+        // An explicit disable = true is turned on.
+        let off = format!("{v2}[plugins.\"io.containerd.nri.v1.nri\"]\n  disable = true\n");
+        assert!(on(&off, 2).unwrap().contains("disable = false"));
+        // containerd 2.x (version 3): on by default, nothing to write.
+        assert_eq!(on("version = 3\n", 3), None);
+        let off3 = "version = 3\n[plugins.\"io.containerd.nri.v1.nri\"]\n  disable = true\n";
+        assert!(on(off3, 3).unwrap().contains("disable = false"));
+        // A new file gets its version.
+        assert!(on("", 2).unwrap().contains("version = 2"));
+    }
 
     fn hook_only(text: &str) -> String {
         edit(

@@ -297,6 +297,35 @@ pub(crate) fn cdi(
     Ok(())
 }
 
+/// `gpushare install containerd --nri`: NRI on in containerd's config (`config`, else
+/// the standard one), or the resulting file printed (`dry_run`).
+pub(crate) fn enable_nri(
+    config: Option<PathBuf>,
+    config_version: Option<i64>,
+    dry_run: bool,
+) -> anyhow::Result<()> {
+    let path = config.unwrap_or_else(|| install::DEFAULT_CONTAINERD_CONFIG.into());
+    let version = config_version.unwrap_or_else(installed_containerd_config_version);
+    let text = install::read(&path)?;
+    let edited = containerd::enable_nri(&path, &text, version)?;
+    match (edited.text, dry_run) {
+        (None, true) => print!("{text}"),
+        (Some(new), true) => print!("{new}"),
+        (None, false) => println!("NRI is already on in {}", path.display()),
+        (Some(new), false) => {
+            install::write(&path, &new)?;
+            println!(
+                "turned NRI on in {}; restart containerd to use it (`systemctl restart containerd`)",
+                path.display()
+            );
+        }
+    }
+    if !dry_run {
+        println!("then run the plugin as root: `systemctl enable --now gpushare-nri` (Debian package) or `gpushare nri`; pods need no RuntimeClass (docs/kubernetes.md)");
+    }
+    Ok(())
+}
+
 /// What the operator does next for the engine to use the new runtime.
 fn print_next_steps(is_docker: bool, name: &str) {
     if is_docker {

@@ -350,7 +350,7 @@ fn decide(
 
 /// The container's MPS client environment: where the pipe (and log) directory is, and
 /// the client-side limits; for NVIDIA's runtime, the devices too.
-fn client_env(cfg: &Config, served: &Resolved, runtime: &Path) -> Vec<(String, String)> {
+pub(crate) fn client_env(cfg: &Config, served: &Resolved, runtime: &Path) -> Vec<(String, String)> {
     let (req, uuids) = (&served.request, &served.devices.uuids);
     let mut env = vec![(
         "CUDA_MPS_PIPE_DIRECTORY".to_owned(),

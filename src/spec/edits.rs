@@ -276,10 +276,11 @@ pub struct ContainerPlan {
 
 /// Mount options for the daemon's pipe and log directories: read-only, no devices, no
 /// setuid, no exec (see the module doc).
-const READ_ONLY_DIR_OPTIONS: &[&str] = &["rbind", "rprivate", "ro", "nosuid", "nodev", "noexec"];
+pub(crate) const READ_ONLY_DIR_OPTIONS: &[&str] =
+    &["rbind", "rprivate", "ro", "nosuid", "nodev", "noexec"];
 /// Mount options for the daemon's shm over /dev/shm: writable, no devices, no setuid, no
 /// exec (as Docker's own /dev/shm).
-const SHM_OPTIONS: &[&str] = &["rbind", "rprivate", "nosuid", "nodev", "noexec"];
+pub(crate) const SHM_OPTIONS: &[&str] = &["rbind", "rprivate", "nosuid", "nodev", "noexec"];
 
 /// The edit chain for one container plan, in the order they apply.
 pub fn plan(d: &ContainerPlan) -> Vec<Box<dyn SpecEdit>> {

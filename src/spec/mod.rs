@@ -208,7 +208,7 @@ impl SpecFile {
         Self::parse(path, bytes, 0o644)
     }
 
-    fn parse(path: &Path, bytes: &[u8], mode: u32) -> Result<Self, SpecError> {
+    pub(crate) fn parse(path: &Path, bytes: &[u8], mode: u32) -> Result<Self, SpecError> {
         let invalid = |message: String| SpecError::Invalid {
             path: path.to_owned(),
             message,

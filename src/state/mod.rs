@@ -171,6 +171,11 @@ impl StateDir {
     pub(crate) fn agent_socket(&self) -> PathBuf {
         self.root.join("agent.sock")
     }
+    /// What the NRI plugin says of itself (`nri::PluginState`): root's, 0644, read by
+    /// `doctor` and `status`.
+    pub(crate) fn nri_state_path(&self) -> PathBuf {
+        self.root.join("nri.json")
+    }
     pub(crate) fn control_socket(&self, id: &str) -> PathBuf {
         self.pipe_dir(id).join("control")
     }

@@ -26,6 +26,10 @@ use serde_json::Value;
 use crate::cri_api::*;
 use crate::harness::*;
 
+// The NRI plugin's tests, on this module's `Node`.
+#[path = "nri.rs"]
+mod nri;
+
 const HANDLER: &str = "gpushare";
 const PAUSE: &str = "gpushare.test/pause:1";
 const IMAGE: &str = "gpushare.test/sim:1";

@@ -1,0 +1,447 @@
+//! `gpushare nri`: the plugin through a CRI plugin's NRI, with no RuntimeClass (pods on the
+//! default runc handler). containerd 2.3.4 is the one `scripts/fetch-engines` builds from
+//! source (the first release that tells a plugin the container's user); containerd 2.1
+//! (sid's) speaks NRI without it. A child module of cri.rs, for its `Node`.
+//!
+//! The plugin runs in the node's mount namespace (as a node's plugin sees the node's
+//! mounts) and is stopped by its pid in `Drop`, even when a test fails; its daemons are
+//! the Env's (stopped by their records).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+use super::*;
+
+/// Where `scripts/fetch-engines` built containerd 2.3.4: `GPUSHARE_TEST_CONTAINERD23`,
+/// else the script's default cache. `None` (the test says why and skips) only when the
+/// source archive it builds from is not beside the repository either.
+fn containerd23_bin() -> Option<PathBuf> {
+    let dir = std::env::var_os("GPUSHARE_TEST_CONTAINERD23")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/gpushare-test/engines/containerd-2.3.4/bin"));
+    if ["containerd", "containerd-shim-runc-v2", "ctr"]
+        .iter()
+        .all(|b| dir.join(b).is_file())
+    {
+        return Some(dir);
+    }
+    let source =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/sources/containerd-2.3.4.tar.xz");
+    assert!(
+        !source.exists(),
+        "containerd 2.3.4 is not built ({} has no containerd): run ./scripts/fetch-engines (./scripts/test runs it), which builds it from {}",
+        dir.display(),
+        source.display()
+    );
+    eprintln!(
+        "skipped: containerd 2.3.4 is not built and its source archive {} is not there",
+        source.display()
+    );
+    None
+}
+
+/// NRI on, its socket and plugin directories the node's own; a request timeout that a
+/// loaded test machine's cold daemon start fits in.
+fn enable_nri(config: &Path) {
+    let dir = config.parent().unwrap();
+    let p = |name: &str| format!("{:?}", dir.join(name).display().to_string());
+    let mut text = std::fs::read_to_string(config).unwrap();
+    text += &format!(
+        "\n[plugins.\"io.containerd.nri.v1.nri\"]\n  disable = false\n  socket_path = {}\n  plugin_path = {}\n  plugin_config_path = {}\n  plugin_request_timeout = \"10s\"\n",
+        p("nri.sock"),
+        p("nri-plugins"),
+        p("nri-conf"),
+    );
+    std::fs::write(config, text).unwrap();
+}
+
+/// `gpushare nri` on a node's NRI socket, in its mount namespace.
+struct Plugin {
+    child: Option<Child>,
+}
+
+impl Plugin {
+    fn start(env: &Env, node: &Node) -> Plugin {
+        let sock = node.dir.join("nri.sock");
+        let mut cmd = env.cmd("nsenter");
+        cmd.arg(format!("--mount=/proc/{}/ns/mnt", node.ns().holder_pid()))
+            .arg("--")
+            .arg(GPUSHARE)
+            .arg("nri")
+            .arg("--socket")
+            .arg(&sock)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let plugin = Plugin {
+            child: Some(cmd.spawn().unwrap()),
+        };
+        let state = env.state.join("nri.json");
+        let pid = plugin.child.as_ref().unwrap().id() as u64;
+        assert!(
+            wait_until(Duration::from_secs(20), || {
+                std::fs::read(&state)
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+                    .is_some_and(|s| s["connected"] == true && s["process"]["pid"] == pid)
+            }),
+            "the plugin did not register: {}\n{}",
+            std::fs::read_to_string(&state).unwrap_or_default(),
+            env.gpushare_log()
+        );
+        plugin
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            stop_child(&mut child, Duration::from_secs(5));
+        }
+    }
+}
+
+impl Drop for Plugin {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A pod on the default handler (no RuntimeClass).
+fn plain_pod(node: &mut Node, spec: &PodSpec) -> Pod {
+    let config = node.pod_config(spec);
+    let id = node
+        .cri()
+        .run_pod(&config, "")
+        .unwrap_or_else(|e| panic!("RunPodSandbox {}: {e}\n{}", spec.name, node.log_text()));
+    Pod { id, config }
+}
+
+/// The engine of every container record (the plugin's say `kubernetes-nri`).
+fn record_engines(env: &Env) -> Vec<String> {
+    let mut out = Vec::new();
+    for d in env.daemon_ids() {
+        let dir = env.state.join("mps").join(&d).join("containers");
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let rec: Value = serde_json::from_slice(&std::fs::read(e.path()).unwrap()).unwrap();
+            out.push(rec["engine"].as_str().unwrap_or("").to_owned());
+        }
+    }
+    out
+}
+
+/// Whether any of gpushare's hooks is in a container's spec.
+fn has_gpushare_hook(spec: &Value) -> bool {
+    spec["hooks"]
+        .as_object()
+        .into_iter()
+        .flat_map(|h| h.values())
+        .flat_map(|l| l.as_array().cloned().unwrap_or_default())
+        .any(|h| h["path"].as_str().unwrap_or("").ends_with("/gpushare"))
+}
+
+#[test]
+fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::new();
+    let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri);
+    let mut plugin = Plugin::start(&env, &node);
+    let ann = [("gpushare.io/device", "0")];
+
+    let mut served = Vec::new();
+    for (name, uid) in [("alice", 1000), ("bob", 2000)] {
+        let pod = plain_pod(
+            &mut node,
+            &PodSpec {
+                name,
+                annotations: &ann,
+                run_as_user: Some(uid),
+                ..Default::default()
+            },
+        );
+        let c = ContainerSpec {
+            name: "cuda",
+            script: &hold(60),
+            run_as_user: Some(uid),
+            ..Default::default()
+        };
+        let id = node.run(&pod, &c);
+        let line = node.client_line(&pod, &c);
+        assert_eq!(line["server_uid"], uid.to_string(), "{name}: {line:?}");
+        assert!(
+            line["waited_ms"].parse::<u64>().unwrap() < 1000,
+            "{name} waited: {line:?}"
+        );
+        // What the plugin adjusted: the pipe directory read-only, the daemon's shm over
+        // /dev/shm, the client env; no hook of gpushare's (no shim ran: no decision).
+        let spec = node.bundle_spec(&id);
+        let daemon = node
+            .daemon_of(&id)
+            .expect("the plugin recorded the container");
+        let mount = |dest: &str| {
+            spec["mounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|m| m["destination"] == dest)
+                .cloned()
+                .unwrap_or_default()
+        };
+        let pipe = mount("/tmp/nvidia-mps");
+        assert_eq!(
+            pipe["source"].as_str(),
+            Some(
+                env.state
+                    .join("mps")
+                    .join(&daemon)
+                    .join("pipe")
+                    .to_str()
+                    .unwrap()
+            ),
+            "{spec}"
+        );
+        assert!(
+            pipe["options"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|o| o == "ro"),
+            "{pipe}"
+        );
+        assert!(
+            mount("/dev/shm")["source"]
+                .as_str()
+                .unwrap_or("")
+                .ends_with(&format!("{daemon}/shm")),
+            "{spec}"
+        );
+        assert!(
+            spec["process"]["env"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e == "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"),
+            "{spec}"
+        );
+        assert!(!has_gpushare_hook(&spec), "{spec}");
+        assert!(spec["annotations"].get("gpushare.io/daemon").is_none());
+        served.push((pod, id, daemon, line));
+    }
+    assert_ne!(
+        served[0].2, served[1].2,
+        "each user has a daemon of its own"
+    );
+    assert_ne!(served[0].3["server"], served[1].3["server"]);
+    assert_eq!(record_engines(&env), ["kubernetes-nri", "kubernetes-nri"]);
+
+    // A pod without a request is untouched.
+    let plain = plain_pod(
+        &mut node,
+        &PodSpec {
+            name: "plain",
+            ..Default::default()
+        },
+    );
+    let p = ContainerSpec {
+        name: "plain",
+        script: "exec sleep 3600",
+        ..Default::default()
+    };
+    let plain_id = node.run(&plain, &p);
+    let spec = node.bundle_spec(&plain_id);
+    assert!(
+        !spec.to_string().contains("nvidia-mps") && !spec.to_string().contains("CUDA_MPS"),
+        "{spec}"
+    );
+    assert_eq!(node.daemon_of(&plain_id), None);
+
+    // A bad request fails the container with gpushare's line, and starts no daemon.
+    let bad = plain_pod(
+        &mut node,
+        &PodSpec {
+            name: "bad",
+            annotations: &[
+                ("gpushare.io/device", "0"),
+                ("gpushare.io/active-thread-percentage", "101"),
+            ],
+            run_as_user: Some(1000),
+            ..Default::default()
+        },
+    );
+    node.refuse(
+        &bad,
+        &ContainerSpec {
+            name: "cuda",
+            script: "true",
+            run_as_user: Some(1000),
+            ..Default::default()
+        },
+        BAD_PERCENTAGE_LINE,
+    );
+
+    // A pod of the shim's RuntimeClass is served once: the plugin's adjustment and the
+    // shim's edits name the same daemon at the same paths, and the hook's record replaces
+    // the plugin's (one file per container).
+    let daemons = env.daemon_ids().len();
+    let shimmed = node.pod(&PodSpec {
+        name: "shimmed",
+        annotations: &ann,
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
+    let s = ContainerSpec {
+        name: "cuda",
+        script: &hold(0),
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let s_id = node.run(&shimmed, &s);
+    assert_eq!(node.client_line(&shimmed, &s)["server_uid"], "1000");
+    let spec = node.bundle_spec(&s_id);
+    let pipes = spec["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["destination"] == "/tmp/nvidia-mps")
+        .count();
+    assert_eq!(pipes, 1, "{spec}");
+    assert_eq!(node.daemon_of(&s_id).as_deref(), Some(served[0].2.as_str()));
+    assert_eq!(env.daemon_ids().len(), daemons, "no second daemon");
+    assert_eq!(
+        node.gpushare_records()
+            .iter()
+            .filter(|(_, c)| *c == s_id)
+            .count(),
+        1
+    );
+    node.cri().stop_container(&s_id, 0).unwrap();
+    node.cri().remove_container(&s_id).unwrap();
+    node.cri().stop_pod(&shimmed.id).unwrap();
+    node.cri().remove_pod(&shimmed.id).unwrap();
+
+    // The plugin restarts under live pods: its records stay (Synchronize finds the
+    // containers running); then a removed pod leaves no record.
+    plugin.stop();
+    let status = env.cmd(GPUSHARE).arg("status").output().unwrap();
+    assert!(
+        text(&status).contains("NRI plugin not running"),
+        "{}",
+        text(&status)
+    );
+    let mut plugin = Plugin::start(&env, &node);
+    let (alice, alice_id, alice_daemon, _) = &served[0];
+    assert_eq!(
+        node.daemon_of(alice_id).as_deref(),
+        Some(alice_daemon.as_str())
+    );
+    node.cri().stop_container(alice_id, 0).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || node
+            .daemon_of(alice_id)
+            .is_none()),
+        "StopContainer released {alice_id}"
+    );
+    node.cri().remove_container(alice_id).unwrap();
+    node.cri().stop_pod(&alice.id).unwrap();
+    node.cri().remove_pod(&alice.id).unwrap();
+
+    // containerd restarts under bob's live pod: the plugin dials again by itself, bob's
+    // record stays, and a new pod is served.
+    let registrations = |env: &Env| env.gpushare_log().matches("NRI: plugin registered").count();
+    let before = registrations(&env);
+    node.stop();
+    node.restart();
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            let s: Value =
+                serde_json::from_slice(&std::fs::read(env.state.join("nri.json")).unwrap())
+                    .unwrap();
+            registrations(&env) > before && s["connected"] == true
+        }),
+        "the plugin did not reconnect after containerd's restart: {}",
+        env.gpushare_log()
+    );
+    assert!(node.daemon_of(&served[1].1).is_some());
+    let again = plain_pod(
+        &mut node,
+        &PodSpec {
+            name: "again",
+            annotations: &ann,
+            run_as_user: Some(3000),
+            ..Default::default()
+        },
+    );
+    let a = ContainerSpec {
+        name: "cuda",
+        script: &hold(0),
+        run_as_user: Some(3000),
+        ..Default::default()
+    };
+    let again_id = node.run(&again, &a);
+    assert_eq!(node.client_line(&again, &a)["server_uid"], "3000");
+    node.cri().stop_container(&again_id, 0).unwrap();
+    node.cri().remove_container(&again_id).unwrap();
+    node.cri().stop_pod(&again.id).unwrap();
+    node.cri().remove_pod(&again.id).unwrap();
+
+    // A record whose container went away while the plugin was down is dropped at its
+    // next Synchronize.
+    let (bob, bob_id, _, _) = &served[1];
+    plugin.stop();
+    node.cri().stop_container(bob_id, 0).unwrap();
+    node.cri().remove_container(bob_id).unwrap();
+    node.cri().stop_pod(&bob.id).unwrap();
+    node.cri().remove_pod(&bob.id).unwrap();
+    assert!(node.daemon_of(bob_id).is_some(), "nobody released it yet");
+    let _plugin = Plugin::start(&env, &node);
+    assert!(
+        wait_until(Duration::from_secs(10), || node
+            .gpushare_records()
+            .is_empty()),
+        "no container record is left: {:?}",
+        node.gpushare_records()
+    );
+}
+
+#[test]
+fn nri_plugin_on_containerd_2_1_refuses_a_per_user_request_with_one_line() {
+    let env = Env::new();
+    let mut node = Node::start_fetched_with(&env, containerd2_bin(), 3, &enable_nri);
+    let _plugin = Plugin::start(&env, &node);
+    let pod = plain_pod(
+        &mut node,
+        &PodSpec {
+            name: "old",
+            annotations: &[("gpushare.io/device", "0")],
+            run_as_user: Some(1000),
+            ..Default::default()
+        },
+    );
+    node.refuse(
+        &pod,
+        &ContainerSpec {
+            name: "cuda",
+            script: "true",
+            run_as_user: Some(1000),
+            ..Default::default()
+        },
+        "gpushare: the container's user is unknown: containerd",
+    );
+    let err = node
+        .try_run(
+            &pod,
+            &ContainerSpec {
+                name: "cuda2",
+                script: "true",
+                run_as_user: Some(1000),
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+    assert!(
+        err.message.contains("allowed is containerd 2.3.0 or later"),
+        "{err}"
+    );
+    assert_eq!(node.gpushare_records(), vec![]);
+}
