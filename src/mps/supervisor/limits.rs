@@ -1,0 +1,258 @@
+//! The daemon's limits: the control commands and environment that put an identity's
+//! limits in place, and the check that keeps them there.
+//!
+//! Invariants: limits are applied before the record says `ready`, again after every
+//! restart (MPS forgets `set_default_*` when the daemon quits), and are in the daemon's
+//! environment from its first instant. A tenant reaches the control socket through its
+//! pipe directory and may raise them: every `mps.limit-check-interval` the defaults and
+//! each running server's limits are read back and set again where they differ. The check
+//! fails closed: all its commands share one deadline (`CHECK_DEADLINE`), and a daemon
+//! that cannot confirm its limits in `UNCONFIRMED_CHECKS` checks in a row is restarted
+//! with them, so no stall of the control socket holds the supervisor or keeps a raised
+//! limit.
+
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+
+use super::Supervisor;
+use crate::identity::Identity;
+use crate::mps::reply::{self, percentage as parse_percentage, pinned_mem as parse_mps_mem};
+
+/// The longest one limit check may take, all its control commands together: a daemon
+/// that has not answered by then has not confirmed its limits.
+pub(crate) const CHECK_DEADLINE: Duration = Duration::from_secs(2);
+
+/// Limit checks in a row that may fail to confirm the limits (no answer, an error, past
+/// `CHECK_DEADLINE`) before the daemon is restarted with them: a tenant that raised them
+/// and then keeps the daemon from answering (its control connections held with slow
+/// partial lines) must not keep them raised.
+pub(crate) const UNCONFIRMED_CHECKS: u32 = 2;
+
+/// The commands that put a daemon's limits in place, in order (DESIGN §5, mps-facts §1.2).
+/// Pinned memory is set per device by ordinal: the daemon sees only its own devices,
+/// renumbered from 0 (CUDA_VISIBLE_DEVICES), and NVIDIA's device plugin found UUID-keyed
+/// limits ignored by some drivers.
+pub(crate) fn limit_commands(ident: &Identity) -> Vec<String> {
+    set_limits(ident, None)
+}
+
+/// The commands that put the identity's limits on the daemon's defaults (`server` none:
+/// `set_default_*`) or on one running server (`set_* <server>`), the same limits in the
+/// same order either way.
+fn set_limits(ident: &Identity, server: Option<u32>) -> Vec<String> {
+    let (scope, target) = match server {
+        None => ("default_", String::new()),
+        Some(s) => ("", format!("{s} ")),
+    };
+    let mut cmds = Vec::new();
+    if let Some(p) = ident.active_thread_percentage {
+        cmds.push(format!("set_{scope}active_thread_percentage {target}{p}"));
+    }
+    if let Some(bytes) = ident.pinned_memory_limit {
+        let size = crate::request::format_mps_size(bytes);
+        for i in 0..ident.devices.len() {
+            cmds.push(format!(
+                "set_{scope}device_pinned_mem_limit {target}{i} {size}"
+            ));
+        }
+    }
+    cmds
+}
+
+/// The limits in the daemon's own environment, so that it has them from its first instant:
+/// the control daemon takes `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and
+/// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`<ordinal>=<size>,…`) as its defaults at start (MPS
+/// guide, "Environment variables"), before any client can connect; the `set_default_*`
+/// commands of `limit_commands` then set the same values again and are what the limit
+/// check reads back.
+pub(super) fn limit_env(ident: &Identity) -> Vec<(&'static str, String)> {
+    let mut env = Vec::new();
+    if let Some(p) = ident.active_thread_percentage {
+        env.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", p.to_string()));
+    }
+    if let Some(bytes) = ident.pinned_memory_limit {
+        let size = crate::request::format_mps_size(bytes);
+        let each: Vec<String> = (0..ident.devices.len())
+            .map(|i| format!("{i}={size}"))
+            .collect();
+        env.push(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", each.join(",")));
+    }
+    env
+}
+
+/// The limits the limit check compares with, as the control daemon prints them back.
+struct Wanted {
+    /// Active thread percentage.
+    tp: Option<f64>,
+    /// Pinned memory per device, in bytes, rounded as `set_*` sends it.
+    mem: Option<u64>,
+    devices: usize,
+}
+
+impl Wanted {
+    fn of(ident: &Identity) -> Self {
+        Wanted {
+            tp: ident.active_thread_percentage.map(f64::from),
+            mem: ident
+                .pinned_memory_limit
+                .and_then(|b| parse_mps_mem(&crate::request::format_mps_size(b))),
+            devices: ident.devices.len(),
+        }
+    }
+}
+
+impl Supervisor {
+    /// Checks that the daemon still enforces the identity's limits. A tenant reaches the
+    /// control socket through its pipe directory and may send `set_*` commands: the real
+    /// daemon accepts them from its own user (driver 580, docs/gpu-validation.md).
+    /// Defaults that differ are set again; a server whose limits were raised gets them set
+    /// back. A server's limits apply to the clients it creates afterwards, so only clients
+    /// that connected between the raise and this check (at most `limit-check-interval`)
+    /// keep the raised limits, until they exit. Shutting such a server down
+    /// (`shutdown_server -f`) was tried and is worse on the real driver: the server kept
+    /// its clients, stopped answering, and the identity's next client waited behind it.
+    /// Returns how many violations were found.
+    /// Every control command of one check shares `deadline`: an error, or a command that
+    /// has not answered by then, ends the check unconfirmed (`Err`).
+    fn enforce_limits(&self, deadline: Instant) -> anyhow::Result<u32> {
+        let want = Wanted::of(&self.ident);
+        let ask = |cmd: &str| self.ask(cmd, deadline);
+        let mut violations = 0;
+        if self.defaults_changed(&want, &ask)? {
+            violations += 1;
+            tracing::warn!(daemon = %self.id, "the daemon's default limits were changed through its control socket; setting them again");
+            for cmd in limit_commands(&self.ident) {
+                ask(&cmd)?;
+            }
+        }
+        for server in reply::pids(&ask("get_server_list")?) {
+            if self.server_raised(server, &want, &ask)? {
+                violations += 1;
+                tracing::warn!(daemon = %self.id, server, "an MPS server's limits were raised through the control socket; setting them back");
+                for cmd in set_limits(&self.ident, Some(server)) {
+                    ask(&cmd)?;
+                }
+            }
+        }
+        Ok(violations)
+    }
+    /// One control command of a limit check, answered by `deadline` or an error.
+    fn ask(&self, cmd: &str, deadline: Instant) -> anyhow::Result<String> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            bail!("the limit check did not finish within {CHECK_DEADLINE:?}");
+        }
+        Ok(self.control.command(cmd, left)?)
+    }
+    /// Whether the daemon's default limits differ from the identity's.
+    fn defaults_changed(
+        &self,
+        want: &Wanted,
+        ask: &dyn Fn(&str) -> anyhow::Result<String>,
+    ) -> anyhow::Result<bool> {
+        let mut changed = false;
+        if let Some(p) = want.tp {
+            changed |= parse_percentage(&ask("get_default_active_thread_percentage")?)
+                .is_none_or(|got| (got - p).abs() > 0.01);
+        }
+        if let Some(m) = want.mem {
+            for i in 0..want.devices {
+                changed |=
+                    parse_mps_mem(&ask(&format!("get_default_device_pinned_mem_limit {i}"))?)
+                        != Some(m);
+            }
+        }
+        Ok(changed)
+    }
+    /// Whether running server `server` has limits above the identity's. A reply that
+    /// cannot be read is reported, not taken for a violation: shutting servers down on a
+    /// driver whose format differs would stop every job.
+    fn server_raised(
+        &self,
+        server: u32,
+        want: &Wanted,
+        ask: &dyn Fn(&str) -> anyhow::Result<String>,
+    ) -> anyhow::Result<bool> {
+        let unreadable = |cmd: &str, reply: &str| {
+            tracing::error!(daemon = %self.id, command = cmd, reply = %crate::util::escape(reply.trim()), "cannot read a server's limit back; it is not checked");
+            false
+        };
+        let mut over = false;
+        if let Some(p) = want.tp {
+            let cmd = format!("get_active_thread_percentage {server}");
+            let g = ask(&cmd)?;
+            over |= parse_percentage(&g).map_or_else(|| unreadable(&cmd, &g), |g| g > p + 0.01);
+        }
+        if let Some(m) = want.mem {
+            for i in 0..want.devices {
+                let cmd = format!("get_device_pinned_mem_limit {server} {i}");
+                let g = ask(&cmd)?;
+                over |= parse_mps_mem(&g).map_or_else(|| unreadable(&cmd, &g), |g| g > m);
+            }
+        }
+        Ok(over)
+    }
+    /// Checks the limits (`enforce_limits`) once `next_check` has come, and sets the next.
+    /// Counts the checks in a row that could not confirm them in `unconfirmed`; `true` when
+    /// that reaches `UNCONFIRMED_CHECKS`: the daemon must be restarted.
+    pub(super) fn check_limits_when_due(
+        &self,
+        next_check: &mut Option<Instant>,
+        unconfirmed: &mut u32,
+    ) -> bool {
+        if let (Some(at), Some(every)) = (*next_check, self.limit_check) {
+            if Instant::now() >= at {
+                *next_check = Some(Instant::now() + every);
+                match self.enforce_limits(Instant::now() + CHECK_DEADLINE) {
+                    Ok(_) => *unconfirmed = 0,
+                    Err(e) => {
+                        *unconfirmed += 1;
+                        tracing::warn!(daemon = %self.id, error = %format!("{e:#}"), "cannot check the daemon's limits");
+                    }
+                }
+            }
+        }
+        *unconfirmed >= UNCONFIRMED_CHECKS
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limit_commands_per_device_by_ordinal() {
+        let ident = Identity {
+            devices: vec!["GPU-a".into(), "GPU-b".into()],
+            uid: 1000,
+            gid: 1000,
+            multi_user: false,
+            active_thread_percentage: Some(25),
+            pinned_memory_limit: Some(4 << 30),
+            ipc_host: false,
+        };
+        assert_eq!(
+            limit_commands(&ident),
+            vec![
+                "set_default_active_thread_percentage 25",
+                "set_default_device_pinned_mem_limit 0 4096M",
+                "set_default_device_pinned_mem_limit 1 4096M",
+            ]
+        );
+        assert_eq!(
+            set_limits(&ident, Some(42)),
+            vec![
+                "set_active_thread_percentage 42 25",
+                "set_device_pinned_mem_limit 42 0 4096M",
+                "set_device_pinned_mem_limit 42 1 4096M",
+            ]
+        );
+        let none = Identity {
+            active_thread_percentage: None,
+            pinned_memory_limit: None,
+            ..ident
+        };
+        assert!(limit_commands(&none).is_empty());
+    }
+}
