@@ -182,7 +182,7 @@ pub(crate) fn generate(cfg: &crate::config::Config, output: &Path) -> anyhow::Re
     if let Some(dir) = output.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
     }
-    crate::util::write_atomic(output, &bytes, 0o644)
+    crate::fsops::write_atomic(output, &bytes, 0o644)
         .with_context(|| format!("write {}", output.display()))?;
     let count = spec["devices"].as_array().map_or(0, Vec::len);
     println!(

@@ -102,11 +102,11 @@ fn cached(
 }
 
 fn read(path: &Path) -> Option<CacheFile> {
-    let bytes = crate::util::read_regular(path, MAX_CACHE_BYTES).ok()?;
+    let bytes = crate::fsops::read_regular(path, MAX_CACHE_BYTES).ok()?;
     serde_json::from_slice(&bytes).ok()
 }
 
-/// Replaces the cache whole (`util::write_atomic_with`, no fsync: a cache lost in a crash
+/// Replaces the cache whole (`fsops::write_atomic_with`, no fsync: a cache lost in a crash
 /// is only reloaded). A state directory that does not exist yet is not created here: the
 /// state layout owns its modes.
 fn write(path: &Path, fingerprint: &str, now_ms: u64, inventory: &Inventory) -> anyhow::Result<()> {
@@ -115,7 +115,7 @@ fn write(path: &Path, fingerprint: &str, now_ms: u64, inventory: &Inventory) -> 
         written_ms: now_ms,
         inventory: inventory.clone(),
     })?;
-    crate::util::write_atomic_with(path, &text, 0o644, false)?;
+    crate::fsops::write_atomic_with(path, &text, 0o644, false)?;
     Ok(())
 }
 

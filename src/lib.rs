@@ -20,7 +20,8 @@
 //! - `config`
 //! - `request` (annotations/env, or a CDI device's hook arguments → request)
 //! - `device` (inventory: load and validate, NVML, resolve; the test inventory)
-//! - `util`, `sys` (the only `unsafe`)
+//! - `fsops` (safe file I/O: reads and atomic writes that follow no planted name, tree
+//!   removal), `util`, `sys` (the only `unsafe`)
 
 // `unsafe` is refused everywhere but in `sys`, the one audited module, where every block
 // carries a `// SAFETY:` comment.
@@ -46,6 +47,7 @@ pub mod decision;
 pub mod device;
 mod doctor;
 pub mod driver;
+mod fsops;
 pub mod hook;
 mod hookonly;
 pub mod identity;

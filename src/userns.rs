@@ -3,7 +3,7 @@
 //!
 //! Invariants: a map is at most [`MAX_MAPS`] ranges (the kernel's limit), each `inside
 //! outside count` with `count` ≥ 1 and no overflow; anything else is refused, never read
-//! in part. `/proc` files are read as bounded regular files (`util::read_regular`), never
+//! in part. `/proc` files are read as bounded regular files (`fsops::read_regular`), never
 //! through a link. An id outside every range has no host id: callers refuse it.
 
 use std::path::Path;
@@ -87,7 +87,7 @@ pub(crate) fn proc_pid(ns_path: &Path) -> Option<u32> {
 pub(crate) fn read_proc(pid: u32) -> Result<(Vec<IdRange>, Vec<IdRange>), String> {
     let read = |name: &str| {
         let path = format!("/proc/{pid}/{name}");
-        let bytes = crate::util::read_regular(Path::new(&path), MAX_MAP_BYTES)
+        let bytes = crate::fsops::read_regular(Path::new(&path), MAX_MAP_BYTES)
             .map_err(|e| format!("cannot read {path}: {e}"))?;
         std::str::from_utf8(&bytes)
             .ok()

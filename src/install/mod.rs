@@ -73,7 +73,7 @@ pub(crate) fn write(path: &Path, text: &str) -> Result<(), InstallError> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(err)?;
     }
-    crate::util::write_atomic(path, text.as_bytes(), mode).map_err(|source| InstallError::Write {
+    crate::fsops::write_atomic(path, text.as_bytes(), mode).map_err(|source| InstallError::Write {
         path: path.to_owned(),
         source,
     })

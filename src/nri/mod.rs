@@ -73,7 +73,7 @@ pub(crate) struct PluginState {
 impl PluginState {
     /// Reads the plugin's state; `None` when no plugin ever ran here.
     pub(crate) fn read(dirs: &StateDir) -> Option<PluginState> {
-        let bytes = crate::util::read_regular(&dirs.nri_state_path(), 64 << 10).ok()?;
+        let bytes = crate::fsops::read_regular(&dirs.nri_state_path(), 64 << 10).ok()?;
         serde_json::from_slice(&bytes).ok()
     }
 
@@ -86,7 +86,7 @@ impl PluginState {
         let path = dirs.nri_state_path();
         let written = serde_json::to_vec(self)
             .map_err(std::io::Error::other)
-            .and_then(|data| crate::util::write_atomic_with(&path, &data, 0o644, false));
+            .and_then(|data| crate::fsops::write_atomic_with(&path, &data, 0o644, false));
         if let Err(e) = written {
             tracing::warn!(path = %path.display(), error = %e, "NRI: could not write the plugin's state");
         }

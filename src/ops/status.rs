@@ -29,7 +29,7 @@ pub(crate) fn print(cfg: &Config, format: Format, output: Option<&Path>) -> anyh
         Format::Prometheus => crate::status::prometheus(&view),
     };
     match output {
-        Some(path) => crate::util::write_atomic(path, text.as_bytes(), 0o644)
+        Some(path) => crate::fsops::write_atomic(path, text.as_bytes(), 0o644)
             .with_context(|| format!("cannot write {}", path.display())),
         None => {
             let _ = std::io::stdout().lock().write_all(text.as_bytes());

@@ -448,7 +448,7 @@ impl SpecFile {
     /// container is gone along with what its config.json said (two fsyncs cost 0.2-0.4 ms
     /// per create: BENCHMARKS.md).
     pub(crate) fn save(&self) -> Result<(), SpecError> {
-        crate::util::write_atomic_with(&self.path, &self.to_bytes()?, self.mode, false).map_err(
+        crate::fsops::write_atomic_with(&self.path, &self.to_bytes()?, self.mode, false).map_err(
             |source| SpecError::Write {
                 path: self.path.clone(),
                 source,

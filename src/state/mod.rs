@@ -21,7 +21,7 @@
 //! records are written atomically and read without locks; every name that reaches a path
 //! (daemon id, container id) is validated first. What a tenant can write (pipe/, and log/
 //! and shm/ when mounted into containers) is on its own sized tmpfs or emptied and removed
-//! with `util::remove_contents`/`remove_all`, which never follow a link and need a fixed
+//! with `fsops::remove_contents`/`remove_all`, which never follow a link and need a fixed
 //! number of fds whatever was planted. A new daemon directory is made only under the node
 //! lock, after counting the daemons against `mps.max-daemons` and
 //! `mps.max-daemons-per-uid` and their shm tmpfs against `mps.shm-size-total` and

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{io, StateDir, StateError};
 use crate::identity::Identity;
-use crate::util;
+use crate::{fsops, util};
 
 /// A daemon or container record larger than this is not read (a record is under 4 KiB).
 pub(super) const MAX_RECORD_BYTES: u64 = 1 << 20;
@@ -238,7 +238,7 @@ impl StateDir {
     pub(crate) fn read_record(&self, id: &str) -> Result<Option<DaemonRecord>, StateError> {
         Self::check_id(id)?;
         let path = self.record_path(id);
-        let bytes = match util::read_regular(&path, MAX_RECORD_BYTES) {
+        let bytes = match fsops::read_regular(&path, MAX_RECORD_BYTES) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(io("read", &path)(e)),
@@ -266,7 +266,7 @@ impl StateDir {
         // that a crash ends, so nothing in it is worth keeping across one (a record lost
         // or stale after a crash is replaced by the next create, or removed by gc). A
         // cold start writes it three times (starting, the supervisor's pid, ready).
-        util::write_atomic_with(&path, &data, 0o644, false).map_err(io("write", &path))
+        fsops::write_atomic_with(&path, &data, 0o644, false).map_err(io("write", &path))
     }
 
     fn container_path(&self, id: &str, cid: &str) -> Result<PathBuf, StateError> {
@@ -288,7 +288,7 @@ impl StateDir {
         let data = serde_json::to_vec(rec).map_err(serialise(&path))?;
         // Atomic but not fsynced: a container record does not outlive a reboot's meaning
         // (the container is gone too), and the shim writes one on every create.
-        util::write_atomic_with(&path, &data, 0o600, false).map_err(io("write", &path))
+        fsops::write_atomic_with(&path, &data, 0o600, false).map_err(io("write", &path))
     }
 
     /// Removes a container's record; `Ok(false)` if there was none.
@@ -316,7 +316,7 @@ impl StateDir {
             if !name.ends_with(".json") || name.starts_with('.') {
                 continue;
             }
-            if let Ok(bytes) = util::read_regular(&entry.path(), MAX_RECORD_BYTES) {
+            if let Ok(bytes) = fsops::read_regular(&entry.path(), MAX_RECORD_BYTES) {
                 if let Ok(rec) = serde_json::from_slice::<ContainerRecord>(&bytes) {
                     out.push(rec);
                 }

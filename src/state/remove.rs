@@ -3,7 +3,7 @@
 //! its last check).
 //!
 //! Invariants: the tmpfs mounts are unmounted first, then the tree goes with
-//! `util::remove_all`/`remove_contents`, which never follow a link and need a fixed
+//! `fsops::remove_all`/`remove_contents`, which never follow a link and need a fixed
 //! number of fds whatever was planted; a tombstone (`.<id>.removing`) a crash left is
 //! finished by `gc`.
 
@@ -12,20 +12,20 @@ use std::path::{Path, PathBuf};
 use super::record::{ContainerRecord, MAX_RECORD_BYTES};
 use super::skeleton::mounted_in;
 use super::{io, StateDir, StateError};
-use crate::util;
+use crate::fsops;
 
 /// The tmpfs mounts of a daemon directory, unmounted before it is removed.
 pub(super) const MOUNTS: [&str; 2] = ["shm", "log"];
 
 /// Unmounts `<dir>/shm` and `<dir>/log` if mounted and removes `dir`, whatever a tenant
-/// planted in it (`util::remove_all`); a missing `dir` is fine.
+/// planted in it (`fsops::remove_all`); a missing `dir` is fine.
 pub(super) fn remove_tree(dir: &Path) -> Result<(), StateError> {
     for name in MOUNTS {
         if mounted_in(dir, name) {
             let _ = nix::mount::umount2(&dir.join(name), nix::mount::MntFlags::MNT_DETACH);
         }
     }
-    util::remove_all(dir).map_err(io("remove", dir))
+    fsops::remove_all(dir).map_err(io("remove", dir))
 }
 
 impl StateDir {
@@ -43,7 +43,7 @@ impl StateDir {
     pub(crate) fn clean_pipe_dir(&self, id: &str) -> Result<(), StateError> {
         Self::check_id(id)?;
         let pipe = self.pipe_dir(id);
-        match util::remove_contents(&pipe) {
+        match fsops::remove_contents(&pipe) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(io("empty", &pipe)(e)),
@@ -83,7 +83,7 @@ impl StateDir {
         let late = std::fs::read_dir(tomb.join("containers"))
             .map(|d| {
                 d.flatten()
-                    .filter_map(|e| util::read_regular(&e.path(), MAX_RECORD_BYTES).ok())
+                    .filter_map(|e| fsops::read_regular(&e.path(), MAX_RECORD_BYTES).ok())
                     .filter_map(|b| serde_json::from_slice::<ContainerRecord>(&b).ok())
                     .any(|r| r.live(pending_grace))
             })
@@ -120,6 +120,7 @@ impl StateDir {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::util;
 
     #[test]
     fn removal_backs_off_while_a_create_is_pending() {
