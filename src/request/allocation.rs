@@ -69,10 +69,9 @@
 use std::fmt;
 use std::path::Path;
 
-use super::{
-    env_lookup, parse_index, parse_selector, quote, DeviceError, DeviceRequest, Inputs, Inventory,
-    RequestError, ResolvedDevices, MAX_DEVICES,
-};
+use super::grammar::{env_lookup, parse_index, parse_selector, MAX_DEVICES};
+use super::{Inputs, RequestError};
+use crate::device::{quote, DeviceError, DeviceRequest, Inventory, ResolvedDevices};
 
 /// What [`RequestError::NoAllocation`] says was looked at; `env_read`: whether the node
 /// accepts `NVIDIA_VISIBLE_DEVICES` (`accept-visible-devices-env`).
