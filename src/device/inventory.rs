@@ -6,10 +6,9 @@
 
 use std::path::Path;
 
-use super::{reader, DeviceError, Gpu, Inventory, InventorySource, MigDevice, MAX_GPUS};
-
-/// Longest MIG profile name accepted (`1g.10gb+me` is 10).
-const MAX_PROFILE_LEN: usize = 64;
+use super::{
+    is_safe_profile, reader, DeviceError, Gpu, Inventory, InventorySource, MigDevice, MAX_GPUS,
+};
 
 /// Whether `s` is `prefix` (`GPU-` or `MIG-`) followed by hex digits and single dashes, starting
 /// and ending with a hex digit, at most 64 characters after the prefix. NVML prints the usual
@@ -34,13 +33,6 @@ pub(crate) fn is_well_formed_uuid(s: &str, prefix: &str) -> bool {
 fn is_compute_capability(s: &str) -> bool {
     let digits = |p: &str| !p.is_empty() && p.len() <= 3 && p.bytes().all(|b| b.is_ascii_digit());
     matches!(s.split_once('.'), Some((major, minor)) if digits(major) && digits(minor))
-}
-
-pub(super) fn is_safe_profile(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= MAX_PROFILE_LEN
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'+' | b'-' | b'_'))
 }
 
 /// Loads and validates the inventory; NVML is the one under `driver_root` when that is

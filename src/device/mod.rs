@@ -57,6 +57,18 @@ pub(crate) const MAX_NVML_JSON_BYTES: usize = 1 << 20;
 /// Profile name used when NVML cannot tell a MIG device's profile.
 pub(crate) const UNKNOWN_MIG_PROFILE: &str = "mig";
 
+/// Longest MIG profile name accepted (`1g.10gb+me` is 10).
+const MAX_PROFILE_LEN: usize = 64;
+
+/// Whether `s` can be a MIG profile name: 1 to `MAX_PROFILE_LEN` letters, digits and
+/// `.+-_`, safe in identifiers. The inventory's validation and the NVML reader both apply it.
+fn is_safe_profile(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_PROFILE_LEN
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'+' | b'-' | b'_'))
+}
+
 /// The GPUs (and their MIG devices) of this node.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]

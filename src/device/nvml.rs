@@ -9,8 +9,9 @@ use nvml_wrapper::enum_wrappers::device::ComputeMode as NvmlComputeMode;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 
-use super::inventory::is_safe_profile;
-use super::{ComputeMode, DeviceError, Gpu, Inventory, MigDevice, UNKNOWN_MIG_PROFILE};
+use super::{
+    is_safe_profile, ComputeMode, DeviceError, Gpu, Inventory, MigDevice, UNKNOWN_MIG_PROFILE,
+};
 
 /// `NVML_DEVICE_MIG_ENABLE` from nvml.h.
 const MIG_ENABLED: u32 = 1;

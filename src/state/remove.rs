@@ -7,15 +7,26 @@
 //! number of fds whatever was planted; a tombstone (`.<id>.removing`) a crash left is
 //! finished by `gc`.
 
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use super::record::{ContainerRecord, MAX_RECORD_BYTES};
-use super::skeleton::mounted_in;
 use super::{io, StateDir, StateError};
 use crate::fsops;
 
 /// The tmpfs mounts of a daemon directory, unmounted before it is removed.
 pub(super) const MOUNTS: [&str; 2] = ["shm", "log"];
+
+/// Whether `<dir>/<name>` is a mount point (its device differs from `dir`'s).
+pub(super) fn mounted_in(dir: &Path, name: &str) -> bool {
+    match (
+        std::fs::symlink_metadata(dir),
+        std::fs::symlink_metadata(dir.join(name)),
+    ) {
+        (Ok(d), Ok(s)) => s.is_dir() && s.dev() != d.dev(),
+        _ => false,
+    }
+}
 
 /// Unmounts `<dir>/shm` and `<dir>/log` if mounted and removes `dir`, whatever a tenant
 /// planted in it (`fsops::remove_all`); a missing `dir` is fine.

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use nix::fcntl::Flock;
 
 use super::reclaim::Abandoned;
-use super::remove::remove_tree;
+use super::remove::{mounted_in, remove_tree};
 use super::{StateDir, StateError};
 
 /// Ownership and modes of one daemon's directories.
@@ -92,17 +92,6 @@ impl PipeOwner {
                 mode: 0o700,
             }
         }
-    }
-}
-
-/// Whether `<dir>/<name>` is a mount point (its device differs from `dir`'s).
-pub(super) fn mounted_in(dir: &Path, name: &str) -> bool {
-    match (
-        std::fs::symlink_metadata(dir),
-        std::fs::symlink_metadata(dir.join(name)),
-    ) {
-        (Ok(d), Ok(s)) => s.is_dir() && s.dev() != d.dev(),
-        _ => false,
     }
 }
 
