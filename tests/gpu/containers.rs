@@ -1021,14 +1021,25 @@ fn skip_mps(t: &mut Tier, ct: &Ct) {
         "the daemon's 2G limit binds an MPS client without the client variable",
         &verdict("c-alloc-mps"),
     );
+    // Driver 580.159.04 drops the daemon's limit for such a client (SECURITY.md row 22):
+    // gpushare refuses the variable in a container's spec and documents the pinned limit
+    // as binding cooperative clients only, so this is a measurement, not a promise.
     for (n, what) in [
         ("c-alloc-dev1", "1=64G"),
         ("c-alloc-uuid", "an unknown GPU's UUID=64G"),
     ] {
+        let ev = if refused(n) {
+            format!(
+                "4 GiB: {} (the limit held: SECURITY.md row 22 may be relaxed for this driver)",
+                verdict(n)
+            )
+        } else {
+            format!("4 GiB: {} (the driver dropped the limit for this client, as SECURITY.md row 22 says)", verdict(n))
+        };
         t.check(
-            if refused(n) { "PASS" } else { "FAIL" },
-            &format!("a client limit naming another device ({what}) keeps the 2G limit"),
-            &format!("4 GiB: {}", verdict(n)),
+            "INFO",
+            &format!("a client's own limit naming another device ({what})"),
+            &ev,
         );
     }
     let stop = ct.gpushare(&["daemon", "stop", "--all", "--force"]);
