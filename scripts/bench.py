@@ -5,7 +5,7 @@ Every A/B benchmark runs A = runc directly and B = gpushare-runtime (the shim, w
 the same runc) on bundles of the same shape with fresh container ids, alternating per round
 (A then B on even rounds, B then A on odd ones, so neither side always runs on a warmer
 machine). Reported: median, p10 and p90 (linear interpolation) of each side and the ratio of
-the medians B/A, plus PASS/MISS against the targets of issue #6. Absolute times only matter
+the medians B/A, plus PASS/MISS against the per-call targets below. Absolute times only matter
 for the cold start; everything else is a ratio against runc measured in the same run.
 
 Standard library only. Needs root, runc, busybox and GNU time. See BENCHMARKS.md.
@@ -39,7 +39,7 @@ GPU0 = "GPU-8f8bff94-112e-9541-43da-cfd453333404"
 GPU1 = "GPU-5a1c3f0e-7d2b-4e8a-9c61-0b4e2d7f9a13"
 MIB = 1024 * 1024
 
-# Issue #6 targets.
+# Per-call targets (BENCHMARKS.md, "Where things stand").
 T_NOREQ = 1.03  # create without request, median ratio
 T_PASS = 1.03  # passthrough commands, median ratio
 T_WARM = 1.15  # create with a warm daemon (shim + hook), median ratio
@@ -63,8 +63,8 @@ UID_COLD = 20000
 UID_BURST = 30000
 UID_RSS = 40000
 UID_SCALE = 50000
-T_SCALE_MS = 100.0  # issue 16: each node-scale command at 1,000 containers
-T_COLD_P50_MS = 50.0  # issue 16: create -> daemon ready, p50
+T_SCALE_MS = 100.0  # each node-scale command at 1,000 containers
+T_COLD_P50_MS = 50.0  # create -> daemon ready, p50
 
 
 def which(name):
@@ -291,8 +291,9 @@ class Suite:
                 "--log-format", "json"] + rest
 
     def pre(self):
-        """Puts the machine in the same state before every timed command (see
-        BENCHMARKS.md, "Noise"): an idle pause of --settle ms, then --primer execs of `true`."""
+        """Puts the machine in the same state before every timed command (see BENCHMARKS.md,
+        "Method, and the noise on this machine"): an idle pause of --settle ms, then --primer
+        execs of `true`."""
         if self.args.settle:
             time.sleep(self.args.settle / 1000.0)
         for _ in range(self.args.primer):
@@ -675,7 +676,7 @@ class Suite:
         self.results["cold.create"]["daemon_start_ms"] = med - ms(statistics.median(a))
         self.verdicts.append(("cold start to ready daemon (simulator)", f"{med:.1f} ms",
                               f"<= {T_COLD_MS:.0f} ms", ok))
-        self.verdicts.append(("cold start p50 (issue 16)", f"{med:.1f} ms",
+        self.verdicts.append(("cold start p50", f"{med:.1f} ms",
                               f"<= {T_COLD_P50_MS:.0f} ms", med <= T_COLD_P50_MS))
         names = list(parts[0])
         self.results["cold.parts_ms"] = {
@@ -1022,7 +1023,7 @@ class Suite:
         self.verdicts.append(("peak RSS, hook (max over create-runtime/poststop)", f"{hookv / 1024:.2f} MiB",
                               "<= 16 MiB", hookv <= T_HOOK_RSS))
 
-    # ---------------------------------------------------------------- node scale (issue 16)
+    # ---------------------------------------------------------------- node scale
 
     def measure(self, argv, env, stdin=None, out=None):
         """Runs `argv` once under GNU time after `pre()`; returns (wall ns, peak RSS KiB).
@@ -1397,7 +1398,7 @@ def main():
             finally:
                 suite.scale_teardown()
         info["loadavg_end"] = open("/proc/loadavg").read().split()[:3]
-        print("\nscripts/bench: targets (issue #6)")
+        print("\nscripts/bench: targets")
         w = max(len(v[0]) for v in suite.verdicts) if suite.verdicts else 10
         for name, value, target, ok in suite.verdicts:
             print(f"  {'PASS' if ok else 'MISS'}  {name:<{w}}  {value:<28} target {target}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Engine-level benchmark (issue 16 items 1 and 5): what a user feels, `docker run --rm`,
+"""Engine-level benchmark: what a user feels, `docker run --rm`,
 `ctr run --rm` through gpushare-runtime and `podman run --rm` with gpushare's hooks.d (no
 shim), against the same engine with plain runc, with a request (warm daemon) and without.
 Driven by `scripts/bench --engines`. The CRI pod start is the ignored test
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GPU0, GPUSHARE, REPO, RUNTIME, SIM, BenchError, drive, pct  # noqa: E402
 
 COVERED = ["/run", "/etc/docker", "/etc/cni", "/var/lib", "/var/cache", "/opt"]
-T_ENGINE = 1.02  # issue 16: <= 1.02 x the median at each engine level
+T_ENGINE = 1.02  # <= 1.02 x the median at each engine level
 
 
 def which(name):

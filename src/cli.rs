@@ -297,8 +297,8 @@ fn load_config() -> Result<Config, i32> {
 }
 
 /// `gpushare hook <stage> [flags]`: the container state on stdin, one `gpushare: …` line
-/// on stderr and exit 1 on failure (poststop: the line, and exit 0 — DESIGN §8). Flags
-/// are the request of a CDI device, for `prestart` only.
+/// on stderr and exit 1 on failure (poststop: the line, and exit 0; docs/design.md,
+/// "Errors and logs"). Flags are the request of a CDI device, for `prestart` only.
 fn hook(stage: HookStage, flags: &[String]) -> i32 {
     let cdi = match (stage, crate::request::CdiAsk::from_flags(flags)) {
         (_, Ok(None)) => None,

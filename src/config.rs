@@ -15,7 +15,7 @@ pub(crate) const DEFAULT_PATH: &str = "/etc/gpushare/runtime.toml";
 /// Environment variable naming another configuration file.
 pub(crate) const ENV_VAR: &str = "GPUSHARE_CONFIG";
 /// Daemons without containers stop after this long, so that short-lived containers with
-/// distinct limits cannot leave daemons behind forever (issue 18).
+/// distinct limits cannot leave daemons behind forever.
 pub(crate) const DEFAULT_IDLE_TIMEOUT: &str = "5m";
 
 #[derive(Debug, thiserror::Error)]
@@ -43,7 +43,7 @@ pub enum ConfigError {
     },
 }
 
-/// How MPS servers are shared between users (DESIGN §5).
+/// How MPS servers are shared between users (docs/design.md, "Identity").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum UserMode {
@@ -61,7 +61,7 @@ pub enum Limits {
     Advisory,
 }
 
-/// IPC sharing between the MPS server and its clients (DESIGN §4.3).
+/// IPC sharing between the MPS server and its clients (docs/design.md, "IPC").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum IpcConfig {

@@ -359,8 +359,8 @@ fn state_dir_checks(cfg: &Config, out: &mut Vec<Check>) {
 }
 
 /// The state dir's file system, as statvfs sees it: what a create needs to write a
-/// daemon's record, lock and directories (issue 15: a full or read-only state dir fails
-/// every create, and nothing else said so).
+/// daemon's record, lock and directories (a full or read-only state dir fails every
+/// create, and nothing else would say so).
 struct Space {
     read_only: bool,
     bytes_free: u64,

@@ -14,14 +14,10 @@
 //! the decision annotations, which it can — and so is a pod's sandbox, checked first on
 //! the state's own annotations (`request::sandbox_marker`).
 //!
-//! The clones are made read-only, nosuid, nodev and noexec (`mount_setattr`) before they
-//! are attached, so the container never sees them writable, even for an instant (issue
-//! 18): the pipe directory read-only, because whatever a tenant plants there (a symlink
-//! onto `nvidia-cuda-mps-control.pid` or `control_lock`, a directory, a replaced `control`
-//! socket) is later followed by the daemon, and a CUDA client only connect()s to the
-//! socket, which needs no write permission on the mount (unix(7); mps-facts §9.5); the
-//! shm writable (clients map the server's shared memory there) but nosuid, nodev and
-//! noexec, as Docker's own /dev/shm.
+//! The clones get their flags (`mount_setattr`) before they are attached, so the container
+//! never sees them otherwise, even for an instant: the pipe directory read-only, the shm
+//! writable, both nosuid, nodev and noexec, as the shim's mounts are (docs/design.md,
+//! "Mounts of the daemon's directories").
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};

@@ -1,6 +1,6 @@
 //! `gpushare-mps-sim`: a simulator of NVIDIA's `nvidia-cuda-mps-control`, so gpushare can be
-//! tested end to end on a machine without a GPU (see shared/reference/mps-facts.md §1-4 for
-//! the documented behaviour it imitates).
+//! tested end to end on a machine without a GPU. It imitates the documented behaviour that
+//! docs/mps.md states (the control daemon and its commands, one server per user, limits).
 //!
 //! Same command line shape as the real tool: `-f`/`-d` run the control daemon, `-v` prints the
 //! version, no option reads control commands from stdin; `client` is a stand-in CUDA process.

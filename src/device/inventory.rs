@@ -281,7 +281,8 @@ mod tests {
     use crate::util::error_chain as chain;
     use std::io::Write;
 
-    const DESIGN_JSON: &str = r#"{"driver_version": "580.159.04",
+    /// One A30 with one MIG device, in the format of docs/inventory.md.
+    const A30_JSON: &str = r#"{"driver_version": "580.159.04",
  "gpus": [{"index": 0, "uuid": "GPU-8f8bff94-112e-9541-43da-cfd453333404",
            "name": "NVIDIA A30", "memory_bytes": 25769803776,
            "compute_capability": "8.0", "compute_mode": "default",
@@ -332,7 +333,7 @@ mod tests {
 
     #[test]
     fn load_design_json() {
-        let (_file, result) = load_text(DESIGN_JSON);
+        let (_file, result) = load_text(A30_JSON);
         let inv = result.expect("design json loads");
         assert_eq!(inv.driver_version, "580.159.04");
         assert_eq!(inv.gpus.len(), 1);
@@ -348,13 +349,13 @@ mod tests {
 
     #[test]
     fn minor_numbers_load_and_validate() {
-        let with_minor = DESIGN_JSON.replace(
+        let with_minor = A30_JSON.replace(
             "\"compute_mode\": \"default\"",
             "\"compute_mode\": \"default\", \"minor\": 7",
         );
         let (_file, result) = load_text(&with_minor);
         assert_eq!(result.expect("loads").gpus[0].minor, Some(7));
-        let (_file, result) = load_text(&DESIGN_JSON.replace(
+        let (_file, result) = load_text(&A30_JSON.replace(
             "\"compute_mode\": \"default\"",
             "\"compute_mode\": \"default\", \"minor\": -1",
         ));
@@ -397,36 +398,36 @@ mod tests {
                 &["cannot parse inventory file", "unknown field `extra`"],
             ),
             (
-                &DESIGN_JSON.replace("\"name\"", "\"nom\""),
+                &A30_JSON.replace("\"name\"", "\"nom\""),
                 &["cannot parse inventory file", "unknown field `nom`"],
             ),
             (
-                &DESIGN_JSON.replace("\"profile\"", "\"profile_id\": 1, \"profile\""),
+                &A30_JSON.replace("\"profile\"", "\"profile_id\": 1, \"profile\""),
                 &["cannot parse inventory file", "unknown field `profile_id`"],
             ),
             (
-                &DESIGN_JSON.replace("\"default\"", "\"shared\""),
+                &A30_JSON.replace("\"default\"", "\"shared\""),
                 &["cannot parse inventory file", "unknown variant `shared`"],
             ),
             ("{not json", &["cannot parse inventory file"]),
             (
-                &DESIGN_JSON.replace(GPU0, "GPU-8f8bff94/../x"),
+                &A30_JSON.replace(GPU0, "GPU-8f8bff94/../x"),
                 &["gpus[0] (GPU 0) has uuid \"GPU-8f8bff94/../x\", which is invalid: allowed is GPU- followed by hex digits and dashes"],
             ),
             (
-                &DESIGN_JSON.replace(MIG0, "GPU-22f0c05f"),
+                &A30_JSON.replace(MIG0, "GPU-22f0c05f"),
                 &["gpus[0].mig_devices[0] (GPU 0 MIG device 0) has uuid \"GPU-22f0c05f\", which is invalid: allowed is MIG-"],
             ),
             (
-                &DESIGN_JSON.replace("\"8.0\"", "\"eight\""),
+                &A30_JSON.replace("\"8.0\"", "\"eight\""),
                 &["has compute_capability \"eight\", which is invalid: allowed is major.minor"],
             ),
             (
-                &DESIGN_JSON.replace("\"1g.6gb\"", "\"1g 6gb\""),
+                &A30_JSON.replace("\"1g.6gb\"", "\"1g 6gb\""),
                 &["has profile \"1g 6gb\", which is invalid"],
             ),
             (
-                &DESIGN_JSON.replace("25769803776", "0"),
+                &A30_JSON.replace("25769803776", "0"),
                 &["has memory_bytes \"0\", which is invalid: allowed is more than 0 bytes"],
             ),
         ];
@@ -499,16 +500,16 @@ mod tests {
     #[test]
     fn caps_minors_in_files() {
         // Old inventories (no caps) still load; the fields round-trip.
-        let (_f, inv) = load_text(DESIGN_JSON);
+        let (_f, inv) = load_text(A30_JSON);
         assert_eq!(
             inv.expect("old inventory").gpus[0].mig_devices[0].ci_caps_minor,
             None
         );
-        let with = DESIGN_JSON.replace(
+        let with = A30_JSON.replace(
             r#""memory_bytes": 6442450944}"#,
             r#""memory_bytes": 6442450944, "gi_caps_minor": 12, "ci_caps_minor": 13}"#,
         );
-        assert_ne!(with, DESIGN_JSON);
+        assert_ne!(with, A30_JSON);
         let (_f, inv) = load_text(&with);
         let inv = inv.expect("with caps");
         let mig = &inv.gpus[0].mig_devices[0];

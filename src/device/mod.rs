@@ -1,5 +1,5 @@
 //! The GPU inventory: which GPUs and MIG devices this node has, read from NVML or from a JSON
-//! file (DESIGN.md §6), and the resolution of a device request against it.
+//! file (docs/inventory.md), and the resolution of a device request against it.
 //!
 //! Invariants:
 //! - Everything here is plain data. Nothing edits a spec or talks to MPS; the only I/O is

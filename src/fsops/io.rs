@@ -126,7 +126,7 @@ mod tests {
     #[test]
     fn atomic_write_takes_the_place_of_a_killed_writers_temp_file_with_its_pid() {
         // A writer SIGKILLed before its rename left its temp file; its pid is reused by
-        // this process (issue 15's fault tier kills writers at any instant).
+        // this process (the fault tier, tests/faults, kills writers at any instant).
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("daemon.json");
         let left = dir

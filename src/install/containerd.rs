@@ -8,7 +8,7 @@
 //! Or, with `--hook-only` ([`Registration::HookOnly`]), no shim at all: plain runc whose
 //! `base_runtime_spec` is containerd's own default spec plus gpushare's hook-only
 //! `prestart` and `poststop` hooks ([`base_spec`]), the hooks.d setup of Podman and CRI-O
-//! carried by the runtime class (issue 16).
+//! carried by the runtime class.
 
 use std::path::Path;
 

@@ -1,5 +1,5 @@
 //! Talks to an MPS control daemon the documented way: `echo <command> | nvidia-cuda-mps-control`
-//! with the daemon's `CUDA_MPS_PIPE_DIRECTORY` (mps-facts.md §1.2).
+//! with the daemon's `CUDA_MPS_PIPE_DIRECTORY` (docs/mps.md, "Control commands").
 //!
 //! Invariants: the client runs with an explicit environment (no inherited LD_PRELOAD or
 //! CUDA variables), as the daemon's user, and is killed when it outlives its deadline.

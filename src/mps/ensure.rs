@@ -1,4 +1,5 @@
-//! Finds or starts the MPS daemon for one identity, for the hook (DESIGN §5).
+//! Finds or starts the MPS daemon for one identity, for the hook (docs/design.md,
+//! "Identity", "Concurrency").
 //!
 //! Invariants: everything happens under the identity's lock, so any number of
 //! simultaneous creates start exactly one daemon (the supervisor left by a create killed

@@ -6,7 +6,8 @@
 //! answers), conn 2 the runtime's service (the plugin calls `RegisterPlugin`). Frames cut
 //! a logical connection's bytes anywhere: each conn is a byte stream of its own.
 //!
-//! On each conn the bytes are ttrpc messages (containerd's ttrpc `PROTOCOL.md`): a 10-byte
+//! On each conn the bytes are ttrpc messages
+//! (<https://github.com/containerd/ttrpc/blob/main/PROTOCOL.md>): a 10-byte
 //! header `[length: u32 BE][stream id: u32 BE][type: u8][flags: u8]` and `length` bytes of
 //! protobuf; type 1 a request (`api::Request`), 2 a response (`api::Response`). A client
 //! numbers its streams with odd ids.

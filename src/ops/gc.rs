@@ -92,7 +92,7 @@ fn daemon(cfg: &Config, state: &StateDir, id: &str) -> anyhow::Result<()> {
     let _lock = state.lock(id, std::time::Instant::now() + cfg.mps.start_timeout)?;
     // Looked at again under the lock: a create or `daemon start` that held it meanwhile
     // may have started a new supervisor, whose directories must stay; one that has not
-    // named itself in the record yet holds the supervisor lock (issue 15).
+    // named itself in the record yet holds the supervisor lock.
     let rec = state.read_record(id).ok().flatten();
     if rec
         .as_ref()

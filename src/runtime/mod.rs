@@ -1,4 +1,5 @@
-//! `gpushare-runtime`: the OCI runtime shim with runc's command line (DESIGN §2, §4, §8).
+//! `gpushare-runtime`: the OCI runtime shim with runc's command line (docs/design.md,
+//! "The shim").
 //!
 //! Invariants: for every command but `create` and `run`, the shim reads nothing but the
 //! `low-level-runtime` key and execs the low-level runtime with argv untouched — no log
@@ -316,8 +317,9 @@ fn pod_ipc_namespace(spec: &SpecFile) -> Option<String> {
         .map(|key| format!("a CRI container ({key}) with an ipc namespace"))
 }
 
-/// The spec edits for a request the pipeline served (DESIGN §4). `id` is the served
-/// identity's daemon id, which the caller has already computed (a SHA-256 per call).
+/// The spec edits for a request the pipeline served (docs/design.md, "Spec edits"). `id`
+/// is the served identity's daemon id, which the caller has already computed (a SHA-256
+/// per call).
 fn decide(
     cfg: &Config,
     state: &StateDir,
@@ -380,7 +382,8 @@ pub(crate) fn client_env(cfg: &Config, served: &Resolved, runtime: &Path) -> Vec
     if lowlevel::is_nvidia(runtime) {
         env.push(("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(",")));
         // libnvidia-container binds a host /tmp/nvidia-mps into every GPU container when
-        // it exists (mps-facts.md §5), which would cover our pipe directory there.
+        // it exists (docs/mps.md, "What NVIDIA's container toolkit mounts"), which would
+        // cover our pipe directory there.
         if Path::new(NVIDIA_HOST_PIPE_DIR).exists()
             && cfg.mps.container_pipe_dir == Path::new(NVIDIA_HOST_PIPE_DIR)
         {

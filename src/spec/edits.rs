@@ -1,20 +1,14 @@
-//! The spec edits of DESIGN §4, as a chain of small idempotent edits.
+//! The spec edits (docs/design.md, "Spec edits"), as a chain of small idempotent edits.
 //!
 //! Invariants: edits do no I/O and see only the JSON document, so each is unit-tested on
 //! the captured engine fixtures; applying a plan twice gives the same document as applying
 //! it once; an edit touches only the fields it names and keeps every other entry (other
 //! hooks, mounts, env) where it was, in order.
 //!
-//! Mounts of the daemon's directories (issue 18): whatever a container can write there is
-//! read by the daemon, its servers and root's tools, so a container gets no more than it
-//! needs. The pipe directory and the optional log directory are bound read-only: a CUDA
-//! client only connect()s to `<pipe>/control`, which needs write permission on the socket
-//! inode, not on the mount (unix(7); mps-facts §9.5), and read-only stops a tenant from
-//! planting symlinks or directories (onto `nvidia-cuda-mps-control.pid`, `control_lock`,
-//! `log`) that the daemon would follow, or from replacing the `control` socket. The
-//! daemon's shm stays writable (clients map the server's shared memory there). All three
-//! are `nosuid,nodev,noexec`, as Docker's own /dev/shm: nothing in them is a program or a
-//! device.
+//! Mounts of the daemon's directories: the pipe directory and the optional log directory
+//! are bound read-only, the daemon's shm writable, all three `nosuid,nodev,noexec`; an
+//! engine's mount at the same place is replaced. Why: docs/design.md, "Mounts of the
+//! daemon's directories".
 
 use std::path::PathBuf;
 
@@ -61,7 +55,7 @@ pub(crate) struct SetEnv(pub Vec<(String, String)>);
 impl SpecEdit for SetEnv {
     fn apply(&self, doc: &mut Map<String, Value>) -> Result<(), SpecError> {
         // Creating `process` would make an invalid spec (user and cwd are required); a
-        // container without one has nothing to run anyway (found by fuzzing).
+        // container without one has nothing to run anyway.
         let Some(process) = doc.get_mut("process").and_then(Value::as_object_mut) else {
             return Err(SpecError::User {
                 message: "config.json has no process object: nothing to run, and nowhere to set CUDA_MPS_PIPE_DIRECTORY".into(),
@@ -251,7 +245,7 @@ impl SpecEdit for SetAnnotations {
     }
 }
 
-/// IPC for the container (DESIGN §4.3).
+/// IPC for the container (docs/design.md, "IPC").
 #[derive(Debug, Clone, PartialEq)]
 pub enum IpcPlan {
     /// The daemon's shm tmpfs (host path) becomes the container's /dev/shm.
@@ -439,7 +433,7 @@ mod tests {
         );
     }
 
-    /// Issue 18: the pipe and log directories are read-only, the shm writable, all three
+    /// The pipe and log directories are read-only, the shm writable, all three
     /// nosuid,nodev,noexec; an engine's read-write mount at the same place is replaced.
     #[test]
     fn daemon_directories_are_read_only_and_nothing_is_suid_dev_or_exec() {

@@ -33,8 +33,7 @@ impl StateDir {
     /// The supervisor lock of daemon `id`: held by its supervisor from before it names
     /// itself in the record until it exits, so that one identity never has two
     /// supervisors (and two daemons) even when the process that started one was killed
-    /// before the supervisor could name itself (issue 15). `None` while another process
-    /// holds it.
+    /// before the supervisor could name itself. `None` while another process holds it.
     pub(crate) fn try_lock_supervisor(&self, id: &str) -> Result<Option<Flock<File>>, StateError> {
         Self::check_id(id)?;
         match self.lock_file(self.supervisor_lock_path(id), Instant::now()) {

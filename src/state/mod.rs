@@ -1,6 +1,6 @@
 //! The state directory: the one type that owns every host path gpushare uses.
 //!
-//! Layout (DESIGN §5), short names so the socket path fits in 108 bytes:
+//! Layout (docs/design.md, "Layout"), short names so the socket path fits in 108 bytes:
 //! ```text
 //! <state-dir>/                 0711 root   (refused if writable by group/others or a symlink)
 //!   locks/<id>.lock            0600 root   flock per daemon identity; never removed

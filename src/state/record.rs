@@ -128,7 +128,7 @@ pub struct ContainerRecord {
     /// execs the low-level runtime under the same pid and start time, so it lives until
     /// `runc create` returns (by when the hook has replaced this record with one naming
     /// the container's pid). A shim killed before that leaves a record that names a dead
-    /// process: stale at once, not after `pending_grace` (issue 15).
+    /// process: stale at once, not after `pending_grace`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub creator: Option<ProcRef>,
     /// The Kubernetes namespace, pod and container the engine named, where it did.

@@ -1,5 +1,5 @@
-//! The invariants checked after every kill (issue 15), each a function that returns what it
-//! found wrong, one line per violation: an empty list is a pass.
+//! The invariants checked after every kill, each a function that returns what it found
+//! wrong, one line per violation: an empty list is a pass.
 //!
 //! - a bundle's config.json is byte-identical to the original or a complete valid edit
 //!   (the same edit an undisturbed create of that identity made, container-specific

@@ -1,8 +1,8 @@
-//! The fault tier (issue 15, "crash at any instant"): the create path, driven over and over
-//! across two users and two devices with concurrent creates, while one of gpushare's
-//! processes is killed with SIGKILL at a random instant; after every kill the invariants
-//! of check.rs are checked. docs/reliability.md holds the figures of a long run and what
-//! is not guaranteed.
+//! The fault tier (docs/reliability.md, "Crash at any instant"): the create path, driven
+//! over and over across two users and two devices with concurrent creates, while one of
+//! gpushare's processes is killed with SIGKILL at a random instant; after every kill the
+//! invariants of check.rs are checked. docs/reliability.md holds the figures of a long run
+//! and what is not guaranteed.
 //!
 //! ```text
 //! cargo test --test faults                               # the short run (scripts/test)

@@ -1,9 +1,9 @@
-//! The core path on a real GPU with real containers (issue 17, item 3; `--containers`,
-//! formerly scripts/gpu/containers): two users' containers at once through gpushare-runtime
-//! and real runc against the real nvidia-cuda-mps-control, each running the PyTorch workload
-//! from inside the container (A); one of them raising its own limits through its daemon's
-//! control socket while its job runs (A2); then the same two users' containers on one
-//! shared MPS daemon without gpushare, showing the queue gpushare removes (B).
+//! The core path on a real GPU with real containers (`--containers`): two users' containers
+//! at once through gpushare-runtime and real runc against the real nvidia-cuda-mps-control,
+//! each running the PyTorch workload from inside the container (A); one of them raising its
+//! own limits through its daemon's control socket while its job runs (A2); then the same
+//! two users' containers on one shared MPS daemon without gpushare, showing the queue
+//! gpushare removes (B).
 //!
 //! There is no container engine on the GPU machine: the containers are plain OCI bundles run
 //! by runc, the way Docker's or containerd's shim would run them. Their root file system is

@@ -1,6 +1,6 @@
-//! The real-GPU validation tier of gpushare (issues 8 and 14), as a test target with a main
-//! of its own (`harness = false`): its sections run in order, one after the other, and print
-//! every check as PASS, FAIL, SKIP or INFO with one line of evidence, whatever libtest would
+//! The real-GPU validation tier of gpushare, as a test target with a main of its own
+//! (`harness = false`): its sections run in order, one after the other, and print every
+//! check as PASS, FAIL, SKIP or INFO with one line of evidence, whatever libtest would
 //! capture. docs/gpu-validation.md says what each section shows and what to carry to a GPU
 //! machine.
 //!

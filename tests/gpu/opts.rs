@@ -29,7 +29,7 @@ usage: cargo test --test gpu -- [OPTIONS]      (or the test executable itself, a
   --keep           keep the work directory under /tmp (every daemon's and client's log)
                                                                              GPUSHARE_GPU_KEEP=1
   --containers     then two users' PyTorch containers through gpushare-runtime and runc
-                   (real GPU only; formerly scripts/gpu/containers)    GPUSHARE_GPU_CONTAINERS=1
+                   (real GPU only)                                     GPUSHARE_GPU_CONTAINERS=1
   --runc PATH      runc for --containers (default: runc on PATH)                GPUSHARE_GPU_RUNC
   --only LIST      run only these sections (comma-separated; the header, the preflight and the
                    restore always run): per-user, shared, flags, multi-user, tenant-control,

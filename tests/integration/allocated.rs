@@ -1,7 +1,7 @@
-//! Issue 12, items 1 and 3: a pod's sandbox passes through whatever it carries, and
-//! `gpushare.io/device=allocated` (or the node's `default-device = "allocated"`) takes the
-//! devices NVIDIA's device plugin or DRA driver wrote into the spec, through the real shim,
-//! runc and the simulator. The spec shapes are those of ../shared/reference/k8s-facts.md.
+//! A pod's sandbox passes through whatever it carries, and `gpushare.io/device=allocated`
+//! (or the node's `default-device = "allocated"`) takes the devices NVIDIA's device plugin
+//! or DRA driver wrote into the spec, through the real shim, runc and the simulator. The
+//! spec shapes are those docs/kubernetes.md, "Let the scheduler pick the GPU", describes.
 
 use serde_json::{json, Value};
 

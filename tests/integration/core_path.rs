@@ -1,5 +1,5 @@
-//! Issue 2 acceptance: the core path in the default configuration (per-user daemons,
-//! enforced limits, isolated IPC), through real runc with a busybox rootfs.
+//! The core path in the default configuration (per-user daemons, enforced limits, isolated
+//! IPC), through real runc with a busybox rootfs.
 
 use std::path::Path;
 use std::process::{Command, Stdio};

@@ -1,4 +1,4 @@
-//! Issue 12: the Kubernetes path, as a kubelet drives it. A private containerd 1.6 with its
+//! The Kubernetes path, as a kubelet drives it. A private containerd 1.6 with its
 //! CRI plugin (own root, state, socket and cgroup parent; no CNI, so host-network pods; an
 //! offline pause image) is configured by the real `gpushare install containerd` and driven
 //! over the CRI gRPC API (cri_api.rs): pods, containers, restarts, removal. The workload
@@ -1912,7 +1912,7 @@ fn cri_install_on_a_config_without_cri_tables_keeps_the_plugin_loading() {
     let _node = Node::start_with(&env, dir, config, &[]);
 }
 
-/// Issue 12 item 3 through CRI: on a node whose config says `default-device =
+/// Through CRI: on a node whose config says `default-device =
 /// "allocated"`, a pod without gpushare annotations is served the GPU NVIDIA's device
 /// plugin allocated to it — here as the plugin's volume-mounts strategy has the kubelet
 /// write it, `/dev/null` mounted at `/var/run/nvidia-container-devices/<uuid>` — with the
@@ -2090,7 +2090,7 @@ fn install_hook_only(env: &Env, config: &Path, name: &str) -> Value {
     serde_json::from_slice(&std::fs::read(&spec).unwrap()).unwrap()
 }
 
-/// Issue 16 item 5: containerd without the shim. A runtime class whose `base_runtime_spec`
+/// containerd without the shim. A runtime class whose `base_runtime_spec`
 /// (containerd's own default spec plus gpushare's hook-only `prestart`/`poststop` hooks,
 /// as `gpushare install containerd --hook-only` writes them) runs plain runc: the hook resolves the request itself and binds the daemon's pipe
 /// directory at CUDA's default path and its shm over /dev/shm, as under Podman's hooks.d.
@@ -2203,7 +2203,7 @@ fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
     assert_eq!(env.daemon_ids(), ids, "no daemon for the bad request");
 }
 
-/// Issue 16 item 1: a pod start as the kubelet issues it (RunPodSandbox, CreateContainer,
+/// A pod start as the kubelet issues it (RunPodSandbox, CreateContainer,
 /// StartContainer of a container running `true`), timed from the CRI client, on one
 /// containerd with three runtime classes: `runc`, `gpushare` (the shim, as `gpushare
 /// install containerd` registers it) and `gpushare-hooks` (`--hook-only`: runc with the
@@ -2321,7 +2321,7 @@ fn cri_pod_start_bench() {
     assert_eq!(env.daemon_ids().len(), 1, "one daemon served every request");
 }
 
-/// Issue 15 item 2, the CRI path: containerd (and so its CRI plugin) restarted while a pod's
+/// Parts failing under live jobs, the CRI path: containerd (and so its CRI plugin) restarted while a pod's
 /// container holds an MPS client. The container keeps running (its shim is not
 /// containerd's child), its daemon keeps the same supervisor and daemon processes, and the
 /// next pod of the same user is served by that daemon; `status` reports it healthy.

@@ -119,3 +119,422 @@ fn missing_tests(names: &[String]) -> Vec<String> {
     }
     missing
 }
+
+// ---------------------------------------------------------------------------------------
+// References: every one a reader meets leads somewhere inside the repository.
+
+/// Where a reader meets references: the source trees and the docs (the top-level `*.md`
+/// and `docs/`).
+const SCANNED: [&str; 5] = ["src", "tests", "scripts", "sim", "docs"];
+
+/// What the scan leaves out, each for a reason: the raw records of past runs, kept as
+/// they were written, and this file, which spells out the patterns it forbids.
+const NOT_SCANNED: [&str; 3] = [
+    "docs/gpu-runs",
+    "docs/bench-runs",
+    "tests/integration/docs.rs",
+];
+
+/// Directories that tools create beside the sources (Python's byte code, Cargo's output):
+/// nobody reads them, and they are not in the repository.
+const BUILD_OUTPUT: [&str; 2] = ["__pycache__", "target"];
+
+/// TEMPORARY, to be deleted when the request/identity/decision restructuring lands: the
+/// citations in src/request.rs, src/request/*.rs, src/identity.rs and src/decision.rs that
+/// another change rewrites, each as (file, its line, trimmed). Nothing else is exempt,
+/// and an entry that no longer matches a finding fails the test, so the list can only
+/// shrink.
+const PENDING_CITATIONS: [(&str, &str); 10] = [
+    (
+        "src/decision.rs",
+        "//! container's annotations at `create` (DESIGN §4.5), and [`identity_from_annotations`]",
+    ),
+    (
+        "src/identity.rs",
+        "//! DESIGN §5: a daemon is identified by (device set, host UID, limit profile). Under",
+    ),
+    (
+        "src/identity.rs",
+        "/// The daemon identity for a request (DESIGN §5), from the devices it resolved to, the",
+    ),
+    (
+        "src/request.rs",
+        "//! Container annotations and environment → a validated share request (DESIGN.md §3).",
+    ),
+    (
+        "src/request.rs",
+        "//!   through, and the other keys are not read (DESIGN §3: gpushare can be the default runtime).",
+    ),
+    (
+        "src/request.rs",
+        "/// (k8s-facts.md §3): containerd CRI, CRI-O, and the dockershim/cri-dockerd label should an",
+    ),
+    (
+        "src/request.rs",
+        "/// How the container reaches the MPS server's shared memory (DESIGN §4.3).",
+    ),
+    (
+        "src/request.rs",
+        "/// Issue 18: the operator's ceilings refuse a request above them with one line naming",
+    ),
+    (
+        "src/request/allocation.rs",
+        "//! Every strategy of k8s-facts.md, as the spec shapes it names, on top of the captured",
+    ),
+    (
+        "src/request/grammar.rs",
+        "/// (decided for issue 13; documented in docs/requests.md).",
+    ),
+];
+
+/// One text file of the scan, with its path relative to the repository root.
+struct Scanned {
+    rel: String,
+    text: String,
+}
+
+fn scanned_files() -> Vec<Scanned> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<Scanned>) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().flatten().collect();
+        entries.sort_by_key(|e| e.file_name());
+        for entry in entries {
+            let path = entry.path();
+            let rel = path
+                .strip_prefix(root)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            let name = entry.file_name();
+            if NOT_SCANNED.contains(&rel.as_str()) || BUILD_OUTPUT.iter().any(|b| name == *b) {
+                continue;
+            }
+            if path.is_dir() {
+                walk(root, &path, out);
+            } else {
+                let text = std::fs::read_to_string(&path).unwrap_or_else(|_| {
+                    panic!("{rel} is not UTF-8 text: name it in NOT_SCANNED, with why")
+                });
+                out.push(Scanned { rel, text });
+            }
+        }
+    }
+    let root = root();
+    let mut out = Vec::new();
+    let mut top: Vec<_> = std::fs::read_dir(&root).unwrap().flatten().collect();
+    top.sort_by_key(|e| e.file_name());
+    for entry in top {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".md") && entry.path().is_file() {
+            let text = std::fs::read_to_string(entry.path()).unwrap();
+            out.push(Scanned { rel: name, text });
+        }
+    }
+    for dir in SCANNED {
+        walk(&root, &root.join(dir), &mut out);
+    }
+    out
+}
+
+/// The top-level entries a repository path starts with.
+const REPOSITORY_DIRS: [&str; 11] = [
+    "src/",
+    "tests/",
+    "scripts/",
+    "sim/",
+    "docs/",
+    "config/",
+    "deploy/",
+    "hooks/",
+    "packaging/",
+    "fuzz/",
+    ".github/",
+];
+
+fn is_path_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '/' | '-')
+}
+
+/// `token` as a repository path to check, if it reads as one: it starts with a top-level
+/// directory and is made of path characters only (no `<placeholder>`, `*`, `{a,b}`),
+/// or it is a top-level `NAME.md`. A `:line` or `#anchor` suffix is dropped.
+fn repository_path(token: &str) -> Option<&str> {
+    let token = token.split('#').next()?;
+    let token = match token.rsplit_once(':') {
+        Some((path, line)) if line.bytes().all(|b| b.is_ascii_digit()) => path,
+        _ => token,
+    };
+    if token.is_empty() || !token.chars().all(is_path_char) || token.contains("..") {
+        return None;
+    }
+    let top_md = !token.contains('/')
+        && token.ends_with(".md")
+        && token[..token.len() - 3]
+            .bytes()
+            .all(|b| b.is_ascii_uppercase() || b == b'_');
+    (top_md || REPOSITORY_DIRS.iter().any(|d| token.starts_with(d))).then_some(token)
+}
+
+/// Where `path` (as written in the file at `rel`) can lead: the repository root, the
+/// file's own directory, or the workspace member the file belongs to (`sim/`, `fuzz/`).
+fn resolves(rel: &str, path: &str) -> bool {
+    let root = root();
+    let file = root.join(rel);
+    let mut bases = vec![root.clone(), file.parent().unwrap().to_path_buf()];
+    for member in ["sim", "fuzz"] {
+        if rel.starts_with(&format!("{member}/")) {
+            bases.push(root.join(member));
+        }
+    }
+    bases.iter().any(|b| b.join(path).exists())
+}
+
+/// A GitHub-style anchor for a Markdown heading: lowercase, spaces to `-`, everything but
+/// letters, digits, `-` and `_` dropped.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The headings of a Markdown text (outside code fences), as written, backticks dropped.
+fn headings(text: &str) -> Vec<String> {
+    let mut fenced = false;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+        } else if !fenced && line.starts_with('#') {
+            let heading = line.trim_start_matches('#');
+            if heading.starts_with(' ') {
+                out.push(heading.trim().replace('`', ""));
+            }
+        }
+    }
+    out
+}
+
+/// The anchors of a Markdown text, duplicates numbered as GitHub numbers them.
+fn anchors(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for h in headings(text) {
+        let base = anchor(&h);
+        let n = out
+            .iter()
+            .filter(|a| **a == base || a.starts_with(&format!("{base}-")))
+            .count();
+        out.push(if n == 0 { base } else { format!("{base}-{n}") });
+    }
+    out
+}
+
+/// The text with every line's comment or quote markers (`//!`, `///`, `//`, `#`, `*`, `>`)
+/// and indentation removed, the lines joined by one space, and where each line starts in
+/// it: a citation broken across comment lines reads as one.
+fn flattened(text: &str) -> (String, Vec<usize>) {
+    let mut flat = String::new();
+    let mut starts = Vec::new();
+    for line in text.lines() {
+        starts.push(flat.len());
+        let body = line
+            .trim_start()
+            .trim_start_matches(['/', '!', '#', '*', '>']);
+        flat.push_str(body.trim());
+        flat.push(' ');
+    }
+    (flat, starts)
+}
+
+/// The 1-based line of byte `at` of a flattened text.
+fn line_of(starts: &[usize], at: usize) -> usize {
+    starts.partition_point(|&s| s <= at)
+}
+
+/// Citations of files beside the repository, or of the tracker, in a flattened text: each
+/// as (byte offset, what was found).
+fn forbidden_citations(flat: &str) -> Vec<(usize, String)> {
+    let mut found = Vec::new();
+    let lower = flat.to_lowercase();
+    for needle in [
+        "DESIGN §",
+        "DESIGN.md",
+        "-facts.md",
+        "-facts §",
+        "shared/reference",
+    ] {
+        for (at, _) in flat.match_indices(needle) {
+            found.push((at, needle.to_owned()));
+        }
+    }
+    // "issue 15", "Issue #6", "issues 8 and 14": history, which belongs in commits.
+    for (at, _) in lower.match_indices("issue") {
+        let before = lower[..at].chars().next_back();
+        if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '-') {
+            continue;
+        }
+        let rest = lower[at + "issue".len()..].trim_start_matches('s');
+        let rest = rest.trim_start().trim_start_matches('#');
+        if rest.starts_with(|c: char| c.is_ascii_digit()) {
+            let end = (at + 20).min(flat.len());
+            let end = (end..=flat.len())
+                .find(|&e| flat.is_char_boundary(e))
+                .unwrap();
+            found.push((at, flat[at..end].to_owned()));
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Backticked spans of one line, paired in order.
+fn backticked(line: &str) -> Vec<&str> {
+    line.split('`').skip(1).step_by(2).collect()
+}
+
+/// What each file references that is not there: relative Markdown links (and their
+/// `#anchor`s into Markdown files), backticked repository paths, and `docs/x.md, "Heading"`
+/// citations (the path from the root or the file's directory) whose heading does not
+/// exist; a cited heading may be the start of the real one.
+fn broken_references(file: &Scanned) -> Vec<String> {
+    let root = root();
+    let mut broken = Vec::new();
+    let mut fenced = false;
+    let is_md = file.rel.ends_with(".md");
+    for (n, line) in file.text.lines().enumerate() {
+        let at = format!("{}:{}", file.rel, n + 1);
+        if is_md && line.trim_start().starts_with("```") {
+            fenced = !fenced;
+        }
+        if fenced {
+            continue;
+        }
+        for span in backticked(line) {
+            let token = span.split_whitespace().next().unwrap_or("");
+            if let Some(path) = repository_path(token) {
+                if !resolves(&file.rel, path) {
+                    broken.push(format!("{at}: `{span}` does not exist"));
+                }
+            }
+        }
+        // Markdown links: in Markdown, and in Rust's doc comments (rustdoc is Markdown).
+        let markdown = is_md || (file.rel.ends_with(".rs") && line.trim_start().starts_with("//"));
+        let mut rest = if markdown { line } else { "" };
+        while let Some(open) = rest.find("](") {
+            rest = &rest[open + 2..];
+            let Some(close) = rest.find(')') else { break };
+            let target = rest[..close].split_whitespace().next().unwrap_or("");
+            rest = &rest[close..];
+            if target.is_empty() || target.contains("://") || target.starts_with("mailto:") {
+                continue;
+            }
+            let (path, fragment) = match target.split_once('#') {
+                Some((p, f)) => (p, Some(f)),
+                None => (target, None),
+            };
+            let dir = root.join(&file.rel).parent().unwrap().to_path_buf();
+            let resolved = if path.is_empty() {
+                root.join(&file.rel)
+            } else {
+                dir.join(path)
+            };
+            if !resolved.exists() {
+                broken.push(format!("{at}: link {target} leads to nothing"));
+                continue;
+            }
+            if let Some(fragment) =
+                fragment.filter(|_| resolved.extension().is_some_and(|e| e == "md"))
+            {
+                let text = std::fs::read_to_string(&resolved).unwrap();
+                if !anchors(&text).iter().any(|a| a == fragment) {
+                    broken.push(format!("{at}: link {target}: no such heading"));
+                }
+            }
+        }
+    }
+    // `docs/design.md, "Identity"`: the named heading (or one starting with it) exists.
+    let (flat, starts) = flattened(&file.text);
+    for (at, _) in flat.match_indices(".md") {
+        let start = flat[..at]
+            .rfind(|c: char| !is_path_char(c))
+            .map_or(0, |i| i + 1);
+        let path = &flat[start..at + 3];
+        let after = flat[at + 3..].trim_start_matches('`');
+        let Some(quoted) = after
+            .strip_prefix(',')
+            .and_then(|a| a.trim_start().strip_prefix('"'))
+        else {
+            continue;
+        };
+        let Some(end) = quoted.find('"') else {
+            continue;
+        };
+        let heading = &quoted[..end];
+        let line = line_of(&starts, at);
+        let dir = root.join(&file.rel).parent().unwrap().to_path_buf();
+        let Some(text) = [root.join(path), dir.join(path)]
+            .iter()
+            .find_map(|p| std::fs::read_to_string(p).ok())
+        else {
+            // A file of another project (`PROTOCOL.md` of ttrpc) is not ours to check.
+            if repository_path(path).is_some() {
+                broken.push(format!("{}:{line}: {path} does not exist", file.rel));
+            }
+            continue;
+        };
+        if !headings(&text).iter().any(|h| h.starts_with(heading)) {
+            broken.push(format!(
+                "{}:{line}: {path} has no heading \"{heading}\"",
+                file.rel
+            ));
+        }
+    }
+    broken
+}
+
+/// Every reference a reader meets resolves inside the repository: links, backticked
+/// paths and heading citations lead to files and headings that exist, and nothing cites
+/// the design notes or research files kept beside the repository, or an issue number.
+#[test]
+fn every_reference_resolves_inside_the_repository() {
+    let files = scanned_files();
+    assert!(
+        files.iter().any(|f| f.rel == "src/lib.rs") && files.len() > 100,
+        "the scan found only {} files",
+        files.len()
+    );
+    let mut problems = Vec::new();
+    let mut pending_used = [false; PENDING_CITATIONS.len()];
+    for file in &files {
+        problems.extend(broken_references(file));
+        let (flat, starts) = flattened(&file.text);
+        let lines: Vec<&str> = file.text.lines().collect();
+        for (at, what) in forbidden_citations(&flat) {
+            let n = line_of(&starts, at);
+            let line = lines[n - 1].trim();
+            let pending = PENDING_CITATIONS
+                .iter()
+                .position(|&(f, l)| f == file.rel && l == line);
+            match pending {
+                Some(i) => pending_used[i] = true,
+                None => problems.push(format!(
+                    "{}:{n}: cites {what:?}, which leads outside the repository: state the fact in docs/ and cite that",
+                    file.rel
+                )),
+            }
+        }
+    }
+    for (used, (file, line)) in pending_used.iter().zip(PENDING_CITATIONS) {
+        if !used {
+            problems.push(format!(
+                "PENDING_CITATIONS: {file}: {line:?} no longer cites anything: remove the entry"
+            ));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}

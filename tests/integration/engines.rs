@@ -1,4 +1,4 @@
-//! Issue 4: the real engines — a private dockerd configured by `gpushare install docker`,
+//! The real engines — a private dockerd configured by `gpushare install docker`,
 //! a private containerd driven by `ctr`, Podman with gpushare's hooks.d files (hook-only
 //! mode), and the chaining to NVIDIA's runtime. Each daemon is started by the test with
 //! its own sockets, roots and state under the test's temp dir and stopped at the end,
@@ -646,7 +646,7 @@ fn podman_hook_only_mode_mounts_the_daemon_into_the_container() {
     );
     let s = text(&out);
     assert!(out.status.success(), "{s}");
-    // Issue 18: the pipe directory read-only, both mounts nosuid,nodev,noexec (the topmost
+    // The pipe directory read-only, both mounts nosuid,nodev,noexec (the topmost
     // mount at each place; tenant_mounts.rs tests the same through plain runc).
     for (at, want) in [
         ("/tmp/nvidia-mps", "ro,nosuid,nodev,noexec"),

@@ -1,6 +1,7 @@
-//! What the fault tier (tests/faults/, issue 15) found, one regression test each: the
-//! instant a timer's SIGKILL hit, reproduced here on purpose (a low-level runtime that
-//! kills itself, a supervisor held stopped before it names itself, a zombie supervisor).
+//! Instants of the create path that the fault tier's (tests/faults/) random SIGKILL hits
+//! only by chance, each reproduced here on purpose, one test each (a low-level runtime
+//! that kills itself, a supervisor held stopped before it names itself, a zombie
+//! supervisor).
 
 use std::io::Read;
 use std::path::{Path, PathBuf};

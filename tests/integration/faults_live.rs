@@ -1,8 +1,9 @@
-//! Parts failing under live jobs (issue 15, part 2): a container holds an MPS client of
-//! the simulator while a supervisor or a control daemon is killed with SIGKILL, or while
-//! the state directory's file system is full, read-only or deleted. Each test states what
-//! the running container keeps, what the next container gets and what the operator sees
-//! (status, doctor, gc, the log); docs/reliability.md tabulates the same.
+//! Parts failing under live jobs (docs/reliability.md, "Engines and parts failing under
+//! live jobs"): a container holds an MPS client of the simulator while a supervisor or a
+//! control daemon is killed with SIGKILL, or while the state directory's file system is
+//! full, read-only or deleted. Each test states what the running container keeps, what the
+//! next container gets and what the operator sees (status, doctor, gc, the log);
+//! docs/reliability.md tabulates the same.
 //!
 //! The simulator's client does not notice its server dying (a real CUDA client does, and
 //! fails: docs/reliability.md's real-GPU section), so "the running client keeps" here means

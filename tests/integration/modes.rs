@@ -1,5 +1,5 @@
-//! Issue 3: every mode of the contract through real runc — multi-user, host IPC, advisory
-//! limits, MIG, device lists, user namespaces, restarts.
+//! Every mode of the contract through real runc — multi-user, host IPC, advisory limits,
+//! MIG, device lists, user namespaces, restarts.
 
 use std::path::Path;
 use std::time::Duration;

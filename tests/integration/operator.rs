@@ -1,5 +1,4 @@
-//! Issue 5: what an operator sees — status in three formats, doctor on a broken setup,
-//! versions.
+//! What an operator sees — status in three formats, doctor on a broken setup, versions.
 
 use std::time::Duration;
 

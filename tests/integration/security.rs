@@ -1,5 +1,5 @@
-//! Issue 7: hostile input and confinement, through real runc. Every test here fails when
-//! the protection it names is removed; SECURITY.md maps each claim to its test.
+//! Hostile input and confinement, through real runc. Every test here fails when the
+//! protection it names is removed; SECURITY.md maps each claim to its test.
 
 use std::os::unix::process::CommandExt;
 use std::path::Path;

@@ -1,6 +1,6 @@
-//! Issue 18, the daemon's side: what a tenant can make its MPS control daemon (or the root
-//! supervisor beside it) do. Each test replays an attack that worked before the fix and
-//! asserts the host is untouched; SECURITY.md maps each one to its defence.
+//! Tenants against the daemon's side: what a tenant can make its MPS control daemon (or the
+//! root supervisor beside it) do. Each test replays an attack and asserts the host is
+//! untouched; SECURITY.md maps each one to its defence.
 
 use std::io::Write;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};

@@ -1,8 +1,8 @@
-//! Issue 18: nothing a container can write may steer a root process or another tenant —
-//! the daemon's directories as a container sees them (read-only pipe directory,
-//! nosuid/nodev/noexec mounts, through the shim and in hook-only mode), the 128-bit daemon
-//! id, and the operator's ceilings on requests. Through real runc with the MPS simulator,
-//! whose `client` stands in for a CUDA client.
+//! Nothing a container can write may steer a root process or another tenant — the daemon's
+//! directories as a container sees them (read-only pipe directory, nosuid/nodev/noexec
+//! mounts, through the shim and in hook-only mode), the 128-bit daemon id, and the
+//! operator's ceilings on requests. Through real runc with the MPS simulator, whose
+//! `client` stands in for a CUDA client.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};

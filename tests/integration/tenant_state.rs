@@ -1,8 +1,8 @@
-//! Issue 18: tenant-proof daemon state, through real runc. A tenant owns its daemon's pipe
-//! directory (and, with `container-log-dir`, its log directory) and can plant anything in
-//! it or make its daemon log without end; none of that may break `gc`, a daemon restart,
-//! the node's other tenants or the state directory's file system. Daemons are capped per
-//! node and per UID. Every test here fails when the protection it names is removed.
+//! Tenant-proof daemon state, through real runc. A tenant owns its daemon's pipe directory
+//! (and, with `container-log-dir`, its log directory) and can plant anything in it or make
+//! its daemon log without end; none of that may break `gc`, a daemon restart, the node's
+//! other tenants or the state directory's file system. Daemons are capped per node and per
+//! UID. Every test here fails when the protection it names is removed.
 
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;

@@ -1,6 +1,6 @@
-//! The load tier (issue 15, "Load"): 8 users × 16 containers created at once through the
-//! shim, and a soak of containers of several users starting, running an MPS client and
-//! being deleted, sampled for leaks. Real `gpushare-runtime`, `gpushare` and
+//! The load tier (docs/reliability.md, "Load held"): 8 users × 16 containers created at
+//! once through the shim, and a soak of containers of several users starting, running an
+//! MPS client and being deleted, sampled for leaks. Real `gpushare-runtime`, `gpushare` and
 //! `gpushare-mps-sim` through real runc, as root, with the integration tests' harness
 //! (tests/integration/harness.rs, included below; nothing here is a second harness).
 //!

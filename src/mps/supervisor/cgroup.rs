@@ -131,7 +131,7 @@ pub(crate) fn sweep_stale_cgroups(top: &Path) -> usize {
             continue;
         };
         // A zombie is gone: a supervisor SIGKILLed while its parent (the hook that
-        // started it, a subreaper) has not reaped it yet runs nothing (issue 15).
+        // started it, a subreaper) has not reaped it yet runs nothing.
         let running = i32::try_from(pid).is_ok_and(|p| crate::util::proc_start_time(p).is_some());
         if !crate::identity::valid_id(id) || running {
             continue;

@@ -29,10 +29,10 @@ pub(crate) const CHECK_DEADLINE: Duration = Duration::from_secs(2);
 /// partial lines) must not keep them raised.
 pub(crate) const UNCONFIRMED_CHECKS: u32 = 2;
 
-/// The commands that put a daemon's limits in place, in order (DESIGN §5, mps-facts §1.2).
-/// Pinned memory is set per device by ordinal: the daemon sees only its own devices,
-/// renumbered from 0 (CUDA_VISIBLE_DEVICES), and NVIDIA's device plugin found UUID-keyed
-/// limits ignored by some drivers.
+/// The commands that put a daemon's limits in place, in order. Pinned memory is set per
+/// device by ordinal: the daemon sees only its own devices, renumbered from 0
+/// (CUDA_VISIBLE_DEVICES), and NVIDIA's device plugin found UUID-keyed limits ignored by
+/// some drivers (docs/mps.md, "Limits").
 pub(crate) fn limit_commands(ident: &Identity) -> Vec<String> {
     set_limits(ident, None)
 }
