@@ -1306,7 +1306,11 @@ mod tests {
         let p = run(&v, Some(DefaultDevice::Allocated));
         assert_eq!(resolved(&p).0, vec![GPU2]);
         let req = p.result.expect("parses").expect("request");
-        assert_eq!(req.active_thread_percentage.map(|s| s.value), Some(30));
+        assert_eq!(
+            req.settings
+                .value(&crate::request::ACTIVE_THREAD_PERCENTAGE),
+            Some(30)
+        );
         // The env spelling, and its refusal where env requests are off.
         let mut v = cri();
         push_env(
