@@ -220,7 +220,7 @@ pub static PINNED_MEMORY_LIMIT: KeySpec = KeySpec {
     annotation: "gpushare.io/pinned-memory-limit",
     env: "GPUSHARE_PINNED_MEMORY_LIMIT",
     grammar: Grammar::Number(Number::Size),
-    values: "a size with a unit: `512M`, `4G`; every unit is 1024-based, so `4GB` is `4GiB` (see [Sizes](#sizes))",
+    values: "a size with a unit: `512M`, `4G`; every unit is 1024-based, so `4GB` is `4GiB`",
     doc: "the pinned device memory each client may allocate, on each device; at most the device's memory",
     client_env: Some(ClientEnv {
         var: "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
@@ -280,8 +280,9 @@ pub static KEYS: [&KeySpec; 5] = [
 ];
 
 impl KeySpec {
-    /// The numeric grammar of a key whose values are [`super::Settings`].
-    pub(crate) fn number(&self) -> Option<Number> {
+    /// The numeric grammar of a key whose values are [`super::Settings`]; `None` for the
+    /// device and IPC keys.
+    pub fn number(&self) -> Option<Number> {
         match self.grammar {
             Grammar::Number(n) => Some(n),
             _ => None,

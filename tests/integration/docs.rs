@@ -119,3 +119,64 @@ fn missing_tests(names: &[String]) -> Vec<String> {
     }
     missing
 }
+
+/// The rows of the markdown table under the line `header` in `text` (after its `|---|`
+/// line, up to the first line that is not a row).
+fn table_rows(text: &str, header: &str) -> Vec<String> {
+    let mut lines = text.lines().skip_while(|l| *l != header);
+    assert_eq!(lines.next(), Some(header), "no table headed {header:?}");
+    lines
+        .skip(1)
+        .take_while(|l| l.starts_with('|'))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The request-key tables of docs/requests.md and the README are the rows of
+/// `request::keys`: every key, its names, values and (in docs/requests.md) what it does,
+/// its client variable, whether it is part of the daemon identity and what hook-only mode
+/// does with it. On a difference the wanted table is printed, to paste.
+#[test]
+fn the_key_tables_are_the_request_key_rows() {
+    use gpushare::request::KEYS;
+    let full_header = "| annotation | env var | value | what it does | client variable | daemon identity | hook-only mode |";
+    let full: Vec<String> = KEYS
+        .iter()
+        .map(|k| {
+            let client = k
+                .client_env
+                .map_or_else(|| "—".to_owned(), |c| format!("`{}`", c.var));
+            let identity = match (k.identity, k.number().is_some()) {
+                (false, _) => "no",
+                (true, false) => "yes",
+                (true, true) => "under `limits = \"enforced\"`",
+            };
+            format!(
+                "| `{}` | `{}` | {} | {} | {client} | {identity} | {} |",
+                k.annotation,
+                k.env,
+                k.values,
+                k.doc,
+                k.hook_only.doc()
+            )
+        })
+        .collect();
+    let short_header = "| annotation | env var | value |";
+    let short: Vec<String> = KEYS
+        .iter()
+        .map(|k| format!("| `{}` | `{}` | {} |", k.annotation, k.env, k.values))
+        .collect();
+    for (file, header, want) in [
+        ("docs/requests.md", full_header, &full),
+        ("README.md", short_header, &short),
+    ] {
+        let text = std::fs::read_to_string(root().join(file)).unwrap();
+        assert_eq!(
+            &table_rows(&text, header),
+            want,
+            "{file}'s key table differs from src/request/keys.rs; it should read:\n{header}\n|{}\n{}",
+            "---|".repeat(header.matches(" | ").count() + 1),
+            want.join("\n")
+        );
+    }
+}
