@@ -181,6 +181,59 @@ mod tests {
         assert_eq!(a.id(), "2d3ff58269c1d56e621ea79962171817");
         assert_eq!(a.id().len(), ID_LEN);
         assert_eq!(ID_LEN, 32);
+        // Every field of the canonical form set: pinned, so that a change to how the
+        // request keys are held can never move an existing daemon's id.
+        let full = Identity {
+            devices: vec![
+                "GPU-8f8bff94-112e-9541-43da-cfd453333404".into(),
+                "GPU-22f0c05f-5cf2-5ea2-8297-789695656dc0".into(),
+            ],
+            uid: 0,
+            gid: 0,
+            multi_user: true,
+            active_thread_percentage: Some(25),
+            pinned_memory_limit: Some(4 << 30),
+            ipc_host: true,
+        };
+        assert_eq!(
+            full.canonical(),
+            "v1|devices=GPU-8f8bff94-112e-9541-43da-cfd453333404,GPU-22f0c05f-5cf2-5ea2-8297-789695656dc0|uid=0|multi-user=true|tp=25|mem=4294967296|ipc=host"
+        );
+        assert_eq!(full.id(), "f1d2fa8ad98d86ad1a71939e3b54a4a7");
+    }
+
+    /// A key outside the daemon identity (the client priority) never changes the
+    /// identity a request gets.
+    #[test]
+    fn keys_outside_the_identity_leave_it_alone() {
+        use crate::request::{parse_device, DeviceValue, Settings, Sourced, CLIENT_PRIORITY};
+        assert!(!CLIENT_PRIORITY.identity);
+        let device = Sourced {
+            value: DeviceValue::Named(parse_device("gpushare.io/device", "0").unwrap()),
+            key: "gpushare.io/device",
+            raw: "0".into(),
+        };
+        let plain = Request {
+            device,
+            ipc: None,
+            settings: Settings::default(),
+        };
+        let low = Request {
+            settings: Settings::default().with(
+                &CLIENT_PRIORITY,
+                Sourced {
+                    value: 1,
+                    key: CLIENT_PRIORITY.annotation,
+                    raw: "1".into(),
+                },
+            ),
+            ..plain.clone()
+        };
+        let cfg = crate::config::parse("", None).unwrap();
+        let devices = ["GPU-8f8bff94-112e-9541-43da-cfd453333404".to_owned()];
+        let ident = |r: &Request| Identity::for_request(&cfg, &devices, 1000, r, IpcMode::Isolated);
+        assert_eq!(ident(&plain), ident(&low));
+        assert_eq!(ident(&plain).id(), ident(&low).id());
     }
 
     /// The node's config shapes the identity a request gets: user mode, daemon group,

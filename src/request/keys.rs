@@ -315,6 +315,24 @@ mod tests {
         }
     }
 
+    #[test]
+    fn client_priority_is_0_or_1() {
+        let number = CLIENT_PRIORITY.number().expect("numeric");
+        let key = CLIENT_PRIORITY.annotation;
+        assert_eq!(number.parse(key, "0").unwrap(), 0);
+        assert_eq!(number.parse(key, "1").unwrap(), 1);
+        for bad in ["2", "00", "-1", "+1", "1.0", "high", "10"] {
+            assert_eq!(
+                number.parse(key, bad).unwrap_err().to_string(),
+                format!("gpushare.io/client-priority=\"{bad}\" is invalid: allowed is 0 (normal) or 1 (below normal)")
+            );
+        }
+        assert_eq!(
+            number.parse("GPUSHARE_CLIENT_PRIORITY", "").unwrap_err().to_string(),
+            "GPUSHARE_CLIENT_PRIORITY=\"\" is invalid: it is empty; allowed is 0 (normal) or 1 (below normal)"
+        );
+    }
+
     /// The columns that depend on each other agree: hook-only mode can honour a key that
     /// the daemon applies, or that the hook acts on itself, never one that only a client
     /// variable carries; `daemon start` has a flag for exactly the keys a daemon enforces.
