@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::config::Config;
 use crate::ops;
+use crate::request::{KeySpec, KEYS};
 
 #[derive(Parser)]
 #[command(
@@ -225,6 +226,62 @@ enum CdiCommand {
     },
 }
 
+/// `gpushare daemon start`'s flag for each request key whose row has one (the keys a daemon
+/// enforces), made from the rows: `--<name> <VALUE>`, the value as given, parsed later by
+/// the key's own grammar.
+#[derive(Debug, Clone, Default)]
+struct KeyFlags(Vec<(&'static KeySpec, String)>);
+
+impl KeyFlags {
+    fn flagged() -> impl Iterator<Item = (&'static KeySpec, &'static str)> {
+        KEYS.into_iter()
+            .filter_map(|key| key.flag.map(|flag| (key, flag.trim_start_matches("--"))))
+    }
+}
+
+impl clap::FromArgMatches for KeyFlags {
+    fn from_arg_matches(m: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        let mut flags = KeyFlags::default();
+        flags.update_from_arg_matches(m)?;
+        Ok(flags)
+    }
+
+    fn update_from_arg_matches(&mut self, m: &clap::ArgMatches) -> Result<(), clap::Error> {
+        for (key, long) in Self::flagged() {
+            if let Some(raw) = m.get_one::<String>(long) {
+                self.0.retain(|(k, _)| *k != key);
+                self.0.push((key, raw.clone()));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl clap::Args for KeyFlags {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        Self::flagged().fold(cmd, |cmd, (key, long)| {
+            let default = key
+                .default_key
+                .map_or_else(String::new, |d| format!("; default: {d}"));
+            cmd.arg(
+                clap::Arg::new(long)
+                    .long(long)
+                    .value_name(key.env.trim_start_matches("GPUSHARE_"))
+                    .help(format!(
+                        "As {}: {}; {}{default}",
+                        key.annotation,
+                        key.number().map_or(key.values, |n| n.allowed()),
+                        key.doc
+                    )),
+            )
+        })
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
+}
+
 #[derive(Subcommand)]
 enum DaemonCommand {
     /// Start (or find) the daemon for an identity, outside any container.
@@ -246,14 +303,9 @@ enum DaemonCommand {
         /// Host GID the daemon runs as (default: mps.daemon-gid, else the UID).
         #[arg(long)]
         gid: Option<u32>,
-        /// Share of the GPU's threads each client may use, 1-100 (as
-        /// gpushare.io/active-thread-percentage); default: mps.default-active-thread-percentage.
-        #[arg(long)]
-        active_thread_percentage: Option<String>,
-        /// Pinned device memory per client and device, like 4G or 1536MiB (as
-        /// gpushare.io/pinned-memory-limit); default: mps.default-pinned-memory-limit.
-        #[arg(long)]
-        pinned_memory_limit: Option<String>,
+        /// One flag per request key a daemon enforces (`request::keys`).
+        #[command(flatten)]
+        keys: KeyFlags,
     },
     /// Stop daemons and remove their directories: one with --id <ID>, or every one with
     /// --all (every idle one is stopped; each one in use is named on stderr, and the exit
@@ -564,8 +616,7 @@ fn daemon(cfg: &Config, command: DaemonCommand) -> i32 {
             gid,
             multi_user,
             json,
-            active_thread_percentage,
-            pinned_memory_limit,
+            keys,
         } => {
             let mut cfg = cfg.clone();
             if multi_user {
@@ -582,8 +633,7 @@ fn daemon(cfg: &Config, command: DaemonCommand) -> i32 {
                     device,
                     uid,
                     gid,
-                    active_thread_percentage,
-                    pinned_memory_limit,
+                    settings: keys.0,
                     json,
                 },
             ))

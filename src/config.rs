@@ -10,6 +10,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::request::keys::PERCENTAGE;
+use crate::request::{KeySpec, ACTIVE_THREAD_PERCENTAGE, PINNED_MEMORY_LIMIT};
+
 /// Where the configuration is read from when `GPUSHARE_CONFIG` is not set.
 pub(crate) const DEFAULT_PATH: &str = "/etc/gpushare/runtime.toml";
 /// Environment variable naming another configuration file.
@@ -473,11 +476,11 @@ impl Check {
             .map_err(|_| self.bad(key, value, "a size with a unit, like 512M or 4G"))
     }
 
-    /// A percentage of the GPU's threads, 1-100, when set.
+    /// A percentage of the GPU's threads ([`PERCENTAGE`]), when set.
     fn percentage(&self, key: &'static str, value: Option<u8>) -> Result<Option<u8>, ConfigError> {
         match value {
-            Some(p) if !(1..=100).contains(&p) => {
-                Err(self.bad(key, &p.to_string(), "an integer from 1 to 100"))
+            Some(p) if !PERCENTAGE.allows(p.into()) => {
+                Err(self.bad(key, &p.to_string(), PERCENTAGE.allowed()))
             }
             _ => Ok(value),
         }
@@ -641,9 +644,10 @@ impl Check {
                 ));
             }
             if let Some(pct) = p.active_thread_percentage {
-                if !(1..=100).contains(&pct) {
+                if !PERCENTAGE.allows(pct.into()) {
                     return Err(bad(format!(
-                        "active-thread-percentage = {pct}: allowed is an integer from 1 to 100"
+                        "active-thread-percentage = {pct}: allowed is {}",
+                        PERCENTAGE.allowed()
                     )));
                 }
                 if let Some(max) = mps.max_active_thread_percentage.filter(|m| pct > *m) {
@@ -813,6 +817,33 @@ impl MpsConfig {
             IpcConfig::Isolated => crate::request::IpcMode::Isolated,
             IpcConfig::Host => crate::request::IpcMode::Host,
         }
+    }
+
+    /// The node's default for a numeric request key (the row's `default_key`), if it sets
+    /// one.
+    pub(crate) fn default_for(&self, key: &KeySpec) -> Option<u64> {
+        if *key == ACTIVE_THREAD_PERCENTAGE {
+            self.default_active_thread_percentage.map(u64::from)
+        } else if *key == PINNED_MEMORY_LIMIT {
+            self.default_pinned_memory_limit
+        } else {
+            None
+        }
+    }
+
+    /// The operator's ceilings on the numeric request keys (the rows' `ceiling_key`).
+    pub(crate) fn ceilings(&self) -> crate::request::Ceilings {
+        let tp = self.max_active_thread_percentage.map(u64::from);
+        let ceilings = [
+            (&ACTIVE_THREAD_PERCENTAGE, tp),
+            (&PINNED_MEMORY_LIMIT, self.max_pinned_memory_limit),
+        ];
+        crate::request::Ceilings(
+            ceilings
+                .into_iter()
+                .filter_map(|(k, max)| max.map(|m| (k, m)))
+                .collect(),
+        )
     }
 
     /// How long a container record written by the shim (create pending, no pid yet) keeps

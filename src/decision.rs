@@ -9,7 +9,7 @@
 //! refused before any directory exists or any byte is written.
 //!
 //! [`Decision`] is the shim↔hook contract: the decision gpushare-runtime writes into a
-//! container's annotations at `create` (DESIGN §4.5), and [`identity_from_annotations`]
+//! container's annotations at `create` (docs/requests.md lists them), and [`identity_from_annotations`]
 //! the validation the `createRuntime` hook applies when it reads it back from the
 //! container state on stdin.
 //!
@@ -29,7 +29,7 @@
 //! starts anything ([`identity_from_annotations`]): the daemon id must be a valid id, the
 //! identity well formed (devices, limits, a multi-user daemon is root's), and its id must
 //! equal the daemon annotation — which proves only that the two annotations agree, not
-//! who wrote them.
+//! who wrote them. The ranges it checks are the request keys' own (`request::keys`).
 
 use std::collections::HashMap;
 
@@ -213,7 +213,7 @@ fn resolve_with(
             req.device.raw
         );
     }
-    request::check(&req, &devices, &ceilings(cfg))?;
+    request::check(&req, &devices, &cfg.mps.ceilings())?;
     let ipc = ipc(&req)?;
     let host_user = host_user()?;
     let identity = Identity::for_request(cfg, &devices.uuids, host_user.0, &req, ipc);
@@ -224,14 +224,6 @@ fn resolve_with(
         host_user,
         identity,
     })
-}
-
-/// The operator's ceilings on requests, from the config.
-fn ceilings(cfg: &Config) -> request::Ceilings {
-    request::Ceilings {
-        active_thread_percentage: cfg.mps.max_active_thread_percentage,
-        pinned_memory_limit: cfg.mps.max_pinned_memory_limit,
-    }
 }
 
 /// The daemon id, [`ID_ALLOWED`]. Read by the hook.
@@ -320,12 +312,13 @@ pub fn identity_from_annotations(ann: &HashMap<String, String>) -> Result<Identi
             is_well_formed_uuid(d, "GPU-")
                 || (is_well_formed_uuid(d, "MIG-") && ident.devices.len() == 1)
         });
-    let limits_ok = ident
-        .active_thread_percentage
-        .is_none_or(|p| (1..=100).contains(&p))
-        && ident
-            .pinned_memory_limit
-            .is_none_or(|m| m >= crate::request::MIN_PINNED_MEMORY_LIMIT);
+    let in_range = |key: &request::KeySpec, value: Option<u64>| {
+        value.is_none_or(|v| key.number().is_some_and(|n| n.allows(v)))
+    };
+    let limits_ok = in_range(
+        &request::ACTIVE_THREAD_PERCENTAGE,
+        ident.active_thread_percentage.map(u64::from),
+    ) && in_range(&request::PINNED_MEMORY_LIMIT, ident.pinned_memory_limit);
     if !devices_ok || !limits_ok || (ident.multi_user && ident.uid != 0) {
         return Err(DecisionError::InvalidIdentity { raw: raw.clone() });
     }

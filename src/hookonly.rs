@@ -95,6 +95,7 @@ pub(crate) fn prestart(
     let Some(served) = crate::decision::resolve_spec(cfg, &spec, honour_ipc)? else {
         return Ok(());
     };
+    refuse_unhonoured(cfg, &served.request)?;
     let ident = served.identity;
     let pid = state.pid.context("the container state has no pid")?;
     crate::hook::check_daemon_user(&ident, pid)?;
@@ -127,6 +128,30 @@ pub(crate) fn prestart(
     }
     mount_into(pid, &rootfs, &binds)?;
     tracing::info!(daemon = %id, uid = ident.uid, "hook-only: daemon ensured and mounted into the container");
+    Ok(())
+}
+
+/// Refuses a request key that hook-only mode cannot honour (the row's `hook_only`): a
+/// hook cannot set the container's environment, so a key that only a client variable
+/// carries would be dropped. One line names the key, why, and the shim as what to use.
+fn refuse_unhonoured(cfg: &Config, req: &request::Request) -> anyhow::Result<()> {
+    use request::keys::HookOnly;
+    let enforced = cfg.mps.limits == crate::config::Limits::Enforced;
+    for (key, asked) in req.settings.iter() {
+        let why = match key.hook_only {
+            HookOnly::Honoured => continue,
+            HookOnly::WhenEnforced if enforced => continue,
+            HookOnly::WhenEnforced => "under limits = \"advisory\" only",
+            HookOnly::Refused => "only",
+        };
+        let var = key.client_env.map_or("a client variable", |c| c.var);
+        bail!(
+            "{}={} cannot be honoured in hook-only mode: {why} the client variable {var} carries it, and a hook cannot set the container's environment; allowed is gpushare-runtime (the shim: docker --runtime gpushare, RuntimeClass gpushare), which sets it, or no {} here",
+            asked.key,
+            crate::device::quote(&asked.raw),
+            key.annotation
+        );
+    }
     Ok(())
 }
 

@@ -1,8 +1,9 @@
 //! The identity of an MPS control daemon: which containers may share it.
 //!
-//! DESIGN §5: a daemon is identified by (device set, host UID, limit profile). Under
+//! A daemon is identified by its device set, its host UID, the IPC mode and the limits it
+//! enforces: the request keys whose row says `identity` (`request::keys`). Under
 //! `user-mode = "multi-user"` the UID is 0 for everyone (one root daemon per device set);
-//! under `limits = "advisory"` the profile is empty ([`Identity::for_request`] is that rule,
+//! under `limits = "advisory"` no limit is part of it ([`Identity::for_request`] is that rule,
 //! for every path that serves a request). The id is 32 lowercase hex digits:
 //! the first 128 bits of SHA-256 over the canonical form. Every identity a container can
 //! ask for is a tenant's choice, so the id must not be collidable: with a 48-bit unkeyed
@@ -17,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::config::{Config, Limits, UserMode};
-use crate::request::{IpcMode, Request};
+use crate::request::{IpcMode, KeySpec, Request, ACTIVE_THREAD_PERCENTAGE, PINNED_MEMORY_LIMIT};
 
 /// Length of a daemon id: 32 lowercase hex digits (128 bits).
 pub(crate) const ID_LEN: usize = 32;
@@ -45,7 +46,7 @@ pub struct Identity {
 }
 
 impl Identity {
-    /// The daemon identity for a request (DESIGN §5), from the devices it resolved to, the
+    /// The daemon identity for a request, from the devices it resolved to, the
     /// container user's host UID and the IPC mode decided for it. The daemon's group is
     /// the node's `mps.daemon-gid` (unset: the group numbered like the uid), never the
     /// container's: a container started with the `disk` or `video` group must not pass it
@@ -58,8 +59,10 @@ impl Identity {
         ipc: IpcMode,
     ) -> Identity {
         let multi_user = cfg.mps.user_mode == UserMode::MultiUser;
-        let (tp, mem) = requested_limits(cfg, req);
-        let enforced = cfg.mps.limits == Limits::Enforced;
+        // A limit is the daemon's only where it enforces it.
+        let enforced = |key: &KeySpec| {
+            requested(cfg, req, key).filter(|_| key.identity && cfg.mps.limits == Limits::Enforced)
+        };
         Identity {
             devices: devices.to_vec(),
             uid: if multi_user { 0 } else { uid },
@@ -69,8 +72,9 @@ impl Identity {
                 cfg.mps.daemon_gid.unwrap_or(uid)
             },
             multi_user,
-            active_thread_percentage: tp.filter(|_| enforced),
-            pinned_memory_limit: mem.filter(|_| enforced),
+            active_thread_percentage: enforced(&ACTIVE_THREAD_PERCENTAGE)
+                .and_then(|p| u8::try_from(p).ok()),
+            pinned_memory_limit: enforced(&PINNED_MEMORY_LIMIT),
             ipc_host: ipc == IpcMode::Host,
         }
     }
@@ -111,20 +115,12 @@ impl Identity {
     }
 }
 
-/// The limits a request asks for, or the node's defaults (`mps.default-*`): what the
-/// daemon enforces under `limits = "enforced"` ([`Identity::for_request`]) and what the
-/// container's client environment carries either way.
-pub(crate) fn requested_limits(cfg: &Config, req: &Request) -> (Option<u8>, Option<u64>) {
-    (
-        req.active_thread_percentage
-            .as_ref()
-            .map(|s| s.value)
-            .or(cfg.mps.default_active_thread_percentage),
-        req.pinned_memory_limit
-            .as_ref()
-            .map(|s| s.value)
-            .or(cfg.mps.default_pinned_memory_limit),
-    )
+/// The value a request asks for a numeric key, or the node's default for it (the row's
+/// `default_key`): for a limit, what the daemon enforces under `limits = "enforced"`
+/// ([`Identity::for_request`]); for a key with a client variable, what the container's
+/// client environment carries.
+pub(crate) fn requested(cfg: &Config, req: &Request, key: &KeySpec) -> Option<u64> {
+    req.settings.value(key).or_else(|| cfg.mps.default_for(key))
 }
 
 /// Whether `s` looks like a daemon id ([`ID_LEN`] lowercase hex digits). Ids reach paths,
@@ -185,13 +181,66 @@ mod tests {
         assert_eq!(a.id(), "2d3ff58269c1d56e621ea79962171817");
         assert_eq!(a.id().len(), ID_LEN);
         assert_eq!(ID_LEN, 32);
+        // Every field of the canonical form set: pinned, so that a change to how the
+        // request keys are held can never move an existing daemon's id.
+        let full = Identity {
+            devices: vec![
+                "GPU-8f8bff94-112e-9541-43da-cfd453333404".into(),
+                "GPU-22f0c05f-5cf2-5ea2-8297-789695656dc0".into(),
+            ],
+            uid: 0,
+            gid: 0,
+            multi_user: true,
+            active_thread_percentage: Some(25),
+            pinned_memory_limit: Some(4 << 30),
+            ipc_host: true,
+        };
+        assert_eq!(
+            full.canonical(),
+            "v1|devices=GPU-8f8bff94-112e-9541-43da-cfd453333404,GPU-22f0c05f-5cf2-5ea2-8297-789695656dc0|uid=0|multi-user=true|tp=25|mem=4294967296|ipc=host"
+        );
+        assert_eq!(full.id(), "f1d2fa8ad98d86ad1a71939e3b54a4a7");
+    }
+
+    /// A key outside the daemon identity (the client priority) never changes the
+    /// identity a request gets.
+    #[test]
+    fn keys_outside_the_identity_leave_it_alone() {
+        use crate::request::{parse_device, DeviceValue, Settings, Sourced, CLIENT_PRIORITY};
+        assert!(!CLIENT_PRIORITY.identity);
+        let device = Sourced {
+            value: DeviceValue::Named(parse_device("gpushare.io/device", "0").unwrap()),
+            key: "gpushare.io/device",
+            raw: "0".into(),
+        };
+        let plain = Request {
+            device,
+            ipc: None,
+            settings: Settings::default(),
+        };
+        let low = Request {
+            settings: Settings::default().with(
+                &CLIENT_PRIORITY,
+                Sourced {
+                    value: 1,
+                    key: CLIENT_PRIORITY.annotation,
+                    raw: "1".into(),
+                },
+            ),
+            ..plain.clone()
+        };
+        let cfg = crate::config::parse("", None).unwrap();
+        let devices = ["GPU-8f8bff94-112e-9541-43da-cfd453333404".to_owned()];
+        let ident = |r: &Request| Identity::for_request(&cfg, &devices, 1000, r, IpcMode::Isolated);
+        assert_eq!(ident(&plain), ident(&low));
+        assert_eq!(ident(&plain).id(), ident(&low).id());
     }
 
     /// The node's config shapes the identity a request gets: user mode, daemon group,
     /// enforced or advisory limits and their defaults, IPC.
     #[test]
     fn for_request_follows_the_node_config() {
-        use crate::request::{parse_device, parse_percentage, DeviceValue, Sourced};
+        use crate::request::{parse_device, parse_percentage, DeviceValue, Settings, Sourced};
         const TP: &str = "gpushare.io/active-thread-percentage";
         let req = |tp: Option<&str>| Request {
             device: Sourced {
@@ -199,13 +248,18 @@ mod tests {
                 key: "gpushare.io/device",
                 raw: "0".into(),
             },
-            active_thread_percentage: tp.map(|raw| Sourced {
-                value: parse_percentage(TP, raw).unwrap(),
-                key: TP,
-                raw: raw.into(),
-            }),
-            pinned_memory_limit: None,
             ipc: None,
+            settings: match tp {
+                Some(raw) => Settings::default().with(
+                    &ACTIVE_THREAD_PERCENTAGE,
+                    Sourced {
+                        value: parse_percentage(TP, raw).unwrap(),
+                        key: TP,
+                        raw: raw.into(),
+                    },
+                ),
+                None => Settings::default(),
+            },
         };
         let gib = 1u64 << 30;
         // (config, requested percentage, ipc) → (uid, gid, multi-user, tp, mem, ipc_host)

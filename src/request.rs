@@ -1,4 +1,4 @@
-//! Container annotations and environment → a validated share request (DESIGN.md §3).
+//! Container annotations and environment → a validated share request.
 //!
 //! The values come from container authors and reach a root hook, so they are hostile input.
 //! Invariants:
@@ -17,7 +17,7 @@
 //!   acted on nor judged there: a bad value is reported when the workload container is
 //!   created. A marker can only ever turn gpushare off for a container, never on.
 //! - No device key (annotation or accepted env var) means no request: the container passes
-//!   through, and the other keys are not read (DESIGN §3: gpushare can be the default runtime).
+//!   through, and the other keys are not read, so gpushare can be a node's default runtime.
 //!   The one exception is the node's `default-device = "allocated"`: then a container without
 //!   a device key but with an allocation is a request for it, named by that config key in
 //!   errors, and one without an allocation passes through.
@@ -28,11 +28,11 @@
 //!   in a container without an allocation, or in one whose allocation carries the allocator's
 //!   own MPS, is refused when the request is parsed. The devices found then meet exactly the
 //!   rules of named devices ([`Sourced::resolve`]: a list of full GPUs, or one MIG device).
-//! - With `accept_env == false`, any of the four `GPUSHARE_*` request variables in the env is
+//! - With `accept_env == false`, any `GPUSHARE_*` variable of a request key in the env is
 //!   refused, even when the annotation of the same key is also present or no device is asked
 //!   for: a tenant must learn that the variable is not honoured rather than be ignored silently.
 //! - Unknown `gpushare.io/*` annotations and unknown `GPUSHARE_*` variables are not errors:
-//!   only the keys below are ever looked up, so a newer client can add keys without breaking an
+//!   only the keys of [`KEYS`] are ever looked up, so a newer client can add keys without breaking an
 //!   older node (forward compatibility).
 //! - A CDI device of gpushare's is a request source of its own ([`from_cdi`]): its request
 //!   is its hook's arguments ([`CdiAsk`]), which the node's CDI spec wrote; beside it the
@@ -45,6 +45,7 @@
 
 mod allocation;
 mod grammar;
+pub mod keys;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -62,9 +63,11 @@ use grammar::{
 };
 pub(crate) use grammar::{
     format_mps_size, parse_device_without_container, parse_ipc, MAX_VALUE_LEN,
-    MIN_PINNED_MEMORY_LIMIT,
 };
-pub use grammar::{parse_device, parse_percentage, parse_size, MAX_DEVICES};
+pub use grammar::{parse_device, parse_size, MAX_DEVICES};
+pub use keys::{
+    KeySpec, ACTIVE_THREAD_PERCENTAGE, CLIENT_PRIORITY, DEVICE, IPC, KEYS, PINNED_MEMORY_LIMIT,
+};
 
 /// The device value meaning "the devices this container was allocated".
 pub(crate) const ALLOCATED: &str = "allocated";
@@ -73,8 +76,8 @@ pub(crate) const ALLOCATED: &str = "allocated";
 pub(crate) const DEFAULT_DEVICE_KEY: &str = "default-device";
 
 /// Annotations that mark a pod's sandbox ("pause") container, engine by engine
-/// (k8s-facts.md §3): containerd CRI, CRI-O, and the dockershim/cri-dockerd label should an
-/// engine ever copy it into annotations (Kata reads the same three). Podman's infra
+/// (docs/kubernetes.md): containerd CRI, CRI-O, and the dockershim/cri-dockerd label should
+/// an engine ever copy it into annotations (Kata reads the same three). Podman's infra
 /// container carries no marker in its spec (its infra flag lives in libpod's database).
 pub(crate) const SANDBOX_MARKERS: [(&str, &str); 3] = [
     ("io.kubernetes.cri.container-type", "sandbox"),
@@ -143,33 +146,7 @@ pub enum DeviceValue {
     Allocated(Allocation),
 }
 
-/// A request key: its annotation and its env var.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) struct Key {
-    pub annotation: &'static str,
-    pub env: &'static str,
-}
-
-pub(crate) const DEVICE: Key = Key {
-    annotation: "gpushare.io/device",
-    env: "GPUSHARE_DEVICE",
-};
-pub(crate) const ACTIVE_THREAD_PERCENTAGE: Key = Key {
-    annotation: "gpushare.io/active-thread-percentage",
-    env: "GPUSHARE_ACTIVE_THREAD_PERCENTAGE",
-};
-pub(crate) const PINNED_MEMORY_LIMIT: Key = Key {
-    annotation: "gpushare.io/pinned-memory-limit",
-    env: "GPUSHARE_PINNED_MEMORY_LIMIT",
-};
-pub(crate) const IPC: Key = Key {
-    annotation: "gpushare.io/ipc",
-    env: "GPUSHARE_IPC",
-};
-/// Every request key, in the order they are read.
-pub(crate) const KEYS: [Key; 4] = [DEVICE, ACTIVE_THREAD_PERCENTAGE, PINNED_MEMORY_LIMIT, IPC];
-
-/// How the container reaches the MPS server's shared memory (DESIGN §4.3).
+/// How the container reaches the MPS server's shared memory.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 #[serde(rename_all = "lowercase")]
 pub enum IpcMode {
@@ -214,7 +191,7 @@ impl<T> Sourced<T> {
     pub(crate) fn parse(
         key: &'static str,
         raw: &str,
-        parse: fn(&'static str, &str) -> Result<T, RequestError>,
+        parse: impl FnOnce(&'static str, &str) -> Result<T, RequestError>,
     ) -> Result<Self, RequestError> {
         Ok(Sourced {
             value: parse(key, raw)?,
@@ -238,14 +215,72 @@ impl Sourced<DeviceValue> {
     }
 }
 
-/// A validated share request. Limits not given are `None` (the config's defaults apply).
+/// A validated share request. Keys not given are absent (the config's defaults apply).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
     pub device: Sourced<DeviceValue>,
-    pub active_thread_percentage: Option<Sourced<u8>>,
-    /// Bytes, at least [`MIN_PINNED_MEMORY_LIMIT`].
-    pub pinned_memory_limit: Option<Sourced<u64>>,
     pub ipc: Option<Sourced<IpcMode>>,
+    /// The numeric keys given.
+    pub settings: Settings,
+}
+
+/// The values of a request's numeric keys ([`keys::Grammar::Number`]), each checked by its
+/// row's grammar, in [`KEYS`] order, at most one per key.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Settings(Vec<(&'static KeySpec, Sourced<u64>)>);
+
+impl Settings {
+    /// The value given for `key`, with where it came from.
+    pub fn get(&self, key: &KeySpec) -> Option<&Sourced<u64>> {
+        self.0.iter().find(|(k, _)| *k == key).map(|(_, v)| v)
+    }
+
+    /// The value given for `key`.
+    pub fn value(&self, key: &KeySpec) -> Option<u64> {
+        self.get(key).map(|s| s.value)
+    }
+
+    /// Every value given, in [`KEYS`] order.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static KeySpec, &Sourced<u64>)> {
+        self.0.iter().map(|(k, v)| (*k, v))
+    }
+
+    /// These settings with `key` set to `value` (replacing any value it had), in [`KEYS`]
+    /// order. The caller has parsed `value` with the key's grammar.
+    pub(crate) fn with(mut self, key: &'static KeySpec, value: Sourced<u64>) -> Self {
+        self.0.retain(|(k, _)| *k != key);
+        self.0.push((key, value));
+        let rank = |k: &KeySpec| KEYS.iter().position(|r| *r == k);
+        self.0.sort_by_key(|(k, _)| rank(k));
+        self
+    }
+
+    /// Each numeric key found by `lookup` (its value and the name it was found under),
+    /// parsed by its grammar.
+    fn read<'a>(
+        lookup: impl Fn(&'static KeySpec) -> Option<(&'static str, &'a str)>,
+    ) -> Result<Self, RequestError> {
+        let mut found = Vec::new();
+        for (key, number) in keys::numeric() {
+            if let Some((name, raw)) = lookup(key) {
+                let value = number.parse(name, raw)?;
+                found.push((
+                    key,
+                    Sourced {
+                        value,
+                        key: name,
+                        raw: raw.to_owned(),
+                    },
+                ));
+            }
+        }
+        Ok(Settings(found))
+    }
+}
+
+/// Parses an active thread percentage ([`keys::PERCENTAGE`]).
+pub fn parse_percentage(key: &'static str, raw: &str) -> Result<u64, RequestError> {
+    keys::PERCENTAGE.parse(key, raw)
 }
 
 /// Errors of request parsing and checking. `key` is the annotation or env name actually used,
@@ -374,21 +409,14 @@ pub enum RequestError {
         /// The ceiling in the config's syntax (`50`, `4G`).
         ceiling: String,
         /// The smallest value the key accepts (`1`, `1M`).
-        min: &'static str,
+        min: String,
     },
 }
 
-/// The operator's ceilings on what a request may ask for (`mps.max-*`); `None`: none.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Ceilings {
-    pub active_thread_percentage: Option<u8>,
-    /// Bytes.
-    pub pinned_memory_limit: Option<u64>,
-}
-
-/// The config keys of the ceilings, as errors name them.
-pub(crate) const MAX_ACTIVE_THREAD_PERCENTAGE_KEY: &str = "mps.max-active-thread-percentage";
-pub(crate) const MAX_PINNED_MEMORY_LIMIT_KEY: &str = "mps.max-pinned-memory-limit";
+/// The operator's ceilings on what a request may ask for (the config keys of the rows'
+/// `ceiling_key`): a numeric key and the most it may ask; a key not listed has none.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Ceilings(pub Vec<(&'static KeySpec, u64)>);
 
 /// Reads the request from a container's spec: its annotations and `process.env`, and, for
 /// [`ALLOCATED`], what the allocator wrote ([`allocation`]).
@@ -413,7 +441,7 @@ pub fn parse(c: &Inputs<'_>, opts: &Options) -> Result<Option<Request>, RequestE
             })
         })
     };
-    let device = match lookup(DEVICE) {
+    let device = match lookup(&DEVICE) {
         Some((key, raw)) => device_value(c, opts, key, raw)?,
         None => match opts.default_device {
             Some(DefaultDevice::Allocated) => match allocated(DEFAULT_DEVICE_KEY, ALLOCATED)? {
@@ -423,11 +451,11 @@ pub fn parse(c: &Inputs<'_>, opts: &Options) -> Result<Option<Request>, RequestE
             None => return Ok(None),
         },
     };
+    let settings = Settings::read(lookup)?;
     Ok(Some(Request {
         device,
-        active_thread_percentage: sourced(lookup(ACTIVE_THREAD_PERCENTAGE), parse_percentage)?,
-        pinned_memory_limit: sourced(lookup(PINNED_MEMORY_LIMIT), parse_size)?,
-        ipc: sourced(lookup(IPC), parse_ipc)?,
+        ipc: sourced(lookup(&IPC), parse_ipc)?,
+        settings,
     }))
 }
 
@@ -450,7 +478,7 @@ fn refuse_env(c: &Inputs<'_>, opts: &Options) -> Result<(), RequestError> {
 
 /// A key's value and the name it was found under: the annotation, else the env var when
 /// env requests are accepted.
-fn lookup<'a>(c: &Inputs<'a>, opts: &Options, key: Key) -> Option<(&'static str, &'a str)> {
+fn lookup<'a>(c: &Inputs<'a>, opts: &Options, key: &KeySpec) -> Option<(&'static str, &'a str)> {
     match c.annotation(key.annotation) {
         Some(raw) => Some((key.annotation, raw)),
         None if opts.accept_env => env_lookup(c.env, key.env).map(|raw| (key.env, raw)),
@@ -596,10 +624,11 @@ pub(crate) fn parse_cdi_device(raw: &str) -> Result<DeviceRequest, RequestError>
 /// The CDI device is the node's: its CDI spec, written by root, put the hook there, and a
 /// container's author cannot write a hook. The container's own keys (annotations, and
 /// `GPUSHARE_*` variables where `accept-env-requests` takes them) may only repeat it: a
-/// limit key must equal the profile's (a profile that sets no such limit allows none), a
-/// device key is returned in [`CdiRequest::own_device`] to be compared once resolved;
-/// `gpushare.io/ipc` is carried into the request, under the node's rules for it as for
-/// any request. `default-device` never applies: the CDI device is the container's device.
+/// key that is part of the daemon identity (a limit) must equal the profile's (a profile
+/// that sets no such limit allows none), a device key is returned in
+/// [`CdiRequest::own_device`] to be compared once resolved; the others
+/// (`gpushare.io/ipc`, keys that only set a client variable) are carried into the
+/// request, under the node's rules for them as for any request. `default-device` never applies: the CDI device is the container's device.
 /// `Ok(None)` for a pod's sandbox, as [`parse`].
 pub(crate) fn from_cdi(
     c: &Inputs<'_>,
@@ -616,47 +645,44 @@ pub(crate) fn from_cdi(
         raw: device.to_owned(),
     };
     let profile = profile.unwrap_or_default();
-    let active_thread_percentage = profile
-        .active_thread_percentage
-        .map(|p| Sourced::parse(CDI_PERCENTAGE_KEY, &p.to_string(), parse_percentage))
-        .transpose()?;
-    let pinned_memory_limit = profile
-        .pinned_memory_limit
-        .map(|raw| Sourced::parse(CDI_PINNED_KEY, raw, parse_size))
-        .transpose()?;
+    let mut settings = Settings::default();
+    if let Some(p) = profile.active_thread_percentage {
+        let raw = p.to_string();
+        let value = Sourced::parse(CDI_PERCENTAGE_KEY, &raw, parse_percentage)?;
+        settings = settings.with(&ACTIVE_THREAD_PERCENTAGE, value);
+    }
+    if let Some(raw) = profile.pinned_memory_limit {
+        let value = Sourced::parse(CDI_PINNED_KEY, raw, parse_size)?;
+        settings = settings.with(&PINNED_MEMORY_LIMIT, value);
+    }
     refuse_env(c, opts)?;
     let lookup = |key| lookup(c, opts, key);
-    let differs = |key: &'static str, raw: &str, what: String| RequestError::BesideCdi {
-        key,
-        value: raw.to_owned(),
-        device: device.to_owned(),
-        what,
-    };
-    if let Some((key, raw)) = lookup(ACTIVE_THREAD_PERCENTAGE) {
-        let own = parse_percentage(key, raw)?;
-        match &active_thread_percentage {
-            Some(p) if p.value == own => {}
-            Some(p) => return Err(differs(key, raw, format!("whose profile sets {}", p.value))),
-            None => return Err(differs(key, raw, "which sets none".into())),
+    let own = Settings::read(lookup)?;
+    for (key, asked) in own.iter() {
+        if !key.identity {
+            settings = settings.with(key, asked.clone());
+            continue;
         }
+        let what = match settings.get(key) {
+            Some(p) if p.value == asked.value => continue,
+            Some(p) => format!("whose profile sets {}", p.raw),
+            None => "which sets none".into(),
+        };
+        return Err(RequestError::BesideCdi {
+            key: asked.key,
+            value: asked.raw.clone(),
+            device: device.to_owned(),
+            what,
+        });
     }
-    if let Some((key, raw)) = lookup(PINNED_MEMORY_LIMIT) {
-        let own = parse_size(key, raw)?;
-        match &pinned_memory_limit {
-            Some(p) if p.value == own => {}
-            Some(p) => return Err(differs(key, raw, format!("whose profile sets {}", p.raw))),
-            None => return Err(differs(key, raw, "which sets none".into())),
-        }
-    }
-    let own_device = lookup(DEVICE)
+    let own_device = lookup(&DEVICE)
         .map(|(key, raw)| device_value(c, opts, key, raw))
         .transpose()?;
     Ok(Some(CdiRequest {
         request: Request {
             device: cdi_device,
-            active_thread_percentage,
-            pinned_memory_limit,
-            ipc: sourced(lookup(IPC), parse_ipc)?,
+            ipc: sourced(lookup(&IPC), parse_ipc)?,
+            settings,
         },
         own_device,
     }))
@@ -695,8 +721,9 @@ pub(crate) fn check(
     ceilings: &Ceilings,
 ) -> Result<(), RequestError> {
     let ceiling_is_tighter = ceilings
-        .pinned_memory_limit
-        .is_some_and(|c| c < devices.memory_bytes);
+        .0
+        .iter()
+        .any(|(k, c)| **k == PINNED_MEMORY_LIMIT && *c < devices.memory_bytes);
     if ceiling_is_tighter {
         check_ceilings(req, ceilings)?;
         check_against(req, devices)
@@ -706,30 +733,21 @@ pub(crate) fn check(
     }
 }
 
-/// Refuses a limit above the operator's ceiling for it; a limit not given is not checked.
+/// Refuses a value above the operator's ceiling for its key; a key not given is not
+/// checked.
 pub(crate) fn check_ceilings(req: &Request, ceilings: &Ceilings) -> Result<(), RequestError> {
-    if let (Some(asked), Some(max)) = (
-        &req.active_thread_percentage,
-        ceilings.active_thread_percentage,
-    ) {
-        if asked.value > max {
+    for (key, asked) in req.settings.iter() {
+        let Some(number) = key.number() else {
+            continue;
+        };
+        let ceiling = ceilings.0.iter().find(|(k, _)| *k == key);
+        if let Some((_, max)) = ceiling.filter(|(_, max)| asked.value > *max) {
             return Err(RequestError::AboveCeiling {
                 key: asked.key,
                 value: asked.raw.clone(),
-                ceiling_key: MAX_ACTIVE_THREAD_PERCENTAGE_KEY,
-                ceiling: max.to_string(),
-                min: "1",
-            });
-        }
-    }
-    if let (Some(asked), Some(max)) = (&req.pinned_memory_limit, ceilings.pinned_memory_limit) {
-        if asked.value > max {
-            return Err(RequestError::AboveCeiling {
-                key: asked.key,
-                value: asked.raw.clone(),
-                ceiling_key: MAX_PINNED_MEMORY_LIMIT_KEY,
-                ceiling: short_size(max),
-                min: "1M",
+                ceiling_key: key.ceiling_key.unwrap_or(key.name),
+                ceiling: number.config_text(*max),
+                min: number.min_text(),
             });
         }
     }
@@ -740,7 +758,7 @@ pub(crate) fn check_ceilings(req: &Request, ceilings: &Ceilings) -> Result<(), R
 /// most the device memory (for a MIG device its own memory; for a GPU list the smallest GPU's,
 /// since MPS applies the limit to each device). Part of [`check`].
 pub fn check_against(req: &Request, devices: &ResolvedDevices) -> Result<(), RequestError> {
-    if let Some(limit) = &req.pinned_memory_limit {
+    if let Some(limit) = req.settings.get(&PINNED_MEMORY_LIMIT) {
         if limit.value > devices.memory_bytes {
             let device = match (devices.kind, devices.uuids.as_slice()) {
                 (DeviceKind::Gpus, [_, _, ..]) => {
@@ -796,6 +814,18 @@ mod tests {
         )
     }
 
+    /// The settings of the two limits.
+    fn limits(tp: Option<Sourced<u64>>, mem: Option<Sourced<u64>>) -> Settings {
+        let mut s = Settings::default();
+        if let Some(tp) = tp {
+            s = s.with(&ACTIVE_THREAD_PERCENTAGE, tp);
+        }
+        if let Some(mem) = mem {
+            s = s.with(&PINNED_MEMORY_LIMIT, mem);
+        }
+        s
+    }
+
     fn src<T>(value: T, key: &'static str, raw: &str) -> Sourced<T> {
         Sourced {
             value,
@@ -842,9 +872,8 @@ mod tests {
                 accept_env: false,
                 want: Some(Request {
                     device: dev(vec![Index(0)], "gpushare.io/device", "0"),
-                    active_thread_percentage: None,
-                    pinned_memory_limit: None,
                     ipc: None,
+                    settings: limits(None, None),
                 }),
             },
             Case {
@@ -863,17 +892,11 @@ mod tests {
                         "gpushare.io/device",
                         "0:1",
                     ),
-                    active_thread_percentage: Some(src(
-                        25,
-                        "gpushare.io/active-thread-percentage",
-                        "25",
-                    )),
-                    pinned_memory_limit: Some(src(
-                        2 * GIB,
-                        "gpushare.io/pinned-memory-limit",
-                        "2G",
-                    )),
                     ipc: Some(src(IpcMode::Host, "gpushare.io/ipc", "host")),
+                    settings: limits(
+                        Some(src(25, "gpushare.io/active-thread-percentage", "25")),
+                        Some(src(2 * GIB, "gpushare.io/pinned-memory-limit", "2G")),
+                    ),
                 }),
             },
             Case {
@@ -891,17 +914,11 @@ mod tests {
                 accept_env: true,
                 want: Some(Request {
                     device: dev(vec![Index(0), Index(1)], "GPUSHARE_DEVICE", "0,1"),
-                    active_thread_percentage: Some(src(
-                        30,
-                        "GPUSHARE_ACTIVE_THREAD_PERCENTAGE",
-                        "30",
-                    )),
-                    pinned_memory_limit: Some(src(
-                        512 * MIB,
-                        "GPUSHARE_PINNED_MEMORY_LIMIT",
-                        "512M",
-                    )),
                     ipc: Some(src(IpcMode::Isolated, "GPUSHARE_IPC", "isolated")),
+                    settings: limits(
+                        Some(src(30, "GPUSHARE_ACTIVE_THREAD_PERCENTAGE", "30")),
+                        Some(src(512 * MIB, "GPUSHARE_PINNED_MEMORY_LIMIT", "512M")),
+                    ),
                 }),
             },
             Case {
@@ -918,13 +935,11 @@ mod tests {
                 accept_env: true,
                 want: Some(Request {
                     device: dev(vec![Index(1)], "gpushare.io/device", "1"),
-                    active_thread_percentage: Some(src(
-                        10,
-                        "GPUSHARE_ACTIVE_THREAD_PERCENTAGE",
-                        "10",
-                    )),
-                    pinned_memory_limit: Some(src(GIB, "gpushare.io/pinned-memory-limit", "1G")),
                     ipc: None,
+                    settings: limits(
+                        Some(src(10, "GPUSHARE_ACTIVE_THREAD_PERCENTAGE", "10")),
+                        Some(src(GIB, "gpushare.io/pinned-memory-limit", "1G")),
+                    ),
                 }),
             },
             Case {
@@ -934,9 +949,8 @@ mod tests {
                 accept_env: true,
                 want: Some(Request {
                     device: dev(vec![Index(0)], "GPUSHARE_DEVICE", "0"),
-                    active_thread_percentage: None,
-                    pinned_memory_limit: None,
                     ipc: None,
+                    settings: limits(None, None),
                 }),
             },
             Case {
@@ -946,9 +960,8 @@ mod tests {
                 accept_env: false,
                 want: Some(Request {
                     device: dev(vec![GpuUuid(GPU1.into())], "gpushare.io/device", GPU1),
-                    active_thread_percentage: None,
-                    pinned_memory_limit: None,
                     ipc: None,
+                    settings: limits(None, None),
                 }),
             },
         ];
@@ -1042,9 +1055,8 @@ mod tests {
                 "gpushare.io/device",
                 "",
             ),
-            active_thread_percentage: None,
-            pinned_memory_limit: Some(src(parse_size(key, raw).expect(raw), key, raw)),
             ipc: None,
+            settings: limits(None, Some(src(parse_size(key, raw).expect(raw), key, raw))),
         }
     }
 
@@ -1107,11 +1119,11 @@ mod tests {
         );
         // No limit: nothing to check.
         let mut none = request_with_limit(key, "1M");
-        none.pinned_memory_limit = None;
+        none.settings = Settings::default();
         check_against(&none, &odd).expect("no limit");
     }
 
-    /// Issue 18: the operator's ceilings refuse a request above them with one line naming
+    /// The operator's ceilings refuse a request above them with one line naming
     /// the key, the value and the ceiling; a limit not given, or at the ceiling, passes.
     #[test]
     fn ceilings_refuse_requests_above_them() {
@@ -1129,14 +1141,16 @@ mod tests {
                 "gpushare.io/device",
                 "0",
             ),
-            active_thread_percentage: tp
-                .map(|(k, raw)| src(parse_percentage(k, raw).expect(raw), k, raw)),
-            pinned_memory_limit: mem.map(|(k, raw)| src(parse_size(k, raw).expect(raw), k, raw)),
             ipc: None,
+            settings: limits(
+                tp.map(|(k, raw)| src(parse_percentage(k, raw).expect(raw), k, raw)),
+                mem.map(|(k, raw)| src(parse_size(k, raw).expect(raw), k, raw)),
+            ),
         };
-        let ceil = |tp: Option<u8>, mem: Option<u64>| Ceilings {
-            active_thread_percentage: tp,
-            pinned_memory_limit: mem,
+        let ceil = |tp: Option<u64>, mem: Option<u64>| {
+            let tp = tp.map(|max| (&ACTIVE_THREAD_PERCENTAGE, max));
+            let mem = mem.map(|max| (&PINNED_MEMORY_LIMIT, max));
+            Ceilings(tp.into_iter().chain(mem).collect())
         };
         let tp_key = ACTIVE_THREAD_PERCENTAGE.annotation;
         let mem_key = PINNED_MEMORY_LIMIT.annotation;
@@ -1321,8 +1335,9 @@ mod tests {
         // The CDI device alone: its device and its profile's limits, env refused or not.
         let r = ask(&[], &[], false, Some(small)).unwrap().unwrap();
         assert_eq!(r.request.device.key, CDI_KIND);
-        assert_eq!(r.request.active_thread_percentage.unwrap().value, 25);
-        assert_eq!(r.request.pinned_memory_limit.unwrap().value, 4 << 30);
+        let settings = &r.request.settings;
+        assert_eq!(settings.value(&ACTIVE_THREAD_PERCENTAGE), Some(25));
+        assert_eq!(settings.value(&PINNED_MEMORY_LIMIT), Some(4 << 30));
         assert!(r.own_device.is_none());
         // Repeats are fine; the device key is compared once resolved.
         let r = ask(

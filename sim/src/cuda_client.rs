@@ -1,7 +1,8 @@
 //! `gpushare-mps-sim client`: a stand-in CUDA process. It does what the CUDA driver does at
 //! init under MPS, as far as a container runtime can observe: connect to the control daemon
 //! through CUDA_MPS_PIPE_DIRECTORY, wait for a server, check that the server's shared memory
-//! is visible in its own /dev/shm, then "run" for `--hold` seconds.
+//! is visible in its own /dev/shm, then "run" for `--hold` seconds. Its line reports the
+//! limits it runs under and the CUDA_MPS_CLIENT_PRIORITY it was given.
 //!
 //! Exit codes: 0 attached and ran; 1 could not connect, bad environment or refused by the
 //! daemon; 3 still queued when `--timeout` ran out; 4 the server's shm file is not visible,
@@ -88,14 +89,16 @@ pub fn run(pipe_dir: &Path, opts: &ClientOptions) -> u8 {
         return 4;
     }
     let line = format!(
-        "mps-client pid={} uid={} server={} server_uid={} waited_ms={} active_thread_percentage={} pinned_mem_limit={} shm=ok\n",
+        "mps-client pid={} uid={} server={} server_uid={} waited_ms={} active_thread_percentage={} pinned_mem_limit={} client_priority={} shm=ok\n",
         std::process::id(),
         nix::unistd::getuid(),
         ready.server_pid,
         ready.server_uid,
         ready.waited_ms,
         ready.percentage,
-        ready.mem
+        ready.mem,
+        // Reported as the client got it (`-`: unset); the server does not act on it.
+        non_empty_env("CUDA_MPS_CLIENT_PRIORITY").unwrap_or_else(|| "-".into())
     );
     {
         let mut out = std::io::stdout().lock();

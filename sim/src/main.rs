@@ -13,7 +13,7 @@
 //! tests are sim/tests/sim.rs. Environment: CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps),
 //! CUDA_MPS_LOG_DIRECTORY (default /var/log/nvidia-mps), CUDA_VISIBLE_DEVICES (logged only),
 //! CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and CUDA_MPS_PINNED_DEVICE_MEM_LIMIT (daemon: initial
-//! defaults; client: its own, lower-only limits).
+//! defaults; client: its own, lower-only limits), CUDA_MPS_CLIENT_PRIORITY (client: reported).
 
 #![forbid(unsafe_code)]
 

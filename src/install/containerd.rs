@@ -360,17 +360,15 @@ mod tests {
 
     /// The allowlist every class must carry: the request annotations, not a pattern
     /// (`gpushare.io/*` would let a pod set `gpushare.io/daemon`, the shim's decision).
+    /// Every request key's annotation (the rows of `request::keys`), and none of the
+    /// decision annotations the shim writes for its hook.
     fn request_keys() -> toml::Value {
-        toml::Value::Array(
-            [
-                "gpushare.io/device",
-                "gpushare.io/active-thread-percentage",
-                "gpushare.io/pinned-memory-limit",
-                "gpushare.io/ipc",
-            ]
-            .map(toml::Value::from)
-            .to_vec(),
-        )
+        let keys: Vec<&str> = crate::request::KEYS.iter().map(|k| k.annotation).collect();
+        assert!(keys.contains(&"gpushare.io/device"), "{keys:?}");
+        for decision in ["gpushare.io/daemon", "gpushare.io/identity"] {
+            assert!(!keys.contains(&decision), "{keys:?}");
+        }
+        toml::Value::Array(keys.into_iter().map(toml::Value::from).collect())
     }
 
     const RT: &str = "/usr/local/bin/gpushare-runtime";

@@ -8,7 +8,7 @@
 use crate::config::Config;
 use crate::identity::Identity;
 use crate::mps::ensure::Ensured;
-use crate::request::{self, DeviceValue, Request, RequestError, Sourced};
+use crate::request::{self, DeviceValue, KeySpec, Request, RequestError, Settings, Sourced};
 use crate::state::StateDir;
 
 /// `gpushare daemon start`'s flags, with the UID settled (`cli` requires one unless the
@@ -18,8 +18,8 @@ pub(crate) struct Start {
     pub device: String,
     pub uid: u32,
     pub gid: Option<u32>,
-    pub active_thread_percentage: Option<String>,
-    pub pinned_memory_limit: Option<String>,
+    /// The request keys given as flags (the rows' `flag`), with their raw values.
+    pub settings: Vec<(&'static KeySpec, String)>,
     /// Print what was started as JSON.
     pub json: bool,
 }
@@ -52,23 +52,21 @@ pub(crate) fn start(cfg: &Config, args: &Start) -> anyhow::Result<()> {
 /// The request the flags spell, each value parsed by the request's own grammar and named
 /// by its flag in errors.
 fn request_from_flags(args: &Start) -> Result<Request, RequestError> {
+    let mut settings = Settings::default();
+    for (key, raw) in &args.settings {
+        let (Some(flag), Some(number)) = (key.flag, key.number()) else {
+            continue;
+        };
+        settings = settings.with(key, Sourced::parse(flag, raw, |k, r| number.parse(k, r))?);
+    }
     Ok(Request {
         // `allocated` needs a container to take the allocation from: refused here.
         device: Sourced::parse("--device", &args.device, |key, raw| {
             request::parse_device_without_container(key, raw, "gpushare daemon start")
                 .map(DeviceValue::Named)
         })?,
-        active_thread_percentage: args
-            .active_thread_percentage
-            .as_deref()
-            .map(|raw| Sourced::parse("--active-thread-percentage", raw, request::parse_percentage))
-            .transpose()?,
-        pinned_memory_limit: args
-            .pinned_memory_limit
-            .as_deref()
-            .map(|raw| Sourced::parse("--pinned-memory-limit", raw, request::parse_size))
-            .transpose()?,
         ipc: None,
+        settings,
     })
 }
 

@@ -483,7 +483,8 @@ fn from_device_nodes(c: &Inputs<'_>) -> Result<Option<Said>, Unreadable> {
 
 #[cfg(test)]
 mod tests {
-    //! Every strategy of k8s-facts.md, as the spec shapes it names, on top of the captured
+    //! Every allocation strategy of docs/kubernetes.md ("Let the scheduler pick the GPU"),
+    //! as the spec shapes it names, on top of the captured
     //! engine fixtures, through the real spec parsing (`SpecFile`) and request parsing.
 
     use std::path::Path;
@@ -1306,7 +1307,11 @@ mod tests {
         let p = run(&v, Some(DefaultDevice::Allocated));
         assert_eq!(resolved(&p).0, vec![GPU2]);
         let req = p.result.expect("parses").expect("request");
-        assert_eq!(req.active_thread_percentage.map(|s| s.value), Some(30));
+        assert_eq!(
+            req.settings
+                .value(&crate::request::ACTIVE_THREAD_PERCENTAGE),
+            Some(30)
+        );
         // The env spelling, and its refusal where env requests are off.
         let mut v = cri();
         push_env(

@@ -1,5 +1,5 @@
 //! The grammars of request values: what every value passes first, then each key's own
-//! grammar (devices, percentages, sizes, IPC modes), and how sizes are written back.
+//! grammar (devices, bounded integers, sizes, IPC modes), and how sizes are written back.
 //!
 //! Invariants:
 //! - Every value is checked before anything is built from it, in this order: length (at most
@@ -28,11 +28,10 @@ const DEVICE_ALLOWED: &str = "a GPU index like 0, GPU-<uuid>, MIG-<uuid>, <gpu>:
 /// What a device key allows where there is no container to take an allocation from
 /// (`gpushare daemon start --device`).
 pub(super) const NAMED_DEVICE_ALLOWED: &str = "a GPU index like 0, GPU-<uuid>, MIG-<uuid>, <gpu>:<mig> like 0:1, or a comma-separated list of GPU indices and GPU-<uuid>s";
-const PERCENTAGE_ALLOWED: &str = "an integer from 1 to 100";
 /// Every unit is binary (1024-based), whatever its spelling — `4G`, `4GiB` and `4GB` are
 /// all 4 GiB — because MPS itself reads `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4GB` that way
-/// (decided for issue 13; documented in docs/requests.md).
-const SIZE_ALLOWED: &str =
+/// (documented in docs/requests.md).
+pub(super) const SIZE_ALLOWED: &str =
     "a size with a unit, like 512M, 4G, 4GiB or 1536MiB (K, M, G, T; every unit is 1024-based, so 4GB is 4GiB)";
 const IPC_ALLOWED: &str = "isolated or host";
 
@@ -216,15 +215,22 @@ fn parse_device_with(
     Ok(DeviceRequest(selectors))
 }
 
-/// Parses an active thread percentage: decimal digits only (no sign, no decimals), 1 to 100.
-pub fn parse_percentage(key: &'static str, raw: &str) -> Result<u8, RequestError> {
-    check_raw(key, raw, PERCENTAGE_ALLOWED)?;
-    if raw.len() > 3 || !raw.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(invalid(key, raw, PERCENTAGE_ALLOWED));
+/// Parses an integer from `min` to `max`: decimal digits only (no sign, no decimals),
+/// leading zeros allowed, no more digits than `max` has. Errors say `allowed`.
+pub(crate) fn parse_integer(
+    key: &'static str,
+    raw: &str,
+    min: u64,
+    max: u64,
+    allowed: &'static str,
+) -> Result<u64, RequestError> {
+    check_raw(key, raw, allowed)?;
+    if raw.len() > max.to_string().len() || !raw.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(invalid(key, raw, allowed));
     }
-    match raw.parse::<u8>() {
-        Ok(n) if (1..=100).contains(&n) => Ok(n),
-        _ => Err(invalid(key, raw, PERCENTAGE_ALLOWED)),
+    match raw.parse::<u64>() {
+        Ok(n) if (min..=max).contains(&n) => Ok(n),
+        _ => Err(invalid(key, raw, allowed)),
     }
 }
 
@@ -249,7 +255,7 @@ pub fn parse_size(key: &'static str, raw: &str) -> Result<u64, RequestError> {
         ));
     }
     let lower = unit.to_ascii_lowercase();
-    // By char, not byte: the unit may start with a multibyte character (found by fuzzing).
+    // By char, not byte: the unit may start with a multibyte character.
     let mut chars = lower.chars();
     let (shift, suffix) = match (chars.next(), chars.as_str()) {
         (Some('k'), s) => (10, s),
@@ -304,6 +310,7 @@ pub(super) fn env_lookup<'a>(env: &'a [String], name: &str) -> Option<&'a str> {
 pub(super) mod tests {
     use super::*;
     use crate::device::testing::{GPU0, GPU1, MIG0};
+    use crate::request::parse_percentage;
 
     #[test]
     fn multibyte_units_are_errors_not_panics() {

@@ -350,8 +350,9 @@ fn decide(
     })
 }
 
-/// The container's MPS client environment: where the pipe (and log) directory is, and
-/// the client-side limits; for NVIDIA's runtime, the devices too.
+/// The container's MPS client environment: where the pipe (and log) directory is, and the
+/// client variable of every request key whose row has one (its value, else the node's
+/// default); for NVIDIA's runtime, the devices too.
 pub(crate) fn client_env(cfg: &Config, served: &Resolved, runtime: &Path) -> Vec<(String, String)> {
     let (req, uuids) = (&served.request, &served.devices.uuids);
     let mut env = vec![(
@@ -364,20 +365,26 @@ pub(crate) fn client_env(cfg: &Config, served: &Resolved, runtime: &Path) -> Vec
             dir.to_string_lossy().into_owned(),
         ));
     }
-    // Client-side limits: under "enforced" they repeat what the daemon applies (a tenant
-    // can only lower them); under "advisory" they are the only limits.
-    let (tp, mem) = crate::identity::requested_limits(cfg, req);
-    if let Some(p) = tp {
-        env.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), p.to_string()));
-    }
-    if let Some(bytes) = mem {
-        let per_device: Vec<String> = (0..uuids.len())
-            .map(|i| format!("{i}={}", request::format_mps_size(bytes)))
-            .collect();
-        env.push((
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".into(),
-            per_device.join(","),
-        ));
+    // Each key's client variable. A limit's repeats what the daemon applies under
+    // "enforced" (a tenant can only lower it) and is the only limit under "advisory"; a
+    // key outside the identity (the priority) is the client's alone.
+    for key in request::KEYS {
+        let (Some(client), Some(number)) = (key.client_env, key.number()) else {
+            continue;
+        };
+        let Some(value) = crate::identity::requested(cfg, req, key) else {
+            continue;
+        };
+        let text = number.mps_text(value);
+        let text = if client.per_device {
+            (0..uuids.len())
+                .map(|i| format!("{i}={text}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        } else {
+            text
+        };
+        env.push((client.var.to_owned(), text));
     }
     if lowlevel::is_nvidia(runtime) {
         env.push(("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(",")));
@@ -479,8 +486,7 @@ mod tests {
                 key: "gpushare.io/device",
                 raw: "0".into(),
             },
-            active_thread_percentage: None,
-            pinned_memory_limit: None,
+            settings: Default::default(),
             ipc: ipc.map(|value| request::Sourced {
                 value,
                 key: "gpushare.io/ipc",

@@ -2409,7 +2409,7 @@ fn cri_a_forged_decision_annotation_never_makes_the_hook_only_class_skip_a_pod()
     install_hook_only(&env, &config, "gpushare-hooks");
     install_hook_only(&env, &config, "gpushare-old");
     let toml = std::fs::read_to_string(&config).unwrap();
-    let keys = r#"pod_annotations = ["gpushare.io/device", "gpushare.io/active-thread-percentage", "gpushare.io/pinned-memory-limit", "gpushare.io/ipc"]"#;
+    let keys = &crate::harness::pod_annotations_line();
     assert_eq!(toml.matches(keys).count(), 2, "{toml}");
     let old = toml
         .replacen(keys, r#"pod_annotations = ["gpushare.io/*"]"#, 2)

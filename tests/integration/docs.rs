@@ -139,54 +139,6 @@ const NOT_SCANNED: [&str; 3] = [
 /// nobody reads them, and they are not in the repository.
 const BUILD_OUTPUT: [&str; 2] = ["__pycache__", "target"];
 
-/// TEMPORARY, to be deleted when the request/identity/decision restructuring lands: the
-/// citations in src/request.rs, src/request/*.rs, src/identity.rs and src/decision.rs that
-/// another change rewrites, each as (file, its line, trimmed). Nothing else is exempt,
-/// and an entry that no longer matches a finding fails the test, so the list can only
-/// shrink.
-const PENDING_CITATIONS: [(&str, &str); 10] = [
-    (
-        "src/decision.rs",
-        "//! container's annotations at `create` (DESIGN §4.5), and [`identity_from_annotations`]",
-    ),
-    (
-        "src/identity.rs",
-        "//! DESIGN §5: a daemon is identified by (device set, host UID, limit profile). Under",
-    ),
-    (
-        "src/identity.rs",
-        "/// The daemon identity for a request (DESIGN §5), from the devices it resolved to, the",
-    ),
-    (
-        "src/request.rs",
-        "//! Container annotations and environment → a validated share request (DESIGN.md §3).",
-    ),
-    (
-        "src/request.rs",
-        "//!   through, and the other keys are not read (DESIGN §3: gpushare can be the default runtime).",
-    ),
-    (
-        "src/request.rs",
-        "/// (k8s-facts.md §3): containerd CRI, CRI-O, and the dockershim/cri-dockerd label should an",
-    ),
-    (
-        "src/request.rs",
-        "/// How the container reaches the MPS server's shared memory (DESIGN §4.3).",
-    ),
-    (
-        "src/request.rs",
-        "/// Issue 18: the operator's ceilings refuse a request above them with one line naming",
-    ),
-    (
-        "src/request/allocation.rs",
-        "//! Every strategy of k8s-facts.md, as the spec shapes it names, on top of the captured",
-    ),
-    (
-        "src/request/grammar.rs",
-        "/// (decided for issue 13; documented in docs/requests.md).",
-    ),
-];
-
 /// One text file of the scan, with its path relative to the repository root.
 struct Scanned {
     rel: String,
@@ -509,32 +461,77 @@ fn every_reference_resolves_inside_the_repository() {
         files.len()
     );
     let mut problems = Vec::new();
-    let mut pending_used = [false; PENDING_CITATIONS.len()];
     for file in &files {
         problems.extend(broken_references(file));
         let (flat, starts) = flattened(&file.text);
-        let lines: Vec<&str> = file.text.lines().collect();
         for (at, what) in forbidden_citations(&flat) {
             let n = line_of(&starts, at);
-            let line = lines[n - 1].trim();
-            let pending = PENDING_CITATIONS
-                .iter()
-                .position(|&(f, l)| f == file.rel && l == line);
-            match pending {
-                Some(i) => pending_used[i] = true,
-                None => problems.push(format!(
-                    "{}:{n}: cites {what:?}, which leads outside the repository: state the fact in docs/ and cite that",
-                    file.rel
-                )),
-            }
-        }
-    }
-    for (used, (file, line)) in pending_used.iter().zip(PENDING_CITATIONS) {
-        if !used {
             problems.push(format!(
-                "PENDING_CITATIONS: {file}: {line:?} no longer cites anything: remove the entry"
+                "{}:{n}: cites {what:?}, which leads outside the repository: state the fact in docs/ and cite that",
+                file.rel
             ));
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// The rows of the markdown table under the line `header` in `text` (after its `|---|`
+/// line, up to the first line that is not a row).
+fn table_rows(text: &str, header: &str) -> Vec<String> {
+    let mut lines = text.lines().skip_while(|l| *l != header);
+    assert_eq!(lines.next(), Some(header), "no table headed {header:?}");
+    lines
+        .skip(1)
+        .take_while(|l| l.starts_with('|'))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The request-key tables of docs/requests.md and the README are the rows of
+/// `request::keys`: every key, its names, values and (in docs/requests.md) what it does,
+/// its client variable, whether it is part of the daemon identity and what hook-only mode
+/// does with it. On a difference the wanted table is printed, to paste.
+#[test]
+fn the_key_tables_are_the_request_key_rows() {
+    use gpushare::request::KEYS;
+    let full_header = "| annotation | env var | value | what it does | client variable | daemon identity | hook-only mode |";
+    let full: Vec<String> = KEYS
+        .iter()
+        .map(|k| {
+            let client = k
+                .client_env
+                .map_or_else(|| "—".to_owned(), |c| format!("`{}`", c.var));
+            let identity = match (k.identity, k.number().is_some()) {
+                (false, _) => "no",
+                (true, false) => "yes",
+                (true, true) => "under `limits = \"enforced\"`",
+            };
+            format!(
+                "| `{}` | `{}` | {} | {} | {client} | {identity} | {} |",
+                k.annotation,
+                k.env,
+                k.values,
+                k.doc,
+                k.hook_only.doc()
+            )
+        })
+        .collect();
+    let short_header = "| annotation | env var | value |";
+    let short: Vec<String> = KEYS
+        .iter()
+        .map(|k| format!("| `{}` | `{}` | {} |", k.annotation, k.env, k.values))
+        .collect();
+    for (file, header, want) in [
+        ("docs/requests.md", full_header, &full),
+        ("README.md", short_header, &short),
+    ] {
+        let text = std::fs::read_to_string(root().join(file)).unwrap();
+        assert_eq!(
+            &table_rows(&text, header),
+            want,
+            "{file}'s key table differs from src/request/keys.rs; it should read:\n{header}\n|{}\n{}",
+            "---|".repeat(header.matches(" | ").count() + 1),
+            want.join("\n")
+        );
+    }
 }

@@ -524,7 +524,7 @@ fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
             "{dump}"
         );
         assert!(
-            dump.contains(r#"pod_annotations = ["gpushare.io/device", "gpushare.io/active-thread-percentage", "gpushare.io/pinned-memory-limit", "gpushare.io/ipc"]"#),
+            dump.contains(&crate::harness::pod_annotations_line()),
             "{dump}"
         );
         let again = env

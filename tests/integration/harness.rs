@@ -1043,3 +1043,13 @@ pub fn podman_at(dir: &Path, bin: Option<&Path>) -> (PrivateMounts, PathBuf, Opt
         Some(conf),
     )
 }
+
+/// The `pod_annotations` line `gpushare install containerd` writes: every request key's
+/// annotation (`request::KEYS`), in order.
+pub fn pod_annotations_line() -> String {
+    let keys: Vec<String> = gpushare::request::KEYS
+        .iter()
+        .map(|k| format!("{:?}", k.annotation))
+        .collect();
+    format!("pod_annotations = [{}]", keys.join(", "))
+}

@@ -151,6 +151,85 @@ fn advisory_limits_are_client_env_only_with_one_daemon_per_user() {
     );
 }
 
+/// gpushare.io/client-priority only sets the client's CUDA_MPS_CLIENT_PRIORITY: the shim
+/// passes it (and it splits no daemon: it is not part of the identity); hook-only mode,
+/// which cannot set env, refuses it with one line, as it refuses a limit that only the
+/// client variable carries (limits = "advisory"), before any daemon.
+#[test]
+fn client_priority_reaches_the_shims_clients_and_hook_only_mode_refuses_it() {
+    use crate::tenant_mounts::{hook_only_create, RuncDelete};
+    let env = Env::with_config("limits = \"advisory\"");
+    let _cleanup = RuncDelete(&env, vec!["ho-prio".into(), "ho-adv".into()]);
+    let low = env
+        .container("prio-low")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/client-priority", "1")
+        .annotation("gpushare.io/active-thread-percentage", "25")
+        .sh(CLIENT)
+        .create();
+    let line = client_line(&low.run());
+    assert_eq!(line["client_priority"], "1");
+    assert_eq!(
+        line["active_thread_percentage"].parse::<f64>().unwrap(),
+        25.0
+    );
+    let normal = env
+        .container("prio-normal")
+        .uid(1000)
+        .device("0")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(client_line(&normal.run())["client_priority"], "-");
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 1, "the priority splits no daemon: {ids:?}");
+
+    for (id, key, value, var) in [
+        (
+            "ho-prio",
+            "gpushare.io/client-priority",
+            "1",
+            "CUDA_MPS_CLIENT_PRIORITY",
+        ),
+        (
+            "ho-adv",
+            "gpushare.io/active-thread-percentage",
+            "25",
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+        ),
+    ] {
+        let c = env
+            .container(id)
+            .uid(2000)
+            .device("0")
+            .annotation(key, value)
+            .sh(CLIENT)
+            .bundle();
+        let out = hook_only_create(&env, &c);
+        assert!(
+            !out.status.success(),
+            "{id}: hook-only mode must refuse {key}"
+        );
+        let err = String::from_utf8_lossy(&out.stderr).replace("\\\"", "\"");
+        let why = if key.ends_with("priority") {
+            "only"
+        } else {
+            "under limits = \"advisory\" only"
+        };
+        assert!(
+            err.contains(&format!(
+                "{key}=\"{value}\" cannot be honoured in hook-only mode: {why} the client variable {var} carries it, and a hook cannot set the container's environment; allowed is gpushare-runtime (the shim: docker --runtime gpushare, RuntimeClass gpushare), which sets it, or no {key} here"
+            )),
+            "{id}: {err}"
+        );
+        assert_eq!(
+            env.daemon_ids(),
+            ids,
+            "{id}: no daemon for a refused request"
+        );
+    }
+}
+
 #[test]
 fn mig_devices_get_one_daemon_each_with_their_own_memory_limit() {
     let env = Env::new();
