@@ -1493,15 +1493,15 @@ fn deploy_manifests_are_valid() {
                 let rt = &dropin["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
                     [handler.as_str()];
                 assert_eq!(rt["runtime_type"].as_str(), Some("io.containerd.runc.v2"));
-                assert_eq!(
-                    rt["pod_annotations"].as_array().map(|a| a.len()),
-                    Some(4),
-                    "{name}: exactly the request annotations"
-                );
-                assert_eq!(
-                    rt["pod_annotations"][0].as_str(),
-                    Some("gpushare.io/device")
-                );
+                let listed: Vec<&str> = rt["pod_annotations"]
+                    .as_array()
+                    .map(|a| a.iter().filter_map(|v| v.as_str()).collect())
+                    .unwrap_or_default();
+                let keys: Vec<&str> = gpushare::request::KEYS
+                    .iter()
+                    .map(|k| k.annotation)
+                    .collect();
+                assert_eq!(listed, keys, "{name}: exactly the request annotations");
                 assert!(rt["options"]["BinaryName"]
                     .as_str()
                     .unwrap()
