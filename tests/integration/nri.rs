@@ -404,11 +404,11 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
     );
 }
 
-#[test]
-fn nri_plugin_on_containerd_2_1_refuses_a_per_user_request_with_one_line() {
-    let env = Env::new();
-    let mut node = Node::start_fetched_with(&env, containerd2_bin(), 3, &enable_nri);
-    let _plugin = Plugin::start(&env, &node);
+/// A containerd before 2.3 tells NRI plugins no container user: a per-user request
+/// through the plugin fails the container with one line naming what is needed, and
+/// nothing is recorded or started (never served as UID 0).
+fn refuses_a_per_user_request_with_one_line(env: &Env, mut node: Node) {
+    let _plugin = Plugin::start(env, &node);
     let pod = plain_pod(
         &mut node,
         &PodSpec {
@@ -444,4 +444,19 @@ fn nri_plugin_on_containerd_2_1_refuses_a_per_user_request_with_one_line() {
         "{err}"
     );
     assert_eq!(node.gpushare_records(), vec![]);
+}
+
+#[test]
+fn nri_plugin_on_containerd_2_1_refuses_a_per_user_request_with_one_line() {
+    let env = Env::new();
+    let node = Node::start_fetched_with(&env, containerd2_bin(), 3, &enable_nri);
+    refuses_a_per_user_request_with_one_line(&env, node);
+}
+
+#[test]
+fn nri_plugin_on_containerd_1_7_refuses_a_per_user_request_with_one_line() {
+    let env = Env::new();
+    // containerd 1.7 has NRI off unless configured: `enable_nri` turns it on.
+    let node = Node::start_containerd_1_7_with(&env, &enable_nri);
+    refuses_a_per_user_request_with_one_line(&env, node);
 }
