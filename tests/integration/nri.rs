@@ -460,3 +460,207 @@ fn nri_plugin_on_containerd_1_7_refuses_a_per_user_request_with_one_line() {
     let node = Node::start_containerd_1_7_with(&env, &enable_nri);
     refuses_a_per_user_request_with_one_line(&env, node);
 }
+
+/// The allocation default through the plugin, with no RuntimeClass: on a node with
+/// `default-device = "allocated"`, a container that NVIDIA's device plugin gave a GPU
+/// (its volume-mounts strategy: `/dev/null` at `/var/run/nvidia-container-devices/<uuid>`)
+/// and one that CDI or a DRA driver gave a device node (`/dev/nvidia<minor>`) are each
+/// served on that GPU, with the pod's limit; a container of the same pod without an
+/// allocation is untouched.
+#[test]
+fn nri_plugin_serves_the_allocated_device_on_a_node_that_defaults_to_it() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::with_configs("default-device = \"allocated\"\n", "");
+    let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri);
+    let _plugin = Plugin::start(&env, &node);
+    let pod = plain_pod(
+        &mut node,
+        &PodSpec {
+            name: "allocated",
+            annotations: &[("gpushare.io/active-thread-percentage", "25")],
+            run_as_user: Some(1000),
+            ..Default::default()
+        },
+    );
+    let served_on = |env: &Env, pod: &Pod, c: &ContainerSpec, id: &str, uid: &str| {
+        let l = node.client_line(pod, c);
+        assert_eq!(
+            (
+                l["server_uid"].as_str(),
+                l["active_thread_percentage"].as_str()
+            ),
+            (uid, "25.0"),
+            "{}: {l:?}",
+            c.name
+        );
+        let daemon = node
+            .daemon_of(id)
+            .expect("the plugin recorded the container");
+        assert!(
+            !has_gpushare_hook(&node.bundle_spec(id)),
+            "no hook serves it"
+        );
+        env.record(&daemon)["identity"]["devices"].clone()
+    };
+
+    // NVIDIA's device plugin: GPU 2 by a /dev/null volume mount.
+    let allocated = format!("/var/run/nvidia-container-devices/{GPU2}");
+    let mounted = ContainerSpec {
+        name: "mounted",
+        script: &hold(60),
+        run_as_user: Some(1000),
+        envs: &[(
+            "NVIDIA_VISIBLE_DEVICES",
+            "/var/run/nvidia-container-devices",
+        )],
+        mounts: &[("/dev/null", &allocated)],
+        ..Default::default()
+    };
+    let id = node.run(&pod, &mounted);
+    assert_eq!(
+        served_on(&env, &pod, &mounted, &id, "1000"),
+        serde_json::json!([GPU2])
+    );
+
+    // CDI or a DRA driver: GPU 0's device node, /dev/nvidia<its minor> (a node the test
+    // makes with the same numbers; nothing opens it).
+    let host_node = node.dir.join("nvidia-node");
+    let st = std::process::Command::new("mknod")
+        .arg(&host_node)
+        .args(["c", "195", &GPU0_MINOR.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success(), "mknod");
+    let dev = format!("{}:/dev/nvidia{GPU0_MINOR}", host_node.display());
+    let noded = ContainerSpec {
+        name: "device-node",
+        script: &hold(60),
+        run_as_user: Some(2000),
+        devices: &[&dev],
+        ..Default::default()
+    };
+    let id = node.run(&pod, &noded);
+    assert_eq!(
+        served_on(&env, &pod, &noded, &id, "2000"),
+        serde_json::json!([GPU0])
+    );
+    assert_eq!(record_engines(&env), ["kubernetes-nri", "kubernetes-nri"]);
+
+    // No allocation: no request, whatever the node's default.
+    let daemons = env.daemon_ids();
+    let sidecar = ContainerSpec {
+        name: "sidecar",
+        script: "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset}; exec sleep 3600",
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let id = node.run(&pod, &sidecar);
+    assert!(
+        wait_until(Duration::from_secs(20), || node
+            .output(&pod, &sidecar)
+            .contains("PIPE=unset")),
+        "{}",
+        node.output(&pod, &sidecar)
+    );
+    let spec = node.bundle_spec(&id);
+    let (envs, mounts) = (
+        spec["process"]["env"].to_string(),
+        spec["mounts"].to_string(),
+    );
+    assert!(!envs.contains("CUDA_MPS"), "{envs}");
+    assert!(!mounts.contains("nvidia-mps"), "{mounts}");
+    assert_eq!(node.daemon_of(&id), None);
+    assert_eq!(env.daemon_ids(), daemons);
+}
+
+/// One server per container: a CDI device of gpushare's (from `gpushare install cdi`,
+/// the spec `gpushare cdi generate` writes) on a pod of no RuntimeClass reaches the
+/// container with gpushare's prestart hook in its spec, which serves it; the plugin
+/// leaves that container alone. Served once: one pipe directory mount, no mount or env of
+/// the plugin's in the spec, one daemon, and the hook's record, not the plugin's.
+#[test]
+fn nri_plugin_leaves_a_cdi_device_to_gpushare_s_hook() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::new();
+    let cdi = env.path().join("cdi");
+    let configure = |config: &Path| {
+        let out = env
+            .cmd(GPUSHARE)
+            .args(["install", "cdi", "--output"])
+            .arg(cdi.join("gpushare.json"))
+            .args(["--enable", "containerd", "--config"])
+            .arg(config)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        enable_nri(config);
+    };
+    let mut node = Node::start_fetched_with(&env, bin, 3, &configure);
+    let _plugin = Plugin::start(&env, &node);
+    let pod = plain_pod(
+        &mut node,
+        &PodSpec {
+            name: "cdi",
+            run_as_user: Some(1000),
+            ..Default::default()
+        },
+    );
+    let c = ContainerSpec {
+        name: "field",
+        script: &format!("{CLIENT}; cat /proc/self/mountinfo; exec sleep 3600"),
+        run_as_user: Some(1000),
+        cdi_devices: &["gpushare.io/gpu=0"],
+        ..Default::default()
+    };
+    let id = node.run(&pod, &c);
+    let line = node.client_line(&pod, &c);
+    assert_eq!(
+        (line["server_uid"].as_str(), line["shm"].as_str()),
+        ("1000", "ok"),
+        "{line:?}"
+    );
+    assert!(wait_until(Duration::from_secs(10), || node
+        .output(&pod, &c)
+        .contains("/dev/shm")));
+    let out = node.output(&pod, &c);
+    let pipe_mounts = out
+        .lines()
+        .filter(|l| l.split(' ').nth(4) == Some("/tmp/nvidia-mps"))
+        .count();
+    assert_eq!(pipe_mounts, 1, "served once:\n{out}");
+    // The hook's spec: its prestart hook, none of the plugin's mounts or env.
+    let spec = node.bundle_spec(&id);
+    assert!(has_gpushare_hook(&spec), "{}", spec["hooks"]);
+    let state = env.state.display().to_string();
+    assert!(
+        !spec["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["destination"] == "/tmp/nvidia-mps"
+                || m["source"].as_str().unwrap_or("").starts_with(&state)),
+        "{}",
+        spec["mounts"]
+    );
+    assert!(
+        !spec["process"]["env"].to_string().contains("CUDA_MPS"),
+        "{}",
+        spec["process"]["env"]
+    );
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    assert_eq!(
+        env.record(&ids[0])["identity"]["devices"],
+        serde_json::json!([GPU0])
+    );
+    assert_eq!(node.gpushare_records(), [(ids[0].clone(), id.clone())]);
+    assert_ne!(
+        record_engines(&env),
+        ["kubernetes-nri"],
+        "the hook's record"
+    );
+}
