@@ -322,6 +322,15 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
 
     // The plugin restarts under live pods: its records stay (Synchronize finds the
     // containers running); then a removed pod leaves no record.
+    // Connected: the line deploy/nri-plugin.yaml's readiness probe looks for.
+    let status = env.cmd(GPUSHARE).arg("status").output().unwrap();
+    assert!(
+        text(&status)
+            .lines()
+            .any(|l| l.starts_with("NRI plugin connected to containerd")),
+        "{}",
+        text(&status)
+    );
     plugin.stop();
     let status = env.cmd(GPUSHARE).arg("status").output().unwrap();
     assert!(
