@@ -673,3 +673,152 @@ fn nri_plugin_leaves_a_cdi_device_to_gpushare_s_hook() {
         "the hook's record"
     );
 }
+
+/// A pod start through the plugin (RunPodSandbox, CreateContainer, StartContainer of a
+/// container running `true`, UID 1000, timed from the CRI client), paired in one run on
+/// one containerd 2.3.4 with the plugin connected, beside the other ways a pod reaches
+/// gpushare: `runc` without a request (the baseline: with the plugin connected, an
+/// annotated runc pod is served, so the pod "without gpushare" is the one without a
+/// request); `runc` without a request while no plugin is connected (what NRI's round
+/// trip costs a container the plugin leaves alone); `runc` with a request (served by the
+/// plugin); the shim's class and the hook-only class, each with a request (on a node that
+/// runs the plugin: the shim's pod is served by both, the hook-only pod by its hooks). The
+/// daemon is warm after round 0; the variants rotate per round after a 100 ms idle pause;
+/// the pod is removed, and the plugin restarted for the no-plugin variant, untimed. Also
+/// the plugin's own time in CreateContainer for a request (`elapsed_us` of its log line).
+/// A measurement, not a check: `cargo build --release && cargo test --release --test
+/// integration nri_pod_start_bench -- --ignored --nocapture` on a quiet machine
+/// (GPUSHARE_BENCH_ROUNDS, default 15).
+#[test]
+#[ignore = "a benchmark: run it by name on a quiet machine (BENCHMARKS.md)"]
+fn nri_pod_start_bench() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::new();
+    // Info, not the tests' debug log level: what a node runs.
+    let cfg = std::fs::read_to_string(&env.config).unwrap();
+    assert!(cfg.contains("log-level = \"debug\""));
+    std::fs::write(
+        &env.config,
+        cfg.replace("log-level = \"debug\"", "log-level = \"info\""),
+    )
+    .unwrap();
+    let configure = |config: &Path| {
+        install_hook_only(&env, config, "gpushare-hooks");
+        enable_nri(config);
+    };
+    let mut node = Node::start_fetched_with(&env, bin, 3, &configure);
+    let mut plugin = Plugin::start(&env, &node);
+
+    // (label, handler, request, plugin connected)
+    let variants = [
+        ("runc", "runc", false, true),
+        ("runc, no plugin connected", "runc", false, false),
+        ("runc, request (the plugin)", "runc", true, true),
+        ("gpushare shim, request", HANDLER, true, true),
+        ("gpushare hooks, request", "gpushare-hooks", true, true),
+    ];
+    let rounds: usize = std::env::var("GPUSHARE_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(15);
+    let mut ms: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    for r in 0..=rounds {
+        for k in 0..variants.len() {
+            let i = (k + r) % variants.len();
+            let (_, handler, request, connected) = variants[i];
+            if !connected {
+                plugin.stop();
+            }
+            let name = format!("b{r}v{i}");
+            let annotations: &[(&str, &str)] = if request {
+                &[("gpushare.io/device", "0")]
+            } else {
+                &[]
+            };
+            let config = node.pod_config(&PodSpec {
+                name: &name,
+                annotations,
+                run_as_user: Some(1000),
+                ..Default::default()
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            let t = std::time::Instant::now();
+            let id = node
+                .cri()
+                .run_pod(&config, handler)
+                .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n{}", node.log_text()));
+            let pod = Pod { id, config };
+            let c = ContainerSpec {
+                name: "c",
+                script: "true",
+                run_as_user: Some(1000),
+                ..Default::default()
+            };
+            let cid = node.run(&pod, &c);
+            let elapsed = t.elapsed().as_secs_f64() * 1e3;
+            if r > 0 {
+                ms[i].push(elapsed); // round 0 warms up (and starts the daemon)
+            }
+            if request {
+                let spec = node.bundle_spec(&cid);
+                assert!(
+                    spec["process"]["env"]
+                        .to_string()
+                        .contains("CUDA_MPS_PIPE_DIRECTORY")
+                        || has_gpushare_hook(&spec),
+                    "{name} was served"
+                );
+            }
+            let _ = node.cri().stop_pod(&pod.id);
+            let _ = node.cri().remove_pod(&pod.id);
+            if !connected {
+                plugin = Plugin::start(&env, &node);
+            }
+        }
+    }
+    let stats = |v: &[f64]| {
+        let mut s = v.to_vec();
+        s.sort_by(f64::total_cmp);
+        (s[s.len() / 2], s[s.len() / 10], s[s.len() * 9 / 10])
+    };
+    println!(
+        "CRI pod start through NRI (RunPodSandbox + CreateContainer + StartContainer), containerd 2.3.4, {rounds} rounds, load {}",
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
+    );
+    for (i, (label, ..)) in variants.iter().enumerate() {
+        let (m, p10, p90) = stats(&ms[i]);
+        // Paired: each round's ratio to the baseline in the same round.
+        let paired: Vec<f64> = ms[i].iter().zip(&ms[0]).map(|(x, y)| x / y).collect();
+        println!(
+            "  {label:<28} {m:7.1} ms [{p10:7.1} - {p90:7.1}]  x{:.3} vs {} (paired median x{:.3})",
+            m / stats(&ms[0]).0,
+            variants[0].0,
+            stats(&paired).0
+        );
+    }
+    // The plugin's own time in CreateContainer for a request, warm rounds only (the
+    // first line is round 0's cold daemon start).
+    let us: Vec<f64> = env
+        .gpushare_log()
+        .lines()
+        .filter(|l| l.contains("NRI: daemon ensured, container adjusted"))
+        .filter_map(|l| l.split("elapsed_us=").nth(1))
+        .filter_map(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        .skip(1)
+        .collect();
+    if !us.is_empty() {
+        let (m, p10, p90) = stats(&us);
+        println!(
+            "  the plugin's CreateContainer for a request: {:.2} ms [{:.2} - {:.2}] ({} calls)",
+            m / 1e3,
+            p10 / 1e3,
+            p90 / 1e3,
+            us.len()
+        );
+    }
+    assert_eq!(env.daemon_ids().len(), 1, "one daemon served every request");
+}
