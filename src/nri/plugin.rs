@@ -70,6 +70,7 @@ impl Plugin {
         pod: &PodSandbox,
         ctr: &Container,
     ) -> anyhow::Result<ContainerAdjustment> {
+        let began = std::time::Instant::now();
         // Held from the start: the pipeline may run a program (the inventory) and wait
         // for it, as `ensure` waits for the supervisor it starts.
         let _no_reaping = self.reaping.read();
@@ -144,6 +145,7 @@ impl Plugin {
             uid = served.host_user.0,
             devices = %served.devices.uuids.join(","),
             container_id = %ctr.id,
+            elapsed_us = began.elapsed().as_micros() as u64,
             "NRI: daemon ensured, container adjusted"
         );
         Ok(ContainerAdjustment { mounts, env })

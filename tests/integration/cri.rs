@@ -285,6 +285,8 @@ struct ContainerSpec<'a> {
     script: &'a str,
     run_as_user: Option<i64>,
     envs: &'a [(&'a str, &'a str)],
+    /// Device nodes: a path, or `host:container` for a node at another path in the
+    /// container (a device plugin's `/dev/nvidia<N>` from a node the test made).
     devices: &'a [&'a str],
     /// (host path, container path): the pod's volumes, a device plugin's mounts.
     mounts: &'a [(&'a str, &'a str)],
@@ -721,10 +723,13 @@ impl<'e> Node<'e> {
             devices: c
                 .devices
                 .iter()
-                .map(|d| Device {
-                    container_path: d.to_string(),
-                    host_path: d.to_string(),
-                    permissions: "rw".into(),
+                .map(|d| {
+                    let (host, container) = d.split_once(':').unwrap_or((d, d));
+                    Device {
+                        container_path: container.to_string(),
+                        host_path: host.to_string(),
+                        permissions: "rw".into(),
+                    }
                 })
                 .collect(),
             annotations: c

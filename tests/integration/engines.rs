@@ -1458,7 +1458,7 @@ fn deploy_manifests_are_valid() {
 
     let mut seen = std::collections::BTreeMap::<String, usize>::new();
     let mut entrypoint_in_image = None;
-    let mut daemonset = None;
+    let mut daemonsets = std::collections::BTreeMap::new();
     let mut configmaps = std::collections::BTreeMap::new();
     for file in &files {
         let name = file.strip_prefix(&root).unwrap().display().to_string();
@@ -1479,7 +1479,10 @@ fn deploy_manifests_are_valid() {
                     match kind.as_str() {
                         "RuntimeClass" => assert_eq!(s(&doc, "handler"), Some(handler.clone())),
                         "Pod" => check_pod(&name, &doc, &handler),
-                        "DaemonSet" => daemonset = Some((name.clone(), doc.clone())),
+                        "DaemonSet" => {
+                            let ds_name = s(&doc, "metadata.name").unwrap();
+                            daemonsets.insert(ds_name, (name.clone(), doc.clone()));
+                        }
                         "ConfigMap" => {
                             configmaps.insert(s(&doc, "metadata.name").unwrap(), doc.clone());
                         }
@@ -1546,10 +1549,12 @@ fn deploy_manifests_are_valid() {
             _ => panic!("{name}: a file this test does not check"),
         }
     }
-    let (name, ds) = daemonset.expect("the node installer's DaemonSet");
-    let command = check_daemonset(&name, &ds, &rc[0], &configmaps);
+    let (name, ds) = &daemonsets["gpushare-node-installer"];
+    let command = check_daemonset(name, ds, &rc[0], &configmaps);
     // The DaemonSet runs the script the image holds.
     assert_eq!(Some(command), entrypoint_in_image.map(|e| vec![e]));
+    let (nri_name, nri) = &daemonsets["gpushare-nri-plugin"];
+    check_nri_daemonset(nri_name, nri, ds);
     for (cm_name, cm) in &configmaps {
         match cm_name.as_str() {
             "gpushare-config" => {
@@ -1565,7 +1570,7 @@ fn deploy_manifests_are_valid() {
     let want: std::collections::BTreeMap<String, usize> = [
         ("RuntimeClass", 1),
         ("Pod", 4),
-        ("DaemonSet", 1),
+        ("DaemonSet", 2),
         ("ConfigMap", 2),
         ("containerd drop-in", 1),
         ("script", 1),
@@ -1759,6 +1764,96 @@ fn check_daemonset(
         .iter()
         .map(|a| a.as_str().unwrap().to_owned())
         .collect()
+}
+
+/// The NRI plugin's DaemonSet (deploy/nri-plugin.yaml), against the node installer's
+/// `installer`: on the same nodes and namespace, from the same image; it runs the
+/// gpushare the installer copied to the host (INSTALL_DIR), in the host's mount namespace
+/// (nsenter into the host's PID 1: hostPID, privileged), as `gpushare nri --socket` on
+/// NRI's socket; an init container waits until that binary runs there; Ready while
+/// `gpushare status` says the plugin is connected.
+fn check_nri_daemonset(name: &str, ds: &yaml_rust2::Yaml, installer: &yaml_rust2::Yaml) {
+    let spec = &ds["spec"]["template"]["spec"];
+    let ispec = &installer["spec"]["template"]["spec"];
+    let labels = ds["spec"]["template"]["metadata"]["labels"]
+        .as_hash()
+        .unwrap();
+    let selector = ds["spec"]["selector"]["matchLabels"].as_hash().unwrap();
+    assert!(!selector.is_empty(), "{name}: spec.selector is required");
+    for (k, v) in selector {
+        assert_eq!(
+            labels.get(k),
+            Some(v),
+            "{name}: the selector matches the pods"
+        );
+    }
+    assert_ne!(
+        &ds["spec"]["selector"], &installer["spec"]["selector"],
+        "{name}: selects its own pods, not the installer's"
+    );
+    assert_eq!(
+        &ds["metadata"]["namespace"], &installer["metadata"]["namespace"],
+        "{name}"
+    );
+    for key in ["nodeSelector", "tolerations", "priorityClassName"] {
+        assert_eq!(&spec[key], &ispec[key], "{name}: the installer's {key}");
+    }
+    assert_eq!(spec["hostPID"].as_bool(), Some(true), "{name}");
+    let install_dir = ispec["containers"][0]["env"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"].as_str() == Some("INSTALL_DIR"))
+        .and_then(|e| e["value"].as_str())
+        .unwrap();
+    let gpushare = format!("{install_dir}/gpushare");
+    let in_host = ["nsenter", "--target=1", "--mount", "--", gpushare.as_str()];
+    let argv = |c: &yaml_rust2::Yaml| -> Vec<String> {
+        c.as_vec()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_owned())
+            .collect()
+    };
+    let image = ispec["containers"][0]["image"].as_str();
+    let inits = spec["initContainers"].as_vec().unwrap();
+    assert_eq!(inits.len(), 1, "{name}");
+    let containers = spec["containers"].as_vec().unwrap();
+    assert_eq!(containers.len(), 1, "{name}");
+    for c in inits.iter().chain(containers) {
+        assert!(c["name"].as_str().is_some_and(|n| !n.is_empty()));
+        assert_eq!(c["image"].as_str(), image, "{name}: the installer's image");
+        assert_eq!(c["imagePullPolicy"].as_str(), Some("Always"), "{name}");
+        assert_eq!(c["securityContext"]["privileged"].as_bool(), Some(true));
+        assert!(
+            c["volumeMounts"].is_badvalue(),
+            "{name}: the host's own paths"
+        );
+    }
+    assert!(spec["volumes"].is_badvalue(), "{name}");
+    let wait = argv(&inits[0]["command"]);
+    assert_eq!(wait[..2], ["sh", "-c"], "{name}");
+    assert!(
+        wait[2].contains(&format!("{} --version", in_host.join(" "))),
+        "{name}: waits for the installer's binary: {wait:?}"
+    );
+    let c = &containers[0];
+    let mut want: Vec<String> = in_host.iter().map(|a| a.to_string()).collect();
+    want.extend(["nri", "--socket", "/var/run/nri/nri.sock"].map(String::from));
+    assert_eq!(argv(&c["command"]), want, "{name}");
+    let probe = argv(&c["readinessProbe"]["exec"]["command"]);
+    assert_eq!(
+        probe,
+        [
+            "sh",
+            "-c",
+            &format!(
+                "{} status | grep -q '^NRI plugin connected'",
+                in_host.join(" ")
+            )
+        ],
+        "{name}: Ready while connected (the line of `gpushare status`)"
+    );
 }
 
 /// NVIDIA's device plugin config: time-slicing replicas of nvidia.com/gpu (the share

@@ -322,6 +322,15 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
 
     // The plugin restarts under live pods: its records stay (Synchronize finds the
     // containers running); then a removed pod leaves no record.
+    // Connected: the line deploy/nri-plugin.yaml's readiness probe looks for.
+    let status = env.cmd(GPUSHARE).arg("status").output().unwrap();
+    assert!(
+        text(&status)
+            .lines()
+            .any(|l| l.starts_with("NRI plugin connected to containerd")),
+        "{}",
+        text(&status)
+    );
     plugin.stop();
     let status = env.cmd(GPUSHARE).arg("status").output().unwrap();
     assert!(
@@ -404,11 +413,11 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
     );
 }
 
-#[test]
-fn nri_plugin_on_containerd_2_1_refuses_a_per_user_request_with_one_line() {
-    let env = Env::new();
-    let mut node = Node::start_fetched_with(&env, containerd2_bin(), 3, &enable_nri);
-    let _plugin = Plugin::start(&env, &node);
+/// A containerd before 2.3 tells NRI plugins no container user: a per-user request
+/// through the plugin fails the container with one line naming what is needed, and
+/// nothing is recorded or started (never served as UID 0).
+fn refuses_a_per_user_request_with_one_line(env: &Env, mut node: Node) {
+    let _plugin = Plugin::start(env, &node);
     let pod = plain_pod(
         &mut node,
         &PodSpec {
@@ -444,4 +453,372 @@ fn nri_plugin_on_containerd_2_1_refuses_a_per_user_request_with_one_line() {
         "{err}"
     );
     assert_eq!(node.gpushare_records(), vec![]);
+}
+
+#[test]
+fn nri_plugin_on_containerd_2_1_refuses_a_per_user_request_with_one_line() {
+    let env = Env::new();
+    let node = Node::start_fetched_with(&env, containerd2_bin(), 3, &enable_nri);
+    refuses_a_per_user_request_with_one_line(&env, node);
+}
+
+#[test]
+fn nri_plugin_on_containerd_1_7_refuses_a_per_user_request_with_one_line() {
+    let env = Env::new();
+    // containerd 1.7 has NRI off unless configured: `enable_nri` turns it on.
+    let node = Node::start_containerd_1_7_with(&env, &enable_nri);
+    refuses_a_per_user_request_with_one_line(&env, node);
+}
+
+/// The allocation default through the plugin, with no RuntimeClass: on a node with
+/// `default-device = "allocated"`, a container that NVIDIA's device plugin gave a GPU
+/// (its volume-mounts strategy: `/dev/null` at `/var/run/nvidia-container-devices/<uuid>`)
+/// and one that CDI or a DRA driver gave a device node (`/dev/nvidia<minor>`) are each
+/// served on that GPU, with the pod's limit; a container of the same pod without an
+/// allocation is untouched.
+#[test]
+fn nri_plugin_serves_the_allocated_device_on_a_node_that_defaults_to_it() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::with_configs("default-device = \"allocated\"\n", "");
+    let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri);
+    let _plugin = Plugin::start(&env, &node);
+    let pod = plain_pod(
+        &mut node,
+        &PodSpec {
+            name: "allocated",
+            annotations: &[("gpushare.io/active-thread-percentage", "25")],
+            run_as_user: Some(1000),
+            ..Default::default()
+        },
+    );
+    let served_on = |env: &Env, pod: &Pod, c: &ContainerSpec, id: &str, uid: &str| {
+        let l = node.client_line(pod, c);
+        assert_eq!(
+            (
+                l["server_uid"].as_str(),
+                l["active_thread_percentage"].as_str()
+            ),
+            (uid, "25.0"),
+            "{}: {l:?}",
+            c.name
+        );
+        let daemon = node
+            .daemon_of(id)
+            .expect("the plugin recorded the container");
+        assert!(
+            !has_gpushare_hook(&node.bundle_spec(id)),
+            "no hook serves it"
+        );
+        env.record(&daemon)["identity"]["devices"].clone()
+    };
+
+    // NVIDIA's device plugin: GPU 2 by a /dev/null volume mount.
+    let allocated = format!("/var/run/nvidia-container-devices/{GPU2}");
+    let mounted = ContainerSpec {
+        name: "mounted",
+        script: &hold(60),
+        run_as_user: Some(1000),
+        envs: &[(
+            "NVIDIA_VISIBLE_DEVICES",
+            "/var/run/nvidia-container-devices",
+        )],
+        mounts: &[("/dev/null", &allocated)],
+        ..Default::default()
+    };
+    let id = node.run(&pod, &mounted);
+    assert_eq!(
+        served_on(&env, &pod, &mounted, &id, "1000"),
+        serde_json::json!([GPU2])
+    );
+
+    // CDI or a DRA driver: GPU 0's device node, /dev/nvidia<its minor> (a node the test
+    // makes with the same numbers; nothing opens it).
+    let host_node = node.dir.join("nvidia-node");
+    let st = std::process::Command::new("mknod")
+        .arg(&host_node)
+        .args(["c", "195", &GPU0_MINOR.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success(), "mknod");
+    let dev = format!("{}:/dev/nvidia{GPU0_MINOR}", host_node.display());
+    let noded = ContainerSpec {
+        name: "device-node",
+        script: &hold(60),
+        run_as_user: Some(2000),
+        devices: &[&dev],
+        ..Default::default()
+    };
+    let id = node.run(&pod, &noded);
+    assert_eq!(
+        served_on(&env, &pod, &noded, &id, "2000"),
+        serde_json::json!([GPU0])
+    );
+    assert_eq!(record_engines(&env), ["kubernetes-nri", "kubernetes-nri"]);
+
+    // No allocation: no request, whatever the node's default.
+    let daemons = env.daemon_ids();
+    let sidecar = ContainerSpec {
+        name: "sidecar",
+        script: "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset}; exec sleep 3600",
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let id = node.run(&pod, &sidecar);
+    assert!(
+        wait_until(Duration::from_secs(20), || node
+            .output(&pod, &sidecar)
+            .contains("PIPE=unset")),
+        "{}",
+        node.output(&pod, &sidecar)
+    );
+    let spec = node.bundle_spec(&id);
+    let (envs, mounts) = (
+        spec["process"]["env"].to_string(),
+        spec["mounts"].to_string(),
+    );
+    assert!(!envs.contains("CUDA_MPS"), "{envs}");
+    assert!(!mounts.contains("nvidia-mps"), "{mounts}");
+    assert_eq!(node.daemon_of(&id), None);
+    assert_eq!(env.daemon_ids(), daemons);
+}
+
+/// One server per container: a CDI device of gpushare's (from `gpushare install cdi`,
+/// the spec `gpushare cdi generate` writes) on a pod of no RuntimeClass reaches the
+/// container with gpushare's prestart hook in its spec, which serves it; the plugin
+/// leaves that container alone. Served once: one pipe directory mount, no mount or env of
+/// the plugin's in the spec, one daemon, and the hook's record, not the plugin's.
+#[test]
+fn nri_plugin_leaves_a_cdi_device_to_gpushare_s_hook() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::new();
+    let cdi = env.path().join("cdi");
+    let configure = |config: &Path| {
+        let out = env
+            .cmd(GPUSHARE)
+            .args(["install", "cdi", "--output"])
+            .arg(cdi.join("gpushare.json"))
+            .args(["--enable", "containerd", "--config"])
+            .arg(config)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        enable_nri(config);
+    };
+    let mut node = Node::start_fetched_with(&env, bin, 3, &configure);
+    let _plugin = Plugin::start(&env, &node);
+    let pod = plain_pod(
+        &mut node,
+        &PodSpec {
+            name: "cdi",
+            run_as_user: Some(1000),
+            ..Default::default()
+        },
+    );
+    let c = ContainerSpec {
+        name: "field",
+        script: &format!("{CLIENT}; cat /proc/self/mountinfo; exec sleep 3600"),
+        run_as_user: Some(1000),
+        cdi_devices: &["gpushare.io/gpu=0"],
+        ..Default::default()
+    };
+    let id = node.run(&pod, &c);
+    let line = node.client_line(&pod, &c);
+    assert_eq!(
+        (line["server_uid"].as_str(), line["shm"].as_str()),
+        ("1000", "ok"),
+        "{line:?}"
+    );
+    assert!(wait_until(Duration::from_secs(10), || node
+        .output(&pod, &c)
+        .contains("/dev/shm")));
+    let out = node.output(&pod, &c);
+    let pipe_mounts = out
+        .lines()
+        .filter(|l| l.split(' ').nth(4) == Some("/tmp/nvidia-mps"))
+        .count();
+    assert_eq!(pipe_mounts, 1, "served once:\n{out}");
+    // The hook's spec: its prestart hook, none of the plugin's mounts or env.
+    let spec = node.bundle_spec(&id);
+    assert!(has_gpushare_hook(&spec), "{}", spec["hooks"]);
+    let state = env.state.display().to_string();
+    assert!(
+        !spec["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["destination"] == "/tmp/nvidia-mps"
+                || m["source"].as_str().unwrap_or("").starts_with(&state)),
+        "{}",
+        spec["mounts"]
+    );
+    assert!(
+        !spec["process"]["env"].to_string().contains("CUDA_MPS"),
+        "{}",
+        spec["process"]["env"]
+    );
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    assert_eq!(
+        env.record(&ids[0])["identity"]["devices"],
+        serde_json::json!([GPU0])
+    );
+    assert_eq!(node.gpushare_records(), [(ids[0].clone(), id.clone())]);
+    assert_ne!(
+        record_engines(&env),
+        ["kubernetes-nri"],
+        "the hook's record"
+    );
+}
+
+/// A pod start through the plugin (RunPodSandbox, CreateContainer, StartContainer of a
+/// container running `true`, UID 1000, timed from the CRI client), paired in one run on
+/// one containerd 2.3.4 with the plugin connected, beside the other ways a pod reaches
+/// gpushare: `runc` without a request (the baseline: with the plugin connected, an
+/// annotated runc pod is served, so the pod "without gpushare" is the one without a
+/// request); `runc` without a request while no plugin is connected (what NRI's round
+/// trip costs a container the plugin leaves alone); `runc` with a request (served by the
+/// plugin); the shim's class and the hook-only class, each with a request (on a node that
+/// runs the plugin: the shim's pod is served by both, the hook-only pod by its hooks). The
+/// daemon is warm after round 0; the variants rotate per round after a 100 ms idle pause;
+/// the pod is removed, and the plugin restarted for the no-plugin variant, untimed. Also
+/// the plugin's own time in CreateContainer for a request (`elapsed_us` of its log line).
+/// A measurement, not a check: `cargo build --release && cargo test --release --test
+/// integration nri_pod_start_bench -- --ignored --nocapture` on a quiet machine
+/// (GPUSHARE_BENCH_ROUNDS, default 15).
+#[test]
+#[ignore = "a benchmark: run it by name on a quiet machine (BENCHMARKS.md)"]
+fn nri_pod_start_bench() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::new();
+    // Info, not the tests' debug log level: what a node runs.
+    let cfg = std::fs::read_to_string(&env.config).unwrap();
+    assert!(cfg.contains("log-level = \"debug\""));
+    std::fs::write(
+        &env.config,
+        cfg.replace("log-level = \"debug\"", "log-level = \"info\""),
+    )
+    .unwrap();
+    let configure = |config: &Path| {
+        install_hook_only(&env, config, "gpushare-hooks");
+        enable_nri(config);
+    };
+    let mut node = Node::start_fetched_with(&env, bin, 3, &configure);
+    let mut plugin = Plugin::start(&env, &node);
+
+    // (label, handler, request, plugin connected)
+    let variants = [
+        ("runc", "runc", false, true),
+        ("runc, no plugin connected", "runc", false, false),
+        ("runc, request (the plugin)", "runc", true, true),
+        ("gpushare shim, request", HANDLER, true, true),
+        ("gpushare hooks, request", "gpushare-hooks", true, true),
+    ];
+    let rounds: usize = std::env::var("GPUSHARE_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(15);
+    let mut ms: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    for r in 0..=rounds {
+        for k in 0..variants.len() {
+            let i = (k + r) % variants.len();
+            let (_, handler, request, connected) = variants[i];
+            if !connected {
+                plugin.stop();
+            }
+            let name = format!("b{r}v{i}");
+            let annotations: &[(&str, &str)] = if request {
+                &[("gpushare.io/device", "0")]
+            } else {
+                &[]
+            };
+            let config = node.pod_config(&PodSpec {
+                name: &name,
+                annotations,
+                run_as_user: Some(1000),
+                ..Default::default()
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            let t = std::time::Instant::now();
+            let id = node
+                .cri()
+                .run_pod(&config, handler)
+                .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n{}", node.log_text()));
+            let pod = Pod { id, config };
+            let c = ContainerSpec {
+                name: "c",
+                script: "true",
+                run_as_user: Some(1000),
+                ..Default::default()
+            };
+            let cid = node.run(&pod, &c);
+            let elapsed = t.elapsed().as_secs_f64() * 1e3;
+            if r > 0 {
+                ms[i].push(elapsed); // round 0 warms up (and starts the daemon)
+            }
+            if request {
+                let spec = node.bundle_spec(&cid);
+                assert!(
+                    spec["process"]["env"]
+                        .to_string()
+                        .contains("CUDA_MPS_PIPE_DIRECTORY")
+                        || has_gpushare_hook(&spec),
+                    "{name} was served"
+                );
+            }
+            let _ = node.cri().stop_pod(&pod.id);
+            let _ = node.cri().remove_pod(&pod.id);
+            if !connected {
+                plugin = Plugin::start(&env, &node);
+            }
+        }
+    }
+    let stats = |v: &[f64]| {
+        let mut s = v.to_vec();
+        s.sort_by(f64::total_cmp);
+        (s[s.len() / 2], s[s.len() / 10], s[s.len() * 9 / 10])
+    };
+    println!(
+        "CRI pod start through NRI (RunPodSandbox + CreateContainer + StartContainer), containerd 2.3.4, {rounds} rounds, load {}",
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
+    );
+    for (i, (label, ..)) in variants.iter().enumerate() {
+        let (m, p10, p90) = stats(&ms[i]);
+        // Paired: each round's ratio to the baseline in the same round.
+        let paired: Vec<f64> = ms[i].iter().zip(&ms[0]).map(|(x, y)| x / y).collect();
+        println!(
+            "  {label:<28} {m:7.1} ms [{p10:7.1} - {p90:7.1}]  x{:.3} vs {} (paired median x{:.3})",
+            m / stats(&ms[0]).0,
+            variants[0].0,
+            stats(&paired).0
+        );
+    }
+    // The plugin's own time in CreateContainer for a request, warm rounds only (the
+    // first line is round 0's cold daemon start).
+    let us: Vec<f64> = env
+        .gpushare_log()
+        .lines()
+        .filter(|l| l.contains("NRI: daemon ensured, container adjusted"))
+        .filter_map(|l| l.split("elapsed_us=").nth(1))
+        .filter_map(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        .skip(1)
+        .collect();
+    if !us.is_empty() {
+        let (m, p10, p90) = stats(&us);
+        println!(
+            "  the plugin's CreateContainer for a request: {:.2} ms [{:.2} - {:.2}] ({} calls)",
+            m / 1e3,
+            p10 / 1e3,
+            p90 / 1e3,
+            us.len()
+        );
+    }
+    assert_eq!(env.daemon_ids().len(), 1, "one daemon served every request");
 }
