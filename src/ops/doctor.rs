@@ -65,12 +65,12 @@ pub(crate) struct Paths {
 impl Default for Paths {
     fn default() -> Self {
         Paths {
-            docker: crate::install::DEFAULT_DOCKER_CONFIG.into(),
-            containerd: crate::install::DEFAULT_CONTAINERD_CONFIG.into(),
+            docker: super::install::DEFAULT_DOCKER_CONFIG.into(),
+            containerd: super::install::DEFAULT_CONTAINERD_CONFIG.into(),
             docker_socket: "/run/docker.sock".into(),
             containerd_socket: "/run/containerd/containerd.sock".into(),
             cdi_specs: vec![
-                crate::install::CDI_STATIC_SPEC.into(),
+                super::install::CDI_STATIC_SPEC.into(),
                 crate::cdi::DEFAULT_OUTPUT.into(),
             ],
         }
@@ -617,7 +617,7 @@ fn agent_check(cfg: &Config) -> Check {
 /// NRI fails open: while the plugin is away the runtime creates pods without it.
 fn nri_check(cfg: &Config) -> Option<Check> {
     let state = crate::state::StateDir::new(&cfg.state_dir);
-    let nri = crate::status::NriView::read(&state)?;
+    let nri = super::status::NriView::read(&state)?;
     Some(if nri.connected {
         ok("nri", nri.line())
     } else {

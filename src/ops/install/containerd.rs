@@ -15,7 +15,7 @@ use std::path::Path;
 use serde_json::{json, Value};
 use toml_edit::{value, Array, DocumentMut, Item, Table};
 
-use super::{Edited, InstallError};
+use super::file::{Edited, InstallError};
 
 /// How the runtime class runs gpushare.
 #[derive(Debug, Clone, Copy)]

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use super::{Edited, InstallError};
+use super::file::{Edited, InstallError};
 
 /// Adds or updates the runtime entry, keeping every other key in place and order.
 pub(crate) fn edit(
