@@ -1,7 +1,9 @@
 //! `gpushare install docker|containerd|cdi` and `gpushare uninstall docker|containerd`:
 //! which engine config to edit, the edit itself (`docker`, `containerd`: pure functions of
 //! the file's text), the file's read and atomic write (`file`), and what to tell the
-//! operator next.
+//! operator next. The installers also read a file back (`docker::registration`,
+//! `containerd::registration`): whether it registers gpushare, and how, which `doctor`
+//! reports; no other module parses an engine's config.
 //!
 //! Invariants: every other key of the engine's config is kept (containerd's TOML with its
 //! comments and layout); running a command twice changes nothing the second time;
@@ -19,13 +21,25 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 
+/// How an engine's config runs gpushare: what `install` writes, and what the installers'
+/// `registration` reads back from a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Registration {
+    /// The engine runs runc through the shim at this path (Docker's `path`, containerd's
+    /// `options.BinaryName`).
+    Shim(PathBuf),
+    /// Plain runc, starting from the base spec at this path, which carries gpushare's
+    /// hooks (containerd's `base_runtime_spec`: `install containerd --hook-only`).
+    HookOnly(PathBuf),
+}
+
 /// The engine to register the runtime with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Engine {
     Docker,
     /// `config_version` for a new file: 2 (containerd 1.x) or 3 (2.x); `None`: asks
     /// `containerd --version`. `hook_only`: no shim, plain runc with gpushare's hooks in
-    /// a `base_runtime_spec` (`containerd::Registration::HookOnly`).
+    /// a `base_runtime_spec` (`Registration::HookOnly`).
     Containerd {
         config_version: Option<i64>,
         hook_only: bool,
@@ -79,8 +93,8 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
     let edited = if is_docker {
         docker::edit(&path, &text, &args.name, &runtime)?
     } else {
-        let shim = containerd::Registration::Shim(&runtime);
-        containerd::edit(&path, &text, &args.name, shim, version)?
+        let shim = Registration::Shim(runtime.clone());
+        containerd::edit(&path, &text, &args.name, &shim, version)?
     };
     let Some(new) = edited.text else {
         println!(
@@ -189,8 +203,8 @@ fn hook_only_containerd(args: &Install, path: &Path, version: i64) -> anyhow::Re
     let spec = containerd::base_spec(&spec_path, &default_spec()?, &gpushare, &env)?;
     let spec_changed = file::read(&spec_path)? != spec;
     let text = file::read(path)?;
-    let hook_only = containerd::Registration::HookOnly(&spec_path);
-    let edited = containerd::edit(path, &text, &args.name, hook_only, version)?;
+    let hook_only = Registration::HookOnly(spec_path.clone());
+    let edited = containerd::edit(path, &text, &args.name, &hook_only, version)?;
     if !spec_changed && edited.text.is_none() {
         println!(
             "{} already registers runtime {} hook-only with {}; nothing to do",
