@@ -9,6 +9,11 @@
 //! `base_runtime_spec` is containerd's own default spec plus gpushare's hook-only
 //! `prestart` and `poststop` hooks ([`base_spec`]), the hooks.d setup of Podman and CRI-O
 //! carried by the runtime class.
+//!
+//! Invariants: every function is pure, on the file's text (`ops::install` does the I/O);
+//! an edit keeps the rest of the file byte for byte and changes nothing the second time;
+//! `registration` reads back exactly what `edit` writes (and `remove` takes out), and with
+//! `cri_disabled` and `socket` is all that `doctor` learns of a containerd config.
 
 use std::path::{Path, PathBuf};
 

@@ -1,5 +1,9 @@
 //! Docker: `runtimes.<name> = {"path": …}` in daemon.json (dockerd.md "Configure runc
 //! drop-in replacements"). Docker reloads `runtimes` on SIGHUP.
+//!
+//! Invariants: every function is pure, on the file's text; an edit keeps every other key
+//! in place and order and changes nothing the second time; `registration` reads back
+//! exactly what `edit` writes (and `remove` takes out).
 
 use std::path::Path;
 
