@@ -55,10 +55,10 @@ enum Command {
     /// 0 all ok, 1 warnings, 2 failures.
     Doctor {
         /// Docker's daemon.json to check.
-        #[arg(long, default_value = crate::install::DEFAULT_DOCKER_CONFIG)]
+        #[arg(long, default_value = crate::ops::install::DEFAULT_DOCKER_CONFIG)]
         docker_config: std::path::PathBuf,
         /// containerd's config.toml to check.
-        #[arg(long, default_value = crate::install::DEFAULT_CONTAINERD_CONFIG)]
+        #[arg(long, default_value = crate::ops::install::DEFAULT_CONTAINERD_CONFIG)]
         containerd_config: std::path::PathBuf,
         /// A CDI spec of gpushare's to compare with the inventory (repeatable; default:
         /// /etc/cdi/gpushare.json and /var/run/cdi/gpushare.json, where they exist).
@@ -161,7 +161,7 @@ enum Engine {
     /// across reboots (default /etc/cdi/gpushare.json), and say how each engine uses it.
     Cdi {
         /// Where to write it.
-        #[arg(long, default_value = crate::install::CDI_STATIC_SPEC)]
+        #[arg(long, default_value = crate::ops::install::CDI_STATIC_SPEC)]
         output: std::path::PathBuf,
         /// Also turn CDI on in this engine's config, reading the spec's directory: Docker's
         /// daemon.json (`features.cdi`, `cdi-spec-dirs`) or containerd's config.toml
@@ -435,8 +435,8 @@ pub fn main() -> i32 {
     let cfg = match crate::config::load() {
         Ok(c) => c,
         Err(e) if matches!(cli.command, Command::Doctor { .. }) => {
-            let check = crate::doctor::config_failure(&format!("{:#}", anyhow::Error::new(e)));
-            let (text, code) = crate::doctor::report(&[check]);
+            let check = ops::doctor::config_failure(&format!("{:#}", anyhow::Error::new(e)));
+            let (text, code) = ops::doctor::report(&[check]);
             print!("{text}");
             return code;
         }
@@ -700,7 +700,7 @@ fn doctor(
     containerd: std::path::PathBuf,
     cdi_specs: Vec<std::path::PathBuf>,
 ) -> i32 {
-    let mut paths = crate::doctor::Paths {
+    let mut paths = ops::doctor::Paths {
         docker,
         containerd,
         ..Default::default()
@@ -708,8 +708,8 @@ fn doctor(
     if !cdi_specs.is_empty() {
         paths.cdi_specs = cdi_specs;
     }
-    let checks = crate::doctor::run(cfg, &paths);
-    let (text, code) = crate::doctor::report(&checks);
+    let checks = ops::doctor::run(cfg, &paths);
+    let (text, code) = ops::doctor::report(&checks);
     print!("{text}");
     code
 }

@@ -4,11 +4,11 @@
 //! Module map: a module uses only the modules on the lines below its own, never those
 //! beside or above it.
 //! - `cli` (the `gpushare` command: arguments, dispatch, exit codes)
-//! - `ops` (the operator commands: daemon start/stop, gc, install, uninstall, status output)
-//! - `doctor`, `status` (what `gpushare doctor` and `gpushare status` report)
+//! - `ops` (the operator commands: daemon start/stop, gc, doctor, status, install and
+//!   uninstall with each engine's installer)
 //! - `cdi` (the CDI spec of the node's devices, `gpushare cdi generate`)
 //! - `nri` (`gpushare nri`: the NRI plugin, its connection and its events)
-//! - `runtime` (the `gpushare-runtime` shim), `hookonly` (hooks.d mode), `install`
+//! - `runtime` (the `gpushare-runtime` shim), `hookonly` (hooks.d mode)
 //! - `hook` (createRuntime / poststop)
 //! - `decision` (the request pipeline; the shim↔hook contract), `mps` (control interface,
 //!   supervisor, ensure, the reaper of a failed create's directories)
@@ -45,13 +45,11 @@ pub mod cli;
 pub mod config;
 pub mod decision;
 pub mod device;
-mod doctor;
 pub mod driver;
 mod fsops;
 pub mod hook;
 mod hookonly;
 pub mod identity;
-mod install;
 mod inventory_cache;
 mod logging;
 mod mps;
@@ -62,7 +60,6 @@ mod rootfs;
 pub mod runtime;
 pub mod spec;
 pub mod state;
-mod status;
 #[allow(unsafe_code)]
 mod sys;
 pub(crate) mod userns;

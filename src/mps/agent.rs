@@ -14,7 +14,7 @@
 //!   whose record exists and whose supervisor lock is free (`locks/<id>.sup`: no
 //!   supervisor runs it), `reap` only for a daemon whose directory exists;
 //! - what it starts is always `gpushare daemon <supervise|reap> --id <id>` (this binary,
-//!   its own config) with stdio on /dev/null and an explicit environment (`launch::command`);
+//!   its own config) with stdio on /dev/null and an explicit environment (`job::command`);
 //!   nothing from the request but the job and the id reaches it.
 //!
 //! Invariants: one agent per state directory (`locks/agent.lock`, held for its life);
@@ -35,7 +35,7 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 
-use super::launch::{self, Job};
+use super::job::{self, Job};
 use crate::config::Config;
 use crate::state::{ProcRef, StateDir};
 
@@ -261,7 +261,7 @@ impl Agent<'_> {
         if let Err(why) = self.startable(job, &id) {
             return Ok(format!("refused {why}"));
         }
-        let child = launch::command(&self.exe, self.cfg.path.as_deref(), job, &id).spawn();
+        let child = job::command(&self.exe, self.cfg.path.as_deref(), job, &id).spawn();
         match child {
             Ok(child) => {
                 let pid = child.id() as i32;

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-use super::launch::{launch, Job, Launched};
+use super::job::Job;
+use super::launch::{launch, Launched};
 use crate::config::Config;
 use crate::identity::Identity;
 use crate::state::{Budget, ContainerRecord, DaemonRecord, DaemonStatus, Owner, StateDir};

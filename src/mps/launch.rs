@@ -9,66 +9,19 @@
 //! start the process as its own child; only where no agent answers does the hook start it
 //! itself, with one warn line for a supervisor saying that the engine adopts it.
 //!
-//! Invariants: either way the process is `gpushare daemon <supervise|reap> --id <id>` with
-//! stdio on /dev/null, an explicit environment (PATH, the config's path, GPUSHARE_LOG),
-//! `/` as its directory and no inherited fds (it closes them: `supervisor::detach`); a
-//! missing, refusing or stalled agent never fails the create (a refusal is logged and the
-//! process is started here), and every exchange with it has a deadline.
+//! Invariants: either way the process is the one `job::command` spells; a missing,
+//! refusing or stalled agent never fails the create (a refusal is logged and the process
+//! is started here), and every exchange with it has a deadline.
 
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 use anyhow::Context;
 
 use super::agent;
-use super::control::SAFE_PATH;
+use super::job::{command, Job};
 use crate::config::Config;
 use crate::state::{ProcRef, StateDir};
-
-/// What a started process does: `gpushare daemon supervise` or `gpushare daemon reap`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Job {
-    Supervise,
-    Reap,
-}
-
-impl Job {
-    pub(crate) fn word(self) -> &'static str {
-        match self {
-            Job::Supervise => "supervise",
-            Job::Reap => "reap",
-        }
-    }
-
-    pub(crate) fn from_word(word: &str) -> Option<Job> {
-        match word {
-            "supervise" => Some(Job::Supervise),
-            "reap" => Some(Job::Reap),
-            _ => None,
-        }
-    }
-}
-
-/// The command that runs `job` for daemon `id` with `gpushare` (the binary at `exe`),
-/// reading the config at `config` (`None`: the default place).
-pub(crate) fn command(exe: &Path, config: Option<&Path>, job: Job, id: &str) -> Command {
-    let mut cmd = Command::new(exe);
-    cmd.args(["daemon", job.word(), "--id", id])
-        .env_clear()
-        .env("PATH", SAFE_PATH)
-        .current_dir("/")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    if let Some(path) = config {
-        cmd.env(crate::config::ENV_VAR, path);
-    }
-    if let Some(level) = std::env::var_os("GPUSHARE_LOG") {
-        cmd.env("GPUSHARE_LOG", level);
-    }
-    cmd
-}
 
 /// A started supervisor or reaper: this process's child, or the agent's.
 #[derive(Debug)]

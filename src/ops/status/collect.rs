@@ -1,6 +1,6 @@
-//! `gpushare status`: what runs where, in three formats — a table for people, JSON with a
-//! stable schema (`gpushare.status/v1`), and Prometheus metrics for node-exporter's
-//! textfile collector.
+//! What `gpushare status` sees: every daemon under the state directory, its record, its
+//! processes, its health and its containers, and the NRI plugin's state, as one view
+//! (`StatusView`) whose JSON form has a stable schema (`gpushare.status/v1`).
 //!
 //! Invariants: reads records without taking any lock a create could wait on; every daemon
 //! directory is shown, also one without a record (`pending`: a create is making it;
@@ -9,8 +9,6 @@
 //! and the live daemons are asked side by side, at most `PROBE_THREADS` at once, so a
 //! node's status costs a few probes, not one per daemon in a row; adding fields to the
 //! JSON keeps the schema name, renaming or removing one changes it.
-
-use std::fmt::Write as _;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -389,7 +387,7 @@ fn directory_view(state: &StateDir, id: String, pending_grace: u64) -> DaemonVie
 
 /// Container records as `status` shows them: their Kubernetes names bounded and
 /// escaped (`PodNames::escaped`), the one form every output starts from.
-fn shown(containers: Vec<ContainerRecord>) -> Vec<ContainerRecord> {
+pub(super) fn shown(containers: Vec<ContainerRecord>) -> Vec<ContainerRecord> {
     containers
         .into_iter()
         .map(|c| ContainerRecord {
@@ -399,241 +397,8 @@ fn shown(containers: Vec<ContainerRecord>) -> Vec<ContainerRecord> {
         .collect()
 }
 
-/// The first 12 characters of a 64-hex-digit engine id (as `docker ps` and `crictl ps`
-/// show them); any other id in full.
-fn short_container_id(id: &str) -> &str {
-    if id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit()) {
-        &id[..12]
-    } else {
-        id
-    }
-}
-
-fn human_duration(secs: u64) -> String {
-    match secs {
-        s if s < 120 => format!("{s}s"),
-        s if s < 7200 => format!("{}m", s / 60),
-        s if s < 172_800 => format!("{}h", s / 3600),
-        s => format!("{}d", s / 86_400),
-    }
-}
-
-pub(crate) fn table(view: &StatusView) -> String {
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "{:<32}  {:<22}  {:<6}  {:<22}  {:>7}  {:>6}  {:>8}  {:<12}  {:>7}  {:>7}",
-        "DAEMON",
-        "DEVICE",
-        "UID",
-        "LIMITS",
-        "PID",
-        "UPTIME",
-        "RESTARTS",
-        "HEALTH",
-        "SERVERS",
-        "CLIENTS"
-    );
-    for d in &view.daemons {
-        let device = d
-            .devices
-            .iter()
-            .map(|v| match (&v.name, &v.mig_profile) {
-                (Some(n), Some(p)) => format!("{n} {p}"),
-                (Some(n), None) => n.clone(),
-                _ => v.uuid.chars().take(12).collect(),
-            })
-            .collect::<Vec<_>>()
-            .join(",");
-        let uid = d.uid_label();
-        let mut limits = Vec::new();
-        if let Some(p) = d.active_thread_percentage {
-            limits.push(format!("threads={p}%"));
-        }
-        if let Some(m) = d.pinned_memory_limit_bytes {
-            limits.push(format!("mem={}", crate::request::format_mps_size(m)));
-        }
-        if d.ipc == "host" {
-            limits.push("ipc=host".into());
-        }
-        let dash = || "-".to_owned();
-        let _ = writeln!(
-            out,
-            "{:<32}  {:<22}  {:<6}  {:<22}  {:>7}  {:>6}  {:>8}  {:<12}  {:>7}  {:>7}",
-            d.id,
-            device,
-            uid,
-            if limits.is_empty() {
-                dash()
-            } else {
-                limits.join(",")
-            },
-            d.pid.map_or_else(dash, |p| p.to_string()),
-            d.uptime_seconds.map_or_else(dash, human_duration),
-            d.restarts,
-            d.health,
-            d.servers.map_or_else(dash, |n| n.to_string()),
-            d.clients.map_or_else(dash, |n| n.to_string()),
-        );
-        if let Some(why) = &d.health_reason {
-            let _ = writeln!(out, "  └ {}: {why}", d.health);
-        }
-        for c in &d.containers {
-            // Engines' ids are 64 hex digits; 12 identify a container as `docker ps` shows.
-            let _ = write!(
-                out,
-                "  └ container {}  engine={}  pid={}",
-                short_container_id(&c.id),
-                c.engine.as_deref().unwrap_or("-"),
-                c.pid.map_or_else(dash, |p| p.to_string())
-            );
-            // Kubernetes' names (already escaped), where the engine gave them.
-            let n = &c.names;
-            if n.namespace.is_some() || n.pod.is_some() {
-                let _ = write!(
-                    out,
-                    "  pod={}/{}",
-                    n.namespace.as_deref().unwrap_or("-"),
-                    n.pod.as_deref().unwrap_or("-")
-                );
-            }
-            if let Some(name) = &n.container {
-                let _ = write!(out, "  container={name}");
-            }
-            out.push('\n');
-        }
-    }
-    if view.daemons.is_empty() {
-        let _ = writeln!(out, "(no MPS daemons under {})", view.state_dir);
-    }
-    if let Some(nri) = &view.nri {
-        let _ = writeln!(out, "{}", nri.line());
-    }
-    out
-}
-
-/// A label value: [`crate::util::escape`]d (no control character is left, a newline
-/// included), then escaped as the exposition format wants (`label_escaped`).
-fn label(v: &str) -> String {
-    label_escaped(&crate::util::escape(v))
-}
-
-/// A label value already [`crate::util::escape`]d (a container's names in the view),
-/// escaped as the exposition format wants: `\\` and `\"` (no newline is left).
-fn label_escaped(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"")
-}
-
-/// Prometheus text exposition format (node-exporter textfile collector).
-pub(crate) fn prometheus(view: &StatusView) -> String {
-    let mut out = String::new();
-    let mut metric = |name: &str, kind: &str, help: &str, rows: Vec<(String, String)>| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for (labels, value) in rows {
-            let _ = writeln!(out, "{name}{labels} {value}");
-        }
-    };
-    let labels = |d: &DaemonView| {
-        let device = d
-            .devices
-            .iter()
-            .map(|v| v.uuid.as_str())
-            .collect::<Vec<_>>()
-            .join(",");
-        let uid = d.uid_label();
-        format!(
-            "{{daemon=\"{}\",device=\"{}\",uid=\"{}\"}}",
-            label(&d.id),
-            label(&device),
-            label(&uid)
-        )
-    };
-    metric(
-        "gpushare_daemons",
-        "gauge",
-        "MPS control daemons managed by gpushare on this node.",
-        vec![(String::new(), view.daemons.len().to_string())],
-    );
-    metric(
-        "gpushare_daemon_directories_abandoned",
-        "gauge",
-        "Daemon directories a failed create left (no supervisor, no live container), not yet removed.",
-        vec![(
-            String::new(),
-            view.daemons
-                .iter()
-                .filter(|d| d.status == ViewStatus::Directory(DirectoryState::Abandoned))
-                .count()
-                .to_string(),
-        )],
-    );
-    metric(
-        "gpushare_daemon_up",
-        "gauge",
-        "1 when the daemon's processes run and its control interface answers.",
-        view.daemons
-            .iter()
-            .map(|d| (labels(d), u8::from(d.health == "ok").to_string()))
-            .collect(),
-    );
-    metric(
-        "gpushare_daemon_restarts_total",
-        "counter",
-        "Restarts of the daemon by its supervisor.",
-        view.daemons
-            .iter()
-            .map(|d| (labels(d), d.restarts.to_string()))
-            .collect(),
-    );
-    metric(
-        "gpushare_containers",
-        "gauge",
-        "Containers recorded as using the daemon.",
-        view.daemons
-            .iter()
-            .map(|d| (labels(d), d.containers.len().to_string()))
-            .collect(),
-    );
-    // One row per container, named as DCGM exporter names a pod's GPU metrics
-    // (`namespace`, `pod`, `container`), so that the two join; empty outside Kubernetes.
-    metric(
-        "gpushare_container_info",
-        "gauge",
-        "A container using the daemon: its id and, in Kubernetes, its namespace, pod and container.",
-        view.daemons
-            .iter()
-            .flat_map(|d| {
-                let daemon = labels(d);
-                d.containers.iter().map(move |c| {
-                    let name = |n: &Option<String>| label_escaped(n.as_deref().unwrap_or(""));
-                    let labels = format!(
-                        "{},container_id=\"{}\",namespace=\"{}\",pod=\"{}\",container=\"{}\"}}",
-                        daemon.trim_end_matches('}'),
-                        label(&c.id),
-                        name(&c.names.namespace),
-                        name(&c.names.pod),
-                        name(&c.names.container)
-                    );
-                    (labels, "1".to_owned())
-                })
-            })
-            .collect(),
-    );
-    out
-}
-
 #[cfg(test)]
 mod tests {
-    use super::short_container_id;
-
-    #[test]
-    fn engine_ids_are_shortened_like_docker_ps_and_others_kept() {
-        let long = "28d3f31c1da9e220f4ff0d667ffe0881aaac3c6b708dae20229b81e67002ffee";
-        assert_eq!(short_container_id(long), "28d3f31c1da9");
-        assert_eq!(short_container_id("st-a"), "st-a");
-        assert_eq!(short_container_id(&"z".repeat(64)), "z".repeat(64));
-    }
-
     use super::*;
 
     #[test]
@@ -667,88 +432,5 @@ mod tests {
             }
         }
         assert!(probe_all(&[]).is_empty());
-    }
-
-    #[test]
-    fn prometheus_escapes_labels_and_declares_types() {
-        let view = StatusView {
-            schema: SCHEMA,
-            state_dir: "/run/gpushare".into(),
-            nri: None,
-            daemons: vec![DaemonView {
-                id: "0123456789abcdef0123456789abcdef".into(),
-                devices: vec![DeviceView {
-                    uuid: "GPU-a\"b".into(),
-                    name: None,
-                    model: None,
-                    mig_profile: None,
-                }],
-                uid: 1000,
-                multi_user: false,
-                ipc: "isolated",
-                active_thread_percentage: None,
-                pinned_memory_limit_bytes: None,
-                status: ViewStatus::Record(DaemonStatus::Ready),
-                pid: Some(5),
-                supervisor_pid: Some(4),
-                uptime_seconds: Some(3),
-                restarts: 2,
-                health: "ok",
-                health_reason: None,
-                servers: Some(1),
-                clients: Some(1),
-                error: None,
-                pipe_dir: String::new(),
-                shm_dir: None,
-                log_dir: String::new(),
-                containers: shown(vec![ContainerRecord {
-                    names: crate::state::PodNames {
-                        namespace: Some("team-a".into()),
-                        pod: Some("evil\n\"} 1\ngpushare_daemons 99\u{1b}[2J".into()),
-                        container: None,
-                    },
-                    ..ContainerRecord::new("c1".into(), None, None, Some("kubernetes".into()))
-                }]),
-            }],
-        };
-        let text = prometheus(&view);
-        // The pod's name stays inside its label: escaped, then quoted for the format.
-        assert!(
-            text.contains(
-                "gpushare_container_info{daemon=\"0123456789abcdef0123456789abcdef\",device=\"GPU-a\\\"b\",uid=\"1000\",container_id=\"c1\",namespace=\"team-a\",pod=\"evil\\\\n\\\"} 1\\\\ngpushare_daemons 99\\\\u{1b}[2J\",container=\"\"} 1\n"
-            ),
-            "{text}"
-        );
-        assert!(
-            !text.lines().any(|l| l.starts_with("gpushare_daemons 99")),
-            "{text}"
-        );
-        assert!(!text.contains('\u{1b}'));
-        let table = table(&view);
-        assert!(
-            table.contains(
-                "  └ container c1  engine=kubernetes  pid=-  pod=team-a/evil\\n\"} 1\\ngpushare_daemons 99\\u{1b}[2J\n"
-            ),
-            "{table}"
-        );
-        assert!(text.contains("# TYPE gpushare_daemon_restarts_total counter"));
-        assert!(
-            text.contains(
-                "gpushare_daemon_up{daemon=\"0123456789abcdef0123456789abcdef\",device=\"GPU-a\\\"b\",uid=\"1000\"} 1"
-            ),
-            "{text}"
-        );
-        assert!(text.contains("gpushare_daemons 1\n"));
-        assert!(text.contains("gpushare_daemon_directories_abandoned 0\n"));
-        assert_eq!(
-            serde_json::to_value(ViewStatus::Directory(DirectoryState::Abandoned)).unwrap(),
-            "abandoned"
-        );
-        assert_eq!(
-            serde_json::to_value(ViewStatus::Record(DaemonStatus::Ready)).unwrap(),
-            "ready"
-        );
-        assert_eq!(human_duration(59), "59s");
-        assert_eq!(human_duration(7300), "2h");
     }
 }

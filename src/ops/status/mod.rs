@@ -1,8 +1,14 @@
-//! `gpushare status` and `gpushare daemon list`: the state as a table, JSON or Prometheus
-//! text, on stdout or written atomically to a file.
+//! `gpushare status` and `gpushare daemon list`: what runs where (`collect`), as a table
+//! for people, JSON with a stable schema, or Prometheus text for node-exporter's textfile
+//! collector (`render`), on stdout or written atomically to a file.
 //!
 //! Invariant: reads state without taking any lock a create could wait on
-//! (`status::collect`).
+//! (`collect::collect`).
+
+mod collect;
+mod render;
+
+pub(crate) use collect::NriView;
 
 use std::io::Write;
 use std::path::Path;
@@ -22,11 +28,11 @@ pub(crate) enum Format {
 /// Prints the status in `format` on stdout, or writes it to `output` atomically (for
 /// node-exporter's textfile collector).
 pub(crate) fn print(cfg: &Config, format: Format, output: Option<&Path>) -> anyhow::Result<()> {
-    let view = crate::status::collect(cfg);
+    let view = collect::collect(cfg);
     let text = match format {
-        Format::Table => crate::status::table(&view),
+        Format::Table => render::table(&view),
         Format::Json => serde_json::to_string_pretty(&view).unwrap_or_default() + "\n",
-        Format::Prometheus => crate::status::prometheus(&view),
+        Format::Prometheus => render::prometheus(&view),
     };
     match output {
         Some(path) => crate::fsops::write_atomic(path, text.as_bytes(), 0o644)

@@ -9,23 +9,19 @@
 //! `base_runtime_spec` is containerd's own default spec plus gpushare's hook-only
 //! `prestart` and `poststop` hooks ([`base_spec`]), the hooks.d setup of Podman and CRI-O
 //! carried by the runtime class.
+//!
+//! Invariants: every function is pure, on the file's text (`ops::install` does the I/O);
+//! an edit keeps the rest of the file byte for byte and changes nothing the second time;
+//! `registration` reads back exactly what `edit` writes (and `remove` takes out), and with
+//! `cri_disabled` and `socket` is all that `doctor` learns of a containerd config.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 use toml_edit::{value, Array, DocumentMut, Item, Table};
 
-use super::{Edited, InstallError};
-
-/// How the runtime class runs gpushare.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Registration<'a> {
-    /// runc through the shim at this path (`options.BinaryName`).
-    Shim(&'a Path),
-    /// Plain runc starting from the spec at this path, which carries gpushare's hooks
-    /// (`base_runtime_spec`).
-    HookOnly(&'a Path),
-}
+use super::file::{Edited, InstallError};
+use super::Registration;
 
 /// The hook-only base spec's file name for runtime `name`, beside containerd's config.
 pub(crate) fn base_spec_name(name: &str) -> String {
@@ -172,7 +168,7 @@ pub(crate) fn edit(
     path: &Path,
     text: &str,
     name: &str,
-    registration: Registration,
+    registration: &Registration,
     default_version: i64,
 ) -> Result<Edited, InstallError> {
     let (mut doc, empty, plugin) = parse_versioned(path, text, default_version, "1.6/1.7")?;
@@ -281,6 +277,53 @@ pub(crate) fn remove(
     ))
 }
 
+/// How a containerd config registers runtime `name` with its CRI plugin, under either
+/// config version's plugin name: through the shim (`options.BinaryName`), hook-only (no
+/// `BinaryName`, a `base_runtime_spec`), or not at all (no such runtime, a `BinaryName`
+/// that is not a string, or a file that is not TOML).
+pub(crate) fn registration(text: &str, name: &str) -> Option<Registration> {
+    let doc: toml::Table = toml::from_str(text).ok()?;
+    ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.runtime"]
+        .iter()
+        .find_map(|plugin| {
+            let rt = doc
+                .get("plugins")?
+                .get(plugin)?
+                .get("containerd")?
+                .get("runtimes")?
+                .get(name)?;
+            match rt.get("options").and_then(|o| o.get("BinaryName")) {
+                Some(bin) => bin.as_str().map(|b| Registration::Shim(b.into())),
+                None => rt
+                    .get("base_runtime_spec")
+                    .and_then(toml::Value::as_str)
+                    .map(|s| Registration::HookOnly(s.into())),
+            }
+        })
+}
+
+/// Whether a containerd config disables its CRI plugin (`disabled_plugins`), as Docker's
+/// own containerd does: that containerd serves no Kubernetes. A file that is not TOML
+/// disables nothing.
+pub(crate) fn cri_disabled(text: &str) -> bool {
+    toml::from_str::<toml::Table>(text)
+        .ok()
+        .and_then(|doc| doc.get("disabled_plugins")?.as_array().cloned())
+        .is_some_and(|d| {
+            d.iter()
+                .any(|p| matches!(p.as_str(), Some("cri" | "io.containerd.grpc.v1.cri")))
+        })
+}
+
+/// The socket a containerd config makes it listen on (`[grpc] address`, a `unix://`
+/// prefix naming the same path), if it sets one.
+pub(crate) fn socket(text: &str) -> Option<PathBuf> {
+    let doc: toml::Table = toml::from_str(text).ok()?;
+    let address = doc.get("grpc")?.get("address")?.as_str()?;
+    let path = address.strip_prefix("unix://").unwrap_or(address);
+    (!path.is_empty()).then(|| PathBuf::from(path))
+}
+
 /// The CDI spec directories containerd's CRI plugin reads when `cdi_spec_dirs` is not set.
 const CONTAINERD_CDI_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
 
@@ -378,7 +421,7 @@ mod tests {
             Path::new("config.toml"),
             text,
             "gpushare",
-            Registration::Shim(Path::new(RT)),
+            &Registration::Shim(RT.into()),
             default_version,
         )
         .map(|e| e.text)
@@ -415,7 +458,7 @@ mod tests {
             Path::new("config.toml"),
             text,
             "gpushare",
-            Registration::HookOnly(Path::new(BASE)),
+            &Registration::HookOnly(BASE.into()),
             2,
         )
         .unwrap()
@@ -457,6 +500,68 @@ mod tests {
     }
 
     #[test]
+    fn registration_reads_back_what_edit_writes_in_either_version() {
+        let read = |text: &str| registration(text, "gpushare");
+        for version in [2, 3] {
+            let shim = run("", version).unwrap().unwrap();
+            assert_eq!(read(&shim), Some(Registration::Shim(RT.into())), "{shim}");
+            let hooks = edit(
+                Path::new("config.toml"),
+                &shim,
+                "gpushare",
+                &Registration::HookOnly(BASE.into()),
+                version,
+            )
+            .unwrap()
+            .text
+            .unwrap();
+            assert_eq!(
+                read(&hooks),
+                Some(Registration::HookOnly(BASE.into())),
+                "{hooks}"
+            );
+            let removed = remove(Path::new("config.toml"), &hooks, "gpushare")
+                .unwrap()
+                .0;
+            assert_eq!(read(&removed.text.unwrap()), None);
+        }
+        assert_eq!(registration(&run(V2, 2).unwrap().unwrap(), "runc"), None);
+        for unregistered in [
+            "",
+            "[plugins\n",
+            V2,
+            "[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.gpushare.options]\nBinaryName = 5\nx = 1\n",
+            "[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.gpushare]\nruntime_type = \"io.containerd.runc.v2\"\n",
+        ] {
+            assert_eq!(read(unregistered), None, "{unregistered}");
+        }
+    }
+
+    #[test]
+    fn cri_disabled_and_socket_read_what_decides_where_containerd_serves() {
+        assert!(cri_disabled("disabled_plugins = [\"cri\"]\n"));
+        assert!(cri_disabled(
+            "disabled_plugins = [\"x\", \"io.containerd.grpc.v1.cri\"]\n"
+        ));
+        for enabled in [
+            "",
+            "version = 2\n",
+            "disabled_plugins = [\"x\"]\n",
+            "disabled_plugins = \"cri\"\n",
+            "{",
+        ] {
+            assert!(!cri_disabled(enabled), "{enabled}");
+        }
+        let at = |address: &str| socket(&format!("version = 2\n[grpc]\n  address = {address:?}\n"));
+        assert_eq!(at("/run/c.sock"), Some(PathBuf::from("/run/c.sock")));
+        assert_eq!(at("unix:///run/c.sock"), Some(PathBuf::from("/run/c.sock")));
+        assert_eq!(at(""), None);
+        assert_eq!(at("unix://"), None);
+        assert_eq!(socket("version = 2\n"), None);
+        assert_eq!(socket("[grpc\n"), None);
+    }
+
+    #[test]
     fn hook_only_registers_plain_runc_with_the_base_spec_and_back() {
         let out = hook_only(V2);
         assert!(out.starts_with(V2.trim_end()), "{out}");
@@ -475,7 +580,7 @@ mod tests {
             Path::new("config.toml"),
             &out,
             "gpushare",
-            Registration::HookOnly(Path::new(BASE)),
+            &Registration::HookOnly(BASE.into()),
             2,
         )
         .unwrap();

@@ -1,16 +1,37 @@
-//! `gpushare install docker|containerd` and `gpushare uninstall docker|containerd`: which
-//! engine config to edit, the edit itself (`crate::install`, lossless and idempotent), and
-//! what to tell the operator next.
+//! `gpushare install docker|containerd|cdi` and `gpushare uninstall docker|containerd`:
+//! which engine config to edit, the edit itself (`docker`, `containerd`: pure functions of
+//! the file's text), the file's read and atomic write (`file`), and what to tell the
+//! operator next. The installers also read a file back (`docker::registration`,
+//! `containerd::registration`): whether it registers gpushare, and how, which `doctor`
+//! reports; no other module parses an engine's config.
 //!
-//! Invariants: `dry_run` prints the resulting file and writes nothing; a file that already
-//! registers the runtime is left untouched; a missing shim is a warning, not a refusal
-//! (the package may install it after).
+//! Invariants: every other key of the engine's config is kept (containerd's TOML with its
+//! comments and layout); running a command twice changes nothing the second time;
+//! `dry_run` prints the resulting file and writes nothing; a file that already registers
+//! the runtime is left untouched; a missing shim is a warning, not a refusal (the package
+//! may install it after).
+
+pub(crate) mod containerd;
+pub(crate) mod docker;
+mod file;
+
+pub(crate) use file::{CDI_STATIC_SPEC, DEFAULT_CONTAINERD_CONFIG, DEFAULT_DOCKER_CONFIG};
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 
-use crate::install::{self, containerd, docker};
+/// How an engine's config runs gpushare: what `install` writes, and what the installers'
+/// `registration` reads back from a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Registration {
+    /// The engine runs runc through the shim at this path (Docker's `path`, containerd's
+    /// `options.BinaryName`).
+    Shim(PathBuf),
+    /// Plain runc, starting from the base spec at this path, which carries gpushare's
+    /// hooks (containerd's `base_runtime_spec`: `install containerd --hook-only`).
+    HookOnly(PathBuf),
+}
 
 /// The engine to register the runtime with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,7 +39,7 @@ pub(crate) enum Engine {
     Docker,
     /// `config_version` for a new file: 2 (containerd 1.x) or 3 (2.x); `None`: asks
     /// `containerd --version`. `hook_only`: no shim, plain runc with gpushare's hooks in
-    /// a `base_runtime_spec` (`install::containerd::Registration::HookOnly`).
+    /// a `base_runtime_spec` (`Registration::HookOnly`).
     Containerd {
         config_version: Option<i64>,
         hook_only: bool,
@@ -53,27 +74,27 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
     };
     let path = args.config.clone().unwrap_or_else(|| {
         if is_docker {
-            install::DEFAULT_DOCKER_CONFIG.into()
+            DEFAULT_DOCKER_CONFIG.into()
         } else {
-            install::DEFAULT_CONTAINERD_CONFIG.into()
+            DEFAULT_CONTAINERD_CONFIG.into()
         }
     });
     if hook_only {
         return hook_only_containerd(&args, &path, version);
     }
-    let runtime = install::runtime_path(args.runtime_path)?;
+    let runtime = file::runtime_path(args.runtime_path)?;
     if !runtime.is_file() {
         eprintln!(
             "gpushare: warning: {} does not exist (yet)",
             runtime.display()
         );
     }
-    let text = install::read(&path)?;
+    let text = file::read(&path)?;
     let edited = if is_docker {
         docker::edit(&path, &text, &args.name, &runtime)?
     } else {
-        let shim = containerd::Registration::Shim(&runtime);
-        containerd::edit(&path, &text, &args.name, shim, version)?
+        let shim = Registration::Shim(runtime.clone());
+        containerd::edit(&path, &text, &args.name, &shim, version)?
     };
     let Some(new) = edited.text else {
         println!(
@@ -88,7 +109,7 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
         print!("{new}");
         return Ok(());
     }
-    install::write(&path, &new)?;
+    file::write(&path, &new)?;
     println!(
         "registered runtime {} ({}) in {}",
         args.name,
@@ -112,12 +133,12 @@ pub(crate) fn uninstall(
     let is_docker = engine == Engine::Docker;
     let path = config.unwrap_or_else(|| {
         if is_docker {
-            install::DEFAULT_DOCKER_CONFIG.into()
+            DEFAULT_DOCKER_CONFIG.into()
         } else {
-            install::DEFAULT_CONTAINERD_CONFIG.into()
+            DEFAULT_CONTAINERD_CONFIG.into()
         }
     });
-    let text = install::read(&path)?;
+    let text = file::read(&path)?;
     let (edited, base_spec) = if is_docker {
         (docker::remove(&path, &text, name)?, None)
     } else {
@@ -137,7 +158,7 @@ pub(crate) fn uninstall(
         }
         return Ok(());
     }
-    install::write(&path, &new)?;
+    file::write(&path, &new)?;
     if let Some(spec) = &base_spec {
         match std::fs::remove_file(spec) {
             Ok(()) => {}
@@ -180,10 +201,10 @@ fn hook_only_containerd(args: &Install, path: &Path, version: i64) -> anyhow::Re
     let (config, named) = crate::config::location();
     let env = crate::runtime::hook_env(named.then_some(config.as_path()));
     let spec = containerd::base_spec(&spec_path, &default_spec()?, &gpushare, &env)?;
-    let spec_changed = install::read(&spec_path)? != spec;
-    let text = install::read(path)?;
-    let hook_only = containerd::Registration::HookOnly(&spec_path);
-    let edited = containerd::edit(path, &text, &args.name, hook_only, version)?;
+    let spec_changed = file::read(&spec_path)? != spec;
+    let text = file::read(path)?;
+    let hook_only = Registration::HookOnly(spec_path.clone());
+    let edited = containerd::edit(path, &text, &args.name, &hook_only, version)?;
     if !spec_changed && edited.text.is_none() {
         println!(
             "{} already registers runtime {} hook-only with {}; nothing to do",
@@ -199,10 +220,10 @@ fn hook_only_containerd(args: &Install, path: &Path, version: i64) -> anyhow::Re
         return Ok(());
     }
     if spec_changed {
-        install::write(&spec_path, &spec)?;
+        file::write(&spec_path, &spec)?;
     }
     if let Some(new) = edited.text {
-        install::write(path, &new)?;
+        file::write(path, &new)?;
     }
     println!(
         "registered runtime {} hook-only (plain runc, gpushare's hooks in {}) in {}",
@@ -251,12 +272,12 @@ pub(crate) fn cdi(
         let is_docker = engine == Engine::Docker;
         let path = config.unwrap_or_else(|| {
             if is_docker {
-                install::DEFAULT_DOCKER_CONFIG.into()
+                DEFAULT_DOCKER_CONFIG.into()
             } else {
-                install::DEFAULT_CONTAINERD_CONFIG.into()
+                DEFAULT_CONTAINERD_CONFIG.into()
             }
         });
-        let text = install::read(&path)?;
+        let text = file::read(&path)?;
         let edited = if is_docker {
             docker::enable_cdi(&path, &text, dir)?
         } else {
@@ -269,7 +290,7 @@ pub(crate) fn cdi(
                 dir.display()
             ),
             Some(new) => {
-                install::write(&path, &new)?;
+                file::write(&path, &new)?;
                 println!(
                     "turned CDI on in {}, reading {}; {}",
                     path.display(),
@@ -304,16 +325,16 @@ pub(crate) fn enable_nri(
     config_version: Option<i64>,
     dry_run: bool,
 ) -> anyhow::Result<()> {
-    let path = config.unwrap_or_else(|| install::DEFAULT_CONTAINERD_CONFIG.into());
+    let path = config.unwrap_or_else(|| DEFAULT_CONTAINERD_CONFIG.into());
     let version = config_version.unwrap_or_else(installed_containerd_config_version);
-    let text = install::read(&path)?;
+    let text = file::read(&path)?;
     let edited = containerd::enable_nri(&path, &text, version)?;
     match (edited.text, dry_run) {
         (None, true) => print!("{text}"),
         (Some(new), true) => print!("{new}"),
         (None, false) => println!("NRI is already on in {}", path.display()),
         (Some(new), false) => {
-            install::write(&path, &new)?;
+            file::write(&path, &new)?;
             println!(
                 "turned NRI on in {}; restart containerd to use it (`systemctl restart containerd`)",
                 path.display()

@@ -2,10 +2,13 @@
 //! warn or FAIL, with its evidence and, when not ok, one line saying how to fix it. The
 //! exit code is the worst result: 0 ok, 1 warn, 2 fail (a config that does not load is a
 //! `FAIL config` line and exit 2). Works on a machine without a GPU and says so. Reads
-//! only: it changes nothing, not even gpushare's log file.
+//! only: it changes nothing, not even gpushare's log file. Whether an engine's config
+//! registers gpushare is the installers' answer (`install::docker::registration`,
+//! `install::containerd::registration`): doctor parses no engine config of its own.
 
 use std::path::{Path, PathBuf};
 
+use super::install::{containerd, docker, Registration};
 use crate::config::{Config, UserMode};
 use crate::device::{ComputeMode, Inventory, InventorySource};
 
@@ -65,12 +68,12 @@ pub(crate) struct Paths {
 impl Default for Paths {
     fn default() -> Self {
         Paths {
-            docker: crate::install::DEFAULT_DOCKER_CONFIG.into(),
-            containerd: crate::install::DEFAULT_CONTAINERD_CONFIG.into(),
+            docker: super::install::DEFAULT_DOCKER_CONFIG.into(),
+            containerd: super::install::DEFAULT_CONTAINERD_CONFIG.into(),
             docker_socket: "/run/docker.sock".into(),
             containerd_socket: "/run/containerd/containerd.sock".into(),
             cdi_specs: vec![
-                crate::install::CDI_STATIC_SPEC.into(),
+                super::install::CDI_STATIC_SPEC.into(),
                 crate::cdi::DEFAULT_OUTPUT.into(),
             ],
         }
@@ -431,32 +434,24 @@ fn docker_check(paths: &Paths) -> Check {
             ),
             "gpushare install docker, then reload dockerd (SIGHUP)",
         ),
-        Ok(text) => {
-            let has = serde_json::from_str::<serde_json::Value>(&text)
-                .ok()
-                .and_then(|v| {
-                    v["runtimes"]["gpushare"]["path"]
-                        .as_str()
-                        .map(str::to_owned)
-                });
-            match has {
-                Some(path) => ok(
-                    "docker",
-                    format!(
-                        "{} registers runtime gpushare at {path}",
-                        paths.docker.display()
-                    ),
+        Ok(text) => match docker::registration(&text, "gpushare") {
+            Some(Registration::Shim(path)) => ok(
+                "docker",
+                format!(
+                    "{} registers runtime gpushare at {}",
+                    paths.docker.display(),
+                    path.display()
                 ),
-                None => warn(
-                    "docker",
-                    format!(
-                        "{} does not register runtime gpushare",
-                        paths.docker.display()
-                    ),
-                    "gpushare install docker, then reload dockerd (SIGHUP)",
+            ),
+            Some(Registration::HookOnly(_)) | None => warn(
+                "docker",
+                format!(
+                    "{} does not register runtime gpushare",
+                    paths.docker.display()
                 ),
-            }
-        }
+                "gpushare install docker, then reload dockerd (SIGHUP)",
+            ),
+        },
     }
 }
 
@@ -468,7 +463,7 @@ fn containerd_check(paths: &Paths) -> Check {
     let socket = text
         .as_ref()
         .ok()
-        .and_then(|t| grpc_address(t))
+        .and_then(|t| containerd::socket(t))
         .unwrap_or_else(|| paths.containerd_socket.clone());
     let paths = &Paths {
         containerd_socket: socket,
@@ -493,35 +488,15 @@ fn containerd_check(paths: &Paths) -> Check {
             "gpushare install containerd, then restart containerd",
         ),
         Ok(text) => {
-            let v: Option<toml::Table> = toml::from_str(&text).ok();
             // Docker's own containerd (Debian's docker.io installs the package) serves no
             // Kubernetes: without a running containerd with its CRI plugin there is
             // nothing for gpushare to configure.
-            let cri_disabled = v
-                .as_ref()
-                .and_then(|v| v.get("disabled_plugins")?.as_array().cloned())
-                .is_some_and(|d| {
-                    d.iter()
-                        .any(|p| matches!(p.as_str(), Some("cri" | "io.containerd.grpc.v1.cri")))
-                });
-            let found = v.as_ref().and_then(|v| {
-                ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.runtime"]
-                    .iter()
-                    .find_map(|p| {
-                        let rt = v
-                            .get("plugins")?
-                            .get(p)?
-                            .get("containerd")?
-                            .get("runtimes")?
-                            .get("gpushare")?;
-                        let key = |k: &str| rt.get(k).and_then(|x| x.as_str());
-                        match rt.get("options").and_then(|o| o.get("BinaryName")) {
-                            Some(bin) => bin.as_str().map(|b| format!("BinaryName {b}")),
-                            // `gpushare install containerd --hook-only`.
-                            None => key("base_runtime_spec")
-                                .map(|s| format!("hook-only, base_runtime_spec {s}")),
-                        }
-                    })
+            let cri_disabled = containerd::cri_disabled(&text);
+            let found = containerd::registration(&text, "gpushare").map(|r| match r {
+                Registration::Shim(bin) => format!("BinaryName {}", bin.display()),
+                Registration::HookOnly(spec) => {
+                    format!("hook-only, base_runtime_spec {}", spec.display())
+                }
             });
             match found {
                 Some(how) => ok(
@@ -554,15 +529,6 @@ fn containerd_check(paths: &Paths) -> Check {
             }
         }
     }
-}
-
-/// containerd's socket as a config file sets it (`[grpc] address`), if it does.
-fn grpc_address(text: &str) -> Option<PathBuf> {
-    let v: toml::Table = toml::from_str(text).ok()?;
-    let address = v.get("grpc")?.get("address")?.as_str()?;
-    // A `unix://` prefix, as clients write the address, names the same path.
-    let path = address.strip_prefix("unix://").unwrap_or(address);
-    (!path.is_empty()).then(|| PathBuf::from(path))
 }
 
 /// Runs every check.
@@ -617,7 +583,7 @@ fn agent_check(cfg: &Config) -> Check {
 /// NRI fails open: while the plugin is away the runtime creates pods without it.
 fn nri_check(cfg: &Config) -> Option<Check> {
     let state = crate::state::StateDir::new(&cfg.state_dir);
-    let nri = crate::status::NriView::read(&state)?;
+    let nri = super::status::NriView::read(&state)?;
     Some(if nri.connected {
         ok("nri", nri.line())
     } else {

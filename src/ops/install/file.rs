@@ -1,12 +1,6 @@
-//! `gpushare install docker|containerd`: register gpushare-runtime with an engine.
-//!
-//! Invariants: every other key of the engine's config is kept (containerd's TOML with its
-//! comments and layout); running it twice changes nothing the second time; `--dry-run`
-//! prints the result and writes nothing; the write is atomic and keeps the file's mode.
-//! The edit itself is a pure function of the text, unit-tested on sample configs.
-
-pub(crate) mod containerd;
-pub(crate) mod docker;
+//! An engine's configuration file as the installers read and write it: a missing file
+//! reads as empty; a write is atomic and keeps the file's mode (0644 for a new one); every
+//! failure names the file (`InstallError`).
 
 /// Where the engines keep their configs on a standard install.
 pub(crate) const DEFAULT_DOCKER_CONFIG: &str = "/etc/docker/daemon.json";

@@ -1,11 +1,16 @@
 //! Docker: `runtimes.<name> = {"path": …}` in daemon.json (dockerd.md "Configure runc
 //! drop-in replacements"). Docker reloads `runtimes` on SIGHUP.
+//!
+//! Invariants: every function is pure, on the file's text; an edit keeps every other key
+//! in place and order and changes nothing the second time; `registration` reads back
+//! exactly what `edit` writes (and `remove` takes out).
 
 use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use super::{Edited, InstallError};
+use super::file::{Edited, InstallError};
+use super::Registration;
 
 /// Adds or updates the runtime entry, keeping every other key in place and order.
 pub(crate) fn edit(
@@ -97,6 +102,15 @@ pub(crate) fn remove(path: &Path, text: &str, name: &str) -> Result<Edited, Inst
     Ok(Edited { text: Some(out) })
 }
 
+/// How daemon.json registers runtime `name`: through the shim at its `path`, or not at
+/// all (no such entry, an entry without a `path` such as a `runtimeType` one, or a file
+/// that is not JSON). Docker has no hook-only registration.
+pub(crate) fn registration(text: &str, name: &str) -> Option<Registration> {
+    let doc: Value = serde_json::from_str(text).ok()?;
+    let path = doc.get("runtimes")?.get(name)?.get("path")?.as_str()?;
+    Some(Registration::Shim(path.into()))
+}
+
 /// The CDI spec directories Docker reads when `cdi-spec-dirs` is not set.
 const DOCKER_CDI_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
 
@@ -178,6 +192,33 @@ mod tests {
             out.ends_with("}\n") && out.contains("\n  \"runtimes\""),
             "pretty, two spaces:\n{out}"
         );
+    }
+
+    #[test]
+    fn registration_reads_back_what_edit_writes_and_nothing_else() {
+        let read = |text: &str| registration(text, "gpushare");
+        let installed = run(r#"{"runtimes": {"nvidia": {"path": "n"}}}"#).unwrap();
+        assert_eq!(read(&installed), Some(Registration::Shim(RT.into())));
+        assert_eq!(
+            registration(&installed, "nvidia"),
+            Some(Registration::Shim("n".into()))
+        );
+        for unregistered in [
+            "",
+            "{",
+            "[]",
+            r#"{"runtimes": 5}"#,
+            r#"{"runtimes": {"nvidia": {"path": "n"}}}"#,
+            r#"{"runtimes": {"gpushare": {"runtimeType": "io.containerd.runc.v2"}}}"#,
+            r#"{"runtimes": {"gpushare": {"path": 7}}}"#,
+        ] {
+            assert_eq!(read(unregistered), None, "{unregistered}");
+        }
+        let removed = remove(Path::new("daemon.json"), &installed, "gpushare")
+            .unwrap()
+            .text
+            .unwrap();
+        assert_eq!(read(&removed), None);
     }
 
     #[test]
