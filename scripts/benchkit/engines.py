@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Engine-level benchmark: what a user feels, `docker run --rm`,
 `ctr run --rm` through gpushare-runtime and `podman run --rm` with gpushare's hooks.d (no
 shim), against the same engine with plain runc, with a request (warm daemon) and without.
@@ -22,19 +21,16 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-# The suite's own binaries, inventory GPU, percentiles and error type: one home, bench.py
-# (importing it finds runc and busybox, which the engines need too).
-sys.dont_write_bytecode = True  # no scripts/__pycache__ in the checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import GPU0, GPUSHARE, REPO, RUNTIME, SIM, BenchError, drive, pct  # noqa: E402
+# The world (rootfs, inventory, configuration, temp dir) is the suite's: world.py.
+from .frame import BenchError, drive
+from .stats import pct
+from .world import GPUSHARE, REPO, RUNTIME, World
 
 COVERED = ["/run", "/etc/docker", "/etc/cni", "/var/lib", "/var/cache", "/opt"]
 T_ENGINE = 1.02  # <= 1.02 x the median at each engine level
@@ -50,8 +46,8 @@ def which(name):
 class Engines:
     def __init__(self, args):
         self.args = args
-        self.work = Path(tempfile.mkdtemp(prefix="gsbe.", dir="/tmp"))
-        os.chmod(self.work, 0o711)  # per-user daemons traverse to their pipe directories
+        self.world = World("gsbe.")
+        self.work = self.world.work
         self.cfg = self.work / "runtime.toml"
         self.env = dict(os.environ, GPUSHARE_CONFIG=str(self.cfg))
         self.holder = None
@@ -61,30 +57,9 @@ class Engines:
     # ------------------------------------------------------------------ set-up
 
     def setup(self):
-        rootfs = self.work / "rootfs"
-        busybox = next(p for p in ("/bin/busybox", "/usr/bin/busybox") if os.path.exists(p))
-        for d in ("bin", "dev/shm", "proc", "sys", "tmp", "etc"):
-            (rootfs / d).mkdir(parents=True, exist_ok=True)
-        shutil.copy2(busybox, rootfs / "bin" / "busybox")
-        for a in subprocess.run([busybox, "--list"], capture_output=True, text=True).stdout.split():
-            if a != "busybox":
-                os.symlink("busybox", rootfs / "bin" / a)
-        (rootfs / "etc" / "passwd").write_text("root:x:0:0:root:/:/bin/sh\n")
-        self.rootfs = rootfs
-        inv = self.work / "inventory.json"
-        inv.write_text(json.dumps({
-            "driver_version": "580.159.04",
-            "gpus": [{"index": 0, "uuid": GPU0, "name": "NVIDIA A30",
-                      "memory_bytes": 25769803776, "compute_capability": "8.0",
-                      "compute_mode": "default"}]}))
-        self.cfg.write_text(
-            f'low-level-runtime = ["{which("runc")}"]\n'
-            f'state-dir = "{self.work / "s"}"\n'
-            f'log-file = "{self.work / "gpushare.log"}"\n'
-            f'inventory = "file:{inv}"\n'
-            "[mps]\n"
-            f'control-binary = "{SIM}"\n'
-            'shm-size = "64M"\n')
+        self.world.build()
+        self.rootfs = self.world.rootfs
+        self.world.config(self.cfg, which("runc"))
         script = ("for d in %s; do if [ -d \"$d\" ]; then mount -t tmpfs -o mode=0755 gs-engine "
                   "\"$d\" || exit 1; fi; done; echo ready; exec sleep 36000") % " ".join(COVERED)
         self.holder = subprocess.Popen([which("unshare"), "--mount", "--propagation", "slave",
@@ -285,28 +260,16 @@ class Engines:
         if (self.work / "p" / "storage").exists():
             subprocess.run(self.podman(self.work / "p" / "no-hooks.d", ["rm", "-af"]),
                            capture_output=True)
-        if self.cfg.exists() and GPUSHARE.exists():
-            subprocess.run([str(GPUSHARE), "daemon", "stop", "--all", "--force"], env=self.env,
-                           capture_output=True)
+        self.world.stop_daemons(self.env)
         if self.holder:
             self.holder.kill()
             self.holder.wait()
-        mounts = []
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                mp = line.split()[4].replace("\\040", " ")
-                if mp == str(self.work) or mp.startswith(str(self.work) + "/"):
-                    mounts.append(mp)
-        for mp in sorted(mounts, key=len, reverse=True):
-            subprocess.run(["umount", "-l", mp], stderr=subprocess.DEVNULL)
-        if self.args.keep:
-            print(f"bench-engines: kept {self.work}")
-        else:
-            shutil.rmtree(self.work, ignore_errors=True)
+        self.world.remove(self.args.keep, "bench-engines")
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="scripts/bench --engines", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=30, help="rounds per engine (default 30)")
     ap.add_argument("--settle", type=float, default=200.0, help="idle pause before each run, ms (default 200)")
     ap.add_argument("--only", default="docker,ctr,podman", help="comma-separated: docker,ctr,podman (default all)")
