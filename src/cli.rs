@@ -413,17 +413,21 @@ fn hook(stage: HookStage, flags: &[String]) -> i32 {
 
 /// Entry point of the `gpushare` binary; returns the exit code.
 pub fn main() -> i32 {
-    crate::device::read_nvml_in_process();
+    // The hooks read NVML through `gpushare nvml-inventory`, never in this process: NVML
+    // leaves threads running, and hook-only mode's prestart then enters the container's
+    // mount namespace, which setns(2) refuses a multithreaded process (EINVAL).
     if let Some(stage) = hook_argv() {
         return hook(stage, &[]);
     }
     if let Some(library) = nvml_argv() {
+        crate::device::read_nvml_in_process();
         return nvml_inventory(library.as_deref());
     }
     let cli = Cli::parse();
     if let Command::Hook { stage, flags } = &cli.command {
         return hook(*stage, flags);
     }
+    crate::device::read_nvml_in_process();
     if let Command::Daemon {
         command: DaemonCommand::Supervise { .. } | DaemonCommand::Reap { .. },
     } = &cli.command

@@ -354,3 +354,42 @@ fn the_node_installer_refuses_a_host_glibc_older_than_2_34() {
         );
     }
 }
+
+/// Hook-only mode with a cold inventory cache reads NVML and then enters the container's
+/// mount namespace to mount the daemon's directories, which setns(2) refuses a
+/// multithreaded process (EINVAL), and loading NVML leaves a thread running (the fake
+/// NVML's as the real one's). So the hooks read NVML through `gpushare nvml-inventory`,
+/// never in process: the container is served, on GPU 1, which only NVML knows, by the
+/// hooks.d hook and by a CDI device's hook (found with a CDI device on an H200).
+#[test]
+fn hook_only_mode_reads_nvml_in_a_helper_and_still_enters_the_container() {
+    let (env, _root) = operator_env();
+    let _cleanup = crate::tenant_mounts::RuncDelete(&env, vec!["ho-nvml".into(), "ho-cdi".into()]);
+    for (id, annotated, flags) in [
+        ("ho-nvml", true, &[][..]),
+        ("ho-cdi", false, &["--cdi-device", "1"][..]),
+    ] {
+        // Cold: the previous container's inventory cache is gone.
+        let _ = std::fs::remove_file(env.state.join("inventory.json"));
+        let mut b = env.container(id).uid(1000);
+        if annotated {
+            b = b.device("1");
+        }
+        let c = b.sh("gpushare-mps-sim client").bundle();
+        let out = crate::tenant_mounts::hook_only_create_with(&env, &c, flags);
+        assert!(
+            out.status.success(),
+            "{id}: hook-only create with NVML read cold: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line = client_line(&c.run());
+        assert_eq!(line["server_uid"], "1000", "{id}: {line:?}");
+    }
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 1, "one daemon for both: {ids:?}");
+    assert!(
+        env.record(&ids[0])["identity"]["devices"][0] == FAKE_GPU1,
+        "{}",
+        env.record(&ids[0])
+    );
+}

@@ -14,9 +14,15 @@
  * compute capability 8.0, compute mode DEFAULT, MIG disabled, minors 0 and 1, with the
  * UUIDs FAKE_GPU0 and FAKE_GPU1 in tests/integration/nvml.rs. With FAKE_NVML_FAIL_INIT=1
  * in the environment nvmlInit_v2 fails with NVML_ERROR_DRIVER_NOT_LOADED.
+ *
+ * Like NVIDIA's library, nvmlInit_v2 leaves a thread of its own running in the process:
+ * a process that has loaded NVML is multithreaded, and, for one, setns(2) then refuses it
+ * a mount namespace (EINVAL).
  */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef int nvmlReturn_t;
 enum {
@@ -78,10 +84,22 @@ static nvmlReturn_t copy_string(const char *s, char *buf, unsigned int size) {
             return NVML_ERROR_INVALID_ARGUMENT;  \
     } while (0)
 
+static void *idle(void *arg) {
+    (void)arg;
+    for (;;)
+        pause();
+    return NULL;
+}
+
 nvmlReturn_t nvmlInit_v2(void) {
     const char *fail = getenv("FAKE_NVML_FAIL_INIT");
     if (fail != NULL && strcmp(fail, "1") == 0)
         return NVML_ERROR_DRIVER_NOT_LOADED;
+    if (!initialised) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, idle, NULL) == 0)
+            pthread_detach(t);
+    }
     initialised = 1;
     return NVML_SUCCESS;
 }

@@ -23,7 +23,7 @@ pub(crate) fn fake_nvml(dir: &Path) -> PathBuf {
     let lib_dir = dir.join("nvml");
     std::fs::create_dir_all(&lib_dir).unwrap();
     let out = Command::new(cc)
-        .args(["-shared", "-fPIC", "-Wall", "-Werror", "-o"])
+        .args(["-shared", "-fPIC", "-pthread", "-Wall", "-Werror", "-o"])
         .arg(lib_dir.join("libnvidia-ml.so.1"))
         .arg(&source)
         .output()

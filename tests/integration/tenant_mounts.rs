@@ -151,11 +151,21 @@ fn through_the_shim_the_pipe_dir_is_read_only_and_clients_still_reach_the_daemon
 /// Creates a container with plain runc (no shim) whose config.json carries gpushare's
 /// hook-only hooks, as `hooks/oci-hooks.d` gives them to Podman and CRI-O.
 pub fn hook_only_create(env: &Env, c: &Container) -> Output {
+    hook_only_create_with(env, c, &[])
+}
+
+/// [`hook_only_create`], with `flags` after the prestart hook's stage (a CDI device's
+/// `--cdi-device <device>`).
+pub fn hook_only_create_with(env: &Env, c: &Container, flags: &[&str]) -> Output {
     let mut spec = c.config();
     let hook = |stage: &str, timeout: u64| {
+        let mut args = vec!["gpushare", "hook", stage];
+        if stage == "prestart" {
+            args.extend_from_slice(flags);
+        }
         serde_json::json!({
             "path": GPUSHARE,
-            "args": ["gpushare", "hook", stage],
+            "args": args,
             "env": [
                 "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                 format!("GPUSHARE_CONFIG={}", env.config.display()),
