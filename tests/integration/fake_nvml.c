@@ -15,9 +15,10 @@
  * UUIDs FAKE_GPU0 and FAKE_GPU1 in tests/integration/nvml.rs. With FAKE_NVML_FAIL_INIT=1
  * in the environment nvmlInit_v2 fails with NVML_ERROR_DRIVER_NOT_LOADED.
  *
- * Like NVIDIA's library, nvmlInit_v2 leaves a thread of its own running in the process:
- * a process that has loaded NVML is multithreaded, and, for one, setns(2) then refuses it
- * a mount namespace (EINVAL).
+ * Like NVIDIA's library, nvmlInit_v2 leaves a thread of its own running in the process,
+ * also after nvmlShutdown and the wrapper's dlclose (nvml.rs links the library with
+ * `-z nodelete`, so that the thread's code stays mapped): a process that has loaded NVML
+ * is multithreaded, and, for one, setns(2) then refuses it a mount namespace (EINVAL).
  */
 #include <pthread.h>
 #include <stdlib.h>

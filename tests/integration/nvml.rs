@@ -23,7 +23,17 @@ pub(crate) fn fake_nvml(dir: &Path) -> PathBuf {
     let lib_dir = dir.join("nvml");
     std::fs::create_dir_all(&lib_dir).unwrap();
     let out = Command::new(cc)
-        .args(["-shared", "-fPIC", "-pthread", "-Wall", "-Werror", "-o"])
+        // nodelete: the thread nvmlInit_v2 leaves runs the library's code after the
+        // wrapper's dlclose, as a real driver's threads outlive it.
+        .args([
+            "-shared",
+            "-fPIC",
+            "-pthread",
+            "-Wl,-z,nodelete",
+            "-Wall",
+            "-Werror",
+            "-o",
+        ])
         .arg(lib_dir.join("libnvidia-ml.so.1"))
         .arg(&source)
         .output()
