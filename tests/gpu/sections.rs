@@ -1320,7 +1320,7 @@ fn create_path(t: &mut Tier) {
     }
     // "nvml" on a GPU (unless GPUSHARE_GPU_INVENTORY replaces it), the file simulated.
     let inv_a = t.inventory.clone();
-    let truth = crate::common::which("true").unwrap_or_else(|| PathBuf::from("/bin/true"));
+    let truth = testkit::common::which("true").unwrap_or_else(|| PathBuf::from("/bin/true"));
     for (v, inv, ttl) in [
         ("a", inv_a.clone(), "30s"),
         ("b", format!("file:{}", inv_file.display()), "30s"),
@@ -1405,7 +1405,7 @@ fn create_path(t: &mut Tier) {
     if !stop.ok() && fail.is_none() {
         fail = Some(format!("daemon stop: {}", first_line(&stop.out, 220)));
     }
-    if !crate::common::mounts_below(&cr).is_empty() && fail.is_none() {
+    if !testkit::common::mounts_below(&cr).is_empty() && fail.is_none() {
         fail = Some(format!("a mount under {} is left", cr.display()));
     }
     t.record(
@@ -1585,7 +1585,7 @@ fn driver_root(t: &mut Tier) {
         }
     };
     let cfg = t.work.join("runtime-driver-root.toml");
-    let truth = crate::common::which("true").unwrap_or_else(|| PathBuf::from("/bin/true"));
+    let truth = testkit::common::which("true").unwrap_or_else(|| PathBuf::from("/bin/true"));
     let toml = format!(
         "driver-root = {:?}\nstate-dir = {:?}\nlog-file = {:?}\nlog-level = \"debug\"\ninventory = \"nvml\"\ninventory-cache-ttl = \"0\"\nlow-level-runtime = [{:?}]\n[mps]\ncontrol-binary = \"nvidia-cuda-mps-control\"\nstart-timeout = \"60s\"\n",
         root.display().to_string(),

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::harness::*;
+use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
 
@@ -638,7 +638,7 @@ fn poststop_never_fails() {
         r#"{"id":"ok","annotations":{"gpushare.io/daemon":"../../etc"}}"#,
     ] {
         let mut child = env
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .args(["hook", "poststop"])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -651,7 +651,7 @@ fn poststop_never_fails() {
     }
     // create-runtime with the same input fails with one gpushare line.
     let mut child = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["hook", "create-runtime"])
         .stdin(Stdio::piped())
         .stderr(Stdio::piped())
@@ -670,7 +670,7 @@ fn poststop_never_fails() {
     std::fs::write(&broken, "no-such-key = 1\n").unwrap();
     for (stage, code) in [("poststop", 0), ("create-runtime", 1)] {
         let out = env
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .env("GPUSHARE_CONFIG", &broken)
             .args(["hook", stage])
             .stdin(Stdio::null())

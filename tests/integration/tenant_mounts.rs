@@ -9,7 +9,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use crate::harness::*;
+use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
 
@@ -154,7 +154,7 @@ pub fn hook_only_create(env: &Env, c: &Container) -> Output {
     let mut spec = c.config();
     let hook = |stage: &str, timeout: u64| {
         serde_json::json!({
-            "path": GPUSHARE,
+            "path": gpushare(),
             "args": ["gpushare", "hook", stage],
             "env": [
                 "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
