@@ -476,6 +476,18 @@ impl Env {
         }
     }
 
+    /// Two users' containers on GPU 0, both created (not started): `names[0]` of UID 1000
+    /// and `names[1]` of UID 2000, each running `script`.
+    pub fn two_users(&self, names: [&str; 2], script: &str) -> [Container<'_>; 2] {
+        [(names[0], 1000), (names[1], 2000)].map(|(name, uid)| {
+            self.container(name)
+                .uid(uid)
+                .device("0")
+                .sh(script)
+                .create()
+        })
+    }
+
     pub fn daemon_ids(&self) -> Vec<String> {
         let mut ids: Vec<String> = std::fs::read_dir(self.state.join("mps"))
             .map(|d| {
@@ -990,6 +1002,18 @@ pub fn containerd_opt_plugin(dir: &Path) -> String {
         "[plugins.\"io.containerd.internal.v1.opt\"]\n  path = {:?}\n",
         dir.join("opt").display().to_string()
     )
+}
+
+/// Starts every one of `containers`, then waits for each (they run at once), and returns
+/// each one's simulator client line, in order.
+pub fn run_at_once<const N: usize>(containers: [&Container; N]) -> [BTreeMap<String, String>; N] {
+    for c in containers {
+        c.start();
+    }
+    for c in containers {
+        c.wait();
+    }
+    containers.map(|c| client_line(&c.stdout()))
 }
 
 /// Parses the simulator client's line `mps-client pid=… server=… waited_ms=… …`.

@@ -91,23 +91,8 @@ fn env_request_works_like_the_annotation() {
 fn two_users_get_their_servers_at_once() {
     let env = Env::new();
     let hold = "--hold 1.5";
-    let a = env
-        .container("a")
-        .uid(1000)
-        .device("0")
-        .sh(&format!("{CLIENT} {hold}"))
-        .create();
-    let b = env
-        .container("b")
-        .uid(2000)
-        .device("0")
-        .sh(&format!("{CLIENT} {hold}"))
-        .create();
-    a.start();
-    b.start();
-    a.wait();
-    b.wait();
-    let (la, lb) = (client_line(&a.stdout()), client_line(&b.stdout()));
+    let [a, b] = env.two_users(["a", "b"], &format!("{CLIENT} {hold}"));
+    let [la, lb] = run_at_once([&a, &b]);
     for l in [&la, &lb] {
         let waited: u64 = l["waited_ms"].parse().unwrap();
         assert!(waited < 1000, "no user waits for the other: {l:?}");

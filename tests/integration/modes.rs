@@ -17,23 +17,8 @@ fn same_ns(pid: i64, ns: &str) -> bool {
 fn multi_user_serves_every_uid_from_one_root_daemon_at_once() {
     let env =
         Env::with_config("user-mode = \"multi-user\"\nmulti-user-flag = \"-multiuser-server\"");
-    let a = env
-        .container("mu-a")
-        .uid(1000)
-        .device("0")
-        .sh(&format!("{CLIENT} --hold 1.5"))
-        .create();
-    let b = env
-        .container("mu-b")
-        .uid(2000)
-        .device("0")
-        .sh(&format!("{CLIENT} --hold 1.5"))
-        .create();
-    a.start();
-    b.start();
-    a.wait();
-    b.wait();
-    let (la, lb) = (client_line(&a.stdout()), client_line(&b.stdout()));
+    let [a, b] = env.two_users(["mu-a", "mu-b"], &format!("{CLIENT} --hold 1.5"));
+    let [la, lb] = run_at_once([&a, &b]);
     assert_eq!(la["server"], lb["server"], "one server for both users");
     for l in [&la, &lb] {
         assert!(l["waited_ms"].parse::<u64>().unwrap() < 1000, "{l:?}");

@@ -298,18 +298,7 @@ fn a_preload_library_in_the_container_env_never_reaches_hook_supervisor_or_daemo
 #[test]
 fn a_per_user_daemon_is_confined_to_its_own_directories() {
     let env = Env::new();
-    let a = env
-        .container("ua")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
-    let b = env
-        .container("ub")
-        .uid(2000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let [a, b] = env.two_users(["ua", "ub"], CLIENT);
     a.run();
     b.run();
     let (ida, idb) = (env.daemon_of(&a), env.daemon_of(&b));
