@@ -1,5 +1,5 @@
 //! The test inventory: one node, described in one file, that the unit tests, the integration
-//! tests (`tests/integration/harness.rs` writes it as each test's inventory file), the fuzz
+//! tests (`testkit/src/harness.rs` writes it as each test's inventory file), the fuzz
 //! targets and `scripts/quickstart` all use.
 //!
 //! The file is the user-facing example, `docs/examples/inventory.json`, not a file under

@@ -242,9 +242,9 @@ pub fn records(state: &Path, supervised: &[String]) -> Vec<String> {
 }
 
 /// `gpushare status --json` on what is there now: exit 0 and the schema's JSON.
-pub fn status(env: &crate::harness::Env) -> Option<String> {
+pub fn status(env: &testkit::Env) -> Option<String> {
     let out = env
-        .cmd(crate::harness::GPUSHARE)
+        .cmd(testkit::gpushare())
         .args(["status", "--json"])
         .output()
         .ok()?;
@@ -255,7 +255,7 @@ pub fn status(env: &crate::harness::Env) -> Option<String> {
         Some(format!(
             "gpushare status failed ({}): {}",
             out.status,
-            crate::harness::text(&out).trim()
+            testkit::text(&out).trim()
         ))
     }
 }

@@ -35,9 +35,6 @@
 //! (procs.rs); every process it started is stopped, and every cgroup removed, even when a
 //! check fails.
 
-#[path = "../integration/harness.rs"]
-mod harness;
-
 mod check;
 mod procs;
 
@@ -48,9 +45,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use harness::{Env, GPUSHARE, RUNTIME};
 use procs::{Kind, Proc};
 use serde_json::Value;
+use testkit::{gpushare, runtime, Env};
 
 const TEST_NAME: &str = "fault_tier";
 /// The short run's kills (scripts/test).
@@ -248,7 +245,7 @@ impl Run {
     /// The shim with runc's flags for this run, in the bundle (so that runc and its hooks
     /// run there too: procs.rs tells a hook's container by its working directory).
     fn shim(&self, bundle: &Path, args: &[&str]) -> Command {
-        let mut c = self.env.cmd(RUNTIME);
+        let mut c = self.env.cmd(runtime());
         c.current_dir(bundle)
             .arg("--root")
             .arg(&self.env.runc_root)
@@ -322,7 +319,7 @@ impl Run {
             )
             .is_some_and(|s| s.success());
             if started {
-                harness::wait_until(Duration::from_secs(20), || {
+                testkit::wait_until(Duration::from_secs(20), || {
                     self.runc_state(&cid).is_none_or(|s| s == "stopped")
                 });
             }
@@ -345,7 +342,7 @@ impl Run {
     fn gpushare(&self, args: &[&str], limit: Duration) -> Option<std::process::Output> {
         let mut child = self
             .env
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -525,7 +522,7 @@ fn run(opts: &Options) -> i32 {
         opts.seed, opts.kills
     );
     let env = Env::with_config("idle-timeout = \"1s\"\nlimit-check-interval = \"500ms\"");
-    let runc = harness::which("runc").expect("runc");
+    let runc = testkit::which("runc").expect("runc");
     let mut r = Run {
         env,
         ids: Vec::new(),
@@ -849,7 +846,7 @@ fn round(r: &Run, rng: &mut Rng, tally: &mut Tally, opts: &Options) -> Vec<Strin
     match r.gpushare(&["gc"], Duration::from_secs(40)) {
         None => found.push("gpushare gc did not end within 40 s".into()),
         Some(o) if !o.status.success() => {
-            found.push(format!("gpushare gc failed: {}", harness::text(&o).trim()))
+            found.push(format!("gpushare gc failed: {}", testkit::text(&o).trim()))
         }
         Some(_) => {}
     }
@@ -980,7 +977,7 @@ fn extra(r: &Run, e: Extra, o: &Mutex<Outcomes>) {
             if matches!(e, Extra::Status) && !out.status.success() {
                 o.lock().unwrap().violations.push(format!(
                     "gpushare status failed mid-round: {}",
-                    harness::text(&out).trim()
+                    testkit::text(&out).trim()
                 ));
             }
         }
@@ -1002,7 +999,7 @@ fn cleanup(r: &Run) -> Vec<String> {
         &["daemon", "stop", "--all", "--force"],
         Duration::from_secs(60),
     );
-    let gone = harness::wait_until(Duration::from_secs(10), || {
+    let gone = testkit::wait_until(Duration::from_secs(10), || {
         procs::scan(&r.env.config, &r.env.state)
             .iter()
             .all(|p| !matches!(p.kind, Kind::Supervisor | Kind::ControlDaemon))
@@ -1032,12 +1029,12 @@ fn cleanup(r: &Run) -> Vec<String> {
         r.ids
             .iter()
             .any(|i| name.starts_with(&format!("{}-", i.daemon)))
-            && harness::cgroup_pid(p).is_some_and(|p| gpushare::util::proc_start_time(p).is_none())
+            && testkit::cgroup_pid(p).is_some_and(|p| gpushare::util::proc_start_time(p).is_none())
     };
     let mut cgroups = Vec::new();
-    let clean = harness::wait_until(Duration::from_secs(15), || {
+    let clean = testkit::wait_until(Duration::from_secs(15), || {
         let _ = r.gpushare(&["gc"], Duration::from_secs(30));
-        cgroups = harness::daemon_cgroups_all()
+        cgroups = testkit::daemon_cgroups_all()
             .into_iter()
             .filter(ours)
             .collect();
@@ -1074,7 +1071,7 @@ fn remove_cgroups(parent: &str) {
                 );
             }
             let p = c.path();
-            harness::wait_until(Duration::from_secs(5), || {
+            testkit::wait_until(Duration::from_secs(5), || {
                 std::fs::remove_dir(&p).is_ok() || !p.exists()
             });
         }

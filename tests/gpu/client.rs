@@ -111,7 +111,7 @@ pub fn normalize(raw: &Raw, kind: Kind) -> Record {
     r.insert("error".into(), Value::Null);
     match kind {
         Kind::Sim => {
-            let kv = crate::common::parse_client_line(&raw.out);
+            let kv = testkit::common::parse_client_line(&raw.out);
             if let Some(kv) = &kv {
                 let get = |k: &str| kv.get(k).cloned();
                 r.insert("sim".into(), json!(kv));

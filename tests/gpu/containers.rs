@@ -25,10 +25,10 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::calc::{self, epoch_now};
-use crate::common::which;
 use crate::opts::Options;
 use crate::proc;
 use crate::tier::Tier;
+use testkit::common::which;
 
 /// Annotations of alice's container: GPU 0, half the threads, an 8G pinned limit.
 const ALICE: &[(&str, &str)] = &[
@@ -102,7 +102,7 @@ impl Ct {
             .output()
             .map_err(|e| format!("runc spec: {e}"))?;
         if !spec.status.success() {
-            return Err(format!("runc spec: {}", crate::common::text(&spec)));
+            return Err(format!("runc spec: {}", testkit::common::text(&spec)));
         }
         let path = b.join("config.json");
         let mut c: Value = std::fs::read(&path)

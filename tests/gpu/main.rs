@@ -31,9 +31,6 @@
 // modules' `#[test]` functions vanish (gpu-unit runs them) and leave their helpers unused.
 #![cfg_attr(test, allow(unused_imports, dead_code))]
 
-#[path = "../common/mod.rs"]
-mod common;
-
 mod calc;
 mod client;
 mod containers;
@@ -50,7 +47,7 @@ use tier::ME;
 
 /// Why the real tier cannot run here; `None` when it can.
 fn no_gpu_reason() -> Option<String> {
-    if common::which("nvidia-smi").is_none() {
+    if testkit::common::which("nvidia-smi").is_none() {
         return Some("nvidia-smi not found on PATH".into());
     }
     let l = proc::run(
@@ -69,7 +66,7 @@ fn no_gpu_reason() -> Option<String> {
     if !l.out.lines().any(|line| line.starts_with("GPU ")) {
         return Some("nvidia-smi -L lists no GPU".into());
     }
-    if common::which("nvidia-cuda-mps-control").is_none() {
+    if testkit::common::which("nvidia-cuda-mps-control").is_none() {
         return Some("nvidia-cuda-mps-control not found on PATH".into());
     }
     None

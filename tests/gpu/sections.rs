@@ -220,6 +220,28 @@ fn start_pair(t: &mut Tier, cfg: &Path, a: &[&str], b: &[&str]) -> (Daemon, Opti
     (da, Some(db))
 }
 
+/// Clients of UIDs `UA` and `UB` at once, each running `cmd` on its daemon (`a`, `b`; one
+/// daemon for both where they share it), labelled `la` and `lb`.
+fn launch_two_users(
+    t: &mut Tier,
+    (la, a): (&str, &Daemon),
+    (lb, b): (&str, &Daemon),
+    timeout_s: f64,
+    cmd: Vec<OsString>,
+) {
+    for (label, uid, d) in [(la, UA, a), (lb, UB, b)] {
+        t.launch(
+            label,
+            uid,
+            Some(&d.pipe),
+            Some(&d.shm),
+            timeout_s,
+            &[],
+            cmd.clone(),
+        );
+    }
+}
+
 fn per_user(t: &mut Tier) {
     t.section(&format!(
         "1. per-user daemons: UIDs {UA} and {UB} on one GPU at the same time"
@@ -255,24 +277,7 @@ fn per_user(t: &mut Tier) {
     let hold = t.hold;
     let (la, lb) = (format!("pu-{UA}"), format!("pu-{UB}"));
     let cmd = t.client_cmd(hold);
-    t.launch(
-        &la,
-        UA,
-        Some(&da.pipe),
-        Some(&da.shm),
-        t.tmo(hold),
-        &[],
-        cmd.clone(),
-    );
-    t.launch(
-        &lb,
-        UB,
-        Some(&db.pipe),
-        Some(&db.shm),
-        t.tmo(hold),
-        &[],
-        cmd,
-    );
+    launch_two_users(t, (&la, &da), (&lb, &db), t.tmo(hold), cmd);
     let mut servers = String::new();
     let (mut sa, mut sb) = (String::new(), String::new());
     if t.wait_attached(t.tmo(hold), &la) && t.wait_attached(t.tmo(hold), &lb) {
@@ -544,24 +549,7 @@ fn gpushare_multi_user(t: &mut Tier, flag: &str) {
     let hold = t.hold;
     let (la, lb) = (format!("gm-{UA}"), format!("gm-{UB}"));
     let cmd = t.client_cmd(hold);
-    t.launch(
-        &la,
-        UA,
-        Some(&dm.pipe),
-        Some(&dm.shm),
-        t.tmo(hold),
-        &[],
-        cmd.clone(),
-    );
-    t.launch(
-        &lb,
-        UB,
-        Some(&dm.pipe),
-        Some(&dm.shm),
-        t.tmo(hold),
-        &[],
-        cmd,
-    );
+    launch_two_users(t, (&la, &dm), (&lb, &dm), t.tmo(hold), cmd);
     let mut servers = String::new();
     if t.wait_attached(t.tmo(hold), &la) && t.wait_attached(t.tmo(hold), &lb) {
         servers = t.ctl1(0, &dm.pipe, "get_server_list");
@@ -1320,7 +1308,7 @@ fn create_path(t: &mut Tier) {
     }
     // "nvml" on a GPU (unless GPUSHARE_GPU_INVENTORY replaces it), the file simulated.
     let inv_a = t.inventory.clone();
-    let truth = crate::common::which("true").unwrap_or_else(|| PathBuf::from("/bin/true"));
+    let truth = testkit::common::which("true").unwrap_or_else(|| PathBuf::from("/bin/true"));
     for (v, inv, ttl) in [
         ("a", inv_a.clone(), "30s"),
         ("b", format!("file:{}", inv_file.display()), "30s"),
@@ -1405,7 +1393,7 @@ fn create_path(t: &mut Tier) {
     if !stop.ok() && fail.is_none() {
         fail = Some(format!("daemon stop: {}", first_line(&stop.out, 220)));
     }
-    if !crate::common::mounts_below(&cr).is_empty() && fail.is_none() {
+    if !testkit::common::mounts_below(&cr).is_empty() && fail.is_none() {
         fail = Some(format!("a mount under {} is left", cr.display()));
     }
     t.record(
@@ -1585,7 +1573,7 @@ fn driver_root(t: &mut Tier) {
         }
     };
     let cfg = t.work.join("runtime-driver-root.toml");
-    let truth = crate::common::which("true").unwrap_or_else(|| PathBuf::from("/bin/true"));
+    let truth = testkit::common::which("true").unwrap_or_else(|| PathBuf::from("/bin/true"));
     let toml = format!(
         "driver-root = {:?}\nstate-dir = {:?}\nlog-file = {:?}\nlog-level = \"debug\"\ninventory = \"nvml\"\ninventory-cache-ttl = \"0\"\nlow-level-runtime = [{:?}]\n[mps]\ncontrol-binary = \"nvidia-cuda-mps-control\"\nstart-timeout = \"60s\"\n",
         root.display().to_string(),

@@ -21,9 +21,9 @@ use serde_json::{json, Map, Value};
 
 use crate::calc::{self, first_line, one_line};
 use crate::client::{self, Kind, Raw, Record};
-use crate::common::{mounts_below, which};
 use crate::opts::Options;
 use crate::proc::{self, ClientSpec, Ran, Running, SAFE_PATH};
+use testkit::common::{mounts_below, which};
 
 pub const ME: &str = "gpu tier";
 /// The test UIDs: numeric, no passwd entry needed.
@@ -119,7 +119,7 @@ pub fn locate_bins(bin_dir: Option<&Path>, simulate: bool) -> Result<Bins, Strin
     }
     let sources = Path::new(env!("CARGO_MANIFEST_DIR")).join("sim");
     let sim = if simulate {
-        crate::common::sim_beside(&gpushare, &sources)?
+        testkit::common::sim_beside(&gpushare, &sources)?
     } else {
         dir.join("gpushare-mps-sim")
     };
@@ -732,7 +732,7 @@ impl Tier {
         let out = calc::cut(&ran.out, 400).replace('\n', " ");
         // A launcher that failed gets a short grace only (a daemon may still have forked).
         let grace = Duration::from_secs(if ran.ok() { 20 } else { 3 });
-        let ready = crate::common::wait_until(grace, || {
+        let ready = testkit::common::wait_until(grace, || {
             stop_if_interrupted();
             self.ctl(0, &pipe, "get_server_list").ok()
         });
@@ -759,7 +759,7 @@ impl Tier {
         }
         if let Some(pid) = pid {
             let work = self.work_str();
-            let gone = crate::common::wait_until(Duration::from_secs(15), || {
+            let gone = testkit::common::wait_until(Duration::from_secs(15), || {
                 !proc::alive_ours(pid, &work)
             });
             if !gone {
@@ -781,7 +781,7 @@ impl Tier {
         for c in self.clients.values().filter(|c| c.done().is_none()) {
             c.abort();
         }
-        let _ = crate::common::wait_until(Duration::from_secs(15), || {
+        let _ = testkit::common::wait_until(Duration::from_secs(15), || {
             self.clients.values().all(|c| c.done().is_some())
         });
         for c in self.clients.values_mut() {
@@ -846,7 +846,7 @@ impl Tier {
         // Anything of this run still alive? (Its env or argv names the work dir.)
         let work = self.work_str();
         let mut pids = proc::leftover_pids(&work);
-        let _ = crate::common::wait_until(Duration::from_secs(10), || {
+        let _ = testkit::common::wait_until(Duration::from_secs(10), || {
             pids = proc::leftover_pids(&work);
             pids.is_empty()
         });
@@ -881,7 +881,7 @@ impl Tier {
                 &format!("/proc/mounts has nothing under {work}"),
             );
         } else {
-            crate::common::umount_below(&self.work);
+            testkit::common::umount_below(&self.work);
             let ev = format!("left mounted (now lazily unmounted): {}", mounts.join(" "));
             self.check("FAIL", "no mount left behind", &ev);
         }

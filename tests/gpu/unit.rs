@@ -4,9 +4,6 @@
 
 #![allow(dead_code)]
 
-#[path = "../common/mod.rs"]
-mod common;
-
 mod calc;
 mod client;
 mod opts;

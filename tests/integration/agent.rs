@@ -13,7 +13,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::engines::Containerd;
-use crate::harness::*;
+use testkit::*;
 
 /// The parent pid of `pid` (field 4 of /proc/<pid>/stat).
 fn ppid(pid: i32) -> Option<i32> {
@@ -63,7 +63,7 @@ fn a_waiting_subreaper_returns_when_the_container_exits_cold_or_warm() {
         c.track();
         let script = format!(
             "{rt} --root {root} --log {log} --log-format json create --bundle {b} {id} </dev/null >/dev/null 2>&1 && {rt} --root {root} --log {log} --log-format json start {id}",
-            rt = RUNTIME,
+            rt = runtime(),
             root = env.runc_root.display(),
             log = c.log().display(),
             b = c.bundle.display(),
@@ -262,7 +262,7 @@ fn the_agent_takes_only_a_wellformed_request_from_root_for_a_daemon_without_supe
             "--regid",
             "1000",
             "--clear-groups",
-            GPUSHARE,
+            gpushare(),
             "doctor",
         ])
         .env("GPUSHARE_CONFIG", &config)
@@ -414,7 +414,7 @@ fn containerd_shim_adopts_no_supervisor() {
             "--rm",
             "--rootfs",
             "--runc-binary",
-            RUNTIME,
+            runtime(),
             "--annotation",
             "gpushare.io/device=0",
             "--env",

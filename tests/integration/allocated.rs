@@ -5,8 +5,8 @@
 
 use serde_json::{json, Value};
 
-use crate::harness::*;
 use crate::tenant_mounts::{hook_only_create, RuncDelete};
+use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
 /// The device plugin's cdi-annotations key: its suffix is a fresh UUID per response.
@@ -614,7 +614,7 @@ fn hook_only_mode_skips_sandboxes_and_reads_allocations_the_same_way() {
 fn daemon_start_refuses_allocated() {
     let env = Env::new();
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["daemon", "start", "--device", "allocated", "--uid", "1000"])
         .output()
         .unwrap();

@@ -16,7 +16,7 @@ use std::process::{Output, Stdio};
 use std::time::Duration;
 
 use crate::engines::Dockerd;
-use crate::harness::*;
+use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
 
@@ -50,7 +50,7 @@ fn podman_serves_a_cdi_device(bin: Option<PathBuf>) {
     }
     // The spec, by the binary under test, where Podman reads it (in the namespace only).
     let out = ns
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["cdi", "generate"])
         .env("GPUSHARE_CONFIG", &env.config)
         .output()
@@ -62,7 +62,7 @@ fn podman_serves_a_cdi_device(bin: Option<PathBuf>) {
         text(&out)
     );
     let out = ns
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["doctor", "--cdi-spec", "/var/run/cdi/gpushare.json"])
         .env("GPUSHARE_CONFIG", &env.config)
         .output()
@@ -230,7 +230,7 @@ fn podman_serves_a_cdi_device(bin: Option<PathBuf>) {
         "CDI device gpushare.io/gpu=0-small: profile small is not in this node's config",
     );
     let out = ns
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["doctor", "--cdi-spec", "/var/run/cdi/gpushare.json"])
         .env("GPUSHARE_CONFIG", &env.config)
         .output()
@@ -271,7 +271,7 @@ fn docker_serves_a_cdi_device(bin: PathBuf) {
     let cdi = env.path().join("cdi");
     let d = Dockerd::start_configured(&env, &ns, Some(&bin), &|daemon_json| {
         let out = env
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .args(["install", "cdi", "--output"])
             .arg(cdi.join("gpushare.json"))
             .args(["--enable", "docker", "--config"])

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::harness::*;
+use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
 
@@ -91,23 +91,8 @@ fn env_request_works_like_the_annotation() {
 fn two_users_get_their_servers_at_once() {
     let env = Env::new();
     let hold = "--hold 1.5";
-    let a = env
-        .container("a")
-        .uid(1000)
-        .device("0")
-        .sh(&format!("{CLIENT} {hold}"))
-        .create();
-    let b = env
-        .container("b")
-        .uid(2000)
-        .device("0")
-        .sh(&format!("{CLIENT} {hold}"))
-        .create();
-    a.start();
-    b.start();
-    a.wait();
-    b.wait();
-    let (la, lb) = (client_line(&a.stdout()), client_line(&b.stdout()));
+    let [a, b] = env.two_users(["a", "b"], &format!("{CLIENT} {hold}"));
+    let [la, lb] = run_at_once([&a, &b]);
     for l in [&la, &lb] {
         let waited: u64 = l["waited_ms"].parse().unwrap();
         assert!(waited < 1000, "no user waits for the other: {l:?}");
@@ -638,7 +623,7 @@ fn poststop_never_fails() {
         r#"{"id":"ok","annotations":{"gpushare.io/daemon":"../../etc"}}"#,
     ] {
         let mut child = env
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .args(["hook", "poststop"])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -651,7 +636,7 @@ fn poststop_never_fails() {
     }
     // create-runtime with the same input fails with one gpushare line.
     let mut child = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["hook", "create-runtime"])
         .stdin(Stdio::piped())
         .stderr(Stdio::piped())
@@ -670,7 +655,7 @@ fn poststop_never_fails() {
     std::fs::write(&broken, "no-such-key = 1\n").unwrap();
     for (stage, code) in [("poststop", 0), ("create-runtime", 1)] {
         let out = env
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .env("GPUSHARE_CONFIG", &broken)
             .args(["hook", stage])
             .stdin(Stdio::null())

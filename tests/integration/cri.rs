@@ -1,982 +1,19 @@
-//! The Kubernetes path, as a kubelet drives it. A private containerd 1.6 with its
-//! CRI plugin (own root, state, socket and cgroup parent; no CNI, so host-network pods; an
-//! offline pause image) is configured by the real `gpushare install containerd` and driven
-//! over the CRI gRPC API (cri_api.rs): pods, containers, restarts, removal. The workload
-//! image is the test rootfs (busybox + the simulator's client); the MPS control binary is
-//! the simulator, through GPUSHARE_CONFIG in containerd's environment.
-//!
-//! containerd and the image imports run in a mount namespace of their own
-//! (`PrivateMounts`): /run, /var/lib, /var/cache, /etc/cni are empty tmpfs there, so
-//! nothing reaches the host's. Everything is stopped and removed in `Drop`, even when a
-//! test fails: pods through CRI, then containerd, leftover shims, the cgroup parent.
-//!
-//! A pod of its own user namespace (`hostUsers: false`) needs containerd 2.x, which Debian
-//! 12 does not ship: `Node::start_containerd2` runs the one `scripts/fetch-engines`
-//! extracted (config version 3; a pod network of its own, see `pod_network`). CDI needs
-//! containerd 1.7 or later: `Node::start_containerd_1_7_with` runs the extracted 1.7 on a
-//! version 2 config, as 1.6's.
+//! The Kubernetes path, as a kubelet drives it: the tests on the test kit's `Node` (a
+//! private containerd 1.6 with its CRI plugin, configured by the real `gpushare install
+//! containerd`; containerd 1.7 and 2.x where a test needs them), over the CRI gRPC API:
+//! pods, containers, restarts, removal, the node installer and hook-only mode.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::cri_api::*;
-use crate::harness::*;
-
-// The NRI plugin's tests, on this module's `Node`.
-#[path = "nri.rs"]
-mod nri;
-
-const HANDLER: &str = "gpushare";
-const PAUSE: &str = "gpushare.test/pause:1";
-const IMAGE: &str = "gpushare.test/sim:1";
-const CLIENT: &str = "gpushare-mps-sim client";
-
-/// A private containerd's own keys: root, state, socket, opt dir under `dir`; nothing for
-/// the CRI plugin (its built-in defaults).
-fn daemon_config(dir: &Path) -> String {
-    let p = |name: &str| format!("{:?}", dir.join(name).display().to_string());
-    format!(
-        "version = 2\nroot = {}\nstate = {}\n\n[grpc]\n  address = {}\n\n{}",
-        p("root"),
-        p("state"),
-        p("c.sock"),
-        containerd_opt_plugin(dir)
-    )
-}
-
-/// The CRI plugin's table for a private containerd under `dir`. No `gpushare` runtime:
-/// `gpushare install containerd` adds that.
-fn base_config(dir: &Path) -> String {
-    let p = |name: &str| format!("{:?}", dir.join(name).display().to_string());
-    // Without CAP_SYS_RESOURCE (a container as the test machine) root cannot raise
-    // oom_score_adj: containerd must keep the sandbox's at its own.
-    let restrict_oom = !caps::has_cap(
-        None,
-        caps::CapSet::Effective,
-        caps::Capability::CAP_SYS_RESOURCE,
-    )
-    .unwrap_or(false);
-    format!(
-        r#"{daemon}
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{PAUSE}"
-  restrict_oom_score_adj = {restrict_oom}
-  # No AppArmor profile loaded into the host's kernel, no SELinux labels.
-  disable_apparmor = true
-  enable_selinux = false
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    # Works on any filesystem (overlayfs does not on overlayfs).
-    snapshotter = "native"
-    default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = {cni_bin}
-    conf_dir = {cni_conf}
-"#,
-        daemon = daemon_config(dir),
-        cni_bin = p("cni/bin"),
-        cni_conf = p("cni/net.d"),
-    )
-}
-
-/// containerd 2.x's config (version 3) for a private containerd under `dir`: its own
-/// keys as in `daemon_config`, the CRI plugin split in two (images: the snapshotter and
-/// the pause image; runtime: the rest of what `base_config` sets). No `gpushare` runtime.
-fn base_config_v3(dir: &Path) -> String {
-    let p = |name: &str| format!("{:?}", dir.join(name).display().to_string());
-    let restrict_oom = !caps::has_cap(
-        None,
-        caps::CapSet::Effective,
-        caps::Capability::CAP_SYS_RESOURCE,
-    )
-    .unwrap_or(false);
-    format!(
-        r#"version = 3
-root = {root}
-state = {state}
-
-[grpc]
-  address = {sock}
-
-[plugins."io.containerd.internal.v1.opt"]
-  path = {opt}
-
-[plugins."io.containerd.cri.v1.images"]
-  snapshotter = "native"
-  [plugins."io.containerd.cri.v1.images".pinned_images]
-    sandbox = "{PAUSE}"
-
-[plugins."io.containerd.cri.v1.runtime"]
-  restrict_oom_score_adj = {restrict_oom}
-  disable_apparmor = true
-  enable_selinux = false
-  [plugins."io.containerd.cri.v1.runtime".containerd]
-    default_runtime_name = "runc"
-    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-  [plugins."io.containerd.cri.v1.runtime".cni]
-    bin_dirs = [{cni_bin}]
-    conf_dir = {cni_conf}
-    # The pod network's loopback without the loopback plugin (see `pod_network`).
-    use_internal_loopback = true
-"#,
-        root = p("root"),
-        state = p("state"),
-        sock = p("c.sock"),
-        opt = p("opt"),
-        cni_bin = p("cni/bin"),
-        cni_conf = p("cni/net.d"),
-    )
-}
-
-/// A pod network of nothing but the pod's own network namespace, for the pods containerd
-/// 2.x cannot run on the host's network (a `hostUsers: false` pod: its CRI plugin pins the
-/// pod's user namespace through the pod's network namespace). The CNI plugin is a script
-/// under `dir`/cni that claims a loopback-range address and touches nothing (no interface,
-/// no route, no rule on the host); containerd brings up the namespace's loopback itself.
-fn pod_network(dir: &Path) {
-    let bin = dir.join("cni/bin");
-    let conf = dir.join("cni/net.d");
-    std::fs::create_dir_all(&bin).unwrap();
-    std::fs::create_dir_all(&conf).unwrap();
-    let plugin = bin.join("gs-none");
-    std::fs::write(
-        &plugin,
-        r#"#!/bin/sh
-cat >/dev/null
-case "$CNI_COMMAND" in
-ADD) echo '{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"'"$CNI_NETNS"'"}],"ips":[{"address":"127.0.0.2/8","interface":0}]}' ;;
-VERSION) echo '{"cniVersion":"1.0.0","supportedVersions":["0.4.0","1.0.0"]}' ;;
-esac
-"#,
-    )
-    .unwrap();
-    std::fs::set_permissions(&plugin, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    std::fs::write(
-        conf.join("10-gs-none.conflist"),
-        r#"{"cniVersion":"1.0.0","name":"gs-none","plugins":[{"type":"gs-none"}]}"#,
-    )
-    .unwrap();
-}
-
-/// Where `scripts/fetch-engines` put containerd 2.x (containerd, containerd-shim-runc-v2,
-/// ctr): `GPUSHARE_TEST_CONTAINERD2` (scripts/test sets it), else the script's default
-/// cache. A test that needs it fails without it, saying how to fetch it.
-fn containerd2_bin() -> PathBuf {
-    let dir = std::env::var_os("GPUSHARE_TEST_CONTAINERD2")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/cache/gpushare-test/engines/sid/root/usr/bin"));
-    for bin in ["containerd", "containerd-shim-runc-v2", "ctr"] {
-        assert!(
-            dir.join(bin).is_file(),
-            "containerd 2.x is not fetched ({} is missing): run ./scripts/fetch-engines (the README's test command, ./scripts/test, runs it), or set GPUSHARE_TEST_CONTAINERD2 to a directory holding containerd, containerd-shim-runc-v2 and ctr",
-            dir.join(bin).display()
-        );
-    }
-    dir
-}
-
-/// A docker-archive (`docker save` format) of one image: `layer` as its only layer.
-fn image_tar(dir: &Path, name: &str, layer: &Path, config: Value) -> PathBuf {
-    use sha2::Digest;
-    let stem = format!("img-{}", name.replace(['/', ':', '.'], "_"));
-    let work = dir.join(&stem);
-    std::fs::create_dir_all(&work).unwrap();
-    std::fs::copy(layer, work.join("layer.tar")).unwrap();
-    let digest = hex(&sha2::Sha256::digest(std::fs::read(layer).unwrap()));
-    let arch = match std::env::consts::ARCH {
-        "x86_64" => "amd64",
-        "aarch64" => "arm64",
-        other => other,
-    };
-    let config = serde_json::json!({
-        "architecture": arch, "os": "linux", "config": config,
-        "rootfs": {"type": "layers", "diff_ids": [format!("sha256:{digest}")]},
-    });
-    std::fs::write(work.join("config.json"), config.to_string()).unwrap();
-    let manifest = serde_json::json!([
-        {"Config": "config.json", "RepoTags": [name], "Layers": ["layer.tar"]}
-    ]);
-    std::fs::write(work.join("manifest.json"), manifest.to_string()).unwrap();
-    let tar = dir.join(format!("{stem}.tar"));
-    let st = Command::new("tar")
-        .arg("-C")
-        .arg(&work)
-        .arg("-cf")
-        .arg(&tar)
-        .args(["manifest.json", "config.json", "layer.tar"])
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let _ = std::fs::remove_dir_all(&work);
-    tar
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The pause image, built offline: a static busybox whose shell waits until SIGTERM/SIGINT
-/// (what registry.k8s.io/pause does), as uid 65535 like pause ≥ 3.5.
-fn pause_tar(dir: &Path) -> PathBuf {
-    let root = dir.join("pause-rootfs");
-    std::fs::create_dir_all(root.join("bin")).unwrap();
-    let bb = ["/bin/busybox", "/usr/bin/busybox"]
-        .into_iter()
-        .find(|p| Path::new(p).is_file())
-        .expect("busybox");
-    std::fs::copy(bb, root.join("bin/busybox")).unwrap();
-    for applet in ["sh", "sleep"] {
-        std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
-    }
-    let layer = dir.join("pause-layer.tar");
-    let st = Command::new("tar")
-        .arg("-C")
-        .arg(&root)
-        .arg("-cf")
-        .arg(&layer)
-        .arg(".")
-        .status()
-        .unwrap();
-    assert!(st.success());
-    image_tar(
-        dir,
-        PAUSE,
-        &layer,
-        serde_json::json!({
-            "User": "65535:65535",
-            "Entrypoint": ["/bin/sh", "-c", "trap 'exit 0' TERM INT; sleep 2147483647 & wait"],
-        }),
-    )
-}
-
-/// One pod as the tests ask for it.
-#[derive(Default, Clone)]
-struct PodSpec<'a> {
-    name: &'a str,
-    /// The pod's namespace; empty: `default`.
-    namespace: &'a str,
-    annotations: &'a [(&'a str, &'a str)],
-    /// The pod's `securityContext.runAsUser` (the sandbox's user; kubelet also copies it
-    /// to every container that sets none, which the tests do by hand in `ContainerSpec::run_as_user`).
-    run_as_user: Option<i64>,
-    /// `hostIPC: true` (the CRI's NODE ipc namespace mode); else the pod's own (POD).
-    host_ipc: bool,
-    /// `hostUsers: false`: the pod's own user namespace, container ids 0..size mapped to
-    /// host ids from this (host id, size), as kubelet allocates them.
-    userns: Option<(u32, u32)>,
-}
-
-#[derive(Debug)]
-struct Pod {
-    id: String,
-    config: PodSandboxConfig,
-}
-
-#[derive(Default, Clone)]
-struct ContainerSpec<'a> {
-    name: &'a str,
-    attempt: u32,
-    script: &'a str,
-    run_as_user: Option<i64>,
-    envs: &'a [(&'a str, &'a str)],
-    /// Device nodes: a path, or `host:container` for a node at another path in the
-    /// container (a device plugin's `/dev/nvidia<N>` from a node the test made).
-    devices: &'a [&'a str],
-    /// (host path, container path): the pod's volumes, a device plugin's mounts.
-    mounts: &'a [(&'a str, &'a str)],
-    /// The container's own annotations (a device plugin's `cdi.k8s.io/*`).
-    annotations: &'a [(&'a str, &'a str)],
-    /// CRI `CDI_devices` (a device plugin's `CDIDevices`, a DRA driver's).
-    cdi_devices: &'a [&'a str],
-}
+use testkit::cri_api::*;
+use testkit::*;
 
 /// gpushare's line for a pod annotated `gpushare.io/active-thread-percentage=101`.
-const BAD_PERCENTAGE_LINE: &str = "gpushare: gpushare.io/active-thread-percentage=\"101\" is invalid: allowed is an integer from 1 to 100";
-
-/// A private containerd with the CRI plugin, in its own mount namespace.
-struct Node<'e> {
-    env: &'e Env,
-    dir: PathBuf,
-    config: PathBuf,
-    sock: PathBuf,
-    log: PathBuf,
-    cgroup: String,
-    child: Option<Child>,
-    cri: Option<Cri>,
-    ns: Option<PrivateMounts>,
-    pods: usize,
-    /// The directory (as seen in the namespace) of the containerd, shim and ctr this node
-    /// runs; None: Debian's, on PATH.
-    bin: Option<PathBuf>,
-}
-
-impl<'e> Node<'e> {
-    /// containerd on `config` (already written), in a new namespace; `prepare` runs in it
-    /// before containerd starts (extra mounts).
-    fn start_with(env: &'e Env, dir: PathBuf, config: PathBuf, prepare: &[&[&str]]) -> Node<'e> {
-        need("containerd", "containerd");
-        need("ctr", "containerd");
-        std::fs::create_dir_all(&dir).unwrap();
-        Node::start_in(env, dir, config, PrivateMounts::new(), None, prepare)
-    }
-
-    /// containerd (the one in `bin`, as seen in `ns`, else Debian's) on `config`, in `ns`.
-    fn start_in(
-        env: &'e Env,
-        dir: PathBuf,
-        config: PathBuf,
-        ns: PrivateMounts,
-        bin: Option<PathBuf>,
-        prepare: &[&[&str]],
-    ) -> Node<'e> {
-        for args in prepare {
-            let st = ns.cmd(args[0]).args(&args[1..]).status().unwrap();
-            assert!(st.success(), "{args:?}");
-        }
-        let mut node = Node {
-            env,
-            sock: dir.join("c.sock"),
-            log: dir.join("containerd.log"),
-            cgroup: format!(
-                "/gs-cri-{}-{}",
-                std::process::id(),
-                dir.file_name().unwrap().to_string_lossy()
-            ),
-            dir,
-            config,
-            child: None,
-            cri: None,
-            ns: Some(ns),
-            pods: 0,
-            bin,
-        };
-        node.restart();
-        node
-    }
-
-    /// A node of containerd 2.x (fetched by scripts/fetch-engines; its CRI plugin gives
-    /// pods user namespaces), configured like a fresh one: `base_config_v3`, then `gpushare
-    /// install containerd`. The fetched binaries are bound into the namespace (its tmpfs
-    /// covers /var/cache).
-    fn start_containerd2(env: &'e Env) -> Node<'e> {
-        Node::start_containerd2_with(env, &|_| {})
-    }
-
-    /// [`Node::start_containerd2`], with `configure` run on the config file after
-    /// `gpushare install containerd`, before containerd starts.
-    fn start_containerd2_with(env: &'e Env, configure: &dyn Fn(&Path)) -> Node<'e> {
-        Node::start_fetched_with(env, containerd2_bin(), 3, configure)
-    }
-
-    /// A node of containerd 1.7 (fetched by scripts/fetch-engines), configured like a
-    /// fresh one: `base_config` (version 2, which 1.7 reads as 1.6 does), then `gpushare
-    /// install containerd`, then `configure`.
-    fn start_containerd_1_7_with(env: &'e Env, configure: &dyn Fn(&Path)) -> Node<'e> {
-        let fetched = fetched(
-            "GPUSHARE_TEST_CONTAINERD17",
-            "trixie",
-            &["containerd", "containerd-shim-runc-v2", "ctr"],
-        );
-        Node::start_fetched_with(env, fetched, 2, configure)
-    }
-
-    /// A node of the containerd in `fetched` on a config of `version` (2: `base_config`,
-    /// 3: `base_config_v3`), then `gpushare install containerd`, then `configure`; the
-    /// fetched binaries are bound into the namespace (its tmpfs covers /var/cache) and
-    /// first on containerd's PATH.
-    fn start_fetched_with(
-        env: &'e Env,
-        fetched: PathBuf,
-        version: u32,
-        configure: &dyn Fn(&Path),
-    ) -> Node<'e> {
-        let dir = env.path().join("k");
-        std::fs::create_dir_all(&dir).unwrap();
-        let config = dir.join("config.toml");
-        let base = match version {
-            2 => base_config(&dir),
-            _ => base_config_v3(&dir),
-        };
-        std::fs::write(&config, base).unwrap();
-        pod_network(&dir);
-        let out = env
-            .cmd(GPUSHARE)
-            .args(["install", "containerd", "--config"])
-            .arg(&config)
-            .arg("--runtime-path")
-            .arg(RUNTIME)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", text(&out));
-        configure(&config);
-        let bin = dir.join("bin");
-        let ns = PrivateMounts::with_binds(&[(&fetched, &bin)]);
-        let node = Node::start_in(env, dir, config, ns, Some(bin), &[]);
-        node.import_images();
-        node
-    }
-
-    /// `name` (containerd, ctr) of the containerd this node runs.
-    fn program(&self, name: &str) -> PathBuf {
-        match &self.bin {
-            Some(bin) => bin.join(name),
-            None => need(name, "containerd"),
-        }
-    }
-
-    /// A node configured like a fresh one: the base config, then `gpushare install
-    /// containerd` (the binary under test) adds the runtime, pointed at the shim under test.
-    fn start(env: &'e Env) -> Node<'e> {
-        let dir = env.path().join("k");
-        std::fs::create_dir_all(&dir).unwrap();
-        let config = dir.join("config.toml");
-        std::fs::write(&config, base_config(&dir)).unwrap();
-        let out = env
-            .cmd(GPUSHARE)
-            .args(["install", "containerd", "--config"])
-            .arg(&config)
-            .arg("--runtime-path")
-            .arg(RUNTIME)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", text(&out));
-        let node = Node::start_with(env, dir, config, &[]);
-        node.import_images();
-        node
-    }
-
-    fn ns(&self) -> &PrivateMounts {
-        self.ns.as_ref().unwrap()
-    }
-
-    fn cri(&self) -> &Cri {
-        self.cri.as_ref().expect("containerd is running")
-    }
-
-    /// Stops containerd as a service manager does (SIGTERM; its shims and their containers
-    /// stay), so that `restart` can start it again.
-    fn stop(&mut self) {
-        self.cri = None;
-        if let Some(mut child) = self.child.take() {
-            stop_child(&mut child, Duration::from_secs(20));
-        }
-    }
-
-    /// (Re)starts containerd on its config, as a service manager would, and waits for CRI.
-    fn restart(&mut self) {
-        assert!(self.child.is_none(), "containerd is still running");
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .unwrap();
-        let mut cmd = self.ns().cmd(self.program("containerd"));
-        if let Some(bin) = &self.bin {
-            // containerd finds its shim on PATH before beside itself.
-            let path = std::env::var_os("PATH").unwrap_or_default();
-            let mut dirs = vec![bin.clone()];
-            dirs.extend(std::env::split_paths(&path));
-            cmd.env("PATH", std::env::join_paths(dirs).unwrap());
-        }
-        let child = cmd
-            .env("GPUSHARE_CONFIG", &self.env.config)
-            .arg("--config")
-            .arg(&self.config)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.child = Some(child);
-        let mut last = String::new();
-        let up = wait_until(Duration::from_secs(60), || {
-            match Cri::connect(&self.sock).and_then(|c| c.version().map(|v| (c, v))) {
-                Ok((c, v)) => {
-                    assert_eq!(v.runtime_name, "containerd");
-                    self.cri = Some(c);
-                    true
-                }
-                Err(e) => {
-                    last = e.to_string();
-                    assert!(
-                        !self
-                            .log_text()
-                            .contains("failed to load plugin io.containerd.grpc.v1.cri"),
-                        "containerd's CRI plugin did not load:\n{}",
-                        self.log_text()
-                    );
-                    false
-                }
-            }
-        });
-        assert!(
-            up,
-            "containerd's CRI did not come up ({last}):\n{}",
-            self.log_text()
-        );
-    }
-
-    /// The pid of the running containerd (nsenter execs it: the child is containerd).
-    fn pid(&self) -> u32 {
-        self.child.as_ref().unwrap().id()
-    }
-
-    /// Waits for containerd to exit (after someone else signalled it); its exit status.
-    fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
-        let mut child = self.child.take().expect("containerd was running");
-        self.cri = None;
-        let mut status = None;
-        let gone = wait_until(limit, || {
-            status = child.try_wait().unwrap();
-            status.is_some()
-        });
-        if !gone {
-            stop_child(&mut child, Duration::from_secs(5));
-            panic!("containerd did not exit:\n{}", self.log_text());
-        }
-        status.unwrap()
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn import_images(&self) {
-        let tars = [rootfs_image(&self.dir), pause_tar(&self.dir)];
-        for tar in &tars {
-            let out = self
-                .ns()
-                .cmd(self.program("ctr"))
-                .arg("--address")
-                .arg(&self.sock)
-                .args([
-                    "-n",
-                    "k8s.io",
-                    "images",
-                    "import",
-                    "--snapshotter",
-                    "native",
-                ])
-                // ctr 2.x imports through containerd's transfer service, which unpacks
-                // only for the snapshotters its own config lists: the client does it.
-                .args(self.bin.as_ref().map(|_| "--local"))
-                .arg(tar)
-                .stdin(Stdio::null())
-                .output()
-                .unwrap();
-            assert!(out.status.success(), "ctr images import: {}", text(&out));
-            let _ = std::fs::remove_file(tar);
-        }
-        // CRI learns about imported images from containerd's events.
-        for image in [IMAGE, PAUSE] {
-            let known = wait_until(Duration::from_secs(20), || {
-                matches!(self.cri().image_status(image), Ok(Some(_)))
-            });
-            assert!(known, "CRI does not see the imported image {image}");
-        }
-    }
-
-    fn bundle(&self, id: &str) -> PathBuf {
-        self.dir
-            .join("state/io.containerd.runtime.v2.task/k8s.io")
-            .join(id)
-    }
-
-    /// The config.json the runtime was given (and the shim may have edited).
-    fn bundle_spec(&self, id: &str) -> Value {
-        let path = self.bundle(id).join("config.json");
-        serde_json::from_slice(
-            &std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
-        )
-        .unwrap()
-    }
-
-    fn pod_config(&mut self, spec: &PodSpec) -> PodSandboxConfig {
-        self.pods += 1;
-        let logs = self.dir.join("logs").join(spec.name);
-        std::fs::create_dir_all(&logs).unwrap();
-        PodSandboxConfig {
-            metadata: Some(PodSandboxMetadata {
-                name: spec.name.into(),
-                uid: format!("uid-{}-{}", spec.name, self.pods),
-                namespace: if spec.namespace.is_empty() {
-                    "default".into()
-                } else {
-                    spec.namespace.into()
-                },
-                attempt: 0,
-            }),
-            // None for a host-network pod (kubelet sets it only with a pod network).
-            log_directory: logs.display().to_string(),
-            annotations: spec
-                .annotations
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-            linux: Some(LinuxPodSandboxConfig {
-                cgroup_parent: self.cgroup.clone(),
-                security_context: Some(LinuxSandboxSecurityContext {
-                    // hostNetwork: true (no CNI here), but for a pod of its own user
-                    // namespace (`pod_network`).
-                    namespace_options: Some(NamespaceOption {
-                        network: if spec.userns.is_some() {
-                            0
-                        } else {
-                            NAMESPACE_NODE
-                        },
-                        pid: 1,
-                        ipc: if spec.host_ipc { NAMESPACE_NODE } else { 0 },
-                        userns_options: spec.userns.map(|(host_id, length)| {
-                            let ids = vec![IdMapping {
-                                host_id,
-                                container_id: 0,
-                                length,
-                            }];
-                            UserNamespace {
-                                mode: 0,
-                                uids: ids.clone(),
-                                gids: ids,
-                            }
-                        }),
-                    }),
-                    run_as_user: spec.run_as_user.map(|value| Int64Value { value }),
-                    run_as_group: spec.run_as_user.map(|value| Int64Value { value }),
-                }),
-            }),
-            ..Default::default()
-        }
-    }
-
-    fn try_pod(&mut self, spec: &PodSpec) -> Result<Pod, Status> {
-        let config = self.pod_config(spec);
-        let id = self.cri().run_pod(&config, HANDLER)?;
-        Ok(Pod { id, config })
-    }
-
-    fn pod(&mut self, spec: &PodSpec) -> Pod {
-        self.try_pod(spec)
-            .unwrap_or_else(|e| panic!("RunPodSandbox {}: {e}\n{}", spec.name, self.log_text()))
-    }
-
-    fn create(&self, pod: &Pod, c: &ContainerSpec) -> Result<String, Status> {
-        let userns = pod
-            .config
-            .linux
-            .as_ref()
-            .and_then(|l| l.security_context.as_ref())
-            .and_then(|s| s.namespace_options.as_ref())
-            .and_then(|n| n.userns_options.clone());
-        let mut mounts: Vec<CriMount> = c
-            .mounts
-            .iter()
-            .map(|(host, container)| CriMount {
-                container_path: container.to_string(),
-                host_path: host.to_string(),
-                readonly: false,
-            })
-            .collect();
-        if userns.is_some() {
-            // In a pod of its own user namespace, containerd 2.x mounts its own
-            // /etc/hostname, /etc/hosts and /etc/resolv.conf idmapped, which runc < 1.2
-            // cannot do ("idmap mounts not supported"); a CRI mount of the same path, as
-            // kubelet gives for /etc/hosts, replaces containerd's. Plain binds of the
-            // node's files: the container reads them as the overflow owner.
-            let etc = self.dir.join("pod-etc");
-            std::fs::create_dir_all(&etc).unwrap();
-            for (name, content) in [
-                ("hostname", "gs-pod\n"),
-                ("hosts", "127.0.0.1 localhost\n"),
-                ("resolv.conf", ""),
-            ] {
-                std::fs::write(etc.join(name), content).unwrap();
-                mounts.push(CriMount {
-                    container_path: format!("/etc/{name}"),
-                    host_path: etc.join(name).display().to_string(),
-                    readonly: true,
-                });
-            }
-        }
-        let config = ContainerConfig {
-            metadata: Some(ContainerMetadata {
-                name: c.name.into(),
-                attempt: c.attempt,
-            }),
-            image: Some(ImageSpec {
-                image: IMAGE.into(),
-            }),
-            command: vec!["sh".into(), "-c".into(), c.script.into()],
-            envs: c
-                .envs
-                .iter()
-                .map(|(k, v)| KeyValue {
-                    key: k.to_string(),
-                    value: v.to_string(),
-                })
-                .collect(),
-            mounts,
-            devices: c
-                .devices
-                .iter()
-                .map(|d| {
-                    let (host, container) = d.split_once(':').unwrap_or((d, d));
-                    Device {
-                        container_path: container.to_string(),
-                        host_path: host.to_string(),
-                        permissions: "rw".into(),
-                    }
-                })
-                .collect(),
-            annotations: c
-                .annotations
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-            cdi_devices: c
-                .cdi_devices
-                .iter()
-                .map(|name| CdiDevice {
-                    name: name.to_string(),
-                })
-                .collect(),
-            log_path: format!("{}_{}.log", c.name, c.attempt),
-            linux: Some(LinuxContainerConfig {
-                security_context: Some(LinuxContainerSecurityContext {
-                    // The pod's user namespace, as kubelet gives it to each container
-                    // (the other modes left as POD: the pod's namespaces).
-                    namespace_options: userns.map(|userns| NamespaceOption {
-                        userns_options: Some(userns),
-                        ..Default::default()
-                    }),
-                    run_as_user: c.run_as_user.map(|value| Int64Value { value }),
-                    run_as_group: c.run_as_user.map(|value| Int64Value { value }),
-                }),
-            }),
-            ..Default::default()
-        };
-        self.cri().create_container(&pod.id, &config, &pod.config)
-    }
-
-    /// CreateContainer + StartContainer (where the runtime's `create` runs).
-    fn try_run(&self, pod: &Pod, c: &ContainerSpec) -> Result<String, Status> {
-        let id = self.create(pod, c)?;
-        self.cri().start_container(&id)?;
-        Ok(id)
-    }
-
-    fn run(&self, pod: &Pod, c: &ContainerSpec) -> String {
-        self.try_run(pod, c)
-            .unwrap_or_else(|e| panic!("container {}: {e}\n{}", c.name, self.log_text()))
-    }
-
-    /// A container whose request is bad: its start fails with gpushare's one `line` in
-    /// the CRI error, and no daemon appears for it.
-    fn refuse(&self, pod: &Pod, c: &ContainerSpec, line: &str) {
-        let daemons = self.env.daemon_ids();
-        let err = self.try_run(pod, c).expect_err("a bad request must fail");
-        assert!(err.message.contains(line), "want {line:?} in: {err}");
-        assert_eq!(self.env.daemon_ids(), daemons, "no daemon is started");
-    }
-
-    /// The container's output so far (CRI log lines `<time> <stream> <tag> <text>`).
-    fn output(&self, pod: &Pod, c: &ContainerSpec) -> String {
-        let path =
-            Path::new(&pod.config.log_directory).join(format!("{}_{}.log", c.name, c.attempt));
-        std::fs::read_to_string(path)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.splitn(4, ' ').nth(3))
-            .map(|l| format!("{l}\n"))
-            .collect()
-    }
-
-    /// Waits for the simulator client's line in the container's output.
-    fn client_line(
-        &self,
-        pod: &Pod,
-        c: &ContainerSpec,
-    ) -> std::collections::BTreeMap<String, String> {
-        let ok = wait_until(Duration::from_secs(30), || {
-            self.output(pod, c).contains("mps-client ")
-        });
-        assert!(
-            ok,
-            "no client line from {}: {}\n{}",
-            c.name,
-            self.output(pod, c),
-            self.env.gpushare_log()
-        );
-        client_line(&self.output(pod, c))
-    }
-
-    fn wait_state(&self, id: &str, state: i32) {
-        let ok = wait_until(Duration::from_secs(30), || {
-            self.cri()
-                .container_status(id)
-                .ok()
-                .and_then(|s| s.status)
-                .is_some_and(|s| s.state == state)
-        });
-        assert!(ok, "container {id} did not reach state {state}");
-    }
-
-    /// The spec containerd generated (CRI verbose info), before any runtime saw it.
-    fn generated_spec(info: &HashMap<String, String>) -> Value {
-        let info: Value = serde_json::from_str(info.get("info").expect("verbose info")).unwrap();
-        info["runtimeSpec"].clone()
-    }
-
-    /// The container ids with runc state under the `--root` containerd's shim gives runc
-    /// (`/run/containerd/runc/k8s.io`, in the namespace's /run).
-    fn runc_ids(&self) -> String {
-        let out = self
-            .ns()
-            .cmd("sh")
-            .args(["-c", "ls /run/containerd/runc/k8s.io 2>/dev/null; true"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    /// Every container record gpushare keeps, as (daemon, container id).
-    fn gpushare_records(&self) -> Vec<(String, String)> {
-        let mut out = Vec::new();
-        for d in self.env.daemon_ids() {
-            let dir = self.env.state.join("mps").join(&d).join("containers");
-            for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-                let name = e.file_name().to_string_lossy().into_owned();
-                out.push((d.clone(), name.trim_end_matches(".json").to_owned()));
-            }
-        }
-        out
-    }
-
-    /// Daemon id → the container ids `gpushare status` lists for it.
-    fn status_containers(&self) -> HashMap<String, Vec<String>> {
-        self.env
-            .status()
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|d| {
-                (
-                    d["id"].as_str().unwrap().to_owned(),
-                    d["containers"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|c| c["id"].as_str().unwrap().to_owned())
-                        .collect(),
-                )
-            })
-            .collect()
-    }
-
-    fn daemon_of(&self, container: &str) -> Option<String> {
-        self.status_containers()
-            .into_iter()
-            .find(|(_, cs)| cs.iter().any(|c| c == container))
-            .map(|(d, _)| d)
-    }
-
-    /// Stops and removes every pod (and so every container), best effort.
-    fn remove_all(&self) {
-        let Some(cri) = self.cri.as_ref() else { return };
-        for c in cri.list_containers().unwrap_or_default() {
-            let _ = cri.stop_container(&c.id, 0);
-            let _ = cri.remove_container(&c.id);
-        }
-        for p in cri.list_pods().unwrap_or_default() {
-            let _ = cri.stop_pod(&p.id);
-            let _ = cri.remove_pod(&p.id);
-        }
-    }
-}
-
-/// The workload image: the test rootfs (busybox + the simulator's client).
-fn rootfs_image(dir: &Path) -> PathBuf {
-    let layer = rootfs_tar(dir);
-    let tar = image_tar(
-        dir,
-        IMAGE,
-        &layer,
-        serde_json::json!({"Env": ["PATH=/usr/bin:/bin"], "Cmd": ["sh"]}),
-    );
-    let _ = std::fs::remove_file(layer);
-    tar
-}
-
-impl Drop for Node<'_> {
-    fn drop(&mut self) {
-        self.remove_all();
-        self.cri = None;
-        if let Some(mut child) = self.child.take() {
-            stop_child(&mut child, Duration::from_secs(20));
-        }
-        // Shims and containers that outlived a failed removal: every process of the
-        // namespace but its holder and gpushare's own (Env stops those by their records).
-        if let Some(ns) = self.ns.as_ref() {
-            let ours = std::fs::read_link(format!("/proc/{}/ns/mnt", ns.holder_pid())).ok();
-            for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-                let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-                    continue;
-                };
-                if pid as u32 == ns.holder_pid()
-                    || std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok() != ours
-                {
-                    continue;
-                }
-                // gpushare's supervisors and daemons, wherever the binary was run from.
-                let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
-                let name = exe.file_name().unwrap_or_default();
-                if name == "gpushare" || name == "gpushare-mps-sim" {
-                    continue;
-                }
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-        }
-        remove_cgroup(&self.cgroup);
-        // The namespace goes with its last process (gpushare's daemons: Env stops them).
-        self.ns = None;
-    }
-}
-
-/// Removes the pods' cgroup parent (and what runc left below it) from every hierarchy.
-fn remove_cgroup(parent: &str) {
-    let root = Path::new("/sys/fs/cgroup");
-    let mut bases = vec![root.to_path_buf()];
-    for e in std::fs::read_dir(root).into_iter().flatten().flatten() {
-        if e.path().join("cgroup.procs").exists() && !e.path().is_symlink() {
-            bases.push(e.path());
-        }
-    }
-    for base in bases {
-        let dir = base.join(parent.trim_start_matches('/'));
-        if !dir.is_dir() {
-            continue;
-        }
-        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            if e.path().is_dir() {
-                let _ = wait_until(Duration::from_secs(5), || {
-                    std::fs::remove_dir(e.path()).is_ok()
-                });
-            }
-        }
-        let _ = wait_until(Duration::from_secs(5), || std::fs::remove_dir(&dir).is_ok());
-    }
-}
-
-fn hold(seconds: u32) -> String {
-    format!("{CLIENT} --hold {seconds}; exec sleep 3600")
-}
+pub const BAD_PERCENTAGE_LINE: &str = "gpushare: gpushare.io/active-thread-percentage=\"101\" is invalid: allowed is an integer from 1 to 100";
 
 #[test]
 fn cri_pods_of_two_users_share_gpu_0_at_once_on_their_own_daemons() {
@@ -1129,7 +166,7 @@ fn every_client_container_is_named_by_its_pod(node: &mut Node) {
             "{c}"
         );
     }
-    let table = text(&node.env.cmd(GPUSHARE).arg("status").output().unwrap());
+    let table = text(&node.env.cmd(gpushare()).arg("status").output().unwrap());
     for (id, namespace, pod, name) in &want {
         let line = format!("  └ container {}  engine=kubernetes  pid=", &id[..12]);
         let row = table
@@ -1144,7 +181,7 @@ fn every_client_container_is_named_by_its_pod(node: &mut Node) {
     let prom = text(
         &node
             .env
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .args(["status", "--format", "prometheus"])
             .output()
             .unwrap(),
@@ -1254,7 +291,7 @@ fn cri_uninstall_gives_back_the_config_and_containerd_forgets_the_handler() {
     node.cri().stop_pod(&plain.id).unwrap();
     node.cri().remove_pod(&plain.id).unwrap();
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["uninstall", "containerd", "--config"])
         .arg(&node.config)
         .output()
@@ -1575,7 +612,7 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
     // The image's /opt/gpushare (the binaries under test) and the ConfigMap's mount.
     let image = dir.join("image");
     std::fs::create_dir_all(&image).unwrap();
-    for (from, name) in [(GPUSHARE, "gpushare"), (RUNTIME, "gpushare-runtime")] {
+    for (from, name) in [(gpushare(), "gpushare"), (runtime(), "gpushare-runtime")] {
         std::fs::copy(from, image.join(name)).unwrap();
     }
     let source = dir.join("configmap/runtime.toml");
@@ -1904,15 +941,7 @@ fn cri_install_on_a_config_without_cri_tables_keeps_the_plugin_loading() {
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("config.toml");
     std::fs::write(&config, daemon_config(&dir)).unwrap();
-    let out = env
-        .cmd(GPUSHARE)
-        .args(["install", "containerd", "--config"])
-        .arg(&config)
-        .arg("--runtime-path")
-        .arg(RUNTIME)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    install_shim(&env, &config);
     // Panics unless containerd's CRI plugin loads and answers.
     let _node = Node::start_with(&env, dir, config, &[]);
 }
@@ -2057,44 +1086,6 @@ fn cri_a_pod_without_host_ipc_never_gets_it_by_annotation() {
     assert_eq!(node.client_line(&host_pod, &c)["server_uid"], "1000");
 }
 
-/// Registers runtime class `name` on the containerd config at `config` the way an
-/// operator does for containerd without the shim: `gpushare install containerd
-/// --hook-only` (the binary under test, with this env's config, which it passes on to the
-/// hooks it writes into the base spec). Returns the base spec it wrote.
-fn install_hook_only(env: &Env, config: &Path, name: &str) -> Value {
-    let out = env
-        .cmd(GPUSHARE)
-        .args([
-            "install",
-            "containerd",
-            "--hook-only",
-            "--name",
-            name,
-            "--config",
-        ])
-        .arg(config)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("hook-only"), "{}", text(&out));
-    let spec = config.with_file_name(format!("{name}-base-spec.json"));
-    let again = env
-        .cmd(GPUSHARE)
-        .args([
-            "install",
-            "containerd",
-            "--hook-only",
-            "--name",
-            name,
-            "--config",
-        ])
-        .arg(config)
-        .output()
-        .unwrap();
-    assert!(text(&again).contains("nothing to do"), "{}", text(&again));
-    serde_json::from_slice(&std::fs::read(&spec).unwrap()).unwrap()
-}
-
 /// containerd without the shim. A runtime class whose `base_runtime_spec`
 /// (containerd's own default spec plus gpushare's hook-only `prestart`/`poststop` hooks,
 /// as `gpushare install containerd --hook-only` writes them) runs plain runc: the hook resolves the request itself and binds the daemon's pipe
@@ -2103,18 +1094,14 @@ fn install_hook_only(env: &Env, config: &Path, name: &str) -> Value {
 #[test]
 fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
     let env = Env::new();
-    let dir = env.path().join("k");
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("config.toml");
-    std::fs::write(&config, base_config(&dir)).unwrap();
-    let base = install_hook_only(&env, &config, HANDLER);
-    assert_eq!(
-        base["hooks"]["prestart"][0]["env"][1],
-        format!("GPUSHARE_CONFIG={}", env.config.display()),
-        "the hooks read the installer's config"
-    );
-    let mut node = Node::start_with(&env, dir, config, &[]);
-    node.import_images();
+    let mut node = Node::installed(&env, &|config| {
+        let base = install_hook_only(&env, config, HANDLER);
+        assert_eq!(
+            base["hooks"]["prestart"][0]["env"][1],
+            format!("GPUSHARE_CONFIG={}", env.config.display()),
+            "the hooks read the installer's config"
+        );
+    });
 
     let pod = node.pod(&PodSpec {
         name: "hookonly",
@@ -2154,7 +1141,7 @@ fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
         "{}",
         spec["annotations"]
     );
-    assert_eq!(spec["hooks"]["prestart"][0]["path"], GPUSHARE);
+    assert_eq!(spec["hooks"]["prestart"][0]["path"], gpushare());
     let ids = env.daemon_ids();
     assert_eq!(ids.len(), 1, "{ids:?}");
     assert_eq!(env.record(&ids[0])["identity"]["uid"], 1000);
@@ -2231,22 +1218,10 @@ fn cri_pod_start_bench() {
         cfg.replace("log-level = \"debug\"", "log-level = \"info\""),
     )
     .unwrap();
-    let dir = env.path().join("k");
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("config.toml");
-    std::fs::write(&config, base_config(&dir)).unwrap();
-    let out = env
-        .cmd(GPUSHARE)
-        .args(["install", "containerd", "--config"])
-        .arg(&config)
-        .arg("--runtime-path")
-        .arg(RUNTIME)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    install_hook_only(&env, &config, "gpushare-hooks");
-    let mut node = Node::start_with(&env, dir, config, &[]);
-    node.import_images();
+    let mut node = Node::installed(&env, &|config| {
+        install_shim(&env, config);
+        install_hook_only(&env, config, "gpushare-hooks");
+    });
 
     let variants = [
         ("runc", "runc", false),
@@ -2407,22 +1382,18 @@ fn cri_a_containerd_restart_keeps_a_pod_s_job_and_its_daemon() {
 #[test]
 fn cri_a_forged_decision_annotation_never_makes_the_hook_only_class_skip_a_pod() {
     let env = Env::with_config("default-active-thread-percentage = 25");
-    let dir = env.path().join("k");
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("config.toml");
-    std::fs::write(&config, base_config(&dir)).unwrap();
-    install_hook_only(&env, &config, "gpushare-hooks");
-    install_hook_only(&env, &config, "gpushare-old");
-    let toml = std::fs::read_to_string(&config).unwrap();
-    let keys = &crate::harness::pod_annotations_line();
-    assert_eq!(toml.matches(keys).count(), 2, "{toml}");
-    let old = toml
-        .replacen(keys, r#"pod_annotations = ["gpushare.io/*"]"#, 2)
-        .replacen(r#"pod_annotations = ["gpushare.io/*"]"#, keys, 1);
-    assert!(old.contains("gpushare.io/*"), "{old}");
-    std::fs::write(&config, old).unwrap();
-    let mut node = Node::start_with(&env, dir, config, &[]);
-    node.import_images();
+    let mut node = Node::installed(&env, &|config| {
+        install_hook_only(&env, config, "gpushare-hooks");
+        install_hook_only(&env, config, "gpushare-old");
+        let toml = std::fs::read_to_string(config).unwrap();
+        let keys = &pod_annotations_line();
+        assert_eq!(toml.matches(keys).count(), 2, "{toml}");
+        let old = toml
+            .replacen(keys, r#"pod_annotations = ["gpushare.io/*"]"#, 2)
+            .replacen(r#"pod_annotations = ["gpushare.io/*"]"#, keys, 1);
+        assert!(old.contains("gpushare.io/*"), "{old}");
+        std::fs::write(config, old).unwrap();
+    });
 
     let forged = "0".repeat(32);
     for (n, handler) in ["gpushare-hooks", "gpushare-old"].into_iter().enumerate() {
@@ -2565,7 +1536,7 @@ fn cri_serves_a_cdi_device_once_through_the_shim(version: u32) {
     // the node's config, with that directory among its `cdi_spec_dirs`.
     let configure = |config: &Path| {
         let out = env
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .args(["install", "cdi", "--output"])
             .arg(cdi.join("gpushare.json"))
             .args(["--enable", "containerd", "--config"])

@@ -125,7 +125,7 @@ fn missing_tests(names: &[String]) -> Vec<String> {
 
 /// Where a reader meets references: the source trees and the docs (the top-level `*.md`
 /// and `docs/`).
-const SCANNED: [&str; 5] = ["src", "tests", "scripts", "sim", "docs"];
+const SCANNED: [&str; 6] = ["src", "tests", "testkit", "scripts", "sim", "docs"];
 
 /// What the scan leaves out, each for a reason: the raw records of past runs, kept as
 /// they were written, and this file, which spells out the patterns it forbids.
@@ -188,9 +188,10 @@ fn scanned_files() -> Vec<Scanned> {
 }
 
 /// The top-level entries a repository path starts with.
-const REPOSITORY_DIRS: [&str; 11] = [
+const REPOSITORY_DIRS: [&str; 12] = [
     "src/",
     "tests/",
+    "testkit/",
     "scripts/",
     "sim/",
     "docs/",

@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::harness::*;
+use testkit::*;
 
 /// The driver version fake_nvml.c reports.
 const FAKE_DRIVER: &str = "550.54.15";
@@ -91,7 +91,7 @@ pub(crate) fn operator_env() -> (Env, PathBuf) {
 }
 
 pub(crate) fn doctor(env: &Env) -> (String, Option<i32>) {
-    let out = env.cmd(GPUSHARE).arg("doctor").output().unwrap();
+    let out = env.cmd(gpushare()).arg("doctor").output().unwrap();
     (
         String::from_utf8_lossy(&out.stdout).into_owned(),
         out.status.code(),

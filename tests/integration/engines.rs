@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
-use crate::harness::*;
+use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
 
@@ -68,7 +68,7 @@ impl Dockerd {
         // Configured by our own installer.
         let daemon_json = dir.join("daemon.json");
         let out = env
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .args(["install", "docker", "--config"])
             .arg(&daemon_json)
             .output()
@@ -197,7 +197,7 @@ fn docker_20_10_forgets_the_runtime_after_uninstall_and_a_reload() {
     assert!(runtimes().contains("\"gpushare\""), "{}", runtimes());
     let daemon_json = d.dir.join("daemon.json");
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["uninstall", "docker", "--config"])
         .arg(&daemon_json)
         .output()
@@ -229,7 +229,7 @@ fn docker_20_10_forgets_the_runtime_after_uninstall_and_a_reload() {
     assert!(!out.status.success(), "{}", text(&out));
     // Twice changes nothing.
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["uninstall", "docker", "--config"])
         .arg(&daemon_json)
         .output()
@@ -490,7 +490,7 @@ fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
         let cfg = dir.join(name);
         std::fs::write(&cfg, &seed).unwrap();
         let out = env
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .args(["install", "containerd", "--config"])
             .arg(&cfg)
             .output()
@@ -519,16 +519,13 @@ fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
         assert!(
             dump.contains(&format!(
                 "BinaryName = \"{}\"",
-                Path::new(RUNTIME).display()
+                Path::new(runtime()).display()
             )),
             "{dump}"
         );
-        assert!(
-            dump.contains(&crate::harness::pod_annotations_line()),
-            "{dump}"
-        );
+        assert!(dump.contains(&testkit::pod_annotations_line()), "{dump}");
         let again = env
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .args(["install", "containerd", "--config"])
             .arg(&cfg)
             .output()
@@ -550,7 +547,7 @@ fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
         "--rm",
         "--rootfs",
         "--runc-binary",
-        RUNTIME,
+        runtime(),
         "--annotation",
         "gpushare.io/device=0",
         "--env",
@@ -984,7 +981,7 @@ impl CtrTier<'_> {
             if detach { "-d" } else { "--rm" },
             "--rootfs",
             "--runc-binary",
-            RUNTIME,
+            runtime(),
             "--user",
             &uid,
             "--env",
@@ -1006,7 +1003,7 @@ impl CtrTier<'_> {
                 "run",
                 if detach { "-d" } else { "--rm" },
                 "--runc-binary",
-                RUNTIME,
+                runtime(),
                 "--config",
                 spec.to_str().unwrap(),
                 name,
@@ -1067,7 +1064,7 @@ fn containerd_tier(bin: Option<PathBuf>, version: u32) {
     // version by asking `containerd --version`), then the containerd reads it back with the
     // runtime where that version's CRI plugin looks.
     let cfg = dir.join("installed.toml");
-    let mut install = env.cmd(GPUSHARE);
+    let mut install = env.cmd(gpushare());
     if let Some(bin) = &bin {
         install.env("PATH", path_with(bin));
     }
@@ -1104,7 +1101,7 @@ fn containerd_tier(bin: Option<PathBuf>, version: u32) {
     assert!(
         dump.contains(&format!(
             "BinaryName = {quote}{}{quote}",
-            Path::new(RUNTIME).display()
+            Path::new(runtime()).display()
         )),
         "{dump}"
     );

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use crate::harness::*;
+use testkit::*;
 
 /// A child killed and reaped when the test ends, whichever way it ends.
 struct KillOnDrop(Child);
@@ -74,7 +74,7 @@ fn a_shim_killed_before_runc_create_returned_leaves_no_record_that_keeps_its_dae
     assert!(pending.exists(), "the shim's pending record is there");
     holder.delete();
     // gc takes the record of a gone shim for stale at once...
-    let out = env.cmd(GPUSHARE).arg("gc").output().unwrap();
+    let out = env.cmd(gpushare()).arg("gc").output().unwrap();
     assert!(out.status.success(), "gc: {}", text(&out));
     assert!(
         !pending.exists(),
@@ -142,7 +142,8 @@ fn a_supervisor_started_for_a_killed_create_never_runs_beside_another() {
         env.cmd("sh")
             .arg("-c")
             .arg(format!(
-                "kill -STOP $$; exec {GPUSHARE} daemon supervise --id {id}"
+                "kill -STOP $$; exec {} daemon supervise --id {id}",
+                gpushare()
             ))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -205,7 +206,7 @@ fn gc_removes_the_cgroup_of_a_supervisor_that_is_a_zombie() {
     let _ = std::fs::create_dir(&top);
     let cg = top.join(format!("0123456789abcdef0123456789abcdef-{pid}"));
     std::fs::create_dir(&cg).unwrap();
-    let out = env.cmd(GPUSHARE).arg("gc").output().unwrap();
+    let out = env.cmd(gpushare()).arg("gc").output().unwrap();
     let gone = !cg.exists();
     let _ = std::fs::remove_dir(&cg);
     let _ = zombie.wait();
@@ -250,7 +251,7 @@ fn gc_keeps_a_daemon_started_while_it_waited_for_the_identitys_lock() {
         .unwrap();
     let held = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive).unwrap();
     let gc = KillOnDrop(
-        env.cmd(GPUSHARE)
+        env.cmd(gpushare())
             .arg("gc")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -270,7 +271,7 @@ fn gc_keeps_a_daemon_started_while_it_waited_for_the_identitys_lock() {
     let record = env.state.join("mps").join(&id).join("daemon.json");
     std::fs::write(&record, serde_json::to_vec_pretty(&starting).unwrap()).unwrap();
     let _sup = KillOnDrop(
-        env.cmd(GPUSHARE)
+        env.cmd(gpushare())
             .args(["daemon", "supervise", "--id", &id])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -310,7 +311,7 @@ fn gc_keeps_a_daemon_started_while_it_waited_for_the_identitys_lock() {
 /// `gpushare daemon start --device 0 --uid 1000 --json`, which must succeed: its output.
 fn start_uid_1000_on_gpu_0(env: &Env) -> serde_json::Value {
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args([
             "daemon", "start", "--device", "0", "--uid", "1000", "--json",
         ])

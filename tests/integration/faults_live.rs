@@ -14,7 +14,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use crate::harness::*;
+use testkit::*;
 
 const HOLD: &str = "gpushare-mps-sim client --hold 120";
 const CLIENT: &str = "gpushare-mps-sim client";
@@ -49,7 +49,7 @@ fn pid_of(rec: &serde_json::Value, key: &str) -> i32 {
 }
 
 fn gpushare(env: &Env, args: &[&str]) -> (bool, String, String) {
-    let out = env.cmd(GPUSHARE).args(args).output().unwrap();
+    let out = env.cmd(testkit::gpushare()).args(args).output().unwrap();
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -492,7 +492,7 @@ fn a_containerd_restart_keeps_containers_and_the_daemon() {
         args.extend_from_slice(&[
             "--rootfs",
             "--runc-binary",
-            RUNTIME,
+            runtime(),
             "--annotation",
             "gpushare.io/device=0",
             "--env",

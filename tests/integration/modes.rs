@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use crate::harness::*;
+use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
 
@@ -17,23 +17,8 @@ fn same_ns(pid: i64, ns: &str) -> bool {
 fn multi_user_serves_every_uid_from_one_root_daemon_at_once() {
     let env =
         Env::with_config("user-mode = \"multi-user\"\nmulti-user-flag = \"-multiuser-server\"");
-    let a = env
-        .container("mu-a")
-        .uid(1000)
-        .device("0")
-        .sh(&format!("{CLIENT} --hold 1.5"))
-        .create();
-    let b = env
-        .container("mu-b")
-        .uid(2000)
-        .device("0")
-        .sh(&format!("{CLIENT} --hold 1.5"))
-        .create();
-    a.start();
-    b.start();
-    a.wait();
-    b.wait();
-    let (la, lb) = (client_line(&a.stdout()), client_line(&b.stdout()));
+    let [a, b] = env.two_users(["mu-a", "mu-b"], &format!("{CLIENT} --hold 1.5"));
+    let [la, lb] = run_at_once([&a, &b]);
     assert_eq!(la["server"], lb["server"], "one server for both users");
     for l in [&la, &lb] {
         assert!(l["waited_ms"].parse::<u64>().unwrap() < 1000, "{l:?}");
@@ -501,7 +486,7 @@ fn gc_cleans_what_a_crash_left() {
         .join(".0123456789abcdef0123456789abcdef.removing");
     std::fs::create_dir_all(tomb.join("pipe")).unwrap();
 
-    let out = env.cmd(GPUSHARE).arg("gc").output().unwrap();
+    let out = env.cmd(gpushare()).arg("gc").output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
     assert!(text.contains("removed 1 stale container record"), "{text}");
@@ -539,7 +524,7 @@ fn gc_cleans_what_a_crash_left() {
     }
     let old_sup = rec["supervisor"]["pid"].as_i64().unwrap() as i32;
     assert!(wait_until(Duration::from_secs(5), || !alive(old_sup)));
-    let out = env.cmd(GPUSHARE).arg("gc").output().unwrap();
+    let out = env.cmd(gpushare()).arg("gc").output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("restarted"),
@@ -555,7 +540,7 @@ fn gc_cleans_what_a_crash_left() {
 fn operators_start_list_and_stop_daemons_outside_containers() {
     let env = Env::new();
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args([
             "daemon",
             "start",
@@ -589,7 +574,11 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
         .create();
     c.start();
     assert_eq!(env.daemon_of(&c), id);
-    let list = env.cmd(GPUSHARE).args(["daemon", "list"]).output().unwrap();
+    let list = env
+        .cmd(gpushare())
+        .args(["daemon", "list"])
+        .output()
+        .unwrap();
     let list = String::from_utf8_lossy(&list.stdout).into_owned();
     assert!(
         list.contains(&id) && list.contains("threads=40%") && list.contains("container pre"),
@@ -597,7 +586,7 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
     );
     // Bad input is one line naming the flag.
     let bad = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args([
             "daemon",
             "start",
@@ -618,7 +607,7 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
     );
     // Without --uid (and not multi-user) it refuses rather than serve root silently.
     let no_uid = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["daemon", "start", "--device", "0"])
         .output()
         .unwrap();
@@ -626,7 +615,7 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
     assert!(String::from_utf8_lossy(&no_uid.stderr).contains("--uid"));
     // Stopping a daemon that does not exist is an error, not a "stopped".
     let none = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["daemon", "stop", "--id", "0123456789abcdef0123456789abcdef"])
         .output()
         .unwrap();
@@ -635,7 +624,7 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
         .contains("no daemon 0123456789abcdef0123456789abcdef"));
     // Stop refuses while a container uses it, then stops with --force.
     let refused = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["daemon", "stop", "--id", &id])
         .output()
         .unwrap();
@@ -648,7 +637,7 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
         "the supervisor has cgroups of its own"
     );
     let forced = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["daemon", "stop", "--all", "--force"])
         .output()
         .unwrap();

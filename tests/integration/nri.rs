@@ -1,7 +1,7 @@
 //! `gpushare nri`: the plugin through a CRI plugin's NRI, with no RuntimeClass (pods on the
 //! default runc handler). containerd 2.3.4 is the one `scripts/fetch-engines` builds from
 //! source (the first release that tells a plugin the container's user); containerd 2.1
-//! (sid's) speaks NRI without it. A child module of cri.rs, for its `Node`.
+//! (sid's) speaks NRI without it. On the test kit's `Node`.
 //!
 //! The plugin runs in the node's mount namespace (as a node's plugin sees the node's
 //! mounts) and is stopped by its pid in `Drop`, even when a test fails; its daemons are
@@ -11,7 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::Duration;
 
-use super::*;
+use serde_json::Value;
+use testkit::*;
+
+use crate::cri::BAD_PERCENTAGE_LINE;
 
 /// Where `scripts/fetch-engines` built containerd 2.3.4: `GPUSHARE_TEST_CONTAINERD23`,
 /// else the script's default cache. `None` (the test says why and skips) only when the
@@ -67,7 +70,7 @@ impl Plugin {
         let mut cmd = env.cmd("nsenter");
         cmd.arg(format!("--mount=/proc/{}/ns/mnt", node.ns().holder_pid()))
             .arg("--")
-            .arg(GPUSHARE)
+            .arg(gpushare())
             .arg("nri")
             .arg("--socket")
             .arg(&sock)
@@ -323,7 +326,7 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
     // The plugin restarts under live pods: its records stay (Synchronize finds the
     // containers running); then a removed pod leaves no record.
     // Connected: the line deploy/nri-plugin.yaml's readiness probe looks for.
-    let status = env.cmd(GPUSHARE).arg("status").output().unwrap();
+    let status = env.cmd(gpushare()).arg("status").output().unwrap();
     assert!(
         text(&status)
             .lines()
@@ -332,7 +335,7 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
         text(&status)
     );
     plugin.stop();
-    let status = env.cmd(GPUSHARE).arg("status").output().unwrap();
+    let status = env.cmd(gpushare()).arg("status").output().unwrap();
     assert!(
         text(&status).contains("NRI plugin not running"),
         "{}",
@@ -598,7 +601,7 @@ fn nri_plugin_leaves_a_cdi_device_to_gpushare_s_hook() {
     let cdi = env.path().join("cdi");
     let configure = |config: &Path| {
         let out = env
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .args(["install", "cdi", "--output"])
             .arg(cdi.join("gpushare.json"))
             .args(["--enable", "containerd", "--config"])

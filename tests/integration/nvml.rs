@@ -9,7 +9,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-use crate::harness::*;
+use testkit::*;
 
 /// The UUIDs fake_nvml.c reports for its GPUs 0 and 1.
 const FAKE_GPU0: &str = "GPU-0fa4e000-0000-4000-8000-00000000a300";
@@ -68,7 +68,7 @@ echo 'NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  (fake, for gpus
 fn doctor_and_status_see_the_fake_gpus() {
     let (mut env, _lib) = nvml_env();
     env.start_agent();
-    let out = env.cmd(GPUSHARE).arg("doctor").output().unwrap();
+    let out = env.cmd(gpushare()).arg("doctor").output().unwrap();
     let report = String::from_utf8_lossy(&out.stdout);
     for line in [
         "ok    driver             NVML answers: driver 550.54.15, 2 GPU(s)",
@@ -83,7 +83,7 @@ fn doctor_and_status_see_the_fake_gpus() {
     // A daemon on GPU index 1: the CLI resolves the index through NVML, and status
     // describes the device from it.
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["daemon", "start", "--device", "1", "--uid", "1000"])
         .output()
         .unwrap();
@@ -194,7 +194,7 @@ fn a_create_fails_with_one_line_when_nvml_does_not_initialise() {
     assert!(!env.state.join("inventory.json").exists(), "nothing cached");
 
     // doctor says the same, as its driver check.
-    let out = env.cmd(GPUSHARE).arg("doctor").output().unwrap();
+    let out = env.cmd(gpushare()).arg("doctor").output().unwrap();
     let report = String::from_utf8_lossy(&out.stdout);
     assert!(
         report
@@ -214,7 +214,7 @@ fn the_shim_reads_nvml_through_the_gpushare_beside_it() {
     let alone = env.path().join("alone");
     std::fs::create_dir(&alone).unwrap();
     let shim = alone.join("gpushare-runtime");
-    std::fs::copy(RUNTIME, &shim).unwrap();
+    std::fs::copy(runtime(), &shim).unwrap();
     let c = env.container("n2").uid(1000).device("1").bundle();
     let before = c.config_bytes();
     let status = env

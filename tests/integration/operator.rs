@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::harness::*;
+use testkit::*;
 
 #[test]
 fn status_shows_daemons_health_and_containers_in_three_formats() {
@@ -61,7 +61,7 @@ fn status_shows_daemons_health_and_containers_in_three_formats() {
     assert_eq!(mig["devices"][0]["mig_profile"], "1g.10gb");
 
     let table =
-        String::from_utf8(env.cmd(GPUSHARE).arg("status").output().unwrap().stdout).unwrap();
+        String::from_utf8(env.cmd(gpushare()).arg("status").output().unwrap().stdout).unwrap();
     for needle in [
         "DAEMON",
         "HEALTH",
@@ -87,7 +87,7 @@ fn status_shows_daemons_health_and_containers_in_three_formats() {
     )
     .unwrap();
     let table = String::from_utf8(
-        env.cmd(GPUSHARE)
+        env.cmd(gpushare())
             .env("GPUSHARE_CONFIG", &no_binary)
             .arg("status")
             .output()
@@ -105,7 +105,7 @@ fn status_shows_daemons_health_and_containers_in_three_formats() {
 
     let prom_file = env.path().join("gpushare.prom");
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["status", "--format", "prometheus", "--output"])
         .arg(&prom_file)
         .output()
@@ -176,7 +176,7 @@ fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
             "control-binary = \"/nonexistent/nvidia-cuda-mps-control\"",
         );
     std::fs::write(&broken, text).unwrap();
-    let out = std::process::Command::new(GPUSHARE)
+    let out = std::process::Command::new(gpushare())
         .env("GPUSHARE_CONFIG", &broken)
         .arg("doctor")
         .output()
@@ -209,7 +209,7 @@ fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
     let log = env.path().join("gpushare.log");
     let _ = std::fs::remove_file(&log);
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .arg("doctor")
         .args([
             "--docker-config",
@@ -241,7 +241,7 @@ fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
             "{check}:\n{report}"
         );
     }
-    let out = env.cmd(GPUSHARE).arg("status").output().unwrap();
+    let out = env.cmd(gpushare()).arg("status").output().unwrap();
     assert!(out.status.success());
     assert!(!log.exists(), "doctor and status wrote {}", log.display());
 
@@ -249,7 +249,7 @@ fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
     let bad = env.path().join("bad.toml");
     std::fs::write(&bad, "no-such-key = 1\n").unwrap();
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .env("GPUSHARE_CONFIG", &bad)
         .arg("doctor")
         .output()
@@ -268,11 +268,11 @@ fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
     assert!(first.starts_with("low-level-runtime"), "{first}");
     std::fs::write(
         &looping,
-        text.replacen(&first, &format!("low-level-runtime = [{RUNTIME:?}]"), 1),
+        text.replacen(&first, &format!("low-level-runtime = [{:?}]", runtime()), 1),
     )
     .unwrap();
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .env("GPUSHARE_CONFIG", &looping)
         .args([
             "doctor",
@@ -293,7 +293,7 @@ fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
 
 #[test]
 fn both_binaries_report_their_version_and_the_shim_passes_runcs_through() {
-    let out = std::process::Command::new(RUNTIME)
+    let out = std::process::Command::new(runtime())
         .arg("--version")
         .output()
         .unwrap();
@@ -310,7 +310,7 @@ fn both_binaries_report_their_version_and_the_shim_passes_runcs_through() {
         text.contains("runc version"),
         "runc's own version follows:\n{text}"
     );
-    let out = std::process::Command::new(GPUSHARE)
+    let out = std::process::Command::new(gpushare())
         .arg("--version")
         .output()
         .unwrap();
@@ -421,7 +421,7 @@ fn a_pod_named_with_control_characters_and_quotes_is_escaped_everywhere() {
         "stored as written, escaped when shown"
     );
 
-    let out = env.cmd(GPUSHARE).arg("status").output().unwrap();
+    let out = env.cmd(gpushare()).arg("status").output().unwrap();
     let table = String::from_utf8(out.stdout).unwrap();
     assert!(
         table.contains(&format!(
@@ -431,7 +431,7 @@ fn a_pod_named_with_control_characters_and_quotes_is_escaped_everywhere() {
         "{table}"
     );
     let prom = String::from_utf8(
-        env.cmd(GPUSHARE)
+        env.cmd(gpushare())
             .args(["status", "--format", "prometheus"])
             .output()
             .unwrap()
@@ -474,10 +474,10 @@ fn install_takes_a_bare_file_name_and_a_dry_run_creates_nothing() {
     let cwd = env.path().join("cwd");
     std::fs::create_dir(&cwd).unwrap();
     let install = |args: &[&str]| {
-        env.cmd(GPUSHARE)
+        env.cmd(gpushare())
             .arg("install")
             .args(args)
-            .args(["--runtime-path", RUNTIME])
+            .args(["--runtime-path", runtime()])
             .current_dir(&cwd)
             .output()
             .unwrap()
@@ -491,7 +491,7 @@ fn install_takes_a_bare_file_name_and_a_dry_run_creates_nothing() {
         let out = install(&args);
         assert!(out.status.success(), "{}", text(&out));
         assert!(
-            String::from_utf8_lossy(&out.stdout).contains(RUNTIME),
+            String::from_utf8_lossy(&out.stdout).contains(runtime()),
             "{}",
             text(&out)
         );
@@ -510,7 +510,7 @@ fn install_takes_a_bare_file_name_and_a_dry_run_creates_nothing() {
         assert!(
             std::fs::read_to_string(cwd.join(file))
                 .unwrap()
-                .contains(RUNTIME),
+                .contains(runtime()),
             "{engine}"
         );
         // No temp file is left beside it.
@@ -551,7 +551,7 @@ fn daemon_stop_all_stops_every_idle_daemon_and_names_each_one_in_use() {
     let mut idle = Vec::new();
     for pct in 10..60 {
         let out = env
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .args([
                 "daemon", "start", "--device", "0", "--uid", "2000", "--json",
             ])
@@ -570,7 +570,7 @@ fn daemon_stop_all_stops_every_idle_daemon_and_names_each_one_in_use() {
         "an idle daemon sorts after {busy}"
     );
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["daemon", "stop", "--all"])
         .output()
         .unwrap();
@@ -595,7 +595,7 @@ fn daemon_stop_all_stops_every_idle_daemon_and_names_each_one_in_use() {
     // Nothing in use: --all stops everything and exits 0.
     c.delete();
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["daemon", "stop", "--all"])
         .output()
         .unwrap();

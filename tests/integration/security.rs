@@ -5,7 +5,7 @@ use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use crate::harness::*;
+use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
 
@@ -153,7 +153,7 @@ fn escaping_ids_and_planted_symlinks_are_refused() {
     let c = env.container("esc").uid(1000).device("0").bundle();
     let log = c.log();
     let out = env
-        .cmd(RUNTIME)
+        .cmd(runtime())
         .arg("--root")
         .arg(&env.runc_root)
         .arg("--log")
@@ -298,18 +298,7 @@ fn a_preload_library_in_the_container_env_never_reaches_hook_supervisor_or_daemo
 #[test]
 fn a_per_user_daemon_is_confined_to_its_own_directories() {
     let env = Env::new();
-    let a = env
-        .container("ua")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
-    let b = env
-        .container("ub")
-        .uid(2000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let [a, b] = env.two_users(["ua", "ub"], CLIENT);
     a.run();
     b.run();
     let (ida, idb) = (env.daemon_of(&a), env.daemon_of(&b));
@@ -601,7 +590,7 @@ fn a_joined_user_namespace_is_served_as_the_container_s_host_uid() {
         "pid": holder.pid(), "bundle": plain.bundle, "annotations": ann,
     });
     let mut hook = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["hook", "create-runtime"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

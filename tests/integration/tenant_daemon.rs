@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use crate::harness::*;
+use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
 
@@ -589,7 +589,12 @@ fn a_listener_planted_at_control_gets_no_escape_sequence_to_roots_screen_or_log(
         }
     });
     let status = |args: &[&str]| {
-        let out = env.cmd(GPUSHARE).arg("status").args(args).output().unwrap();
+        let out = env
+            .cmd(gpushare())
+            .arg("status")
+            .args(args)
+            .output()
+            .unwrap();
         assert!(
             out.status.success(),
             "{}",

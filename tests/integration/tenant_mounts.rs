@@ -9,7 +9,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use crate::harness::*;
+use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
 
@@ -164,7 +164,7 @@ pub fn hook_only_create_with(env: &Env, c: &Container, flags: &[&str]) -> Output
             args.extend_from_slice(flags);
         }
         serde_json::json!({
-            "path": GPUSHARE,
+            "path": gpushare(),
             "args": args,
             "env": [
                 "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",

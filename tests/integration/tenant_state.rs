@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
 
-use crate::harness::*;
+use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
 
@@ -63,7 +63,7 @@ fn crash(env: &Env, id: &str) {
 /// `gpushare gc` with the open-file limit a login shell or a systemd service usually has.
 fn gc(env: &Env) -> Output {
     let mut cmd = env.cmd("/bin/sh");
-    cmd.args(["-c", "ulimit -n 1024 && exec \"$0\" gc", GPUSHARE]);
+    cmd.args(["-c", "ulimit -n 1024 && exec \"$0\" gc", gpushare()]);
     cmd.output().unwrap()
 }
 
@@ -276,7 +276,7 @@ fn daemons_are_capped_per_uid_and_per_node() {
     assert_eq!(mounts_under(&env), mounts, "no third mount");
     // `gpushare daemon start` is refused the same way.
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args([
             "daemon",
             "start",
@@ -310,7 +310,7 @@ fn daemons_are_capped_per_uid_and_per_node() {
         .find(|id| env.record(id)["identity"]["active_thread_percentage"] == 10)
         .unwrap();
     let out = env
-        .cmd(GPUSHARE)
+        .cmd(gpushare())
         .args(["daemon", "stop", "--force", "--id", &first])
         .output()
         .unwrap();
@@ -581,7 +581,7 @@ fn a_failed_create_leaves_nothing_that_holds_a_cap_slot_or_a_mount() {
     let lone = env.path().join("lone");
     std::fs::create_dir(&lone).unwrap();
     let shim = lone.join("gpushare-runtime");
-    std::fs::copy(RUNTIME, &shim).unwrap();
+    std::fs::copy(runtime(), &shim).unwrap();
     for (name, tp) in [("lone-1", "40"), ("lone-2", "50")] {
         let c = doomed(&env, name, 1000, tp);
         assert_eq!(create_with(&env, &shim, &c).status.code(), Some(1));
@@ -600,7 +600,7 @@ fn a_failed_create_leaves_nothing_that_holds_a_cap_slot_or_a_mount() {
         assert_eq!(d["status"], "abandoned", "{d}");
         assert_eq!(d["uid"], 1000, "{d}");
     }
-    let table = env.cmd(GPUSHARE).arg("status").output().unwrap();
+    let table = env.cmd(gpushare()).arg("status").output().unwrap();
     assert!(
         text(&table.stdout).contains(&abandoned[0]) && text(&table.stdout).contains("abandoned"),
         "{}",

@@ -1,8 +1,8 @@
 //! The load tier (docs/reliability.md, "Load held"): 8 users × 16 containers created at
 //! once through the shim, and a soak of containers of several users starting, running an
 //! MPS client and being deleted, sampled for leaks. Real `gpushare-runtime`, `gpushare` and
-//! `gpushare-mps-sim` through real runc, as root, with the integration tests' harness
-//! (tests/integration/harness.rs, included below; nothing here is a second harness).
+//! `gpushare-mps-sim` through real runc, as root, on the test kit's harness (the integration
+//! tests' `Env`, testkit/src/harness.rs; nothing here is a second harness).
 //!
 //! ```text
 //! cargo test --test load                      # the burst and a 1-minute soak (./scripts/test)
@@ -19,8 +19,6 @@
 //! taken), so a file or fd that exists only while a container runs or while the supervisor
 //! checks its daemon's limits is never taken for one.
 
-#[path = "../integration/harness.rs"]
-mod harness;
 mod measure;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -28,8 +26,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 
-use harness::*;
 use measure::{percentile_ms, Procs, Sample};
+use testkit::*;
 
 /// The simulator's stand-in for a CUDA process: connects to the daemon of the container's
 /// pipe dir, gets its server, checks the server's shm is visible, exits.

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Command;
 
-use crate::harness::{which, Env};
+use testkit::{which, Env};
 
 /// The processes of one env by role, from /proc.
 #[derive(Clone, Debug, Default)]

@@ -1,14 +1,11 @@
-//! Helpers shared by the test targets `integration` (through its harness,
-//! tests/integration/harness.rs) and `gpu` (the GPU tier, tests/gpu/): finding executables,
-//! polling with a deadline, processes by pid and start time, mounts, the simulator's binary
-//! and its client's line. Both targets include this file with `#[path]`; it is no crate.
+//! Helpers shared by every test target (through the harness, and by the GPU tier,
+//! tests/gpu/, directly): finding executables, polling with a deadline, processes by pid
+//! and start time, mounts, the simulator's binary and its client's line.
 //!
 //! Invariants: nothing here knows a target's layout (the harness's `Env`, the tier's work
 //! directory) or reads a compile-time path (`CARGO_BIN_EXE_*`, `CARGO_MANIFEST_DIR`): the
 //! callers pass them in, so that the GPU tier's executable still works where those paths do
 //! not exist. Waits poll with deadlines; nothing sleeps a fixed time to "let it start".
-
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

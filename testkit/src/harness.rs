@@ -14,32 +14,80 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-// The helpers this target shares with the GPU tier (tests/gpu/), re-exported so that the
-// tests' `use crate::harness::*` sees them as before.
-#[path = "../common/mod.rs"]
-mod common;
-pub use common::{
-    alive, parse_client_line, sim_beside, stop_process, text, umount_below, wait_until, which,
+use crate::common::{
+    alive, parse_client_line, sim_beside, stop_process, umount_below, wait_until, which,
 };
 
-pub const RUNTIME: &str = env!("CARGO_BIN_EXE_gpushare-runtime");
-pub const GPUSHARE: &str = env!("CARGO_BIN_EXE_gpushare");
+/// The repository this kit was built from (its parent directory): the files the tests
+/// read (the example inventory, the shipped hooks, the simulator's sources).
+pub fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("testkit/ is in the repository")
+}
 
-/// The MPS simulator, `gpushare-mps-sim`: a package of its own (sim/, a workspace member), so
-/// Cargo gives these tests no `CARGO_BIN_EXE_` for it; its binary is beside `gpushare` in the
-/// workspace's target dir. `cargo test --tests` (scripts/test) and `cargo build` build it; a
-/// run of this test target alone (`cargo test --test integration`) does not, so a missing
-/// binary, or one older than the simulator's sources, fails here with the command that
-/// builds it rather than later with a stale simulator's behaviour.
-pub fn sim() -> &'static str {
-    static SIM: OnceLock<String> = OnceLock::new();
-    SIM.get_or_init(|| {
-        let sources = Path::new(env!("CARGO_MANIFEST_DIR")).join("sim");
-        match sim_beside(Path::new(GPUSHARE), &sources) {
-            Ok(bin) => bin.display().to_string(),
-            Err(e) => panic!("{e}"),
+/// The directories of this build: the executables (`<target>/<profile>`) and Cargo's temp
+/// dir for tests (`<target>/tmp`, its `CARGO_TARGET_TMPDIR`), found from the running test
+/// executable, `<target>/<profile>/deps/<test>-<hash>`.
+struct Build {
+    bins: PathBuf,
+    tmp: PathBuf,
+}
+
+fn build() -> &'static Build {
+    static BUILD: OnceLock<Build> = OnceLock::new();
+    BUILD.get_or_init(|| {
+        let exe = std::env::current_exe().expect("the test executable's path");
+        let deps = exe.parent().expect("the test executable's directory");
+        let bins = match deps.file_name() {
+            Some(n) if n == "deps" => deps.parent().unwrap_or(deps),
+            _ => deps,
+        };
+        let tmp = bins.parent().unwrap_or(bins).join("tmp");
+        Build {
+            bins: bins.to_path_buf(),
+            tmp,
         }
     })
+}
+
+/// The package's executable `name` of this build, as a string; a missing one fails with
+/// the command that builds it.
+fn package_bin(name: &str) -> String {
+    let bin = build().bins.join(name);
+    assert!(
+        bin.is_file(),
+        "{} not found beside this test's build: build it: cargo build --workspace",
+        bin.display()
+    );
+    bin.display().to_string()
+}
+
+/// The shim under test, `gpushare-runtime`, of this build.
+pub fn runtime() -> &'static str {
+    static BIN: OnceLock<String> = OnceLock::new();
+    BIN.get_or_init(|| package_bin("gpushare-runtime"))
+}
+
+/// The command under test, `gpushare`, of this build.
+pub fn gpushare() -> &'static str {
+    static BIN: OnceLock<String> = OnceLock::new();
+    BIN.get_or_init(|| package_bin("gpushare"))
+}
+
+/// The MPS simulator, `gpushare-mps-sim`: a package of its own (sim/, a workspace member),
+/// its binary beside `gpushare`. `cargo test --workspace --tests` (scripts/test) and `cargo
+/// build` build it; a run of one test target alone (`cargo test --test integration`) does
+/// not, so a missing binary, or one older than the simulator's sources, fails here with the
+/// command that builds it rather than later with a stale simulator's behaviour.
+pub fn sim() -> &'static str {
+    static SIM: OnceLock<String> = OnceLock::new();
+    SIM.get_or_init(
+        || match sim_beside(Path::new(gpushare()), &repo().join("sim")) {
+            Ok(bin) => bin.display().to_string(),
+            Err(e) => panic!("{e}"),
+        },
+    )
 }
 
 /// The simulator at `dir/bin` (0755), for the daemons a test starts as other users: they
@@ -76,7 +124,7 @@ pub const MIG2: &str = "MIG-44b2e27b-7e14-40c4-b4b9-9ba8b7878fe2";
 /// as on machines where the driver probed the GPUs in another order than NVML enumerates.
 /// Fails the test if the names here no longer match the file.
 pub fn inventory_json() -> Value {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/examples/inventory.json");
+    let path = repo().join("docs/examples/inventory.json");
     let inv: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     let gpus = &inv["gpus"];
     let named = [(GPU0, GPU0_MINOR), (GPU1, GPU1_MINOR), (GPU2, GPU2_MINOR)];
@@ -207,7 +255,8 @@ pub fn rootfs() -> &'static Path {
     static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
     ROOTFS.get_or_init(|| {
         require_root_and_runc();
-        let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+        let tmp = build().tmp.clone();
+        std::fs::create_dir_all(&tmp).unwrap();
         // Rootfs dirs of earlier runs whose test process is gone.
         for e in std::fs::read_dir(&tmp).into_iter().flatten().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
@@ -254,6 +303,8 @@ pub struct Env {
 }
 
 impl Env {
+    // It makes things on the machine (a temp dir, a namespace), which `Default` would hide.
+    #[allow(clippy::new_without_default)]
     pub fn new() -> Env {
         Env::with_config("")
     }
@@ -356,7 +407,7 @@ impl Env {
             stop_child(&mut old, Duration::from_secs(5));
         }
         let child = self
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .arg("agent")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -401,7 +452,7 @@ impl Env {
 
     /// Runs the shim with runc's global flags for this env.
     pub fn runtime(&self, args: &[&str], log: &Path) -> Output {
-        self.cmd(RUNTIME)
+        self.cmd(runtime())
             .arg("--root")
             .arg(&self.runc_root)
             .arg("--log")
@@ -423,6 +474,18 @@ impl Env {
             envs: Vec::new(),
             userns: None,
         }
+    }
+
+    /// Two users' containers on GPU 0, both created (not started): `names[0]` of UID 1000
+    /// and `names[1]` of UID 2000, each running `script`.
+    pub fn two_users(&self, names: [&str; 2], script: &str) -> [Container<'_>; 2] {
+        [(names[0], 1000), (names[1], 2000)].map(|(name, uid)| {
+            self.container(name)
+                .uid(uid)
+                .device("0")
+                .sh(script)
+                .create()
+        })
     }
 
     pub fn daemon_ids(&self) -> Vec<String> {
@@ -469,7 +532,7 @@ impl Env {
     /// `gpushare status --json`.
     pub fn status(&self) -> Value {
         let out = self
-            .cmd(GPUSHARE)
+            .cmd(gpushare())
             .args(["status", "--json"])
             .output()
             .unwrap();
@@ -667,7 +730,7 @@ impl Container<'_> {
         let stderr = std::fs::File::create(self.bundle.join("stderr")).unwrap();
         let status = self
             .env
-            .cmd(RUNTIME)
+            .cmd(runtime())
             .arg("--root")
             .arg(&self.env.runc_root)
             .arg("--log")
@@ -814,6 +877,8 @@ impl PrivateMounts {
         "/opt",
     ];
 
+    // It makes things on the machine (a temp dir, a namespace), which `Default` would hide.
+    #[allow(clippy::new_without_default)]
     pub fn new() -> PrivateMounts {
         PrivateMounts::with_binds(&[])
     }
@@ -939,6 +1004,18 @@ pub fn containerd_opt_plugin(dir: &Path) -> String {
     )
 }
 
+/// Starts every one of `containers`, then waits for each (they run at once), and returns
+/// each one's simulator client line, in order.
+pub fn run_at_once<const N: usize>(containers: [&Container; N]) -> [BTreeMap<String, String>; N] {
+    for c in containers {
+        c.start();
+    }
+    for c in containers {
+        c.wait();
+    }
+    containers.map(|c| client_line(&c.stdout()))
+}
+
 /// Parses the simulator client's line `mps-client pid=… server=… waited_ms=… …`.
 pub fn client_line(stdout: &str) -> BTreeMap<String, String> {
     parse_client_line(stdout).unwrap_or_else(|| panic!("no mps-client line in output:\n{stdout}"))
@@ -996,12 +1073,10 @@ pub fn fetched_root(bin: &Path) -> PathBuf {
 pub fn write_hooks_d(env: &Env, hooks: &Path) {
     std::fs::create_dir_all(hooks).unwrap();
     for name in ["gpushare.json", "gpushare-poststop.json"] {
-        let shipped = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("hooks/oci-hooks.d")
-            .join(name);
+        let shipped = repo().join("hooks/oci-hooks.d").join(name);
         let mut v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(shipped).unwrap()).unwrap();
-        v["hook"]["path"] = GPUSHARE.into();
+        v["hook"]["path"] = gpushare().into();
         v["hook"]["env"]
             .as_array_mut()
             .unwrap()
