@@ -156,6 +156,12 @@ enum Engine {
         /// --runtime-path are unused.
         #[arg(long, conflicts_with = "hook_only")]
         nri: bool,
+        /// With --nri: also register the plugin for containerd to launch, as an
+        /// executable 10-gpushare in its NRI plugin_path (default /opt/nri/plugins) that
+        /// runs this `gpushare nri`; `gpushare uninstall containerd` removes it.
+        /// containerd 2.x only (a version 3 config).
+        #[arg(long, requires = "nri")]
+        nri_launch: bool,
     },
     /// Write gpushare's CDI spec (`gpushare cdi generate`) where every CDI engine reads it
     /// across reboots (default /etc/cdi/gpushare.json), and say how each engine uses it.
@@ -194,7 +200,8 @@ enum UninstallEngine {
     /// /etc/docker/daemon.json); an emptied "runtimes" stays as {}.
     Docker(UninstallArgs),
     /// Remove the runtime's tables from containerd's config.toml (default
-    /// /etc/containerd/config.toml), and the hook-only base spec of ours it named.
+    /// /etc/containerd/config.toml), the hook-only base spec of ours it named, and the
+    /// NRI plugin `install containerd --nri-launch` put in its plugin_path.
     Containerd(UninstallArgs),
 }
 
@@ -760,15 +767,17 @@ fn install(cfg: &Config, engine: Engine) -> anyhow::Result<()> {
             args,
             config_version,
             nri: true,
+            nri_launch,
             ..
         } => {
-            return ops::install::enable_nri(args.config, config_version, args.dry_run);
+            return ops::install::enable_nri(args.config, config_version, args.dry_run, nri_launch);
         }
         Engine::Containerd {
             args,
             config_version,
             hook_only,
             nri: false,
+            ..
         } => (
             args,
             ops::install::Engine::Containerd {

@@ -397,6 +397,81 @@ pub(crate) fn enable_nri(
     })
 }
 
+/// Where containerd looks for the NRI plugins it launches when `plugin_path` is not set.
+pub(crate) const DEFAULT_NRI_PLUGIN_PATH: &str = "/opt/nri/plugins";
+
+/// The launched plugin's file name: NRI launches each executable `<index>-<name>` of its
+/// plugin directory (the index orders the plugins), with the name and index in
+/// `NRI_PLUGIN_NAME` and `NRI_PLUGIN_IDX`.
+pub(crate) fn launched_plugin_name() -> String {
+    format!("{}-{}", crate::nri::DEFAULT_INDEX, crate::nri::DEFAULT_NAME)
+}
+
+/// The wrapper's second line: what `is_launch_wrapper` knows it by, so that uninstall
+/// deletes only a file this installer wrote.
+const WRAPPER_MARK: &str = "# gpushare's NRI plugin, launched by containerd";
+
+/// The directory containerd launches NRI plugins from: `plugin_path` of
+/// `[plugins."io.containerd.nri.v1.nri"]`, else NRI's default (also for a file that is
+/// not TOML: the caller's edit refuses that one with its reason).
+pub(crate) fn nri_plugin_dir(text: &str) -> PathBuf {
+    toml::from_str::<toml::Table>(text)
+        .ok()
+        .and_then(|doc| {
+            let dir = doc.get("plugins")?.get(NRI_PLUGIN)?.get("plugin_path")?;
+            dir.as_str().filter(|d| !d.is_empty()).map(PathBuf::from)
+        })
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_NRI_PLUGIN_PATH))
+}
+
+/// Refuses to register a launched plugin with a config of version 2 (containerd 1.x):
+/// containerd 1.7 stops its CRI plugin when a plugin it launched fails to register, so a
+/// broken gpushare would take every pod start of the node down with it; 2.x only logs it.
+pub(crate) fn check_nri_launch(
+    path: &Path,
+    text: &str,
+    default_version: i64,
+) -> Result<(), InstallError> {
+    let (doc, empty, _) = parse_versioned(path, text, default_version, "1.7")?;
+    let version = version_of(&doc, empty, default_version).unwrap_or(1);
+    if version < 3 {
+        return Err(InstallError::Unsupported {
+            path: path.to_owned(),
+            message: format!(
+                "--nri-launch needs containerd 2.x (config version 3), this file is version {version}: containerd 1.7 stops its CRI plugin when a plugin it launched fails to register; run `gpushare nri` as a service instead (containerd 2.x: `containerd config migrate` first)"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The launched plugin: a shell script that execs `gpushare nri` (so that containerd's
+/// kill reaches the plugin itself) with `env` (`NAME=value`: the PATH and config that
+/// the plugin would not otherwise get, as containerd launches it with NRI's three
+/// variables only). Everything it names is single-quoted.
+pub(crate) fn launch_wrapper(gpushare: &Path, env: &[String]) -> String {
+    let quote = |s: &str| format!("'{}'", s.replace('\'', "'\\''"));
+    let mut out = format!(
+        "#!/bin/sh\n{WRAPPER_MARK} from its plugin_path; written by `gpushare install containerd --nri-launch`, removed by `gpushare uninstall containerd`.\n"
+    );
+    for var in env {
+        if let Some((name, value)) = var.split_once('=') {
+            out += &format!("{name}={}; export {name}\n", quote(value));
+        }
+    }
+    out += &format!("exec {} nri\n", quote(&gpushare.to_string_lossy()));
+    out
+}
+
+/// Whether `content` is a wrapper `launch_wrapper` wrote.
+pub(crate) fn is_launch_wrapper(content: &str) -> bool {
+    content.starts_with("#!/bin/sh\n")
+        && content
+            .lines()
+            .nth(1)
+            .is_some_and(|l| l.starts_with(WRAPPER_MARK))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -428,6 +503,90 @@ mod tests {
     }
 
     const BASE: &str = "/etc/containerd/gpushare-base-spec.json";
+
+    #[test]
+    fn the_launched_plugin_goes_to_the_configured_plugin_path_on_containerd_2_only() {
+        let nri = "[plugins.\"io.containerd.nri.v1.nri\"]\n";
+        for (text, dir) in [
+            ("version = 3\n".to_owned(), "/opt/nri/plugins"),
+            (
+                format!("version = 3\n{nri}  disable = false\n"),
+                "/opt/nri/plugins",
+            ),
+            (
+                format!("version = 3\n{nri}  plugin_path = \"/srv/nri\"\n"),
+                "/srv/nri",
+            ),
+            (
+                format!("version = 3\n{nri}  plugin_path = \"\"\n"),
+                "/opt/nri/plugins",
+            ),
+            ("{".to_owned(), "/opt/nri/plugins"),
+        ] {
+            assert_eq!(nri_plugin_dir(&text), Path::new(dir), "{text}");
+        }
+        assert_eq!(launched_plugin_name(), "10-gpushare");
+        let check = |text: &str, v: i64| check_nri_launch(Path::new("config.toml"), text, v);
+        assert!(check("version = 3\n", 2).is_ok());
+        assert!(check("", 3).is_ok(), "a new file of containerd 2.x");
+        for (text, default) in [("version = 2\n", 3), ("", 2)] {
+            let err = check(text, default).unwrap_err().to_string();
+            assert!(
+                err.contains("--nri-launch needs containerd 2.x")
+                    && err.contains("containerd 1.7 stops its CRI plugin")
+                    && !err.contains('\n'),
+                "{err}"
+            );
+        }
+        assert!(check("version = 1\n", 3).is_err());
+    }
+
+    #[test]
+    fn the_launch_wrapper_execs_gpushare_nri_with_its_env_quoted_and_is_known_again() {
+        let env = vec![
+            "PATH=/usr/sbin:/usr/bin".to_owned(),
+            "GPUSHARE_CONFIG=/etc/gs/it's.toml".to_owned(),
+        ];
+        let script = launch_wrapper(Path::new("/opt/g s/gpushare"), &env);
+        let lines: Vec<&str> = script.lines().collect();
+        assert_eq!(lines[0], "#!/bin/sh");
+        assert_eq!(
+            &lines[2..],
+            [
+                "PATH='/usr/sbin:/usr/bin'; export PATH",
+                "GPUSHARE_CONFIG='/etc/gs/it'\\''s.toml'; export GPUSHARE_CONFIG",
+                "exec '/opt/g s/gpushare' nri",
+            ]
+        );
+        assert!(is_launch_wrapper(&script));
+        assert_eq!(launch_wrapper(Path::new("/opt/g s/gpushare"), &env), script);
+        for theirs in [
+            "",
+            "#!/bin/sh\nexec /usr/bin/other\n",
+            "#!/bin/bash\n# gpushare's NRI plugin, launched by containerd\n",
+        ] {
+            assert!(!is_launch_wrapper(theirs), "{theirs}");
+        }
+        // What sh makes of it: the env as written, then gpushare with `nri`.
+        let dir = tempfile::tempdir().unwrap();
+        let fake = dir.path().join("g s");
+        std::fs::create_dir(&fake).unwrap();
+        let bin = fake.join("gpushare");
+        std::fs::write(&bin, "#!/bin/sh\necho \"$GPUSHARE_CONFIG|$PATH|$*\"\n").unwrap();
+        std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let script = launch_wrapper(&bin, &env);
+        let out = std::process::Command::new("/bin/sh")
+            .arg("-c")
+            .arg(&script)
+            .env_clear()
+            .output()
+            .unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "/etc/gs/it's.toml|/usr/sbin:/usr/bin|nri\n"
+        );
+    }
 
     #[test]
     fn nri_is_turned_on_where_it_is_off_and_left_alone_where_it_is_on() {

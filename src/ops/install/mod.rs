@@ -144,27 +144,39 @@ pub(crate) fn uninstall(
     } else {
         containerd::remove(&path, &text, name)?
     };
-    let Some(new) = edited.text else {
-        println!(
-            "{} registers no runtime {name}; nothing to do",
-            path.display()
-        );
-        return Ok(());
-    };
+    let wrapper = (!is_docker).then(|| our_launch_wrapper(&text)).flatten();
+    let deleted: Vec<&PathBuf> = base_spec.iter().chain(wrapper.iter()).collect();
     if dry_run {
-        print!("{new}");
-        if let Some(spec) = &base_spec {
-            println!("# and delete {}", spec.display());
+        print!("{}", edited.text.as_deref().unwrap_or(&text));
+        for file in &deleted {
+            println!("# and delete {}", file.display());
         }
         return Ok(());
     }
-    file::write(&path, &new)?;
-    if let Some(spec) = &base_spec {
-        match std::fs::remove_file(spec) {
+    if let Some(new) = &edited.text {
+        file::write(&path, new)?;
+    }
+    for file in &deleted {
+        match std::fs::remove_file(file) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e).with_context(|| format!("cannot delete {}", spec.display())),
+            Err(e) => return Err(e).with_context(|| format!("cannot delete {}", file.display())),
         }
+    }
+    if let Some(at) = &wrapper {
+        println!(
+            "removed gpushare's NRI plugin {}; containerd stops it when it restarts",
+            at.display()
+        );
+    }
+    if edited.text.is_none() {
+        if wrapper.is_none() {
+            println!(
+                "{} registers no runtime {name}; nothing to do",
+                path.display()
+            );
+        }
+        return Ok(());
     }
     println!("removed runtime {name} from {}", path.display());
     if is_docker {
@@ -319,21 +331,41 @@ pub(crate) fn cdi(
 }
 
 /// `gpushare install containerd --nri`: NRI on in containerd's config (`config`, else
-/// the standard one), or the resulting file printed (`dry_run`).
+/// the standard one), or the resulting file printed (`dry_run`). With `launch`, also the
+/// launched plugin: `containerd::launch_wrapper` as `<plugin_path>/10-gpushare`, 0755,
+/// running this binary with the config this process reads when `GPUSHARE_CONFIG` names
+/// one (refused on a config of containerd 1.x: `containerd::check_nri_launch`, before
+/// anything is written). The wrapper is written after the config.
 pub(crate) fn enable_nri(
     config: Option<PathBuf>,
     config_version: Option<i64>,
     dry_run: bool,
+    launch: bool,
 ) -> anyhow::Result<()> {
     let path = config.unwrap_or_else(|| DEFAULT_CONTAINERD_CONFIG.into());
     let version = config_version.unwrap_or_else(installed_containerd_config_version);
     let text = file::read(&path)?;
+    let wrapper = if launch {
+        containerd::check_nri_launch(&path, &text, version)?;
+        let at = containerd::nri_plugin_dir(&text).join(containerd::launched_plugin_name());
+        let gpushare = std::env::current_exe().context("find gpushare's own path")?;
+        let (config, named) = crate::config::location();
+        let env = crate::runtime::hook_env(named.then_some(config.as_path()));
+        Some((at, containerd::launch_wrapper(&gpushare, &env)))
+    } else {
+        None
+    };
     let edited = containerd::enable_nri(&path, &text, version)?;
-    match (edited.text, dry_run) {
-        (None, true) => print!("{text}"),
-        (Some(new), true) => print!("{new}"),
-        (None, false) => println!("NRI is already on in {}", path.display()),
-        (Some(new), false) => {
+    if dry_run {
+        print!("{}", edited.text.as_deref().unwrap_or(&text));
+        if let Some((at, script)) = &wrapper {
+            print!("# {} (0755):\n{script}", at.display());
+        }
+        return Ok(());
+    }
+    match edited.text {
+        None => println!("NRI is already on in {}", path.display()),
+        Some(new) => {
             file::write(&path, &new)?;
             println!(
                 "turned NRI on in {}; restart containerd to use it (`systemctl restart containerd`)",
@@ -341,10 +373,54 @@ pub(crate) fn enable_nri(
             );
         }
     }
-    if !dry_run {
+    let Some((at, script)) = wrapper else {
         println!("then run the plugin as root: `systemctl enable --now gpushare-nri` (Debian package) or `gpushare nri`; pods need no RuntimeClass (docs/kubernetes.md)");
+        return Ok(());
+    };
+    if write_launch_wrapper(&at, &script)? {
+        println!(
+            "registered the plugin {} in containerd's NRI plugin directory; containerd launches it when it starts (`systemctl restart containerd`)",
+            at.display()
+        );
+    } else {
+        println!(
+            "{} is already gpushare's NRI plugin; nothing to do",
+            at.display()
+        );
     }
+    println!("do not also run `gpushare nri` as a service; pods need no RuntimeClass (docs/kubernetes.md)");
     Ok(())
+}
+
+/// Writes the launched plugin's wrapper at `at` (its directory made 0755 where missing),
+/// 0755, atomically; `false` when it is already there with that content and mode.
+fn write_launch_wrapper(at: &Path, script: &str) -> anyhow::Result<bool> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let current = std::fs::symlink_metadata(at).ok().filter(|m| m.is_file());
+    if current.is_some_and(|m| m.permissions().mode() & 0o7777 == 0o755)
+        && file::read(at)? == script
+    {
+        return Ok(false);
+    }
+    if let Some(dir) = at.parent() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(dir)
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    crate::fsops::write_atomic(at, script.as_bytes(), 0o755)
+        .with_context(|| format!("cannot write {}", at.display()))?;
+    Ok(true)
+}
+
+/// The launched plugin's wrapper in the plugin directory of containerd's config `text`,
+/// when it is there and this installer wrote it (an operator's file by that name stays).
+fn our_launch_wrapper(text: &str) -> Option<PathBuf> {
+    let at = containerd::nri_plugin_dir(text).join(containerd::launched_plugin_name());
+    // A regular file only: read_regular refuses a link.
+    let content = crate::fsops::read_regular(&at, 64 << 10).ok()?;
+    containerd::is_launch_wrapper(&String::from_utf8_lossy(&content)).then_some(at)
 }
 
 /// What the operator does next for the engine to use the new runtime.
@@ -381,5 +457,49 @@ fn installed_containerd_config_version() -> i64 {
         3
     } else {
         2
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// The launched plugin's wrapper: written 0755 into the config's plugin_path (made
+    /// where missing), the second time changes nothing, found again for removal; an
+    /// operator's file or link by the same name is never taken for ours.
+    #[test]
+    fn the_launched_plugin_is_written_once_and_only_ours_is_found_for_removal() {
+        let dir = tempfile::tempdir().unwrap();
+        let plugins = dir.path().join("opt/nri/plugins");
+        let config = format!(
+            "version = 3\n[plugins.\"io.containerd.nri.v1.nri\"]\n  plugin_path = {:?}\n",
+            plugins.display().to_string()
+        );
+        let at = containerd::nri_plugin_dir(&config).join(containerd::launched_plugin_name());
+        assert_eq!(at, plugins.join("10-gpushare"));
+        let script = containerd::launch_wrapper(Path::new("/usr/bin/gpushare"), &[]);
+        assert!(write_launch_wrapper(&at, &script).unwrap());
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode(&at), 0o755);
+        assert_eq!(mode(&plugins), 0o755);
+        assert_eq!(std::fs::read_to_string(&at).unwrap(), script);
+        assert!(!write_launch_wrapper(&at, &script).unwrap(), "idempotent");
+        // A mode changed behind its back is put right.
+        std::fs::set_permissions(&at, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(write_launch_wrapper(&at, &script).unwrap());
+        assert_eq!(mode(&at), 0o755);
+        assert_eq!(our_launch_wrapper(&config), Some(at.clone()));
+
+        // An operator's plugin by that name, or a link to ours, is not ours to delete.
+        std::fs::write(&at, "#!/bin/sh\nexec /usr/local/bin/theirs\n").unwrap();
+        assert_eq!(our_launch_wrapper(&config), None);
+        let elsewhere = dir.path().join("ours");
+        std::fs::write(&elsewhere, &script).unwrap();
+        std::fs::remove_file(&at).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &at).unwrap();
+        assert_eq!(our_launch_wrapper(&config), None);
+        std::fs::remove_file(&at).unwrap();
+        assert_eq!(our_launch_wrapper(&config), None, "nothing there");
     }
 }
