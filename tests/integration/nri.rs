@@ -825,3 +825,153 @@ fn nri_pod_start_bench() {
     }
     assert_eq!(env.daemon_ids().len(), 1, "one daemon served every request");
 }
+
+/// The plugin's process by its pid and start time, stopped in `Drop` if it outlived the
+/// test (the node's `Drop` leaves gpushare's processes to the Env, which knows only its
+/// daemons).
+struct Launched {
+    pid: i32,
+    start: Option<u64>,
+}
+
+impl Drop for Launched {
+    fn drop(&mut self) {
+        stop_process(self.pid, self.start);
+    }
+}
+
+/// Launched by containerd: `gpushare install containerd --nri --nri-launch` puts the
+/// plugin into the plugin_path of the node's config (the node's own directory), and
+/// containerd 2.3.4 starts it with the connection it hands launched plugins; the test
+/// starts no `gpushare nri`. A pod of UID 1000 with a request and no RuntimeClass is
+/// served on its own daemon as host UID 1000; when containerd stops, the plugin goes
+/// with it (no process left); `gpushare uninstall containerd` deletes the plugin.
+#[test]
+fn nri_plugin_launched_by_containerd_from_its_plugin_path() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::new();
+    let plugins = env.path().join("k").join("nri-plugins");
+    let wrapper = plugins.join("10-gpushare");
+    let install = |config: &Path| {
+        enable_nri(config);
+        for round in 0..2 {
+            let out = env
+                .cmd(gpushare())
+                .args(["install", "containerd", "--nri", "--nri-launch", "--config"])
+                .arg(config)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{}", text(&out));
+            assert_eq!(
+                text(&out).contains("nothing to do"),
+                round == 1,
+                "{}",
+                text(&out)
+            );
+        }
+    };
+    let mut node = Node::start_fetched_with(&env, bin, 3, &install);
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = std::fs::metadata(&wrapper).unwrap();
+    assert_eq!((meta.permissions().mode() & 0o7777, meta.uid()), (0o755, 0));
+
+    // containerd launched it, through the wrapper's exec: its child is gpushare itself.
+    let state = env.state.join("nri.json");
+    let mut pid = 0;
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            let s: Value = std::fs::read(&state)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or_default();
+            pid = s["process"]["pid"].as_i64().unwrap_or(0) as i32;
+            s["connected"] == true
+        }),
+        "containerd did not launch the plugin: {}\n{}\n{}",
+        std::fs::read_to_string(&state).unwrap_or_default(),
+        env.gpushare_log(),
+        node.log_text()
+    );
+    let plugin = Launched {
+        pid,
+        start: start_time(pid),
+    };
+    let ppid = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .unwrap()
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u32>()
+        .unwrap();
+    assert_eq!(ppid, node.pid(), "containerd's child");
+    assert_eq!(cmdline(pid)[1..], ["nri"]);
+    assert!(cmdline(pid)[0].ends_with("/gpushare"), "{:?}", cmdline(pid));
+    let environ = environ(pid);
+    for var in [
+        "NRI_PLUGIN_NAME=gpushare",
+        "NRI_PLUGIN_IDX=10",
+        "NRI_PLUGIN_SOCKET=3",
+        &format!("GPUSHARE_CONFIG={}", env.config.display()),
+    ] {
+        assert!(environ.iter().any(|e| e == var), "{var}: {environ:?}");
+    }
+
+    let pod = plain_pod(
+        &mut node,
+        &PodSpec {
+            name: "launched",
+            annotations: &[("gpushare.io/device", "0")],
+            run_as_user: Some(1000),
+            ..Default::default()
+        },
+    );
+    let c = ContainerSpec {
+        name: "cuda",
+        script: &hold(0),
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let id = node.run(&pod, &c);
+    assert_eq!(node.client_line(&pod, &c)["server_uid"], "1000");
+    let daemon = node
+        .daemon_of(&id)
+        .expect("the plugin recorded the container");
+    assert_eq!(record_engines(&env), ["kubernetes-nri"]);
+    assert_eq!(uid_and_capeff(env.daemon_pid(&daemon)).0, 1000);
+    assert!(!has_gpushare_hook(&node.bundle_spec(&id)));
+    node.cri().stop_container(&id, 0).unwrap();
+    node.cri().remove_container(&id).unwrap();
+    node.cri().stop_pod(&pod.id).unwrap();
+    node.cri().remove_pod(&pod.id).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || node
+            .gpushare_records()
+            .is_empty()),
+        "{:?}",
+        node.gpushare_records()
+    );
+
+    // containerd stops: the plugin it launched goes with it.
+    node.stop();
+    assert!(
+        wait_until(Duration::from_secs(10), || start_time(plugin.pid)
+            != plugin.start),
+        "the launched plugin outlived containerd: {:?}",
+        cmdline(plugin.pid)
+    );
+
+    let out = env
+        .cmd(gpushare())
+        .args(["uninstall", "containerd", "--config"])
+        .arg(&node.config)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(!wrapper.exists(), "{}", text(&out));
+    assert!(std::fs::read_dir(&plugins).unwrap().next().is_none());
+}

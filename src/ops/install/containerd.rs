@@ -10,6 +10,10 @@
 //! `prestart` and `poststop` hooks ([`base_spec`]), the hooks.d setup of Podman and CRI-O
 //! carried by the runtime class.
 //!
+//! `--nri` turns containerd's NRI on ([`enable_nri`]); with `--nri-launch` the plugin is
+//! also registered for containerd to launch: [`launch_wrapper`] in the config's NRI
+//! [`nri_plugin_dir`], never on a config of containerd 1.x ([`check_nri_launch`]).
+//!
 //! Invariants: every function is pure, on the file's text (`ops::install` does the I/O);
 //! an edit keeps the rest of the file byte for byte and changes nothing the second time;
 //! `registration` reads back exactly what `edit` writes (and `remove` takes out), and with

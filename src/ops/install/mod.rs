@@ -1,7 +1,9 @@
 //! `gpushare install docker|containerd|cdi` and `gpushare uninstall docker|containerd`:
 //! which engine config to edit, the edit itself (`docker`, `containerd`: pure functions of
 //! the file's text), the file's read and atomic write (`file`), and what to tell the
-//! operator next. The installers also read a file back (`docker::registration`,
+//! operator next; for containerd also the NRI plugin it launches from its plugin
+//! directory (written by `install containerd --nri --nri-launch`, deleted by uninstall
+//! only when it is ours). The installers also read a file back (`docker::registration`,
 //! `containerd::registration`): whether it registers gpushare, and how, which `doctor`
 //! reports; no other module parses an engine's config.
 //!
