@@ -115,9 +115,16 @@ fn exchange(state: &StateDir, line: &str) -> Result<String, AgentError> {
     };
     let deadline = Instant::now() + IO_DEADLINE;
     stream.set_write_timeout(Some(IO_DEADLINE)).map_err(io)?;
-    stream
-        .write_all(format!("{line}\n").as_bytes())
-        .map_err(io)?;
+    if let Err(e) = stream.write_all(format!("{line}\n").as_bytes()) {
+        // The agent answers a peer it refuses before reading its request, and closes: the
+        // write may then fail while the answer waits to be read.
+        if !matches!(
+            e.kind(),
+            std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+        ) {
+            return Err(io(e));
+        }
+    }
     read_line(&mut stream, deadline, 256).map_err(io)
 }
 
@@ -411,6 +418,26 @@ mod tests {
     use super::*;
 
     const ID: &str = "0123456789abcdef0123456789abcdef";
+
+    /// An agent that answers and closes before it reads (as it does for a peer it refuses)
+    /// still has its answer read, though the request's write fails with EPIPE.
+    #[test]
+    fn an_answer_sent_before_the_request_was_read_is_still_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let listener = std::os::unix::net::UnixListener::bind(state.agent_socket()).unwrap();
+        let agent = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            s.write_all(b"refused not root\n").unwrap();
+            // Unread data in the receive queue makes close send a reset: shut down first.
+            s.shutdown(std::net::Shutdown::Both).unwrap();
+        });
+        // A request larger than the socket buffers, so that its write meets the closed end.
+        let long = "x".repeat(4 << 20);
+        let answer = exchange(&state, &long);
+        agent.join().unwrap();
+        assert_eq!(answer.unwrap(), "refused not root");
+    }
 
     #[test]
     fn requests_parse_strictly() {
