@@ -31,6 +31,7 @@ pub mod common;
 pub mod cri_api;
 pub mod harness;
 pub mod node;
+pub mod podbench;
 
 pub use common::*;
 pub use harness::*;

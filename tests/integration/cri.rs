@@ -1210,14 +1210,7 @@ fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
 #[ignore = "a benchmark: run it by name on a quiet machine (BENCHMARKS.md)"]
 fn cri_pod_start_bench() {
     let env = Env::new();
-    // Info, not the tests' debug log level: what a node runs.
-    let cfg = std::fs::read_to_string(&env.config).unwrap();
-    assert!(cfg.contains("log-level = \"debug\""));
-    std::fs::write(
-        &env.config,
-        cfg.replace("log-level = \"debug\"", "log-level = \"info\""),
-    )
-    .unwrap();
+    podbench::at_info_level(&env);
     let mut node = Node::installed(&env, &|config| {
         install_shim(&env, config);
         install_hook_only(&env, config, "gpushare-hooks");
@@ -1231,73 +1224,29 @@ fn cri_pod_start_bench() {
         ("gpushare shim, request", HANDLER, true),
         ("gpushare hooks, request", "gpushare-hooks", true),
     ];
-    let rounds: usize = std::env::var("GPUSHARE_BENCH_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(15);
+    let rounds = podbench::rounds();
     let mut ms: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     for r in 0..=rounds {
         for k in 0..variants.len() {
             let i = (k + r) % variants.len();
             let (_, handler, request) = variants[i];
-            let name = format!("b{r}v{i}");
-            let annotations: &[(&str, &str)] = if request {
-                &[("gpushare.io/device", "0")]
-            } else {
-                &[]
-            };
-            let config = node.pod_config(&PodSpec {
-                name: &name,
-                annotations,
-                run_as_user: Some(1000),
-                ..Default::default()
-            });
-            std::thread::sleep(Duration::from_millis(100));
-            let t = std::time::Instant::now();
-            let id = node
-                .cri()
-                .run_pod(&config, handler)
-                .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n{}", node.log_text()));
-            let pod = Pod { id, config };
-            node.run(
-                &pod,
-                &ContainerSpec {
-                    name: "c",
-                    script: "true",
-                    run_as_user: Some(1000),
-                    ..Default::default()
-                },
-            );
-            let elapsed = t.elapsed().as_secs_f64() * 1e3;
+            let (elapsed, pod, _) =
+                podbench::start(&mut node, &format!("b{r}v{i}"), handler, request);
             if r > 0 {
-                ms[i].push(elapsed); // round 0 warms up (and starts the daemon)
+                ms[i].push(elapsed);
             }
-            let _ = node.cri().stop_pod(&pod.id);
-            let _ = node.cri().remove_pod(&pod.id);
+            podbench::remove(&node, &pod);
         }
     }
-    let median = |v: &[f64]| {
-        let mut s = v.to_vec();
-        s.sort_by(f64::total_cmp);
-        (s[s.len() / 2], s[s.len() / 10], s[s.len() * 9 / 10])
-    };
-    println!(
-        "CRI pod start (RunPodSandbox + CreateContainer + StartContainer), {rounds} rounds, load {}",
-        std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
+    let labels: Vec<&str> = variants.iter().map(|v| v.0).collect();
+    podbench::report(
+        &format!(
+            "CRI pod start (RunPodSandbox + CreateContainer + StartContainer), {rounds} rounds"
+        ),
+        &labels,
+        &ms,
+        |i| if variants[i].2 { 3 } else { 0 },
     );
-    for (i, (label, _, request)) in variants.iter().enumerate() {
-        let (m, p10, p90) = median(&ms[i]);
-        let b = if *request { 3 } else { 0 };
-        // Paired: each round's ratio to its baseline in the same round (the rotation puts
-        // both within a few seconds), which drift between rounds does not move.
-        let paired: Vec<f64> = ms[i].iter().zip(&ms[b]).map(|(x, y)| x / y).collect();
-        println!(
-            "  {label:<26} {m:7.1} ms [{p10:7.1} - {p90:7.1}]  x{:.3} vs {} (paired median x{:.3})",
-            m / median(&ms[b]).0,
-            variants[b].0,
-            median(&paired).0
-        );
-    }
     assert_eq!(env.daemon_ids().len(), 1, "one daemon served every request");
 }
 

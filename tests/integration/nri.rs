@@ -699,14 +699,7 @@ fn nri_pod_start_bench() {
         return;
     };
     let env = Env::new();
-    // Info, not the tests' debug log level: what a node runs.
-    let cfg = std::fs::read_to_string(&env.config).unwrap();
-    assert!(cfg.contains("log-level = \"debug\""));
-    std::fs::write(
-        &env.config,
-        cfg.replace("log-level = \"debug\"", "log-level = \"info\""),
-    )
-    .unwrap();
+    podbench::at_info_level(&env);
     let configure = |config: &Path| {
         install_hook_only(&env, config, "gpushare-hooks");
         enable_nri(config);
@@ -722,10 +715,7 @@ fn nri_pod_start_bench() {
         ("gpushare shim, request", HANDLER, true, true),
         ("gpushare hooks, request", "gpushare-hooks", true, true),
     ];
-    let rounds: usize = std::env::var("GPUSHARE_BENCH_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(15);
+    let rounds = podbench::rounds();
     let mut ms: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     for r in 0..=rounds {
         for k in 0..variants.len() {
@@ -735,32 +725,7 @@ fn nri_pod_start_bench() {
                 plugin.stop();
             }
             let name = format!("b{r}v{i}");
-            let annotations: &[(&str, &str)] = if request {
-                &[("gpushare.io/device", "0")]
-            } else {
-                &[]
-            };
-            let config = node.pod_config(&PodSpec {
-                name: &name,
-                annotations,
-                run_as_user: Some(1000),
-                ..Default::default()
-            });
-            std::thread::sleep(Duration::from_millis(100));
-            let t = std::time::Instant::now();
-            let id = node
-                .cri()
-                .run_pod(&config, handler)
-                .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n{}", node.log_text()));
-            let pod = Pod { id, config };
-            let c = ContainerSpec {
-                name: "c",
-                script: "true",
-                run_as_user: Some(1000),
-                ..Default::default()
-            };
-            let cid = node.run(&pod, &c);
-            let elapsed = t.elapsed().as_secs_f64() * 1e3;
+            let (elapsed, pod, cid) = podbench::start(&mut node, &name, handler, request);
             if r > 0 {
                 ms[i].push(elapsed); // round 0 warms up (and starts the daemon)
             }
@@ -774,35 +739,21 @@ fn nri_pod_start_bench() {
                     "{name} was served"
                 );
             }
-            let _ = node.cri().stop_pod(&pod.id);
-            let _ = node.cri().remove_pod(&pod.id);
+            podbench::remove(&node, &pod);
             if !connected {
                 plugin = Plugin::start(&env, &node);
             }
         }
     }
-    let stats = |v: &[f64]| {
-        let mut s = v.to_vec();
-        s.sort_by(f64::total_cmp);
-        (s[s.len() / 2], s[s.len() / 10], s[s.len() * 9 / 10])
-    };
-    println!(
-        "CRI pod start through NRI (RunPodSandbox + CreateContainer + StartContainer), containerd 2.3.4, {rounds} rounds, load {}",
-        std::fs::read_to_string("/proc/loadavg")
-            .unwrap_or_default()
-            .trim()
+    let labels: Vec<&str> = variants.iter().map(|v| v.0).collect();
+    podbench::report(
+        &format!(
+            "CRI pod start through NRI (RunPodSandbox + CreateContainer + StartContainer), containerd 2.3.4, {rounds} rounds"
+        ),
+        &labels,
+        &ms,
+        |_| 0,
     );
-    for (i, (label, ..)) in variants.iter().enumerate() {
-        let (m, p10, p90) = stats(&ms[i]);
-        // Paired: each round's ratio to the baseline in the same round.
-        let paired: Vec<f64> = ms[i].iter().zip(&ms[0]).map(|(x, y)| x / y).collect();
-        println!(
-            "  {label:<28} {m:7.1} ms [{p10:7.1} - {p90:7.1}]  x{:.3} vs {} (paired median x{:.3})",
-            m / stats(&ms[0]).0,
-            variants[0].0,
-            stats(&paired).0
-        );
-    }
     // The plugin's own time in CreateContainer for a request, warm rounds only (the
     // first line is round 0's cold daemon start).
     let us: Vec<f64> = env
@@ -814,7 +765,7 @@ fn nri_pod_start_bench() {
         .skip(1)
         .collect();
     if !us.is_empty() {
-        let (m, p10, p90) = stats(&us);
+        let (m, p10, p90) = podbench::percentiles(&us);
         println!(
             "  the plugin's CreateContainer for a request: {:.2} ms [{:.2} - {:.2}] ({} calls)",
             m / 1e3,
