@@ -1663,18 +1663,7 @@ fn check_daemonset(
     configmaps: &std::collections::BTreeMap<String, yaml_rust2::Yaml>,
 ) -> Vec<String> {
     let spec = &ds["spec"]["template"]["spec"];
-    let labels = ds["spec"]["template"]["metadata"]["labels"]
-        .as_hash()
-        .unwrap();
-    let selector = ds["spec"]["selector"]["matchLabels"].as_hash().unwrap();
-    assert!(!selector.is_empty(), "{name}: spec.selector is required");
-    for (k, v) in selector {
-        assert_eq!(
-            labels.get(k),
-            Some(v),
-            "{name}: the selector matches the pods"
-        );
-    }
+    assert_selects_its_pods(name, ds);
     let namespace = ds["metadata"]["namespace"].as_str().unwrap();
     assert_eq!(
         &spec["nodeSelector"], &rc["scheduling"]["nodeSelector"],
@@ -1755,8 +1744,28 @@ fn check_daemonset(
         script.contains(&format!("READY_FILE=${{READY_FILE:-{}}}", probe[2])),
         "{name}: the probe's file is the script's READY_FILE: {probe:?}"
     );
-    c["command"]
-        .as_vec()
+    argv(&c["command"])
+}
+
+/// A DaemonSet's `spec.selector.matchLabels`: required, and matching its pods' labels.
+fn assert_selects_its_pods(name: &str, ds: &yaml_rust2::Yaml) {
+    let labels = ds["spec"]["template"]["metadata"]["labels"]
+        .as_hash()
+        .unwrap();
+    let selector = ds["spec"]["selector"]["matchLabels"].as_hash().unwrap();
+    assert!(!selector.is_empty(), "{name}: spec.selector is required");
+    for (k, v) in selector {
+        assert_eq!(
+            labels.get(k),
+            Some(v),
+            "{name}: the selector matches the pods"
+        );
+    }
+}
+
+/// A container's `command` (or a probe's) as strings.
+fn argv(c: &yaml_rust2::Yaml) -> Vec<String> {
+    c.as_vec()
         .unwrap()
         .iter()
         .map(|a| a.as_str().unwrap().to_owned())
@@ -1772,18 +1781,7 @@ fn check_daemonset(
 fn check_nri_daemonset(name: &str, ds: &yaml_rust2::Yaml, installer: &yaml_rust2::Yaml) {
     let spec = &ds["spec"]["template"]["spec"];
     let ispec = &installer["spec"]["template"]["spec"];
-    let labels = ds["spec"]["template"]["metadata"]["labels"]
-        .as_hash()
-        .unwrap();
-    let selector = ds["spec"]["selector"]["matchLabels"].as_hash().unwrap();
-    assert!(!selector.is_empty(), "{name}: spec.selector is required");
-    for (k, v) in selector {
-        assert_eq!(
-            labels.get(k),
-            Some(v),
-            "{name}: the selector matches the pods"
-        );
-    }
+    assert_selects_its_pods(name, ds);
     assert_ne!(
         &ds["spec"]["selector"], &installer["spec"]["selector"],
         "{name}: selects its own pods, not the installer's"
@@ -1805,13 +1803,6 @@ fn check_nri_daemonset(name: &str, ds: &yaml_rust2::Yaml, installer: &yaml_rust2
         .unwrap();
     let gpushare = format!("{install_dir}/gpushare");
     let in_host = ["nsenter", "--target=1", "--mount", "--", gpushare.as_str()];
-    let argv = |c: &yaml_rust2::Yaml| -> Vec<String> {
-        c.as_vec()
-            .unwrap()
-            .iter()
-            .map(|a| a.as_str().unwrap().to_owned())
-            .collect()
-    };
     let image = ispec["containers"][0]["image"].as_str();
     let inits = spec["initContainers"].as_vec().unwrap();
     assert_eq!(inits.len(), 1, "{name}");
