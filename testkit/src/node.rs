@@ -972,35 +972,25 @@ pub fn hold(seconds: u32) -> String {
 /// --hook-only` (the binary under test, with this env's config, which it passes on to the
 /// hooks it writes into the base spec). Returns the base spec it wrote.
 pub fn install_hook_only(env: &Env, config: &Path, name: &str) -> Value {
-    let out = env
-        .cmd(gpushare())
-        .args([
-            "install",
-            "containerd",
-            "--hook-only",
-            "--name",
-            name,
-            "--config",
-        ])
-        .arg(config)
-        .output()
-        .unwrap();
+    let install = || {
+        env.cmd(gpushare())
+            .args([
+                "install",
+                "containerd",
+                "--hook-only",
+                "--name",
+                name,
+                "--config",
+            ])
+            .arg(config)
+            .output()
+            .unwrap()
+    };
+    let out = install();
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("hook-only"), "{}", text(&out));
     let spec = config.with_file_name(format!("{name}-base-spec.json"));
-    let again = env
-        .cmd(gpushare())
-        .args([
-            "install",
-            "containerd",
-            "--hook-only",
-            "--name",
-            name,
-            "--config",
-        ])
-        .arg(config)
-        .output()
-        .unwrap();
+    let again = install();
     assert!(text(&again).contains("nothing to do"), "{}", text(&again));
     serde_json::from_slice(&std::fs::read(&spec).unwrap()).unwrap()
 }
