@@ -48,6 +48,19 @@ pub(crate) enum Engine {
     },
 }
 
+impl Engine {
+    /// The engine's config file: `config`, else the engine's standard one.
+    fn config_path(&self, config: Option<PathBuf>) -> PathBuf {
+        config.unwrap_or_else(|| {
+            match self {
+                Engine::Docker => DEFAULT_DOCKER_CONFIG,
+                Engine::Containerd { .. } => DEFAULT_CONTAINERD_CONFIG,
+            }
+            .into()
+        })
+    }
+}
+
 /// `gpushare install <engine>`'s flags, as given.
 #[derive(Debug, Clone)]
 pub(crate) struct Install {
@@ -74,13 +87,7 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
             hook_only,
         ),
     };
-    let path = args.config.clone().unwrap_or_else(|| {
-        if is_docker {
-            DEFAULT_DOCKER_CONFIG.into()
-        } else {
-            DEFAULT_CONTAINERD_CONFIG.into()
-        }
-    });
+    let path = args.engine.config_path(args.config.clone());
     if hook_only {
         return hook_only_containerd(&args, &path, version);
     }
@@ -133,13 +140,7 @@ pub(crate) fn uninstall(
     dry_run: bool,
 ) -> anyhow::Result<()> {
     let is_docker = engine == Engine::Docker;
-    let path = config.unwrap_or_else(|| {
-        if is_docker {
-            DEFAULT_DOCKER_CONFIG.into()
-        } else {
-            DEFAULT_CONTAINERD_CONFIG.into()
-        }
-    });
+    let path = engine.config_path(config);
     let text = file::read(&path)?;
     let (edited, base_spec) = if is_docker {
         (docker::remove(&path, &text, name)?, None)
@@ -284,13 +285,7 @@ pub(crate) fn cdi(
     let dir = output.parent().unwrap_or(Path::new("/"));
     if let Some(engine) = enable {
         let is_docker = engine == Engine::Docker;
-        let path = config.unwrap_or_else(|| {
-            if is_docker {
-                DEFAULT_DOCKER_CONFIG.into()
-            } else {
-                DEFAULT_CONTAINERD_CONFIG.into()
-            }
-        });
+        let path = engine.config_path(config);
         let text = file::read(&path)?;
         let edited = if is_docker {
             docker::enable_cdi(&path, &text, dir)?
