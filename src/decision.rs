@@ -107,7 +107,7 @@ fn resolve_spec_as(
         accept_visible_devices_env: cfg.accept_visible_devices_env,
     };
     let inputs = spec.request_inputs();
-    if let Some(ask) = spec.cdi_ask()? {
+    let resolved = if let Some(ask) = spec.cdi_ask()? {
         let named = format!("CDI device {}={}", request::CDI_KIND, ask.name());
         let profile = match &ask.profile {
             None => None,
@@ -127,15 +127,14 @@ fn resolve_spec_as(
         let Some(cdi) = cdi else {
             return Ok(None);
         };
-        let resolved = resolve_with(cfg, cdi.request, cdi.own_device.as_ref(), ipc, host_user)
-            .with_context(|| named)?;
-        refuse_client_memory_limit(inputs.env, &resolved)?;
-        return Ok(Some(resolved));
-    }
-    let Some(req) = request::parse(&inputs, &options)? else {
-        return Ok(None);
+        resolve_with(cfg, cdi.request, cdi.own_device.as_ref(), ipc, host_user)
+            .with_context(|| named)?
+    } else {
+        let Some(req) = request::parse(&inputs, &options)? else {
+            return Ok(None);
+        };
+        resolve(cfg, req, ipc, host_user)?
     };
-    let resolved = resolve(cfg, req, ipc, host_user)?;
     refuse_client_memory_limit(inputs.env, &resolved)?;
     Ok(Some(resolved))
 }
