@@ -310,6 +310,10 @@ enum DaemonCommand {
         /// Host GID the daemon runs as (default: mps.daemon-gid, else the UID).
         #[arg(long)]
         gid: Option<u32>,
+        /// The Kubernetes namespace whose daemon it is, under mps.tenant = "namespace"
+        /// (unset: the daemon of containers without a trusted namespace).
+        #[arg(long)]
+        namespace: Option<String>,
         /// One flag per request key a daemon enforces (`request::keys`).
         #[command(flatten)]
         keys: KeyFlags,
@@ -627,11 +631,14 @@ fn daemon(cfg: &Config, command: DaemonCommand) -> i32 {
             gid,
             multi_user,
             json,
+            namespace,
             keys,
         } => {
             let mut cfg = cfg.clone();
             if multi_user {
+                // One server for every tenant of the device: no namespace in its identity.
                 cfg.mps.user_mode = crate::config::UserMode::MultiUser;
+                cfg.mps.tenant = crate::config::TenantMode::Uid;
             }
             let multi = cfg.mps.user_mode == crate::config::UserMode::MultiUser;
             let Some(uid) = uid.or(multi.then_some(0)) else {
@@ -645,6 +652,7 @@ fn daemon(cfg: &Config, command: DaemonCommand) -> i32 {
                     uid,
                     gid,
                     settings: keys.0,
+                    namespace,
                     json,
                 },
             ))

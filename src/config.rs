@@ -56,6 +56,17 @@ pub enum UserMode {
     MultiUser,
 }
 
+/// What a tenant is beside the host UID: which containers of one UID may share a daemon
+/// (docs/design.md, "Tenants").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TenantMode {
+    /// The host UID alone.
+    Uid,
+    /// The Kubernetes namespace and the host UID: a daemon per (namespace, UID).
+    Namespace,
+}
+
 /// Whether MPS limits are enforced by the daemon or only advised to clients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -175,6 +186,7 @@ pub(crate) fn valid_profile_name(name: &str) -> bool {
 pub struct MpsConfig {
     pub control_binary: String,
     pub user_mode: UserMode,
+    pub tenant: TenantMode,
     pub multi_user_flag: String,
     pub limits: Limits,
     pub ipc: IpcConfig,
@@ -243,6 +255,7 @@ struct RawCdi {
 struct RawMps {
     control_binary: Option<String>,
     user_mode: Option<UserMode>,
+    tenant: Option<TenantMode>,
     multi_user_flag: Option<String>,
     limits: Option<Limits>,
     ipc: Option<IpcConfig>,
@@ -591,9 +604,21 @@ impl Check {
         let limit_check_interval =
             self.limit_check_interval(m.limit_check_interval.as_deref().unwrap_or("2s"))?;
         let daemon_memory_max = self.daemon_memory_max(m.daemon_memory_max.as_deref())?;
+        let user_mode = m.user_mode.unwrap_or(UserMode::PerUser);
+        let tenant = m.tenant.unwrap_or(TenantMode::Uid);
+        if tenant == TenantMode::Namespace && user_mode == UserMode::MultiUser {
+            // One multi-user server per namespace would be several root daemons on one
+            // device, which EXCLUSIVE_PROCESS (multi-user mode's setup) cannot run at once.
+            return Err(self.bad(
+                "mps.tenant",
+                "namespace",
+                "\"uid\" under user-mode = \"multi-user\" (one server for every tenant of a device, by design); \"namespace\" needs user-mode = \"per-user\"",
+            ));
+        }
         Ok(MpsConfig {
             control_binary,
-            user_mode: m.user_mode.unwrap_or(UserMode::PerUser),
+            user_mode,
+            tenant,
             multi_user_flag,
             limits: m.limits.unwrap_or(Limits::Enforced),
             ipc: m.ipc.unwrap_or(IpcConfig::Isolated),
@@ -921,6 +946,31 @@ mod tests {
             assert!(err.contains(want), "{text}: {err}");
             assert!(!err.contains('\n'), "{err}");
         }
+    }
+
+    /// `mps.tenant`: `uid` by default, `namespace` only with per-user daemons (one
+    /// multi-user server serves every tenant of a device by design).
+    #[test]
+    fn tenant_is_uid_by_default_and_namespace_needs_per_user_daemons() {
+        assert_eq!(parse("", None).unwrap().mps.tenant, TenantMode::Uid);
+        let ns = parse("[mps]\ntenant = \"namespace\"", None).unwrap();
+        assert_eq!(ns.mps.tenant, TenantMode::Namespace);
+        let err = parse(
+            "[mps]\ntenant = \"namespace\"\nuser-mode = \"multi-user\"",
+            None,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("mps.tenant = \"namespace\"")
+                && err.contains("needs user-mode = \"per-user\"")
+                && !err.contains('\n'),
+            "{err}"
+        );
+        let err = parse("[mps]\ntenant = \"pod\"", None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("pod") && err.contains("namespace"), "{err}");
     }
 
     #[test]

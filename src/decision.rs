@@ -5,8 +5,13 @@
 //! [`resolve_nri`], `gpushare daemon start` with a
 //! request made from its flags: inventory → the devices the request resolves to →
 //! [`request::check`] against their memory and the operator's ceilings → IPC mode → host
-//! user → daemon identity ([`Identity::for_request`]). It creates nothing: a request is
-//! refused before any directory exists or any byte is written.
+//! user → tenant → daemon identity ([`Identity::for_request`]). It creates nothing: a
+//! request is refused before any directory exists or any byte is written.
+//!
+//! The tenant's namespace (`mps.tenant = "namespace"`) comes from what each path can
+//! trust, never from what a pod writes: the NRI runtime's `PodSandbox.namespace`; in a
+//! spec, containerd's CRI annotation only in a container of containerd's `k8s.io`
+//! namespace ([`cri_namespace`]).
 //!
 //! [`Decision`] is the shim↔hook contract: the decision gpushare-runtime writes into a
 //! container's annotations at `create` (docs/requests.md lists them), and [`identity_from_annotations`]
@@ -37,7 +42,7 @@ use anyhow::Context;
 
 use crate::config::Config;
 use crate::device::{is_well_formed_uuid, ResolvedDevices};
-use crate::identity::{valid_id, Identity, ID_ALLOWED};
+use crate::identity::{valid_id, Identity, Tenant, ID_ALLOWED};
 use crate::request::{self, DeviceValue, IpcMode, Request};
 use crate::spec::SpecFile;
 
@@ -66,7 +71,36 @@ pub(crate) fn resolve_spec(
     spec: &SpecFile,
     ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
 ) -> anyhow::Result<Option<Resolved>> {
-    resolve_spec_as(cfg, spec, ipc, || Ok(spec.host_user()?))
+    let namespace = cri_namespace(spec).map(|ns| (ns, CRI_NAMESPACE));
+    resolve_spec_as(cfg, spec, ipc, || Ok(spec.host_user()?), namespace)
+}
+
+/// containerd's CRI annotation that names a container's Kubernetes namespace.
+const CRI_NAMESPACE: &str = "io.kubernetes.cri.sandbox-namespace";
+/// The containerd namespace of every container containerd's CRI plugin creates.
+const CRI_CONTAINERD_NAMESPACE: &str = "k8s.io";
+/// The directory under containerd's state directory that holds its shims' bundles,
+/// `<state>/io.containerd.runtime.v2.task/<containerd namespace>/<id>` (1.6 to 2.x).
+const CONTAINERD_TASK_DIR: &str = "io.containerd.runtime.v2.task";
+
+/// The Kubernetes namespace of a container's spec where it can be trusted: containerd's
+/// CRI annotation ([`CRI_NAMESPACE`]) of a container whose bundle is in containerd's
+/// `k8s.io` namespace. containerd's CRI writes that annotation itself, after any pod
+/// annotation its `pod_annotations` allowlist passes through, so a pod cannot set it; a
+/// container's author on any other engine can (Docker's and ctr's `--annotation`,
+/// Podman's, CRI-O copies a pod's annotations into its containers), and such a container's
+/// bundle is elsewhere: containerd chooses it from its own namespace, which only its
+/// clients — root — name. `None`: no namespace to trust ([`Tenant::NoNamespace`]).
+pub(crate) fn cri_namespace(spec: &SpecFile) -> Option<&str> {
+    let bundle = spec.path().parent()?;
+    let in_ns = bundle.parent()?;
+    let cri_bundle = bundle.is_absolute()
+        && in_ns.file_name()? == CRI_CONTAINERD_NAMESPACE
+        && in_ns.parent()?.file_name()? == CONTAINERD_TASK_DIR;
+    if !cri_bundle {
+        return None;
+    }
+    spec.annotation(CRI_NAMESPACE)
 }
 
 /// [`resolve_spec`] for a container an NRI runtime describes (the plugin builds its spec
@@ -80,9 +114,11 @@ pub(crate) fn resolve_nri(
     spec: &SpecFile,
     user_known: bool,
     runtime: &str,
+    namespace: &str,
     ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
 ) -> anyhow::Result<Option<Resolved>> {
-    resolve_spec_as(cfg, spec, ipc, || {
+    let namespace = (!namespace.is_empty()).then_some((namespace, "NRI's PodSandbox.namespace"));
+    let host_user = || {
         if user_known {
             return Ok(spec.host_user()?);
         }
@@ -92,7 +128,8 @@ pub(crate) fn resolve_nri(
         anyhow::bail!(
             "the container's user is unknown: {runtime} does not tell NRI plugins a container's user (NRI's Container.user), and a per-user daemon must run as that user; allowed is containerd 2.3.0 or later, or gpushare's RuntimeClass (gpushare-runtime) on this node"
         )
-    })
+    };
+    resolve_spec_as(cfg, spec, ipc, host_user, namespace)
 }
 
 fn resolve_spec_as(
@@ -100,6 +137,7 @@ fn resolve_spec_as(
     spec: &SpecFile,
     ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
     host_user: impl FnOnce() -> anyhow::Result<(u32, u32)>,
+    namespace: Option<(&str, &'static str)>,
 ) -> anyhow::Result<Option<Resolved>> {
     let options = request::Options {
         accept_env: cfg.accept_env_requests,
@@ -127,13 +165,20 @@ fn resolve_spec_as(
         let Some(cdi) = cdi else {
             return Ok(None);
         };
-        resolve_with(cfg, cdi.request, cdi.own_device.as_ref(), ipc, host_user)
-            .with_context(|| named)?
+        resolve_with(
+            cfg,
+            cdi.request,
+            cdi.own_device.as_ref(),
+            ipc,
+            host_user,
+            namespace,
+        )
+        .with_context(|| named)?
     } else {
         let Some(req) = request::parse(&inputs, &options)? else {
             return Ok(None);
         };
-        resolve(cfg, req, ipc, host_user)?
+        resolve_with(cfg, req, None, ipc, host_user, namespace)?
     };
     refuse_client_memory_limit(inputs.env, &resolved)?;
     Ok(Some(resolved))
@@ -168,15 +213,17 @@ fn refuse_client_memory_limit(env: &[String], resolved: &Resolved) -> anyhow::Re
 /// The pipeline's node half for a parsed request, in this order, the first fault stopping
 /// it: the inventory, the devices the request resolves to, [`request::check`] against
 /// their memory and the operator's ceilings, the IPC mode (`ipc`: the shim, hook-only mode
-/// and `daemon start` each have their own rule), the host user, the daemon identity.
+/// and `daemon start` each have their own rule), the host user, the tenant (`namespace`:
+/// the trusted one and where it came from, [`Tenant::for_node`]), the daemon identity.
 /// Creates nothing.
 pub(crate) fn resolve(
     cfg: &Config,
     req: Request,
     ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
     host_user: impl FnOnce() -> anyhow::Result<(u32, u32)>,
+    namespace: Option<(&str, &'static str)>,
 ) -> anyhow::Result<Resolved> {
-    resolve_with(cfg, req, None, ipc, host_user)
+    resolve_with(cfg, req, None, ipc, host_user, namespace)
 }
 
 /// [`resolve`], and for a CDI device's request the container's own device key beside it
@@ -187,6 +234,7 @@ fn resolve_with(
     own_device: Option<&request::Sourced<DeviceValue>>,
     ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
     host_user: impl FnOnce() -> anyhow::Result<(u32, u32)>,
+    namespace: Option<(&str, &'static str)>,
 ) -> anyhow::Result<Resolved> {
     let inventory = crate::inventory_cache::load(
         &cfg.inventory,
@@ -215,7 +263,8 @@ fn resolve_with(
     request::check(&req, &devices, &cfg.mps.ceilings())?;
     let ipc = ipc(&req)?;
     let host_user = host_user()?;
-    let identity = Identity::for_request(cfg, &devices.uuids, host_user.0, &req, ipc);
+    let tenant = Tenant::for_node(cfg, namespace)?;
+    let identity = Identity::for_request(cfg, &devices.uuids, host_user.0, &req, ipc, tenant);
     Ok(Resolved {
         request: req,
         devices,
@@ -318,7 +367,11 @@ pub fn identity_from_annotations(ann: &HashMap<String, String>) -> Result<Identi
         &request::ACTIVE_THREAD_PERCENTAGE,
         ident.active_thread_percentage.map(u64::from),
     ) && in_range(&request::PINNED_MEMORY_LIMIT, ident.pinned_memory_limit);
-    if !devices_ok || !limits_ok || (ident.multi_user && ident.uid != 0) {
+    let tenant_ok = ident
+        .tenant
+        .as_ref()
+        .is_none_or(|t| t.is_valid() && !ident.multi_user);
+    if !devices_ok || !limits_ok || !tenant_ok || (ident.multi_user && ident.uid != 0) {
         return Err(DecisionError::InvalidIdentity { raw: raw.clone() });
     }
     if ident.id() != *id {
@@ -340,6 +393,7 @@ mod tests {
             active_thread_percentage: Some(25),
             pinned_memory_limit: None,
             ipc_host: false,
+            tenant: None,
         }
     }
 
@@ -431,6 +485,69 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("missing"));
+    }
+
+    /// A spec's namespace is trusted only in a container of containerd's `k8s.io`
+    /// namespace (where containerd's CRI wrote it); anywhere else its author did.
+    #[test]
+    fn only_a_cri_bundle_s_namespace_annotation_is_trusted() {
+        let spec = |path: &str, ns: Option<&str>| {
+            let mut doc = serde_json::json!({"ociVersion": "1.0.2", "process": {"user": {"uid": 1000, "gid": 1000}, "cwd": "/"}});
+            if let Some(ns) = ns {
+                doc["annotations"] = serde_json::json!({ CRI_NAMESPACE: ns });
+            }
+            SpecFile::from_bytes(
+                std::path::Path::new(path),
+                &serde_json::to_vec(&doc).unwrap(),
+            )
+            .unwrap()
+        };
+        let cri = "/run/containerd/io.containerd.runtime.v2.task/k8s.io/abc/config.json";
+        assert_eq!(cri_namespace(&spec(cri, Some("team-a"))), Some("team-a"));
+        assert_eq!(cri_namespace(&spec(cri, None)), None);
+        for elsewhere in [
+            // Docker's containers, ctr's default namespace, Podman, CRI-O, runc by hand.
+            "/run/containerd/io.containerd.runtime.v2.task/moby/abc/config.json",
+            "/run/containerd/io.containerd.runtime.v2.task/default/abc/config.json",
+            "/var/lib/containers/storage/overlay-containers/abc/userdata/config.json",
+            "/tmp/bundle/k8s.io/abc/config.json",
+            "io.containerd.runtime.v2.task/k8s.io/abc/config.json",
+            "config.json",
+        ] {
+            assert_eq!(
+                cri_namespace(&spec(elsewhere, Some("team-a"))),
+                None,
+                "{elsewhere}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_tenant_read_back_is_checked() {
+        let ns = |t: Tenant| Identity {
+            tenant: Some(t),
+            ..ident()
+        };
+        for good in [
+            ns(Tenant::Namespace("team-a".into())),
+            ns(Tenant::NoNamespace),
+        ] {
+            assert_eq!(identity_from_annotations(&ann(&good)).unwrap(), good);
+        }
+        for bad in [
+            ns(Tenant::Namespace("../x".into())),
+            ns(Tenant::Namespace(String::new())),
+            Identity {
+                multi_user: true,
+                uid: 0,
+                ..ns(Tenant::Namespace("team-a".into()))
+            },
+        ] {
+            let err = identity_from_annotations(&ann(&bad))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("invalid identity"), "{bad:?}: {err}");
+        }
     }
 
     /// The messages are the hook's one line on a refused create: pinned, as the hook wrote

@@ -4,7 +4,11 @@
 //! enforces: the request keys whose row says `identity` (`request::keys`). Under
 //! `user-mode = "multi-user"` the UID is 0 for everyone (one root daemon per device set);
 //! under `limits = "advisory"` no limit is part of it ([`Identity::for_request`] is that rule,
-//! for every path that serves a request). The id is 32 lowercase hex digits:
+//! for every path that serves a request). Under `mps.tenant = "namespace"` it also holds
+//! the container's [`Tenant`]: its Kubernetes namespace as the runtime told it, or "no
+//! namespace" where none can be trusted (docs/design.md, "Tenants"); under the default
+//! `"uid"` it holds none, so that the ids of existing daemons do not move. The id is 32
+//! lowercase hex digits:
 //! the first 128 bits of SHA-256 over the canonical form. Every identity a container can
 //! ask for is a tenant's choice, so the id must not be collidable: with a 48-bit unkeyed
 //! hash a tenant could find an identity whose id equals a victim's and, started first,
@@ -17,7 +21,7 @@
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::config::{Config, Limits, UserMode};
+use crate::config::{Config, Limits, TenantMode, UserMode};
 use crate::request::{IpcMode, KeySpec, Request, ACTIVE_THREAD_PERCENTAGE, PINNED_MEMORY_LIMIT};
 
 /// Length of a daemon id: 32 lowercase hex digits (128 bits).
@@ -43,11 +47,90 @@ pub struct Identity {
     /// (`ipc = "host"`); otherwise the daemon's own shm tmpfs is everyone's /dev/shm.
     #[serde(default)]
     pub ipc_host: bool,
+    /// Whose daemon it is beside the UID, under `mps.tenant = "namespace"`; `None` under
+    /// `"uid"` (and then absent from the JSON and the canonical form).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<Tenant>,
+}
+
+/// The tenant a container belongs to beside its host UID, under `mps.tenant =
+/// "namespace"`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Tenant {
+    /// The container's Kubernetes namespace, as containerd's CRI wrote it or NRI reported
+    /// it (never as a pod wrote it).
+    Namespace(String),
+    /// No namespace gpushare can trust (an engine whose caller writes every annotation):
+    /// one class of its own, never a Kubernetes namespace's.
+    NoNamespace,
+}
+
+/// What a namespace may be: what Kubernetes allows (RFC 1123 label).
+pub(crate) const NAMESPACE_ALLOWED: &str =
+    "a Kubernetes namespace name (1 to 63 lowercase letters, digits and '-', starting and ending with a letter or digit)";
+
+/// Whether `s` is a Kubernetes namespace name (an RFC 1123 label). Checked although the
+/// runtime wrote it: it names a daemon in its canonical form, records and `status`.
+pub(crate) fn valid_namespace(s: &str) -> bool {
+    let alnum = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes().all(|b| alnum(b) || b == b'-')
+        && s.bytes().next().is_some_and(alnum)
+        && s.bytes().last().is_some_and(alnum)
+}
+
+/// A namespace the runtime reported that is no namespace name.
+#[derive(Debug, thiserror::Error)]
+#[error("the container's Kubernetes namespace {value:?} ({source_name}) is invalid: allowed is {NAMESPACE_ALLOWED}")]
+pub struct TenantError {
+    value: String,
+    source_name: &'static str,
+}
+
+impl Tenant {
+    /// The tenant of a container on this node: `None` under `mps.tenant = "uid"`; under
+    /// `"namespace"`, the namespace the path trusts (`trusted`, with where it came from,
+    /// for the error line), else [`Tenant::NoNamespace`].
+    pub(crate) fn for_node(
+        cfg: &Config,
+        trusted: Option<(&str, &'static str)>,
+    ) -> Result<Option<Tenant>, TenantError> {
+        if cfg.mps.tenant == TenantMode::Uid {
+            return Ok(None);
+        }
+        match trusted {
+            None => Ok(Some(Tenant::NoNamespace)),
+            Some((ns, _)) if valid_namespace(ns) => Ok(Some(Tenant::Namespace(ns.to_owned()))),
+            Some((ns, source_name)) => Err(TenantError {
+                value: crate::util::escape(ns).chars().take(64).collect(),
+                source_name,
+            }),
+        }
+    }
+
+    /// Its form in the canonical text and in `status`: `ns:<name>`, or `none`.
+    pub(crate) fn label(&self) -> String {
+        match self {
+            Tenant::Namespace(ns) => format!("ns:{ns}"),
+            Tenant::NoNamespace => "none".to_owned(),
+        }
+    }
+
+    /// Whether it is well formed (a valid namespace name, where it names one).
+    pub(crate) fn is_valid(&self) -> bool {
+        match self {
+            Tenant::Namespace(ns) => valid_namespace(ns),
+            Tenant::NoNamespace => true,
+        }
+    }
 }
 
 impl Identity {
     /// The daemon identity for a request, from the devices it resolved to, the
-    /// container user's host UID and the IPC mode decided for it. The daemon's group is
+    /// container user's host UID, the IPC mode decided for it and its tenant
+    /// ([`Tenant::for_node`]). The daemon's group is
     /// the node's `mps.daemon-gid` (unset: the group numbered like the uid), never the
     /// container's: a container started with the `disk` or `video` group must not pass it
     /// to a process that sees the host.
@@ -57,6 +140,7 @@ impl Identity {
         uid: u32,
         req: &Request,
         ipc: IpcMode,
+        tenant: Option<Tenant>,
     ) -> Identity {
         let multi_user = cfg.mps.user_mode == UserMode::MultiUser;
         // A limit is the daemon's only where it enforces it.
@@ -76,14 +160,21 @@ impl Identity {
                 .and_then(|p| u8::try_from(p).ok()),
             pinned_memory_limit: enforced(&PINNED_MEMORY_LIMIT),
             ipc_host: ipc == IpcMode::Host,
+            tenant,
         }
     }
 
-    /// The canonical text the id hashes; stable across versions (prefix `v1`).
+    /// The canonical text the id hashes; stable across versions (prefix `v1`). The
+    /// tenant is appended only when there is one, so that `mps.tenant = "uid"` keeps
+    /// every id it always had.
     pub(crate) fn canonical(&self) -> String {
         let opt = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |v| v.to_string());
+        let tenant = self
+            .tenant
+            .as_ref()
+            .map_or_else(String::new, |t| format!("|tenant={}", t.label()));
         format!(
-            "v1|devices={}|uid={}|multi-user={}|tp={}|mem={}|ipc={}",
+            "v1|devices={}|uid={}|multi-user={}|tp={}|mem={}|ipc={}{tenant}",
             self.devices.join(","),
             self.uid,
             self.multi_user,
@@ -144,6 +235,7 @@ mod tests {
             active_thread_percentage: tp,
             pinned_memory_limit: None,
             ipc_host: false,
+            tenant: None,
         }
     }
 
@@ -194,6 +286,7 @@ mod tests {
             active_thread_percentage: Some(25),
             pinned_memory_limit: Some(4 << 30),
             ipc_host: true,
+            tenant: None,
         };
         assert_eq!(
             full.canonical(),
@@ -231,7 +324,8 @@ mod tests {
         };
         let cfg = crate::config::parse("", None).unwrap();
         let devices = ["GPU-8f8bff94-112e-9541-43da-cfd453333404".to_owned()];
-        let ident = |r: &Request| Identity::for_request(&cfg, &devices, 1000, r, IpcMode::Isolated);
+        let ident =
+            |r: &Request| Identity::for_request(&cfg, &devices, 1000, r, IpcMode::Isolated, None);
         assert_eq!(ident(&plain), ident(&low));
         assert_eq!(ident(&plain).id(), ident(&low).id());
     }
@@ -311,7 +405,7 @@ mod tests {
         let devices = ["GPU-8f8bff94-112e-9541-43da-cfd453333404".to_owned()];
         for (text, tp, ipc, want) in cases {
             let cfg = crate::config::parse(text, None).unwrap();
-            let got = Identity::for_request(&cfg, &devices, 1000, &req(*tp), *ipc);
+            let got = Identity::for_request(&cfg, &devices, 1000, &req(*tp), *ipc, None);
             assert_eq!(
                 (
                     got.uid,
@@ -325,6 +419,89 @@ mod tests {
                 "{text:?} {tp:?} {ipc}"
             );
             assert_eq!(got.devices, devices);
+        }
+    }
+
+    /// `mps.tenant = "uid"` (the default) puts no tenant in the identity, whatever
+    /// namespace a path trusts, so every existing daemon keeps its id (the one pinned
+    /// above); `"namespace"` gives each namespace, and containers without a trusted one,
+    /// a daemon of their own.
+    #[test]
+    fn the_tenant_is_in_the_id_only_in_namespace_mode() {
+        let devices = ["GPU-8f8bff94-112e-9541-43da-cfd453333404".to_owned()];
+        let req = Request {
+            device: crate::request::Sourced {
+                value: crate::request::DeviceValue::Named(
+                    crate::request::parse_device("gpushare.io/device", "0").unwrap(),
+                ),
+                key: "gpushare.io/device",
+                raw: "0".into(),
+            },
+            ipc: None,
+            settings: crate::request::Settings::default(),
+        };
+        let id_in = |cfg: &Config, ns: Option<&str>| {
+            let tenant = Tenant::for_node(cfg, ns.map(|n| (n, "test"))).unwrap();
+            Identity::for_request(cfg, &devices, 1000, &req, IpcMode::Isolated, tenant)
+        };
+        let by_uid = crate::config::parse("", None).unwrap();
+        for ns in [None, Some("team-a"), Some("team-b")] {
+            let ident = id_in(&by_uid, ns);
+            assert_eq!(ident.tenant, None);
+            assert_eq!(ident.id(), "2d3ff58269c1d56e621ea79962171817", "{ns:?}");
+            assert!(!serde_json::to_string(&ident).unwrap().contains("tenant"));
+        }
+        let by_ns = crate::config::parse("[mps]\ntenant = \"namespace\"", None).unwrap();
+        let a = id_in(&by_ns, Some("team-a"));
+        assert_eq!(
+            a.canonical(),
+            "v1|devices=GPU-8f8bff94-112e-9541-43da-cfd453333404|uid=1000|multi-user=false|tp=-|mem=-|ipc=isolated|tenant=ns:team-a"
+        );
+        // `printf %s "<canonical>" | sha256sum | cut -c1-32`
+        assert_eq!(a.id(), "e92361fc1af4c133c1b46998bccc5dcd");
+        let none = id_in(&by_ns, None);
+        assert_eq!(none.tenant, Some(Tenant::NoNamespace));
+        assert!(none.canonical().ends_with("|tenant=none"));
+        let ids = [a.id(), id_in(&by_ns, Some("team-b")).id(), none.id()];
+        assert!(ids.iter().all(|i| valid_id(i)));
+        assert!(
+            ids[0] != ids[1] && ids[1] != ids[2] && ids[0] != ids[2],
+            "{ids:?}"
+        );
+        assert_ne!(a.id(), id_in(&by_uid, Some("team-a")).id());
+        // The JSON the hook reads back round-trips.
+        let json = serde_json::to_string(&a).unwrap();
+        assert!(
+            json.contains(r#""tenant":{"namespace":"team-a"}"#),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<Identity>(&json).unwrap(), a);
+        let json = serde_json::to_string(&none).unwrap();
+        assert!(json.contains(r#""tenant":"no-namespace""#), "{json}");
+
+        // What is no namespace name is refused with one line, even from a runtime.
+        for bad in [
+            "",
+            "Team-A",
+            "team_a",
+            "-a",
+            "a-",
+            "a|b",
+            "a\nb",
+            &"a".repeat(64),
+        ] {
+            let err = Tenant::for_node(&by_ns, Some((bad, "NRI's PodSandbox.namespace")))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.starts_with("the container's Kubernetes namespace ")
+                    && err.contains("(NRI's PodSandbox.namespace) is invalid: allowed is a Kubernetes namespace name")
+                    && !err.contains('\n'),
+                "{bad:?}: {err}"
+            );
+        }
+        for good in ["a", "kube-system", "0", &"a".repeat(63)] {
+            assert!(valid_namespace(good), "{good}");
         }
     }
 

@@ -100,6 +100,7 @@ impl Plugin {
             &spec,
             ctr.user.is_some(),
             &runtime,
+            &pod.namespace,
             honour_ipc,
         )?
         else {

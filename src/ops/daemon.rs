@@ -20,6 +20,9 @@ pub(crate) struct Start {
     pub gid: Option<u32>,
     /// The request keys given as flags (the rows' `flag`), with their raw values.
     pub settings: Vec<(&'static KeySpec, String)>,
+    /// `--namespace`: the Kubernetes namespace whose daemon it is, under `mps.tenant =
+    /// "namespace"` (unset: the "no namespace" tenant's).
+    pub namespace: Option<String>,
     /// Print what was started as JSON.
     pub json: bool,
 }
@@ -33,6 +36,7 @@ pub(crate) fn start(cfg: &Config, args: &Start) -> anyhow::Result<()> {
         req,
         |_| Ok(cfg.mps.ipc_mode()),
         || Ok((uid, gid.unwrap_or(uid))),
+        args.namespace.as_deref().map(|ns| (ns, "--namespace")),
     )?
     .identity;
     // The operator's --gid wins over mps.daemon-gid (multi-user daemons stay root's).

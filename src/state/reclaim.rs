@@ -126,6 +126,7 @@ mod tests {
             active_thread_percentage: None,
             pinned_memory_limit: None,
             ipc_host: true,
+            tenant: None,
         };
         assert_eq!(identity.id(), id);
         DaemonRecord {
@@ -154,6 +155,7 @@ mod tests {
             active_thread_percentage: None,
             pinned_memory_limit: None,
             ipc_host: true,
+            tenant: None,
         }
         .id();
         assert_eq!(state.reclaim_abandoned(&id, 30).unwrap(), Abandoned::Gone);

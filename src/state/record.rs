@@ -370,6 +370,7 @@ mod tests {
             active_thread_percentage: Some(50),
             pinned_memory_limit: None,
             ipc_host: false,
+            tenant: None,
         }
     }
 

@@ -1617,3 +1617,181 @@ fn cri_containerd_1_7_serves_a_cdi_device_once_through_the_shim() {
 fn cri_containerd2_serves_a_cdi_device_once_through_the_shim() {
     cri_serves_a_cdi_device_once_through_the_shim(3);
 }
+
+/// `mps.tenant`, through containerd's CRI plugin with the shim's class (`gpushare`) and
+/// the hook-only class (`gpushare-hooks`), both with a `pod_annotations` allowlist widened
+/// to pass containerd's namespace annotation (a misconfigured node): pods of UID 0 (as
+/// many images run) in
+/// namespaces `team-a` and `team-b`, one of them annotated
+/// `io.kubernetes.cri.sandbox-namespace: team-a`, and a container of UID 0 outside the
+/// CRI (`ctr run --runc-binary gpushare-runtime` on the same containerd, in its `default`
+/// namespace) annotated the same. Returns the
+/// daemon of each: (team-a, team-a again, team-b, the forger in team-b, hook-only in
+/// team-a, hook-only in team-b, outside the CRI).
+fn pods_of_one_uid_in_two_namespaces(env: &Env) -> [String; 7] {
+    const HOOKS: &str = "gpushare-hooks";
+    const FORGED: (&str, &str) = ("io.kubernetes.cri.sandbox-namespace", "team-a");
+    let mut node = Node::installed(env, &|config| {
+        install_shim(env, config);
+        install_hook_only(env, config, HOOKS);
+        let toml = std::fs::read_to_string(config).unwrap();
+        let keys = pod_annotations_line();
+        assert_eq!(toml.matches(&keys).count(), 2, "{toml}");
+        let widened = keys.replace(
+            "pod_annotations = [",
+            "pod_annotations = [\"io.kubernetes.cri.*\", ",
+        );
+        std::fs::write(config, toml.replace(&keys, &widened)).unwrap();
+    });
+    let mut daemon = |name: &str, namespace: &str, handler: &str, extra: &[(&str, &str)]| {
+        let mut annotations = vec![("gpushare.io/device", "0")];
+        annotations.extend_from_slice(extra);
+        let config = node.pod_config(&PodSpec {
+            name,
+            namespace,
+            annotations: &annotations,
+            run_as_user: Some(0),
+            ..Default::default()
+        });
+        let pod = Pod {
+            id: node
+                .cri()
+                .run_pod(&config, handler)
+                .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}")),
+            config,
+        };
+        let c = ContainerSpec {
+            name: "cuda",
+            script: "exec sleep 3600",
+            run_as_user: Some(0),
+            ..Default::default()
+        };
+        let id = node.run(&pod, &c);
+        // containerd's own value, whatever the pod wrote.
+        assert_eq!(
+            node.bundle_spec(&id)["annotations"][FORGED.0],
+            namespace,
+            "{name}"
+        );
+        node.daemon_of(&id)
+            .unwrap_or_else(|| panic!("{name} is on no daemon: {}", env.gpushare_log()))
+    };
+    let a = daemon("a", "team-a", HANDLER, &[]);
+    let a2 = daemon("a2", "team-a", HANDLER, &[]);
+    let b = daemon("b", "team-b", HANDLER, &[]);
+    let forger = daemon("forger", "team-b", HANDLER, &[FORGED]);
+    let hooks_a = daemon("ha", "team-a", HOOKS, &[]);
+    let hooks_b = daemon("hb", "team-b", HOOKS, &[FORGED]);
+    // ctr, whose caller writes every annotation, in containerd's `default` namespace.
+    let ctr = |args: &[&str]| {
+        node.ns()
+            .cmd(node.program("ctr"))
+            .arg("-a")
+            .arg(&node.sock)
+            .args(["-n", "default"])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    struct Removed<F: Fn(&[&str]) -> std::process::Output>(F);
+    impl<F: Fn(&[&str]) -> std::process::Output> Drop for Removed<F> {
+        fn drop(&mut self) {
+            let _ = (self.0)(&["task", "kill", "-s", "KILL", "outside"]);
+            let _ = wait_until(Duration::from_secs(10), || {
+                (self.0)(&["task", "rm", "outside"]).status.success()
+                    || !(self.0)(&["task", "ls", "-q"])
+                        .stdout
+                        .starts_with(b"outside")
+            });
+            let _ = (self.0)(&["container", "rm", "outside"]);
+        }
+    }
+    let _removed = Removed(ctr);
+    let cgroup = format!("{}/outside", node.cgroup);
+    let out = (_removed.0)(&[
+        "run",
+        "-d",
+        "--cgroup",
+        &cgroup,
+        "--runc-binary",
+        runtime(),
+        "--annotation",
+        "gpushare.io/device=0",
+        "--annotation",
+        &format!("{}={}", FORGED.0, FORGED.1),
+        "--env",
+        "PATH=/usr/bin:/bin",
+        "--rootfs",
+        env.rootfs.to_str().unwrap(),
+        "outside",
+        "sh",
+        "-c",
+        "exec sleep 3600",
+    ]);
+    assert!(out.status.success(), "ctr run: {}", text(&out));
+    let spec: Value = serde_json::from_slice(
+        &std::fs::read(
+            node.dir
+                .join("state/io.containerd.runtime.v2.task/default/outside/config.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let outside = spec["annotations"]["gpushare.io/daemon"]
+        .as_str()
+        .unwrap_or_else(|| panic!("ctr's container was not served: {spec}"))
+        .to_owned();
+    [a, a2, b, forger, hooks_a, hooks_b, outside]
+}
+
+/// `mps.tenant = "namespace"`: each namespace's pods of UID 0 get a daemon of their
+/// own through the shim and through the hook-only class (the same daemon on both, as the
+/// same identity); a pod that writes containerd's namespace annotation stays in its own
+/// namespace (containerd writes its own after the pass-through); a container outside
+/// containerd's CRI that writes it gets the "no namespace" daemon, never team-a's.
+#[test]
+fn cri_namespace_tenants_get_a_daemon_each_and_no_pod_picks_its_namespace() {
+    let env = Env::with_config("tenant = \"namespace\"");
+    let [a, a2, b, forger, hooks_a, hooks_b, outside] = pods_of_one_uid_in_two_namespaces(&env);
+    assert_eq!(a, a2, "one namespace, one daemon");
+    assert_ne!(a, b, "two namespaces, two daemons");
+    assert_eq!(forger, b, "the forged annotation changed the pod's tenant");
+    assert_eq!(
+        (hooks_a.as_str(), hooks_b.as_str()),
+        (a.as_str(), b.as_str())
+    );
+    assert!(
+        outside != a && outside != b,
+        "a container outside the CRI joined a namespace's daemon: {outside}"
+    );
+    for (daemon, tenant) in [
+        (&a, serde_json::json!({"namespace": "team-a"})),
+        (&b, serde_json::json!({"namespace": "team-b"})),
+        (&outside, serde_json::json!("no-namespace")),
+    ] {
+        assert_eq!(env.record(daemon)["identity"]["tenant"], tenant);
+        assert_eq!(env.record(daemon)["identity"]["uid"], 0);
+        let status = env.status();
+        let listed = status
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["id"] == daemon.as_str())
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(listed["tenant"], tenant, "{listed}");
+    }
+    assert_eq!(env.daemon_ids().len(), 3, "{:?}", env.daemon_ids());
+}
+
+/// `mps.tenant = "uid"` (the default): every container of UID 0 shares one daemon,
+/// whatever its namespace or annotations, with the id it always had.
+#[test]
+fn cri_uid_tenants_share_one_daemon_across_namespaces() {
+    let env = Env::new();
+    let daemons = pods_of_one_uid_in_two_namespaces(&env);
+    assert!(daemons.iter().all(|d| d == &daemons[0]), "{daemons:?}");
+    let record = env.record(&daemons[0]);
+    assert!(record["identity"].get("tenant").is_none(), "{record}");
+    assert_eq!(env.daemon_ids().len(), 1);
+}

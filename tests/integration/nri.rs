@@ -926,3 +926,57 @@ fn nri_plugin_launched_by_containerd_from_its_plugin_path() {
     assert!(!wrapper.exists(), "{}", text(&out));
     assert!(std::fs::read_dir(&plugins).unwrap().next().is_none());
 }
+
+/// `mps.tenant = "namespace"` through the plugin (containerd 2.3.4, no RuntimeClass):
+/// pods of UID 1000 in two namespaces get a daemon each, the namespace being the one the
+/// runtime reports for the pod (NRI's `PodSandbox.namespace`); a pod that writes
+/// containerd's and CRI-O's namespace annotations into its own annotations (which NRI
+/// hands the plugin whole) stays in its own namespace.
+#[test]
+fn nri_plugin_gives_each_namespace_its_own_daemon_from_the_runtime_s_pod_namespace() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::with_config("tenant = \"namespace\"");
+    let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri);
+    let _plugin = Plugin::start(&env, &node);
+    let mut daemon = |name: &str, namespace: &str, forged: bool| {
+        let mut annotations = vec![("gpushare.io/device", "0")];
+        if forged {
+            annotations.push(("io.kubernetes.cri.sandbox-namespace", "team-a"));
+            annotations.push(("io.kubernetes.pod.namespace", "team-a"));
+        }
+        let pod = plain_pod(
+            &mut node,
+            &PodSpec {
+                name,
+                namespace,
+                annotations: &annotations,
+                run_as_user: Some(1000),
+                ..Default::default()
+            },
+        );
+        let c = ContainerSpec {
+            name: "cuda",
+            script: "exec sleep 3600",
+            run_as_user: Some(1000),
+            ..Default::default()
+        };
+        let id = node.run(&pod, &c);
+        node.daemon_of(&id)
+            .unwrap_or_else(|| panic!("{name} is on no daemon: {}", env.gpushare_log()))
+    };
+    let a = daemon("a", "team-a", false);
+    let a2 = daemon("a2", "team-a", false);
+    let b = daemon("b", "team-b", false);
+    let forger = daemon("forger", "team-b", true);
+    assert_eq!(a, a2, "one namespace, one daemon");
+    assert_ne!(a, b, "two namespaces, two daemons");
+    assert_eq!(forger, b, "the pod's own annotations changed its tenant");
+    for (d, ns) in [(&a, "team-a"), (&b, "team-b")] {
+        let identity = env.record(d)["identity"].clone();
+        assert_eq!(identity["tenant"]["namespace"], ns, "{identity}");
+        assert_eq!(identity["uid"], 1000, "{identity}");
+    }
+    assert_eq!(env.daemon_ids().len(), 2, "{:?}", env.daemon_ids());
+}

@@ -683,6 +683,7 @@ fn forged_decisions<'a>(env: &'a Env) {
         active_thread_percentage: Some(100),
         pinned_memory_limit: None,
         ipc_host: true,
+        tenant: None,
     };
     let (forged_id, forged_json) = (forged.id(), serde_json::to_string(&forged).unwrap());
     let forge = |b: ContainerBuilder<'a>| -> Container<'a> {

@@ -231,6 +231,7 @@ mod tests {
             active_thread_percentage: Some(25),
             pinned_memory_limit: Some(4 << 30),
             ipc_host: false,
+            tenant: None,
         };
         assert_eq!(
             limit_commands(&ident),

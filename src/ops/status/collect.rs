@@ -37,6 +37,10 @@ pub(crate) struct DaemonView {
     /// Host UID the daemon serves (0 and `multi_user` for a multi-user daemon).
     pub uid: u32,
     pub multi_user: bool,
+    /// Its tenant beside the UID under `mps.tenant = "namespace"` (`{"namespace": …}` or
+    /// `"no-namespace"`); absent under `"uid"`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<crate::identity::Tenant>,
     pub ipc: &'static str,
     pub active_thread_percentage: Option<u8>,
     pub pinned_memory_limit_bytes: Option<u64>,
@@ -305,6 +309,7 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
                 .collect(),
             uid: ident.uid,
             multi_user: ident.multi_user,
+            tenant: ident.tenant.clone(),
             ipc: if ident.ipc_host { "host" } else { "isolated" },
             active_thread_percentage: ident.active_thread_percentage,
             pinned_memory_limit_bytes: ident.pinned_memory_limit,
@@ -364,6 +369,7 @@ fn directory_view(state: &StateDir, id: String, pending_grace: u64) -> DaemonVie
         devices: Vec::new(),
         uid: std::fs::symlink_metadata(state.pipe_dir(&id)).map_or(0, |m| m.uid()),
         multi_user: false,
+        tenant: None,
         ipc: if shm { "isolated" } else { "host" },
         active_thread_percentage: None,
         pinned_memory_limit_bytes: None,

@@ -68,6 +68,13 @@ pub(crate) fn table(view: &StatusView) -> String {
         if d.ipc == "host" {
             limits.push("ipc=host".into());
         }
+        match &d.tenant {
+            Some(crate::identity::Tenant::Namespace(ns)) => {
+                limits.push(format!("ns={}", crate::util::escape(ns)))
+            }
+            Some(crate::identity::Tenant::NoNamespace) => limits.push("ns=(none)".into()),
+            None => {}
+        }
         let dash = || "-".to_owned();
         let _ = writeln!(
             out,
@@ -264,6 +271,7 @@ mod tests {
                 }],
                 uid: 1000,
                 multi_user: false,
+                tenant: None,
                 ipc: "isolated",
                 active_thread_percentage: None,
                 pinned_memory_limit_bytes: None,
