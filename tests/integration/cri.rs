@@ -1782,6 +1782,20 @@ fn cri_namespace_tenants_get_a_daemon_each_and_no_pod_picks_its_namespace() {
         assert_eq!(listed["tenant"], tenant, "{listed}");
     }
     assert_eq!(env.daemon_ids().len(), 3, "{:?}", env.daemon_ids());
+    let table = env.cmd(gpushare()).arg("status").output().unwrap();
+    let table = text(&table);
+    for (daemon, shown) in [
+        (&a, "ns=team-a"),
+        (&b, "ns=team-b"),
+        (&outside, "ns=(none)"),
+    ] {
+        assert!(
+            table
+                .lines()
+                .any(|l| l.starts_with(daemon.as_str()) && l.contains(shown)),
+            "{shown}:\n{table}"
+        );
+    }
 }
 
 /// `mps.tenant = "uid"` (the default): every container of UID 0 shares one daemon,
@@ -1794,4 +1808,38 @@ fn cri_uid_tenants_share_one_daemon_across_namespaces() {
     let record = env.record(&daemons[0]);
     assert!(record["identity"].get("tenant").is_none(), "{record}");
     assert_eq!(env.daemon_ids().len(), 1);
+}
+
+/// Two `hostUsers: false` pods of one namespace, both running as UID 1000 inside: the
+/// kubelet gives each pod its own range of host UIDs (here by hand, as it allocates them),
+/// so each gets a daemon of its own under the default `mps.tenant = "uid"`
+/// (docs/kubernetes.md, "Tenants: UID or namespace").
+#[test]
+fn cri_host_users_false_pods_get_a_daemon_each() {
+    let env = Env::new();
+    let mut node = Node::start_containerd2(&env);
+    let mut served = Vec::new();
+    for (name, base) in [("first", 200000), ("second", 300000)] {
+        let pod = node.pod(&PodSpec {
+            name,
+            annotations: &[("gpushare.io/device", "0")],
+            run_as_user: Some(1000),
+            userns: Some((base, 65536)),
+            ..Default::default()
+        });
+        let c = ContainerSpec {
+            name: "cuda",
+            script: "exec sleep 3600",
+            run_as_user: Some(1000),
+            ..Default::default()
+        };
+        let id = node.run(&pod, &c);
+        let daemon = node.daemon_of(&id).expect("the container is on a daemon");
+        assert_eq!(env.record(&daemon)["identity"]["uid"], base + 1000);
+        served.push(daemon);
+    }
+    assert_ne!(
+        served[0], served[1],
+        "one namespace, two pods, two host UIDs"
+    );
 }
