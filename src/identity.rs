@@ -83,7 +83,9 @@ pub(crate) fn valid_namespace(s: &str) -> bool {
 
 /// A namespace the runtime reported that is no namespace name.
 #[derive(Debug, thiserror::Error)]
-#[error("the container's Kubernetes namespace {value:?} ({source_name}) is invalid: allowed is {NAMESPACE_ALLOWED}")]
+#[error(
+    "the Kubernetes namespace {value:?} ({source_name}) is invalid: allowed is {NAMESPACE_ALLOWED}"
+)]
 pub struct TenantError {
     value: String,
     source_name: &'static str,
@@ -494,7 +496,7 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(
-                err.starts_with("the container's Kubernetes namespace ")
+                err.starts_with("the Kubernetes namespace ")
                     && err.contains("(NRI's PodSandbox.namespace) is invalid: allowed is a Kubernetes namespace name")
                     && !err.contains('\n'),
                 "{bad:?}: {err}"

@@ -30,6 +30,16 @@ pub(crate) struct Start {
 /// `gpushare daemon start`: the same validation and identity as a container's request.
 pub(crate) fn start(cfg: &Config, args: &Start) -> anyhow::Result<()> {
     let req = request_from_flags(args)?;
+    if args.namespace.is_some() && cfg.mps.tenant == crate::config::TenantMode::Uid {
+        anyhow::bail!(
+            "--namespace names a tenant, and this node's tenants are host UIDs (mps.tenant = \"uid\"{}); allowed is no --namespace here, or mps.tenant = \"namespace\" with per-user daemons",
+            if cfg.mps.user_mode == crate::config::UserMode::MultiUser {
+                ", as for every multi-user daemon"
+            } else {
+                ""
+            }
+        );
+    }
     let (uid, gid) = (args.uid, args.gid);
     let mut ident = crate::decision::resolve(
         cfg,

@@ -602,3 +602,64 @@ fn daemon_stop_all_stops_every_idle_daemon_and_names_each_one_in_use() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert!(env.daemon_ids().is_empty());
 }
+
+/// `gpushare daemon start --namespace`: under `mps.tenant = "namespace"` it starts that
+/// namespace's daemon ahead of its pods, and without it the "no namespace" tenant's, which
+/// a container outside Kubernetes (runc through the shim) then uses; a name that is no
+/// Kubernetes namespace, or `--namespace` where tenants are UIDs, is refused in one line.
+#[test]
+fn daemon_start_takes_a_namespace_only_where_tenants_are_namespaces() {
+    let start = |env: &Env, extra: &[&str]| {
+        env.cmd(gpushare())
+            .args([
+                "daemon", "start", "--device", "0", "--uid", "1000", "--json",
+            ])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let id = |out: &std::process::Output| {
+        assert!(out.status.success(), "{}", text(out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["id"].as_str().unwrap().to_owned()
+    };
+    let env = Env::with_config("tenant = \"namespace\"");
+    let team_a = id(&start(&env, &["--namespace", "team-a"]));
+    let none = id(&start(&env, &[]));
+    assert_ne!(team_a, none);
+    assert_eq!(
+        env.record(&team_a)["identity"]["tenant"],
+        serde_json::json!({"namespace": "team-a"})
+    );
+    assert_eq!(env.record(&none)["identity"]["tenant"], "no-namespace");
+    let c = env
+        .container("outside")
+        .uid(1000)
+        .device("0")
+        .annotation("io.kubernetes.cri.sandbox-namespace", "team-a")
+        .sh("true")
+        .create();
+    assert_eq!(env.daemon_of(&c), none);
+    let out = start(&env, &["--namespace", "Team_A"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "gpushare: the Kubernetes namespace \"Team_A\" (--namespace) is invalid: allowed is a Kubernetes namespace name (1 to 63 lowercase letters, digits and '-', starting and ending with a letter or digit)\n"
+    );
+    assert_eq!(
+        env.daemon_ids().len(),
+        2,
+        "nothing made for a refused start"
+    );
+
+    let by_uid = Env::new();
+    let out = start(&by_uid, &["--namespace", "team-a"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.starts_with("gpushare: --namespace names a tenant, and this node's tenants are host UIDs (mps.tenant = \"uid\")")
+            && err.lines().count() == 1,
+        "{err}"
+    );
+    assert!(by_uid.daemon_ids().is_empty());
+}
