@@ -721,8 +721,8 @@ fn nri_plugin_leaves_a_cdi_device_to_gpushare_s_hook() {
     );
 }
 
-/// Issue 34's second attack, replayed through containerd 2.3.4's CRI plugin with its
-/// default NRI request timeout (2 s): a tenant (UID 1000) quits its own daemon from its
+/// One tenant's slow daemon against another tenant's pods, through containerd 2.3.4's CRI
+/// plugin with its default NRI request timeout (2 s): a tenant (UID 1000) quits its own daemon from its
 /// pod each time it comes back, so that its supervisor's restart backoff grows to 6.4 s,
 /// then creates more containers of that identity while another tenant (UID 2000, served
 /// before) creates its own. Each of the first tenant's creates is refused with one line
@@ -1008,8 +1008,8 @@ fn nri_default_validator_refuses_pods_that_need_the_plugin_while_it_is_down() {
     );
 }
 
-/// Issue 34's third attack, through containerd 2.3.4's CRI plugin: a pod's own
-/// annotations are the pod author's, and containerd hands NRI every one of them. A pod
+/// A pod's annotations against its allocation, through containerd 2.3.4's CRI plugin: a
+/// pod's own annotations are the pod author's, and containerd hands NRI every one of them. A pod
 /// with no GPU allocated that writes `gpushare.io/device: allocated` beside a forged
 /// `cdi.k8s.io/x: nvidia.com/gpu=<GPU 2>` is refused ("found no devices allocated"), no
 /// daemon started; a pod that writes the CRI-O sandbox marker beside an invalid
