@@ -77,6 +77,18 @@ struct Handoff {
     done: Condvar,
 }
 
+/// An identity's place in `Plugin::starting`, given back when its `ensure` thread is done
+/// (or unwinds: the identity is never left refused for good).
+struct Starting(Arc<Mutex<HashSet<String>>>, String);
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if let Ok(mut s) = self.0.lock() {
+            s.remove(&self.1);
+        }
+    }
+}
+
 #[derive(Default)]
 enum Slot {
     #[default]
@@ -229,23 +241,22 @@ impl Plugin {
                 "MPS daemon {id} is not ready yet ({why}); the container is refused rather than run unserved, and the kubelet retries it (see `gpushare status`)"
             )
         };
-        {
-            let mut starting = self
-                .starting
-                .lock()
-                .map_err(|_| anyhow::anyhow!("the plugin's start list is poisoned"))?;
-            if !starting.insert(id.clone()) {
-                return Err(refuse(
-                    "an earlier container is still waiting for its start",
-                ));
-            }
+        let inserted = self
+            .starting
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the plugin's start list is poisoned"))?
+            .insert(id.clone());
+        if !inserted {
+            return Err(refuse(
+                "an earlier container is still waiting for its start",
+            ));
         }
+        let starting = Starting(Arc::clone(&self.starting), id.clone());
         let handoff = Arc::new(Handoff::default());
-        let (cfg, dirs, reaping, starting) = (
+        let (cfg, dirs, reaping) = (
             Arc::clone(&self.cfg),
             self.dirs.clone(),
             Arc::clone(&self.reaping),
-            Arc::clone(&self.starting),
         );
         let (theirs, ident) = (Arc::clone(&handoff), ident.clone());
         let spawned = std::thread::Builder::new()
@@ -255,10 +266,10 @@ impl Plugin {
                     let _no_reaping = reaping.read();
                     crate::mps::ensure::ensure(&cfg, &dirs, &ident, Some(&record))
                 };
+                // Before the answer can go out: the runtime's next create of this
+                // identity must find it done, not still starting.
+                drop(starting);
                 let id = ident.id();
-                if let Ok(mut s) = starting.lock() {
-                    s.remove(&id);
-                }
                 let Ok(mut slot) = theirs.slot.lock() else {
                     return;
                 };
@@ -277,12 +288,8 @@ impl Plugin {
                 *slot = Slot::Done(result);
                 theirs.done.notify_all();
             });
-        if let Err(e) = spawned {
-            if let Ok(mut s) = self.starting.lock() {
-                s.remove(&id);
-            }
-            return Err(e).context("start a thread to ensure the daemon");
-        }
+        // A thread that cannot start drops its closure, and `starting` with it.
+        spawned.context("start a thread to ensure the daemon")?;
         let slot = handoff
             .slot
             .lock()
