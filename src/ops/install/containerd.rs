@@ -378,7 +378,7 @@ const NRI_PLUGIN: &str = "io.containerd.nri.v1.nri";
 
 /// Turns containerd's NRI on: `disable = false` in `[plugins."io.containerd.nri.v1.nri"]`,
 /// which 1.7 needs (NRI is off there unless configured) and 2.x has by default (a 2.x
-/// file without the table is left as it is; one that disables it is turned on). The rest
+/// file is changed only where it says `disable = true`). The rest
 /// of the file is kept byte for byte; the socket stays NRI's default.
 pub(crate) fn enable_nri(
     path: &Path,
@@ -388,8 +388,13 @@ pub(crate) fn enable_nri(
     let (mut doc, empty, _) = parse_versioned(path, text, default_version, "1.7")?;
     let version = version_of(&doc, empty, default_version).unwrap_or(1);
     let before = doc.to_string();
-    let present = doc.get("plugins").and_then(|p| p.get(NRI_PLUGIN)).is_some();
-    if version >= 3 && !present {
+    let disabled = doc
+        .get("plugins")
+        .and_then(|p| p.get(NRI_PLUGIN))
+        .and_then(|n| n.get("disable"))
+        .and_then(Item::as_bool)
+        == Some(true);
+    if version >= 3 && !disabled {
         return Ok(Edited {
             text: empty.then(|| doc.to_string()),
         });
@@ -455,24 +460,25 @@ pub(crate) fn require_nri(
         .ok_or_else(|| not_a_table(path, &format!("{NRI_PLUGIN}.{VALIDATOR}")))?;
     validator.set_implicit(false);
     validator.insert("enable", value(true));
-    let mut names = required_plugins(path, validator)?;
-    let listed = names.iter().any(|n| n.as_str() == Some(name));
     match required {
         NriRequired::Node => {
-            if !listed {
-                names.push(name);
-            }
             if !validator.contains_key("tolerate_missing_plugins_annotation") {
                 validator.insert(
                     "tolerate_missing_plugins_annotation",
                     value(TOLERATE_ANNOTATION),
                 );
             }
+            if let Some(names) = required_plugins(path, validator, true)? {
+                if !names.iter().any(|n| n.as_str() == Some(name)) {
+                    names.push(name);
+                }
+            }
         }
-        NriRequired::Pods => names.retain(|n| n.as_str() != Some(name)),
-    }
-    if !names.is_empty() || validator.contains_key("required_plugins") {
-        validator.insert("required_plugins", value(names));
+        NriRequired::Pods => {
+            if let Some(names) = required_plugins(path, validator, false)? {
+                names.retain(|n| n.as_str() != Some(name));
+            }
+        }
     }
     let after = doc.to_string();
     Ok(Edited {
@@ -497,31 +503,40 @@ pub(crate) fn unrequire_nri(path: &Path, text: &str, name: &str) -> Result<Edite
     else {
         return unchanged;
     };
-    let mut names = required_plugins(path, validator)?;
-    names.retain(|n| n.as_str() != Some(name));
-    validator.insert("required_plugins", value(names));
+    if let Some(names) = required_plugins(path, validator, false)? {
+        names.retain(|n| n.as_str() != Some(name));
+    }
     let after = doc.to_string();
     Ok(Edited {
         text: (after != before).then_some(after),
     })
 }
 
-/// The validator's `required_plugins` (empty where absent); a value that is not a list of
-/// strings is refused.
-fn required_plugins(path: &Path, validator: &Table) -> Result<Array, InstallError> {
-    match validator.get("required_plugins") {
-        None => Ok(Array::new()),
-        Some(item) => item
-            .as_array()
-            .filter(|a| a.iter().all(|v| v.as_str().is_some()))
-            .cloned()
-            .ok_or_else(|| InstallError::Unsupported {
-                path: path.to_owned(),
-                message: format!(
-                    "{NRI_PLUGIN}.{VALIDATOR}.required_plugins is not a list of plugin names"
-                ),
-            }),
+/// The validator's `required_plugins`, edited in place (its layout kept); where absent,
+/// a new empty one if `create`, else `None`. A value that is not a list of strings is
+/// refused.
+fn required_plugins<'t>(
+    path: &Path,
+    validator: &'t mut Table,
+    create: bool,
+) -> Result<Option<&'t mut Array>, InstallError> {
+    if !validator.contains_key("required_plugins") {
+        if !create {
+            return Ok(None);
+        }
+        validator.insert("required_plugins", value(Array::new()));
     }
+    validator
+        .get_mut("required_plugins")
+        .and_then(Item::as_array_mut)
+        .filter(|a| a.iter().all(|v| v.as_str().is_some()))
+        .map(Some)
+        .ok_or_else(|| InstallError::Unsupported {
+            path: path.to_owned(),
+            message: format!(
+                "{NRI_PLUGIN}.{VALIDATOR}.required_plugins is not a list of plugin names"
+            ),
+        })
 }
 
 /// Where containerd looks for the NRI plugins it launches when `plugin_path` is not set.
@@ -765,6 +780,11 @@ mod tests {
             Some(TOLERATE_ANNOTATION)
         );
         assert_eq!(require(&node, NriRequired::Node), None, "idempotent");
+        assert_eq!(
+            enable_nri(path, &node, 3).unwrap().text,
+            None,
+            "NRI stays as 2.x has it"
+        );
         // An operator's own toleration key stays.
         let theirs = "version = 3\n[plugins.\"io.containerd.nri.v1.nri\".default_validator]\n  tolerate_missing_plugins_annotation = \"x.example.com\"\n";
         let v = parse(&require(theirs, NriRequired::Node).unwrap());
@@ -789,6 +809,12 @@ mod tests {
         // Uninstall: gpushare leaves the list, nothing else changes.
         let unrequire = |text: &str| unrequire_nri(path, text, "gpushare").unwrap().text;
         let back = unrequire(&node).unwrap();
+        let fresh_node = require("version = 3\n", NriRequired::Node).unwrap();
+        let emptied = unrequire(&fresh_node).unwrap();
+        assert!(
+            emptied.ends_with("required_plugins = []\n"),
+            "edited in place, its line kept: {emptied:?}"
+        );
         assert_eq!(
             parse(&back)["required_plugins"],
             toml::Value::Array(vec!["other".into()])

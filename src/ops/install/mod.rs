@@ -379,6 +379,7 @@ pub(crate) fn enable_nri(
         None
     };
     let mut edited = containerd::enable_nri(&path, &text, version)?;
+    let turned_on = edited.text.is_some();
     if let Some(required) = required {
         let on = edited.text.as_deref().unwrap_or(&text);
         let name = crate::nri::DEFAULT_NAME;
@@ -393,12 +394,17 @@ pub(crate) fn enable_nri(
         }
         return Ok(());
     }
+    let what = match (turned_on, edited.text.is_some()) {
+        (true, _) => "turned NRI on",
+        (false, true) => "set NRI's default validator",
+        (false, false) => "",
+    };
     match edited.text {
         None => println!("NRI is already on in {}", path.display()),
         Some(new) => {
             file::write(&path, &new)?;
             println!(
-                "turned NRI on in {}; restart containerd to use it (`systemctl restart containerd`)",
+                "{what} in {}; restart containerd to use it (`systemctl restart containerd`)",
                 path.display()
             );
         }
