@@ -64,8 +64,8 @@ pub(crate) struct Plugin {
     pub reaping: Arc<RwLock<()>>,
     /// A `Synchronize` that comes in parts (`more`): the containers so far.
     pub sync: Mutex<Vec<Container>>,
-    /// The identities (daemon ids) whose `ensure` runs on a thread that a refused
-    /// container's answer stopped waiting for.
+    /// The identities (daemon ids) whose `ensure` thread still runs: a create of one of
+    /// them is refused at once.
     starting: Arc<Mutex<HashSet<String>>>,
 }
 
