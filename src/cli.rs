@@ -162,6 +162,13 @@ enum Engine {
         /// containerd 2.x only (a version 3 config).
         #[arg(long, requires = "nri")]
         nri_launch: bool,
+        /// With --nri: have NRI's default validator (containerd 2.2 and later) refuse
+        /// containers that need the plugin while it is not connected (stopped, crashed,
+        /// restarting): `node`, every container but those of pods annotated
+        /// tolerate-missing-plugins.gpushare.io: "true"; `pods`, the containers of pods
+        /// annotated required-plugins.noderesource.dev: '["gpushare"]' (docs/kubernetes.md).
+        #[arg(long, value_enum, requires = "nri")]
+        nri_required: Option<NriRequired>,
     },
     /// Write gpushare's CDI spec (`gpushare cdi generate`) where every CDI engine reads it
     /// across reboots (default /etc/cdi/gpushare.json), and say how each engine uses it.
@@ -200,9 +207,16 @@ enum UninstallEngine {
     /// /etc/docker/daemon.json); an emptied "runtimes" stays as {}.
     Docker(UninstallArgs),
     /// Remove the runtime's tables from containerd's config.toml (default
-    /// /etc/containerd/config.toml), the hook-only base spec of ours it named, and the
-    /// NRI plugin `install containerd --nri-launch` put in its plugin_path.
+    /// /etc/containerd/config.toml), the hook-only base spec of ours it named, the
+    /// NRI plugin `install containerd --nri-launch` put in its plugin_path, and gpushare
+    /// in NRI's required_plugins (`--nri-required node`).
     Containerd(UninstallArgs),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum NriRequired {
+    Node,
+    Pods,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -776,9 +790,20 @@ fn install(cfg: &Config, engine: Engine) -> anyhow::Result<()> {
             config_version,
             nri: true,
             nri_launch,
+            nri_required,
             ..
         } => {
-            return ops::install::enable_nri(args.config, config_version, args.dry_run, nri_launch);
+            let required = nri_required.map(|r| match r {
+                NriRequired::Node => ops::install::NriRequired::Node,
+                NriRequired::Pods => ops::install::NriRequired::Pods,
+            });
+            return ops::install::enable_nri(
+                args.config,
+                config_version,
+                args.dry_run,
+                nri_launch,
+                required,
+            );
         }
         Engine::Containerd {
             args,

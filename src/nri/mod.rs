@@ -14,8 +14,11 @@
 //! plugin dials again with backoff; a plugin the runtime launched exits instead (the
 //! runtime launches it again).
 //!
-//! NRI fails open: while no plugin is connected, the runtime creates containers without
-//! it, so a pod with a request then runs unserved. The plugin says where it stands in
+//! NRI fails open unless told otherwise: while no plugin is connected, the runtime creates
+//! containers without it, so a pod with a request then runs unserved, unless NRI's default
+//! validator requires the plugin (node-wide or per pod: docs/kubernetes.md). The plugin
+//! answers within a budget, so that the runtime never drops it for a late answer
+//! (`plugin`), and dials again whenever the connection ends. It says where it stands in
 //! `<state-dir>/nri.json` (`PluginState`: its pid, whether it is registered with a runtime,
 //! which one, since when), which `doctor` and `status` read.
 
@@ -154,6 +157,8 @@ pub(crate) fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> 
                     Ok(registered) => {
                         if registered {
                             backoff = Duration::from_millis(250);
+                            // Connected since: this end is news, say it again.
+                            last_error.clear();
                         }
                         "the runtime closed the connection".to_owned()
                     }
@@ -179,8 +184,12 @@ fn reap_children(plugin: &Plugin) {
     use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
     loop {
         std::thread::sleep(Duration::from_secs(1));
-        let Ok(_quiet) = plugin.reaping.write() else {
-            return;
+        // Tried, never waited for: a waiting writer would hold up every later create
+        // behind the creates in flight. Zombies wait for a moment without creates.
+        let _quiet = match plugin.reaping.try_write() {
+            Ok(quiet) => quiet,
+            Err(std::sync::TryLockError::WouldBlock) => continue,
+            Err(std::sync::TryLockError::Poisoned(_)) => return,
         };
         while let Ok(status) = waitpid(None, Some(WaitPidFlag::WNOHANG)) {
             if status == WaitStatus::StillAlive {
@@ -358,6 +367,7 @@ fn handle(
             if let Ok(mut r) = plugin.runtime.lock() {
                 *r = runtime.clone();
             }
+            plugin.configured(req.request_timeout);
             configured(runtime);
             api::ConfigureResponse {
                 events: event::mask(&[

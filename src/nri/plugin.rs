@@ -5,10 +5,23 @@
 //! adjustment the shim would have written: the pipe directory read-only, the daemon's shm
 //! over /dev/shm, the client env.
 //!
+//! Every `CreateContainer` is answered within its budget, half the runtime's NRI request
+//! timeout (`Plugin::budget`): containerd drops a plugin that times out and then creates
+//! containers without it, so a daemon that is not ready in time means a refused
+//! container (one line; the kubelet retries it), never a late answer. `ensure` runs on a
+//! thread of its own, which the answer stops waiting for at the budget (`Handoff`); one
+//! identity has at most one such thread, and a create of an identity whose daemon is
+//! still being waited for is refused at once, so one tenant's slow daemon costs the
+//! runtime's serialized NRI calls one budget per start, not one per container. No lock
+//! that another create or the reaper waits for is held across `ensure`.
+//!
 //! Invariants. A container that another gpushare path serves is left alone: one whose
 //! spec already carries one of gpushare's OCI hooks (a CDI device of gpushare's, the
 //! hook-only base spec) — hooks that no pod author can write through the CRI, whatever its
-//! annotations say. A pod's sandbox never gets `CreateContainer`, and is checked anyway. A
+//! annotations say. A pod's annotations give only the request keys (`annotations`): the
+//! runtime hands NRI all of them, and the allocation (`cdi.k8s.io/*`, the devices and
+//! mounts) and the sandbox marker must come from what the runtime wrote; NRI's
+//! `CreateContainer` is a container's, never a sandbox's, so no marker is read. A
 //! per-user request without the container's user (NRI before containerd 2.3) is refused,
 //! never served as UID 0. The records the plugin writes are marked as its own
 //! (`ENGINE`), and only those are reconciled with the runtime's containers at
@@ -16,7 +29,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use serde_json::{json, Map, Value};
@@ -31,29 +45,93 @@ use crate::state::{valid_container_id, ContainerRecord, PodNames, StateDir};
 /// own records from the shim's and the hooks'.
 pub(crate) const ENGINE: &str = "kubernetes-nri";
 
+/// containerd's default NRI request timeout (`plugin_request_timeout`), for a runtime
+/// whose `Configure` does not say its own.
+const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// The plugin's state across one process: the config, and what the runtime said of itself.
 pub(crate) struct Plugin {
-    pub cfg: Config,
+    pub cfg: Arc<Config>,
     pub dirs: StateDir,
     /// The runtime's name and version, from `Configure`.
     pub runtime: Mutex<String>,
-    /// Held (shared) while a daemon is ensured, (exclusive) while exited children are
-    /// reaped: a supervisor this process started is never reaped under `ensure`'s own
-    /// wait for it.
-    pub reaping: RwLock<()>,
+    /// The runtime's NRI request timeout, from `Configure` (`None`: not said).
+    pub request_timeout: Mutex<Option<Duration>>,
+    /// Held (shared) while a program this process started is waited for (the pipeline's
+    /// inventory, `ensure`'s supervisor), (exclusive) while exited children are reaped: a
+    /// child is never reaped under its own waiter. The reaper only ever tries for it
+    /// (`try_write`): a writer that queued would hold up every later create.
+    pub reaping: Arc<RwLock<()>>,
     /// A `Synchronize` that comes in parts (`more`): the containers so far.
     pub sync: Mutex<Vec<Container>>,
+    /// The identities (daemon ids) whose `ensure` thread still runs: a create of one of
+    /// them is refused at once.
+    starting: Arc<Mutex<HashSet<String>>>,
+}
+
+/// Where an `ensure` thread leaves its result for the answer that waits for it, or finds
+/// that the answer gave up (and then drops the container record it made).
+#[derive(Default)]
+struct Handoff {
+    slot: Mutex<Slot>,
+    done: Condvar,
+}
+
+/// An identity's place in `Plugin::starting`, given back when its `ensure` thread is done
+/// (or unwinds: the identity is never left refused for good).
+struct Starting(Arc<Mutex<HashSet<String>>>, String);
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if let Ok(mut s) = self.0.lock() {
+            s.remove(&self.1);
+        }
+    }
+}
+
+#[derive(Default)]
+enum Slot {
+    #[default]
+    Waiting,
+    Abandoned,
+    Done(anyhow::Result<crate::mps::ensure::Ensured>),
 }
 
 impl Plugin {
     pub(crate) fn new(cfg: Config) -> Self {
         Plugin {
             dirs: StateDir::new(&cfg.state_dir),
-            cfg,
+            cfg: Arc::new(cfg),
             runtime: Mutex::new("the runtime".into()),
-            reaping: RwLock::new(()),
+            request_timeout: Mutex::new(None),
+            reaping: Arc::new(RwLock::new(())),
             sync: Mutex::new(Vec::new()),
+            starting: Arc::new(Mutex::new(HashSet::new())),
         }
+    }
+
+    /// What `Configure` said: the runtime's NRI request timeout in milliseconds (0: not
+    /// said).
+    pub(crate) fn configured(&self, request_timeout_ms: i64) {
+        let timeout = u64::try_from(request_timeout_ms)
+            .ok()
+            .filter(|ms| *ms > 0)
+            .map(Duration::from_millis);
+        if let Ok(mut t) = self.request_timeout.lock() {
+            *t = timeout;
+        }
+    }
+
+    /// How long a `CreateContainer` may take: half the runtime's request timeout, so that
+    /// the answer, its transfer and a loaded node's scheduling still fit in it.
+    pub(crate) fn budget(&self) -> Duration {
+        let timeout = self
+            .request_timeout
+            .lock()
+            .ok()
+            .and_then(|t| *t)
+            .unwrap_or(DEFAULT_REQUEST_TIMEOUT);
+        timeout / 2
     }
 
     fn runtime(&self) -> String {
@@ -70,18 +148,12 @@ impl Plugin {
         pod: &PodSandbox,
         ctr: &Container,
     ) -> anyhow::Result<ContainerAdjustment> {
-        let began = std::time::Instant::now();
-        // Held from the start: the pipeline may run a program (the inventory) and wait
-        // for it, as `ensure` waits for the supervisor it starts.
-        let _no_reaping = self.reaping.read();
+        let began = Instant::now();
+        let budget = self.budget();
+        // Held while the pipeline runs: it may run a program (the inventory) and wait for
+        // it. Never across `ensure` (its own thread takes it).
+        let no_reaping = self.reaping.read();
         let spec = spec_of(pod, ctr)?;
-        if let Some((key, value)) = crate::request::sandbox_marker(|k| spec.annotation(k)) {
-            tracing::debug!(
-                "{key}={}: a pod's sandbox is never a request",
-                crate::util::escape(value)
-            );
-            return Ok(ContainerAdjustment::default());
-        }
         if let Some(stage) = gpushare_hook(ctr) {
             tracing::debug!(
                 container_id = %crate::util::escape(&ctr.id),
@@ -112,12 +184,12 @@ impl Plugin {
                 ctr.id.chars().take(64).collect::<String>()
             );
         }
+        drop(no_reaping);
         let record = ContainerRecord {
             names: pod_names(pod, ctr),
             ..ContainerRecord::new(ctr.id.clone(), None, None, Some(ENGINE.into()))
         };
-        let ident = &served.identity;
-        let ensured = crate::mps::ensure::ensure(&self.cfg, &self.dirs, ident, Some(&record))?;
+        let ensured = self.ensure_within(&served.identity, record, began + budget, budget)?;
         let id = ensured.record.id;
         let ro = |s: &Path, d: &Path| mount(s, d, crate::spec::edits::READ_ONLY_DIR_OPTIONS);
         let mut mounts = vec![ro(
@@ -150,6 +222,90 @@ impl Plugin {
             "NRI: daemon ensured, container adjusted"
         );
         Ok(ContainerAdjustment { mounts, env })
+    }
+
+    /// `ensure` for `ident` on a thread of its own, waited for until `deadline`; past it,
+    /// or while an earlier container's `ensure` of the same identity still runs, the
+    /// container is refused with one line. A thread whose answer gave up drops the
+    /// container record it made (that container was never created) and goes on only to
+    /// finish its start, so that the kubelet's retry finds the daemon ready.
+    fn ensure_within(
+        &self,
+        ident: &crate::identity::Identity,
+        record: ContainerRecord,
+        deadline: Instant,
+        budget: Duration,
+    ) -> anyhow::Result<crate::mps::ensure::Ensured> {
+        let id = ident.id();
+        let refuse = |why: &str| {
+            anyhow::anyhow!(
+                "MPS daemon {id} is not ready yet ({why}); the container is refused rather than run unserved, and the kubelet retries it (see `gpushare status`)"
+            )
+        };
+        let inserted = self
+            .starting
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the plugin's start list is poisoned"))?
+            .insert(id.clone());
+        if !inserted {
+            return Err(refuse(
+                "an earlier container is still waiting for its start",
+            ));
+        }
+        let starting = Starting(Arc::clone(&self.starting), id.clone());
+        let handoff = Arc::new(Handoff::default());
+        let (cfg, dirs, reaping) = (
+            Arc::clone(&self.cfg),
+            self.dirs.clone(),
+            Arc::clone(&self.reaping),
+        );
+        let (theirs, ident) = (Arc::clone(&handoff), ident.clone());
+        let spawned = std::thread::Builder::new()
+            .name("nri-ensure".into())
+            .spawn(move || {
+                let result = {
+                    let _no_reaping = reaping.read();
+                    crate::mps::ensure::ensure(&cfg, &dirs, &ident, Some(&record))
+                };
+                // Before the answer can go out: the runtime's next create of this
+                // identity must find it done, not still starting.
+                drop(starting);
+                let id = ident.id();
+                let Ok(mut slot) = theirs.slot.lock() else {
+                    return;
+                };
+                if matches!(*slot, Slot::Abandoned) {
+                    match result {
+                        Ok(_) => {
+                            let _ = dirs.remove_container(&id, &record.id);
+                            tracing::info!(daemon = %id, container_id = %record.id, "NRI: the daemon is ready now, after its container was refused; the container's record is dropped");
+                        }
+                        Err(e) => {
+                            tracing::warn!(daemon = %id, container_id = %record.id, error = %format!("{e:#}"), "NRI: the daemon of a refused container did not start")
+                        }
+                    }
+                    return;
+                }
+                *slot = Slot::Done(result);
+                theirs.done.notify_all();
+            });
+        // A thread that cannot start drops its closure, and `starting` with it.
+        spawned.context("start a thread to ensure the daemon")?;
+        let slot = handoff
+            .slot
+            .lock()
+            .map_err(|_| anyhow::anyhow!("the daemon's handoff is poisoned"))?;
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let (mut slot, _) = handoff
+            .done
+            .wait_timeout_while(slot, wait, |s| matches!(s, Slot::Waiting))
+            .map_err(|_| anyhow::anyhow!("the daemon's handoff is poisoned"))?;
+        match std::mem::replace(&mut *slot, Slot::Abandoned) {
+            Slot::Done(result) => result,
+            _ => Err(refuse(&format!(
+                "not within {budget:?}, half of the runtime's NRI request timeout; it is still starting or restarting"
+            ))),
+        }
     }
 
     /// `PostCreateContainer`: the record of a container the plugin served gets its pid,
@@ -263,12 +419,20 @@ fn pod_names(pod: &PodSandbox, ctr: &Container) -> PodNames {
     }
 }
 
-/// The annotations the request is read from: the pod's (where a Kubernetes pod carries
-/// gpushare's keys), then the container's own, which win.
+/// The annotations the request is read from: the pod's request keys (where a Kubernetes
+/// pod carries them; the runtime hands NRI every annotation of the pod, which its author
+/// writes, so nothing else of the pod's is read), then the container's own, which win
+/// (the runtime's and the kubelet's: the allocation's `cdi.k8s.io/*`, the CRI's own
+/// keys). No sandbox marker is kept: NRI says this is a container.
 fn annotations(pod: &PodSandbox, ctr: &Container) -> Map<String, Value> {
+    let request_key = |k: &str| crate::request::KEYS.iter().any(|key| key.annotation == k);
     let mut out = Map::new();
-    for (k, v) in pod.annotations.iter().chain(&ctr.annotations) {
+    let pods = pod.annotations.iter().filter(|(k, _)| request_key(k));
+    for (k, v) in pods.chain(&ctr.annotations) {
         out.insert(k.clone(), Value::String(v.clone()));
+    }
+    for (key, _) in crate::request::SANDBOX_MARKERS {
+        out.remove(key);
     }
     out
 }
@@ -428,6 +592,62 @@ mod tests {
             ),
             (Some("team-a"), Some("trainer"), Some("cuda"))
         );
+    }
+
+    #[test]
+    fn a_pod_s_annotations_give_only_the_request_keys() {
+        let forged = format!("nvidia.com/gpu={}", crate::device::sample().gpus[2].uuid);
+        let pod = PodSandbox {
+            annotations: HashMap::from([
+                ("gpushare.io/device".into(), "allocated".into()),
+                ("gpushare.io/pinned-memory-limit".into(), "1G".into()),
+                ("cdi.k8s.io/x".into(), forged.clone()),
+                ("io.kubernetes.cri-o.ContainerType".into(), "sandbox".into()),
+                ("io.kubernetes.cri.container-type".into(), "sandbox".into()),
+            ]),
+            ..Default::default()
+        };
+        // The kubelet's allocation and the runtime's own keys, on the container.
+        let ctr = container(
+            &[
+                ("cdi.k8s.io/devplugin", "nvidia.com/gpu=0"),
+                ("io.kubernetes.cri.container-type", "container"),
+            ],
+            Some((1000, 1000)),
+        );
+        let spec = spec_of(&pod, &ctr).unwrap();
+        assert_eq!(spec.annotation("gpushare.io/device"), Some("allocated"));
+        assert_eq!(
+            spec.annotation("gpushare.io/pinned-memory-limit"),
+            Some("1G")
+        );
+        assert_eq!(spec.annotation("cdi.k8s.io/x"), None);
+        assert_eq!(
+            spec.annotation("cdi.k8s.io/devplugin"),
+            Some("nvidia.com/gpu=0")
+        );
+        for (key, _) in crate::request::SANDBOX_MARKERS {
+            assert_eq!(spec.annotation(key), None, "{key}");
+        }
+        // Not even a marker the container's own annotations carry: NRI says what it is.
+        let marked = container(
+            &[("io.kubernetes.cri-o.ContainerType", "sandbox")],
+            Some((1000, 1000)),
+        );
+        let spec = spec_of(&PodSandbox::default(), &marked).unwrap();
+        assert_eq!(spec.annotation("io.kubernetes.cri-o.ContainerType"), None);
+    }
+
+    #[test]
+    fn the_budget_is_half_the_runtime_s_request_timeout() {
+        let plugin = Plugin::new(crate::config::parse("", None).unwrap());
+        assert_eq!(plugin.budget(), Duration::from_secs(1));
+        plugin.configured(10_000);
+        assert_eq!(plugin.budget(), Duration::from_secs(5));
+        for unsaid in [0, -1] {
+            plugin.configured(unsaid);
+            assert_eq!(plugin.budget(), Duration::from_secs(1), "{unsaid}");
+        }
     }
 
     #[test]

@@ -47,11 +47,21 @@ fn containerd23_bin() -> Option<PathBuf> {
 /// NRI on, its socket and plugin directories the node's own; a request timeout that a
 /// loaded test machine's cold daemon start fits in.
 fn enable_nri(config: &Path) {
+    nri_with_timeout(config, "10s");
+}
+
+/// NRI on as [`enable_nri`], with containerd's default request timeout (2 s): what a
+/// node has unless its operator raised it.
+fn enable_nri_2s(config: &Path) {
+    nri_with_timeout(config, "2s");
+}
+
+fn nri_with_timeout(config: &Path, timeout: &str) {
     let dir = config.parent().unwrap();
     let p = |name: &str| format!("{:?}", dir.join(name).display().to_string());
     let mut text = std::fs::read_to_string(config).unwrap();
     text += &format!(
-        "\n[plugins.\"io.containerd.nri.v1.nri\"]\n  disable = false\n  socket_path = {}\n  plugin_path = {}\n  plugin_config_path = {}\n  plugin_request_timeout = \"10s\"\n",
+        "\n[plugins.\"io.containerd.nri.v1.nri\"]\n  disable = false\n  socket_path = {}\n  plugin_path = {}\n  plugin_config_path = {}\n  plugin_request_timeout = \"{timeout}\"\n",
         p("nri.sock"),
         p("nri-plugins"),
         p("nri-conf"),
@@ -98,9 +108,43 @@ impl Plugin {
 
     fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGCONT,
+            );
             stop_child(&mut child, Duration::from_secs(5));
         }
     }
+
+    /// Sends `signal` to the plugin (SIGSTOP: a plugin that stalls; SIGCONT).
+    fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = self.child.as_ref().unwrap().id() as i32;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal).unwrap();
+    }
+}
+
+/// How many times the plugin has registered with the runtime (its log's lines).
+fn registrations(env: &Env) -> usize {
+    env.gpushare_log().matches("NRI: plugin registered").count()
+}
+
+/// Whether the node's containerd dropped a plugin (a timed-out or failed call).
+fn closed_a_plugin(node: &Node) -> bool {
+    node.log_text().contains("closing plugin")
+}
+
+/// Whether the container's spec has the plugin's adjustment (the pipe directory and the
+/// client env).
+fn adjusted(node: &Node, id: &str) -> bool {
+    let spec = node.bundle_spec(id);
+    spec["process"]["env"]
+        .to_string()
+        .contains("CUDA_MPS_PIPE_DIRECTORY=")
+        && spec["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["destination"] == "/tmp/nvidia-mps")
 }
 
 impl Drop for Plugin {
@@ -675,6 +719,346 @@ fn nri_plugin_leaves_a_cdi_device_to_gpushare_s_hook() {
         ["kubernetes-nri"],
         "the hook's record"
     );
+}
+
+/// One tenant's slow daemon against another tenant's pods, through containerd 2.3.4's CRI
+/// plugin with its default NRI request timeout (2 s): a tenant (UID 1000) quits its own daemon from its
+/// pod each time it comes back, so that its supervisor's restart backoff grows to 6.4 s,
+/// then creates more containers of that identity while another tenant (UID 2000, served
+/// before) creates its own. Each of the first tenant's creates is refused with one line
+/// well inside the timeout (the first at the plugin's budget, the next at once), the
+/// other tenant's are served, containerd never closes the plugin, and no record is left
+/// for a refused container; once the daemon is back the tenant's retry is served.
+#[test]
+fn nri_a_tenant_s_restarting_daemon_unserves_no_other_tenant_s_pod() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::new();
+    let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri_2s);
+    let _plugin = Plugin::start(&env, &node);
+    let registered = registrations(&env);
+    let ann = [("gpushare.io/device", "0")];
+    let pod_of = |node: &mut Node, name: &str, uid: i64| {
+        plain_pod(
+            node,
+            &PodSpec {
+                name,
+                annotations: &ann,
+                run_as_user: Some(uid),
+                ..Default::default()
+            },
+        )
+    };
+    let ctr = |name: &'static str, uid: i64, script: &'static str| ContainerSpec {
+        name,
+        script,
+        run_as_user: Some(uid),
+        ..Default::default()
+    };
+
+    // Bob is served before the attack.
+    let bob = pod_of(&mut node, "bob", 2000);
+    let held = hold(600);
+    let b0 = ContainerSpec {
+        script: &held,
+        ..ctr("b0", 2000, "")
+    };
+    node.run(&bob, &b0);
+    assert_eq!(node.client_line(&bob, &b0)["server_uid"], "2000");
+
+    // Alice's pod quits her daemon whenever it answers.
+    let alice = pod_of(&mut node, "alice", 1000);
+    let quitter = ctr(
+        "quitter",
+        1000,
+        "while true; do echo quit | gpushare-mps-sim >/dev/null 2>&1; sleep 0.05; done",
+    );
+    let quitter_id = node.run(&alice, &quitter);
+    let daemon = node.daemon_of(&quitter_id).expect("alice's daemon");
+    // The 7th exit: the supervisor now waits 6.4 s before it starts the daemon again.
+    let restarts = |env: &Env| env.record(&daemon)["restarts"].as_u64().unwrap_or(0);
+    assert!(
+        wait_until(Duration::from_secs(60), || restarts(&env) >= 7),
+        "alice's daemon restarted {} times: {}",
+        restarts(&env),
+        env.gpushare_log()
+    );
+
+    // Alice's creates are refused, each within the timeout; bob's are served.
+    let refusals = ["a1", "a2"].map(|name| {
+        let began = std::time::Instant::now();
+        let err = node
+            .try_run(&alice, &ctr(name, 1000, "exec sleep 3600"))
+            .expect_err("alice's container must be refused, never created unserved");
+        (began.elapsed(), err.message)
+    });
+    for (i, name) in ["b1", "b2"].into_iter().enumerate() {
+        let began = std::time::Instant::now();
+        let c = ContainerSpec {
+            script: &held,
+            ..ctr(name, 2000, "")
+        };
+        let id = node.run(&bob, &c);
+        eprintln!("bob's {name}: created and started in {:?}", began.elapsed());
+        assert!(adjusted(&node, &id), "bob's {name} ran unserved");
+        assert_eq!(node.client_line(&bob, &c)["server_uid"], "2000", "{i}");
+    }
+    for (elapsed, message) in &refusals {
+        eprintln!("alice refused in {elapsed:?}: {message}");
+        assert!(message.contains("is not ready yet"), "{message}");
+        assert!(message.contains(&daemon), "{message}");
+    }
+    assert!(
+        refusals[1]
+            .1
+            .contains("an earlier container is still waiting"),
+        "the second is refused at once: {}",
+        refusals[1].1
+    );
+    assert!(!closed_a_plugin(&node), "{}", node.log_text());
+    assert_eq!(
+        registrations(&env),
+        registered,
+        "the plugin stayed connected"
+    );
+
+    // The quitting stops; alice's retry (the kubelet's) is served once the daemon is back.
+    node.cri().stop_container(&quitter_id, 0).unwrap();
+    node.cri().remove_container(&quitter_id).unwrap();
+    let mut attempt = 0;
+    let mut served = None;
+    let back = wait_until(Duration::from_secs(40), || {
+        attempt += 1;
+        let name = format!("retry{attempt}");
+        let c = ContainerSpec {
+            name: &name,
+            script: &held,
+            ..ctr("", 1000, "")
+        };
+        match node.try_run(&alice, &c) {
+            Ok(id) => {
+                served = Some((id, name));
+                true
+            }
+            Err(e) => {
+                assert!(e.message.contains("is not ready yet"), "{e}");
+                std::thread::sleep(Duration::from_millis(500));
+                false
+            }
+        }
+    });
+    assert!(
+        back,
+        "alice's retry was never served: {}",
+        env.gpushare_log()
+    );
+    let (retry_id, name) = served.unwrap();
+    let retry = ContainerSpec {
+        name: &name,
+        script: &held,
+        ..ctr("", 1000, "")
+    };
+    assert!(adjusted(&node, &retry_id));
+    assert_eq!(node.client_line(&alice, &retry)["server_uid"], "1000");
+    // Records: bob's three and alice's retry; none of a refused container.
+    let mut records: Vec<String> = node.gpushare_records().into_iter().map(|r| r.1).collect();
+    records.sort();
+    let mut running: Vec<String> = node
+        .cri()
+        .list_containers()
+        .unwrap()
+        .into_iter()
+        .map(|c| c.id)
+        .collect();
+    running.sort();
+    assert_eq!(records, running, "a record for every container, no other");
+    assert_eq!(records.len(), 4, "{records:?}");
+    assert!(!closed_a_plugin(&node), "{}", node.log_text());
+}
+
+/// Where the plugin is not connected, NRI's default validator (containerd 2.2 and later,
+/// `gpushare install containerd --nri --nri-required`) refuses the containers that need
+/// it, on containerd 2.3.4's CRI plugin. Per pod: a pod annotated
+/// `required-plugins.noderesource.dev` is refused while the plugin is stopped, a pod
+/// without it runs. Node-wide: every container is refused but a tolerating pod's. The
+/// plugin that stalls past the timeout is closed by containerd (later containers are
+/// refused) and dials again by itself. Uninstall takes gpushare out of required_plugins.
+#[test]
+fn nri_default_validator_refuses_pods_that_need_the_plugin_while_it_is_down() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::new();
+    let install = |config: &Path, posture: &str| {
+        let out = env
+            .cmd(gpushare())
+            .args(["install", "containerd", "--nri", "--nri-required", posture])
+            .arg("--config")
+            .arg(config)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+        text(&out)
+    };
+    let configure = |config: &Path| {
+        enable_nri_2s(config);
+        let said = install(config, "pods");
+        assert!(said.contains("required-plugins.noderesource.dev"), "{said}");
+    };
+    let mut node = Node::start_fetched_with(&env, bin, 3, &configure);
+    let mut plugin = Plugin::start(&env, &node);
+    let missing = "required plugin \"gpushare\" not present";
+    let needs = [
+        ("gpushare.io/device", "0"),
+        ("required-plugins.noderesource.dev", "[\"gpushare\"]"),
+    ];
+    let mut pods = 0;
+    let mut pod = |node: &mut Node, annotations: &[(&str, &str)]| {
+        pods += 1;
+        plain_pod(
+            node,
+            &PodSpec {
+                name: &format!("p{pods}"),
+                annotations,
+                run_as_user: Some(1000),
+                ..Default::default()
+            },
+        )
+    };
+    let c = ContainerSpec {
+        name: "c",
+        script: "exec sleep 3600",
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+
+    // Per pod. Connected: the pod that needs the plugin is served.
+    let p = pod(&mut node, &needs);
+    let id = node.run(&p, &c);
+    assert!(adjusted(&node, &id));
+    // Stopped: it is refused, a pod that does not ask runs.
+    plugin.stop();
+    let p = pod(&mut node, &needs);
+    let err = node
+        .try_run(&p, &c)
+        .expect_err("refused while the plugin is down");
+    assert!(err.message.contains(missing), "{err}");
+    let p = pod(&mut node, &[]);
+    node.run(&p, &c);
+
+    // Node-wide (containerd restarted on the new config): every container is refused but
+    // a tolerating pod's.
+    node.stop();
+    let said = install(&node.config, "node");
+    assert!(
+        said.contains("tolerate-missing-plugins.gpushare.io"),
+        "{said}"
+    );
+    node.restart();
+    let p = pod(&mut node, &[]);
+    let err = node.try_run(&p, &c).expect_err("refused node-wide");
+    assert!(err.message.contains(missing), "{err}");
+    let p = pod(
+        &mut node,
+        &[("tolerate-missing-plugins.gpushare.io", "true")],
+    );
+    node.run(&p, &c);
+    let plugin = Plugin::start(&env, &node);
+    let p = pod(&mut node, &[]);
+    node.run(&p, &c);
+
+    // A plugin that stalls past the timeout: containerd closes it (the container being
+    // created then goes through), refuses the next ones, and the plugin dials again by
+    // itself once it runs.
+    let before = registrations(&env);
+    plugin.signal(nix::sys::signal::Signal::SIGSTOP);
+    let p = pod(&mut node, &[]);
+    let _ = node.try_run(&p, &c);
+    assert!(closed_a_plugin(&node), "{}", node.log_text());
+    let p = pod(&mut node, &[]);
+    let err = node.try_run(&p, &c).expect_err("refused once closed");
+    assert!(err.message.contains(missing), "{err}");
+    plugin.signal(nix::sys::signal::Signal::SIGCONT);
+    assert!(
+        wait_until(Duration::from_secs(20), || registrations(&env) > before),
+        "the plugin did not dial again: {}",
+        env.gpushare_log()
+    );
+    let p = pod(&mut node, &needs);
+    let id = node.run(&p, &c);
+    assert!(adjusted(&node, &id));
+
+    // Uninstall: no container may need a plugin that is gone.
+    let out = env
+        .cmd(gpushare())
+        .args(["uninstall", "containerd", "--config"])
+        .arg(&node.config)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let config: toml::Table =
+        toml::from_str(&std::fs::read_to_string(&node.config).unwrap()).unwrap();
+    let validator = &config["plugins"]["io.containerd.nri.v1.nri"]["default_validator"];
+    assert_eq!(
+        validator["required_plugins"],
+        toml::Value::Array(vec![]),
+        "{}",
+        text(&out)
+    );
+}
+
+/// A pod's annotations against its allocation, through containerd 2.3.4's CRI plugin: a
+/// pod's own annotations are the pod author's, and containerd hands NRI every one of them. A pod
+/// with no GPU allocated that writes `gpushare.io/device: allocated` beside a forged
+/// `cdi.k8s.io/x: nvidia.com/gpu=<GPU 2>` is refused ("found no devices allocated"), no
+/// daemon started; a pod that writes the CRI-O sandbox marker beside an invalid
+/// percentage is refused with the percentage's line, not passed through unserved.
+#[test]
+fn nri_a_pod_s_annotations_forge_neither_its_allocation_nor_the_sandbox_marker() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::new();
+    let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri);
+    let _plugin = Plugin::start(&env, &node);
+    let c = ContainerSpec {
+        name: "cuda",
+        script: "exec sleep 3600",
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let forged = format!("nvidia.com/gpu={GPU2}");
+    let forger = plain_pod(
+        &mut node,
+        &PodSpec {
+            name: "forger",
+            annotations: &[
+                ("gpushare.io/device", "allocated"),
+                ("cdi.k8s.io/x", &forged),
+            ],
+            run_as_user: Some(1000),
+            ..Default::default()
+        },
+    );
+    node.refuse(&forger, &c, "found no devices allocated to the container");
+    assert_eq!(env.daemon_ids(), Vec::<String>::new());
+
+    let marked = plain_pod(
+        &mut node,
+        &PodSpec {
+            name: "marked",
+            annotations: &[
+                ("io.kubernetes.cri-o.ContainerType", "sandbox"),
+                ("gpushare.io/device", "0"),
+                ("gpushare.io/active-thread-percentage", "101"),
+            ],
+            run_as_user: Some(1000),
+            ..Default::default()
+        },
+    );
+    node.refuse(&marked, &c, BAD_PERCENTAGE_LINE);
+    assert_eq!(node.gpushare_records(), vec![]);
 }
 
 /// A pod start through the plugin (RunPodSandbox, CreateContainer, StartContainer of a

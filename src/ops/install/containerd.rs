@@ -12,7 +12,9 @@
 //!
 //! `--nri` turns containerd's NRI on ([`enable_nri`]); with `--nri-launch` the plugin is
 //! also registered for containerd to launch: [`launch_wrapper`] in the config's NRI
-//! [`nri_plugin_dir`], never on a config of containerd 1.x ([`check_nri_launch`]).
+//! [`nri_plugin_dir`], never on a config of containerd 1.x ([`check_nri_launch`]); with
+//! `--nri-required` NRI's default validator refuses containers that need the plugin while
+//! it is not connected ([`require_nri`]; uninstall takes it back: [`unrequire_nri`]).
 //!
 //! Invariants: every function is pure, on the file's text (`ops::install` does the I/O);
 //! an edit keeps the rest of the file byte for byte and changes nothing the second time;
@@ -376,7 +378,7 @@ const NRI_PLUGIN: &str = "io.containerd.nri.v1.nri";
 
 /// Turns containerd's NRI on: `disable = false` in `[plugins."io.containerd.nri.v1.nri"]`,
 /// which 1.7 needs (NRI is off there unless configured) and 2.x has by default (a 2.x
-/// file without the table is left as it is; one that disables it is turned on). The rest
+/// file is changed only where it says `disable = true`). The rest
 /// of the file is kept byte for byte; the socket stays NRI's default.
 pub(crate) fn enable_nri(
     path: &Path,
@@ -386,8 +388,13 @@ pub(crate) fn enable_nri(
     let (mut doc, empty, _) = parse_versioned(path, text, default_version, "1.7")?;
     let version = version_of(&doc, empty, default_version).unwrap_or(1);
     let before = doc.to_string();
-    let present = doc.get("plugins").and_then(|p| p.get(NRI_PLUGIN)).is_some();
-    if version >= 3 && !present {
+    let disabled = doc
+        .get("plugins")
+        .and_then(|p| p.get(NRI_PLUGIN))
+        .and_then(|n| n.get("disable"))
+        .and_then(Item::as_bool)
+        == Some(true);
+    if version >= 3 && !disabled {
         return Ok(Edited {
             text: empty.then(|| doc.to_string()),
         });
@@ -399,6 +406,137 @@ pub(crate) fn enable_nri(
     Ok(Edited {
         text: (after != before || empty).then_some(after),
     })
+}
+
+/// Which containers NRI's default validator (containerd 2.2 and later) refuses while
+/// gpushare's plugin is not connected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NriRequired {
+    /// Every container of the node (`required_plugins`), but a pod's that tolerates the
+    /// plugin's absence ([`TOLERATE_ANNOTATION`]).
+    Node,
+    /// The containers of pods that ask for it ([`REQUIRED_ANNOTATION`]).
+    Pods,
+}
+
+/// NRI's pod annotation naming the plugins a pod's containers need, a YAML list
+/// (`["gpushare"]`); `<key>/container.<name>` for one container.
+pub(crate) const REQUIRED_ANNOTATION: &str = "required-plugins.noderesource.dev";
+
+/// The pod annotation (`"true"`) whose pods the node-wide requirement lets through, which
+/// `--nri-required node` names where the file names none: the node's own pods (the
+/// plugin's, the installer's, a CNI's) must start while the plugin is not there.
+pub(crate) const TOLERATE_ANNOTATION: &str = "tolerate-missing-plugins.gpushare.io";
+
+/// The validator's table in NRI's.
+const VALIDATOR: &str = "default_validator";
+
+/// Has NRI's default validator refuse containers that need plugin `name` while it is not
+/// connected: `enable = true` in `[plugins."io.containerd.nri.v1.nri".default_validator]`,
+/// and for [`NriRequired::Node`] `name` in its `required_plugins` and a
+/// `tolerate_missing_plugins_annotation` (the file's own, else [`TOLERATE_ANNOTATION`]);
+/// [`NriRequired::Pods`] takes `name` out of `required_plugins`. Refused on a version 2
+/// config (containerd 1.x, which has no validator). The rest is kept byte for byte.
+pub(crate) fn require_nri(
+    path: &Path,
+    text: &str,
+    default_version: i64,
+    required: NriRequired,
+    name: &str,
+) -> Result<Edited, InstallError> {
+    let (mut doc, empty, _) = parse_versioned(path, text, default_version, "1.7")?;
+    let version = version_of(&doc, empty, default_version).unwrap_or(1);
+    if version < 3 {
+        return Err(InstallError::Unsupported {
+            path: path.to_owned(),
+            message: format!(
+                "--nri-required needs containerd 2.2 or later (config version 3), this file is version {version}: NRI's default validator, which refuses the containers, came with containerd 2.2"
+            ),
+        });
+    }
+    let before = doc.to_string();
+    let nri = cri_table(path, &mut doc, NRI_PLUGIN)?;
+    let validator = table(nri, VALIDATOR)
+        .ok_or_else(|| not_a_table(path, &format!("{NRI_PLUGIN}.{VALIDATOR}")))?;
+    validator.set_implicit(false);
+    validator.insert("enable", value(true));
+    match required {
+        NriRequired::Node => {
+            if !validator.contains_key("tolerate_missing_plugins_annotation") {
+                validator.insert(
+                    "tolerate_missing_plugins_annotation",
+                    value(TOLERATE_ANNOTATION),
+                );
+            }
+            if let Some(names) = required_plugins(path, validator, true)? {
+                if !names.iter().any(|n| n.as_str() == Some(name)) {
+                    names.push(name);
+                }
+            }
+        }
+        NriRequired::Pods => {
+            if let Some(names) = required_plugins(path, validator, false)? {
+                names.retain(|n| n.as_str() != Some(name));
+            }
+        }
+    }
+    let after = doc.to_string();
+    Ok(Edited {
+        text: (after != before || empty).then_some(after),
+    })
+}
+
+/// Takes plugin `name` out of the default validator's `required_plugins` (uninstall: no
+/// container of the node may need a plugin that is gone); the rest is left as it is.
+/// `None`: nothing to take out.
+pub(crate) fn unrequire_nri(path: &Path, text: &str, name: &str) -> Result<Edited, InstallError> {
+    let unchanged = Ok(Edited { text: None });
+    let Ok(mut doc) = text.parse::<DocumentMut>() else {
+        return unchanged;
+    };
+    let before = doc.to_string();
+    let Some(validator) = doc
+        .get_mut("plugins")
+        .and_then(|p| p.get_mut(NRI_PLUGIN))
+        .and_then(|n| n.get_mut(VALIDATOR))
+        .and_then(Item::as_table_mut)
+    else {
+        return unchanged;
+    };
+    if let Some(names) = required_plugins(path, validator, false)? {
+        names.retain(|n| n.as_str() != Some(name));
+    }
+    let after = doc.to_string();
+    Ok(Edited {
+        text: (after != before).then_some(after),
+    })
+}
+
+/// The validator's `required_plugins`, edited in place (its layout kept); where absent,
+/// a new empty one if `create`, else `None`. A value that is not a list of strings is
+/// refused.
+fn required_plugins<'t>(
+    path: &Path,
+    validator: &'t mut Table,
+    create: bool,
+) -> Result<Option<&'t mut Array>, InstallError> {
+    if !validator.contains_key("required_plugins") {
+        if !create {
+            return Ok(None);
+        }
+        validator.insert("required_plugins", value(Array::new()));
+    }
+    validator
+        .get_mut("required_plugins")
+        .and_then(Item::as_array_mut)
+        .filter(|a| a.iter().all(|v| v.as_str().is_some()))
+        .map(Some)
+        .ok_or_else(|| InstallError::Unsupported {
+            path: path.to_owned(),
+            message: format!(
+                "{NRI_PLUGIN}.{VALIDATOR}.required_plugins is not a list of plugin names"
+            ),
+        })
 }
 
 /// Where containerd looks for the NRI plugins it launches when `plugin_path` is not set.
@@ -614,6 +752,87 @@ mod tests {
         assert!(on(off3, 3).unwrap().contains("disable = false"));
         // A new file gets its version.
         assert!(on("", 2).unwrap().contains("version = 2"));
+    }
+
+    #[test]
+    fn nri_required_sets_the_default_validator_for_either_posture_and_uninstall_takes_it_back() {
+        let path = Path::new("config.toml");
+        let require =
+            |text: &str, r: NriRequired| require_nri(path, text, 3, r, "gpushare").unwrap().text;
+        let parse = |text: &str| -> toml::Value {
+            toml::from_str::<toml::Table>(text).unwrap()["plugins"]["io.containerd.nri.v1.nri"]
+                ["default_validator"]
+                .clone()
+        };
+        let mine = "version = 3\n# mine\n[plugins.\"io.containerd.nri.v1.nri\".default_validator]\n  reject_oci_hook_adjustment = true\n  required_plugins = [\"other\"]\n";
+        // Node-wide: gpushare joins the list, the toleration is named, the rest is kept.
+        let node = require(mine, NriRequired::Node).unwrap();
+        assert!(node.starts_with("version = 3\n# mine\n"), "{node}");
+        let v = parse(&node);
+        assert_eq!(v["enable"], toml::Value::Boolean(true));
+        assert_eq!(v["reject_oci_hook_adjustment"], toml::Value::Boolean(true));
+        assert_eq!(
+            v["required_plugins"],
+            toml::Value::Array(vec!["other".into(), "gpushare".into()])
+        );
+        assert_eq!(
+            v["tolerate_missing_plugins_annotation"].as_str(),
+            Some(TOLERATE_ANNOTATION)
+        );
+        assert_eq!(require(&node, NriRequired::Node), None, "idempotent");
+        assert_eq!(
+            enable_nri(path, &node, 3).unwrap().text,
+            None,
+            "NRI stays as 2.x has it"
+        );
+        // An operator's own toleration key stays.
+        let theirs = "version = 3\n[plugins.\"io.containerd.nri.v1.nri\".default_validator]\n  tolerate_missing_plugins_annotation = \"x.example.com\"\n";
+        let v = parse(&require(theirs, NriRequired::Node).unwrap());
+        assert_eq!(
+            v["tolerate_missing_plugins_annotation"].as_str(),
+            Some("x.example.com")
+        );
+        // Per pod: the validator on, gpushare off the node-wide list.
+        let pods = require(&node, NriRequired::Pods).unwrap();
+        let v = parse(&pods);
+        assert_eq!(v["enable"], toml::Value::Boolean(true));
+        assert_eq!(
+            v["required_plugins"],
+            toml::Value::Array(vec!["other".into()])
+        );
+        assert_eq!(require(&pods, NriRequired::Pods), None, "idempotent");
+        let fresh = require("version = 3\n", NriRequired::Pods).unwrap();
+        assert_eq!(
+            parse(&fresh),
+            toml::Value::Table(toml::toml! { enable = true })
+        );
+        // Uninstall: gpushare leaves the list, nothing else changes.
+        let unrequire = |text: &str| unrequire_nri(path, text, "gpushare").unwrap().text;
+        let back = unrequire(&node).unwrap();
+        let fresh_node = require("version = 3\n", NriRequired::Node).unwrap();
+        let emptied = unrequire(&fresh_node).unwrap();
+        assert!(
+            emptied.ends_with("required_plugins = []\n"),
+            "edited in place, its line kept: {emptied:?}"
+        );
+        assert_eq!(
+            parse(&back)["required_plugins"],
+            toml::Value::Array(vec!["other".into()])
+        );
+        assert_eq!(unrequire(&back), None);
+        assert_eq!(unrequire("version = 3\n"), None);
+        // containerd 1.x has no validator; a list that is not one is refused.
+        let err = require_nri(path, "version = 2\n", 2, NriRequired::Pods, "gpushare")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("needs containerd 2.2 or later"), "{err}");
+        let bad = "version = 3\n[plugins.\"io.containerd.nri.v1.nri\".default_validator]\n  required_plugins = \"gpushare\"\n";
+        let err = require_nri(path, bad, 3, NriRequired::Node, "gpushare")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("is not a list of plugin names"), "{err}");
     }
 
     fn hook_only(text: &str) -> String {

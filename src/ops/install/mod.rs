@@ -17,6 +17,7 @@ pub(crate) mod containerd;
 pub(crate) mod docker;
 mod file;
 
+pub(crate) use containerd::NriRequired;
 pub(crate) use file::{CDI_STATIC_SPEC, DEFAULT_CONTAINERD_CONFIG, DEFAULT_DOCKER_CONFIG};
 
 use std::path::{Path, PathBuf};
@@ -131,7 +132,8 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
 
 /// `gpushare uninstall docker|containerd`: runtime `name` taken out of the engine's
 /// config (`config`, else the standard one), every other key kept; for containerd also
-/// the hook-only base spec of ours that the runtime named. `dry_run` prints the result
+/// the hook-only base spec of ours that the runtime named, the NRI plugin of
+/// `--nri-launch`, and gpushare in NRI's `required_plugins`. `dry_run` prints the result
 /// and writes nothing; a file without the runtime is left untouched.
 pub(crate) fn uninstall(
     engine: Engine,
@@ -142,11 +144,23 @@ pub(crate) fn uninstall(
     let is_docker = engine == Engine::Docker;
     let path = engine.config_path(config);
     let text = file::read(&path)?;
-    let (edited, base_spec) = if is_docker {
+    let (mut edited, base_spec) = if is_docker {
         (docker::remove(&path, &text, name)?, None)
     } else {
         containerd::remove(&path, &text, name)?
     };
+    // No container may need a plugin that is going away: NRI's validator would refuse
+    // them all.
+    let unrequired = if is_docker {
+        None
+    } else {
+        let on = edited.text.as_deref().unwrap_or(&text);
+        containerd::unrequire_nri(&path, on, crate::nri::DEFAULT_NAME)?.text
+    };
+    let runtime_removed = edited.text.is_some();
+    if unrequired.is_some() {
+        edited.text = unrequired.clone();
+    }
     let wrapper = (!is_docker).then(|| our_launch_wrapper(&text)).flatten();
     let deleted: Vec<&PathBuf> = base_spec.iter().chain(wrapper.iter()).collect();
     if dry_run {
@@ -172,8 +186,15 @@ pub(crate) fn uninstall(
             at.display()
         );
     }
-    if edited.text.is_none() {
-        if wrapper.is_none() {
+    if unrequired.is_some() {
+        println!(
+            "removed {} from NRI's required_plugins in {}; restart containerd (`systemctl restart containerd`)",
+            crate::nri::DEFAULT_NAME,
+            path.display()
+        );
+    }
+    if !runtime_removed {
+        if wrapper.is_none() && unrequired.is_none() {
             println!(
                 "{} registers no runtime {name}; nothing to do",
                 path.display()
@@ -338,10 +359,15 @@ pub(crate) fn enable_nri(
     config_version: Option<i64>,
     dry_run: bool,
     launch: bool,
+    required: Option<containerd::NriRequired>,
 ) -> anyhow::Result<()> {
     let path = config.unwrap_or_else(|| DEFAULT_CONTAINERD_CONFIG.into());
     let version = config_version.unwrap_or_else(installed_containerd_config_version);
     let text = file::read(&path)?;
+    if let Some(required) = required {
+        // Refused before anything is written.
+        containerd::require_nri(&path, &text, version, required, crate::nri::DEFAULT_NAME)?;
+    }
     let wrapper = if launch {
         containerd::check_nri_launch(&path, &text, version)?;
         let at = containerd::nri_plugin_dir(&text).join(containerd::launched_plugin_name());
@@ -352,7 +378,15 @@ pub(crate) fn enable_nri(
     } else {
         None
     };
-    let edited = containerd::enable_nri(&path, &text, version)?;
+    let mut edited = containerd::enable_nri(&path, &text, version)?;
+    let turned_on = edited.text.is_some();
+    if let Some(required) = required {
+        let on = edited.text.as_deref().unwrap_or(&text);
+        let name = crate::nri::DEFAULT_NAME;
+        if let Some(new) = containerd::require_nri(&path, on, version, required, name)?.text {
+            edited.text = Some(new);
+        }
+    }
     if dry_run {
         print!("{}", edited.text.as_deref().unwrap_or(&text));
         if let Some((at, script)) = &wrapper {
@@ -360,15 +394,34 @@ pub(crate) fn enable_nri(
         }
         return Ok(());
     }
+    let what = match (turned_on, edited.text.is_some()) {
+        (true, _) => "turned NRI on",
+        (false, true) => "set NRI's default validator",
+        (false, false) => "",
+    };
     match edited.text {
         None => println!("NRI is already on in {}", path.display()),
         Some(new) => {
             file::write(&path, &new)?;
             println!(
-                "turned NRI on in {}; restart containerd to use it (`systemctl restart containerd`)",
+                "{what} in {}; restart containerd to use it (`systemctl restart containerd`)",
                 path.display()
             );
         }
+    }
+    match required {
+        Some(containerd::NriRequired::Node) => println!(
+            "while the plugin {} is not connected, containerd refuses every container but those of pods annotated {}: \"true\" (the node's own pods: deploy/ carries it)",
+            crate::nri::DEFAULT_NAME,
+            containerd::TOLERATE_ANNOTATION
+        ),
+        Some(containerd::NriRequired::Pods) => println!(
+            "while the plugin {} is not connected, containerd refuses the containers of pods annotated {}: '[\"{}\"]'",
+            crate::nri::DEFAULT_NAME,
+            containerd::REQUIRED_ANNOTATION,
+            crate::nri::DEFAULT_NAME
+        ),
+        None => {}
     }
     let Some((at, script)) = wrapper else {
         println!("then run the plugin as root: `systemctl enable --now gpushare-nri` (Debian package) or `gpushare nri`; pods need no RuntimeClass (docs/kubernetes.md)");
