@@ -22,6 +22,7 @@ mod control;
 mod control_client;
 mod cuda_client;
 mod daemon;
+mod hold;
 mod limits;
 mod log;
 mod sched;
@@ -80,6 +81,11 @@ fn run(mode: Mode) -> u8 {
         }
         Mode::Server => report(server::run_server().map(|()| 0)),
         Mode::Subreaper(command) => report(subreaper::run(&command)),
+        Mode::HoldControl { connections, every } => report(hold::run(
+            &env_dir("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_PIPE_DIR),
+            connections,
+            every,
+        )),
     }
 }
 
