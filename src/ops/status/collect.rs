@@ -46,9 +46,10 @@ pub(crate) struct DaemonView {
     /// Seconds since the current daemon process became ready.
     pub uptime_seconds: Option<u64>,
     pub restarts: u32,
-    /// `ok` (processes alive and control interface answering), `unresponsive` (alive,
-    /// not answering), `unknown` (alive, but the control binary to ask with is missing),
-    /// `down`.
+    /// `ok` (processes alive and control interface answering), `unconfirmed` (so, but
+    /// the supervisor's limit checks of a multi-user daemon get no answer), `unresponsive`
+    /// (alive, not answering), `unknown` (alive, but the control binary to ask with is
+    /// missing), `down`.
     pub health: &'static str,
     /// Why the health is not `ok`; `None` when it is.
     pub health_reason: Option<String>,
@@ -258,11 +259,7 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
         .iter()
         .map(|(id, rec, alive)| {
             let b = binary.as_ref().ok().filter(|_| *alive)?;
-            Some(Control {
-                binary: b.clone(),
-                pipe_dir: state.pipe_dir(id),
-                user: (!rec.identity.multi_user).then_some((rec.identity.uid, rec.identity.gid)),
-            })
+            Some(Control::of_daemon(b.clone(), &state, id, &rec.identity))
         })
         .collect();
     let answers = probe_all(&controls);
@@ -276,7 +273,12 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
                 answer.unwrap_or_else(|| Err("the daemon was not asked".to_owned()))
             })
         });
+        let unconfirmed = rec.limits_unconfirmed_since.filter(|_| alive);
         let (health, health_reason) = match &probed {
+            Some(Ok(Ok(_))) if unconfirmed.is_some() => (
+                "unconfirmed",
+                unconfirmed.map(|since| format!("its supervisor's limit checks have not confirmed its limits for {} s (control jammed? see gpushare.log); a multi-user daemon is not restarted for it", now.saturating_sub(since))),
+            ),
             Some(Ok(Ok(_))) => ("ok", None),
             Some(Ok(Err(e))) => ("unresponsive", Some(e.clone())),
             Some(Err(e)) => ("unknown", Some(format!("cannot ask the daemon: {e}"))),
@@ -420,6 +422,7 @@ mod tests {
                     binary: bin.clone(),
                     pipe_dir: dir.path().join(n.to_string()),
                     user: None,
+                    privileged: None,
                 })
             })
             .collect();
