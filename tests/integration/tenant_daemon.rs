@@ -663,7 +663,9 @@ fn a_tenant_jamming_a_multi_user_daemons_control_socket_gets_no_server_killed() 
         "{}",
         env.gpushare_log()
     );
-    assert_ne!(env.status()[0]["health"], "ok", "{}", env.status());
+    let status = env.status();
+    assert_ne!(status[0]["health"], "ok", "{status}");
+    assert!(status[0]["limits_unconfirmed_since"].is_u64(), "{status}");
     let killed = wait_until(Duration::from_secs(8), || !same_daemon());
     drop(stall);
     assert!(!killed, "the daemon was restarted:\n{}", env.gpushare_log());

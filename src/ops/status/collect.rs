@@ -53,6 +53,10 @@ pub(crate) struct DaemonView {
     pub health: &'static str,
     /// Why the health is not `ok`; `None` when it is.
     pub health_reason: Option<String>,
+    /// Unix seconds since the supervisor's limit checks of this multi-user daemon stopped
+    /// confirming its limits (the record's), whether or not `status` reached it itself.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limits_unconfirmed_since: Option<u64>,
     pub servers: Option<usize>,
     pub clients: Option<usize>,
     pub error: Option<String>,
@@ -320,6 +324,7 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
             restarts: rec.restarts,
             health,
             health_reason,
+            limits_unconfirmed_since: unconfirmed,
             servers: probed.map(|p| p.0),
             clients: probed.map(|p| p.1),
             error: rec.error.clone(),
@@ -376,6 +381,7 @@ fn directory_view(state: &StateDir, id: String, pending_grace: u64) -> DaemonVie
         restarts: 0,
         health: "down",
         health_reason: Some(reason.to_owned()),
+        limits_unconfirmed_since: None,
         servers: None,
         clients: None,
         error: None,

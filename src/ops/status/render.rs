@@ -197,7 +197,10 @@ pub(crate) fn prometheus(view: &StatusView) -> String {
         "1 while the supervisor's limit checks cannot confirm a multi-user daemon's limits (it is not restarted for it).",
         view.daemons
             .iter()
-            .map(|d| (labels(d), u8::from(d.health == "unconfirmed").to_string()))
+            .map(|d| {
+                let unconfirmed = d.limits_unconfirmed_since.is_some();
+                (labels(d), u8::from(unconfirmed).to_string())
+            })
             .collect(),
     );
     metric(
@@ -286,6 +289,7 @@ mod tests {
                 restarts: 2,
                 health: "ok",
                 health_reason: None,
+                limits_unconfirmed_since: None,
                 servers: Some(1),
                 clients: Some(1),
                 error: None,
