@@ -637,7 +637,12 @@ fn a_tenant_jamming_a_multi_user_daemons_control_socket_gets_no_server_killed() 
         "the daemon or the victim's server went:\n{}",
         env.gpushare_log()
     );
-    assert_eq!(env.status()[0]["health"], "ok", "{}", env.status());
+    assert!(
+        wait_until(Duration::from_secs(10), || env.status()[0]["health"]
+            == "ok"),
+        "{}",
+        env.status()
+    );
 
     // Where even control_privileged gives no answer (here root holds its connections; a
     // driver whose control_privileged does not serve the checks looks the same), the
