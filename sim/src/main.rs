@@ -3,7 +3,9 @@
 //! docs/mps.md states (the control daemon and its commands, one server per user, limits).
 //!
 //! Same command line shape as the real tool: `-f`/`-d` run the control daemon, `-v` prints the
-//! version, no option reads control commands from stdin; `client` is a stand-in CUDA process.
+//! version, no option reads control commands from stdin; `client` is a stand-in CUDA process,
+//! `hold-control` a stand-in tenant that jams the control socket (`hold`). With `-M` the daemon
+//! also listens on a root-only `control_privileged`, as NVIDIA's multi-user daemon does.
 //! The daemon starts real server processes (this binary re-executed) under the client's uid,
 //! queues users behind each other as the real one does, and creates `/dev/shm` markers that a
 //! client must see, which is what shows a container shares the daemon's /dev/shm.
