@@ -2,7 +2,8 @@
 //! option (`-M`, or `-multiuser-server` as the MPS guide spells it), nothing for control client
 //! mode; plus `client [--hold S] [--timeout S]` for the stand-in CUDA process,
 //! `subreaper <command> [args…]` for a stand-in engine subreaper that waits (`subreaper`),
-//! and two hidden modes this binary re-executes itself with.
+//! `hold-control <connections> [--every <s>]` for a stand-in tenant that jams the control
+//! socket (`hold`), and two hidden modes this binary re-executes itself with.
 //!
 //! Invariant: parsing is pure; anything not recognised is a [`UsageError`], which `main`
 //! reports on one line with exit code 2.
@@ -32,11 +33,16 @@ pub enum Mode {
     Server,
     /// `subreaper <command> [args…]`: run the command as a waiting child subreaper.
     Subreaper(Vec<String>),
+    /// `hold-control <connections> [--every <s>]`: jam `<pipe>/control`.
+    HoldControl {
+        connections: usize,
+        every: Duration,
+    },
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum UsageError {
-    #[error("unknown option {0:?}; usage: gpushare-mps-sim [-d | -f] [-M] | -v | client [--hold <s>] [--timeout <s>] | subreaper <command> [args...]")]
+    #[error("unknown option {0:?}; usage: gpushare-mps-sim [-d | -f] [-M] | -v | client [--hold <s>] [--timeout <s>] | subreaper <command> [args...] | hold-control <connections> [--every <s>]")]
     Unknown(String),
     #[error("options -d and -f cannot be combined")]
     DaemonAndForeground,
@@ -44,6 +50,8 @@ pub enum UsageError {
     MultiuserAlone,
     #[error("option {0} needs a value")]
     MissingValue(String),
+    #[error("invalid number of connections {0:?}")]
+    Connections(String),
     #[error("invalid number of seconds {value:?} for {option}")]
     Seconds { option: String, value: String },
 }
@@ -55,6 +63,7 @@ pub fn parse(args: &[String]) -> Result<Mode, UsageError> {
     match args.first().map(String::as_str) {
         Some("client") => return parse_client(&args[1..]).map(Mode::Client),
         Some("subreaper") if args.len() > 1 => return Ok(Mode::Subreaper(args[1..].to_vec())),
+        Some("hold-control") => return parse_hold(&args[1..]),
         // The server ignores its arguments; the uid after the flag shows in `ps` only.
         Some(HIDDEN_SERVER) => return Ok(Mode::Server),
         Some(HIDDEN_DAEMON) => {
@@ -115,6 +124,21 @@ fn parse_client(args: &[String]) -> Result<ClientOptions, UsageError> {
         *slot = seconds(name, &value)?;
     }
     Ok(opts)
+}
+
+fn parse_hold(args: &[String]) -> Result<Mode, UsageError> {
+    let (n, every) = match args {
+        [n] => (n, Duration::from_millis(1500)),
+        [n, opt, value] if opt == "--every" => (n, seconds(opt, value)?),
+        [] => return Err(UsageError::MissingValue("hold-control".into())),
+        [_, other, ..] => return Err(UsageError::Unknown(other.clone())),
+    };
+    let connections = n
+        .parse()
+        .ok()
+        .filter(|&c: &usize| c > 0)
+        .ok_or_else(|| UsageError::Connections(n.clone()))?;
+    Ok(Mode::HoldControl { connections, every })
 }
 
 fn seconds(option: &str, value: &str) -> Result<Duration, UsageError> {
@@ -201,5 +225,26 @@ mod tests {
             p(&["client", "--bogus"]),
             Err(UsageError::Unknown(_))
         ));
+    }
+
+    #[test]
+    fn hold_control_options() {
+        let hold = |connections, ms| {
+            Ok(Mode::HoldControl {
+                connections,
+                every: Duration::from_millis(ms),
+            })
+        };
+        assert_eq!(p(&["hold-control", "520"]), hold(520, 1500));
+        assert_eq!(p(&["hold-control", "3", "--every", "0.5"]), hold(3, 500));
+        for bad in [
+            &["hold-control"][..],
+            &["hold-control", "0"],
+            &["hold-control", "x"],
+        ] {
+            assert!(p(bad).is_err(), "{bad:?}");
+        }
+        assert!(p(&["hold-control", "3", "--every"]).is_err());
+        assert!(p(&["hold-control", "3", "--bogus", "1"]).is_err());
     }
 }

@@ -9,7 +9,11 @@
 //!    lock file), so two daemons on one pipe directory cannot both start;
 //! 4. an existing `<pipe>/control` that answers belongs to a live daemon (refuse); one that
 //!    does not is stale, left by a daemon that died, and is replaced;
-//! 5. bind, chmod 0666 (clients of every uid connect), write `nvidia-cuda-mps-control.pid`.
+//! 5. bind, chmod 0666 (clients of every uid connect), write `nvidia-cuda-mps-control.pid`;
+//! 6. with `-M`, bind `<pipe>/control_privileged` too, chmod 0755: as NVIDIA's multi-user
+//!    daemon does (`srwxr-xr-x` root, docs/mps.md), only the daemon's own user can connect.
+//!    It serves control commands only, from peers of that user or root (SO_PEERCRED), with
+//!    connection slots of its own, so a flood of `control` never takes them.
 //!
 //! Invariants: SIGTERM and SIGINT are blocked in every thread and taken by one thread with
 //! sigwait, so a signal always runs the same path as `quit`; that needs the mask set before
@@ -40,6 +44,8 @@ use crate::session;
 const SUN_PATH_MAX: usize = 107;
 /// More simultaneous connections than this are refused, so a flood cannot exhaust threads.
 const MAX_CONNECTIONS: usize = 512;
+/// The same bound on `control_privileged`, which only the daemon's own user reaches.
+const MAX_PRIVILEGED_CONNECTIONS: usize = 16;
 const READY_WORD: &str = "ready";
 
 /// What the daemon reads from its environment at start.
@@ -113,6 +119,18 @@ pub fn run(opts: &DaemonOptions, launch: Launch) -> Result<()> {
             return Err(e);
         }
     };
+    let privileged_socket = opts.pipe_dir.join("control_privileged");
+    let privileged = match opts
+        .multiuser
+        .then(|| listen_privileged(&privileged_socket))
+        .transpose()
+    {
+        Ok(l) => l,
+        Err(e) => {
+            log.log(&format!("{e:#}"));
+            return Err(e);
+        }
+    };
 
     log.log(&format!(
         "Starting control daemon using socket {}",
@@ -131,14 +149,25 @@ pub fn run(opts: &DaemonOptions, launch: Launch) -> Result<()> {
     ));
     let defaults = initial_defaults(opts, &log);
     let exe = std::env::current_exe().context("find own executable")?;
-    let files = DaemonFiles { socket, pid_file };
+    let files = DaemonFiles {
+        socket,
+        pid_file,
+        privileged: privileged.is_some().then_some(privileged_socket),
+    };
     let core = Core::new(log, exe, (uid, gid), opts.multiuser, files, defaults);
 
     if launch == Launch::Background {
         report_ready_and_detach()?;
     }
     spawn_signal_thread(Arc::clone(&core), signals)?;
-    accept_loop(&core, &listener);
+    if let Some(privileged) = privileged {
+        let privileged_core = Arc::clone(&core);
+        std::thread::Builder::new()
+            .name("privileged".to_string())
+            .spawn(move || accept_loop(&privileged_core, &privileged, Channel::Privileged))
+            .context("start the control_privileged thread")?;
+    }
+    accept_loop(&core, &listener, Channel::Ordinary);
     Ok(())
 }
 
@@ -229,6 +258,28 @@ fn listen(
     Ok((listener, lock))
 }
 
+/// `<pipe>/control_privileged`, 0755: connecting needs write permission on the socket
+/// (unix(7)), so only its owner (the daemon's user) can. We hold `control_lock`, so a
+/// socket already there is a dead daemon's and is replaced; anything else is refused.
+fn listen_privileged(socket: &Path) -> Result<UnixListener> {
+    check_socket_path(socket)?;
+    match std::fs::symlink_metadata(socket) {
+        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(socket)
+            .with_context(|| format!("remove stale socket {}", socket.display()))?,
+        Ok(_) => bail!(
+            "{} exists and is not a socket; not replacing it",
+            socket.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("inspect {}", socket.display())),
+    }
+    let listener =
+        UnixListener::bind(socket).with_context(|| format!("listen on {}", socket.display()))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o755))
+        .with_context(|| format!("chmod 0755 {}", socket.display()))?;
+    Ok(listener)
+}
+
 fn initial_defaults(opts: &DaemonOptions, log: &ControlLog) -> Settings {
     let percentage = match opts.initial_percentage.as_deref() {
         None | Some("") => Percentage::FULL,
@@ -280,13 +331,13 @@ fn spawn_signal_thread(core: Arc<Core>, signals: SigSet) -> Result<()> {
     Ok(())
 }
 
-/// One connection counted against [`MAX_CONNECTIONS`]; released on drop, even if the
+/// One connection counted against its channel's cap; released on drop, even if the
 /// connection's thread panics.
 struct Slot(Arc<AtomicUsize>);
 
 impl Slot {
-    fn take(active: &Arc<AtomicUsize>) -> Option<Slot> {
-        if active.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
+    fn take(active: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
+        if active.fetch_add(1, Ordering::SeqCst) >= max {
             active.fetch_sub(1, Ordering::SeqCst);
             return None;
         }
@@ -300,8 +351,21 @@ impl Drop for Slot {
     }
 }
 
-fn accept_loop(core: &Arc<Core>, listener: &UnixListener) {
+/// Which socket a connection came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Channel {
+    /// `control`: every uid's CUDA clients and control clients.
+    Ordinary,
+    /// `control_privileged`: the daemon's own user's (root's) control clients only.
+    Privileged,
+}
+
+fn accept_loop(core: &Arc<Core>, listener: &UnixListener, channel: Channel) {
     let active = Arc::new(AtomicUsize::new(0));
+    let max = match channel {
+        Channel::Ordinary => MAX_CONNECTIONS,
+        Channel::Privileged => MAX_PRIVILEGED_CONNECTIONS,
+    };
     for conn in listener.incoming() {
         let stream = match conn {
             Ok(s) => s,
@@ -312,7 +376,7 @@ fn accept_loop(core: &Arc<Core>, listener: &UnixListener) {
                 continue;
             }
         };
-        let Some(slot) = Slot::take(&active) else {
+        let Some(slot) = Slot::take(&active, max) else {
             let _ = (&stream).write_all(b"ERR\ntoo many connections\n");
             continue;
         };
@@ -321,7 +385,7 @@ fn accept_loop(core: &Arc<Core>, listener: &UnixListener) {
             .name("connection".to_string())
             .spawn(move || {
                 let _slot = slot;
-                session::handle(conn_core, stream);
+                session::handle(conn_core, stream, channel);
             });
         if let Err(e) = spawned {
             core.log

@@ -3,7 +3,9 @@
 //! docs/mps.md states (the control daemon and its commands, one server per user, limits).
 //!
 //! Same command line shape as the real tool: `-f`/`-d` run the control daemon, `-v` prints the
-//! version, no option reads control commands from stdin; `client` is a stand-in CUDA process.
+//! version, no option reads control commands from stdin; `client` is a stand-in CUDA process,
+//! `hold-control` a stand-in tenant that jams the control socket (`hold`). With `-M` the daemon
+//! also listens on a root-only `control_privileged`, as NVIDIA's multi-user daemon does.
 //! The daemon starts real server processes (this binary re-executed) under the client's uid,
 //! queues users behind each other as the real one does, and creates `/dev/shm` markers that a
 //! client must see, which is what shows a container shares the daemon's /dev/shm.
@@ -22,6 +24,7 @@ mod control;
 mod control_client;
 mod cuda_client;
 mod daemon;
+mod hold;
 mod limits;
 mod log;
 mod sched;
@@ -80,6 +83,11 @@ fn run(mode: Mode) -> u8 {
         }
         Mode::Server => report(server::run_server().map(|()| 0)),
         Mode::Subreaper(command) => report(subreaper::run(&command)),
+        Mode::HoldControl { connections, every } => report(hold::run(
+            &env_dir("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_PIPE_DIR),
+            connections,
+            every,
+        )),
     }
 }
 

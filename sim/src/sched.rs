@@ -92,6 +92,8 @@ pub struct State {
 pub struct DaemonFiles {
     pub socket: PathBuf,
     pub pid_file: PathBuf,
+    /// `control_privileged`, in multi-user mode.
+    pub privileged: Option<PathBuf>,
 }
 
 pub struct Core {

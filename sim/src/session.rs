@@ -1,5 +1,11 @@
 //! One connection to `<pipe>/control`, on its own thread: read the first line, then either
-//! answer a control command or serve a stand-in CUDA client (wire protocol in `wire`).
+//! answer a control command or serve a stand-in CUDA client (wire protocol in `wire`). A
+//! connection to `<pipe>/control_privileged` (multi-user mode) answers control commands only.
+//!
+//! Who may change what, as NVIDIA's multi-user daemon answered a UID-1000 client on driver
+//! 580.159.04 (docs/gpu-validation.md): through `control`, a peer that is neither root nor
+//! the daemon's user is refused `set_*`, `shutdown_server` and `quit` in multi-user mode and
+//! may still read; a per-user daemon refuses nothing (its clients are its own user).
 //!
 //! Invariants: a peer that sends nothing is dropped after [`FIRST_LINE_TIMEOUT`]; a connect
 //! and close with no line (a liveness probe, or a second daemon checking for a live one) is
@@ -18,13 +24,22 @@ use nix::errno::Errno;
 use nix::sys::socket::{getsockopt, recv, sockopt, MsgFlags};
 
 use crate::control::{self, Command};
+use crate::daemon::Channel;
 use crate::sched::{ClientInfo, Core};
 use crate::wire::{self, Hello, Ready, WireError, HELLO_WORD};
 
 pub const FIRST_LINE_TIMEOUT: Duration = Duration::from_secs(5);
 const QUEUE_POLL: Duration = Duration::from_millis(200);
 
-pub fn handle(core: Arc<Core>, stream: UnixStream) {
+pub fn handle(core: Arc<Core>, stream: UnixStream, channel: Channel) {
+    let peer = getsockopt(&stream, sockopt::PeerCredentials).map(|c| c.uid());
+    let own = |uid: u32| uid == 0 || uid == core.uid;
+    if channel == Channel::Privileged && !peer.is_ok_and(own) {
+        // The socket's mode already keeps others out; this holds even if it did not.
+        let msg = "control_privileged serves only the daemon's own user".to_string();
+        let _ = (&stream).write_all(wire::control_reply(&Err(msg)).as_bytes());
+        return;
+    }
     let _ = stream.set_read_timeout(Some(FIRST_LINE_TIMEOUT));
     let mut reader = BufReader::new(&stream);
     let line = match wire::read_line(&mut reader) {
@@ -48,18 +63,53 @@ pub fn handle(core: Arc<Core>, stream: UnixStream) {
             return;
         }
     };
-    if line.split_whitespace().next() == Some(HELLO_WORD) {
-        cuda_client(&core, &stream, &line);
-    } else {
-        control_command(&core, &stream, &line);
+    let is_hello = line.split_whitespace().next() == Some(HELLO_WORD);
+    match (is_hello, channel) {
+        (true, Channel::Ordinary) => cuda_client(&core, &stream, &line),
+        (true, Channel::Privileged) => {
+            let msg = "CUDA clients connect to control, not control_privileged".to_string();
+            let _ = (&stream).write_all(wire::control_reply(&Err(msg)).as_bytes());
+        }
+        (false, _) => {
+            let trusted = channel == Channel::Privileged || !core.multiuser;
+            control_command(
+                &core,
+                &stream,
+                &line,
+                peer.ok().filter(|&u| !trusted && !own(u)),
+            );
+        }
     }
 }
 
-fn control_command(core: &Arc<Core>, mut stream: &UnixStream, line: &str) {
+/// The driver's refusal of a command that changes the daemon, for a peer of `uid` that is
+/// neither root nor the daemon's user (multi-user mode); `None` for a command anyone may send.
+fn refusal(cmd: &Command, uid: u32) -> Option<String> {
+    match cmd {
+        Command::Quit => Some("Not enough privilege to execute quit command".to_string()),
+        Command::SetDefaultPercentage(_)
+        | Command::SetPercentage { .. }
+        | Command::SetDefaultMem { .. }
+        | Command::SetMem { .. }
+        | Command::ShutdownServer { .. } => Some(format!(
+            "Insufficient privileges for UID {uid}. Control deamon settings can only be modified by the user who started it or by the root user."
+        )),
+        _ => None,
+    }
+}
+
+/// Answers one control command; `outsider` is the uid of a peer whose changes are refused.
+fn control_command(core: &Arc<Core>, mut stream: &UnixStream, line: &str, outsider: Option<u32>) {
     core.log.log("NEW UI");
     core.log.log(&format!("Cmd:{line}"));
-    let result = match control::parse(line) {
-        Err(e) => Err(e.to_string()),
+    let allowed = control::parse(line)
+        .map_err(|e| e.to_string())
+        .and_then(|cmd| match outsider.and_then(|uid| refusal(&cmd, uid)) {
+            Some(msg) => Err(msg),
+            None => Ok(cmd),
+        });
+    let result = match allowed {
+        Err(e) => Err(e),
         Ok(Command::Quit) => {
             let mut st = core.lock();
             quit(core, &mut st);
@@ -84,6 +134,9 @@ fn control_command(core: &Arc<Core>, mut stream: &UnixStream, line: &str) {
 pub fn quit(core: &Core, st: &mut crate::sched::State) {
     core.shut_down(st);
     let _ = std::fs::remove_file(&core.files.socket);
+    if let Some(privileged) = &core.files.privileged {
+        let _ = std::fs::remove_file(privileged);
+    }
     let _ = std::fs::remove_file(&core.files.pid_file);
     core.log.log("Exit");
 }

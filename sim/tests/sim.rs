@@ -688,6 +688,89 @@ fn multiuser_daemon_serves_all_uids_from_one_server() {
     assert!(a.wait_exit(COMMAND_TIMEOUT).success());
 }
 
+/// A directory whose `control` is a link to the daemon's `control_privileged`, reachable by
+/// every uid: a control client pointed at it reaches the privileged socket.
+fn privileged_view(sim: &Sim) -> PathBuf {
+    let view = sim.dir.path().join("privileged-view");
+    fs::create_dir(&view).expect("mkdir view");
+    fs::set_permissions(&view, fs::Permissions::from_mode(0o755)).expect("chmod view");
+    std::os::unix::fs::symlink(sim.pipe.join("control_privileged"), view.join("control"))
+        .expect("link");
+    view
+}
+
+#[test]
+fn multiuser_daemon_answers_root_on_control_privileged_while_control_is_jammed() {
+    if !is_root() {
+        eprintln!("skipped: needs root to run clients as other uids");
+        return;
+    }
+    let mut sim = Sim::new();
+    sim.start(&["-M"], |_| {});
+    let privileged = sim.pipe.join("control_privileged");
+    let meta = fs::symlink_metadata(&privileged).expect("control_privileged");
+    assert_eq!((meta.mode(), meta.uid()), (0o140755, 0), "srwxr-xr-x root");
+    let as_uid = |uid: u32, pipe: &PathBuf, input: &str| {
+        let mut cmd = sim.cmd();
+        cmd.env("CUDA_MPS_PIPE_DIRECTORY", pipe).uid(uid).gid(uid);
+        run_output(cmd, &format!("{input}\n"), COMMAND_TIMEOUT)
+    };
+    // Through `control`, another uid may read but not change the daemon (driver 580).
+    assert!(as_uid(1000, &sim.pipe, "get_server_list").status.success());
+    let set = as_uid(1000, &sim.pipe, "set_default_active_thread_percentage 10");
+    assert_eq!(set.status.code(), Some(1));
+    assert!(
+        text(&set.stdout).starts_with("Insufficient privileges for UID 1000."),
+        "{set:?}"
+    );
+    let quit = as_uid(1000, &sim.pipe, "quit");
+    assert_eq!(
+        text(&quit.stdout),
+        "Not enough privilege to execute quit command\n"
+    );
+    assert_eq!(sim.ok("get_default_active_thread_percentage"), "100.0\n");
+    // control_privileged: root only (the socket's mode), control commands only.
+    let view = privileged_view(&sim);
+    let denied = as_uid(1000, &view, "get_server_list");
+    assert_eq!(
+        text(&denied.stdout),
+        "Cannot find MPS control daemon process\n"
+    );
+    let mut hello = UnixStream::connect(&privileged).expect("connect as root");
+    hello.write_all(b"CLIENT 1 - -\n").expect("hello");
+    let mut reply = String::new();
+    hello.read_to_string(&mut reply).expect("reply");
+    assert!(reply.starts_with("ERR\n"), "{reply:?}");
+
+    // A uid-1000 tenant holds every connection `control` takes, with slow partial lines.
+    let mut jam = sim.cmd();
+    jam.args(["hold-control", "520", "--every", "0.5"])
+        .uid(1000)
+        .gid(1000)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut jam = Proc(jam.spawn().expect("spawn hold-control"));
+    // Past the cap the daemon closes a connection before it reads the command.
+    wait_until("control jammed", DAEMON_START, || {
+        !sim.control("get_server_list").status.success()
+    });
+    // Root still reaches the daemon through control_privileged and changes its defaults.
+    let root = |input: &str| as_uid(0, &view, input);
+    let out = root("set_default_active_thread_percentage 40");
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        text(&root("get_default_active_thread_percentage").stdout),
+        "40.0\n"
+    );
+    assert!(jam.read_line().starts_with("holding "));
+    drop(jam);
+    assert_eq!(root("quit").status.code(), Some(0));
+    let mut daemon = sim.daemon.take().expect("daemon");
+    assert!(daemon.wait_exit(COMMAND_TIMEOUT).success());
+    assert!(!privileged.exists(), "quit removes control_privileged");
+}
+
 #[test]
 fn queued_client_times_out_and_leaves_the_queue() {
     if !is_root() {

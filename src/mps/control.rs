@@ -6,6 +6,16 @@
 //! Its output is the daemon's, which a tenant can influence (a host account with the
 //! daemon's UID can even put its own listener at `control`): it is read bounded, and an
 //! error carries it escaped (`util::escape`), so it reaches no terminal or log raw.
+//!
+//! Two channels. Every client of a daemon can connect to its `control` socket, and so can
+//! hold all of its connections (a tenant did, to keep the supervisor from checking the
+//! limits). A multi-user daemon (root's) also makes `control_privileged`, a socket only
+//! root can connect to (docs/mps.md, "The privileged channel"). A `Control` with a
+//! privileged view sends each command there first — the client runs with
+//! `CUDA_MPS_PIPE_DIRECTORY` set to a root-only directory whose `control` and
+//! `control_privileged` both lead to it, so the client reaches that socket whichever name
+//! it opens — and falls back to `control` only when that attempt fails, within the same
+//! deadline.
 
 use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
@@ -68,6 +78,22 @@ pub(crate) fn resolve_binary(
     })
 }
 
+/// The longest a command waits on the privileged channel before it falls back to
+/// `control`, when its deadline is longer: a daemon that serves control commands there
+/// answers at once, and one that does not (unverified on NVIDIA's daemon) must still
+/// leave the fallback time to answer.
+const PRIVILEGED_WAIT: Duration = Duration::from_secs(1);
+
+/// How much of a command's `timeout` the privileged channel gets: `PRIVILEGED_WAIT`, or
+/// half of a shorter one, so that `control` always has time left.
+fn privileged_share(timeout: Duration) -> Duration {
+    if timeout > 2 * PRIVILEGED_WAIT {
+        PRIVILEGED_WAIT
+    } else {
+        timeout / 2
+    }
+}
+
 /// The most of a control client's stdout or stderr read: replies are a few lines.
 const MAX_OUTPUT: u64 = 64 << 10;
 
@@ -88,15 +114,69 @@ pub(crate) struct Control {
     pub pipe_dir: PathBuf,
     /// Run the client as this (uid, gid); `None` keeps the caller's.
     pub user: Option<(u32, u32)>,
+    /// The privileged view (`StateDir::privileged_view`) of a multi-user daemon: commands
+    /// go there first. `None`: `control` only.
+    pub privileged: Option<PathBuf>,
 }
 
 impl Control {
+    /// The control of daemon `id` as root sends to it: as the daemon's user for a per-user
+    /// daemon (whose sockets are its own), as root through the privileged view for a
+    /// multi-user one.
+    pub(crate) fn of_daemon(
+        binary: PathBuf,
+        state: &crate::state::StateDir,
+        id: &str,
+        ident: &crate::identity::Identity,
+    ) -> Control {
+        Control {
+            binary,
+            pipe_dir: state.pipe_dir(id),
+            user: (!ident.multi_user).then_some((ident.uid, ident.gid)),
+            privileged: ident.multi_user.then(|| state.privileged_view(id)),
+        }
+    }
+    /// The same daemon after its directory was renamed to `dir` (a tombstone).
+    pub(crate) fn moved_to(&self, dir: &std::path::Path) -> Control {
+        Control {
+            pipe_dir: dir.join("pipe"),
+            privileged: self.privileged.as_ref().map(|_| dir.join("priv")),
+            ..self.clone()
+        }
+    }
     /// Sends one command; returns the daemon's reply (stdout) when the client exits 0.
+    /// Through the privileged view first where there is one (at most `PRIVILEGED_WAIT`
+    /// of `timeout` when the rest leaves `control` time), then through `control` with
+    /// what is left of `timeout` when that failed.
     pub(crate) fn command(&self, command: &str, timeout: Duration) -> Result<String, ControlError> {
+        let Some(view) = &self.privileged else {
+            return self.command_in(&self.pipe_dir, command, timeout);
+        };
+        let start = Instant::now();
+        let first = privileged_share(timeout);
+        match self.command_in(view, command, first) {
+            Ok(out) => Ok(out),
+            Err(privileged) => {
+                let left = timeout.saturating_sub(start.elapsed());
+                if left.is_zero() {
+                    return Err(privileged);
+                }
+                tracing::debug!(command, error = %privileged, "no answer through control_privileged; trying control");
+                self.command_in(&self.pipe_dir, command, left)
+            }
+        }
+    }
+    /// One command through the sockets in `pipe_dir`.
+    fn command_in(
+        &self,
+        pipe_dir: &std::path::Path,
+        command: &str,
+        timeout: Duration,
+    ) -> Result<String, ControlError> {
         let mut cmd = Command::new(&self.binary);
         cmd.env_clear()
             .env("PATH", SAFE_PATH)
-            .env("CUDA_MPS_PIPE_DIRECTORY", &self.pipe_dir)
+            .env("CUDA_MPS_PIPE_DIRECTORY", pipe_dir)
             .current_dir("/")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -138,5 +218,79 @@ impl Control {
                 output: crate::util::escape(&crate::util::one_line(&text)),
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    /// A control client that answers with the name of the directory it was pointed at,
+    /// except that `priv` does what `on_priv` says.
+    fn client(dir: &std::path::Path, on_priv: &str) -> PathBuf {
+        let bin = dir.join("control");
+        std::fs::write(
+            &bin,
+            format!(
+                "#!/bin/sh\nread cmd\ncase \"$CUDA_MPS_PIPE_DIRECTORY\" in */priv) {on_priv};; esac\necho \"${{CUDA_MPS_PIPE_DIRECTORY##*/}}\"\n"
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        bin
+    }
+
+    fn control(bin: PathBuf, dir: &std::path::Path) -> Control {
+        Control {
+            binary: bin,
+            pipe_dir: dir.join("pipe"),
+            user: None,
+            privileged: Some(dir.join("priv")),
+        }
+    }
+
+    #[test]
+    fn the_privileged_channel_comes_first_and_control_answers_when_it_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let answers = control(client(dir.path(), ":"), dir.path());
+        assert_eq!(
+            answers.command("x", Duration::from_secs(2)).unwrap(),
+            "priv\n"
+        );
+        let refuses = control(client(dir.path(), "exit 1"), dir.path());
+        assert_eq!(
+            refuses.command("x", Duration::from_secs(2)).unwrap(),
+            "pipe\n"
+        );
+        // One that never answers gets its share of the deadline, and control the rest.
+        let hangs = control(client(dir.path(), "exec sleep 60"), dir.path());
+        let start = Instant::now();
+        assert_eq!(
+            hangs.command("x", Duration::from_secs(3)).unwrap(),
+            "pipe\n"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            start.elapsed()
+        );
+        let per_user = Control {
+            privileged: None,
+            ..control(client(dir.path(), "exit 1"), dir.path())
+        };
+        assert_eq!(
+            per_user.command("x", Duration::from_secs(2)).unwrap(),
+            "pipe\n"
+        );
+        assert_eq!(
+            privileged_share(Duration::from_secs(2)),
+            Duration::from_secs(1)
+        );
+        assert_eq!(privileged_share(Duration::from_secs(10)), PRIVILEGED_WAIT);
+        assert_eq!(
+            privileged_share(Duration::from_millis(600)),
+            Duration::from_millis(300)
+        );
     }
 }

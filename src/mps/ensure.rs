@@ -207,6 +207,7 @@ pub(crate) fn ensure(
                 ready_at: None,
                 restarts: stale.as_ref().map_or(0, |r| r.restarts),
                 error: None,
+                limits_unconfirmed_since: None,
             };
             state.write_record(&rec)?;
             let mut child = launch(

@@ -147,6 +147,32 @@ impl StateDir {
     pub(crate) fn driver_lib_dir(&self, id: &str) -> PathBuf {
         self.daemon_dir(id).join("lib")
     }
+    /// A multi-user daemon's privileged view: a root-only (0700) directory whose
+    /// `control` and `control_privileged` are links to the daemon's `control_privileged`,
+    /// so that a control client pointed at it reaches that socket whichever name it opens
+    /// (`mps::control`). Relative links: they still lead there in a tombstone.
+    pub(crate) fn privileged_view(&self, id: &str) -> PathBuf {
+        self.daemon_dir(id).join("priv")
+    }
+    /// Makes the privileged view of daemon `id` (its directory is root's and exists).
+    pub(crate) fn make_privileged_view(&self, id: &str) -> Result<(), StateError> {
+        Self::check_id(id)?;
+        let view = self.privileged_view(id);
+        Self::ensure_dir(&view, 0o700, 0, 0)?;
+        let target = Path::new("../pipe/control_privileged");
+        for name in ["control", "control_privileged"] {
+            let link = view.join(name);
+            match std::fs::read_link(&link) {
+                Ok(to) if to == target => continue,
+                Ok(_) => std::fs::remove_file(&link).map_err(io("remove", &link))?,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                // Not a link: only root writes here; replace whatever it is.
+                Err(_) => crate::fsops::remove_all(&link).map_err(io("remove", &link))?,
+            }
+            std::os::unix::fs::symlink(target, &link).map_err(io("link", &link))?;
+        }
+        Ok(())
+    }
     pub(crate) fn containers_dir(&self, id: &str) -> PathBuf {
         self.daemon_dir(id).join("containers")
     }
@@ -300,6 +326,36 @@ impl StateDir {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_privileged_view_leads_to_control_privileged_and_is_remade() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: the view is root's");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let id = "0123456789abcdef0123456789abcdef";
+        std::fs::create_dir_all(state.pipe_dir(id)).unwrap();
+        let view = state.privileged_view(id);
+        std::fs::create_dir(&view).unwrap();
+        // Whatever stands under the names is replaced; a second call changes nothing.
+        std::fs::write(view.join("control"), "x").unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", view.join("control_privileged")).unwrap();
+        for _ in 0..2 {
+            state.make_privileged_view(id).unwrap();
+            let md = std::fs::symlink_metadata(&view).unwrap();
+            assert_eq!((md.mode() & 0o7777, md.uid()), (0o700, 0));
+            for name in ["control", "control_privileged"] {
+                assert_eq!(
+                    std::fs::read_link(view.join(name)).unwrap(),
+                    Path::new("../pipe/control_privileged")
+                );
+            }
+        }
+        std::fs::write(state.pipe_dir(id).join("control_privileged"), "p").unwrap();
+        assert_eq!(std::fs::read(view.join("control")).unwrap(), b"p");
+    }
 
     #[test]
     fn unsafe_root_is_refused() {

@@ -139,6 +139,7 @@ mod tests {
             ready_at: None,
             restarts: 0,
             error: None,
+            limits_unconfirmed_since: None,
         }
     }
 

@@ -72,6 +72,11 @@ pub struct DaemonRecord {
     pub ready_at: Option<u64>,
     pub restarts: u32,
     pub error: Option<String>,
+    /// Unix seconds since the limit checks of this (multi-user) daemon stopped confirming
+    /// its limits; `None` while they confirm them. Such a daemon is not restarted: other
+    /// tenants' clients use its server (`mps::supervisor::limits`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits_unconfirmed_since: Option<u64>,
 }
 
 impl DaemonRecord {
@@ -392,6 +397,7 @@ mod tests {
             ready_at: Some(2),
             restarts: 0,
             error: None,
+            limits_unconfirmed_since: None,
         };
         state.write_record(&rec).unwrap();
         assert_eq!(state.read_record(&id).unwrap(), Some(rec.clone()));

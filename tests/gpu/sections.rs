@@ -724,6 +724,21 @@ fn tenant_control(t: &mut Tier, flag: &str) {
             "tenant control: connect to control_privileged as UID 1000",
             &first_line(&r.out, 200),
         );
+        // What the supervisor's limit check relies on (docs/mps.md, "The privileged
+        // channel"): root's commands answered through its privileged view, whose
+        // `control` and `control_privileged` lead to the daemon's `control_privileged`.
+        let view = dm.pipe.with_file_name("priv");
+        let read = "get_default_active_thread_percentage";
+        let set = "set_default_active_thread_percentage 50";
+        t.check(
+            "INFO",
+            "tenant control: root through control_privileged",
+            &format!(
+                "{read} -> '{}'; {set} -> '{}'",
+                t.ctl1(0, &view, read),
+                t.ctl1(0, &view, set)
+            ),
+        );
     }
     let mut ev = Vec::new();
     if !srv.is_empty() {

@@ -23,12 +23,20 @@ fn control_as(env: &Env, id: &str, uid: u32, cmd: &str) -> String {
 
 /// `control_as`, with the control client's exit status.
 fn control_output(env: &Env, id: &str, uid: u32, cmd: &str) -> std::process::Output {
+    control_through(env, &env.state.join("mps").join(id).join("pipe"), uid, cmd)
+}
+
+/// Sends one control command as root to multi-user daemon `id` through its
+/// `control_privileged` (the supervisor's privileged view, `priv/`), never `control`.
+fn privileged_output(env: &Env, id: &str, cmd: &str) -> std::process::Output {
+    control_through(env, &env.state.join("mps").join(id).join("priv"), 0, cmd)
+}
+
+/// One control command as `uid` through the sockets in `dir`, with the client's status.
+fn control_through(env: &Env, dir: &Path, uid: u32, cmd: &str) -> std::process::Output {
     let mut child = Command::new(env.sim())
         .env_clear()
-        .env(
-            "CUDA_MPS_PIPE_DIRECTORY",
-            env.state.join("mps").join(id).join("pipe"),
-        )
+        .env("CUDA_MPS_PIPE_DIRECTORY", dir)
         .uid(uid)
         .gid(uid)
         .stdin(Stdio::piped())
@@ -435,7 +443,8 @@ impl Stall {
         let mut conns: Vec<UnixStream> = (0..n)
             .map(|_| {
                 let c = UnixStream::connect(socket).unwrap();
-                (&c).write_all(b"g").unwrap();
+                // One the daemon refused at once is closed already: it drops out below.
+                let _ = (&c).write_all(b"g");
                 c
             })
             .collect();
@@ -535,6 +544,151 @@ fn a_tenant_stalling_the_control_socket_cannot_keep_raised_limits() {
     );
     assert!(restarted, "no restart:\n{}", env.gpushare_log());
     assert_eq!(env.record(&id)["restarts"], 1, "{}", env.record(&id));
+}
+
+/// The simulator's cap on simultaneous connections to `control_privileged`
+/// (`MAX_PRIVILEGED_CONNECTIONS` in sim/src/daemon.rs).
+const SIM_MAX_PRIVILEGED_CONNECTIONS: usize = 16;
+
+#[test]
+fn a_tenant_jamming_a_multi_user_daemons_control_socket_gets_no_server_killed() {
+    // Before: a UID-1000 container held ~520 connections on the shared multi-user
+    // daemon's `control` with a byte every 1.5 s. The supervisor could not confirm the
+    // limits twice in a row and SIGKILLed the daemon with its MPS server, again after
+    // every restart; UID 2000's job lost its server. Now the supervisor checks through
+    // root's `control_privileged`, which no tenant can connect to, and a multi-user daemon
+    // is never killed or restarted for a check that cannot confirm its limits.
+    let env = Env::with_config(
+        "user-mode = \"multi-user\"\nmulti-user-flag = \"-multiuser-server\"\nlimit-check-interval = \"500ms\"",
+    );
+    let victim = env
+        .container("victim")
+        .uid(2000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "25")
+        .sh(&format!("{CLIENT} --hold 300"))
+        .create();
+    victim.start();
+    assert!(
+        wait_until(Duration::from_secs(10), || parse_client_line(
+            &victim.stdout()
+        )
+        .is_some()),
+        "the victim never got a server: {}",
+        victim.stderr()
+    );
+    let server = client_line(&victim.stdout())["server"].clone();
+    let id = env.daemon_of(&victim);
+    let daemon = env.daemon_pid(&id);
+    let jammer = env
+        .container("jammer")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "25")
+        .sh("gpushare-mps-sim hold-control 520")
+        .create();
+    assert_eq!(env.daemon_of(&jammer), id, "one daemon for both tenants");
+    jammer.start();
+    // The jam is real: not even root gets an answer through `control`.
+    let jammed = || {
+        !control_output(&env, &id, 0, "get_server_list")
+            .status
+            .success()
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), jammed),
+        "control was never jammed: {}",
+        jammer.stdout()
+    );
+    let ask = |cmd: &str| {
+        String::from_utf8_lossy(&privileged_output(&env, &id, cmd).stdout)
+            .trim()
+            .to_owned()
+    };
+    // The record's daemon, or none while it is being restarted.
+    let same_daemon = || {
+        env.record(&id)["daemon"]["pid"].as_i64() == Some(i64::from(daemon))
+            && env.record(&id)["restarts"] == 0
+    };
+    // Neither the daemon nor the victim's server was killed (a fact of /proc and the
+    // record, which no slow control exchange can blur).
+    let untouched = || same_daemon() && Path::new(&format!("/proc/{server}")).exists();
+    let still_served = || wait_until(Duration::from_secs(10), || ask("get_server_list") == server);
+
+    // The limits are still checked: root raises the default through control_privileged,
+    // and the supervisor's check, through the same channel, sets it back.
+    let raise = privileged_output(&env, &id, "set_default_active_thread_percentage 100");
+    assert!(raise.status.success(), "{raise:?}");
+    assert!(
+        wait_until(Duration::from_secs(10), || ask(
+            "get_default_active_thread_percentage"
+        ) == "25.0"),
+        "the raise was not set back under the jam:\n{}",
+        env.gpushare_log()
+    );
+    assert!(env.gpushare_log().contains("default limits were changed"));
+    assert!(jammed(), "the jam ended");
+    // Checks go on under the jam; none kills the daemon (without the defence, two checks
+    // in a row — within about 5 s — did).
+    let killed = wait_until(Duration::from_secs(6), || !untouched());
+    assert!(
+        !killed && still_served(),
+        "the daemon or the victim's server went: {}\n{}",
+        env.record(&id),
+        env.gpushare_log()
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || env.status()[0]["health"]
+            == "ok"),
+        "{}",
+        env.status()
+    );
+
+    // Where even control_privileged gives no answer (here root holds its connections; a
+    // driver whose control_privileged does not serve the checks looks the same), the
+    // daemon is still not restarted: the supervisor warns and records it, and `status`
+    // reports it.
+    let privileged = env
+        .state
+        .join("mps")
+        .join(&id)
+        .join("pipe")
+        .join("control_privileged");
+    let stall = Stall::hold(&privileged, SIM_MAX_PRIVILEGED_CONNECTIONS + 4);
+    assert!(
+        wait_until(Duration::from_secs(15), || env.record(&id)
+            ["limits_unconfirmed_since"]
+            .is_u64()),
+        "the unconfirmed limits were not recorded:\n{}",
+        env.gpushare_log()
+    );
+    assert!(
+        env.gpushare_log()
+            .contains("cannot check the multi-user daemon's limits"),
+        "{}",
+        env.gpushare_log()
+    );
+    let status = env.status();
+    assert_ne!(status[0]["health"], "ok", "{status}");
+    assert!(status[0]["limits_unconfirmed_since"].is_u64(), "{status}");
+    let killed = wait_until(Duration::from_secs(8), || !same_daemon());
+    drop(stall);
+    assert!(!killed, "the daemon was restarted:\n{}", env.gpushare_log());
+    assert!(
+        wait_until(Duration::from_secs(15), || env
+            .record(&id)
+            .get("limits_unconfirmed_since")
+            .is_none()),
+        "the limits were not confirmed again:\n{}",
+        env.gpushare_log()
+    );
+    assert!(
+        untouched() && still_served(),
+        "{}\n{}",
+        env.record(&id),
+        env.gpushare_log()
+    );
+    assert_eq!(victim.state().unwrap()["status"], "running");
 }
 
 /// Whether `bytes` hold a terminal control: a C0 control other than newline and tab, DEL,

@@ -4,8 +4,8 @@
 //!
 //! Invariants: the record's `daemon` is the live process or `None`; a start that does not
 //! get ready is killed (the first one is the supervisor's failure, later ones a restart);
-//! a daemon whose limits cannot be confirmed is killed with every process of its tree,
-//! without being asked, within `QUIT_GRACE`; a supervisor whose record is gone (its state
+//! a per-user daemon whose limits cannot be confirmed is killed with every process of its
+//! tree, without being asked, within `QUIT_GRACE` (a multi-user one never is: `limits`); a supervisor whose record is gone (its state
 //! directory deleted, as a host reboot wipes /run, or by hand) quits its daemon and exits,
 //! so nothing runs that no record names and that `status`, `gc` and `daemon stop` cannot
 //! see; an idle daemon is removed only under the identity's lock.
@@ -22,7 +22,7 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 
 use super::cgroup::other_members;
 use super::confine::{drop_child_caps, private_dev_shm};
-use super::limits::{limit_commands, UNCONFIRMED_CHECKS};
+use super::limits::{limit_commands, Unconfirmed, UNCONFIRMED_CHECKS};
 use super::logs::ROTATE_EVERY;
 use super::Supervisor;
 use crate::mps::control::Control;
@@ -45,6 +45,13 @@ impl Supervisor {
             private_dev_shm(&self.state.shm_dir(&self.id))?;
         }
         drop_child_caps(self.ident.multi_user)?;
+        if self.ident.multi_user {
+            // Without it, commands go through `control` only (`Control::command`): no
+            // worse than before, so a daemon is not refused for it.
+            if let Err(e) = self.state.make_privileged_view(&self.id) {
+                tracing::warn!(daemon = %self.id, error = %e, "cannot make the privileged view; the limit check goes through control, which any tenant can hold");
+            }
+        }
         let mut mask = SigSet::empty();
         for s in [
             Signal::SIGTERM,
@@ -134,6 +141,7 @@ impl Supervisor {
                     r.daemon = daemon;
                     r.ready_at = Some(unix_now());
                     r.error = None;
+                    r.limits_unconfirmed_since = None;
                 })?;
                 tracing::info!(daemon = %self.id, pid = child.id(), "MPS control daemon ready");
                 Ok(Some(child))
@@ -175,6 +183,7 @@ impl Supervisor {
         let _ = self.update(|r| {
             r.status = DaemonStatus::Stopped;
             r.daemon = None;
+            r.limits_unconfirmed_since = None;
         });
         tracing::info!(daemon = %self.id, "MPS control daemon stopped");
     }
@@ -276,11 +285,7 @@ impl Supervisor {
         let removed = self
             .state
             .remove_if_unused(&self.id, pending_grace, |tomb| {
-                let control = Control {
-                    pipe_dir: tomb.join("pipe"),
-                    ..self.control.clone()
-                };
-                self.quit_via(&control, child);
+                self.quit_via(&self.control.moved_to(tomb), child);
             });
         match removed {
             Ok(removed) => Some(removed),
@@ -373,7 +378,7 @@ fn watch(
     let mut next_check = sup.limit_check.map(|every| Instant::now() + every);
     let mut idle_since: Option<Instant> = None;
     let mut missing = 0;
-    let mut unconfirmed = 0;
+    let mut unconfirmed = Unconfirmed::default();
     loop {
         match wait_event(sfd, Some(&mut *child), Some(tick)) {
             Event::Stop => return Watch::Stop,

@@ -5,11 +5,20 @@
 //! restart (MPS forgets `set_default_*` when the daemon quits), and are in the daemon's
 //! environment from its first instant. A tenant reaches the control socket through its
 //! pipe directory and may raise them: every `mps.limit-check-interval` the defaults and
-//! each running server's limits are read back and set again where they differ. The check
-//! fails closed: all its commands share one deadline (`CHECK_DEADLINE`), and a daemon
-//! that cannot confirm its limits in `UNCONFIRMED_CHECKS` checks in a row is restarted
-//! with them, so no stall of the control socket holds the supervisor or keeps a raised
-//! limit.
+//! each running server's limits are read back and set again where they differ. All of a
+//! check's commands share one deadline (`CHECK_DEADLINE`), so no stall of the control
+//! socket holds the supervisor longer.
+//!
+//! A check that cannot confirm the limits: a per-user daemon fails closed — after
+//! `UNCONFIRMED_CHECKS` such checks in a row it is restarted with its limits (only its own
+//! UID's clients use it, and they are the ones that could have stalled it). A multi-user
+//! daemon is never stopped, killed or restarted for it: its server is every tenant's, and
+//! any tenant can jam `control`, so a restart would be one tenant's way to take the others'
+//! server down. The supervisor asks it through root's `control_privileged` instead
+//! (`mps::control`), where no tenant can connect; while even that does not confirm, it
+//! checks again every interval, warns (`UNCONFIRMED_WARN_EVERY`) and records it for
+//! `status`. A non-root tenant cannot change a multi-user daemon's limits (docs/mps.md),
+//! so what goes unchecked meanwhile is only what root (a UID-0 container) could change.
 
 use std::time::{Duration, Instant};
 
@@ -28,6 +37,18 @@ pub(crate) const CHECK_DEADLINE: Duration = Duration::from_secs(2);
 /// and then keeps the daemon from answering (its control connections held with slow
 /// partial lines) must not keep them raised.
 pub(crate) const UNCONFIRMED_CHECKS: u32 = 2;
+
+/// How often a multi-user daemon whose limits stay unconfirmed is warned about again (the
+/// first unconfirmed check warns at once): a bound on the log a sustained jam writes.
+const UNCONFIRMED_WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// The limit checks in a row that could not confirm the limits, and when a warning last
+/// said so.
+#[derive(Debug, Default)]
+pub(super) struct Unconfirmed {
+    checks: u32,
+    warned: Option<Instant>,
+}
 
 /// The commands that put a daemon's limits in place, in order. Pinned memory is set per
 /// device by ordinal: the daemon sees only its own devices, renumbered from 0
@@ -195,25 +216,51 @@ impl Supervisor {
     }
     /// Checks the limits (`enforce_limits`) once `next_check` has come, and sets the next.
     /// Counts the checks in a row that could not confirm them in `unconfirmed`; `true` when
-    /// that reaches `UNCONFIRMED_CHECKS`: the daemon must be restarted.
+    /// that reaches `UNCONFIRMED_CHECKS` for a per-user daemon: it must be restarted. A
+    /// multi-user daemon never is (the module's header): its record says since when its
+    /// limits are unconfirmed, until a check confirms them again.
     pub(super) fn check_limits_when_due(
         &self,
         next_check: &mut Option<Instant>,
-        unconfirmed: &mut u32,
+        unconfirmed: &mut Unconfirmed,
     ) -> bool {
         if let (Some(at), Some(every)) = (*next_check, self.limit_check) {
             if Instant::now() >= at {
                 *next_check = Some(Instant::now() + every);
                 match self.enforce_limits(Instant::now() + CHECK_DEADLINE) {
-                    Ok(_) => *unconfirmed = 0,
-                    Err(e) => {
-                        *unconfirmed += 1;
-                        tracing::warn!(daemon = %self.id, error = %format!("{e:#}"), "cannot check the daemon's limits");
-                    }
+                    Ok(_) => self.confirmed(unconfirmed),
+                    Err(e) => self.not_confirmed(unconfirmed, &format!("{e:#}")),
                 }
             }
         }
-        *unconfirmed >= UNCONFIRMED_CHECKS
+        !self.ident.multi_user && unconfirmed.checks >= UNCONFIRMED_CHECKS
+    }
+    fn confirmed(&self, unconfirmed: &mut Unconfirmed) {
+        if self.ident.multi_user && unconfirmed.checks > 0 {
+            tracing::info!(daemon = %self.id, checks = unconfirmed.checks, "the multi-user daemon's limits are confirmed again");
+            let _ = self.update(|r| r.limits_unconfirmed_since = None);
+        }
+        *unconfirmed = Unconfirmed::default();
+    }
+    fn not_confirmed(&self, unconfirmed: &mut Unconfirmed, error: &str) {
+        unconfirmed.checks += 1;
+        if !self.ident.multi_user {
+            tracing::warn!(daemon = %self.id, error, "cannot check the daemon's limits");
+            return;
+        }
+        if unconfirmed.checks == 1 {
+            let since = crate::util::unix_now();
+            let _ = self.update(|r| r.limits_unconfirmed_since = Some(since));
+        }
+        if unconfirmed
+            .warned
+            .is_some_and(|at| at.elapsed() < UNCONFIRMED_WARN_EVERY)
+        {
+            tracing::debug!(daemon = %self.id, error, checks = unconfirmed.checks, "cannot check the multi-user daemon's limits");
+            return;
+        }
+        unconfirmed.warned = Some(Instant::now());
+        tracing::warn!(daemon = %self.id, error, checks = unconfirmed.checks, "cannot check the multi-user daemon's limits (neither control_privileged nor control answered); it is not restarted, other tenants' clients use its server; checking again every interval");
     }
 }
 

@@ -81,11 +81,7 @@ impl Supervisor {
         me: Option<ProcRef>,
     ) -> Self {
         Supervisor {
-            control: Control {
-                binary: binary.clone(),
-                pipe_dir: state.pipe_dir(id),
-                user: (!ident.multi_user).then_some((ident.uid, ident.gid)),
-            },
+            control: Control::of_daemon(binary.clone(), &state, id, &ident),
             binary,
             state,
             id: id.to_owned(),

@@ -50,12 +50,17 @@ pub(crate) struct DaemonView {
     /// Seconds since the current daemon process became ready.
     pub uptime_seconds: Option<u64>,
     pub restarts: u32,
-    /// `ok` (processes alive and control interface answering), `unresponsive` (alive,
-    /// not answering), `unknown` (alive, but the control binary to ask with is missing),
-    /// `down`.
+    /// `ok` (processes alive and control interface answering), `unconfirmed` (so, but
+    /// the supervisor's limit checks of a multi-user daemon get no answer), `unresponsive`
+    /// (alive, not answering), `unknown` (alive, but the control binary to ask with is
+    /// missing), `down`.
     pub health: &'static str,
     /// Why the health is not `ok`; `None` when it is.
     pub health_reason: Option<String>,
+    /// Unix seconds since the supervisor's limit checks of this multi-user daemon stopped
+    /// confirming its limits (the record's), whether or not `status` reached it itself.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limits_unconfirmed_since: Option<u64>,
     pub servers: Option<usize>,
     pub clients: Option<usize>,
     pub error: Option<String>,
@@ -262,11 +267,7 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
         .iter()
         .map(|(id, rec, alive)| {
             let b = binary.as_ref().ok().filter(|_| *alive)?;
-            Some(Control {
-                binary: b.clone(),
-                pipe_dir: state.pipe_dir(id),
-                user: (!rec.identity.multi_user).then_some((rec.identity.uid, rec.identity.gid)),
-            })
+            Some(Control::of_daemon(b.clone(), &state, id, &rec.identity))
         })
         .collect();
     let answers = probe_all(&controls);
@@ -280,7 +281,12 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
                 answer.unwrap_or_else(|| Err("the daemon was not asked".to_owned()))
             })
         });
+        let unconfirmed = rec.limits_unconfirmed_since.filter(|_| alive);
         let (health, health_reason) = match &probed {
+            Some(Ok(Ok(_))) if unconfirmed.is_some() => (
+                "unconfirmed",
+                unconfirmed.map(|since| format!("its supervisor's limit checks have not confirmed its limits for {} s (control jammed? see gpushare.log); a multi-user daemon is not restarted for it", now.saturating_sub(since))),
+            ),
             Some(Ok(Ok(_))) => ("ok", None),
             Some(Ok(Err(e))) => ("unresponsive", Some(e.clone())),
             Some(Err(e)) => ("unknown", Some(format!("cannot ask the daemon: {e}"))),
@@ -323,6 +329,7 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
             restarts: rec.restarts,
             health,
             health_reason,
+            limits_unconfirmed_since: unconfirmed,
             servers: probed.map(|p| p.0),
             clients: probed.map(|p| p.1),
             error: rec.error.clone(),
@@ -380,6 +387,7 @@ fn directory_view(state: &StateDir, id: String, pending_grace: u64) -> DaemonVie
         restarts: 0,
         health: "down",
         health_reason: Some(reason.to_owned()),
+        limits_unconfirmed_since: None,
         servers: None,
         clients: None,
         error: None,
@@ -426,6 +434,7 @@ mod tests {
                     binary: bin.clone(),
                     pipe_dir: dir.path().join(n.to_string()),
                     user: None,
+                    privileged: None,
                 })
             })
             .collect();

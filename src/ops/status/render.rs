@@ -192,7 +192,22 @@ pub(crate) fn prometheus(view: &StatusView) -> String {
         "1 when the daemon's processes run and its control interface answers.",
         view.daemons
             .iter()
-            .map(|d| (labels(d), u8::from(d.health == "ok").to_string()))
+            .map(|d| {
+                let up = matches!(d.health, "ok" | "unconfirmed");
+                (labels(d), u8::from(up).to_string())
+            })
+            .collect(),
+    );
+    metric(
+        "gpushare_daemon_limits_unconfirmed",
+        "gauge",
+        "1 while the supervisor's limit checks cannot confirm a multi-user daemon's limits (it is not restarted for it).",
+        view.daemons
+            .iter()
+            .map(|d| {
+                let unconfirmed = d.limits_unconfirmed_since.is_some();
+                (labels(d), u8::from(unconfirmed).to_string())
+            })
             .collect(),
     );
     metric(
@@ -282,6 +297,7 @@ mod tests {
                 restarts: 2,
                 health: "ok",
                 health_reason: None,
+                limits_unconfirmed_since: None,
                 servers: Some(1),
                 clients: Some(1),
                 error: None,
