@@ -191,7 +191,9 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
     let Some(bin) = containerd23_bin() else {
         return;
     };
-    let env = Env::new();
+    // No idle timeout: an idle-watching supervisor sweeps the record of a stopped
+    // container on its own, so the releases below would not show that the plugin did them.
+    let env = Env::with_config("idle-timeout = \"0\"");
     let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri);
     let mut plugin = Plugin::start(&env, &node);
     let ann = [("gpushare.io/device", "0")];
