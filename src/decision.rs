@@ -1,19 +1,19 @@
 //! What gpushare decides for a request, and how the shim hands that decision to its hook.
 //!
-//! [`resolve`] is the request pipeline, the one every path that serves a request runs —
-//! the shim and hook-only mode through [`resolve_spec`], the NRI plugin through
-//! [`resolve_nri`], `gpushare daemon start` with a
+//! `resolve` is the request pipeline, the one every path that serves a request runs —
+//! the shim and hook-only mode through `resolve_spec`, the NRI plugin through
+//! `resolve_nri`, `gpushare daemon start` with a
 //! request made from its flags: inventory → the devices the request resolves to →
-//! [`request::check`] against their memory and the operator's ceilings → IPC mode → host
-//! user → tenant → daemon identity ([`Identity::for_request`]). It creates nothing: a
+//! `request::check` against their memory and the operator's ceilings → IPC mode → host
+//! user → tenant → daemon identity (`Identity::for_request`). It creates nothing: a
 //! request is refused before any directory exists or any byte is written.
 //!
 //! The tenant's namespace (`mps.tenant = "namespace"`) comes from what each path can
 //! trust, never from what a pod writes: the NRI runtime's `PodSandbox.namespace`; in a
 //! spec, containerd's CRI annotation only in a container of containerd's `k8s.io`
-//! namespace ([`cri_namespace`]).
+//! namespace (`cri_namespace`).
 //!
-//! [`Decision`] is the shim↔hook contract: the decision gpushare-runtime writes into a
+//! `Decision` is the shim↔hook contract: the decision gpushare-runtime writes into a
 //! container's annotations at `create` (docs/requests.md lists them), and [`identity_from_annotations`]
 //! the validation the `createRuntime` hook applies when it reads it back from the
 //! container state on stdin.

@@ -3,7 +3,7 @@
 //! A daemon is identified by its device set, its host UID, the IPC mode and the limits it
 //! enforces: the request keys whose row says `identity` (`request::keys`). Under
 //! `user-mode = "multi-user"` the UID is 0 for everyone (one root daemon per device set);
-//! under `limits = "advisory"` no limit is part of it ([`Identity::for_request`] is that rule,
+//! under `limits = "advisory"` no limit is part of it (`Identity::for_request` is that rule,
 //! for every path that serves a request). Under `mps.tenant = "namespace"` it also holds
 //! the container's [`Tenant`]: its Kubernetes namespace as the runtime told it, or "no
 //! namespace" where none can be trusted (docs/design.md, "Tenants"); under the default
@@ -186,7 +186,7 @@ impl Identity {
         )
     }
 
-    /// [`ID_LEN`] lowercase hex digits: the first 128 bits of SHA-256 over the canonical
+    /// `ID_LEN` lowercase hex digits: the first 128 bits of SHA-256 over the canonical
     /// form.
     ///
     /// On every create with a request (shim and hook): the hex digits come from a table,
@@ -216,7 +216,7 @@ pub(crate) fn requested(cfg: &Config, req: &Request, key: &KeySpec) -> Option<u6
     req.settings.value(key).or_else(|| cfg.mps.default_for(key))
 }
 
-/// Whether `s` looks like a daemon id ([`ID_LEN`] lowercase hex digits). Ids reach paths,
+/// Whether `s` looks like a daemon id (`ID_LEN` lowercase hex digits). Ids reach paths,
 /// so anything else is refused wherever one is read back from a record or an annotation.
 pub fn valid_id(s: &str) -> bool {
     s.len() == ID_LEN

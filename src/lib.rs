@@ -17,9 +17,11 @@
 //!   locks, a daemon's directories and tmpfs, the caps and what they take back, removal),
 //!   `inventory_cache`
 //! - `identity` (a daemon's identity and the rule that derives it), `logging`
+//! - `userns` (user namespace id maps: container → host id)
 //! - `config`
 //! - `request` (annotations/env, or a CDI device's hook arguments → request)
 //! - `device` (inventory: load and validate, NVML, resolve; the test inventory)
+//! - `driver` (the NVIDIA driver's files, on the host or under `driver-root`)
 //! - `fsops` (safe file I/O: reads and atomic writes that follow no planted name, tree
 //!   removal), `util`, `sys` (the only `unsafe`)
 

@@ -1,10 +1,11 @@
 //! gpushare's own log: `log-file` and `log-level` from the config, `GPUSHARE_LOG` overrides
 //! the level, `log-format = "json"` writes JSON lines.
 //!
-//! Levels (STYLE.md): error = what the user asked for failed; warn = degraded but
-//! continuing; info = state changed (spec edited, daemon started/stopped); debug =
-//! decisions; trace = full specs. The shim never logs to stdout/stderr during `create`, so
-//! a log file that cannot be opened means no log, not a failure.
+//! Levels (docs/configuration.md, `log-level`): error = what the user asked for failed;
+//! warn = degraded but continuing; info = state changed (spec edited, daemon
+//! started/stopped); debug = decisions; trace = full specs. The shim never logs to
+//! stdout/stderr during `create`, so a log file that cannot be opened means no log, not a
+//! failure.
 
 use std::sync::Mutex;
 

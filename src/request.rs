@@ -3,14 +3,14 @@
 //! The values come from container authors and reach a root hook, so they are hostile input.
 //! Invariants:
 //! - Every value is checked before anything is built from it, by the grammars of
-//!   [`grammar`] (its header states their rules, sizes included). Nothing here does I/O.
+//!   `grammar` (its header states their rules, sizes included). Nothing here does I/O.
 //! - Every error is exactly one line naming the key actually used (annotation or env name), the
-//!   value (quoted and escaped by [`crate::device::quote`], cut with `…` past 64 characters) and
+//!   value (quoted and escaped by `crate::device::quote`, cut with `…` past 64 characters) and
 //!   what is allowed.
 //! - An annotation wins over the env var of the same key, key by key; for env, the last
 //!   `NAME=` entry wins, as with execve. Env entries without `=` are ignored.
 //! - A pod's sandbox ("pause") container is never a request, whatever annotations or env it
-//!   carries ([`sandbox_marker`]: containerd's `io.kubernetes.cri.container-type=sandbox`,
+//!   carries (`sandbox_marker`: containerd's `io.kubernetes.cri.container-type=sandbox`,
 //!   CRI-O's `io.kubernetes.cri-o.ContainerType=sandbox`, dockershim's
 //!   `io.kubernetes.docker.type=podsandbox`). [`parse`] checks this before anything else, so
 //!   the pod annotations that containerd and CRI-O copy into the sandbox's spec are neither
@@ -22,7 +22,7 @@
 //!   a device key but with an allocation is a request for it, named by that config key in
 //!   errors, and one without an allocation passes through.
 //! - The device value `allocated` means "the devices this container was allocated": what
-//!   NVIDIA's device plugin or DRA driver wrote into the spec, found by [`allocation`] under
+//!   NVIDIA's device plugin or DRA driver wrote into the spec, found by `allocation` under
 //!   the rules documented there (no I/O; the sources in a fixed order, the first that names
 //!   devices wins; an image's own `NVIDIA_VISIBLE_DEVICES=all` never counts). Asking for it
 //!   in a container without an allocation, or in one whose allocation carries the allocator's
@@ -34,10 +34,10 @@
 //! - Unknown `gpushare.io/*` annotations and unknown `GPUSHARE_*` variables are not errors:
 //!   only the keys of [`KEYS`] are ever looked up, so a newer client can add keys without breaking an
 //!   older node (forward compatibility).
-//! - A CDI device of gpushare's is a request source of its own ([`from_cdi`]): its request
+//! - A CDI device of gpushare's is a request source of its own (`from_cdi`): its request
 //!   is its hook's arguments ([`CdiAsk`]), which the node's CDI spec wrote; beside it the
 //!   container's own keys may only repeat it, and `default-device` does not apply.
-//! - [`check`] is the one place a parsed request meets the node: the devices' memory and
+//! - `check` is the one place a parsed request meets the node: the devices' memory and
 //!   the operator's ceilings (`mps.max-active-thread-percentage`,
 //!   `mps.max-pinned-memory-limit`). A request above a ceiling is refused, never lowered
 //!   silently; a limit not given is not checked (the configured default applies, and the
@@ -354,7 +354,7 @@ pub enum RequestError {
     AllocationUnreadable {
         key: &'static str,
         value: String,
-        /// Where the allocation was read ([`AllocationSource::key`]).
+        /// Where the allocation was read (`AllocationSource::key`).
         source_key: &'static str,
         /// What it said.
         found: String,
@@ -419,9 +419,9 @@ pub enum RequestError {
 pub(crate) struct Ceilings(pub Vec<(&'static KeySpec, u64)>);
 
 /// Reads the request from a container's spec: its annotations and `process.env`, and, for
-/// [`ALLOCATED`], what the allocator wrote ([`allocation`]).
+/// `ALLOCATED`, what the allocator wrote (`allocation`).
 ///
-/// Returns `Ok(None)` for a pod's sandbox ([`sandbox_marker`], checked first), and when
+/// Returns `Ok(None)` for a pod's sandbox (`sandbox_marker`, checked first), and when
 /// neither `gpushare.io/device` nor an accepted `GPUSHARE_DEVICE` is present and the node's
 /// default does not apply: the container passes through. In `process.env` the last
 /// occurrence of a name wins, as with execve. An annotation wins over the env var of the same
@@ -756,7 +756,7 @@ pub(crate) fn check_ceilings(req: &Request, ceilings: &Ceilings) -> Result<(), R
 
 /// Checks the request against the devices it resolved to: the pinned memory limit must be at
 /// most the device memory (for a MIG device its own memory; for a GPU list the smallest GPU's,
-/// since MPS applies the limit to each device). Part of [`check`].
+/// since MPS applies the limit to each device). Part of `check`.
 pub fn check_against(req: &Request, devices: &ResolvedDevices) -> Result<(), RequestError> {
     if let Some(limit) = req.settings.get(&PINNED_MEMORY_LIMIT) {
         if limit.value > devices.memory_bytes {

@@ -93,7 +93,7 @@ pub(crate) fn unix_now() -> u64 {
         .as_secs()
 }
 
-/// The start time of a process (field 22 of /proc/<pid>/stat, clock ticks since boot):
+/// The start time of a process (field 22 of `/proc/<pid>/stat`, clock ticks since boot):
 /// with the pid, it names one process for good, so a reused pid is never mistaken for it.
 pub fn proc_start_time(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

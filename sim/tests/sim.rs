@@ -2,7 +2,8 @@
 //! clients in per-test temporary directories, other uids through `CommandExt::uid/gid`.
 //!
 //! Cargo builds the binary for them (`CARGO_BIN_EXE_gpushare-mps-sim`). The tests that switch
-//! uids need root and skip with a printed reason otherwise.
+//! uids need root and skip otherwise, listed with their reason in the test command's
+//! summary (and failing under `CI=true`: see `skip`).
 //!
 //! Invariants: nothing sleeps a fixed time to let something happen, everything polls with a
 //! deadline; every process a test starts is stopped by a guard's `Drop`, also when the test
@@ -32,6 +33,31 @@ fn bin() -> PathBuf {
 
 fn is_root() -> bool {
     nix::unistd::geteuid().is_root()
+}
+
+/// The running test cannot run here, for `reason`; the caller returns after. The test kit's
+/// `skip` (testkit/src/common.rs), which this package does not depend on: under `CI=true`
+/// it fails (CI runs the tests as root); elsewhere it says why and lists the test in the
+/// file `GPUSHARE_TEST_SKIPS` names, which the test command prints at its end.
+fn skip(reason: &str) {
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("<unnamed test>")
+        .to_owned();
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{test}: {reason}; under CI=true a test that cannot run fails"
+    );
+    eprintln!("skipped: {reason}");
+    if let Some(file) = std::env::var_os("GPUSHARE_TEST_SKIPS") {
+        let line = format!("sim {test}: {reason}\n");
+        fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&file)
+            .and_then(|mut f| f.write_all(line.as_bytes()))
+            .expect("cannot list a skipped test in $GPUSHARE_TEST_SKIPS");
+    }
 }
 
 fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
@@ -599,7 +625,7 @@ fn same_uid_clients_share_one_server_at_once() {
 #[test]
 fn root_daemon_queues_other_uid_until_server_is_idle() {
     if !is_root() {
-        eprintln!("skipped: needs root to run clients as other uids");
+        skip("needs root to run clients as other uids");
         return;
     }
     let mut sim = Sim::new();
@@ -648,7 +674,7 @@ fn root_daemon_queues_other_uid_until_server_is_idle() {
 #[test]
 fn start_server_runs_as_requested_uid() {
     if !is_root() {
-        eprintln!("skipped: needs root to start servers as other uids");
+        skip("needs root to start servers as other uids");
         return;
     }
     let mut sim = Sim::new();
@@ -668,7 +694,7 @@ fn start_server_runs_as_requested_uid() {
 #[test]
 fn multiuser_daemon_serves_all_uids_from_one_server() {
     if !is_root() {
-        eprintln!("skipped: needs root to run clients as other uids");
+        skip("needs root to run clients as other uids");
         return;
     }
     let mut sim = Sim::new();
@@ -702,7 +728,7 @@ fn privileged_view(sim: &Sim) -> PathBuf {
 #[test]
 fn multiuser_daemon_answers_root_on_control_privileged_while_control_is_jammed() {
     if !is_root() {
-        eprintln!("skipped: needs root to run clients as other uids");
+        skip("needs root to run clients as other uids");
         return;
     }
     let mut sim = Sim::new();
@@ -774,7 +800,7 @@ fn multiuser_daemon_answers_root_on_control_privileged_while_control_is_jammed()
 #[test]
 fn queued_client_times_out_and_leaves_the_queue() {
     if !is_root() {
-        eprintln!("skipped: needs root to run clients as other uids");
+        skip("needs root to run clients as other uids");
         return;
     }
     let mut sim = Sim::new();
@@ -799,7 +825,7 @@ fn queued_client_times_out_and_leaves_the_queue() {
 #[test]
 fn non_root_daemon_refuses_other_uids() {
     if !is_root() {
-        eprintln!("skipped: needs root to run the daemon as another uid");
+        skip("needs root to run the daemon as another uid");
         return;
     }
     let mut sim = Sim::new();
@@ -954,7 +980,7 @@ fn client_without_shared_dev_shm_exits_4() {
         .stderr(Stdio::null())
         .status();
     if !matches!(probe, Ok(s) if s.success()) {
-        eprintln!("skipped: cannot mount a private /dev/shm with unshare -m here");
+        skip("cannot mount a private /dev/shm with unshare -m here");
         return;
     }
     let mut sim = Sim::new();

@@ -60,7 +60,7 @@ pub(crate) fn load_nvml(library: Option<&Path>) -> Result<Inventory, DeviceError
     Ok(inventory)
 }
 
-/// The text of the inventory file at `path` as a validated inventory: the half of [`load`]
+/// The text of the inventory file at `path` as a validated inventory: the half of `load`
 /// without I/O, public for the fuzz target `inventory` (an operator or a provisioning tool
 /// writes this file).
 pub fn parse_file(path: &Path, text: &str) -> Result<Inventory, DeviceError> {

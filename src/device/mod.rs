@@ -3,12 +3,12 @@
 //!
 //! Invariants:
 //! - Everything here is plain data. Nothing edits a spec or talks to MPS; the only I/O is
-//!   [`load`] (one file read, or NVML queries).
-//! - An [`Inventory`] returned by [`load`] has passed [`Inventory::validate`]: at most
-//!   [`MAX_GPUS`] GPUs, unique GPU indices, unique MIG indices per GPU, unique and well-formed
+//!   `load` (one file read, or NVML queries).
+//! - An [`Inventory`] returned by `load` has passed `Inventory::validate`: at most
+//!   `MAX_GPUS` GPUs, unique GPU indices, unique MIG indices per GPU, unique and well-formed
 //!   `GPU-`/`MIG-` UUIDs, non-zero memory, a `major.minor` compute capability and MIG profile
 //!   names that are safe to put in identifiers.
-//! - [`Inventory::resolve`] never guesses: a request names exactly the devices it gets, in the
+//! - `Inventory::resolve` never guesses: a request names exactly the devices it gets, in the
 //!   order it names them, or the resolution fails with one line naming the request key, its
 //!   value and what exists on this node.
 //! - The device selectors ([`DeviceSelector`], [`DeviceRequest`]) live here, not in `request`,
@@ -18,12 +18,12 @@
 //!   `nvmlDeviceGetMinorNumber`). It is optional, so that inventory files written before it
 //!   existed stay valid; when given, it is unique among the GPUs. Only a request for the
 //!   devices a container was allocated through CDI-injected device nodes needs it
-//!   ([`Inventory::gpus_by_minor`]): without it such a request is refused, nothing else is.
+//!   (`Inventory::gpus_by_minor`): without it such a request is refused, nothing else is.
 //!
-//! Layout: the types are here; [`load`] and [`Inventory::validate`] in `inventory`; the NVML
-//! reader (and [`mig_cap_minor`], which reads the driver's MIG access-node numbers) in
+//! Layout: the types are here; `load` and `Inventory::validate` in `inventory`; the NVML
+//! reader (and `mig_cap_minor`, which reads the driver's MIG access-node numbers) in
 //! `nvml`, and which process runs it (this one, or `gpushare nvml-inventory` for the static
-//! shim) in `reader`; [`Inventory::resolve`] and the device-node mappings in `resolve`; the quoting of
+//! shim) in `reader`; `Inventory::resolve` and the device-node mappings in `resolve`; the quoting of
 //! values and lists in error messages in `quote`; the test inventory [`sample`] in `preset`.
 
 mod inventory;
@@ -105,7 +105,7 @@ pub struct MigDevice {
     /// NVML MIG device index on its parent GPU: the `1` of `0:1`.
     pub index: u32,
     pub uuid: String,
-    /// Profile name such as `1g.6gb`, or [`UNKNOWN_MIG_PROFILE`].
+    /// Profile name such as `1g.6gb`, or `UNKNOWN_MIG_PROFILE`.
     pub profile: String,
     pub memory_bytes: u64,
     /// Minor number of `/dev/nvidia-caps/nvidia-cap<minor>`, the access node of this MIG

@@ -143,8 +143,8 @@ pub(super) fn parse_selector(entry: &str) -> Option<DeviceSelector> {
 /// Parses named devices: `0`, `GPU-<uuid>`, `MIG-<uuid>`, `0:1`, or a comma-separated list of
 /// at most [`MAX_DEVICES`] full GPUs. The `GPU-`/`MIG-` prefixes are case-sensitive, the hex is
 /// kept as written (resolution matches it case-insensitively). Duplicates are found by
-/// resolution, which knows that `0` and `GPU-…` may be the same GPU. [`ALLOCATED`] is not
-/// a device here: [`parse`] reads it before, with the container at hand.
+/// resolution, which knows that `0` and `GPU-…` may be the same GPU. `ALLOCATED` is not
+/// a device here: [`super::parse`] reads it before, with the container at hand.
 pub fn parse_device(key: &'static str, raw: &str) -> Result<DeviceRequest, RequestError> {
     parse_device_with(key, raw, DEVICE_ALLOWED)
 }

@@ -69,7 +69,7 @@ impl Eq for KeySpec {}
 pub enum Grammar {
     /// Devices, or `allocated` ([`super::parse_device`]).
     Device,
-    /// `isolated` or `host` ([`super::parse_ipc`]).
+    /// `isolated` or `host` (`super::parse_ipc`).
     Ipc,
     /// A number: the values of [`super::Settings`].
     Number(Number),

@@ -98,7 +98,7 @@ fn take_value(
     Ok(v)
 }
 
-/// Scans runc's argv (without argv[0]).
+/// Scans runc's argv (without `argv[0]`).
 pub fn scan(args: &[OsString]) -> Result<Invocation, ArgsError> {
     let mut inv = Invocation::default();
     let mut i = 0;

@@ -10,7 +10,7 @@
 //! a pod's sandbox is exec'd as a passthrough is once its annotations are parsed, before
 //! the full config is read or a log opened (`request::sandbox_marker`); a request is
 //! validated completely (syntax, device, memory, the operator's ceilings:
-//! [`decision::resolve_spec`], shared with hook-only mode and `gpushare daemon start`)
+//! `decision::resolve_spec`, shared with hook-only mode and `gpushare daemon start`)
 //! before any directory is created or any byte written; on failure the shim writes one
 //! error line to runc's `--log`, logs to its own file, prints nothing (stdio belongs to
 //! the container) and exits 1.

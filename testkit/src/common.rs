@@ -12,6 +12,55 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::{Duration, Instant};
 
+/// The variable the test command (`scripts/test`) sets to a file where every skipped test
+/// or check is listed; it prints them at its end.
+pub const SKIPS_VAR: &str = "GPUSHARE_TEST_SKIPS";
+
+/// Lists `what` as skipped for `reason` in the file [`SKIPS_VAR`] names, one line
+/// appended in one write (tests running at once do not interleave); nothing when unset.
+/// A test that cannot run calls [`skip`], which also says so and fails under CI.
+pub fn note_skip(what: &str, reason: &str) {
+    use std::io::Write;
+    let Some(file) = std::env::var_os(SKIPS_VAR) else {
+        return;
+    };
+    let line = format!("{what}: {reason}\n");
+    let written = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&file)
+        .and_then(|mut f| f.write_all(line.as_bytes()));
+    if let Err(e) = written {
+        panic!(
+            "cannot list the skip of {what} in {}: {e}",
+            Path::new(&file).display()
+        );
+    }
+}
+
+/// The running test cannot run on this machine, for `reason`; the caller returns after.
+/// Under `CI=true` it fails instead: CI has what these tests need (root, `../shared` beside
+/// the clone), so a skip there is a broken setup. Elsewhere the test passes and the test
+/// command's summary lists it, as `<target> <test>: <reason>`.
+pub fn skip(reason: &str) {
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("<unnamed test>")
+        .to_owned();
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{test}: {reason}; under CI=true a test that cannot run fails"
+    );
+    // `<target>-<hash>`, as Cargo names a test executable.
+    let target = std::env::current_exe()
+        .ok()
+        .and_then(|p| Some(p.file_name()?.to_string_lossy().into_owned()))
+        .map(|n| n.rsplit_once('-').map_or(n.clone(), |(t, _)| t.to_owned()))
+        .unwrap_or_default();
+    eprintln!("skipped: {reason}");
+    note_skip(&format!("{target} {test}"), reason);
+}
+
 /// `name` on PATH, or in the system directories when PATH lacks them.
 pub fn which(name: &str) -> Option<PathBuf> {
     let mut path = std::env::var_os("PATH").unwrap_or_default();

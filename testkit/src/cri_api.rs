@@ -8,7 +8,7 @@
 //! `/<package>.<Service>/<Method>` with `content-type: application/grpc`, a body of
 //! length-prefixed messages (1 byte "compressed" = 0, 4 bytes big-endian length), and the
 //! outcome in the `grpc-status`/`grpc-message` trailers (or headers, for a trailers-only
-//! answer) — https://github.com/grpc/grpc/blob/master/doc/PROTOCOL-HTTP2.md.
+//! answer) — <https://github.com/grpc/grpc/blob/master/doc/PROTOCOL-HTTP2.md>.
 
 #![allow(dead_code)]
 

@@ -220,6 +220,7 @@ fn repository_path(token: &str) -> Option<&str> {
         return None;
     }
     let top_md = !token.contains('/')
+        && token.len() > ".md".len()
         && token.ends_with(".md")
         && token[..token.len() - 3]
             .bytes()
@@ -351,7 +352,8 @@ fn backticked(line: &str) -> Vec<&str> {
 }
 
 /// What each file references that is not there: relative Markdown links (and their
-/// `#anchor`s into Markdown files), backticked repository paths, and `docs/x.md, "Heading"`
+/// `#anchor`s into Markdown files), backticked repository paths, bare Markdown file
+/// mentions that read as repository paths, and `docs/x.md, "Heading"`
 /// citations (the path from the root or the file's directory) whose heading does not
 /// exist; a cited heading may be the start of the real one.
 fn broken_references(file: &Scanned) -> Vec<String> {
@@ -410,6 +412,8 @@ fn broken_references(file: &Scanned) -> Vec<String> {
             }
         }
     }
+    // A bare mention, `(STYLE.md)` or `see docs/state.md`, names a file that exists (a
+    // backticked one or a link target was checked above).
     // `docs/design.md, "Identity"`: the named heading (or one starting with it) exists.
     let (flat, starts) = flattened(&file.text);
     for (at, _) in flat.match_indices(".md") {
@@ -417,6 +421,12 @@ fn broken_references(file: &Scanned) -> Vec<String> {
             .rfind(|c: char| !is_path_char(c))
             .map_or(0, |i| i + 1);
         let path = &flat[start..at + 3];
+        let quoted_before = flat[..start].ends_with('`') || flat[..start].ends_with("](");
+        if !quoted_before && repository_path(path).is_some_and(|p| !resolves(&file.rel, p)) {
+            let line = line_of(&starts, at);
+            broken.push(format!("{}:{line}: {path} does not exist", file.rel));
+            continue;
+        }
         let after = flat[at + 3..].trim_start_matches('`');
         let Some(quoted) = after
             .strip_prefix(',')
@@ -451,7 +461,8 @@ fn broken_references(file: &Scanned) -> Vec<String> {
 }
 
 /// Every reference a reader meets resolves inside the repository: links, backticked
-/// paths and heading citations lead to files and headings that exist, and nothing cites
+/// paths, bare mentions of a `NAME.md` or a repository path ending in `.md` (in code
+/// comments too) and heading citations lead to files and headings that exist, and nothing cites
 /// the design notes or research files kept beside the repository, or an issue number.
 #[test]
 fn every_reference_resolves_inside_the_repository() {
@@ -535,4 +546,266 @@ fn the_key_tables_are_the_request_key_rows() {
             want.join("\n")
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// The module maps: ARCHITECTURE.md's and the one in src/lib.rs's doc name every module.
+
+/// The top-level modules `src/lib.rs` declares (`mod x;`, `pub mod x;`, `pub(crate) mod x;`).
+fn declared_modules(lib: &str) -> Vec<String> {
+    let mut out: Vec<String> = lib
+        .lines()
+        .filter_map(|l| {
+            let l = l
+                .strip_prefix("pub(crate) ")
+                .or_else(|| l.strip_prefix("pub "))
+                .unwrap_or(l);
+            l.strip_prefix("mod ")?.strip_suffix(';').map(str::to_owned)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// The modules ARCHITECTURE.md's module map names: the first column of its `text` block
+/// (a line that starts with a name; an indented line continues the description).
+fn architecture_map(text: &str) -> Vec<String> {
+    let mut lines = text.lines().skip_while(|l| *l != "## Module map");
+    assert!(
+        lines.next().is_some(),
+        "ARCHITECTURE.md has no \"## Module map\""
+    );
+    let mut lines = lines.skip_while(|l| *l != "```text").skip(1);
+    let mut out = Vec::new();
+    for line in lines.by_ref().take_while(|l| *l != "```") {
+        if line.starts_with(' ') || line.is_empty() {
+            continue;
+        }
+        let names = line.split("  ").next().unwrap_or("");
+        out.extend(
+            names
+                .split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(str::to_owned),
+        );
+    }
+    out.sort();
+    out
+}
+
+/// The modules src/lib.rs's own map names: its `//! - ` items from "Module map" on, each
+/// item's backticked names outside parentheses.
+fn lib_doc_map(lib: &str) -> Vec<String> {
+    let mut items: Vec<String> = Vec::new();
+    for line in lib
+        .lines()
+        .skip_while(|l| !l.starts_with("//! Module map"))
+        .take_while(|l| l.starts_with("//!"))
+    {
+        if let Some(item) = line.strip_prefix("//! - ") {
+            items.push(item.to_owned());
+        } else if let (Some(last), Some(more)) = (items.last_mut(), line.strip_prefix("//!   ")) {
+            last.push(' ');
+            last.push_str(more);
+        }
+    }
+    let mut out = Vec::new();
+    for item in items {
+        let mut depth = 0u32;
+        let outside: String = item
+            .chars()
+            .filter(|&c| {
+                match c {
+                    '(' => depth += 1,
+                    ')' => depth = depth.saturating_sub(1),
+                    _ => return depth == 0,
+                }
+                false
+            })
+            .collect();
+        out.extend(backticked(&outside).into_iter().map(str::to_owned));
+    }
+    out.sort();
+    out
+}
+
+/// ARCHITECTURE.md's module map and src/lib.rs's own name exactly the modules src/lib.rs
+/// declares: a new module cannot be left off the map, nor a removed one stay on it.
+#[test]
+fn the_module_maps_name_every_module() {
+    let lib = std::fs::read_to_string(root().join("src/lib.rs")).unwrap();
+    let declared = declared_modules(&lib);
+    assert!(
+        declared.len() > 20 && declared.iter().any(|m| m == "driver"),
+        "src/lib.rs declares only {declared:?}"
+    );
+    let arch = std::fs::read_to_string(root().join("ARCHITECTURE.md")).unwrap();
+    let mut problems = Vec::new();
+    for (map, named) in [
+        ("ARCHITECTURE.md's module map", architecture_map(&arch)),
+        ("src/lib.rs's module map", lib_doc_map(&lib)),
+    ] {
+        for m in declared.iter().filter(|m| !named.contains(m)) {
+            problems.push(format!("{map} lacks `{m}`, which src/lib.rs declares"));
+        }
+        for m in named.iter().filter(|m| !declared.contains(m)) {
+            problems.push(format!(
+                "{map} names `{m}`, which src/lib.rs does not declare"
+            ));
+        }
+        let mut unique = named.clone();
+        unique.dedup();
+        if unique.len() != named.len() {
+            problems.push(format!("{map} names a module twice: {named:?}"));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+// ---------------------------------------------------------------------------------------
+// The configuration keys: docs/configuration.md and config/runtime.toml name exactly the
+// keys the config parser accepts.
+
+/// A key no config struct has: the parser's error for it lists the fields it accepts.
+const UNKNOWN_KEY: &str = "zz-not-a-key";
+
+/// The fields the table `[section]` accepts, from the parser's unknown-field error (serde
+/// names them: "expected `a`", "expected `a` or `b`", "expected one of `a`, `b`, …");
+/// `None` when `section` is not a table of fields.
+fn accepted_fields(section: &str) -> Option<Vec<String>> {
+    let text = if section.is_empty() {
+        format!("{UNKNOWN_KEY} = 1\n")
+    } else {
+        format!("[{section}]\n{UNKNOWN_KEY} = 1\n")
+    };
+    let err = gpushare::config::parse(&text, None).err()?.to_string();
+    if !err.contains(&format!("unknown field `{UNKNOWN_KEY}`")) {
+        return None;
+    }
+    let expected = &err[err.rfind("expected")?..];
+    Some(
+        backticked(expected)
+            .into_iter()
+            .map(str::to_owned)
+            .collect(),
+    )
+}
+
+/// Every key the config parser accepts, dotted from the top (`state-dir`, `mps.shm-size`,
+/// `cdi.profiles.<name>.pinned-memory-limit`): found by probing each table for its
+/// fields, and each field for being a table itself (or a table of named tables, whose
+/// entries are written `<name>`).
+fn accepted_keys() -> Vec<String> {
+    fn walk(section: &str, out: &mut Vec<String>) {
+        let fields = accepted_fields(section)
+            .unwrap_or_else(|| panic!("[{section}] lists no fields when given an unknown key"));
+        for field in fields {
+            let key = if section.is_empty() {
+                field
+            } else {
+                format!("{section}.{field}")
+            };
+            if accepted_fields(&key).is_some() {
+                walk(&key, out);
+            } else if accepted_fields(&format!("{key}.x")).is_some() {
+                out.push(format!("{key}.<name>"));
+                let mut named = Vec::new();
+                walk(&format!("{key}.x"), &mut named);
+                let prefix = format!("{key}.x.");
+                out.extend(
+                    named
+                        .iter()
+                        .map(|k| format!("{key}.<name>.{}", k.strip_prefix(&prefix).unwrap())),
+                );
+            } else {
+                out.push(key);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk("", &mut out);
+    out.sort();
+    out
+}
+
+/// The keys of docs/configuration.md's key tables: the first cell of each row under
+/// "Top-level keys", "`[mps]`" and "`[cdi]`", with the table's prefix.
+fn documented_keys(text: &str) -> Vec<String> {
+    let mut prefix: Option<&str> = None;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        if line.starts_with('#') {
+            prefix = match line {
+                "## Top-level keys" => Some(""),
+                "## `[mps]`" => Some("mps."),
+                "## `[cdi]`" => Some("cdi."),
+                _ => None,
+            };
+        } else if let (Some(prefix), Some(row)) = (prefix, line.strip_prefix("| `")) {
+            if let Some((key, _)) = row.split_once('`') {
+                out.push(format!("{prefix}{key}"));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The keys config/runtime.toml sets or shows commented out (`# key = …`), under its
+/// `[table]` headers; an entry of a table of named tables (`[cdi.profiles.small]`) is
+/// written `<name>`.
+fn runtime_toml_keys(text: &str) -> Vec<String> {
+    let mut section = String::new();
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let line = line.strip_prefix("# ").unwrap_or(line);
+        if let Some(header) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = match header.strip_prefix("cdi.profiles.") {
+                Some(_) => {
+                    out.push("cdi.profiles.<name>".to_owned());
+                    "cdi.profiles.<name>.".to_owned()
+                }
+                None => format!("{header}."),
+            };
+        } else if let Some((key, _)) = line.split_once(" = ") {
+            if !key.is_empty() && key.bytes().all(|b| b.is_ascii_lowercase() || b == b'-') {
+                out.push(format!("{section}{key}"));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// docs/configuration.md's key tables and config/runtime.toml name exactly the keys the
+/// config parser accepts, each once: a key added to the config structs without its row
+/// (or its line in the shipped file), or a row left behind by a removed key, fails.
+#[test]
+fn the_config_key_tables_are_the_accepted_keys() {
+    let accepted = accepted_keys();
+    assert!(
+        accepted.len() > 30 && accepted.iter().any(|k| k == "mps.shm-size"),
+        "the probe found only {accepted:?}"
+    );
+    let docs = std::fs::read_to_string(root().join("docs/configuration.md")).unwrap();
+    let toml = std::fs::read_to_string(root().join("config/runtime.toml")).unwrap();
+    let mut problems = Vec::new();
+    for (place, named) in [
+        ("docs/configuration.md", documented_keys(&docs)),
+        ("config/runtime.toml", runtime_toml_keys(&toml)),
+    ] {
+        for k in accepted.iter().filter(|k| !named.contains(k)) {
+            problems.push(format!("{place} lacks `{k}`, which the config accepts"));
+        }
+        for k in named.iter().filter(|k| !accepted.contains(k)) {
+            problems.push(format!("{place} names `{k}`, which the config refuses"));
+        }
+        let mut unique = named.clone();
+        unique.dedup();
+        if unique.len() != named.len() {
+            problems.push(format!("{place} names a key twice"));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
