@@ -94,7 +94,7 @@ enum Slot {
     #[default]
     Waiting,
     Abandoned,
-    Done(anyhow::Result<crate::mps::ensure::Ensured>),
+    Done(Box<anyhow::Result<crate::mps::ensure::Ensured>>),
 }
 
 impl Plugin {
@@ -286,7 +286,7 @@ impl Plugin {
                     }
                     return;
                 }
-                *slot = Slot::Done(result);
+                *slot = Slot::Done(Box::new(result));
                 theirs.done.notify_all();
             });
         // A thread that cannot start drops its closure, and `starting` with it.
@@ -301,7 +301,7 @@ impl Plugin {
             .wait_timeout_while(slot, wait, |s| matches!(s, Slot::Waiting))
             .map_err(|_| anyhow::anyhow!("the daemon's handoff is poisoned"))?;
         match std::mem::replace(&mut *slot, Slot::Abandoned) {
-            Slot::Done(result) => result,
+            Slot::Done(result) => *result,
             _ => Err(refuse(&format!(
                 "not within {budget:?}, half of the runtime's NRI request timeout; it is still starting or restarting"
             ))),
