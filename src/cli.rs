@@ -178,6 +178,10 @@ enum Engine {
         /// /etc/containerd/config.toml).
         #[arg(long, requires = "enable")]
         config: Option<std::path::PathBuf>,
+        /// Print the spec (and with --enable the engine's resulting config) instead of
+        /// writing them.
+        #[arg(long)]
+        dry_run: bool,
     },
 }
 
@@ -752,6 +756,7 @@ fn install(cfg: &Config, engine: Engine) -> anyhow::Result<()> {
             output,
             enable,
             config,
+            dry_run,
         } => {
             let enable = enable.map(|e| match e {
                 CdiEngine::Docker => ops::install::Engine::Docker,
@@ -760,7 +765,7 @@ fn install(cfg: &Config, engine: Engine) -> anyhow::Result<()> {
                     hook_only: false,
                 },
             });
-            return ops::install::cdi(cfg, &output, enable, config);
+            return ops::install::cdi(cfg, &output, enable, config, dry_run);
         }
         Engine::Docker(args) => (args, ops::install::Engine::Docker),
         Engine::Containerd {

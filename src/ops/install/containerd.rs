@@ -329,7 +329,7 @@ pub(crate) fn socket(text: &str) -> Option<PathBuf> {
 }
 
 /// The CDI spec directories containerd's CRI plugin reads when `cdi_spec_dirs` is not set.
-const CONTAINERD_CDI_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
+pub(crate) const CONTAINERD_CDI_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
 
 /// Turns CDI on in the CRI plugin (`enable_cdi = true`) and makes `dir` one of its CDI
 /// spec directories (`cdi_spec_dirs`, which lists containerd's defaults too when it must
