@@ -64,9 +64,9 @@ const CODE_RESOURCE_EXHAUSTED: i32 = 8;
 const CODE_UNIMPLEMENTED: i32 = 12;
 const CODE_UNAVAILABLE: i32 = 14;
 
-/// Requests answered at once, each on a thread of its own; one more is refused. NRI calls
-/// a plugin one event at a time, so more than a few in flight means requests the runtime
-/// has given up on (timed out) piling up behind a stuck daemon start.
+/// Requests answered at once by the process, each on a thread of its own; one more is
+/// refused. NRI calls a plugin one event at a time, so more than a few in flight means
+/// requests the runtime has given up on (timed out) piling up behind a stuck daemon start.
 const MAX_IN_FLIGHT: usize = 64;
 /// The containers one `Synchronize` may deliver over its parts (`more`), as protobuf.
 const MAX_SYNC_BYTES: usize = 64 << 20;
@@ -304,10 +304,12 @@ fn session(
     index: &str,
     connected: Connected,
 ) -> anyhow::Result<bool> {
+    // One bound for the process: requests still running when a connection ended (the
+    // runtime gave up on them) count against the next connection's.
+    static IN_FLIGHT: std::sync::OnceLock<Arc<InFlight>> = std::sync::OnceLock::new();
     let reader = stream
         .try_clone()
         .context("clone the runtime's connection")?;
-    let in_flight = Arc::new(InFlight::default());
     serve(
         plugin,
         reader,
@@ -315,7 +317,7 @@ fn session(
         name,
         index,
         connected,
-        &in_flight,
+        IN_FLIGHT.get_or_init(Arc::default),
     )
 }
 
