@@ -185,6 +185,10 @@ enum Engine {
         /// /etc/containerd/config.toml).
         #[arg(long, requires = "enable")]
         config: Option<std::path::PathBuf>,
+        /// Print the spec (and with --enable the engine's resulting config) instead of
+        /// writing them.
+        #[arg(long)]
+        dry_run: bool,
     },
 }
 
@@ -774,6 +778,7 @@ fn install(cfg: &Config, engine: Engine) -> anyhow::Result<()> {
             output,
             enable,
             config,
+            dry_run,
         } => {
             let enable = enable.map(|e| match e {
                 CdiEngine::Docker => ops::install::Engine::Docker,
@@ -782,7 +787,7 @@ fn install(cfg: &Config, engine: Engine) -> anyhow::Result<()> {
                     hook_only: false,
                 },
             });
-            return ops::install::cdi(cfg, &output, enable, config);
+            return ops::install::cdi(cfg, &output, enable, config, dry_run);
         }
         Engine::Docker(args) => (args, ops::install::Engine::Docker),
         Engine::Containerd {

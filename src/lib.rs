@@ -70,3 +70,5 @@ pub mod util;
 /// The control daemon's replies as gpushare reads them: public for the fuzz target
 /// `replies`, the rest of `mps` stays inside the crate.
 pub use mps::reply as mps_reply;
+/// The NRI plugin's session over bytes in memory: public for the fuzz target `nri`.
+pub use nri::converse as nri_converse;

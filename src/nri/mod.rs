@@ -14,6 +14,15 @@
 //! plugin dials again with backoff; a plugin the runtime launched exits instead (the
 //! runtime launches it again).
 //!
+//! What the runtime sends is checked as ttrpc's own server checks it: a request on an
+//! even stream id, or on one not above the last, is refused on that stream (one log line);
+//! a message of another type is dropped (one line); a request that does not decode is
+//! answered with an error (one line); at most `MAX_IN_FLIGHT` requests are answered at
+//! once, one more is refused. A broken frame or an oversized message ends the connection
+//! (one line), and the plugin dials again. Nothing the runtime sends panics the process,
+//! which serves every pod of the node: the fuzz target `nri` drives this session over
+//! bytes in memory (`converse`).
+//!
 //! NRI fails open unless told otherwise: while no plugin is connected, the runtime creates
 //! containers without it, so a pod with a request then runs unserved, unless NRI's default
 //! validator requires the plugin (node-wide or per pod: docs/kubernetes.md). The plugin
@@ -26,11 +35,11 @@ pub(crate) mod api;
 pub(crate) mod plugin;
 pub(crate) mod wire;
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -53,7 +62,19 @@ const PLUGIN_SERVICE: &str = "nri.pkg.api.v1alpha1.Plugin";
 const RUNTIME_SERVICE: &str = "nri.pkg.api.v1alpha1.Runtime";
 /// gRPC's codes, as ttrpc carries them.
 const CODE_UNKNOWN: i32 = 2;
+const CODE_INVALID_ARGUMENT: i32 = 3;
+const CODE_RESOURCE_EXHAUSTED: i32 = 8;
 const CODE_UNIMPLEMENTED: i32 = 12;
+const CODE_UNAVAILABLE: i32 = 14;
+
+/// Requests answered at once by the process, each on a thread of its own; one more is
+/// refused. NRI calls a plugin one event at a time, so more than a few in flight means
+/// requests the runtime has given up on (timed out) piling up behind a stuck daemon start.
+const MAX_IN_FLIGHT: usize = 64;
+/// The containers one `Synchronize` may deliver over its parts (`more`), as protobuf.
+const MAX_SYNC_BYTES: usize = 64 << 20;
+/// How much of a string the runtime sent goes into a log line or an answer.
+const QUOTED: usize = 128;
 
 /// What `<state-dir>/nri.json` says: written by the plugin, read by `doctor` and `status`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -204,13 +225,13 @@ type Connected = Arc<dyn Fn(String) + Send + Sync>;
 
 /// The write half of a connection, shared by the threads that answer.
 struct Sender {
-    stream: Mutex<UnixStream>,
+    stream: Mutex<Box<dyn Write + Send>>,
     next_stream: AtomicU32,
 }
 
 impl Sender {
     fn send(&self, conn: u32, stream: u32, typ: u8, body: &[u8]) -> anyhow::Result<()> {
-        let msg = wire::ttrpc_message(stream, typ, body);
+        let msg = wire::ttrpc_message(stream, typ, body)?;
         let mut s = self
             .stream
             .lock()
@@ -219,6 +240,67 @@ impl Sender {
         s.flush().context("flush the runtime's connection")?;
         Ok(())
     }
+
+    /// Refuses the request on `stream` with `code`: one log line, one answer.
+    fn refuse(&self, stream: u32, code: i32, why: &str) {
+        tracing::warn!(stream, "NRI: {why}");
+        let resp = api::Response {
+            status: Some(api::Status {
+                code,
+                message: format!("gpushare: {why}"),
+            }),
+            payload: Vec::new(),
+        };
+        if let Err(e) = self.send(PLUGIN_CONN, stream, TYPE_RESPONSE, &resp.encode_to_vec()) {
+            tracing::warn!(error = %format!("{e:#}"), "NRI: could not answer the runtime");
+        }
+    }
+}
+
+/// The requests being answered; each holds a `Ticket`.
+#[derive(Default)]
+struct InFlight {
+    count: Mutex<usize>,
+    idle: Condvar,
+}
+
+struct Ticket(Arc<InFlight>);
+
+impl InFlight {
+    /// A ticket for one more request, unless `MAX_IN_FLIGHT` are being answered.
+    fn enter(self: &Arc<Self>) -> Option<Ticket> {
+        let mut n = self.count.lock().unwrap_or_else(|e| e.into_inner());
+        if *n >= MAX_IN_FLIGHT {
+            return None;
+        }
+        *n += 1;
+        Some(Ticket(Arc::clone(self)))
+    }
+
+    /// Waits until no request is being answered, or `limit` has passed.
+    fn wait_idle(&self, limit: Duration) {
+        let n = self.count.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = self.idle.wait_timeout_while(n, limit, |n| *n > 0);
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut n = self.0.count.lock().unwrap_or_else(|e| e.into_inner());
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            self.0.idle.notify_all();
+        }
+    }
+}
+
+/// At most `QUOTED` characters of what the runtime sent, escaped for one line.
+fn quoted(s: &str) -> String {
+    let mut out = crate::util::escape(&s.chars().take(QUOTED).collect::<String>());
+    if s.chars().nth(QUOTED).is_some() {
+        out.push('…');
+    }
+    out
 }
 
 /// One connection to the runtime, until it ends. `Ok(true)` when the plugin had
@@ -231,11 +313,39 @@ fn session(
     index: &str,
     connected: Connected,
 ) -> anyhow::Result<bool> {
-    let mut reader = stream
+    // One bound for the process: requests still running when a connection ended (the
+    // runtime gave up on them) count against the next connection's.
+    static IN_FLIGHT: std::sync::OnceLock<Arc<InFlight>> = std::sync::OnceLock::new();
+    let reader = stream
         .try_clone()
         .context("clone the runtime's connection")?;
+    serve(
+        plugin,
+        reader,
+        Box::new(stream),
+        name,
+        index,
+        connected,
+        IN_FLIGHT.get_or_init(Arc::default),
+    )
+}
+
+/// `session` over any byte stream: the socket, or bytes in memory (`converse`).
+fn serve(
+    plugin: &Arc<Plugin>,
+    mut reader: impl Read,
+    writer: Box<dyn Write + Send>,
+    name: &str,
+    index: &str,
+    connected: Connected,
+    in_flight: &Arc<InFlight>,
+) -> anyhow::Result<bool> {
+    // A Synchronize that an earlier connection's end cut short is not this one's.
+    if let Ok(mut so_far) = plugin.sync.lock() {
+        so_far.clear();
+    }
     let sender = Arc::new(Sender {
-        stream: Mutex::new(stream),
+        stream: Mutex::new(writer),
         next_stream: AtomicU32::new(1),
     });
     let register = api::RegisterPluginRequest {
@@ -258,8 +368,16 @@ fn session(
     let mut plugin_conn = wire::Stream::default();
     let mut runtime_conn = wire::Stream::default();
     let mut registered = false;
+    // The highest stream id a request came on: ttrpc's ids only increase.
+    let mut last_stream = 0;
     loop {
         let Some((conn, payload)) = wire::read_frame(&mut reader)? else {
+            if plugin_conn.pending() + runtime_conn.pending() > 0 {
+                tracing::warn!(
+                    "NRI: the runtime closed the connection inside a ttrpc message; its {} bytes are dropped",
+                    plugin_conn.pending() + runtime_conn.pending()
+                );
+            }
             return Ok(registered);
         };
         match conn {
@@ -267,30 +385,70 @@ fn session(
                 plugin_conn.push(&payload);
                 while let Some(msg) = plugin_conn.next_message()? {
                     if msg.typ != TYPE_REQUEST {
+                        tracing::warn!(
+                            stream = msg.stream,
+                            "NRI: dropped a ttrpc message of type {} on the plugin's service: it serves requests (type {TYPE_REQUEST}) only",
+                            msg.typ
+                        );
                         continue;
                     }
-                    let (plugin, sender, connected) = (
+                    if msg.stream % 2 == 0 {
+                        sender.refuse(
+                            msg.stream,
+                            CODE_INVALID_ARGUMENT,
+                            &format!("the runtime's request came on stream {}: allowed are odd stream ids (ttrpc's client streams)", msg.stream),
+                        );
+                        continue;
+                    }
+                    if msg.stream <= last_stream {
+                        sender.refuse(
+                            msg.stream,
+                            CODE_INVALID_ARGUMENT,
+                            &format!("the runtime's request came on stream {}, not above {last_stream}: a stream id is used once, and each is above the last", msg.stream),
+                        );
+                        continue;
+                    }
+                    last_stream = msg.stream;
+                    let Some(ticket) = in_flight.enter() else {
+                        sender.refuse(
+                            msg.stream,
+                            CODE_RESOURCE_EXHAUSTED,
+                            &format!("{MAX_IN_FLIGHT} of the runtime's requests are being answered: allowed is no more at once"),
+                        );
+                        continue;
+                    };
+                    let (plugin, answers, connected) = (
                         Arc::clone(plugin),
                         Arc::clone(&sender),
                         Arc::clone(&connected),
                     );
-                    std::thread::spawn(move || {
-                        let response = answer(&plugin, &msg.body, &*connected);
-                        if let Err(e) = sender.send(
-                            PLUGIN_CONN,
+                    let spawned = std::thread::Builder::new()
+                        .name("nri-request".into())
+                        .spawn(move || {
+                            let _ticket = ticket;
+                            let response = answer(&plugin, &msg.body, &*connected);
+                            if let Err(e) = answers.send(
+                                PLUGIN_CONN,
+                                msg.stream,
+                                TYPE_RESPONSE,
+                                &response.encode_to_vec(),
+                            ) {
+                                tracing::warn!(error = %format!("{e:#}"), "NRI: could not answer the runtime");
+                            }
+                        });
+                    if let Err(e) = spawned {
+                        sender.refuse(
                             msg.stream,
-                            TYPE_RESPONSE,
-                            &response.encode_to_vec(),
-                        ) {
-                            tracing::warn!(error = %format!("{e:#}"), "NRI: could not answer the runtime");
-                        }
-                    });
+                            CODE_UNAVAILABLE,
+                            &format!("could not start a thread to answer the request: {e}"),
+                        );
+                    }
                 }
             }
             RUNTIME_CONN => {
                 runtime_conn.push(&payload);
                 while let Some(msg) = runtime_conn.next_message()? {
-                    if msg.typ != TYPE_RESPONSE || msg.stream != register_stream {
+                    if msg.typ != TYPE_RESPONSE || msg.stream != register_stream || registered {
                         continue;
                     }
                     let resp = api::Response::decode(msg.body.as_slice())
@@ -323,17 +481,15 @@ fn answer(
     let req = match api::Request::decode(body) {
         Ok(r) => r,
         Err(e) => {
-            return fail(
-                CODE_UNKNOWN,
-                format!("gpushare: decode the runtime's request: {e}"),
-            )
+            let line = format!("gpushare: the runtime's request is not a ttrpc request: {e}");
+            tracing::warn!("NRI: {line}");
+            return fail(CODE_INVALID_ARGUMENT, line);
         }
     };
     if req.service != PLUGIN_SERVICE {
-        return fail(
-            CODE_UNIMPLEMENTED,
-            format!("gpushare: no service {}", crate::util::escape(&req.service)),
-        );
+        let line = format!("gpushare: no service {}", quoted(&req.service));
+        tracing::warn!("NRI: {line}");
+        return fail(CODE_UNIMPLEMENTED, line);
     }
     match handle(plugin, &req.method, &req.payload, configured) {
         Ok(payload) => api::Response {
@@ -342,7 +498,7 @@ fn answer(
         },
         Err(e) => {
             let line = format!("gpushare: {e:#}");
-            tracing::error!(method = %req.method, "{line}");
+            tracing::error!(method = %quoted(&req.method), "{line}");
             fail(CODE_UNKNOWN, line)
         }
     }
@@ -360,8 +516,8 @@ fn handle(
             let req = api::ConfigureRequest::decode(payload).context("decode Configure")?;
             let runtime = format!(
                 "{} {}",
-                crate::util::escape(&req.runtime_name),
-                crate::util::escape(&req.runtime_version)
+                quoted(&req.runtime_name),
+                quoted(&req.runtime_version)
             );
             tracing::info!(runtime = %runtime, "NRI: configured by the runtime");
             if let Ok(mut r) = plugin.runtime.lock() {
@@ -385,6 +541,13 @@ fn handle(
                 .sync
                 .lock()
                 .map_err(|_| anyhow::anyhow!("the synchronization is poisoned"))?;
+            let bytes = |cs: &[api::Container]| cs.iter().map(|c| c.encoded_len()).sum::<usize>();
+            if bytes(&so_far) + bytes(&req.containers) > MAX_SYNC_BYTES {
+                so_far.clear();
+                anyhow::bail!(
+                    "the runtime's Synchronize described more than {MAX_SYNC_BYTES} bytes of containers: allowed is at most that"
+                );
+            }
             so_far.extend(req.containers);
             if !req.more {
                 let all = std::mem::take(&mut *so_far);
@@ -414,4 +577,378 @@ fn handle(
         // do, an empty answer.
         _ => Vec::new(),
     })
+}
+
+/// The plugin's side of one connection held in memory, for the fuzz target `nri`:
+/// `input` is what the runtime sent. Returns each answer on the plugin's service as
+/// (stream id, gRPC status code, 0 for success), once every request is answered, and how
+/// the session ended (its error line).
+pub fn converse(cfg: &Config, input: &[u8]) -> (Vec<(u32, i32)>, Result<bool, String>) {
+    let plugin = Arc::new(Plugin::new(cfg.clone()));
+    let out = Arc::new(Mutex::new(Vec::new()));
+    let in_flight = Arc::new(InFlight::default());
+    let end = serve_memory(&plugin, input, &out, &in_flight);
+    in_flight.wait_idle(Duration::from_secs(60));
+    let written = std::mem::take(&mut *out.lock().unwrap_or_else(|e| e.into_inner()));
+    (answers(&written), end)
+}
+
+fn serve_memory(
+    plugin: &Arc<Plugin>,
+    input: &[u8],
+    out: &Arc<Mutex<Vec<u8>>>,
+    in_flight: &Arc<InFlight>,
+) -> Result<bool, String> {
+    serve(
+        plugin,
+        input,
+        Box::new(Memory(Arc::clone(out))),
+        DEFAULT_NAME,
+        DEFAULT_INDEX,
+        Arc::new(|_| {}),
+        in_flight,
+    )
+    .map_err(|e| format!("{e:#}"))
+}
+
+/// A writer into memory that the answering threads share.
+struct Memory(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Memory {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .map_err(|_| std::io::Error::other("poisoned"))?
+            .extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The answers the plugin wrote on its service: (stream id, status code).
+fn answers(mut written: &[u8]) -> Vec<(u32, i32)> {
+    let mut out = Vec::new();
+    let mut conn = wire::Stream::default();
+    while let Ok(Some((c, payload))) = wire::read_frame(&mut written) {
+        if c != PLUGIN_CONN {
+            continue;
+        }
+        conn.push(&payload);
+        while let Ok(Some(msg)) = conn.next_message() {
+            let code = api::Response::decode(msg.body.as_slice())
+                .ok()
+                .and_then(|r| r.status)
+                .map_or(0, |s| s.code);
+            out.push((msg.stream, code));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// A node whose inventory cannot load and whose state directory cannot exist: a
+    /// request gets as far as the inventory and fails there, nothing is written.
+    fn cfg() -> Config {
+        crate::config::parse(
+            "state-dir = \"/dev/null/gpushare\"\ninventory = \"file:/dev/null/inventory.json\"\n",
+            None,
+        )
+        .unwrap()
+    }
+
+    fn frame(conn: u32, stream: u32, typ: u8, body: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        let msg = wire::ttrpc_message(stream, typ, body).unwrap();
+        wire::write_frame(&mut out, conn, &msg).unwrap();
+        out
+    }
+
+    fn call(stream: u32, method: &str, payload: &impl Message) -> Vec<u8> {
+        let req = api::Request {
+            service: PLUGIN_SERVICE.into(),
+            method: method.into(),
+            payload: payload.encode_to_vec(),
+            timeout_nano: 0,
+        };
+        frame(PLUGIN_CONN, stream, TYPE_REQUEST, &req.encode_to_vec())
+    }
+
+    /// The runtime's answer to the plugin's RegisterPlugin (the plugin's stream 1).
+    fn registered() -> Vec<u8> {
+        frame(
+            RUNTIME_CONN,
+            1,
+            TYPE_RESPONSE,
+            &api::Response::default().encode_to_vec(),
+        )
+    }
+
+    fn configure(stream: u32) -> Vec<u8> {
+        let req = api::ConfigureRequest {
+            runtime_name: "containerd".into(),
+            runtime_version: "v2.3.4".into(),
+            ..Default::default()
+        };
+        call(stream, "Configure", &req)
+    }
+
+    fn sorted(mut answers: Vec<(u32, i32)>) -> Vec<(u32, i32)> {
+        answers.sort();
+        answers
+    }
+
+    /// A whole conversation as containerd holds it: registration, Configure, Synchronize,
+    /// a container without a request, one with a request (which fails at this node's
+    /// inventory), the events after them and Shutdown. The seed of the fuzz target `nri`.
+    fn conversation() -> Vec<u8> {
+        // One annotation per map: protobuf writes a map in its (random) iteration order.
+        let pod = api::PodSandbox {
+            id: "pod1".into(),
+            name: "trainer".into(),
+            namespace: "team-a".into(),
+            ..Default::default()
+        };
+        let plain = api::Container {
+            id: "c1".into(),
+            pod_sandbox_id: "pod1".into(),
+            name: "sidecar".into(),
+            env: vec!["PATH=/bin".into()],
+            user: Some(api::User {
+                uid: 1000,
+                gid: 1000,
+                additional_gids: vec![],
+            }),
+            ..Default::default()
+        };
+        let asks = api::Container {
+            id: "c2".into(),
+            name: "cuda".into(),
+            annotations: HashMap::from([("gpushare.io/device".into(), "0".into())]),
+            pid: 4242,
+            ..plain.clone()
+        };
+        let event = |ctr: &api::Container| api::ContainerEvent {
+            pod: Some(pod.clone()),
+            container: Some(ctr.clone()),
+        };
+        let sync = api::SynchronizeRequest {
+            pods: vec![pod.clone()],
+            containers: vec![plain.clone()],
+            more: false,
+        };
+        [
+            registered(),
+            configure(1),
+            call(3, "Synchronize", &sync),
+            call(5, "CreateContainer", &event(&plain)),
+            call(7, "CreateContainer", &event(&asks)),
+            call(9, "PostCreateContainer", &event(&asks)),
+            call(11, "StopContainer", &event(&asks)),
+            call(13, "RemoveContainer", &event(&asks)),
+            call(15, "Shutdown", &api::Response::default()),
+        ]
+        .concat()
+    }
+
+    #[test]
+    fn a_conversation_is_answered_request_by_request_and_seeds_the_fuzz_target() {
+        let input = conversation();
+        let (answers, end) = converse(&cfg(), &input);
+        assert_eq!(end, Ok(true));
+        assert_eq!(
+            sorted(answers),
+            [
+                (1, 0),
+                (3, 0),
+                (5, 0),
+                (7, CODE_UNKNOWN),
+                (9, 0),
+                (11, 0),
+                (13, 0),
+                (15, 0)
+            ]
+        );
+        // The seed the fuzz target starts from is this conversation (written afresh with
+        // GPUSHARE_WRITE_SEEDS=1 when the conversation changes).
+        let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/nri/conversation");
+        if std::env::var_os("GPUSHARE_WRITE_SEEDS").is_some() {
+            std::fs::write(&seed, &input).unwrap();
+        }
+        assert!(
+            std::fs::read(&seed).unwrap() == input,
+            "{} is not the conversation: write it with GPUSHARE_WRITE_SEEDS=1",
+            seed.display()
+        );
+    }
+
+    #[test]
+    fn a_malformed_request_ends_that_request_and_the_connection_goes_on() {
+        let not_protobuf = b"\xff\xff\xff";
+        let configure_garbage = api::Request {
+            service: PLUGIN_SERVICE.into(),
+            method: "Configure".into(),
+            payload: not_protobuf.to_vec(),
+            timeout_nano: 0,
+        };
+        let no_such_service = api::Request {
+            service: "x".repeat(1 << 20),
+            method: "Configure".into(),
+            payload: Vec::new(),
+            timeout_nano: 0,
+        };
+        let input = [
+            registered(),
+            // A ttrpc envelope that does not decode.
+            frame(PLUGIN_CONN, 1, TYPE_REQUEST, not_protobuf),
+            // A method whose payload does not decode.
+            frame(
+                PLUGIN_CONN,
+                3,
+                TYPE_REQUEST,
+                &configure_garbage.encode_to_vec(),
+            ),
+            // Another service, named at length: the answer quotes a bounded part of it.
+            frame(
+                PLUGIN_CONN,
+                5,
+                TYPE_REQUEST,
+                &no_such_service.encode_to_vec(),
+            ),
+            // A message type the plugin's service does not take (a response, ttrpc's
+            // data, an unknown one): dropped, no answer.
+            frame(PLUGIN_CONN, 7, TYPE_RESPONSE, b""),
+            frame(PLUGIN_CONN, 9, 3, b""),
+            frame(PLUGIN_CONN, 11, 0xff, b"junk"),
+            configure(13),
+            // A stream id used before, one below the last, an even one.
+            configure(13),
+            configure(9),
+            configure(16),
+            // A frame for a conn the multiplexer does not have: dropped.
+            frame(7, 17, TYPE_REQUEST, b""),
+            configure(17),
+        ]
+        .concat();
+        let (answers, end) = converse(&cfg(), &input);
+        assert_eq!(end, Ok(true));
+        assert_eq!(
+            sorted(answers),
+            [
+                (1, CODE_INVALID_ARGUMENT),
+                (3, CODE_UNKNOWN),
+                (5, CODE_UNIMPLEMENTED),
+                (9, CODE_INVALID_ARGUMENT),
+                (13, 0),
+                (13, CODE_INVALID_ARGUMENT),
+                (16, CODE_INVALID_ARGUMENT),
+                (17, 0),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_broken_frame_ends_the_connection_with_one_error() {
+        let mut past_frame_bound = PLUGIN_CONN.to_be_bytes().to_vec();
+        past_frame_bound.extend_from_slice(&u32::MAX.to_be_bytes());
+        // A frame within bounds whose ttrpc header claims more than ttrpc allows.
+        let mut past_message_bound = Vec::new();
+        let mut header = ((wire::MAX_MESSAGE + 1) as u32).to_be_bytes().to_vec();
+        header.extend_from_slice(&[0, 0, 0, 21, TYPE_REQUEST, 0]);
+        wire::write_frame(&mut past_message_bound, PLUGIN_CONN, &header).unwrap();
+        for (cut, why) in [
+            (
+                configure(19)[..5].to_vec(),
+                "the runtime's connection ended inside a frame header: 5 of its 8 bytes came",
+            ),
+            (
+                configure(19)[..20].to_vec(),
+                "the runtime's connection ended inside a frame: 12 of its",
+            ),
+            (
+                past_frame_bound,
+                "the runtime sent a frame of 4294967295 bytes on conn 1",
+            ),
+            (
+                past_message_bound,
+                "the runtime sent a ttrpc message of 4194305 bytes",
+            ),
+        ] {
+            let input = [registered(), configure(1), cut].concat();
+            let (answers, end) = converse(&cfg(), &input);
+            // What came before the break is answered.
+            assert_eq!(answers, [(1, 0)]);
+            let err = end.unwrap_err();
+            assert!(err.starts_with(why), "{err}");
+        }
+        // A ttrpc message cut at the end of the connection is dropped, with a line.
+        let cut = configure(3);
+        let mut last = Vec::new();
+        wire::write_frame(&mut last, PLUGIN_CONN, &cut[8..cut.len() - 1]).unwrap();
+        let (answers, end) = converse(&cfg(), &[registered(), configure(1), last].concat());
+        assert_eq!((answers, end), (vec![(1, 0)], Ok(true)));
+    }
+
+    #[test]
+    fn requests_past_the_in_flight_bound_are_refused_not_given_threads() {
+        let plugin = Arc::new(Plugin::new(cfg()));
+        let streams: Vec<u32> = (0..=MAX_IN_FLIGHT as u32).map(|i| 2 * i + 1).collect();
+        let input: Vec<u8> = streams.iter().flat_map(|&s| configure(s)).collect();
+        let (out, in_flight) = (
+            Arc::new(Mutex::new(Vec::new())),
+            Arc::new(InFlight::default()),
+        );
+        // Every Configure waits for this lock: the first MAX_IN_FLIGHT stay in flight.
+        let held = plugin.runtime.lock().unwrap();
+        assert_eq!(serve_memory(&plugin, &input, &out, &in_flight), Ok(false));
+        let last = *streams.last().unwrap();
+        assert_eq!(
+            answers(&out.lock().unwrap()),
+            [(last, CODE_RESOURCE_EXHAUSTED)]
+        );
+        drop(held);
+        in_flight.wait_idle(Duration::from_secs(60));
+        let all = answers(&out.lock().unwrap());
+        assert_eq!(all.len(), streams.len());
+        assert_eq!(
+            all.iter().filter(|(_, code)| *code == 0).count(),
+            MAX_IN_FLIGHT
+        );
+    }
+
+    #[test]
+    fn a_synchronize_past_its_bound_is_refused() {
+        // Parts of about 4 MiB each (a container with one long annotation), until their
+        // sum passes the bound.
+        let part = api::SynchronizeRequest {
+            containers: vec![api::Container {
+                id: "c1".into(),
+                annotations: HashMap::from([("a".into(), "x".repeat(wire::MAX_MESSAGE - 1024))]),
+                ..Default::default()
+            }],
+            more: true,
+            ..Default::default()
+        };
+        let parts = MAX_SYNC_BYTES / part.containers[0].encoded_len() + 1;
+        let input: Vec<u8> = (0..parts as u32)
+            .flat_map(|i| call(2 * i + 1, "Synchronize", &part))
+            .collect();
+        let (answers, end) = converse(&cfg(), &input);
+        assert_eq!(end, Ok(false));
+        assert_eq!(answers.len(), parts);
+        // The part that passed the bound, whichever it was of those answered at once.
+        assert_eq!(
+            answers
+                .iter()
+                .filter(|(_, code)| *code == CODE_UNKNOWN)
+                .count(),
+            1
+        );
+    }
 }

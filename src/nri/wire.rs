@@ -13,8 +13,11 @@
 //! numbers its streams with odd ids.
 //!
 //! Invariants: no frame or message is larger than ttrpc's own limit (4 MiB plus a header),
-//! so a hostile or broken peer cannot make the plugin buffer without bound; a frame for a
-//! conn other than 1 and 2 is dropped, as NRI's own multiplexer drops it.
+//! so a hostile or broken peer cannot make the plugin buffer without bound, and a frame's
+//! buffer grows with the bytes that arrive, not with the length its header claims; a frame
+//! for a conn other than 1 and 2 is dropped, as NRI's own multiplexer drops it; a
+//! connection that ends inside a frame is an error, never a clean end. Nothing here
+//! panics on what a peer sends (the fuzz target `nri` drives it).
 
 use std::io::{Read, Write};
 
@@ -44,42 +47,84 @@ pub(crate) enum WireError {
     FrameTooLarge { conn: u32, len: usize },
     #[error("the runtime sent a ttrpc message of {len} bytes: allowed is at most {MAX_MESSAGE}")]
     MessageTooLarge { len: usize },
+    #[error("the runtime's connection ended inside a {what}: {got} of its {want} bytes came")]
+    Truncated {
+        what: &'static str,
+        got: usize,
+        want: usize,
+    },
+    #[error("the plugin's message of {len} bytes is larger than ttrpc allows ({MAX_MESSAGE})")]
+    Oversized { len: usize },
 }
 
-/// Reads one multiplexer frame: `(conn, payload)`; `Ok(None)` at a clean end of stream.
+/// Reads one multiplexer frame: `(conn, payload)`; `Ok(None)` at a clean end of stream
+/// (between two frames).
 pub(crate) fn read_frame(r: &mut impl Read) -> Result<Option<(u32, Vec<u8>)>, WireError> {
-    let mut hdr = [0u8; 8];
-    match r.read_exact(&mut hdr) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(WireError::Read(e)),
+    let mut hdr = Vec::with_capacity(8);
+    let got = r
+        .by_ref()
+        .take(8)
+        .read_to_end(&mut hdr)
+        .map_err(WireError::Read)?;
+    match got {
+        0 => return Ok(None),
+        8 => {}
+        got => {
+            return Err(WireError::Truncated {
+                what: "frame header",
+                got,
+                want: 8,
+            })
+        }
     }
     let conn = u32::from_be_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
     let len = u32::from_be_bytes([hdr[4], hdr[5], hdr[6], hdr[7]]) as usize;
     if len > MAX_FRAME {
         return Err(WireError::FrameTooLarge { conn, len });
     }
-    let mut payload = vec![0u8; len];
-    r.read_exact(&mut payload).map_err(WireError::Read)?;
+    // Grown as the bytes come: a header alone, however long it says the frame is,
+    // allocates nothing.
+    let mut payload = Vec::new();
+    let got = r
+        .by_ref()
+        .take(len as u64)
+        .read_to_end(&mut payload)
+        .map_err(WireError::Read)?;
+    if got < len {
+        return Err(WireError::Truncated {
+            what: "frame",
+            got,
+            want: len,
+        });
+    }
     Ok(Some((conn, payload)))
 }
 
 /// One ttrpc message as the bytes of a frame: header and body.
-pub(crate) fn ttrpc_message(stream: u32, typ: u8, body: &[u8]) -> Vec<u8> {
+pub(crate) fn ttrpc_message(stream: u32, typ: u8, body: &[u8]) -> Result<Vec<u8>, WireError> {
+    // The runtime's ttrpc refuses a larger message; its length must fit the header.
+    let len = u32::try_from(body.len())
+        .ok()
+        .filter(|&l| l as usize <= MAX_MESSAGE)
+        .ok_or(WireError::Oversized { len: body.len() })?;
     let mut out = Vec::with_capacity(TTRPC_HEADER + body.len());
-    out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    out.extend_from_slice(&len.to_be_bytes());
     out.extend_from_slice(&stream.to_be_bytes());
     out.push(typ);
     out.push(0);
     out.extend_from_slice(body);
-    out
+    Ok(out)
 }
 
 /// Writes `bytes` on `conn` as one frame (a ttrpc message never exceeds a frame).
 pub(crate) fn write_frame(w: &mut impl Write, conn: u32, bytes: &[u8]) -> Result<(), WireError> {
+    let len = u32::try_from(bytes.len())
+        .ok()
+        .filter(|&l| l as usize <= MAX_FRAME)
+        .ok_or(WireError::Oversized { len: bytes.len() })?;
     let mut frame = Vec::with_capacity(8 + bytes.len());
     frame.extend_from_slice(&conn.to_be_bytes());
-    frame.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&len.to_be_bytes());
     frame.extend_from_slice(bytes);
     w.write_all(&frame).map_err(WireError::Write)
 }
@@ -101,6 +146,11 @@ pub(crate) struct Stream {
 impl Stream {
     pub(crate) fn push(&mut self, bytes: &[u8]) {
         self.buf.extend_from_slice(bytes);
+    }
+
+    /// The bytes of a message not yet whole (at the end of the connection: a cut message).
+    pub(crate) fn pending(&self) -> usize {
+        self.buf.len()
     }
 
     /// The next whole message, if the bytes so far hold one.
@@ -130,7 +180,7 @@ mod tests {
 
     #[test]
     fn frames_round_trip_and_messages_reassemble_across_frames() {
-        let msg = ttrpc_message(3, TYPE_REQUEST, b"hello world");
+        let msg = ttrpc_message(3, TYPE_REQUEST, b"hello world").unwrap();
         let mut wire = Vec::new();
         // One message cut into three frames, another conn's frame between them.
         write_frame(&mut wire, PLUGIN_CONN, &msg[..4]).unwrap();
@@ -159,8 +209,8 @@ mod tests {
             }]
         );
         // Two messages in one frame come out one by one.
-        let mut two = ttrpc_message(5, TYPE_RESPONSE, b"");
-        two.extend(ttrpc_message(7, TYPE_RESPONSE, b"ab"));
+        let mut two = ttrpc_message(5, TYPE_RESPONSE, b"").unwrap();
+        two.extend(ttrpc_message(7, TYPE_RESPONSE, b"ab").unwrap());
         s.push(&two);
         assert_eq!(s.next_message().unwrap().unwrap().stream, 5);
         assert_eq!(s.next_message().unwrap().unwrap().body, b"ab");
@@ -185,5 +235,43 @@ mod tests {
             Err(WireError::MessageTooLarge { .. })
         ));
         assert!(read_frame(&mut &[][..]).unwrap().is_none());
+        // The plugin never writes what the runtime's ttrpc would refuse.
+        assert!(matches!(
+            ttrpc_message(1, TYPE_RESPONSE, &vec![0; MAX_MESSAGE + 1]),
+            Err(WireError::Oversized { .. })
+        ));
+    }
+
+    #[test]
+    fn a_connection_cut_inside_a_frame_is_an_error_not_an_end() {
+        let mut wire = Vec::new();
+        write_frame(&mut wire, PLUGIN_CONN, b"0123456789").unwrap();
+        // Cut in the header: before, a clean end of the connection.
+        for cut in 1..8 {
+            let err = read_frame(&mut &wire[..cut]).unwrap_err();
+            assert!(
+                matches!(err, WireError::Truncated { what: "frame header", got, want: 8 } if got == cut),
+                "{err}"
+            );
+        }
+        // Cut in the payload.
+        let err = read_frame(&mut &wire[..12]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the runtime's connection ended inside a frame: 4 of its 10 bytes came"
+        );
+        // A header that claims the largest frame, and then the end: an error, with no
+        // buffer of that size behind it.
+        let mut claim = PLUGIN_CONN.to_be_bytes().to_vec();
+        claim.extend_from_slice(&(MAX_FRAME as u32).to_be_bytes());
+        claim.extend_from_slice(b"abc");
+        assert!(matches!(
+            read_frame(&mut &claim[..]),
+            Err(WireError::Truncated {
+                what: "frame",
+                got: 3,
+                ..
+            })
+        ));
     }
 }

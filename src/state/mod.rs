@@ -327,6 +327,55 @@ impl StateDir {
 mod tests {
     use super::*;
 
+    /// docs/state.md's layout names every path this type owns, each on a line of its own
+    /// at the depth of its parent.
+    #[test]
+    fn docs_state_md_lays_out_every_path() {
+        let doc =
+            std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/state.md"))
+                .unwrap();
+        let layout: Vec<&str> = doc
+            .lines()
+            .skip_while(|l| !l.starts_with("<state-dir>/"))
+            .take_while(|l| !l.starts_with("```"))
+            .collect();
+        let root = StateDir::new(Path::new("/s"));
+        let id = "0123456789abcdef0123456789abcdef";
+        for path in [
+            root.agent_lock_path(),
+            root.node_lock_path(),
+            root.lock_path(id),
+            root.supervisor_lock_path(id),
+            root.agent_socket(),
+            root.nri_state_path(),
+            root.record_path(id),
+            root.pipe_dir(id),
+            root.log_dir(id),
+            root.shm_dir(id),
+            root.driver_lib_dir(id),
+            root.containers_dir(id),
+            root.root().join(crate::inventory_cache::CACHE_FILE),
+        ] {
+            let rel = path.strip_prefix("/s").unwrap();
+            let depth = rel.components().count();
+            let name = rel
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .replace(id, "<id>");
+            let name = if path.extension().is_some() {
+                name
+            } else {
+                format!("{name}/")
+            };
+            let wanted = format!("{}{name} ", "  ".repeat(depth));
+            assert!(
+                layout.iter().any(|l| l.starts_with(&wanted)),
+                "docs/state.md's layout has no line {wanted:?}"
+            );
+        }
+    }
+
     #[test]
     fn the_privileged_view_leads_to_control_privileged_and_is_remade() {
         if !nix::unistd::geteuid().is_root() {

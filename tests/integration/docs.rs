@@ -809,3 +809,35 @@ fn the_config_key_tables_are_the_accepted_keys() {
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// docs/install.md's "What goes where" table names every systemd unit the Debian package
+/// ships (its `assets` in Cargo.toml) and every file of deploy/ (shipped whole).
+#[test]
+fn the_package_table_names_every_unit_and_deploy_file() {
+    let root = root();
+    let text = std::fs::read_to_string(root.join("docs/install.md")).unwrap();
+    let table = table_rows(&text, "| what | Debian package | scripts/install |").join("\n");
+    let cargo = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+    let mut shipped: Vec<String> = cargo
+        .lines()
+        .filter_map(|l| l.split("\"usr/lib/systemd/system/").nth(1))
+        .filter_map(|rest| rest.split('"').next())
+        .map(str::to_owned)
+        .collect();
+    assert!(
+        shipped.len() >= 3,
+        "no systemd unit among the package's assets"
+    );
+    assert!(cargo.contains("[\"deploy/*\", \"usr/share/gpushare/deploy/\""));
+    for entry in std::fs::read_dir(root.join("deploy")).unwrap().flatten() {
+        shipped.push(entry.file_name().to_string_lossy().into_owned());
+    }
+    let missing: Vec<&String> = shipped
+        .iter()
+        .filter(|name| !table.contains(&format!("`{name}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/install.md's \"What goes where\" does not name {missing:?}"
+    );
+}

@@ -331,7 +331,7 @@ pub(crate) fn socket(text: &str) -> Option<PathBuf> {
 }
 
 /// The CDI spec directories containerd's CRI plugin reads when `cdi_spec_dirs` is not set.
-const CONTAINERD_CDI_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
+pub(crate) const CONTAINERD_CDI_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
 
 /// Turns CDI on in the CRI plugin (`enable_cdi = true`) and makes `dir` one of its CDI
 /// spec directories (`cdi_spec_dirs`, which lists containerd's defaults too when it must
@@ -645,6 +645,42 @@ mod tests {
     }
 
     const BASE: &str = "/etc/containerd/gpushare-base-spec.json";
+
+    /// The tables docs/kubernetes.md prints are what the installer writes into a version 2
+    /// config (the shim's with the Debian package's path, the hook-only class's).
+    #[test]
+    fn the_tables_docs_kubernetes_md_prints_are_the_written_ones() {
+        let doc = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/kubernetes.md"),
+        )
+        .unwrap();
+        let header = "[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.gpushare]";
+        for registration in [
+            Registration::Shim("/usr/bin/gpushare-runtime".into()),
+            Registration::HookOnly(BASE.into()),
+        ] {
+            let text = edit(
+                Path::new("config.toml"),
+                "version = 2\n",
+                "gpushare",
+                &registration,
+                2,
+            )
+            .unwrap()
+            .text
+            .unwrap();
+            let table = &text[text.find(header).unwrap()..];
+            // The doc indents the shim's block by three spaces (a list item).
+            let indented: String = table
+                .lines()
+                .map(|l| format!("   {l}\n").replace("   \n", "\n"))
+                .collect();
+            assert!(
+                doc.contains(table.trim_end()) || doc.contains(indented.trim_end()),
+                "docs/kubernetes.md does not print the table the installer writes:\n{table}"
+            );
+        }
+    }
 
     #[test]
     fn the_launched_plugin_goes_to_the_configured_plugin_path_on_containerd_2_only() {

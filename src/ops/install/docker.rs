@@ -112,7 +112,7 @@ pub(crate) fn registration(text: &str, name: &str) -> Option<Registration> {
 }
 
 /// The CDI spec directories Docker reads when `cdi-spec-dirs` is not set.
-const DOCKER_CDI_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
+pub(crate) const DOCKER_CDI_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
 
 /// Turns CDI on (`"features": {"cdi": true}`) and makes `dir` one of the CDI spec
 /// directories Docker reads: added to `cdi-spec-dirs` when the file lists them, or when

@@ -301,18 +301,37 @@ pub(crate) fn cdi(
     output: &Path,
     enable: Option<Engine>,
     config: Option<PathBuf>,
+    dry_run: bool,
 ) -> anyhow::Result<()> {
-    crate::cdi::generate(cfg, output)?;
     let dir = output.parent().unwrap_or(Path::new("/"));
-    if let Some(engine) = enable {
-        let is_docker = engine == Engine::Docker;
-        let path = engine.config_path(config);
-        let text = file::read(&path)?;
-        let edited = if is_docker {
-            docker::enable_cdi(&path, &text, dir)?
-        } else {
-            containerd::enable_cdi(&path, &text, dir, installed_containerd_config_version())?
-        };
+    // Everything is read and edited before anything is written: a bad engine config
+    // leaves no spec behind either.
+    let engine = match enable {
+        None => None,
+        Some(engine) => {
+            let is_docker = engine == Engine::Docker;
+            let path = engine.config_path(config);
+            let text = file::read(&path)?;
+            let edited = if is_docker {
+                docker::enable_cdi(&path, &text, dir)?
+            } else {
+                containerd::enable_cdi(&path, &text, dir, installed_containerd_config_version())?
+            };
+            Some((is_docker, path, text, edited))
+        }
+    };
+    if dry_run {
+        let spec = crate::cdi::to_bytes(&crate::cdi::current(cfg)?);
+        println!("# {}:", output.display());
+        print!("{}", String::from_utf8_lossy(&spec));
+        if let Some((_, path, text, edited)) = &engine {
+            println!("# {}:", path.display());
+            print!("{}", edited.text.as_deref().unwrap_or(text));
+        }
+        return Ok(());
+    }
+    crate::cdi::generate(cfg, output)?;
+    if let Some((is_docker, path, _, edited)) = engine {
         match edited.text {
             None => println!(
                 "{} already reads CDI specs from {}",
@@ -337,15 +356,35 @@ pub(crate) fn cdi(
     println!("then ask for a share with a CDI device, e.g. gpushare.io/gpu=0 (docs/requests.md):");
     println!("  Podman 4.1+: podman run --device gpushare.io/gpu=0 … (Podman 4.x reads only /etc/cdi and /var/run/cdi)");
     println!(
-        "  Docker 25+: \"features\": {{\"cdi\": true}} and \"cdi-spec-dirs\": [\"{}\"] in daemon.json, then docker run --device gpushare.io/gpu=0 …",
-        dir.display()
+        "  Docker 25+: \"features\": {{\"cdi\": true}}{} in daemon.json (or: gpushare install cdi --enable docker), then docker run --device gpushare.io/gpu=0 …",
+        spec_dirs_hint("\"cdi-spec-dirs\": ", &docker::DOCKER_CDI_DIRS, dir)
     );
     println!(
-        "  containerd 1.7+ (CRI): enable_cdi = true and cdi_spec_dirs = [\"{}\"] in the CRI runtime plugin's table (on by default in 2.x); kubelet passes CDI devices from device plugins and DRA drivers",
-        dir.display()
+        "  containerd 1.7+ (CRI): enable_cdi = true (the default in 2.x){} in the CRI runtime plugin's table (or: gpushare install cdi --enable containerd); kubelet passes CDI devices from device plugins and DRA drivers",
+        spec_dirs_hint("cdi_spec_dirs = ", &containerd::CONTAINERD_CDI_DIRS, dir)
     );
     println!("run this command again after the GPUs, MIG devices or [cdi.profiles] change (gpushare doctor says when)");
     Ok(())
+}
+
+/// What an engine's spec-directory list must say for it to read `dir`: nothing where
+/// `dir` is one of its defaults; else the whole list, its defaults first, because setting
+/// the list replaces them.
+fn spec_dirs_hint(key: &str, defaults: &[&str], dir: &Path) -> String {
+    let dir = dir.to_string_lossy();
+    if defaults.contains(&dir.as_ref()) {
+        return String::new();
+    }
+    let list: Vec<String> = defaults
+        .iter()
+        .copied()
+        .chain([dir.as_ref()])
+        .map(|d| format!("{d:?}"))
+        .collect();
+    format!(
+        " and {key}[{}] (the list replaces the defaults, so it keeps them)",
+        list.join(", ")
+    )
 }
 
 /// `gpushare install containerd --nri`: NRI on in containerd's config (`config`, else
@@ -513,6 +552,58 @@ fn installed_containerd_config_version() -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cdi_hint_keeps_an_engine_s_default_spec_dirs() {
+        let defaults = ["/etc/cdi", "/var/run/cdi"];
+        assert_eq!(
+            spec_dirs_hint("\"cdi-spec-dirs\": ", &defaults, Path::new("/etc/cdi")),
+            ""
+        );
+        assert_eq!(
+            spec_dirs_hint("\"cdi-spec-dirs\": ", &defaults, Path::new("/opt/cdi")),
+            " and \"cdi-spec-dirs\": [\"/etc/cdi\", \"/var/run/cdi\", \"/opt/cdi\"] (the list replaces the defaults, so it keeps them)"
+        );
+    }
+
+    #[test]
+    fn install_cdi_dry_run_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let inventory = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/examples/inventory.json");
+        let cfg = crate::config::parse(
+            &format!("inventory = \"file:{}\"\n", inventory.display()),
+            None,
+        )
+        .unwrap();
+        let (spec, daemon_json) = (
+            dir.path().join("cdi/gpushare.json"),
+            dir.path().join("daemon.json"),
+        );
+        std::fs::write(&daemon_json, "{}\n").unwrap();
+        cdi(
+            &cfg,
+            &spec,
+            Some(Engine::Docker),
+            Some(daemon_json.clone()),
+            true,
+        )
+        .unwrap();
+        assert!(!spec.exists() && !spec.parent().unwrap().exists());
+        assert_eq!(std::fs::read_to_string(&daemon_json).unwrap(), "{}\n");
+        // Without it, both are written.
+        cdi(
+            &cfg,
+            &spec,
+            Some(Engine::Docker),
+            Some(daemon_json.clone()),
+            false,
+        )
+        .unwrap();
+        assert!(spec.is_file());
+        assert!(std::fs::read_to_string(&daemon_json)
+            .unwrap()
+            .contains("\"cdi\": true"));
+    }
     use std::os::unix::fs::PermissionsExt;
 
     /// The launched plugin's wrapper: written 0755 into the config's plugin_path (made

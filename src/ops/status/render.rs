@@ -270,6 +270,29 @@ mod tests {
         assert_eq!(short_container_id(&"z".repeat(64)), "z".repeat(64));
     }
 
+    /// docs/state.md's example of `--format prometheus` declares the metrics the
+    /// renderer prints, in its order (its `# HELP` and `# TYPE` lines are the renderer's).
+    #[test]
+    fn the_prometheus_example_in_docs_state_md_declares_every_metric() {
+        let view = StatusView {
+            schema: SCHEMA,
+            state_dir: "/run/gpushare".into(),
+            nri: None,
+            daemons: Vec::new(),
+        };
+        let declared = |text: &str| -> Vec<String> {
+            text.lines()
+                .filter(|l| l.starts_with("# HELP ") || l.starts_with("# TYPE "))
+                .map(str::to_owned)
+                .collect()
+        };
+        let doc = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/state.md"),
+        )
+        .unwrap();
+        assert_eq!(declared(&doc), declared(&prometheus(&view)));
+    }
+
     #[test]
     fn prometheus_escapes_labels_and_declares_types() {
         let view = StatusView {
