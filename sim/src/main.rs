@@ -22,6 +22,7 @@ mod control;
 mod control_client;
 mod cuda_client;
 mod daemon;
+mod gpu;
 mod limits;
 mod log;
 mod sched;
