@@ -42,7 +42,7 @@ pub(crate) enum ScanError {
 
 /// Every process with a compute context on the node's GPUs. An MPS client is in both of
 /// NVML's lists, a server or a process outside MPS in the compute list only (docs/mps.md,
-/// "What NVML lists").
+/// "The GPU process watcher").
 pub(crate) fn list(nvml: &Nvml) -> Result<Vec<Listed>, ScanError> {
     let err = |index, what| move |error| ScanError::Nvml { index, what, error };
     let count = nvml.device_count().map_err(err(0, "count the GPUs"))?;
