@@ -64,7 +64,12 @@ fn report(env: &Env) -> Option<Value> {
 fn client_pid(gpu: &str, marker: &str) -> Option<i32> {
     std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
         let pid: i32 = e.file_name().to_str()?.parse().ok()?;
-        let args = cmdline(pid);
+        // Read here, not with `cmdline`: a process may end between the listing and the read.
+        let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let args: Vec<String> = raw
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
         let has = |flag: &str, value: &str| args.windows(2).any(|w| w[0] == flag && w[1] == value);
         (args.first()?.ends_with("gpushare-mps-sim")
             && args.get(1).map(String::as_str) == Some("client")
@@ -107,6 +112,36 @@ fn listed(env: &Env, pid: i32, limit: Duration) -> Value {
     found.unwrap()
 }
 
+/// The first report's entry for container `id`'s process of `kind` with `gib` GiB: what
+/// the first scan that listed it said of it (a process the watcher stops may be gone
+/// before a test could find it in /proc).
+fn first_listed(env: &Env, id: &str, kind: &str, gib: u64) -> Value {
+    let mut found = None;
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            found = report(env).and_then(|r| {
+                r["processes"]
+                    .as_array()?
+                    .iter()
+                    .find(|p| {
+                        p["container_id"] == id
+                            && p["kind"] == kind
+                            && p["used_memory_bytes"] == gib << 30
+                    })
+                    .cloned()
+            });
+            found.is_some()
+        }),
+        "no {kind} process of {id} with {gib} GiB listed: {:?}",
+        report(env)
+    );
+    found.unwrap()
+}
+
+fn pid_of(entry: &Value) -> i32 {
+    i32::try_from(entry["pid"].as_i64().unwrap()).unwrap()
+}
+
 /// A process on the host that uses `gpu` directly (no MPS daemon at its pipe directory).
 fn host_direct(env: &Env, gpu: &str, marker: &str) -> Stopped {
     let empty = env.path().join("no-mps");
@@ -127,12 +162,7 @@ fn host_direct(env: &Env, gpu: &str, marker: &str) -> Stopped {
 /// names a pod's container, running three processes: an MPS client with 1G (`.1`), one
 /// that skips MPS (`.2`), and an MPS client that lifts its own limit and takes 3G (`.3`).
 fn tenant<'a>(env: &'a Env, id: &str, gpu: &str) -> Container<'a> {
-    let script = format!(
-        "gpushare-mps-sim client --gpu {gpu} --alloc 1G --hold 300.1 &
-         CUDA_MPS_PIPE_DIRECTORY=/nonexistent gpushare-mps-sim client --gpu {gpu} --alloc 1G --hold 300.2 &
-         CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=1=64G gpushare-mps-sim client --gpu {gpu} --alloc 3G --hold 300.3 &
-         wait"
-    );
+    let script = tenant_script(gpu);
     let c = env
         .container(id)
         .uid(1000)
@@ -145,6 +175,15 @@ fn tenant<'a>(env: &'a Env, id: &str, gpu: &str) -> Container<'a> {
         .create();
     c.start();
     c
+}
+
+fn tenant_script(gpu: &str) -> String {
+    format!(
+        "gpushare-mps-sim client --gpu {gpu} --alloc 1G --hold 300.1 &
+         CUDA_MPS_PIPE_DIRECTORY=/nonexistent gpushare-mps-sim client --gpu {gpu} --alloc 1G --hold 300.2 &
+         CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=1=64G gpushare-mps-sim client --gpu {gpu} --alloc 3G --hold 300.3 &
+         wait"
+    )
 }
 
 /// A container gpushare does not serve (no request), with a process that uses `gpu`
@@ -193,15 +232,11 @@ fn watch_stops_a_served_process_outside_mps_and_ends_a_client_above_its_containe
     let other = unserved(&env, &format!("wu{}", std::process::id()), gpu);
     let outside = wait_pid(gpu, "300.5");
     let c = tenant(&env, &format!("wa{}", std::process::id()), gpu);
-    let (within, direct, over) = (
-        wait_pid(gpu, "300.1"),
-        wait_pid(gpu, "300.2"),
-        wait_pid(gpu, "300.3"),
-    );
+    let within = wait_pid(gpu, "300.1");
 
     // The process that skips MPS is stopped by the first scan that lists it.
-    let seen = listed(&env, direct, Duration::from_secs(10));
-    assert_eq!(seen["kind"], "direct", "{seen}");
+    let seen = first_listed(&env, &c.id, "direct", 1);
+    let direct = pid_of(&seen);
     assert_eq!(seen["container_id"].as_str(), Some(c.id.as_str()), "{seen}");
     let verdict = seen["verdict"].as_str().unwrap_or_default();
     assert!(verdict.starts_with("stopped: "), "{seen}");
@@ -212,8 +247,8 @@ fn watch_stops_a_served_process_outside_mps_and_ends_a_client_above_its_containe
 
     // The container's clients use 1G + 3G against 2G: the 3G one is ended, through its
     // daemon's terminate_client first, then killed; the 1G one stays.
-    let seen = listed(&env, over, Duration::from_secs(10));
-    assert_eq!(seen["kind"], "mps-client", "{seen}");
+    let seen = first_listed(&env, &c.id, "mps-client", 3);
+    let over = pid_of(&seen);
     assert!(
         seen["verdict"]
             .as_str()
@@ -375,4 +410,155 @@ fn watch_with_policy_report_touches_nothing_and_reports_everything() {
     assert!(!env.gpushare_log().contains("watch: killed"));
     let daemon = env.daemon_of(&c);
     assert!(!env.control_log(&daemon).contains("terminate_client"));
+}
+
+/// The same through containerd's CRI plugin (a pod with the request annotations, as the
+/// installer's `pod_annotations` passes them; a plain pod beside it), on the test
+/// inventory with this test's own GPU UUIDs (the shim reads the file, the watcher NVML).
+#[test]
+fn watch_through_the_cri_plugin_stops_what_escapes_and_names_each_pod() {
+    let gpus = unique_gpus();
+    let env = watch_env(&gpus, "policy = \"act\"\nmemory-margin = \"0\"");
+    env.set_inventory(&format!(
+        "file:{}",
+        env.path().join("inventory.json").display()
+    ));
+    let mut inventory = inventory_json();
+    inventory["gpus"][0]["uuid"] = Value::from(gpus[0].clone());
+    std::fs::write(env.path().join("inventory.json"), inventory.to_string()).unwrap();
+    let _watch = start_watch(&env);
+    let gpu = &gpus[0];
+    let _host = host_direct(&env, gpu, "300.4");
+    let host = wait_pid(gpu, "300.4");
+
+    let mut node = Node::start(&env);
+    let trainer = node.pod(&PodSpec {
+        name: "trainer",
+        namespace: "team-a",
+        annotations: &[
+            ("gpushare.io/device", "0"),
+            ("gpushare.io/pinned-memory-limit", "2G"),
+        ],
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
+    let script = tenant_script(gpu);
+    let main = ContainerSpec {
+        name: "main",
+        script: &script,
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let id = node.run(&trainer, &main);
+    let plain = node.pod(&PodSpec {
+        name: "plain",
+        namespace: "team-b",
+        run_as_user: Some(2000),
+        ..Default::default()
+    });
+    let other_script = format!("gpushare-mps-sim client --gpu {gpu} --alloc 2G --hold 300.5");
+    let other = ContainerSpec {
+        name: "other",
+        script: &other_script,
+        run_as_user: Some(2000),
+        ..Default::default()
+    };
+    node.run(&plain, &other);
+    let (within, outside) = (wait_pid(gpu, "300.1"), wait_pid(gpu, "300.5"));
+
+    let seen = first_listed(&env, &id, "direct", 1);
+    let direct = pid_of(&seen);
+    assert!(
+        seen["verdict"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("stopped: "),
+        "{seen}"
+    );
+    let seen_over = first_listed(&env, &id, "mps-client", 3);
+    let over = pid_of(&seen_over);
+    assert!(
+        seen_over["verdict"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("ended: "),
+        "{seen_over}"
+    );
+    assert!(
+        wait_until(Duration::from_secs(3), || !alive(direct) && !alive(over)),
+        "{seen} {seen_over}"
+    );
+    let daemon = node.daemon_of(&id).expect("the pod's daemon");
+    // The daemon's log tmpfs is mounted in the node's namespace.
+    let control = node
+        .ns()
+        .cmd("cat")
+        .arg(env.state.join("mps").join(&daemon).join("log/control.log"))
+        .output()
+        .unwrap();
+    let control = String::from_utf8_lossy(&control.stdout);
+    assert!(
+        control.contains(&format!("Client {over} terminated")),
+        "{control}"
+    );
+    let log = env.gpushare_log();
+    assert!(
+        log.contains(&format!(
+            "watch: killed pid {direct} of pod team-a/trainer container main (container {id})"
+        )),
+        "{log}"
+    );
+    let scanned = report(&env).unwrap()["scanned_at"].as_u64().unwrap();
+    assert!(wait_until(Duration::from_secs(10), || {
+        report(&env).unwrap()["scanned_at"].as_u64().unwrap() >= scanned + 3
+    }));
+    for (pid, what) in [
+        (within, "the client within the limit"),
+        (host, "the host's process"),
+        (outside, "the unserved pod's process"),
+    ] {
+        assert!(alive(pid), "{what} (pid {pid}) was touched");
+    }
+    let status = status_json(&env);
+    assert_eq!(
+        status["watch"]["actions"],
+        serde_json::json!({"stopped_direct": 1, "ended_clients": 1, "unconfirmed_terminations": 0, "failed": 0}),
+        "{status}"
+    );
+    let procs = status["watch"]["processes"].as_array().unwrap().clone();
+    let mine = procs
+        .iter()
+        .find(|p| p["pid"] == within)
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        (
+            mine["namespace"].as_str(),
+            mine["pod"].as_str(),
+            mine["container"].as_str(),
+            mine["container_id"].as_str()
+        ),
+        (
+            Some("team-a"),
+            Some("trainer"),
+            Some("main"),
+            Some(id.as_str())
+        ),
+        "{status}"
+    );
+    let theirs = procs
+        .iter()
+        .find(|p| p["pid"] == outside)
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        theirs["container_id"].is_null() && theirs["verdict"].is_null(),
+        "{theirs}"
+    );
+    let metrics = status_text(&env, &["--format", "prometheus"]);
+    let series = format!(
+        "gpushare_container_gpu_memory_used_bytes{{gpu=\"0\",UUID=\"{gpu}\",namespace=\"team-a\",pod=\"trainer\",container=\"main\",container_id=\"{id}\",daemon=\"{daemon}\"}} 1073741824\n"
+    );
+    assert!(metrics.contains(&series), "{series} in:\n{metrics}");
+    node.remove_all();
 }
