@@ -72,6 +72,7 @@ pub(crate) fn run(cfg: &Config) -> anyhow::Result<()> {
             .map(|r| r.actions)
             .unwrap_or_default(),
         me: ProcRef::of(std::process::id() as i32),
+        last_error: None,
     };
     tracing::info!(
         policy = ?cfg.watch.policy,
@@ -110,6 +111,8 @@ struct Watcher<'a> {
     cache: scan::CgroupCache,
     counters: Counters,
     me: Option<ProcRef>,
+    /// The last scan's NVML error: a change is logged once, not every interval.
+    last_error: Option<String>,
 }
 
 /// A listed process as it was when classified: what a later signal must still find.
@@ -148,6 +151,13 @@ impl Watcher<'_> {
                 (Vec::new(), Some(e))
             }
         };
+        if error != self.last_error {
+            match &error {
+                Some(e) => tracing::warn!("watch: no GPU process can be listed: {e}"),
+                None => tracing::info!("watch: NVML answers"),
+            }
+            self.last_error = error.clone();
+        }
         let node = scan::Node::read(&self.state, &mut self.cache);
         let mut owned = Vec::with_capacity(listed.len());
         let mut seen = Vec::with_capacity(listed.len());

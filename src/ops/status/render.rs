@@ -513,6 +513,80 @@ mod tests {
             "ready"
         );
         assert_eq!(human_duration(59), "59s");
+        // The watcher's processes: the same escaping, per container with DCGM's labels.
+        let hostile = "evil\n\"} 1\ngpushare_daemons 99\u{1b}[2J";
+        let mut view = view;
+        view.watch = Some(WatchView {
+            fresh: true,
+            policy: crate::config::WatchPolicy::Act,
+            enforced: true,
+            scanned_at: 0,
+            interval_seconds: 5.0,
+            scan_seconds: 0.01,
+            error: None,
+            processes: vec![
+                Process {
+                    pid: 42,
+                    kind: Kind::MpsClient,
+                    gpu: "GPU-1".into(),
+                    gpu_index: 0,
+                    used_memory_bytes: Some(1 << 30),
+                    container_id: Some("c1".into()),
+                    daemon: Some("0123456789abcdef0123456789abcdef".into()),
+                    names: crate::state::PodNames {
+                        namespace: Some("team-a".into()),
+                        pod: Some(hostile.into()),
+                        container: Some("main".into()),
+                    }
+                    .escaped(),
+                    verdict: None,
+                },
+                Process {
+                    pid: 43,
+                    kind: Kind::Direct,
+                    gpu: "GPU-1".into(),
+                    gpu_index: 0,
+                    used_memory_bytes: Some(2 << 30),
+                    container_id: None,
+                    daemon: None,
+                    names: Default::default(),
+                    verdict: None,
+                },
+            ],
+            actions: crate::watch::report::Counters {
+                stopped_direct: 3,
+                ..Default::default()
+            },
+        });
+        let text = prometheus(&view);
+        assert!(
+            text.contains("gpushare_container_gpu_memory_used_bytes{gpu=\"0\",UUID=\"GPU-1\",namespace=\"team-a\",pod=\"evil\\\\n\\\"} 1\\\\ngpushare_daemons 99\\\\u{1b}[2J\",container=\"main\",container_id=\"c1\",daemon=\"0123456789abcdef0123456789abcdef\"} 1073741824\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "gpushare_unserved_gpu_memory_used_bytes{gpu=\"0\",UUID=\"GPU-1\"} 2147483648\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("gpushare_watch_actions_total{action=\"stop-direct\"} 3\n"),
+            "{text}"
+        );
+        assert!(
+            !text.lines().any(|l| l.starts_with("gpushare_daemons 99")),
+            "{text}"
+        );
+        let table = super::table(&view);
+        assert!(
+            table.contains("      gpu pid 42  mps-client  GPU 0 GPU-1  1024MiB\n"),
+            "{table}"
+        );
+        assert!(
+            table.contains("  └ gpu pid 43  direct  GPU 0 GPU-1  2048MiB\n"),
+            "{table}"
+        );
+        assert!(!table.contains('\u{1b}'));
         assert_eq!(human_duration(7300), "2h");
     }
 }
