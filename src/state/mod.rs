@@ -181,7 +181,7 @@ impl StateDir {
         self.root.join("nri.json")
     }
     /// What the GPU process watcher found at its last scan (`watch::report`): root's,
-    /// 0644, read by `status`.
+    /// 0600, read by `status`.
     pub(crate) fn watch_report_path(&self) -> PathBuf {
         self.root.join("watch.json")
     }

@@ -176,11 +176,20 @@ impl Watcher<'_> {
             margin: self.cfg.watch.memory_margin,
         };
         let mut plan = plan::plan(&owned, &node, &rules);
+        // Daemons that did not answer in this scan are not asked again in it: a daemon
+        // kept from answering delays one termination, not one per client of its tenant.
+        let mut silent = std::collections::HashSet::new();
         for action in std::mem::take(&mut plan.actions) {
             let index = match action {
                 Action::StopDirect(i) | Action::EndClient(i) => i,
             };
-            let outcome = self.act(action, &plan.processes[index], &seen[index], &node);
+            let outcome = self.act(
+                action,
+                &plan.processes[index],
+                &seen[index],
+                &node,
+                &mut silent,
+            );
             if let Err(why) = outcome {
                 self.counters.failed += 1;
                 let p = &mut plan.processes[index];
@@ -216,6 +225,7 @@ impl Watcher<'_> {
         p: &report::Process,
         seen: &Seen,
         node: &scan::Node,
+        silent: &mut std::collections::HashSet<String>,
     ) -> Result<(), String> {
         let names = p.names.escaped();
         let pod = match (&names.namespace, &names.pod, &names.container) {
@@ -227,7 +237,7 @@ impl Watcher<'_> {
         let why = p.verdict.as_deref().unwrap_or_default();
         let mut confirmed = true;
         if let Action::EndClient(_) = action {
-            confirmed = self.terminate_client(p, node).is_ok();
+            confirmed = self.terminate_client(p, node, silent).is_ok();
         }
         let killed = kill_checked(p.pid, seen);
         let what = match (action, confirmed) {
@@ -271,8 +281,16 @@ impl Watcher<'_> {
 
     /// `terminate_client <server> <pid>` on the client's daemon, trying its servers (one,
     /// but for a daemon switching users); `Ok` once one answers `0` (CUDA_SUCCESS).
-    fn terminate_client(&self, p: &report::Process, node: &scan::Node) -> Result<(), String> {
+    fn terminate_client(
+        &self,
+        p: &report::Process,
+        node: &scan::Node,
+        silent: &mut std::collections::HashSet<String>,
+    ) -> Result<(), String> {
         let daemon = p.daemon.as_deref().ok_or("no daemon")?;
+        if silent.contains(daemon) {
+            return Err("its daemon did not answer earlier in this scan".to_owned());
+        }
         let identity = node
             .served
             .iter()
@@ -291,7 +309,10 @@ impl Watcher<'_> {
         };
         let servers = control
             .command("get_server_list", CONTROL_TIMEOUT)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| {
+                silent.insert(daemon.to_owned());
+                e.to_string()
+            })?;
         let mut last = "the daemon runs no server".to_owned();
         for server in crate::mps::reply::pids(&servers) {
             match control.command(
@@ -300,7 +321,11 @@ impl Watcher<'_> {
             ) {
                 Ok(out) if out.trim() == "0" => return Ok(()),
                 Ok(out) => last = crate::util::escape(&crate::util::one_line(&out)),
-                Err(e) => last = e.to_string(),
+                Err(e) => {
+                    silent.insert(daemon.to_owned());
+                    last = e.to_string();
+                    break;
+                }
             }
         }
         tracing::warn!(

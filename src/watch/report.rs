@@ -2,8 +2,8 @@
 //! status` and its metrics read instead of asking NVML themselves (a node's status stays
 //! one file read, however many processes run).
 //!
-//! Invariants: written atomically by the watcher only (root, in the root-only state
-//! directory), read as a bounded regular file; names in it are stored as the records
+//! Invariants: written atomically by the watcher only (root, mode 0600: it names every
+//! tenant's pods), read as a bounded regular file; names in it are stored as the records
 //! hold them and escaped where they are shown; adding fields keeps the schema name.
 
 use serde::{Deserialize, Serialize};
@@ -100,8 +100,9 @@ impl Report {
 
     pub(crate) fn write(&self, state: &StateDir) -> std::io::Result<()> {
         let bytes = serde_json::to_vec(self).map_err(std::io::Error::other)?;
-        // Rewritten every interval and worthless after a crash: no fsync.
-        crate::fsops::write_atomic_with(&state.watch_report_path(), &bytes, 0o644, false)
+        // Root's only: it names every tenant's pods and processes, at a path anyone can
+        // guess. Rewritten every interval and worthless after a crash: no fsync.
+        crate::fsops::write_atomic_with(&state.watch_report_path(), &bytes, 0o600, false)
     }
 
     /// Whether it tells the present: its watcher runs and it is at most three intervals old.
