@@ -150,16 +150,6 @@ impl WatchView {
             actions: r.actions,
         })
     }
-
-    /// The processes of container `id`.
-    pub(crate) fn of_container<'a>(
-        &'a self,
-        id: &'a str,
-    ) -> impl Iterator<Item = &'a crate::watch::report::Process> + 'a {
-        self.processes
-            .iter()
-            .filter(move |p| p.container_id.as_deref() == Some(id))
-    }
 }
 
 /// Where the NRI plugin stands, from what it wrote of itself (`nri::PluginState`).

@@ -7,6 +7,7 @@
 //! control character reaches a terminal and no label value ends its label early; metric
 //! names and types stay as they are (dashboards and alerts use them).
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 
 use super::collect::{DaemonView, DirectoryState, StatusView, ViewStatus, WatchView};
@@ -87,6 +88,17 @@ fn human_duration(secs: u64) -> String {
 
 pub(crate) fn table(view: &StatusView) -> String {
     let mut out = String::new();
+    // The watcher's processes by container and by daemon (servers), looked up per line:
+    // a node of a thousand containers and as many processes stays linear.
+    let mut by_container: HashMap<&str, Vec<&Process>> = HashMap::new();
+    let mut servers: HashMap<&str, Vec<&Process>> = HashMap::new();
+    for p in view.watch.iter().flat_map(|w| &w.processes) {
+        match (&p.container_id, &p.daemon) {
+            (Some(c), _) => by_container.entry(c.as_str()).or_default().push(p),
+            (None, Some(d)) => servers.entry(d.as_str()).or_default().push(p),
+            (None, None) => {}
+        }
+    }
     let _ = writeln!(
         out,
         "{:<32}  {:<22}  {:<6}  {:<22}  {:>7}  {:>6}  {:>8}  {:<12}  {:>7}  {:>7}",
@@ -145,14 +157,8 @@ pub(crate) fn table(view: &StatusView) -> String {
         if let Some(why) = &d.health_reason {
             let _ = writeln!(out, "  └ {}: {why}", d.health);
         }
-        if let Some(w) = &view.watch {
-            for p in w
-                .processes
-                .iter()
-                .filter(|p| p.container_id.is_none() && p.daemon.as_deref() == Some(&d.id))
-            {
-                process_line(&mut out, "  └ ", p);
-            }
+        for p in servers.get(d.id.as_str()).into_iter().flatten() {
+            process_line(&mut out, "  └ ", p);
         }
         for c in &d.containers {
             // Engines' ids are 64 hex digits; 12 identify a container as `docker ps` shows.
@@ -177,10 +183,8 @@ pub(crate) fn table(view: &StatusView) -> String {
                 let _ = write!(out, "  container={name}");
             }
             out.push('\n');
-            if let Some(w) = &view.watch {
-                for p in w.of_container(&c.id) {
-                    process_line(&mut out, "      ", p);
-                }
+            for p in by_container.get(c.id.as_str()).into_iter().flatten() {
+                process_line(&mut out, "      ", p);
             }
         }
     }
