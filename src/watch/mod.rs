@@ -108,7 +108,7 @@ struct Watcher<'a> {
     cfg: &'a Config,
     state: StateDir,
     nvml: Option<Nvml>,
-    cache: scan::CgroupCache,
+    cache: scan::Cache,
     counters: Counters,
     me: Option<ProcRef>,
     /// The last scan's NVML error: a change is logged once, not every interval.

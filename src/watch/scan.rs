@@ -111,13 +111,30 @@ pub(crate) struct Node {
     pub(super) by_cgroup: HashMap<String, Option<usize>>,
 }
 
-/// Container cgroups, kept across scans: a container's init process does not move.
-pub(crate) type CgroupCache = HashMap<ProcRef, Option<String>>;
+/// What a scan keeps for the next: the cgroups of containers' init processes (a process
+/// does not move), each daemon's identity (an id names one identity for good), and each
+/// daemon's container records with the time its `containers/` directory last changed.
+#[derive(Debug, Default)]
+pub(crate) struct Cache {
+    cgroups: HashMap<ProcRef, Option<String>>,
+    daemons: HashMap<String, Daemon>,
+}
+
+#[derive(Debug)]
+struct Daemon {
+    identity: std::sync::Arc<Identity>,
+    /// `containers/`'s mtime when `containers` were read; `None`: read them again.
+    stamp: Option<std::time::SystemTime>,
+    containers: Vec<ContainerRecord>,
+}
+
+/// A directory changed within this long of a read may change again in the same tick of
+/// its mtime: its records are read again rather than trusted.
+const SETTLED: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Node {
-    /// Reads every daemon's record and containers; `cache` keeps the cgroups of the
-    /// containers' init processes between scans (and forgets those that are gone).
-    pub(crate) fn read(state: &StateDir, cache: &mut CgroupCache) -> Node {
+    /// Reads every daemon's record and containers, from `cache` where nothing changed.
+    pub(crate) fn read(state: &StateDir, cache: &mut Cache) -> Node {
         let mut node = Node::default();
         let mut seen = HashSet::new();
         // Cgroups that hold more than one container's worth of processes.
@@ -127,41 +144,65 @@ impl Node {
             .filter_map(cgroup_of)
             .chain(std::iter::once("/".to_owned()))
             .collect();
-        for id in state.daemon_ids().unwrap_or_default() {
-            let Ok(Some(rec)) = state.read_record(&id) else {
-                continue;
+        let ids = state.daemon_ids().unwrap_or_default();
+        cache.daemons.retain(|id, _| ids.contains(id));
+        for id in ids {
+            let daemon = match cache.daemons.remove(&id) {
+                Some(d) => d,
+                None => {
+                    let Ok(Some(rec)) = state.read_record(&id) else {
+                        continue;
+                    };
+                    Daemon {
+                        identity: std::sync::Arc::new(rec.identity),
+                        stamp: None,
+                        containers: Vec::new(),
+                    }
+                }
             };
-            let identity = std::sync::Arc::new(rec.identity);
-            for record in state.containers(&id).unwrap_or_default() {
+            let mut daemon = daemon;
+            let now = std::time::SystemTime::now();
+            let mtime = std::fs::metadata(state.containers_dir(&id))
+                .and_then(|m| m.modified())
+                .ok();
+            let settled =
+                mtime.is_some_and(|m| now.duration_since(m).is_ok_and(|age| age >= SETTLED));
+            if daemon.stamp.is_none() || daemon.stamp != mtime || !settled {
+                daemon.containers = state.containers(&id).unwrap_or_default();
+                daemon.stamp = mtime.filter(|_| settled);
+            }
+            for record in &daemon.containers {
                 let (Some(pid), Some(start_time)) = (record.pid, record.start_time) else {
                     continue;
                 };
                 let init = ProcRef { pid, start_time };
+                if !init.alive() {
+                    continue;
+                }
                 seen.insert(init);
                 let cgroup = cache
+                    .cgroups
                     .entry(init)
-                    .or_insert_with(|| init.alive().then(|| cgroup_of(pid)).flatten())
+                    .or_insert_with(|| cgroup_of(pid))
                     .clone();
                 let Some(cgroup) = cgroup.filter(|c| !shared.contains(c)) else {
                     continue;
                 };
-                if !init.alive() {
-                    continue;
-                }
                 let index = node.served.len();
                 node.by_cgroup
                     .entry(cgroup)
                     .and_modify(|e| *e = None)
                     .or_insert(Some(index));
                 node.served.push(Served {
-                    record,
+                    record: record.clone(),
                     daemon: id.clone(),
-                    identity: identity.clone(),
+                    identity: daemon.identity.clone(),
                 });
             }
-            node.daemons.push(id);
+            node.daemons.push(id.clone());
+            cache.daemons.insert(id, daemon);
         }
-        cache.retain(|p, _| seen.contains(p));
+        cache.cgroups.retain(|p, _| seen.contains(p));
         node
     }
 
