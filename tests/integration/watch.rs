@@ -365,6 +365,14 @@ fn watch_stops_a_served_process_outside_mps_and_ends_a_client_above_its_containe
         "{metrics}"
     );
     assert!(metrics.contains("gpushare_watch_up 1\n"), "{metrics}");
+    // doctor says the watcher runs and with which policy.
+    let out = env.cmd(gpushare()).arg("doctor").output().unwrap();
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        report.lines().any(|l| l.starts_with("ok    watch ")
+            && l.contains("gpushare watch scans every 1s, policy act:")),
+        "{report}"
+    );
     drop(other);
 }
 
