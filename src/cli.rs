@@ -86,6 +86,11 @@ enum Command {
     /// its own children, outside every engine's process tree, so no conmon or containerd
     /// shim adopts or waits for them. Runs until SIGTERM; root only (docs/install.md).
     Agent,
+    /// Run the node's GPU process watcher: every `watch.interval` it lists the GPUs'
+    /// processes (NVML), maps each to its container and pod, writes what it found for
+    /// `status`, and, with `watch.policy = "act"`, stops what escapes enforced limits.
+    /// Runs until SIGTERM; root only (docs/configuration.md, `[watch]`).
+    Watch,
     /// Run gpushare as an NRI plugin (containerd ≥ 1.7, CRI-O): every CRI pod with a
     /// request is served at its creation, whatever its RuntimeClass, with no shim and no
     /// hook process. Runs until killed, dialling the runtime again after it restarts;
@@ -607,6 +612,7 @@ fn run(cfg: &Config, command: Command) -> i32 {
         }
         Command::Daemon { command } => daemon(cfg, command),
         Command::Agent => report(crate::mps::agent::run(cfg)),
+        Command::Watch => report(crate::watch::run(cfg)),
         Command::Nri {
             socket,
             name,

@@ -75,6 +75,27 @@ pub enum Limits {
     Advisory,
 }
 
+/// What the GPU process watcher does about what it finds (docs/configuration.md, `[watch]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WatchPolicy {
+    /// Report every GPU process; touch none.
+    Report,
+    /// Also stop what escapes enforced limits.
+    Act,
+}
+
+/// `[watch]`: the GPU process watcher (`gpushare watch`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WatchConfig {
+    pub policy: WatchPolicy,
+    /// How often it lists the GPUs' processes.
+    pub interval: Duration,
+    /// What an MPS client may use above its pinned limit before it counts as over it:
+    /// NVML counts the client's own context, which the limit does not.
+    pub memory_margin: u64,
+}
+
 /// IPC sharing between the MPS server and its clients (docs/design.md, "IPC").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -152,6 +173,7 @@ pub struct Config {
     /// `[cdi.profiles.<name>]`: the named limit profiles `gpushare cdi generate` offers as
     /// CDI devices `<device>-<name>`, by name.
     pub cdi_profiles: std::collections::BTreeMap<String, CdiProfile>,
+    pub watch: WatchConfig,
 }
 
 /// A named limit profile (`[cdi.profiles.<name>]`): the limits a CDI device `<dev>-<name>`
@@ -241,6 +263,16 @@ struct RawConfig {
     mps: RawMps,
     #[serde(default)]
     cdi: RawCdi,
+    #[serde(default)]
+    watch: RawWatch,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct RawWatch {
+    policy: Option<WatchPolicy>,
+    interval: Option<String>,
+    memory_margin: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -432,6 +464,7 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         driver_root,
         mps,
         cdi_profiles,
+        watch: check.watch(&raw.watch)?,
     })
 }
 
@@ -761,6 +794,23 @@ impl Check {
         )
     }
 
+    fn watch(&self, w: &RawWatch) -> Result<WatchConfig, ConfigError> {
+        Ok(WatchConfig {
+            policy: w.policy.unwrap_or(WatchPolicy::Report),
+            interval: self.duration(
+                "watch.interval",
+                w.interval.as_deref().unwrap_or("5s"),
+                |d| d >= Duration::from_millis(500) && d <= Duration::from_secs(300),
+                "a duration from 500ms to 5m, like \"5s\"",
+            )?,
+            memory_margin: match w.memory_margin.as_deref() {
+                None => 512 << 20,
+                Some("0") => 0,
+                Some(s) => self.size("watch.memory-margin", s)?,
+            },
+        })
+    }
+
     fn limit_check_interval(&self, value: &str) -> Result<Duration, ConfigError> {
         self.duration(
             "mps.limit-check-interval",
@@ -1003,6 +1053,8 @@ mod tests {
             ),
             ("low-level-runtime = []", "low-level-runtime", "non-empty"),
             ("[mps]\nshm-size = \"lots\"", "mps.shm-size", "percentage"),
+            ("[watch]\ninterval = \"100ms\"", "watch.interval", "500ms to 5m"),
+            ("[watch]\nmemory-margin = \"lots\"", "watch.memory-margin", "a size"),
             ("[mps]\nshm-size = \"0%\"", "mps.shm-size", "percentage"),
             (
                 "[mps]\nshm-size-per-uid = \"lots\"",

@@ -8,6 +8,7 @@
 //!   uninstall with each engine's installer)
 //! - `cdi` (the CDI spec of the node's devices, `gpushare cdi generate`)
 //! - `nri` (`gpushare nri`: the NRI plugin, its connection and its events)
+//! - `watch` (`gpushare watch`: the GPU process watcher, its scan, its rules, its report)
 //! - `runtime` (the `gpushare-runtime` shim), `hookonly` (hooks.d mode)
 //! - `hook` (createRuntime / poststop)
 //! - `decision` (the request pipeline; the shim↔hook contract), `mps` (control interface,
@@ -66,6 +67,7 @@ pub mod state;
 mod sys;
 pub(crate) mod userns;
 pub mod util;
+mod watch;
 
 /// The control daemon's replies as gpushare reads them: public for the fuzz target
 /// `replies`, the rest of `mps` stays inside the crate.

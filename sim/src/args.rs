@@ -1,6 +1,7 @@
 //! Command line, shaped like `nvidia-cuda-mps-control`'s: `-d`, `-f`, `-v`, the multi-user
 //! option (`-M`, or `-multiuser-server` as the MPS guide spells it), nothing for control client
-//! mode; plus `client [--hold S] [--timeout S]` for the stand-in CUDA process,
+//! mode; plus `client [--hold S] [--timeout S] [--gpu UUID] [--alloc SIZE]` for the stand-in
+//! CUDA process,
 //! `subreaper <command> [args…]` for a stand-in engine subreaper that waits (`subreaper`),
 //! `hold-control <connections> [--every <s>]` for a stand-in tenant that jams the control
 //! socket (`hold`), and two hidden modes this binary re-executes itself with.
@@ -42,7 +43,7 @@ pub enum Mode {
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum UsageError {
-    #[error("unknown option {0:?}; usage: gpushare-mps-sim [-d | -f] [-M] | -v | client [--hold <s>] [--timeout <s>] | subreaper <command> [args...] | hold-control <connections> [--every <s>]")]
+    #[error("unknown option {0:?}; usage: gpushare-mps-sim [-d | -f] [-M] | -v | client [--hold <s>] [--timeout <s>] [--gpu <uuid>] [--alloc <size>] | subreaper <command> [args...] | hold-control <connections> [--every <s>]")]
     Unknown(String),
     #[error("options -d and -f cannot be combined")]
     DaemonAndForeground,
@@ -54,6 +55,12 @@ pub enum UsageError {
     Connections(String),
     #[error("invalid number of seconds {value:?} for {option}")]
     Seconds { option: String, value: String },
+    #[error("invalid value {value:?} for {option}: {why}")]
+    Value {
+        option: String,
+        value: String,
+        why: &'static str,
+    },
 }
 
 pub const HIDDEN_SERVER: &str = "--internal-server";
@@ -109,11 +116,9 @@ fn parse_client(args: &[String]) -> Result<ClientOptions, UsageError> {
             Some((n, v)) => (n, Some(v.to_string())),
             None => (arg.as_str(), None),
         };
-        let slot = match name {
-            "--hold" => &mut opts.hold,
-            "--timeout" => &mut opts.timeout,
-            _ => return Err(UsageError::Unknown(arg.clone())),
-        };
+        if !matches!(name, "--hold" | "--timeout" | "--gpu" | "--alloc") {
+            return Err(UsageError::Unknown(arg.clone()));
+        }
         let value = match inline {
             Some(v) => v,
             None => it
@@ -121,7 +126,22 @@ fn parse_client(args: &[String]) -> Result<ClientOptions, UsageError> {
                 .cloned()
                 .ok_or_else(|| UsageError::MissingValue(name.to_string()))?,
         };
-        *slot = seconds(name, &value)?;
+        let bad = |why| UsageError::Value {
+            option: name.to_string(),
+            value: value.clone(),
+            why,
+        };
+        match name {
+            "--hold" => opts.hold = seconds(name, &value)?,
+            "--timeout" => opts.timeout = seconds(name, &value)?,
+            "--gpu" if crate::gpu::is_uuid(&value) => opts.gpu = Some(value),
+            "--gpu" => return Err(bad("expected a GPU-… or MIG-… UUID")),
+            _ => {
+                opts.alloc = crate::limits::MemLimit::parse(&value)
+                    .map_err(|_| bad("expected an integer followed by M or G"))?
+                    .bytes()
+            }
+        }
     }
     Ok(opts)
 }
@@ -200,8 +220,26 @@ mod tests {
             Ok(Mode::Client(ClientOptions {
                 hold: Duration::from_secs_f64(hold),
                 timeout: Duration::from_secs_f64(timeout),
+                ..ClientOptions::default()
             }))
         };
+        assert_eq!(
+            p(&["client", "--gpu", "GPU-1234-ab", "--alloc=3G"]),
+            Ok(Mode::Client(ClientOptions {
+                gpu: Some("GPU-1234-ab".into()),
+                alloc: 3 << 30,
+                ..ClientOptions::default()
+            }))
+        );
+        for bad in [["--gpu", "0"], ["--gpu", "GPU-a/b"], ["--alloc", "3T"]] {
+            assert!(
+                matches!(
+                    p(&["client", bad[0], bad[1]]),
+                    Err(UsageError::Value { .. })
+                ),
+                "{bad:?}"
+            );
+        }
         assert_eq!(p(&["client"]), client(0.0, 30.0));
         assert_eq!(p(&["client", "--hold", "1.5"]), client(1.5, 30.0));
         assert_eq!(

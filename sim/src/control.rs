@@ -61,6 +61,13 @@ pub enum Command {
     Ps {
         pid: Option<i32>,
     },
+    /// `terminate_client <server pid> <client pid>`: ends that client's contexts without
+    /// touching the server's other clients; the client is told and detached, and the
+    /// process runs on until someone kills it (the server does not).
+    TerminateClient {
+        server: u32,
+        client: u32,
+    },
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -179,6 +186,11 @@ pub fn parse(line: &str) -> Result<Command, CommandError> {
             })?),
         },
         ("ps", _) => return Err(usage("ps [-p <pid>]")),
+        ("terminate_client", [s, c]) => Command::TerminateClient {
+            server: pid(s)?,
+            client: pid(c)?,
+        },
+        ("terminate_client", _) => return Err(usage("terminate_client <server pid> <client pid>")),
         (other, _) => {
             return Err(CommandError::Unknown {
                 name: other.to_string(),
@@ -244,6 +256,24 @@ pub fn execute(core: &Arc<Core>, st: &mut State, cmd: Command) -> Result<String,
             Ok(mem_line(server_mut(st, server)?.settings.mem.get(&device)))
         }
         Command::Ps { pid } => Ok(ps(st, pid)),
+        Command::TerminateClient { server, client } => {
+            let s = server_mut(st, server)?;
+            let at = s
+                .clients
+                .iter()
+                .position(|c| u32::try_from(c.client.pid).ok() == Some(client))
+                .ok_or_else(|| format!("no MPS client with pid {client} on server {server}"))?;
+            let ended = s.clients.remove(at);
+            if let Some(conn) = &ended.client.conn {
+                use std::io::Write;
+                let _ = (&**conn).write_all(b"TERMINATED\n");
+            }
+            core.log.log(&format!("Client {client} terminated"));
+            // A user queued behind this server may have its turn now.
+            core.schedule(st);
+            // CUDA_SUCCESS, what the real command prints once the server is done.
+            Ok(line(0))
+        }
     }
 }
 
@@ -369,6 +399,13 @@ mod tests {
             ),
             ("ps", Command::Ps { pid: None }),
             ("ps -p 7", Command::Ps { pid: Some(7) }),
+            (
+                "terminate_client 9 12",
+                Command::TerminateClient {
+                    server: 9,
+                    client: 12,
+                },
+            ),
         ];
         for (input, want) in cases {
             assert_eq!(parse(input), Ok(want), "input {input:?}");
@@ -399,6 +436,8 @@ mod tests {
             "set_device_pinned_mem_limit 1 0",
             "ps -p x",
             "ps -x",
+            "terminate_client 9",
+            "terminate_client 9 x",
             "\u{0}\u{1}garbage",
         ];
         for input in bad {

@@ -101,6 +101,10 @@ impl MemLimit {
         })
     }
 
+    pub fn bytes(&self) -> u64 {
+        self.mib.saturating_mul(1 << 20)
+    }
+
     /// What the control daemon prints for this limit: whole GiB as `<n>G`, else `<n>M`.
     pub fn read_back(&self) -> String {
         if self.mib % 1024 == 0 {
@@ -161,6 +165,11 @@ impl DeviceLimits {
 
     pub fn get(&self, device: &str) -> Option<&MemLimit> {
         self.0.get(device)
+    }
+
+    /// The devices the list names.
+    pub fn devices(&self) -> impl Iterator<Item = &str> {
+        self.0.keys().map(String::as_str)
     }
 
     /// Per device, the lower of the two limits; a device only one side limits keeps that limit

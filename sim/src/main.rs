@@ -24,6 +24,7 @@ mod control;
 mod control_client;
 mod cuda_client;
 mod daemon;
+mod gpu;
 mod hold;
 mod limits;
 mod log;

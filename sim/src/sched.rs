@@ -44,6 +44,8 @@ pub struct ClientInfo {
     /// Inode of the client's pid namespace, 0 when unreadable (the `ps` NAMESPACE column).
     pub namespace: u64,
     pub command: String,
+    /// Its connection, where `terminate_client` tells it (`None` where it cannot be shared).
+    pub conn: Option<Arc<std::os::unix::net::UnixStream>>,
 }
 
 struct Pending {

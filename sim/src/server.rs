@@ -185,6 +185,14 @@ pub fn run_server() -> Result<()> {
 }
 
 fn serve(path: &Path) -> Result<()> {
+    // The real server holds a context of its own (its ~28 MiB row in NVML) on the device
+    // its daemon serves; gpushare starts a daemon with one UUID as CUDA_VISIBLE_DEVICES.
+    let _context = std::env::var("CUDA_VISIBLE_DEVICES")
+        .ok()
+        .filter(|d| crate::gpu::is_uuid(d))
+        .map(|d| crate::gpu::Context::hold(&d, crate::gpu::Kind::Compute, 28 << 20))
+        .transpose()
+        .context("hold the server's context")?;
     let mut out = std::io::stdout().lock();
     writeln!(out, "{READY_WORD}").context("report ready to the control daemon")?;
     out.flush().context("report ready to the control daemon")?;

@@ -166,6 +166,7 @@ fn cuda_client(core: &Arc<Core>, stream: &UnixStream, line: &str) {
         gid: creds.gid(),
         namespace: pid_namespace(creds.pid()),
         command: command_of(creds.pid()),
+        conn: stream.try_clone().ok().map(Arc::new),
     };
     let (server_uid, _) = core.server_identity(client.uid, client.gid);
     if let Err(msg) = core.check_can_serve(server_uid) {

@@ -1032,3 +1032,103 @@ fn garbage_silence_and_bad_hello_do_not_hurt_the_daemon() {
     assert_eq!(sim.ok("get_default_active_thread_percentage"), "100.0\n");
     assert_eq!(sim.ok("get_server_list"), "");
 }
+
+#[test]
+fn terminate_client_ends_one_client_and_leaves_the_others_and_the_server() {
+    let mut sim = Sim::new();
+    sim.start(&[], |_| {});
+    let mut a = sim.client(&["--hold", "30"], None, &[]);
+    let fa = fields(a.read_line().trim_end());
+    let mut b = sim.client(&["--hold", "3"], None, &[]);
+    let fb = fields(b.read_line().trim_end());
+    let server = fa["server"].clone();
+    assert_eq!(
+        sim.ok(&format!("terminate_client {server} {}", a.pid())),
+        "0\n"
+    );
+    // The client is told (a real one gets CUDA error 810) and runs on until killed.
+    assert_eq!(
+        a.read_line().trim_end(),
+        format!("mps-client terminated pid={} (CUDA error 810)", a.pid())
+    );
+    assert!(!process_gone(a.pid()));
+    assert_eq!(
+        sim.ok(&format!("get_client_list {server}")),
+        format!("{}\n", b.pid())
+    );
+    assert!(sim.log_has(&format!("Client {} terminated", a.pid())));
+    // Unknown clients and servers are errors.
+    for bad in [
+        format!("terminate_client {server} {}", a.pid()),
+        format!("terminate_client 999999 {}", b.pid()),
+    ] {
+        assert!(!sim.control(&bad).status.success(), "{bad}");
+    }
+    assert!(b.wait_exit(COMMAND_TIMEOUT).success());
+    assert_eq!(fb["server"], server);
+    assert_eq!(sim.ok("get_server_list"), format!("{server}\n"));
+    stop_pid(a.pid());
+}
+
+#[test]
+fn a_client_with_a_gpu_holds_a_context_through_mps_or_directly_and_its_limit_binds_unless_lifted() {
+    let mut sim = Sim::new();
+    sim.start(&[], |_| {});
+    let gpu = "GPU-0fa4e000-0000-4000-8000-00000000beef";
+    assert_eq!(
+        sim.ok("set_default_device_pinned_mem_limit 0 2G"),
+        "",
+        "a limit before the first server"
+    );
+    // Above the limit: refused, as the client's CUDA library refuses it.
+    let over = run_output(
+        {
+            let mut c = sim.cmd();
+            c.args(["client", "--gpu", gpu, "--alloc", "3G"]);
+            c
+        },
+        "",
+        COMMAND_TIMEOUT,
+    );
+    assert_eq!(over.status.code(), Some(2), "{}", text(&over.stderr));
+    assert!(text(&over.stderr).contains("(CUDA error 2)"));
+    // An entry of its own for a device it cannot see lifts the limit (driver 580).
+    let mut lifted = sim.client(
+        &["--gpu", gpu, "--alloc", "3G", "--hold", "30"],
+        None,
+        &[("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "1=64G")],
+    );
+    let line = fields(lifted.read_line().trim_end());
+    assert_eq!(line["allocated"], (3u64 << 30).to_string());
+    // Its context is a memfd the fake NVML reads: GPU, kind, bytes.
+    let context = |pid: i32| {
+        fs::read_dir(format!("/proc/{pid}/fd"))
+            .expect("fds")
+            .flatten()
+            .find(|f| {
+                fs::read_link(f.path())
+                    .is_ok_and(|l| l.to_string_lossy().starts_with("/memfd:gpushare-fake-nvml"))
+            })
+            .map(|f| fs::read_to_string(f.path()).expect("read the context"))
+    };
+    assert_eq!(
+        context(lifted.pid()).as_deref(),
+        Some(format!("{gpu} mps {}\n", 3u64 << 30).as_str())
+    );
+    // Without a daemon at its pipe directory: a context of its own, outside MPS.
+    let empty = sim.dir.path().join("empty");
+    fs::create_dir(&empty).expect("mkdir");
+    let mut direct = sim.client(
+        &["--gpu", gpu, "--alloc", "1G", "--hold", "30"],
+        None,
+        &[("CUDA_MPS_PIPE_DIRECTORY", empty.to_str().expect("utf-8"))],
+    );
+    let line = direct.read_line();
+    assert!(line.starts_with("direct-client pid="), "{line}");
+    assert_eq!(
+        context(direct.pid()).as_deref(),
+        Some(format!("{gpu} compute {}\n", 1u64 << 30).as_str())
+    );
+    stop_pid(lifted.pid());
+    stop_pid(direct.pid());
+}

@@ -549,6 +549,7 @@ pub(crate) fn run(cfg: &Config, paths: &Paths) -> Vec<Check> {
     state_dir_checks(cfg, &mut out);
     out.push(agent_check(cfg));
     out.extend(nri_check(cfg));
+    out.extend(watch_check(cfg));
     out.push(host_pipe_check());
     engine_checks(paths, &mut out);
     out.push(low_level_runtime_check(cfg));
@@ -577,6 +578,38 @@ fn agent_check(cfg: &Config) -> Check {
             "start it as root: `systemctl enable --now gpushare-agent` (Debian package), the node installer DaemonSet (Kubernetes), or `gpushare agent` in the background (docs/install.md)",
         ),
     }
+}
+
+/// Whether the GPU process watcher runs and sees the GPUs, where one ever ran here (none:
+/// it is not in use; `status` then shows no GPU processes).
+fn watch_check(cfg: &Config) -> Option<Check> {
+    let state = crate::state::StateDir::new(&cfg.state_dir);
+    let w = super::status::WatchView::read(&state)?;
+    let policy = match w.policy {
+        crate::config::WatchPolicy::Report => "report",
+        crate::config::WatchPolicy::Act => "act",
+    };
+    Some(match (w.fresh, &w.error) {
+        (true, None) => ok(
+            "watch",
+            format!(
+                "gpushare watch scans every {}s, policy {policy}{}: {} GPU process(es) at its last scan",
+                w.interval_seconds,
+                if w.enforced { "" } else { " (limits advisory: report only)" },
+                w.processes.len()
+            ),
+        ),
+        (true, Some(e)) => warn(
+            "watch",
+            format!("gpushare watch runs but lists no GPU process: {e}"),
+            "see the driver line above; the watcher tries NVML again at every scan",
+        ),
+        (false, _) => warn(
+            "watch",
+            "gpushare watch is not running or its last scan is stale (it ran here before): status shows what it last saw, and nothing beyond MPS itself is enforced".to_owned(),
+            "start it as root: `systemctl enable --now gpushare-watch` (Debian package) or `gpushare watch` in the background (docs/configuration.md, `[watch]`)",
+        ),
+    })
 }
 
 /// Whether the NRI plugin is connected, where one ever ran here (none: NRI is not in use).

@@ -46,7 +46,17 @@ impl StateDir {
     /// The agent's lock (`mps::agent`), held by the node's one agent for its whole life;
     /// `None` while another agent holds it.
     pub(crate) fn try_lock_agent(&self) -> Result<Option<Flock<File>>, StateError> {
-        match self.lock_file(self.agent_lock_path(), Instant::now()) {
+        self.try_lock_one(self.agent_lock_path())
+    }
+
+    /// The GPU process watcher's lock (`watch`), held by the node's one watcher for its
+    /// whole life; `None` while another watcher holds it.
+    pub(crate) fn try_lock_watch(&self) -> Result<Option<Flock<File>>, StateError> {
+        self.try_lock_one(self.watch_lock_path())
+    }
+
+    fn try_lock_one(&self, path: PathBuf) -> Result<Option<Flock<File>>, StateError> {
+        match self.lock_file(path, Instant::now()) {
             Ok(lock) => Ok(Some(lock)),
             Err(StateError::LockTimeout { .. }) => Ok(None),
             Err(e) => Err(e),

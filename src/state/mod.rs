@@ -193,6 +193,10 @@ impl StateDir {
     pub(crate) fn agent_lock_path(&self) -> PathBuf {
         self.root.join("locks").join("agent.lock")
     }
+    /// The GPU process watcher's lock (`watch`): not a daemon id either.
+    pub(crate) fn watch_lock_path(&self) -> PathBuf {
+        self.root.join("locks").join("watch.lock")
+    }
     /// Where the node's agent listens (`mps::agent`).
     pub(crate) fn agent_socket(&self) -> PathBuf {
         self.root.join("agent.sock")
@@ -201,6 +205,11 @@ impl StateDir {
     /// `doctor` and `status`.
     pub(crate) fn nri_state_path(&self) -> PathBuf {
         self.root.join("nri.json")
+    }
+    /// What the GPU process watcher found at its last scan (`watch::report`): root's,
+    /// 0600, read by `status`.
+    pub(crate) fn watch_report_path(&self) -> PathBuf {
+        self.root.join("watch.json")
     }
     pub(crate) fn control_socket(&self, id: &str) -> PathBuf {
         self.pipe_dir(id).join("control")

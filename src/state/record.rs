@@ -26,7 +26,7 @@ fn serialise(path: &Path) -> impl FnOnce(serde_json::Error) -> StateError + '_ {
 }
 
 /// A process named for good: pid plus its start time, so a reused pid never passes for it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ProcRef {
     pub pid: i32,
     pub start_time: u64,

@@ -19,3 +19,4 @@ mod security;
 mod tenant_daemon;
 mod tenant_mounts;
 mod tenant_state;
+mod watch;

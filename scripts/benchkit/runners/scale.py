@@ -1,6 +1,8 @@
 """[9] Node scale: 50 daemons and up to 1,000 live containers created through the shim;
 at each point the operator's commands (status, daemon list, gc), a warm create and the two
-hooks, each under GNU time (wall, CPU, peak RSS); then gc over stale records."""
+hooks, each under GNU time (wall, CPU, peak RSS), with the GPU process watcher running and
+listing one GPU process per container (its CPU per scan measured at each point); then gc
+over stale records."""
 
 import json
 import os
@@ -14,9 +16,99 @@ from concurrent.futures import ThreadPoolExecutor
 from ..frame import BenchError
 from ..node import UID_SCALE
 from ..stats import ms
-from ..world import GPUSHARE, RUNC, RUNTIME, SCALE_DEVICES, TRUE
+from ..world import GPUSHARE, REPO, RUNC, RUNTIME, SCALE_DEVICES, TRUE
 
 T_SCALE_MS = 100.0  # each node-scale command at 1,000 containers
+T_WATCH_CPU_MS = 50.0  # the watcher's CPU per scan at 1,000 containers: 1 % of a CPU at 5 s
+
+
+class ScaleWatch:
+    """`gpushare watch` on the node-scale state, every second, over the tests' fake NVML
+    (tests/integration/fake_nvml.c, compiled here) in its table mode: the processes it
+    lists are the lines of a file, one per live container (its init process, as an MPS
+    client with 1 GiB on the container's GPU), so that what is measured is the watcher
+    (records, cgroups, rules, report), not the fake's walk through /proc."""
+
+    def __init__(self, node, env):
+        cc = shutil.which("cc") or shutil.which("gcc")
+        if not cc:
+            raise BenchError("the watcher's figures need a C compiler (apt-get install gcc)")
+        lib = node.work / "nvml"
+        lib.mkdir(exist_ok=True)
+        subprocess.run([cc, "-shared", "-fPIC", "-pthread", "-O2", "-Wl,-z,nodelete", "-o",
+                        str(lib / "libnvidia-ml.so.1"),
+                        str(REPO / "tests" / "integration" / "fake_nvml.c")], check=True)
+        self.table = node.work / "gpu-processes"
+        self.table.write_text("")
+        cfg = node.work / "scale-watch.toml"
+        cfg.write_text(node.cfg_scale.read_text() + '\n[watch]\ninterval = "1s"\n')
+        self.report = node.state / "watch.json"
+        self.proc = subprocess.Popen(
+            [str(GPUSHARE), "watch"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=dict(env, GPUSHARE_CONFIG=str(cfg), LD_LIBRARY_PATH=str(lib),
+                     FAKE_NVML_GPUS=",".join(uuid for _, uuid in SCALE_DEVICES),
+                     FAKE_NVML_TABLE=str(self.table)))
+
+    def list_containers(self, pids, daemons):
+        """One GPU process per container: its init pid on its identity's GPU."""
+        lines = []
+        for i, pid in sorted(pids.items()):
+            _, dev = scale_identity(i % daemons)
+            uuid = dict(SCALE_DEVICES)[dev]
+            lines.append(f"{pid} {uuid} mps {1 << 30}\n")
+        tmp = self.table.with_suffix(".tmp")
+        tmp.write_text("".join(lines))
+        os.replace(tmp, self.table)
+
+    def _read(self):
+        try:
+            return json.loads(self.report.read_text()), self.report.stat().st_mtime_ns
+        except (OSError, ValueError):
+            return None, None
+
+    def _cpu_s(self):
+        fields = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def _next_scan(self, after, limit=30.0):
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            r, m = self._read()
+            if r is not None and m != after:
+                return r, m
+            time.sleep(0.05)
+        raise BenchError("the watcher wrote no report for 30 s")
+
+    def measure(self, n, scans):
+        """Waits until a scan lists the n processes, each in its container; then its CPU
+        over `scans` more scans. Returns (CPU ms per scan, median scan wall ms)."""
+        deadline = time.monotonic() + 60
+        m = None
+        while True:
+            r, m = self._next_scan(m)
+            procs = r["processes"]
+            if len(procs) == n and all(p["container_id"] for p in procs):
+                break
+            if time.monotonic() > deadline:
+                raise BenchError(f"the watcher lists {len(procs)} processes, "
+                                 f"{sum(1 for p in procs if p['container_id'])} in a container, "
+                                 f"not {n}: {r.get('error')}")
+        cpu0 = self._cpu_s()
+        walls = []
+        for _ in range(scans):
+            r, m = self._next_scan(m)
+            walls.append(r["scan_seconds"])
+        cpu1 = self._cpu_s()
+        return (cpu1 - cpu0) * 1000 / scans, statistics.median(walls) * 1000
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def scale_identity(k):
@@ -79,6 +171,26 @@ def bench_scale(node, reps):
     pids = {}
     out = node.work / "scale.out"
     results = {}
+    watch = ScaleWatch(node, env)
+    watched = {}
+    try:
+        measure_points(node, env, points, reps, commands, n_daemons, made, pids, out,
+                       results, watch, watched)
+    finally:
+        watch.stop()
+    node.results["scale_watch"] = {str(n): {"cpu_ms_per_scan": round(c, 2),
+                                            "scan_wall_ms_median": round(w, 2)}
+                                   for n, (c, w) in watched.items()}
+    cpu, _ = watched[points[-1]]
+    node.verdicts.append((f"{points[-1]} containers: gpushare watch CPU per scan",
+                          f"{cpu:.1f} ms", f"<= {T_WATCH_CPU_MS:.0f} ms", cpu <= T_WATCH_CPU_MS))
+    finish_scale(node, env, points, results, daemons, pids)
+
+
+def measure_points(node, env, points, reps, commands, n_daemons, made, pids, out, results,
+                   watch, watched):
+    """The node-scale points: containers up to each, the watcher's cost, the commands."""
+    g = str(GPUSHARE)
     for n in points:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(node.args.scale_jobs) as ex:
@@ -88,6 +200,11 @@ def bench_scale(node, reps):
         print(f"  {n - made} containers created and started in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
         made = n
+        watch.list_containers(pids, n_daemons)
+        cpu, wall = watch.measure(n, 10)
+        watched[n] = (cpu, wall)
+        print(f"  {n:>5} containers  gpushare watch, one GPU process per container: CPU "
+              f"{cpu:.2f} ms per scan, scan {wall:.2f} ms (median of 10)", flush=True)
         row = {}
         for name, argv in commands.items():
             samples, old = [], []
@@ -141,6 +258,9 @@ def bench_scale(node, reps):
                   f"[{ms(min(ts)):7.2f}-{ms(max(ts)):7.2f}]  CPU "
                   f"{ms(statistics.median(x[2] for x in samples)):7.2f} ms  peak RSS "
                   f"{max(x[1] for x in samples) / 1024:6.2f} MiB", flush=True)
+
+
+def finish_scale(node, env, points, results, daemons, pids):
     node.results["scale"] = {
         str(n): {name: {"median_ms": ms(statistics.median(x[0] for x in s)),
                         "cpu_median_ms": ms(statistics.median(x[2] for x in s)),

@@ -109,6 +109,56 @@ pub(crate) struct StatusView {
     /// The NRI plugin (`gpushare nri`), where one ever ran on this node.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nri: Option<NriView>,
+    /// The GPU processes, from the watcher's last scan (`gpushare watch`), where one ever
+    /// ran on this node.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub watch: Option<WatchView>,
+}
+
+/// What the GPU process watcher last wrote (`watch::report`), names escaped.
+#[derive(Debug, Serialize)]
+pub(crate) struct WatchView {
+    /// Its watcher runs and the scan is at most three intervals old.
+    pub fresh: bool,
+    pub policy: crate::config::WatchPolicy,
+    pub enforced: bool,
+    pub scanned_at: u64,
+    pub interval_seconds: f64,
+    pub scan_seconds: f64,
+    pub error: Option<String>,
+    /// Every process with a context on a GPU: its container and pod where gpushare serves
+    /// it, its daemon for an MPS server, neither for the host's and other containers'.
+    pub processes: Vec<crate::watch::report::Process>,
+    pub actions: crate::watch::report::Counters,
+}
+
+impl WatchView {
+    pub(crate) fn read(state: &StateDir) -> Option<WatchView> {
+        let r = crate::watch::report::Report::read(state)?;
+        let esc = |s: &Option<String>| s.as_deref().map(crate::util::escape);
+        Some(WatchView {
+            fresh: r.fresh(crate::util::unix_now()),
+            policy: r.policy,
+            enforced: r.enforced,
+            scanned_at: r.scanned_at,
+            interval_seconds: r.interval_seconds,
+            scan_seconds: r.scan_seconds,
+            error: esc(&r.error),
+            processes: r
+                .processes
+                .into_iter()
+                .map(|p| crate::watch::report::Process {
+                    gpu: crate::util::escape(&p.gpu),
+                    container_id: esc(&p.container_id),
+                    daemon: esc(&p.daemon),
+                    names: p.names.escaped(),
+                    verdict: esc(&p.verdict),
+                    ..p
+                })
+                .collect(),
+            actions: r.actions,
+        })
+    }
 }
 
 /// Where the NRI plugin stands, from what it wrote of itself (`nri::PluginState`).
@@ -350,6 +400,7 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
         state_dir: cfg.state_dir.display().to_string(),
         daemons,
         nri: NriView::read(&state),
+        watch: WatchView::read(&state),
     }
 }
 

@@ -8,7 +8,7 @@
 mod collect;
 mod render;
 
-pub(crate) use collect::NriView;
+pub(crate) use collect::{NriView, WatchView};
 
 use std::io::Write;
 use std::path::Path;

@@ -7,9 +7,11 @@
 //! control character reaches a terminal and no label value ends its label early; metric
 //! names and types stay as they are (dashboards and alerts use them).
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
 
-use super::collect::{DaemonView, DirectoryState, StatusView, ViewStatus};
+use super::collect::{DaemonView, DirectoryState, StatusView, ViewStatus, WatchView};
+use crate::watch::report::{Kind, Process};
 
 /// The first 12 characters of a 64-hex-digit engine id (as `docker ps` and `crictl ps`
 /// show them); any other id in full.
@@ -18,6 +20,60 @@ fn short_container_id(id: &str) -> &str {
         &id[..12]
     } else {
         id
+    }
+}
+
+/// One GPU process, for the table: `pid <pid>  <kind>  GPU <index>  <used>  [verdict]`.
+fn process_line(out: &mut String, indent: &str, p: &Process) {
+    let _ = write!(
+        out,
+        "{indent}gpu pid {}  {}  GPU {} {}  {}",
+        p.pid,
+        p.kind.word(),
+        p.gpu_index,
+        p.gpu,
+        p.used_memory_bytes
+            .map_or_else(|| "-".to_owned(), |b| format!("{}MiB", b >> 20))
+    );
+    if let Some(v) = &p.verdict {
+        let _ = write!(out, "  [{v}]");
+    }
+    out.push('\n');
+}
+
+/// The watcher's state in one line, and the processes of no served container.
+fn watch_lines(out: &mut String, w: &WatchView, now: u64) {
+    let _ = write!(
+        out,
+        "GPU process watcher: {}, policy {}{}, last scan {} ago, {} GPU process(es); stopped {} outside MPS, ended {} MPS client(s)",
+        if w.fresh { "running" } else { "NOT RUNNING or stale" },
+        match w.policy {
+            crate::config::WatchPolicy::Report => "report",
+            crate::config::WatchPolicy::Act => "act",
+        },
+        if w.enforced { "" } else { " (limits advisory: report only)" },
+        human_duration(now.saturating_sub(w.scanned_at)),
+        w.processes.len(),
+        w.actions.stopped_direct,
+        w.actions.ended_clients,
+    );
+    out.push('\n');
+    if let Some(e) = &w.error {
+        let _ = writeln!(out, "  └ {e}");
+    }
+    let unserved: Vec<&Process> = w
+        .processes
+        .iter()
+        .filter(|p| p.container_id.is_none() && p.daemon.is_none())
+        .collect();
+    if !unserved.is_empty() {
+        let _ = writeln!(
+            out,
+            "GPU processes of no container gpushare serves (the host's, other containers'):"
+        );
+        for p in unserved {
+            process_line(out, "  └ ", p);
+        }
     }
 }
 
@@ -32,6 +88,17 @@ fn human_duration(secs: u64) -> String {
 
 pub(crate) fn table(view: &StatusView) -> String {
     let mut out = String::new();
+    // The watcher's processes by container and by daemon (servers), looked up per line:
+    // a node of a thousand containers and as many processes stays linear.
+    let mut by_container: HashMap<&str, Vec<&Process>> = HashMap::new();
+    let mut servers: HashMap<&str, Vec<&Process>> = HashMap::new();
+    for p in view.watch.iter().flat_map(|w| &w.processes) {
+        match (&p.container_id, &p.daemon) {
+            (Some(c), _) => by_container.entry(c.as_str()).or_default().push(p),
+            (None, Some(d)) => servers.entry(d.as_str()).or_default().push(p),
+            (None, None) => {}
+        }
+    }
     let _ = writeln!(
         out,
         "{:<32}  {:<22}  {:<6}  {:<22}  {:>7}  {:>6}  {:>8}  {:<12}  {:>7}  {:>7}",
@@ -97,6 +164,9 @@ pub(crate) fn table(view: &StatusView) -> String {
         if let Some(why) = &d.health_reason {
             let _ = writeln!(out, "  └ {}: {why}", d.health);
         }
+        for p in servers.get(d.id.as_str()).into_iter().flatten() {
+            process_line(&mut out, "  └ ", p);
+        }
         for c in &d.containers {
             // Engines' ids are 64 hex digits; 12 identify a container as `docker ps` shows.
             let _ = write!(
@@ -120,6 +190,9 @@ pub(crate) fn table(view: &StatusView) -> String {
                 let _ = write!(out, "  container={name}");
             }
             out.push('\n');
+            for p in by_container.get(c.id.as_str()).into_iter().flatten() {
+                process_line(&mut out, "      ", p);
+            }
         }
     }
     if view.daemons.is_empty() {
@@ -127,6 +200,9 @@ pub(crate) fn table(view: &StatusView) -> String {
     }
     if let Some(nri) = &view.nri {
         let _ = writeln!(out, "{}", nri.line());
+    }
+    if let Some(w) = &view.watch {
+        watch_lines(&mut out, w, crate::util::unix_now());
     }
     out
 }
@@ -253,7 +329,119 @@ pub(crate) fn prometheus(view: &StatusView) -> String {
             })
             .collect(),
     );
+    if let Some(w) = &view.watch {
+        watch_metrics(&mut metric, w);
+    }
     out
+}
+
+/// The GPU processes, summed per container and GPU with DCGM exporter's labels (`gpu`,
+/// `UUID`, `namespace`, `pod`, `container`) so that the series join DCGM's; the host's
+/// and other containers' processes per GPU; the watcher's health and actions.
+fn watch_metrics(metric: &mut impl FnMut(&str, &str, &str, Vec<(String, String)>), w: &WatchView) {
+    use std::collections::BTreeMap;
+    let gpu = |p: &Process| format!("gpu=\"{}\",UUID=\"{}\"", p.gpu_index, label_escaped(&p.gpu));
+    let mut memory: BTreeMap<String, u64> = BTreeMap::new();
+    let mut count: BTreeMap<String, u64> = BTreeMap::new();
+    let mut unserved: BTreeMap<String, u64> = BTreeMap::new();
+    let mut unserved_count: BTreeMap<String, u64> = BTreeMap::new();
+    let mut servers: BTreeMap<String, u64> = BTreeMap::new();
+    for p in &w.processes {
+        let used = p.used_memory_bytes.unwrap_or(0);
+        let name = |n: &Option<String>| label_escaped(n.as_deref().unwrap_or(""));
+        match (&p.container_id, &p.daemon) {
+            (Some(c), daemon) => {
+                let key = format!(
+                    "{},namespace=\"{}\",pod=\"{}\",container=\"{}\",container_id=\"{}\",daemon=\"{}\"",
+                    gpu(p),
+                    name(&p.names.namespace),
+                    name(&p.names.pod),
+                    name(&p.names.container),
+                    label_escaped(c),
+                    label_escaped(daemon.as_deref().unwrap_or(""))
+                );
+                *memory.entry(format!("{{{key}}}")).or_default() += used;
+                *count
+                    .entry(format!("{{{key},kind=\"{}\"}}", p.kind.word()))
+                    .or_default() += 1;
+            }
+            (None, Some(d)) if p.kind == Kind::MpsServer => {
+                *servers
+                    .entry(format!("{{{},daemon=\"{}\"}}", gpu(p), label_escaped(d)))
+                    .or_default() += used;
+            }
+            _ => {
+                *unserved.entry(format!("{{{}}}", gpu(p))).or_default() += used;
+                *unserved_count
+                    .entry(format!("{{{},kind=\"{}\"}}", gpu(p), p.kind.word()))
+                    .or_default() += 1;
+            }
+        }
+    }
+    let rows = |m: BTreeMap<String, u64>| m.into_iter().map(|(l, v)| (l, v.to_string())).collect();
+    metric(
+        "gpushare_container_gpu_memory_used_bytes",
+        "gauge",
+        "GPU memory the processes of a served container use on one GPU (NVML, at the watcher's last scan).",
+        rows(memory),
+    );
+    metric(
+        "gpushare_container_gpu_processes",
+        "gauge",
+        "Processes of a served container with a context on one GPU, by kind (mps-client, direct).",
+        rows(count),
+    );
+    metric(
+        "gpushare_mps_server_gpu_memory_used_bytes",
+        "gauge",
+        "GPU memory the MPS servers of a daemon use on one GPU.",
+        rows(servers),
+    );
+    metric(
+        "gpushare_unserved_gpu_memory_used_bytes",
+        "gauge",
+        "GPU memory used by processes of no container gpushare serves (the host's, other containers').",
+        rows(unserved),
+    );
+    metric(
+        "gpushare_unserved_gpu_processes",
+        "gauge",
+        "Processes of no container gpushare serves with a context on one GPU, by kind.",
+        rows(unserved_count),
+    );
+    metric(
+        "gpushare_watch_up",
+        "gauge",
+        "1 when the GPU process watcher runs and its last scan is recent.",
+        vec![(String::new(), u8::from(w.fresh).to_string())],
+    );
+    metric(
+        "gpushare_watch_last_scan_timestamp_seconds",
+        "gauge",
+        "When the watcher's last scan ended (Unix time).",
+        vec![(String::new(), w.scanned_at.to_string())],
+    );
+    metric(
+        "gpushare_watch_scan_duration_seconds",
+        "gauge",
+        "How long the watcher's last scan took.",
+        vec![(String::new(), format!("{:.6}", w.scan_seconds))],
+    );
+    let a = &w.actions;
+    metric(
+        "gpushare_watch_actions_total",
+        "counter",
+        "What the watcher did: stop-direct (killed a served container's process outside MPS), end-client (terminate_client then kill of an MPS client above its container's limit), unconfirmed-termination (of those, killed without a confirmed terminate_client), failed.",
+        [
+            ("stop-direct", a.stopped_direct),
+            ("end-client", a.ended_clients),
+            ("unconfirmed-termination", a.unconfirmed_terminations),
+            ("failed", a.failed),
+        ]
+        .into_iter()
+        .map(|(action, n)| (format!("{{action=\"{action}\"}}"), n.to_string()))
+        .collect(),
+    );
 }
 
 #[cfg(test)]
@@ -299,6 +487,7 @@ mod tests {
             schema: SCHEMA,
             state_dir: "/run/gpushare".into(),
             nri: None,
+            watch: None,
             daemons: vec![DaemonView {
                 id: "0123456789abcdef0123456789abcdef".into(),
                 devices: vec![DeviceView {
@@ -375,6 +564,80 @@ mod tests {
             "ready"
         );
         assert_eq!(human_duration(59), "59s");
+        // The watcher's processes: the same escaping, per container with DCGM's labels.
+        let hostile = "evil\n\"} 1\ngpushare_daemons 99\u{1b}[2J";
+        let mut view = view;
+        view.watch = Some(WatchView {
+            fresh: true,
+            policy: crate::config::WatchPolicy::Act,
+            enforced: true,
+            scanned_at: 0,
+            interval_seconds: 5.0,
+            scan_seconds: 0.01,
+            error: None,
+            processes: vec![
+                Process {
+                    pid: 42,
+                    kind: Kind::MpsClient,
+                    gpu: "GPU-1".into(),
+                    gpu_index: 0,
+                    used_memory_bytes: Some(1 << 30),
+                    container_id: Some("c1".into()),
+                    daemon: Some("0123456789abcdef0123456789abcdef".into()),
+                    names: crate::state::PodNames {
+                        namespace: Some("team-a".into()),
+                        pod: Some(hostile.into()),
+                        container: Some("main".into()),
+                    }
+                    .escaped(),
+                    verdict: None,
+                },
+                Process {
+                    pid: 43,
+                    kind: Kind::Direct,
+                    gpu: "GPU-1".into(),
+                    gpu_index: 0,
+                    used_memory_bytes: Some(2 << 30),
+                    container_id: None,
+                    daemon: None,
+                    names: Default::default(),
+                    verdict: None,
+                },
+            ],
+            actions: crate::watch::report::Counters {
+                stopped_direct: 3,
+                ..Default::default()
+            },
+        });
+        let text = prometheus(&view);
+        assert!(
+            text.contains("gpushare_container_gpu_memory_used_bytes{gpu=\"0\",UUID=\"GPU-1\",namespace=\"team-a\",pod=\"evil\\\\n\\\"} 1\\\\ngpushare_daemons 99\\\\u{1b}[2J\",container=\"main\",container_id=\"c1\",daemon=\"0123456789abcdef0123456789abcdef\"} 1073741824\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "gpushare_unserved_gpu_memory_used_bytes{gpu=\"0\",UUID=\"GPU-1\"} 2147483648\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("gpushare_watch_actions_total{action=\"stop-direct\"} 3\n"),
+            "{text}"
+        );
+        assert!(
+            !text.lines().any(|l| l.starts_with("gpushare_daemons 99")),
+            "{text}"
+        );
+        let table = super::table(&view);
+        assert!(
+            table.contains("      gpu pid 42  mps-client  GPU 0 GPU-1  1024MiB\n"),
+            "{table}"
+        );
+        assert!(
+            table.contains("  └ gpu pid 43  direct  GPU 0 GPU-1  2048MiB\n"),
+            "{table}"
+        );
+        assert!(!table.contains('\u{1b}'));
         assert_eq!(human_duration(7300), "2h");
     }
 }

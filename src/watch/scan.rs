@@ -1,0 +1,326 @@
+//! One look at the node: every process NVML lists on each GPU (`list`), and what each
+//! belongs to (`Node::owner`): an MPS server of one of gpushare's daemons, a container
+//! gpushare serves, or nothing gpushare serves (the host, another container).
+//!
+//! Invariants: a process belongs to a container by its cgroup — the container's own, or
+//! one below it — never by anything the process says of itself (its name, its
+//! environment); a container whose cgroup cannot tell its processes from others' (the
+//! root cgroup, the watcher's own, PID 1's, or one two served containers share) owns no
+//! process; an MPS server is a process in a daemon's `gpushare/<id>-<pid>` cgroup, which
+//! only root makes.
+
+use std::collections::{HashMap, HashSet};
+
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::Nvml;
+
+use crate::identity::Identity;
+use crate::state::{ContainerRecord, ProcRef, StateDir};
+
+/// One process as NVML lists it on one GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Listed {
+    pub pid: u32,
+    pub gpu: String,
+    pub gpu_index: u32,
+    /// In NVML's MPS list (an MPS client) as well as in the compute list.
+    pub mps: bool,
+    pub used: Option<u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ScanError {
+    #[error("cannot list the processes of GPU {index} through NVML ({what})")]
+    Nvml {
+        index: u32,
+        what: &'static str,
+        #[source]
+        error: NvmlError,
+    },
+}
+
+/// Every process with a compute context on the node's GPUs. An MPS client is in both of
+/// NVML's lists, a server or a process outside MPS in the compute list only (docs/mps.md,
+/// "The GPU process watcher").
+pub(crate) fn list(nvml: &Nvml) -> Result<Vec<Listed>, ScanError> {
+    let err = |index, what| move |error| ScanError::Nvml { index, what, error };
+    let count = nvml.device_count().map_err(err(0, "count the GPUs"))?;
+    let mut out = Vec::new();
+    for index in 0..count {
+        let device = nvml.device_by_index(index).map_err(err(index, "open it"))?;
+        let gpu = device.uuid().map_err(err(index, "read its UUID"))?;
+        let compute = device
+            .running_compute_processes()
+            .map_err(err(index, "compute processes"))?;
+        // nvml-wrapper 0.13 sizes this call's buffer to exactly the count it asked for
+        // first: a client that starts in between makes it InsufficientSize. Ask again.
+        let mut mps = Err(NvmlError::InsufficientSize(None));
+        for _ in 0..3 {
+            mps = device.mps_running_compute_processes();
+            if !matches!(mps, Err(NvmlError::InsufficientSize(_))) {
+                break;
+            }
+        }
+        let mps = mps.map_err(err(index, "MPS processes"))?;
+        let clients: HashSet<u32> = mps.iter().map(|p| p.pid).collect();
+        let mut seen = HashSet::new();
+        for p in compute.iter().chain(mps.iter()) {
+            if !seen.insert(p.pid) {
+                continue;
+            }
+            out.push(Listed {
+                pid: p.pid,
+                gpu: gpu.clone(),
+                gpu_index: index,
+                mps: clients.contains(&p.pid),
+                used: match p.used_gpu_memory {
+                    UsedGpuMemory::Used(b) => Some(b),
+                    UsedGpuMemory::Unavailable => None,
+                },
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// A container gpushare serves, as the watcher attributes processes to it.
+#[derive(Debug, Clone)]
+pub(crate) struct Served {
+    pub record: ContainerRecord,
+    pub daemon: String,
+    pub identity: std::sync::Arc<Identity>,
+}
+
+/// What a listed process belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Owner {
+    /// The MPS server (or another process) of daemon `Node::daemons[i]`.
+    Daemon(usize),
+    /// The served container `Node::served[i]`.
+    Container(usize),
+    None,
+}
+
+/// The served containers and the daemons, by cgroup.
+#[derive(Debug, Default)]
+pub(crate) struct Node {
+    pub served: Vec<Served>,
+    pub daemons: Vec<String>,
+    /// Container cgroup → `served` index; `None` where two served containers share it.
+    pub(super) by_cgroup: HashMap<String, Option<usize>>,
+}
+
+/// What a scan keeps for the next: the cgroups of containers' init processes (a process
+/// does not move), each daemon's identity (an id names one identity for good), and each
+/// daemon's container records with the time its `containers/` directory last changed.
+#[derive(Debug, Default)]
+pub(crate) struct Cache {
+    cgroups: HashMap<ProcRef, Option<String>>,
+    daemons: HashMap<String, Daemon>,
+}
+
+#[derive(Debug)]
+struct Daemon {
+    identity: std::sync::Arc<Identity>,
+    /// `containers/`'s mtime when `containers` were read; `None`: read them again.
+    stamp: Option<std::time::SystemTime>,
+    containers: Vec<ContainerRecord>,
+}
+
+/// A directory changed within this long of a read may change again in the same tick of
+/// its mtime: its records are read again rather than trusted.
+const SETTLED: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl Node {
+    /// Reads every daemon's record and containers, from `cache` where nothing changed.
+    pub(crate) fn read(state: &StateDir, cache: &mut Cache) -> Node {
+        let mut node = Node::default();
+        let mut seen = HashSet::new();
+        // Cgroups that hold more than one container's worth of processes.
+        let shared: HashSet<String> = [Some(std::process::id() as i32), Some(1)]
+            .into_iter()
+            .flatten()
+            .filter_map(cgroup_of)
+            .chain(std::iter::once("/".to_owned()))
+            .collect();
+        let ids = state.daemon_ids().unwrap_or_default();
+        cache.daemons.retain(|id, _| ids.contains(id));
+        for id in ids {
+            let daemon = match cache.daemons.remove(&id) {
+                Some(d) => d,
+                None => {
+                    let Ok(Some(rec)) = state.read_record(&id) else {
+                        continue;
+                    };
+                    Daemon {
+                        identity: std::sync::Arc::new(rec.identity),
+                        stamp: None,
+                        containers: Vec::new(),
+                    }
+                }
+            };
+            let mut daemon = daemon;
+            let now = std::time::SystemTime::now();
+            let mtime = std::fs::metadata(state.containers_dir(&id))
+                .and_then(|m| m.modified())
+                .ok();
+            let settled =
+                mtime.is_some_and(|m| now.duration_since(m).is_ok_and(|age| age >= SETTLED));
+            if daemon.stamp.is_none() || daemon.stamp != mtime || !settled {
+                daemon.containers = state.containers(&id).unwrap_or_default();
+                daemon.stamp = mtime.filter(|_| settled);
+            }
+            for record in &daemon.containers {
+                let (Some(pid), Some(start_time)) = (record.pid, record.start_time) else {
+                    continue;
+                };
+                let init = ProcRef { pid, start_time };
+                if !init.alive() {
+                    continue;
+                }
+                seen.insert(init);
+                let cgroup = cache
+                    .cgroups
+                    .entry(init)
+                    .or_insert_with(|| cgroup_of(pid))
+                    .clone();
+                let Some(cgroup) = cgroup.filter(|c| !shared.contains(c)) else {
+                    continue;
+                };
+                let index = node.served.len();
+                node.by_cgroup
+                    .entry(cgroup)
+                    .and_modify(|e| *e = None)
+                    .or_insert(Some(index));
+                node.served.push(Served {
+                    record: record.clone(),
+                    daemon: id.clone(),
+                    identity: daemon.identity.clone(),
+                });
+            }
+            node.daemons.push(id.clone());
+            cache.daemons.insert(id, daemon);
+        }
+        cache.cgroups.retain(|p, _| seen.contains(p));
+        node
+    }
+
+    /// What process `pid` belongs to, from its cgroup.
+    pub(crate) fn owner(&self, pid: i32) -> (Owner, Option<String>) {
+        let Some(cgroup) = cgroup_of(pid) else {
+            return (Owner::None, None);
+        };
+        (self.owner_of_cgroup(&cgroup), Some(cgroup))
+    }
+
+    pub(crate) fn owner_of_cgroup(&self, cgroup: &str) -> Owner {
+        if let Some(id) = daemon_of_cgroup(cgroup) {
+            if let Some(i) = self.daemons.iter().position(|d| d == id) {
+                return Owner::Daemon(i);
+            }
+        }
+        // The container's own cgroup or one below it.
+        let mut path = cgroup;
+        loop {
+            if let Some(found) = self.by_cgroup.get(path) {
+                return found.map_or(Owner::None, Owner::Container);
+            }
+            match path.rsplit_once('/') {
+                Some((parent, _)) if !parent.is_empty() => path = parent,
+                _ => return Owner::None,
+            }
+        }
+    }
+}
+
+/// The daemon id of a supervisor's cgroup `/gpushare/<id>-<supervisor pid>[/…]`.
+fn daemon_of_cgroup(cgroup: &str) -> Option<&str> {
+    let rest = cgroup.strip_prefix("/gpushare/")?;
+    let leaf = rest.split('/').next()?;
+    let (id, pid) = leaf.split_once('-')?;
+    (crate::identity::valid_id(id) && pid.parse::<u32>().is_ok()).then_some(id)
+}
+
+/// The cgroup of process `pid`: its unified-hierarchy path where that is the only one
+/// (cgroup v2), else its `memory` hierarchy's (v1, where engines and gpushare make a
+/// cgroup per container and per daemon in every hierarchy).
+pub(crate) fn cgroup_of(pid: i32) -> Option<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    cgroup_from(&text)
+}
+
+fn cgroup_from(text: &str) -> Option<String> {
+    let mut unified = None;
+    let mut memory = None;
+    for line in text.lines() {
+        let mut f = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        if controllers.is_empty() {
+            unified = Some(path);
+        } else if controllers.split(',').any(|c| c == "memory") {
+            memory = Some(path);
+        }
+    }
+    memory.or(unified).map(str::to_owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cgroup_lines() {
+        assert_eq!(
+            cgroup_from("0::/system.slice/runc-abc.scope\n").as_deref(),
+            Some("/system.slice/runc-abc.scope")
+        );
+        let v1 = "12:pids:/docker/abc\n4:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n0::/\n";
+        assert_eq!(cgroup_from(v1).as_deref(), Some("/docker/abc"));
+        assert_eq!(cgroup_from("garbage\n"), None);
+        assert_eq!(cgroup_from(""), None);
+    }
+
+    #[test]
+    fn daemon_cgroups() {
+        let id = "0123456789abcdef0123456789abcdef";
+        assert_eq!(daemon_of_cgroup(&format!("/gpushare/{id}-42")), Some(id));
+        assert_eq!(daemon_of_cgroup(&format!("/gpushare/{id}-42/x")), Some(id));
+        for bad in [
+            format!("/x/gpushare/{id}-42"),
+            format!("/gpushare/{id}"),
+            format!("/gpushare/{id}-x"),
+            "/gpushare/zz-1".to_owned(),
+        ] {
+            assert_eq!(daemon_of_cgroup(&bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn owners_by_cgroup() {
+        let mut node = Node {
+            daemons: vec!["0123456789abcdef0123456789abcdef".into()],
+            ..Node::default()
+        };
+        node.by_cgroup.insert("/k/pod1/c1".into(), Some(0));
+        node.by_cgroup.insert("/k/pod1/c2".into(), None);
+        let cases = [
+            ("/k/pod1/c1", Owner::Container(0)),
+            ("/k/pod1/c1/sub/x", Owner::Container(0)),
+            ("/k/pod1/c10", Owner::None),
+            ("/k/pod1", Owner::None),
+            ("/k/pod1/c2/y", Owner::None),
+            ("/", Owner::None),
+            (
+                "/gpushare/0123456789abcdef0123456789abcdef-7",
+                Owner::Daemon(0),
+            ),
+            ("/gpushare/ffffffffffffffffffffffffffffffff-7", Owner::None),
+        ];
+        for (cgroup, want) in cases {
+            assert_eq!(node.owner_of_cgroup(cgroup), want, "{cgroup}");
+        }
+    }
+}
