@@ -302,11 +302,7 @@ impl Watcher<'_> {
             self.cfg.driver_root.as_deref(),
         )
         .map_err(|e| e.to_string())?;
-        let control = Control {
-            binary,
-            pipe_dir: self.state.pipe_dir(daemon),
-            user: (!identity.multi_user).then_some((identity.uid, identity.gid)),
-        };
+        let control = Control::of_daemon(binary, &self.state, daemon, &identity);
         let servers = control
             .command("get_server_list", CONTROL_TIMEOUT)
             .map_err(|e| {

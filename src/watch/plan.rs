@@ -187,6 +187,7 @@ mod tests {
                 active_thread_percentage: Some(25),
                 pinned_memory_limit: limit,
                 ipc_host: false,
+                tenant: None,
             })
         };
         let served = |id: &str, limit| Served {

@@ -467,6 +467,7 @@ mod tests {
             state_dir: "/run/gpushare".into(),
             nri: None,
             daemons: Vec::new(),
+            watch: None,
         };
         let declared = |text: &str| -> Vec<String> {
             text.lines()
