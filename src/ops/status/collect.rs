@@ -138,7 +138,7 @@ impl NriView {
                 "NRI plugin running but not connected ({}): the runtime creates pods without it, and a pod with a request runs unserved",
                 self.error.as_deref().unwrap_or("not registered yet")
             ),
-            (false, _) => "NRI plugin not running (it ran here before): the runtime creates pods without it, and a pod with a request runs unserved".to_owned(),
+            (false, _) => "NRI plugin not running (it ran here before): the runtime creates pods without it, and a pod with a request runs unserved; removed on purpose: `gpushare gc` forgets it".to_owned(),
         }
     }
 }
