@@ -547,6 +547,7 @@ pub(crate) fn run(cfg: &Config, paths: &Paths) -> Vec<Check> {
     }
     out.push(control_binary_check(cfg));
     state_dir_checks(cfg, &mut out);
+    out.push(capacity_check(cfg));
     out.push(agent_check(cfg));
     out.extend(nri_check(cfg));
     out.push(host_pipe_check());
@@ -554,6 +555,29 @@ pub(crate) fn run(cfg: &Config, paths: &Paths) -> Vec<Check> {
     out.push(low_level_runtime_check(cfg));
     cdi_checks(cfg, inv.as_ref(), &paths.cdi_specs, &mut out);
     out
+}
+
+/// The daemon caps, their use and the one that binds: `mps.max-daemons` is rarely the
+/// one (with the defaults, `mps.shm-size-total` over `mps.shm-size` admits fewer). A
+/// warning when every place is taken.
+fn capacity_check(cfg: &Config) -> Check {
+    let state = crate::state::StateDir::new(&cfg.state_dir);
+    match super::status::collect_capacity(cfg, &state) {
+        Some(c) if c.daemons >= c.effective_daemons => warn(
+            "capacity",
+            format!("{}: every place is taken; {}", super::status::capacity_line(&c), super::status::caps_summary(&c)),
+            format!("a new user's create now takes the place of an idle daemon or is refused naming {}; size the caps for the node (docs/configuration.md, \"Sizing the daemon caps\")", c.binding),
+        ),
+        Some(c) => ok(
+            "capacity",
+            format!("{}; {}", super::status::capacity_line(&c), super::status::caps_summary(&c)),
+        ),
+        None => warn(
+            "capacity",
+            format!("cannot count the daemons under {}", cfg.state_dir.display()),
+            "check state-dir (the state-dir line above)",
+        ),
+    }
 }
 
 /// Whether the node's agent answers: without it a hook starts supervisors itself, and an

@@ -100,6 +100,10 @@ pub(crate) struct StatusView {
     /// The NRI plugin (`gpushare nri`), where one ever ran on this node.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nri: Option<NriView>,
+    /// The daemon caps, their use and the one that binds (`capacity`); `None` when the
+    /// state directory cannot be read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<crate::state::Capacity>,
 }
 
 /// Where the NRI plugin stands, from what it wrote of itself (`nri::PluginState`).
@@ -338,7 +342,13 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
         state_dir: cfg.state_dir.display().to_string(),
         daemons,
         nri: NriView::read(&state),
+        capacity: capacity(cfg, &state),
     }
+}
+
+/// The node's daemon caps as the next create counts them (`mps::ensure::budget`).
+pub(crate) fn capacity(cfg: &Config, state: &StateDir) -> Option<crate::state::Capacity> {
+    state.capacity(&crate::mps::ensure::budget(cfg)).ok()
 }
 
 /// The view of a daemon directory without a (readable) record: its owner and mounts from
