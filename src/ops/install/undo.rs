@@ -505,6 +505,12 @@ root = "/var/lib/containerd"
         };
         shim(&at).unwrap();
         nri(&at).unwrap();
+        // A dry run writes nothing, the record included.
+        let installed = std::fs::read_to_string(&config).unwrap();
+        let record = std::fs::read(super::record_path(&config)).unwrap();
+        uninstall(containerd(&at), Some(config.clone()), "gpushare", true).unwrap();
+        assert_eq!(std::fs::read_to_string(&config).unwrap(), installed);
+        assert_eq!(std::fs::read(super::record_path(&config)).unwrap(), record);
         let edited = std::fs::read_to_string(&config).unwrap() + "# mine\n";
         std::fs::write(&config, &edited).unwrap();
         let engine = containerd(&at);
