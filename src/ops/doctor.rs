@@ -616,8 +616,7 @@ fn replaced_binaries() -> Vec<Replaced> {
         let Some(path) = exe.strip_suffix(" (deleted)") else {
             continue;
         };
-        if Path::new(path) != me
-            || std::fs::metadata(proc.join("root")).map(key).ok() != Some(root)
+        if Path::new(path) != me || std::fs::metadata(proc.join("root")).map(key).ok() != Some(root)
         {
             continue;
         }
