@@ -288,11 +288,15 @@ do_install() {
     fi
     [ -e "$state/containerd.toml.no-restore" ] || remember containerd.toml "$CONTAINERD_CONFIG"
     before=$(sha "$config")
+    had_undo=; [ ! -e "$config.gpushare-undo" ] || had_undo=1
     if ! out=$("$SOURCE_DIR/gpushare" install containerd --config "$config" \
         --runtime-path "$INSTALL_DIR/gpushare-runtime" --name "$RUNTIME_NAME" 2>&1); then
         printf '%s\n' "$out" >&2
         die "gpushare install containerd failed on $CONTAINERD_CONFIG"
     fi
+    # This installer's own records above put the file back; gpushare's record of it
+    # beside the config would be left on the node.
+    [ -n "$had_undo" ] || rm -f "$config.gpushare-undo"
     printf '%s\n' "$out" | grep -v 'does not exist (yet)' || true
     after=$(sha "$config")
     [ -n "$after" ] || die "gpushare install containerd wrote no $CONTAINERD_CONFIG"

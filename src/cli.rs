@@ -70,8 +70,9 @@ enum Command {
         #[command(subcommand)]
         engine: Engine,
     },
-    /// Take gpushare's runtime out of a container engine's config: what `install docker`
-    /// or `install containerd` added, every other setting kept.
+    /// Undo `install docker|containerd|cdi --enable` on a container engine's config: the
+    /// file as it was before the first install, byte for byte (kept beside it as
+    /// <config>.gpushare-undo), or, where it changed since, the runtime's entry taken out.
     Uninstall {
         #[command(subcommand)]
         engine: UninstallEngine,
@@ -212,13 +213,13 @@ struct UninstallArgs {
 
 #[derive(Subcommand)]
 enum UninstallEngine {
-    /// Remove `runtimes.<name>` from Docker's daemon.json (default
-    /// /etc/docker/daemon.json); an emptied "runtimes" stays as {}.
+    /// Docker's daemon.json (default /etc/docker/daemon.json).
     Docker(UninstallArgs),
     /// Remove the runtime's tables from containerd's config.toml (default
     /// /etc/containerd/config.toml), the hook-only base spec of ours it named, the
-    /// NRI plugin `install containerd --nri-launch` put in its plugin_path, and gpushare
-    /// in NRI's required_plugins (`--nri-required node`).
+    /// NRI plugin `install containerd --nri-launch` put in its plugin_path, gpushare
+    /// in NRI's required_plugins (`--nri-required node`), and the state of an NRI plugin
+    /// that no longer runs (`<state-dir>/nri.json`).
     Containerd(UninstallArgs),
 }
 
@@ -603,12 +604,12 @@ fn run(cfg: &Config, command: Command) -> i32 {
                     a,
                 ),
             };
-            report(ops::install::uninstall(
-                engine,
-                args.config,
-                &args.name,
-                args.dry_run,
-            ))
+            let is_containerd = engine != ops::install::Engine::Docker;
+            let done = ops::install::uninstall(engine, args.config, &args.name, args.dry_run);
+            if done.is_ok() && is_containerd && !args.dry_run {
+                forget_nri_plugin(cfg);
+            }
+            report(done)
         }
         Command::Daemon { command } => daemon(cfg, command),
         Command::Agent => report(crate::mps::agent::run(cfg)),
@@ -618,6 +619,32 @@ fn run(cfg: &Config, command: Command) -> i32 {
             name,
             index,
         } => report(nri(cfg, socket, name, index)),
+    }
+}
+
+/// After `uninstall containerd`: the state of an NRI plugin that no longer runs goes with
+/// it, so that `doctor` stops warning about a plugin removed on purpose; one that still
+/// runs (launched by containerd until it restarts, or a service) is named.
+fn forget_nri_plugin(cfg: &Config) {
+    let state = crate::state::StateDir::new(&cfg.state_dir);
+    match ops::gc::forget_stopped_nri_plugin(&state) {
+        Ok(Some(_)) => println!(
+            "removed {}: the NRI plugin no longer runs",
+            state.nri_state_path().display()
+        ),
+        Ok(None) => {
+            if let Some(pid) = crate::nri::PluginState::read(&state)
+                .and_then(|p| p.process)
+                .filter(|p| p.alive())
+                .map(|p| p.pid)
+            {
+                println!("gpushare's NRI plugin still runs (pid {pid}): stop it (`systemctl disable --now gpushare-nri`, or restart containerd for a launched one), then `gpushare gc` forgets it");
+            }
+        }
+        Err(e) => eprintln!(
+            "gpushare: warning: cannot remove {}: {e}",
+            state.nri_state_path().display()
+        ),
     }
 }
 

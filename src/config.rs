@@ -170,6 +170,9 @@ pub struct Config {
     /// zero: never.
     pub inventory_cache_ttl: Duration,
     pub mps: MpsConfig,
+    /// `[nri] skip-namespaces`: the Kubernetes namespaces whose pods the NRI plugin
+    /// leaves alone, from the runtime's own `PodSandbox.namespace`.
+    pub nri_skip_namespaces: Vec<String>,
     /// `[cdi.profiles.<name>]`: the named limit profiles `gpushare cdi generate` offers as
     /// CDI devices `<device>-<name>`, by name.
     pub cdi_profiles: std::collections::BTreeMap<String, CdiProfile>,
@@ -265,6 +268,8 @@ struct RawConfig {
     cdi: RawCdi,
     #[serde(default)]
     watch: RawWatch,
+    #[serde(default)]
+    nri: RawNri,
 }
 
 #[derive(Deserialize, Default)]
@@ -274,6 +279,18 @@ struct RawWatch {
     interval: Option<String>,
     memory_margin: Option<String>,
 }
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+struct RawNri {
+    skip_namespaces: Option<Vec<String>>,
+}
+
+/// `[nri] skip-namespaces` by default: the cluster's own and the GPU Operator's (its Helm
+/// chart's and OpenShift's namespaces), whose pods (validators, device plugins) must see
+/// their GPU as it is.
+pub(crate) const DEFAULT_NRI_SKIP_NAMESPACES: [&str; 3] =
+    ["kube-system", "gpu-operator", "nvidia-gpu-operator"];
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
@@ -449,6 +466,7 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
 
     let mps = check.mps(&raw.mps)?;
     let cdi_profiles = check.cdi_profiles(raw.cdi.profiles, &mps)?;
+    let nri_skip_namespaces = check.namespaces("nri.skip-namespaces", raw.nri.skip_namespaces)?;
     Ok(Config {
         path: path.map(Path::to_owned),
         low_level_runtime,
@@ -465,6 +483,7 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         mps,
         cdi_profiles,
         watch: check.watch(&raw.watch)?,
+        nri_skip_namespaces,
     })
 }
 
@@ -577,6 +596,36 @@ impl Check {
                 "\"allocated\" (the devices a device plugin or DRA driver allocated to the container), or unset",
             )),
         }
+    }
+
+    /// A list of Kubernetes namespace names (RFC 1123 labels: at most 63 lowercase letters,
+    /// digits and `-`, a letter or digit at each end); `None`: the defaults.
+    fn namespaces(
+        &self,
+        key: &'static str,
+        list: Option<Vec<String>>,
+    ) -> Result<Vec<String>, ConfigError> {
+        let Some(list) = list else {
+            return Ok(DEFAULT_NRI_SKIP_NAMESPACES.map(String::from).to_vec());
+        };
+        for name in &list {
+            let edge =
+                |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+            if name.len() > 63
+                || !edge(name.chars().next())
+                || !edge(name.chars().last())
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            {
+                return Err(self.bad(
+                    key,
+                    name,
+                    "a list of Kubernetes namespace names (at most 63 lowercase letters, digits and -, starting and ending with a letter or digit), [] for none",
+                ));
+            }
+        }
+        Ok(list)
     }
 
     /// `driver-root`: `""` for the host's own paths, else an absolute path without `..`
@@ -1148,6 +1197,35 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("accept-visible-devices-env"), "{err}");
+    }
+
+    #[test]
+    fn nri_skip_namespaces_are_namespace_names_with_defaults() {
+        assert_eq!(
+            parse("", None).unwrap().nri_skip_namespaces,
+            DEFAULT_NRI_SKIP_NAMESPACES
+        );
+        let got = |text: &str| parse(text, None).map(|c| c.nri_skip_namespaces);
+        assert_eq!(
+            got("[nri]\nskip-namespaces = []\n").unwrap(),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            got("[nri]\nskip-namespaces = [\"ops\", \"a-1\"]\n").unwrap(),
+            ["ops", "a-1"]
+        );
+        for bad in ["Ops", "-a", "a-", "", "a.b", &"a".repeat(64)] {
+            let err = got(&format!("[nri]\nskip-namespaces = [{bad:?}]\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("nri.skip-namespaces")
+                    && err.contains("Kubernetes namespace names")
+                    && !err.contains('\n'),
+                "{err}"
+            );
+        }
+        assert!(got("[nri]\nnamespaces = []\n").is_err(), "an unknown key");
     }
 
     #[test]

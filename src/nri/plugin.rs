@@ -161,6 +161,14 @@ impl Plugin {
             );
             return Ok(ContainerAdjustment::default());
         }
+        // The runtime's own record of the pod's namespace, which no pod author writes.
+        if self.cfg.nri_skip_namespaces.contains(&pod.namespace) {
+            tracing::debug!(
+                namespace = %crate::util::escape(&pod.namespace),
+                "[nri] skip-namespaces: left alone"
+            );
+            return Ok(ContainerAdjustment::default());
+        }
         let (ipc, honour_ipc) = crate::hookonly::engine_ipc(
             &spec,
             "an NRI plugin",
@@ -553,6 +561,37 @@ mod tests {
             }),
             ..Default::default()
         }
+    }
+
+    /// A pod of a namespace in `[nri] skip-namespaces` is left alone whatever it asks
+    /// for: its request is not even resolved (here it would fail on the missing
+    /// inventory); one of another namespace is.
+    #[test]
+    fn pods_of_a_skipped_namespace_are_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = crate::config::parse(
+            &format!(
+                "state-dir = {:?}\ninventory = \"file:{}/none.json\"\n[nri]\nskip-namespaces = [\"gpu-operator\"]\n",
+                dir.path().join("s").display().to_string(),
+                dir.path().display()
+            ),
+            None,
+        )
+        .unwrap();
+        let plugin = Plugin::new(cfg);
+        let pod = |namespace: &str| PodSandbox {
+            name: "validator".into(),
+            namespace: namespace.into(),
+            annotations: HashMap::from([("gpushare.io/device".into(), "0".into())]),
+            ..Default::default()
+        };
+        let ctr = container(&[], Some((1000, 1000)));
+        let adjusted = plugin.create(&pod("gpu-operator"), &ctr).unwrap();
+        assert!(adjusted.mounts.is_empty() && adjusted.env.is_empty());
+        assert!(
+            plugin.create(&pod("team-a"), &ctr).is_err(),
+            "served, so resolved"
+        );
     }
 
     #[test]

@@ -547,7 +547,9 @@ pub(crate) fn run(cfg: &Config, paths: &Paths) -> Vec<Check> {
     }
     out.push(control_binary_check(cfg));
     state_dir_checks(cfg, &mut out);
+    out.push(capacity_check(cfg));
     out.push(agent_check(cfg));
+    out.push(replaced_binary_check(&replaced_binaries()));
     out.extend(nri_check(cfg));
     out.extend(watch_check(cfg));
     out.push(host_pipe_check());
@@ -555,6 +557,136 @@ pub(crate) fn run(cfg: &Config, paths: &Paths) -> Vec<Check> {
     out.push(low_level_runtime_check(cfg));
     cdi_checks(cfg, inv.as_ref(), &paths.cdi_specs, &mut out);
     out
+}
+
+/// The daemon caps, their use and the one that binds: `mps.max-daemons` is rarely the
+/// one (with the defaults, `mps.shm-size-total` over `mps.shm-size` admits fewer). A
+/// warning when every place is taken.
+fn capacity_check(cfg: &Config) -> Check {
+    let state = crate::state::StateDir::new(&cfg.state_dir);
+    match super::status::collect_capacity(cfg, &state) {
+        Some(c) if c.daemons >= c.effective_daemons => warn(
+            "capacity",
+            format!("{}: every place is taken; {}", super::status::capacity_line(&c), super::status::caps_summary(&c)),
+            format!("a new user's create now takes the place of an idle daemon or is refused naming {}; size the caps for the node (docs/configuration.md, \"Sizing the daemon caps\")", c.binding),
+        ),
+        Some(c) => ok(
+            "capacity",
+            format!("{}; {}", super::status::capacity_line(&c), super::status::caps_summary(&c)),
+        ),
+        None => warn(
+            "capacity",
+            format!("cannot count the daemons under {}", cfg.state_dir.display()),
+            "check state-dir (the state-dir line above)",
+        ),
+    }
+}
+
+/// A gpushare process of this host whose binary was replaced since it started (an upgrade
+/// or a downgrade): its pid and arguments.
+#[derive(Debug, Clone, PartialEq)]
+struct Replaced {
+    pid: i32,
+    argv: Vec<String>,
+}
+
+/// The processes of this host's root (not a container's) whose `/proc/<pid>/exe` is a
+/// deleted binary at this very `gpushare`'s path: the one an upgrade replaced.
+fn replaced_binaries() -> Vec<Replaced> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(me) = std::env::current_exe() else {
+        return Vec::new();
+    };
+    let key = |m: std::fs::Metadata| (m.dev(), m.ino());
+    let Ok(root) = std::fs::metadata("/").map(key) else {
+        return Vec::new();
+    };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|p| p.parse::<i32>().ok()) else {
+            continue;
+        };
+        let proc = e.path();
+        let Ok(exe) = std::fs::read_link(proc.join("exe")) else {
+            continue;
+        };
+        let exe = exe.to_string_lossy();
+        let Some(path) = exe.strip_suffix(" (deleted)") else {
+            continue;
+        };
+        if Path::new(path) != me || std::fs::metadata(proc.join("root")).map(key).ok() != Some(root)
+        {
+            continue;
+        }
+        let argv = std::fs::read(proc.join("cmdline"))
+            .map(|c| {
+                c.split(|b| *b == 0)
+                    .filter(|a| !a.is_empty())
+                    .map(|a| crate::util::escape(&String::from_utf8_lossy(a)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.push(Replaced { pid, argv });
+    }
+    out.sort_by_key(|r| r.pid);
+    out
+}
+
+/// After an upgrade or a downgrade, the gpushare processes still on the old binary. The
+/// agent and the NRI plugin serve new containers: a warning until they are restarted. A
+/// daemon's supervisor (and reaper) keeps its old binary until the daemon idles out: by
+/// design, as restarting it would cut its clients off.
+fn replaced_binary_check(procs: &[Replaced]) -> Check {
+    let role = |r: &Replaced| match r.argv.get(1).map(String::as_str) {
+        Some("agent") => "agent",
+        Some("nri") => "nri",
+        _ => "daemon",
+    };
+    let pids = |want: &str| {
+        procs
+            .iter()
+            .filter(|r| role(r) == want)
+            .map(|r| r.pid.to_string())
+            .collect::<Vec<_>>()
+    };
+    let (agent, nri, daemons) = (pids("agent"), pids("nri"), pids("daemon"));
+    let kept = if daemons.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; {} supervisor/reaper process(es) (pid {}) keep the old binary until their daemon idles out (mps.idle-timeout) or is stopped (`gpushare daemon stop <id>` once its containers are gone)",
+            daemons.len(),
+            daemons.join(", ")
+        )
+    };
+    if agent.is_empty() && nri.is_empty() {
+        return ok(
+            "binaries",
+            if daemons.is_empty() {
+                "no gpushare process runs a replaced binary".to_owned()
+            } else {
+                format!("the agent and the NRI plugin run the installed binary{kept}")
+            },
+        );
+    }
+    let mut old = Vec::new();
+    if !agent.is_empty() {
+        old.push(format!("the agent (pid {})", agent.join(", ")));
+    }
+    if !nri.is_empty() {
+        old.push(format!("the NRI plugin (pid {})", nri.join(", ")));
+    }
+    warn(
+        "binaries",
+        format!(
+            "{} still run(s) the binary replaced by an upgrade or a downgrade{kept}",
+            old.join(" and ")
+        ),
+        "restart them: `systemctl restart gpushare-agent gpushare-nri` (Debian package), the node installer's pods (`kubectl rollout restart`), or the process you started by hand; containerd restarts a plugin it launched when containerd restarts",
+    )
 }
 
 /// Whether the node's agent answers: without it a hook starts supervisors itself, and an
@@ -787,6 +919,36 @@ pub(crate) fn report(checks: &[Check]) -> (String, i32) {
 
 #[cfg(test)]
 mod tests {
+    /// The agent or the NRI plugin on a replaced binary is a warning naming it; a
+    /// supervisor on one is told, not warned: it keeps its binary until its daemon idles.
+    #[test]
+    fn processes_on_a_replaced_binary_are_named_by_role() {
+        use super::{replaced_binary_check, Level, Replaced};
+        let p = |pid, args: &[&str]| Replaced {
+            pid,
+            argv: args.iter().map(|a| a.to_string()).collect(),
+        };
+        let check = replaced_binary_check(&[]);
+        assert!(matches!(check.level, Level::Ok), "{check:?}");
+        let supervisor = p(7, &["gpushare", "daemon", "supervise", "abc"]);
+        let check = replaced_binary_check(std::slice::from_ref(&supervisor));
+        assert!(matches!(check.level, Level::Ok), "{check:?}");
+        assert!(check.detail.contains("pid 7") && check.detail.contains("idles out"));
+        let check = replaced_binary_check(&[
+            p(3, &["/usr/bin/gpushare", "agent"]),
+            p(4, &["gpushare", "nri"]),
+            supervisor,
+        ]);
+        assert!(matches!(check.level, Level::Warn), "{check:?}");
+        assert!(
+            check
+                .detail
+                .starts_with("the agent (pid 3) and the NRI plugin (pid 4) still run")
+                && check.detail.contains("pid 7"),
+            "{check:?}"
+        );
+    }
+
     use super::*;
 
     /// Paths under `dir`; a socket is "served" when `bind` made it a real socket.

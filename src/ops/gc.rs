@@ -1,6 +1,6 @@
 //! `gpushare gc`: clean the state a crash or a reboot left behind — stale container
 //! records, daemons whose supervisor is gone, half-removed directories, empty cgroups of
-//! gone supervisors.
+//! gone supervisors, the state of an NRI plugin that no longer runs.
 //!
 //! Invariants: what is found is detected and cleaned, never trusted; a daemon still used
 //! by live containers is restarted, never removed; a daemon is removed only under its
@@ -46,6 +46,16 @@ pub(crate) fn run(cfg: &Config) -> usize {
             e.into(),
         ),
     }
+    match forget_stopped_nri_plugin(&state) {
+        Ok(Some(pid)) => println!(
+            "removed the state of the NRI plugin that no longer runs (pid {pid}); `doctor` stops warning about it"
+        ),
+        Ok(None) => {}
+        Err(e) => failed(
+            format!("NRI plugin state {}", state.nri_state_path().display()),
+            e.into(),
+        ),
+    }
     for top in crate::mps::supervisor::gpushare_cgroups() {
         let n = crate::mps::supervisor::sweep_stale_cgroups(&top);
         if n > 0 {
@@ -56,6 +66,24 @@ pub(crate) fn run(cfg: &Config) -> usize {
         }
     }
     failures
+}
+
+/// Removes `<state-dir>/nri.json` when the plugin that wrote it no longer runs: the plugin
+/// was stopped or removed, so `doctor` and `status` stop warning that it ran here before.
+/// Returns the gone plugin's pid (0 when the file names none). A plugin that runs keeps
+/// its file; one that starts meanwhile writes it again at its next connection change.
+pub(crate) fn forget_stopped_nri_plugin(state: &StateDir) -> std::io::Result<Option<i32>> {
+    let Some(plugin) = crate::nri::PluginState::read(state) else {
+        return Ok(None);
+    };
+    if plugin.process.is_some_and(|p| p.alive()) {
+        return Ok(None);
+    }
+    match std::fs::remove_file(state.nri_state_path()) {
+        Ok(()) => Ok(Some(plugin.process.map_or(0, |p| p.pid))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// `gc` for one daemon: its stale container records, then the daemon itself if its
@@ -108,4 +136,43 @@ fn daemon(cfg: &Config, state: &StateDir, id: &str) -> anyhow::Result<()> {
         println!("daemon {id}: supervisor gone and no containers; removed");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nri::PluginState;
+    use crate::state::ProcRef;
+
+    /// The state of a plugin that no longer runs goes (a reused pid with another start
+    /// time is no longer it); that of a running one stays; no file is no error.
+    #[test]
+    fn the_state_of_a_stopped_nri_plugin_goes_and_a_running_one_s_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let write = |process: Option<ProcRef>| {
+            let s = PluginState {
+                process,
+                socket: "/run/nri/nri.sock".into(),
+                connected: true,
+                runtime: None,
+                since: 0,
+                error: None,
+            };
+            std::fs::write(state.nri_state_path(), serde_json::to_vec(&s).unwrap()).unwrap();
+        };
+        assert_eq!(forget_stopped_nri_plugin(&state).unwrap(), None);
+        let me = ProcRef::of(std::process::id() as i32).unwrap();
+        write(Some(me));
+        assert_eq!(forget_stopped_nri_plugin(&state).unwrap(), None);
+        assert!(state.nri_state_path().exists(), "a running plugin keeps it");
+        write(Some(ProcRef {
+            start_time: me.start_time + 1,
+            ..me
+        }));
+        assert_eq!(forget_stopped_nri_plugin(&state).unwrap(), Some(me.pid));
+        assert!(!state.nri_state_path().exists());
+        write(None);
+        assert_eq!(forget_stopped_nri_plugin(&state).unwrap(), Some(0));
+    }
 }

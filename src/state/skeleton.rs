@@ -262,36 +262,7 @@ impl StateDir {
     /// (`make_room`). Call with the node lock held.
     fn check_caps(&self, uid: u32, shm: bool, budget: &Budget) -> Result<(), StateError> {
         let mut slots = self.census()?;
-        let new_shm = if shm { budget.shm_bytes } else { 0 };
-        let mut caps = vec![
-            Cap {
-                key: "mps.max-daemons",
-                uid: None,
-                limit: Limit::Daemons(budget.max_daemons),
-            },
-            Cap {
-                key: "mps.max-daemons-per-uid",
-                uid: Some(uid),
-                limit: Limit::Daemons(budget.max_daemons_per_uid),
-            },
-        ];
-        if shm {
-            if let Some(total) = budget.shm_total {
-                caps.push(Cap {
-                    key: "mps.shm-size-total",
-                    uid: None,
-                    limit: Limit::Shm(total, new_shm),
-                });
-            }
-            if let Some(per_uid) = budget.shm_per_uid {
-                caps.push(Cap {
-                    key: "mps.shm-size-per-uid",
-                    uid: Some(uid),
-                    limit: Limit::Shm(per_uid, new_shm),
-                });
-            }
-        }
-        for cap in &caps {
+        for cap in &caps(budget, uid, shm) {
             if !cap.admits(&slots) {
                 self.make_room(&mut slots, cap, budget);
             }
@@ -359,6 +330,148 @@ impl StateDir {
     }
 }
 
+/// The caps a new daemon of `uid` must fit under (`shm`: it gets an shm tmpfs of
+/// `budget.shm_bytes`; the shm caps bound only such daemons).
+fn caps(budget: &Budget, uid: u32, shm: bool) -> Vec<Cap> {
+    let new_shm = if shm { budget.shm_bytes } else { 0 };
+    let mut caps = vec![
+        Cap {
+            key: "mps.max-daemons",
+            uid: None,
+            limit: Limit::Daemons(budget.max_daemons),
+        },
+        Cap {
+            key: "mps.max-daemons-per-uid",
+            uid: Some(uid),
+            limit: Limit::Daemons(budget.max_daemons_per_uid),
+        },
+    ];
+    if shm {
+        if let Some(total) = budget.shm_total {
+            caps.push(Cap {
+                key: "mps.shm-size-total",
+                uid: None,
+                limit: Limit::Shm(total, new_shm),
+            });
+        }
+        if let Some(per_uid) = budget.shm_per_uid {
+            caps.push(Cap {
+                key: "mps.shm-size-per-uid",
+                uid: Some(uid),
+                limit: Limit::Shm(per_uid, new_shm),
+            });
+        }
+    }
+    caps
+}
+
+/// One cap as `doctor`, `status` and the metrics show it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub(crate) struct CapUse {
+    /// Its config key (`mps.max-daemons`, …).
+    pub key: &'static str,
+    /// It counts one UID's daemons (the owner of their pipe directories), not the node's.
+    pub per_uid: bool,
+    /// What it counts: `daemons`, or `bytes` of shm tmpfs.
+    pub unit: &'static str,
+    pub limit: u64,
+    /// What it counts now; for a per-UID cap, the busiest UID's (`uid`).
+    pub used: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// How many daemons it admits in all, each with an shm tmpfs of `mps.shm-size`.
+    pub capacity_daemons: u64,
+}
+
+/// The node's daemon caps, their use, and the one that binds.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub(crate) struct Capacity {
+    /// Daemon directories now.
+    pub daemons: u64,
+    /// How many daemons (each with its own shm tmpfs, as `ipc = isolated` gives them) the
+    /// node admits: the smallest capacity of its node-wide caps.
+    pub effective_daemons: u64,
+    /// The node-wide cap that sets it (the first, on a tie).
+    pub binding: &'static str,
+    /// How many of them one UID may have: the smallest capacity of every cap.
+    pub effective_daemons_per_uid: u64,
+    /// The cap that sets that.
+    pub binding_per_uid: &'static str,
+    pub caps: Vec<CapUse>,
+}
+
+impl StateDir {
+    /// Each cap of `budget`, what it counts now, and what it lets the node have (as
+    /// `check_caps` counts, without its lock: a snapshot).
+    pub(crate) fn capacity(&self, budget: &Budget) -> Result<Capacity, StateError> {
+        let slots = self.census()?;
+        let mut out = Vec::new();
+        for cap in caps(budget, 0, true) {
+            // A per-UID cap is shown for the UID that has the most of what it counts.
+            let (uid, (n, bytes)) = match cap.uid {
+                None => (None, cap.usage(&slots)),
+                Some(_) => {
+                    let busiest = slots
+                        .iter()
+                        .filter_map(|s| s.uid)
+                        .map(|uid| {
+                            let c = Cap {
+                                uid: Some(uid),
+                                ..cap
+                            };
+                            (uid, c.usage(&slots))
+                        })
+                        .max_by_key(|(_, (n, b))| match cap.limit {
+                            Limit::Daemons(_) => *n as u64,
+                            Limit::Shm(..) => *b,
+                        });
+                    match busiest {
+                        Some((uid, used)) => (Some(uid), used),
+                        None => (None, (0, 0)),
+                    }
+                }
+            };
+            let (unit, limit, used, capacity_daemons) = match cap.limit {
+                Limit::Daemons(max) => ("daemons", u64::from(max), n as u64, u64::from(max)),
+                Limit::Shm(max, each) => (
+                    "bytes",
+                    max,
+                    bytes,
+                    max.checked_div(each).unwrap_or(u64::MAX),
+                ),
+            };
+            out.push(CapUse {
+                key: cap.key,
+                per_uid: cap.uid.is_some(),
+                unit,
+                limit,
+                used,
+                uid,
+                capacity_daemons,
+            });
+        }
+        let least = |caps: &mut dyn Iterator<Item = &CapUse>| {
+            caps.fold((u64::MAX, ""), |best, c| {
+                if c.capacity_daemons < best.0 {
+                    (c.capacity_daemons, c.key)
+                } else {
+                    best
+                }
+            })
+        };
+        let (effective_daemons, binding) = least(&mut out.iter().filter(|c| !c.per_uid));
+        let (effective_daemons_per_uid, binding_per_uid) = least(&mut out.iter());
+        Ok(Capacity {
+            daemons: slots.len() as u64,
+            effective_daemons,
+            binding,
+            effective_daemons_per_uid,
+            binding_per_uid,
+            caps: out,
+        })
+    }
+}
+
 /// One daemon directory as the caps count it: the owner of its pipe directory and the
 /// size of its shm tmpfs (0 without one).
 struct Slot {
@@ -368,6 +481,7 @@ struct Slot {
 }
 
 /// What a cap bounds.
+#[derive(Clone, Copy)]
 enum Limit {
     /// This many daemon directories.
     Daemons(u32),
@@ -377,6 +491,7 @@ enum Limit {
 
 /// One cap: its config key, the UID whose daemons it counts (`None`: every daemon) and
 /// its limit.
+#[derive(Clone, Copy)]
 struct Cap {
     key: &'static str,
     uid: Option<u32>,
@@ -462,6 +577,91 @@ mod tests {
             stop_grace: Duration::from_secs(1),
             config: "/etc/gpushare/runtime.toml".into(),
         }
+    }
+
+    /// Each cap with its use and the daemons it admits; the node's capacity is the least
+    /// of its node-wide caps, one UID's the least of all: with the defaults' shape
+    /// (64 daemons, 6 GiB of shm in all at 1 GiB each) the shm total binds at 6.
+    #[test]
+    fn capacity_shows_each_cap_its_use_and_the_one_that_binds() {
+        const GIB: u64 = 1 << 30;
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path().join("s"));
+        state.ensure_root().unwrap();
+        let a = "0000000000000000000000000000000a";
+        for id in [a, "0000000000000000000000000000000b"] {
+            std::fs::create_dir_all(state.pipe_dir(id)).unwrap();
+            std::fs::create_dir_all(state.shm_dir(id)).unwrap();
+        }
+        // One daemon has its shm tmpfs (2 MiB), as the census measures it.
+        nix::mount::mount(
+            Some("tmpfs"),
+            &state.shm_dir(a),
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some("size=2m"),
+        )
+        .unwrap();
+        let mut budget = Budget {
+            shm_bytes: GIB,
+            shm_total: Some(6 * GIB),
+            ..budget(64, 8)
+        };
+        let c = state.capacity(&budget);
+        budget.shm_per_uid = Some(2 * GIB);
+        let per_uid = state.capacity(&budget);
+        budget.shm_total = None;
+        budget.shm_per_uid = None;
+        let no_shm_caps = state.capacity(&budget);
+        nix::mount::umount(&state.shm_dir(a)).unwrap();
+        let c = c.unwrap();
+        let euid = nix::unistd::geteuid().as_raw();
+        assert_eq!(
+            (c.daemons, c.effective_daemons, c.binding),
+            (2, 6, "mps.shm-size-total")
+        );
+        assert_eq!(
+            (c.effective_daemons_per_uid, c.binding_per_uid),
+            (6, "mps.shm-size-total")
+        );
+        let cap = |c: &Capacity, key: &str| c.caps.iter().find(|x| x.key == key).cloned().unwrap();
+        assert_eq!(
+            cap(&c, "mps.shm-size-total"),
+            CapUse {
+                key: "mps.shm-size-total",
+                per_uid: false,
+                unit: "bytes",
+                limit: 6 * GIB,
+                used: 2 << 20,
+                uid: None,
+                capacity_daemons: 6,
+            }
+        );
+        let m = cap(&c, "mps.max-daemons-per-uid");
+        assert_eq!((m.used, m.uid, m.capacity_daemons), (2, Some(euid), 8));
+        assert_eq!(cap(&c, "mps.max-daemons").used, 2);
+        let per_uid = per_uid.unwrap();
+        assert_eq!(
+            (
+                per_uid.effective_daemons,
+                per_uid.effective_daemons_per_uid,
+                per_uid.binding_per_uid
+            ),
+            (6, 2, "mps.shm-size-per-uid")
+        );
+        let no_shm_caps = no_shm_caps.unwrap();
+        assert_eq!(no_shm_caps.caps.len(), 2);
+        assert_eq!(
+            (no_shm_caps.effective_daemons, no_shm_caps.binding),
+            (64, "mps.max-daemons")
+        );
+        assert_eq!(
+            (
+                no_shm_caps.effective_daemons_per_uid,
+                no_shm_caps.binding_per_uid
+            ),
+            (8, "mps.max-daemons-per-uid")
+        );
     }
 
     #[test]

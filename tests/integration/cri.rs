@@ -777,7 +777,9 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
     );
 
     // Upgrade: a new image's shim and a changed ConfigMap are copied; the rest stays.
-    let mut shim = std::fs::read(image.join("gpushare-runtime")).unwrap();
+    let old_shim = std::fs::read(image.join("gpushare-runtime")).unwrap();
+    let old_cm = std::fs::read(&source).unwrap();
+    let mut shim = old_shim.clone();
     shim.extend_from_slice(b"\0a rebuilt shim");
     std::fs::write(image.join("gpushare-runtime"), &shim).unwrap();
     let mut cm = std::fs::read(&source).unwrap();
@@ -801,6 +803,27 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
         cm
     );
     assert_eq!(inode(&host_bin.join("gpushare")), inodes[0]);
+
+    // Rollback (`kubectl rollout undo`: the previous image and ConfigMap run the same
+    // install): the old shim and config are copied back, containerd's config stays.
+    std::fs::write(image.join("gpushare-runtime"), &old_shim).unwrap();
+    std::fs::write(&source, &old_cm).unwrap();
+    let (ok, s) = run(&mut node, "install");
+    assert!(ok, "{s}");
+    assert!(
+        s.contains("installed /usr/local/bin/gpushare-runtime")
+            && s.contains("installed /etc/gpushare/runtime.toml"),
+        "{s}"
+    );
+    assert_eq!(
+        std::fs::read(host_bin.join("gpushare-runtime")).unwrap(),
+        old_shim
+    );
+    assert_eq!(
+        std::fs::read(installed("/etc/gpushare/runtime.toml")).unwrap(),
+        old_cm
+    );
+    assert_eq!(std::fs::read_to_string(&config).unwrap(), after);
 
     // Uninstall while the pod runs: containerd's config is put back and containerd
     // restarted; the daemon is in use, so the binaries stay and the run fails.

@@ -632,6 +632,39 @@ fn nri_plugin_serves_the_allocated_device_on_a_node_that_defaults_to_it() {
     assert!(!mounts.contains("nvidia-mps"), "{mounts}");
     assert_eq!(node.daemon_of(&id), None);
     assert_eq!(env.daemon_ids(), daemons);
+
+    // The GPU Operator's validator, allocated GPU 2 in a namespace of the default
+    // [nri] skip-namespaces: left alone, whatever the node's default.
+    let validator = plain_pod(
+        &mut node,
+        &PodSpec {
+            name: "validator",
+            namespace: "gpu-operator",
+            run_as_user: Some(1000),
+            ..Default::default()
+        },
+    );
+    let cuda = ContainerSpec {
+        name: "cuda-validation",
+        script: "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset}; exec sleep 3600",
+        run_as_user: Some(1000),
+        envs: &[(
+            "NVIDIA_VISIBLE_DEVICES",
+            "/var/run/nvidia-container-devices",
+        )],
+        mounts: &[("/dev/null", &allocated)],
+        ..Default::default()
+    };
+    let id = node.run(&validator, &cuda);
+    assert!(
+        wait_until(Duration::from_secs(20), || node
+            .output(&validator, &cuda)
+            .contains("PIPE=unset")),
+        "{}",
+        node.output(&validator, &cuda)
+    );
+    assert_eq!(node.daemon_of(&id), None);
+    assert_eq!(env.daemon_ids(), daemons);
 }
 
 /// One server per container: a CDI device of gpushare's (from `gpushare install cdi`,

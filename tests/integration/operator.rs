@@ -75,6 +75,16 @@ fn status_shows_daemons_health_and_containers_in_three_formats() {
         assert!(table.contains(needle), "{needle:?} in:\n{table}");
     }
     assert_eq!(table.matches("  ok  ").count(), 3, "{table}");
+    // The daemon caps, counted over these daemons (uid 1000 has two).
+    assert!(table.contains("(3 now; bound by "), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("mps.max-daemons-per-uid")
+                && l.contains(" 2 ")
+                && l.contains("uid 1000")),
+        "{table}"
+    );
 
     // Without the control binary the health is unknown, with the reason beside it.
     let no_binary = env.path().join("no-binary.toml");
@@ -114,6 +124,11 @@ fn status_shows_daemons_health_and_containers_in_three_formats() {
     let prom = std::fs::read_to_string(&prom_file).unwrap();
     assert!(
         prom.contains("# TYPE gpushare_daemons gauge\ngpushare_daemons 3\n"),
+        "{prom}"
+    );
+    assert!(
+        prom.contains("gpushare_cap_used{cap=\"mps.max-daemons\",unit=\"daemons\"} 3\n")
+            && prom.contains("gpushare_capacity_daemons{binding=\"mps."),
         "{prom}"
     );
     assert_eq!(

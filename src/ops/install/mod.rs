@@ -16,6 +16,7 @@
 pub(crate) mod containerd;
 pub(crate) mod docker;
 mod file;
+pub(crate) mod undo;
 
 pub(crate) use containerd::NriRequired;
 pub(crate) use file::{CDI_STATIC_SPEC, DEFAULT_CONTAINERD_CONFIG, DEFAULT_DOCKER_CONFIG};
@@ -90,7 +91,7 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
     };
     let path = args.engine.config_path(args.config.clone());
     if hook_only {
-        return hook_only_containerd(&args, &path, version);
+        return hook_only_containerd(&args, &path, version, &default_spec()?);
     }
     let runtime = file::runtime_path(args.runtime_path)?;
     if !runtime.is_file() {
@@ -119,7 +120,7 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
         print!("{new}");
         return Ok(());
     }
-    file::write(&path, &new)?;
+    undo::write(&path, &text, &new, Some(&args.name))?;
     println!(
         "registered runtime {} ({}) in {}",
         args.name,
@@ -130,11 +131,14 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `gpushare uninstall docker|containerd`: runtime `name` taken out of the engine's
-/// config (`config`, else the standard one), every other key kept; for containerd also
-/// the hook-only base spec of ours that the runtime named, the NRI plugin of
-/// `--nri-launch`, and gpushare in NRI's `required_plugins`. `dry_run` prints the result
-/// and writes nothing; a file without the runtime is left untouched.
+/// `gpushare uninstall docker|containerd`: what `install` did to the engine's config
+/// (`config`, else the standard one) undone. On a file nobody changed since gpushare wrote
+/// it, and once no other runtime name of ours is registered there, the file as it was
+/// before the first install, byte for byte (`undo`); otherwise runtime `name` taken out,
+/// every other key kept. For containerd also the hook-only base spec of ours that the
+/// runtime named, the launched NRI plugin of ours, and gpushare in NRI's
+/// `required_plugins`. `dry_run` prints the result and writes nothing; a file without
+/// anything of ours is left untouched.
 pub(crate) fn uninstall(
     engine: Engine,
     config: Option<PathBuf>,
@@ -163,16 +167,19 @@ pub(crate) fn uninstall(
     }
     let wrapper = (!is_docker).then(|| our_launch_wrapper(&text)).flatten();
     let deleted: Vec<&PathBuf> = base_spec.iter().chain(wrapper.iter()).collect();
+    let plan = undo::plan(&path, &text, name, edited.text);
     if dry_run {
-        print!("{}", edited.text.as_deref().unwrap_or(&text));
+        match &plan {
+            undo::Undo::Restore(None) => println!("# delete {}", path.display()),
+            undo::Undo::Restore(Some(t)) | undo::Undo::Remove { text: t, .. } => print!("{t}"),
+            undo::Undo::Nothing { .. } => print!("{text}"),
+        }
         for file in &deleted {
             println!("# and delete {}", file.display());
         }
         return Ok(());
     }
-    if let Some(new) = &edited.text {
-        file::write(&path, new)?;
-    }
+    undo::apply(&path, &plan, name)?;
     for file in &deleted {
         match std::fs::remove_file(file) {
             Ok(()) => {}
@@ -186,24 +193,60 @@ pub(crate) fn uninstall(
             at.display()
         );
     }
-    if unrequired.is_some() {
+    if unrequired.is_some() && !matches!(plan, undo::Undo::Restore(_)) {
         println!(
             "removed {} from NRI's required_plugins in {}; restart containerd (`systemctl restart containerd`)",
             crate::nri::DEFAULT_NAME,
             path.display()
         );
     }
-    if !runtime_removed {
-        if wrapper.is_none() && unrequired.is_none() {
-            println!(
-                "{} registers no runtime {name}; nothing to do",
-                path.display()
-            );
+    let stale = match &plan {
+        undo::Undo::Restore(original) => {
+            match original {
+                Some(_) => println!(
+                    "restored {} as it was before `gpushare install`",
+                    path.display()
+                ),
+                None => println!(
+                    "deleted {}: there was none before `gpushare install`",
+                    path.display()
+                ),
+            }
+            false
         }
+        undo::Undo::Remove { stale, .. } => {
+            if runtime_removed {
+                println!("removed runtime {name} from {}", path.display());
+            }
+            *stale
+        }
+        undo::Undo::Nothing { stale } => {
+            if wrapper.is_none() {
+                println!(
+                    "{} registers no runtime {name}; nothing to do",
+                    path.display()
+                );
+            }
+            if !stale {
+                return Ok(());
+            }
+            true
+        }
+    };
+    if stale {
+        println!(
+            "{} changed since gpushare last wrote it: only runtime {name}'s own entry was taken out; what else `gpushare install` added (a runc runtime table, NRI's disable = false, CDI settings) stays, its earlier text is in {}: compare, then delete that file",
+            path.display(),
+            undo::record_path(&path).display()
+        );
+    }
+    if matches!(plan, undo::Undo::Nothing { .. }) {
         return Ok(());
     }
-    println!("removed runtime {name} from {}", path.display());
-    if is_docker {
+    if is_docker && matches!(plan, undo::Undo::Restore(_)) {
+        // Docker 20.10's reload keeps the runtimes it has when the key is gone.
+        println!("restart Docker for it to forget the runtime: `systemctl restart docker`");
+    } else if is_docker {
         println!(
             "reload Docker for it to forget the runtime: `kill -HUP $(pidof dockerd)` or `systemctl reload docker`"
         );
@@ -220,7 +263,12 @@ pub(crate) fn uninstall(
 /// with gpushare's hooks, written beside its config as `<name>-base-spec.json`, and the
 /// runtime class pointed at it. The hooks run this binary, with the config this process
 /// reads when `GPUSHARE_CONFIG` names one. The spec is written before the config names it.
-fn hook_only_containerd(args: &Install, path: &Path, version: i64) -> anyhow::Result<()> {
+fn hook_only_containerd(
+    args: &Install,
+    path: &Path,
+    version: i64,
+    default_spec: &[u8],
+) -> anyhow::Result<()> {
     if args.name.is_empty()
         || !args
             .name
@@ -236,7 +284,7 @@ fn hook_only_containerd(args: &Install, path: &Path, version: i64) -> anyhow::Re
     let gpushare = std::env::current_exe().context("find gpushare's own path")?;
     let (config, named) = crate::config::location();
     let env = crate::runtime::hook_env(named.then_some(config.as_path()));
-    let spec = containerd::base_spec(&spec_path, &default_spec()?, &gpushare, &env)?;
+    let spec = containerd::base_spec(&spec_path, default_spec, &gpushare, &env)?;
     let spec_changed = file::read(&spec_path)? != spec;
     let text = file::read(path)?;
     let hook_only = Registration::HookOnly(spec_path.clone());
@@ -259,7 +307,7 @@ fn hook_only_containerd(args: &Install, path: &Path, version: i64) -> anyhow::Re
         file::write(&spec_path, &spec)?;
     }
     if let Some(new) = edited.text {
-        file::write(path, &new)?;
+        undo::write(path, &text, &new, Some(&args.name))?;
     }
     println!(
         "registered runtime {} hook-only (plain runc, gpushare's hooks in {}) in {}",
@@ -306,52 +354,25 @@ pub(crate) fn cdi(
     let dir = output.parent().unwrap_or(Path::new("/"));
     // Everything is read and edited before anything is written: a bad engine config
     // leaves no spec behind either.
-    let engine = match enable {
-        None => None,
-        Some(engine) => {
-            let is_docker = engine == Engine::Docker;
-            let path = engine.config_path(config);
-            let text = file::read(&path)?;
-            let edited = if is_docker {
-                docker::enable_cdi(&path, &text, dir)?
-            } else {
-                containerd::enable_cdi(&path, &text, dir, installed_containerd_config_version())?
-            };
-            Some((is_docker, path, text, edited))
-        }
-    };
+    let engine = enable
+        .map(|engine| plan_cdi(engine, config, dir, installed_containerd_config_version))
+        .transpose()?;
     if dry_run {
         let spec = crate::cdi::to_bytes(&crate::cdi::current(cfg)?);
         println!("# {}:", output.display());
         print!("{}", String::from_utf8_lossy(&spec));
-        if let Some((_, path, text, edited)) = &engine {
-            println!("# {}:", path.display());
-            print!("{}", edited.text.as_deref().unwrap_or(text));
+        if let Some(planned) = &engine {
+            println!("# {}:", planned.path.display());
+            print!(
+                "{}",
+                planned.edited.text.as_deref().unwrap_or(&planned.text)
+            );
         }
         return Ok(());
     }
     crate::cdi::generate(cfg, output)?;
-    if let Some((is_docker, path, _, edited)) = engine {
-        match edited.text {
-            None => println!(
-                "{} already reads CDI specs from {}",
-                path.display(),
-                dir.display()
-            ),
-            Some(new) => {
-                file::write(&path, &new)?;
-                println!(
-                    "turned CDI on in {}, reading {}; {}",
-                    path.display(),
-                    dir.display(),
-                    if is_docker {
-                        "restart dockerd to use it"
-                    } else {
-                        "restart containerd to use it"
-                    }
-                );
-            }
-        }
+    if let Some(planned) = engine {
+        write_cdi(planned, dir)?;
     }
     println!("then ask for a share with a CDI device, e.g. gpushare.io/gpu=0 (docs/requests.md):");
     println!("  Podman 4.1+: podman run --device gpushare.io/gpu=0 … (Podman 4.x reads only /etc/cdi and /var/run/cdi)");
@@ -385,6 +406,70 @@ fn spec_dirs_hint(key: &str, defaults: &[&str], dir: &Path) -> String {
         " and {key}[{}] (the list replaces the defaults, so it keeps them)",
         list.join(", ")
     )
+}
+
+/// CDI to turn on in one engine's config: the file, what it says now, and the edit.
+pub(super) struct CdiPlan {
+    is_docker: bool,
+    path: PathBuf,
+    text: String,
+    edited: file::Edited,
+}
+
+/// CDI to turn on in `engine`'s config (`config`, else the standard one), reading `dir`,
+/// read and made but not written; `containerd_version` gives the config version of a new
+/// containerd file.
+pub(super) fn plan_cdi(
+    engine: Engine,
+    config: Option<PathBuf>,
+    dir: &Path,
+    containerd_version: impl FnOnce() -> i64,
+) -> anyhow::Result<CdiPlan> {
+    let is_docker = engine == Engine::Docker;
+    let path = engine.config_path(config);
+    let text = file::read(&path)?;
+    let edited = if is_docker {
+        docker::enable_cdi(&path, &text, dir)?
+    } else {
+        containerd::enable_cdi(&path, &text, dir, containerd_version())?
+    };
+    Ok(CdiPlan {
+        is_docker,
+        path,
+        text,
+        edited,
+    })
+}
+
+/// Writes a [`CdiPlan`] (through the undo record) and says what to restart.
+pub(super) fn write_cdi(plan: CdiPlan, dir: &Path) -> anyhow::Result<()> {
+    let CdiPlan {
+        is_docker,
+        path,
+        text,
+        edited,
+    } = plan;
+    match edited.text {
+        None => println!(
+            "{} already reads CDI specs from {}",
+            path.display(),
+            dir.display()
+        ),
+        Some(new) => {
+            undo::write(&path, &text, &new, None)?;
+            println!(
+                "turned CDI on in {}, reading {}; {}",
+                path.display(),
+                dir.display(),
+                if is_docker {
+                    "restart dockerd to use it"
+                } else {
+                    "restart containerd to use it"
+                }
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `gpushare install containerd --nri`: NRI on in containerd's config (`config`, else
@@ -441,7 +526,7 @@ pub(crate) fn enable_nri(
     match edited.text {
         None => println!("NRI is already on in {}", path.display()),
         Some(new) => {
-            file::write(&path, &new)?;
+            undo::write(&path, &text, &new, None)?;
             println!(
                 "{what} in {}; restart containerd to use it (`systemctl restart containerd`)",
                 path.display()

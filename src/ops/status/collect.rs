@@ -109,6 +109,10 @@ pub(crate) struct StatusView {
     /// The NRI plugin (`gpushare nri`), where one ever ran on this node.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nri: Option<NriView>,
+    /// The daemon caps, their use and the one that binds (`capacity`); `None` when the
+    /// state directory cannot be read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<crate::state::Capacity>,
     /// The GPU processes, from the watcher's last scan (`gpushare watch`), where one ever
     /// ran on this node.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -197,7 +201,7 @@ impl NriView {
                 "NRI plugin running but not connected ({}): the runtime creates pods without it, and a pod with a request runs unserved",
                 self.error.as_deref().unwrap_or("not registered yet")
             ),
-            (false, _) => "NRI plugin not running (it ran here before): the runtime creates pods without it, and a pod with a request runs unserved".to_owned(),
+            (false, _) => "NRI plugin not running (it ran here before): the runtime creates pods without it, and a pod with a request runs unserved; removed on purpose: `gpushare gc` forgets it".to_owned(),
         }
     }
 }
@@ -401,7 +405,13 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
         daemons,
         nri: NriView::read(&state),
         watch: WatchView::read(&state),
+        capacity: capacity(cfg, &state),
     }
+}
+
+/// The node's daemon caps as the next create counts them (`mps::ensure::budget`).
+pub(crate) fn capacity(cfg: &Config, state: &StateDir) -> Option<crate::state::Capacity> {
+    state.capacity(&crate::mps::ensure::budget(cfg)).ok()
 }
 
 /// The view of a daemon directory without a (readable) record: its owner and mounts from

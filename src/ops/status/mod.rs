@@ -8,7 +8,9 @@
 mod collect;
 mod render;
 
+pub(crate) use collect::capacity as collect_capacity;
 pub(crate) use collect::{NriView, WatchView};
+pub(crate) use render::{capacity_line, caps_summary};
 
 use std::io::Write;
 use std::path::Path;

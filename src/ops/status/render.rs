@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::fmt::Write as _;
 
 use super::collect::{DaemonView, DirectoryState, StatusView, ViewStatus, WatchView};
+use crate::state::{CapUse, Capacity};
 use crate::watch::report::{Kind, Process};
 
 /// The first 12 characters of a 64-hex-digit engine id (as `docker ps` and `crictl ps`
@@ -204,7 +205,140 @@ pub(crate) fn table(view: &StatusView) -> String {
     if let Some(w) = &view.watch {
         watch_lines(&mut out, w, crate::util::unix_now());
     }
+    if let Some(capacity) = &view.capacity {
+        capacity_table(&mut out, capacity);
+    }
     out
+}
+
+/// `24 GiB` for a whole number of GiB, else whole MiB.
+fn human_bytes(bytes: u64) -> String {
+    const GIB: u64 = 1 << 30;
+    if bytes % GIB == 0 {
+        format!("{} GiB", bytes / GIB)
+    } else {
+        format!("{} MiB", bytes >> 20)
+    }
+}
+
+/// One cap's figure in its unit.
+fn cap_amount(c: &CapUse, n: u64) -> String {
+    if c.unit == "bytes" {
+        human_bytes(n)
+    } else {
+        n.to_string()
+    }
+}
+
+/// A daemon count, `unbounded` for none.
+fn daemons(n: u64) -> String {
+    if n == u64::MAX {
+        "unbounded".to_owned()
+    } else {
+        n.to_string()
+    }
+}
+
+/// The line `doctor` and `status` give the node's capacity.
+pub(crate) fn capacity_line(c: &Capacity) -> String {
+    format!(
+        "room for {} MPS daemons on this node ({} now; bound by {}), {} per UID (bound by {})",
+        daemons(c.effective_daemons),
+        c.daemons,
+        c.binding,
+        daemons(c.effective_daemons_per_uid),
+        c.binding_per_uid
+    )
+}
+
+/// Each cap as `key = limit (used)`, for `doctor`.
+pub(crate) fn caps_summary(c: &Capacity) -> String {
+    c.caps
+        .iter()
+        .map(|cap| {
+            let whose = match cap.uid {
+                Some(uid) => format!(" by uid {uid}"),
+                None => String::new(),
+            };
+            format!(
+                "{} = {} ({} used{whose})",
+                cap.key,
+                cap_amount(cap, cap.limit),
+                cap_amount(cap, cap.used)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The caps below the daemons: each cap, its use, how many daemons it admits.
+fn capacity_table(out: &mut String, c: &Capacity) {
+    let _ = writeln!(out, "\n{}", capacity_line(c));
+    let _ = writeln!(
+        out,
+        "{:<24}  {:>10}  {:>10}  {:>8}  {:<10}",
+        "CAP", "LIMIT", "USED", "DAEMONS", "SCOPE"
+    );
+    for cap in &c.caps {
+        let binding = cap.key == c.binding || (cap.per_uid && cap.key == c.binding_per_uid);
+        let _ = writeln!(
+            out,
+            "{:<24}  {:>10}  {:>10}  {:>8}  {:<10}{}",
+            cap.key,
+            cap_amount(cap, cap.limit),
+            cap_amount(cap, cap.used),
+            daemons(cap.capacity_daemons),
+            match (cap.per_uid, cap.uid) {
+                (false, _) => "node".to_owned(),
+                (true, Some(uid)) => format!("uid {uid}"),
+                (true, None) => "per uid".to_owned(),
+            },
+            if binding { "  binding" } else { "" }
+        );
+    }
+}
+
+/// Writes one metric: its name, type, help and rows of (labels, value).
+type Metric<'a> = dyn FnMut(&str, &str, &str, Vec<(String, String)>) + 'a;
+
+/// The caps as metrics: each one's limit, use and capacity in daemons, and the node's
+/// effective capacity with the cap that binds.
+fn capacity_metrics(metric: &mut Metric, c: &Capacity) {
+    let cap = |c: &CapUse| format!("{{cap=\"{}\",unit=\"{}\"}}", c.key, c.unit);
+    metric(
+        "gpushare_cap_limit",
+        "gauge",
+        "A daemon cap of the config (mps.max-daemons, …), in its unit (daemons or bytes of shm tmpfs).",
+        c.caps.iter().map(|c| (cap(c), c.limit.to_string())).collect(),
+    );
+    metric(
+        "gpushare_cap_used",
+        "gauge",
+        "What the cap counts now (for a per-UID cap, the busiest UID's), in its unit.",
+        c.caps
+            .iter()
+            .map(|c| (cap(c), c.used.to_string()))
+            .collect(),
+    );
+    metric(
+        "gpushare_cap_capacity_daemons",
+        "gauge",
+        "How many MPS daemons (each with an shm tmpfs of mps.shm-size) the cap admits.",
+        c.caps
+            .iter()
+            .filter(|c| c.capacity_daemons != u64::MAX)
+            .map(|c| (cap(c), c.capacity_daemons.to_string()))
+            .collect(),
+    );
+    metric(
+        "gpushare_capacity_daemons",
+        "gauge",
+        "How many MPS daemons the node admits: the least capacity of its node-wide caps, labelled with that cap.",
+        vec![(
+            format!("{{binding=\"{}\"}}", c.binding),
+            daemons(c.effective_daemons).replace("unbounded", "+Inf"),
+        )],
+    );
 }
 
 /// A label value: [`crate::util::escape`]d (no control character is left, a newline
@@ -331,6 +465,9 @@ pub(crate) fn prometheus(view: &StatusView) -> String {
     );
     if let Some(w) = &view.watch {
         watch_metrics(&mut metric, w);
+    }
+    if let Some(capacity) = &view.capacity {
+        capacity_metrics(&mut metric, capacity);
     }
     out
 }
@@ -468,6 +605,22 @@ mod tests {
             nri: None,
             daemons: Vec::new(),
             watch: None,
+            capacity: Some(Capacity {
+                daemons: 0,
+                effective_daemons: 5,
+                binding: "mps.shm-size-total",
+                effective_daemons_per_uid: 5,
+                binding_per_uid: "mps.shm-size-total",
+                caps: vec![CapUse {
+                    key: "mps.max-daemons",
+                    per_uid: false,
+                    unit: "daemons",
+                    limit: 64,
+                    used: 0,
+                    uid: None,
+                    capacity_daemons: 64,
+                }],
+            }),
         };
         let declared = |text: &str| -> Vec<String> {
             text.lines()
@@ -489,6 +642,33 @@ mod tests {
             state_dir: "/run/gpushare".into(),
             nri: None,
             watch: None,
+            capacity: Some(Capacity {
+                daemons: 1,
+                effective_daemons: 5,
+                binding: "mps.shm-size-total",
+                effective_daemons_per_uid: 5,
+                binding_per_uid: "mps.shm-size-total",
+                caps: vec![
+                    CapUse {
+                        key: "mps.max-daemons",
+                        per_uid: false,
+                        unit: "daemons",
+                        limit: 64,
+                        used: 1,
+                        uid: None,
+                        capacity_daemons: 64,
+                    },
+                    CapUse {
+                        key: "mps.shm-size-total",
+                        per_uid: false,
+                        unit: "bytes",
+                        limit: 6026 << 20,
+                        used: 1 << 30,
+                        uid: None,
+                        capacity_daemons: 5,
+                    },
+                ],
+            }),
             daemons: vec![DaemonView {
                 id: "0123456789abcdef0123456789abcdef".into(),
                 devices: vec![DeviceView {
@@ -548,6 +728,20 @@ mod tests {
             "{table}"
         );
         assert!(text.contains("# TYPE gpushare_daemon_restarts_total counter"));
+        // Every cap, its use, and the node's capacity with the cap that binds.
+        for line in [
+            "gpushare_cap_limit{cap=\"mps.shm-size-total\",unit=\"bytes\"} 6318718976\n",
+            "gpushare_cap_used{cap=\"mps.max-daemons\",unit=\"daemons\"} 1\n",
+            "gpushare_cap_capacity_daemons{cap=\"mps.shm-size-total\",unit=\"bytes\"} 5\n",
+            "gpushare_capacity_daemons{binding=\"mps.shm-size-total\"} 5\n",
+        ] {
+            assert!(text.contains(line), "{line}: {text}");
+        }
+        assert!(
+            table.contains("room for 5 MPS daemons on this node (1 now; bound by mps.shm-size-total), 5 per UID")
+                && table.contains("mps.shm-size-total          6026 MiB       1 GiB         5  node        binding\n"),
+            "{table}"
+        );
         assert!(
             text.contains(
                 "gpushare_daemon_up{daemon=\"0123456789abcdef0123456789abcdef\",device=\"GPU-a\\\"b\",uid=\"1000\"} 1"
