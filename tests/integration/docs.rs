@@ -730,19 +730,21 @@ fn accepted_keys() -> Vec<String> {
 }
 
 /// The keys of docs/configuration.md's key tables: the first cell of each row under
-/// "Top-level keys", "`[mps]`" and "`[cdi]`", with the table's prefix.
+/// "Top-level keys" and under each table's heading (`` ## `[mps]` ``), with the table's
+/// prefix.
 fn documented_keys(text: &str) -> Vec<String> {
-    let mut prefix: Option<&str> = None;
+    let mut prefix: Option<String> = None;
     let mut out = Vec::new();
     for line in text.lines() {
         if line.starts_with('#') {
             prefix = match line {
-                "## Top-level keys" => Some(""),
-                "## `[mps]`" => Some("mps."),
-                "## `[cdi]`" => Some("cdi."),
-                _ => None,
+                "## Top-level keys" => Some(String::new()),
+                _ => line
+                    .strip_prefix("## `[")
+                    .and_then(|rest| rest.strip_suffix("]`"))
+                    .map(|table| format!("{table}.")),
             };
-        } else if let (Some(prefix), Some(row)) = (prefix, line.strip_prefix("| `")) {
+        } else if let (Some(prefix), Some(row)) = (&prefix, line.strip_prefix("| `")) {
             if let Some((key, _)) = row.split_once('`') {
                 out.push(format!("{prefix}{key}"));
             }
