@@ -1094,29 +1094,124 @@ pub fn fetched_podman5() -> PathBuf {
     )
 }
 
-/// A Podman to drive: `bin`, a fetched one (its tree kept visible in the private mount
-/// namespace, its conmon and helpers named in a containers.conf written under `dir`, to
-/// pass as `CONTAINERS_CONF`), or Debian's own (`None`). Returns the namespace, the
-/// podman binary and the containers.conf, if any.
-pub fn podman_at(dir: &Path, bin: Option<&Path>) -> (PrivateMounts, PathBuf, Option<PathBuf>) {
-    let Some(bin) = bin else {
-        return (PrivateMounts::new(), need("podman", "podman"), None);
-    };
-    let conf = dir.join("containers.conf");
-    std::fs::write(
-        &conf,
-        format!(
-            "[engine]\nconmon_path = [{:?}]\nhelper_binaries_dir = [{:?}]\n",
-            bin.join("conmon").display().to_string(),
-            bin.join("../lib/podman").display().to_string()
-        ),
-    )
-    .unwrap();
-    (
-        PrivateMounts::keeping(dir, &[&fetched_root(bin)]),
-        bin.join("podman"),
-        Some(conf),
-    )
+/// A private Podman on gpushare's hooks.d files (hook-only mode): `bin`, a fetched one (its
+/// tree kept visible in the private mount namespace, its conmon and helpers named in a
+/// containers.conf of its own), or Debian's own (`None`). Its storage, state, temp dir and
+/// hooks.d are under `<env>/p`, and the `gpushare-test` image is the shared rootfs. Every
+/// command is bounded (`timeout`, `limit` seconds), so that an engine that hangs fails the
+/// test instead of holding it. `Drop` removes its containers and unmounts what it left.
+pub struct Podman {
+    /// The mount namespace it runs in (`Env::enter` it where the agent must run there too).
+    pub ns: PrivateMounts,
+    /// Its storage, state (`run`), temp dir and hooks.d.
+    pub dir: PathBuf,
+    /// Seconds one podman command may take.
+    pub limit: u32,
+    bin: PathBuf,
+    /// A fetched Podman's containers.conf (Debian 12's /usr/share/containers/containers.conf
+    /// is Podman 4.3's).
+    conf: Option<PathBuf>,
+}
+
+impl Podman {
+    /// Podman `bin` (`None`: Debian's) set up under `env`, with the image imported.
+    pub fn new(env: &Env, bin: Option<&Path>) -> Podman {
+        let dir = env.path().join("p");
+        write_hooks_d(env, &dir.join("hooks.d"));
+        let (ns, bin, conf) = match bin {
+            None => (PrivateMounts::new(), need("podman", "podman"), None),
+            Some(bin) => {
+                let conf = env.path().join("containers.conf");
+                std::fs::write(
+                    &conf,
+                    format!(
+                        "[engine]\nconmon_path = [{:?}]\nhelper_binaries_dir = [{:?}]\n",
+                        bin.join("conmon").display().to_string(),
+                        bin.join("../lib/podman").display().to_string()
+                    ),
+                )
+                .unwrap();
+                let ns = PrivateMounts::keeping(env.path(), &[&fetched_root(bin)]);
+                (ns, bin.join("podman"), Some(conf))
+            }
+        };
+        let p = Podman {
+            ns,
+            dir,
+            limit: 120,
+            bin,
+            conf,
+        };
+        let tar = rootfs_tar(&p.dir);
+        let out = p.run(&["import", tar.to_str().unwrap(), "gpushare-test"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        p
+    }
+
+    /// `podman <args>` on this Podman's storage, runc and hooks, its stdin empty.
+    pub fn run(&self, args: &[&str]) -> Output {
+        let mut cmd = self.ns.cmd(need("timeout", "coreutils"));
+        cmd.arg(self.limit.to_string()).arg(&self.bin);
+        if let Some(conf) = &self.conf {
+            cmd.env("CONTAINERS_CONF", conf)
+                .env("PODMAN_IGNORE_CGROUPSV1_WARNING", "1");
+        }
+        cmd.arg("--root")
+            .arg(self.dir.join("storage"))
+            .arg("--runroot")
+            .arg(self.runroot())
+            .arg("--tmpdir")
+            .arg(self.dir.join("tmp"))
+            .arg("--hooks-dir")
+            .arg(self.dir.join("hooks.d"))
+            .args(["--storage-driver", "vfs", "--runtime"])
+            .arg(need("runc", "runc"))
+            .args(["--cgroup-manager", "cgroupfs", "--events-backend", "file"])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    /// `podman run --rm` of the image as `user` with `extra` options, running `sh -c script`.
+    pub fn run_rm(&self, user: &str, extra: &[&str], script: &str) -> Output {
+        let mut args = vec!["run", "--rm"];
+        args.extend(Podman::run_args(user));
+        args.extend_from_slice(extra);
+        args.extend(["gpushare-test", "sh", "-c", script]);
+        self.run(&args)
+    }
+
+    /// The options every test container runs with: no network, `user`, and nofile/nproc
+    /// limits any machine allows (its own may be lower than Podman's defaults).
+    pub fn run_args(user: &str) -> Vec<&str> {
+        vec![
+            "--network",
+            "none",
+            "--user",
+            user,
+            "--ulimit",
+            "nofile=1024:1024",
+            "--ulimit",
+            "nproc=1024:1024",
+        ]
+    }
+
+    /// Its state directory (`--runroot`), which its conmons' command lines name.
+    pub fn runroot(&self) -> PathBuf {
+        self.dir.join("run")
+    }
+}
+
+impl Drop for Podman {
+    fn drop(&mut self) {
+        let _ = self.run(&["rm", "-af", "-t", "0"]);
+        umount_below(&self.dir);
+    }
 }
 
 /// The `pod_annotations` line `gpushare install containerd` writes: every request key's
