@@ -1016,6 +1016,14 @@ pub fn run_at_once<const N: usize>(containers: [&Container; N]) -> [BTreeMap<Str
     containers.map(|c| client_line(&c.stdout()))
 }
 
+/// The `/tmp/nvidia-mps` mounts in a container's mountinfo: one per hook that served it.
+pub fn pipe_mounts(mountinfo: &str) -> usize {
+    mountinfo
+        .lines()
+        .filter(|l| l.split(' ').nth(4) == Some("/tmp/nvidia-mps"))
+        .count()
+}
+
 /// Parses the simulator client's line `mps-client pid=… server=… waited_ms=… …`.
 pub fn client_line(stdout: &str) -> BTreeMap<String, String> {
     parse_client_line(stdout).unwrap_or_else(|| panic!("no mps-client line in output:\n{stdout}"))

@@ -19,14 +19,6 @@ use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
 
-/// The `/tmp/nvidia-mps` mounts in a container's mountinfo: one per hook that served it.
-fn pipe_mounts(mountinfo: &str) -> usize {
-    mountinfo
-        .lines()
-        .filter(|l| l.split(' ').nth(4) == Some("/tmp/nvidia-mps"))
-        .count()
-}
-
 /// Podman `bin` (`None`: Debian 12's 4.3, else a fetched one with its own conmon and
 /// helpers named in a containers.conf of its own): a CDI device of gpushare's, alone or
 /// beside the hooks.d hook, is served once on the GPU it names, with its profile's limit;
