@@ -1219,19 +1219,12 @@ fn cri_pod_start_bench() {
         ("gpushare hooks, request", "gpushare-hooks", true),
     ];
     let rounds = podbench::rounds();
-    let mut ms: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
-    for r in 0..=rounds {
-        for k in 0..variants.len() {
-            let i = (k + r) % variants.len();
-            let (_, handler, request) = variants[i];
-            let (elapsed, pod, _) =
-                podbench::start(&mut node, &format!("b{r}v{i}"), handler, request);
-            if r > 0 {
-                ms[i].push(elapsed);
-            }
-            podbench::remove(&node, &pod);
-        }
-    }
+    let ms = podbench::rotated(variants.len(), rounds, |r, i| {
+        let (_, handler, request) = variants[i];
+        let (elapsed, pod, _) = podbench::start(&mut node, &format!("b{r}v{i}"), handler, request);
+        podbench::remove(&node, &pod);
+        elapsed
+    });
     let labels: Vec<&str> = variants.iter().map(|v| v.0).collect();
     podbench::report(
         &format!(

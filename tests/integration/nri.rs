@@ -1038,35 +1038,29 @@ fn nri_pod_start_bench() {
         ("gpushare hooks, request", "gpushare-hooks", true, true),
     ];
     let rounds = podbench::rounds();
-    let mut ms: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
-    for r in 0..=rounds {
-        for k in 0..variants.len() {
-            let i = (k + r) % variants.len();
-            let (_, handler, request, connected) = variants[i];
-            if !connected {
-                plugin.stop();
-            }
-            let name = format!("b{r}v{i}");
-            let (elapsed, pod, cid) = podbench::start(&mut node, &name, handler, request);
-            if r > 0 {
-                ms[i].push(elapsed); // round 0 warms up (and starts the daemon)
-            }
-            if request {
-                let spec = node.bundle_spec(&cid);
-                assert!(
-                    spec["process"]["env"]
-                        .to_string()
-                        .contains("CUDA_MPS_PIPE_DIRECTORY")
-                        || has_gpushare_hook(&spec),
-                    "{name} was served"
-                );
-            }
-            podbench::remove(&node, &pod);
-            if !connected {
-                plugin = Plugin::start(&env, &node);
-            }
+    let ms = podbench::rotated(variants.len(), rounds, |r, i| {
+        let (_, handler, request, connected) = variants[i];
+        if !connected {
+            plugin.stop();
         }
-    }
+        let name = format!("b{r}v{i}");
+        let (elapsed, pod, cid) = podbench::start(&mut node, &name, handler, request);
+        if request {
+            let spec = node.bundle_spec(&cid);
+            assert!(
+                spec["process"]["env"]
+                    .to_string()
+                    .contains("CUDA_MPS_PIPE_DIRECTORY")
+                    || has_gpushare_hook(&spec),
+                "{name} was served"
+            );
+        }
+        podbench::remove(&node, &pod);
+        if !connected {
+            plugin = Plugin::start(&env, &node);
+        }
+        elapsed
+    });
     let labels: Vec<&str> = variants.iter().map(|v| v.0).collect();
     podbench::report(
         &format!(
