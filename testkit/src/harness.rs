@@ -1016,6 +1016,44 @@ pub fn run_at_once<const N: usize>(containers: [&Container; N]) -> [BTreeMap<Str
     containers.map(|c| client_line(&c.stdout()))
 }
 
+/// Makes `env`'s low-level runtime a stand-in for NVIDIA's shim, named as gpushare knows it
+/// (`nvidia-container-runtime`), followed by `then` in `low-level-runtime`: it appends its
+/// argv to `<dir>/argv`, keeps the spec of each container it creates as `<dir>/<id>.json`,
+/// then runs runc. Returns `<dir>`.
+pub fn nvidia_stand_in(env: &Env, then: &[&str]) -> PathBuf {
+    let dir = env.path().join("nv");
+    std::fs::create_dir_all(&dir).unwrap();
+    let stand_in = dir.join("nvidia-container-runtime");
+    let runc = need("runc", "runc");
+    std::fs::write(
+        &stand_in,
+        format!(
+            "#!/bin/sh\nprintf '%s\\n' \"$@\" >> {dir}/argv\nb=.\nprev=\nfor a in \"$@\"; do [ \"$prev\" = --bundle ] && b=$a; prev=$a; done\ncase \" $* \" in *' create '*) cp \"$b/config.json\" {dir}/\"$prev\".json;; esac\nexec {runc} \"$@\"\n",
+            dir = dir.display(),
+            runc = runc.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &stand_in,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let list: Vec<String> = std::iter::once(stand_in.display().to_string())
+        .chain(then.iter().map(|s| s.to_string()))
+        .map(|s| format!("{s:?}"))
+        .collect();
+    let cfg = std::fs::read_to_string(&env.config).unwrap();
+    let low_level = format!("low-level-runtime = [{:?}]", runc.display().to_string());
+    assert!(cfg.contains(&low_level), "{cfg}");
+    let cfg = cfg.replace(
+        &low_level,
+        &format!("low-level-runtime = [{}]", list.join(", ")),
+    );
+    std::fs::write(&env.config, cfg).unwrap();
+    dir
+}
+
 /// The `/tmp/nvidia-mps` mounts in a container's mountinfo: one per hook that served it.
 pub fn pipe_mounts(mountinfo: &str) -> usize {
     mountinfo

@@ -1205,34 +1205,8 @@ fn podman_5_engine_tier() {
 #[test]
 fn chaining_to_nvidia_container_runtime_passes_argv_and_visible_devices() {
     let env = Env::new();
-    let dir = env.path().join("nv");
-    std::fs::create_dir_all(&dir).unwrap();
     // A stand-in for NVIDIA's shim: records its argv and the spec it was given, then runs runc.
-    let stand_in = dir.join("nvidia-container-runtime");
-    let runc = which("runc").unwrap();
-    std::fs::write(
-        &stand_in,
-        format!(
-            "#!/bin/sh\nprintf '%s\\n' \"$@\" >> {dir}/argv\nb=.\nprev=\nfor a in \"$@\"; do [ \"$prev\" = --bundle ] && b=$a; prev=$a; done\ncase \" $* \" in *' create '*) cp \"$b/config.json\" {dir}/spec.json;; esac\nexec {runc} \"$@\"\n",
-            dir = dir.display(),
-            runc = runc.display()
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(
-        &stand_in,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    let cfg = std::fs::read_to_string(&env.config).unwrap();
-    let cfg = cfg.replace(
-        &format!("low-level-runtime = [{:?}]", runc.display().to_string()),
-        &format!(
-            "low-level-runtime = [{:?}, \"runc\"]",
-            stand_in.display().to_string()
-        ),
-    );
-    std::fs::write(&env.config, cfg).unwrap();
+    let dir = nvidia_stand_in(&env, &["runc"]);
 
     // A host-wide MPS pipe dir that NVIDIA's toolkit would mount over ours: warned about.
     let host_pipe = Path::new("/tmp/nvidia-mps");
@@ -1270,7 +1244,8 @@ fn chaining_to_nvidia_container_runtime_passes_argv_and_visible_devices() {
         "argv forwarded verbatim"
     );
     let spec: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("spec.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join(format!("{}.json", c.id))).unwrap())
+            .unwrap();
     let env_list: Vec<&str> = spec["process"]["env"]
         .as_array()
         .unwrap()
