@@ -1016,6 +1016,52 @@ pub fn run_at_once<const N: usize>(containers: [&Container; N]) -> [BTreeMap<Str
     containers.map(|c| client_line(&c.stdout()))
 }
 
+/// Makes `env`'s low-level runtime a stand-in for NVIDIA's shim, named as gpushare knows it
+/// (`nvidia-container-runtime`), followed by `then` in `low-level-runtime`: it appends its
+/// argv to `<dir>/argv`, keeps the spec of each container it creates as `<dir>/<id>.json`,
+/// then runs runc. Returns `<dir>`.
+pub fn nvidia_stand_in(env: &Env, then: &[&str]) -> PathBuf {
+    let dir = env.path().join("nv");
+    std::fs::create_dir_all(&dir).unwrap();
+    let stand_in = dir.join("nvidia-container-runtime");
+    let runc = need("runc", "runc");
+    std::fs::write(
+        &stand_in,
+        format!(
+            "#!/bin/sh\nprintf '%s\\n' \"$@\" >> {dir}/argv\nb=.\nprev=\nfor a in \"$@\"; do [ \"$prev\" = --bundle ] && b=$a; prev=$a; done\ncase \" $* \" in *' create '*) cp \"$b/config.json\" {dir}/\"$prev\".json;; esac\nexec {runc} \"$@\"\n",
+            dir = dir.display(),
+            runc = runc.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &stand_in,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let list: Vec<String> = std::iter::once(stand_in.display().to_string())
+        .chain(then.iter().map(|s| s.to_string()))
+        .map(|s| format!("{s:?}"))
+        .collect();
+    let cfg = std::fs::read_to_string(&env.config).unwrap();
+    let low_level = format!("low-level-runtime = [{:?}]", runc.display().to_string());
+    assert!(cfg.contains(&low_level), "{cfg}");
+    let cfg = cfg.replace(
+        &low_level,
+        &format!("low-level-runtime = [{}]", list.join(", ")),
+    );
+    std::fs::write(&env.config, cfg).unwrap();
+    dir
+}
+
+/// The `/tmp/nvidia-mps` mounts in a container's mountinfo: one per hook that served it.
+pub fn pipe_mounts(mountinfo: &str) -> usize {
+    mountinfo
+        .lines()
+        .filter(|l| l.split(' ').nth(4) == Some("/tmp/nvidia-mps"))
+        .count()
+}
+
 /// Parses the simulator client's line `mps-client pid=… server=… waited_ms=… …`.
 pub fn client_line(stdout: &str) -> BTreeMap<String, String> {
     parse_client_line(stdout).unwrap_or_else(|| panic!("no mps-client line in output:\n{stdout}"))
@@ -1094,29 +1140,124 @@ pub fn fetched_podman5() -> PathBuf {
     )
 }
 
-/// A Podman to drive: `bin`, a fetched one (its tree kept visible in the private mount
-/// namespace, its conmon and helpers named in a containers.conf written under `dir`, to
-/// pass as `CONTAINERS_CONF`), or Debian's own (`None`). Returns the namespace, the
-/// podman binary and the containers.conf, if any.
-pub fn podman_at(dir: &Path, bin: Option<&Path>) -> (PrivateMounts, PathBuf, Option<PathBuf>) {
-    let Some(bin) = bin else {
-        return (PrivateMounts::new(), need("podman", "podman"), None);
-    };
-    let conf = dir.join("containers.conf");
-    std::fs::write(
-        &conf,
-        format!(
-            "[engine]\nconmon_path = [{:?}]\nhelper_binaries_dir = [{:?}]\n",
-            bin.join("conmon").display().to_string(),
-            bin.join("../lib/podman").display().to_string()
-        ),
-    )
-    .unwrap();
-    (
-        PrivateMounts::keeping(dir, &[&fetched_root(bin)]),
-        bin.join("podman"),
-        Some(conf),
-    )
+/// A private Podman on gpushare's hooks.d files (hook-only mode): `bin`, a fetched one (its
+/// tree kept visible in the private mount namespace, its conmon and helpers named in a
+/// containers.conf of its own), or Debian's own (`None`). Its storage, state, temp dir and
+/// hooks.d are under `<env>/p`, and the `gpushare-test` image is the shared rootfs. Every
+/// command is bounded (`timeout`, `limit` seconds), so that an engine that hangs fails the
+/// test instead of holding it. `Drop` removes its containers and unmounts what it left.
+pub struct Podman {
+    /// The mount namespace it runs in (`Env::enter` it where the agent must run there too).
+    pub ns: PrivateMounts,
+    /// Its storage, state (`run`), temp dir and hooks.d.
+    pub dir: PathBuf,
+    /// Seconds one podman command may take.
+    pub limit: u32,
+    bin: PathBuf,
+    /// A fetched Podman's containers.conf (Debian 12's /usr/share/containers/containers.conf
+    /// is Podman 4.3's).
+    conf: Option<PathBuf>,
+}
+
+impl Podman {
+    /// Podman `bin` (`None`: Debian's) set up under `env`, with the image imported.
+    pub fn new(env: &Env, bin: Option<&Path>) -> Podman {
+        let dir = env.path().join("p");
+        write_hooks_d(env, &dir.join("hooks.d"));
+        let (ns, bin, conf) = match bin {
+            None => (PrivateMounts::new(), need("podman", "podman"), None),
+            Some(bin) => {
+                let conf = env.path().join("containers.conf");
+                std::fs::write(
+                    &conf,
+                    format!(
+                        "[engine]\nconmon_path = [{:?}]\nhelper_binaries_dir = [{:?}]\n",
+                        bin.join("conmon").display().to_string(),
+                        bin.join("../lib/podman").display().to_string()
+                    ),
+                )
+                .unwrap();
+                let ns = PrivateMounts::keeping(env.path(), &[&fetched_root(bin)]);
+                (ns, bin.join("podman"), Some(conf))
+            }
+        };
+        let p = Podman {
+            ns,
+            dir,
+            limit: 120,
+            bin,
+            conf,
+        };
+        let tar = rootfs_tar(&p.dir);
+        let out = p.run(&["import", tar.to_str().unwrap(), "gpushare-test"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        p
+    }
+
+    /// `podman <args>` on this Podman's storage, runc and hooks, its stdin empty.
+    pub fn run(&self, args: &[&str]) -> Output {
+        let mut cmd = self.ns.cmd(need("timeout", "coreutils"));
+        cmd.arg(self.limit.to_string()).arg(&self.bin);
+        if let Some(conf) = &self.conf {
+            cmd.env("CONTAINERS_CONF", conf)
+                .env("PODMAN_IGNORE_CGROUPSV1_WARNING", "1");
+        }
+        cmd.arg("--root")
+            .arg(self.dir.join("storage"))
+            .arg("--runroot")
+            .arg(self.runroot())
+            .arg("--tmpdir")
+            .arg(self.dir.join("tmp"))
+            .arg("--hooks-dir")
+            .arg(self.dir.join("hooks.d"))
+            .args(["--storage-driver", "vfs", "--runtime"])
+            .arg(need("runc", "runc"))
+            .args(["--cgroup-manager", "cgroupfs", "--events-backend", "file"])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    /// `podman run --rm` of the image as `user` with `extra` options, running `sh -c script`.
+    pub fn run_rm(&self, user: &str, extra: &[&str], script: &str) -> Output {
+        let mut args = vec!["run", "--rm"];
+        args.extend(Podman::run_args(user));
+        args.extend_from_slice(extra);
+        args.extend(["gpushare-test", "sh", "-c", script]);
+        self.run(&args)
+    }
+
+    /// The options every test container runs with: no network, `user`, and nofile/nproc
+    /// limits any machine allows (its own may be lower than Podman's defaults).
+    pub fn run_args(user: &str) -> Vec<&str> {
+        vec![
+            "--network",
+            "none",
+            "--user",
+            user,
+            "--ulimit",
+            "nofile=1024:1024",
+            "--ulimit",
+            "nproc=1024:1024",
+        ]
+    }
+
+    /// Its state directory (`--runroot`), which its conmons' command lines name.
+    pub fn runroot(&self) -> PathBuf {
+        self.dir.join("run")
+    }
+}
+
+impl Drop for Podman {
+    fn drop(&mut self) {
+        let _ = self.run(&["rm", "-af", "-t", "0"]);
+        umount_below(&self.dir);
+    }
 }
 
 /// The `pod_annotations` line `gpushare install containerd` writes: every request key's

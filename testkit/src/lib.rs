@@ -9,6 +9,7 @@
 //!   `integration`, `load` and `faults` targets.
 //! - [`node`]: a private containerd with its CRI plugin driven as a kubelet drives it
 //!   (`Node`, pods, containers, logs), over [`cri_api`], a small CRI client.
+//! - [`libtest`]: libtest's flags and filters, for the tiers with a main of their own.
 //!
 //! Everything is re-exported here: a test says `use testkit::*;`.
 //!
@@ -30,6 +31,7 @@
 pub mod common;
 pub mod cri_api;
 pub mod harness;
+pub mod libtest;
 pub mod node;
 pub mod podbench;
 

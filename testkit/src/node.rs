@@ -643,13 +643,25 @@ impl<'e> Node<'e> {
     }
 
     pub fn try_pod(&mut self, spec: &PodSpec) -> Result<Pod, Status> {
+        self.try_pod_on(spec, HANDLER)
+    }
+
+    fn try_pod_on(&mut self, spec: &PodSpec, handler: &str) -> Result<Pod, Status> {
         let config = self.pod_config(spec);
-        let id = self.cri().run_pod(&config, HANDLER)?;
+        let id = self.cri().run_pod(&config, handler)?;
         Ok(Pod { id, config })
     }
 
+    /// A pod of gpushare's runtime class (`HANDLER`).
     pub fn pod(&mut self, spec: &PodSpec) -> Pod {
         self.try_pod(spec)
+            .unwrap_or_else(|e| panic!("RunPodSandbox {}: {e}\n{}", spec.name, self.log_text()))
+    }
+
+    /// A pod of containerd's default runtime (no runtime class: where the NRI plugin, not
+    /// the shim, serves it).
+    pub fn plain_pod(&mut self, spec: &PodSpec) -> Pod {
+        self.try_pod_on(spec, "")
             .unwrap_or_else(|e| panic!("RunPodSandbox {}: {e}\n{}", spec.name, self.log_text()))
     }
 
@@ -782,6 +794,16 @@ impl<'e> Node<'e> {
             .filter_map(|l| l.splitn(4, ' ').nth(3))
             .map(|l| format!("{l}\n"))
             .collect()
+    }
+
+    /// The container's output once it holds its mountinfo (the `/dev/shm` line), for a
+    /// script that prints the client's line, then `cat /proc/self/mountinfo`.
+    pub fn mountinfo(&self, pod: &Pod, c: &ContainerSpec) -> String {
+        let ok = wait_until(Duration::from_secs(10), || {
+            self.output(pod, c).contains("/dev/shm")
+        });
+        assert!(ok, "no mountinfo from {}: {}", c.name, self.output(pod, c));
+        self.output(pod, c)
     }
 
     /// Waits for the simulator client's line in the container's output.
@@ -993,6 +1015,34 @@ pub fn install_hook_only(env: &Env, config: &Path, name: &str) -> Value {
     let again = install();
     assert!(text(&again).contains("nothing to do"), "{}", text(&again));
     serde_json::from_slice(&std::fs::read(&spec).unwrap()).unwrap()
+}
+
+/// `gpushare install cdi` (the binary under test): the spec written to `spec` and CDI
+/// turned on in the containerd config at `config`, with the spec's directory among its
+/// `cdi_spec_dirs`.
+pub fn install_cdi(env: &Env, spec: &Path, config: &Path) {
+    let out = env
+        .cmd(gpushare())
+        .args(["install", "cdi", "--output"])
+        .arg(spec)
+        .args(["--enable", "containerd", "--config"])
+        .arg(config)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+}
+
+/// `gpushare uninstall containerd` (the binary under test) on the containerd config at
+/// `config`, which must succeed; its output.
+pub fn uninstall_containerd(env: &Env, config: &Path) -> String {
+    let out = env
+        .cmd(gpushare())
+        .args(["uninstall", "containerd", "--config"])
+        .arg(config)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    text(&out)
 }
 
 /// `gpushare install containerd` (the binary under test) on the containerd config at

@@ -67,6 +67,27 @@ pub fn start(node: &mut Node, name: &str, handler: &str, request: bool) -> (f64,
     (t.elapsed().as_secs_f64() * 1e3, pod, container)
 }
 
+/// Runs round 0 (the warm-up, not kept) and `rounds` counted rounds of `variants` pod
+/// starts, each round in an order rotated by one, so that no variant always runs first.
+/// `one(round, variant)` does one start and returns its milliseconds. The times per variant.
+pub fn rotated(
+    variants: usize,
+    rounds: usize,
+    mut one: impl FnMut(usize, usize) -> f64,
+) -> Vec<Vec<f64>> {
+    let mut ms = vec![Vec::new(); variants];
+    for r in 0..=rounds {
+        for k in 0..variants {
+            let i = (k + r) % variants;
+            let elapsed = one(r, i);
+            if r > 0 {
+                ms[i].push(elapsed);
+            }
+        }
+    }
+    ms
+}
+
 /// Stops and removes a pod [`start`] made, untimed.
 pub fn remove(node: &Node, pod: &Pod) {
     let _ = node.cri().stop_pod(&pod.id);

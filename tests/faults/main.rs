@@ -45,100 +45,98 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use procs::{Kind, Proc};
 use serde_json::Value;
+use testkit::libtest::Libtest;
 use testkit::{gpushare, runtime, Env};
 
 const TEST_NAME: &str = "fault_tier";
 /// The short run's kills (scripts/test).
 const SHORT_KILLS: u32 = 25;
 
-const USAGE: &str = "\
-usage: cargo test [--release] --test faults -- [OPTIONS]   (as root)
-  --kills N     stop after N kills (default 25, the short run; the long run: 1000)
-                                                                     GPUSHARE_FAULT_KILLS
-  --seed S      the random choices' seed (default: from the clock; printed)
-                                                                     GPUSHARE_FAULT_SEED
-  --verbose     print every round
-  -h, --help    this text";
+/// The command line; each variable fills its option where the command line leaves it unset.
+#[derive(Parser)]
+#[command(
+    bin_name = "cargo test [--release] --test faults --",
+    about = "The fault tier, as root.",
+    args_override_self = true,
+    disable_version_flag = true
+)]
+struct Cli {
+    /// Stop after N kills (default 25, the short run; the long run: 1000)
+    /// [GPUSHARE_FAULT_KILLS]
+    #[arg(long, value_name = "N")]
+    kills: Option<u32>,
+    /// The long run: --kills 1000
+    #[arg(long)]
+    long: bool,
+    /// The random choices' seed (default: from the clock; printed) [GPUSHARE_FAULT_SEED]
+    #[arg(long, value_name = "S")]
+    seed: Option<u64>,
+    /// Print every round
+    #[arg(long)]
+    verbose: bool,
+    #[command(flatten)]
+    libtest: Libtest,
+}
+
+/// The options, `None` when there is nothing to run (`--help`, `--list`, filtered out).
+fn parse_options() -> Result<Option<Options>, String> {
+    let o = match Cli::try_parse() {
+        Ok(o) => o,
+        Err(e) if e.use_stderr() => return Err(e.to_string()),
+        Err(help) => {
+            print!("{help}");
+            return Ok(None);
+        }
+    };
+    if o.libtest.list {
+        println!("{TEST_NAME}: test");
+        return Ok(None);
+    }
+    if let Some(why) = o.libtest.filtered_out(TEST_NAME) {
+        println!("{TEST_NAME}: filtered out: {why}");
+        return Ok(None);
+    }
+    let env = |k: &str| -> Result<Option<u64>, String> {
+        match std::env::var(k).ok().filter(|v| !v.is_empty()) {
+            None => Ok(None),
+            Some(v) => v
+                .parse()
+                .map(Some)
+                .map_err(|_| format!("{k}={v:?} is not a number")),
+        }
+    };
+    let kills = match (o.long, o.kills) {
+        (true, _) => 1000,
+        (false, Some(k)) => k,
+        (false, None) => match env("GPUSHARE_FAULT_KILLS")? {
+            Some(k) => {
+                u32::try_from(k).map_err(|_| format!("GPUSHARE_FAULT_KILLS={k} is too large"))?
+            }
+            None => SHORT_KILLS,
+        },
+    };
+    let seed = match o.seed {
+        Some(s) => s,
+        None => env("GPUSHARE_FAULT_SEED")?.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64 % 1_000_000)
+        }),
+    };
+    Ok(Some(Options {
+        kills,
+        seed,
+        verbose: o.verbose,
+    }))
+}
 
 struct Options {
     kills: u32,
     seed: u64,
     verbose: bool,
-}
-
-fn parse_options() -> Result<Option<Options>, String> {
-    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let mut o = Options {
-        kills: SHORT_KILLS,
-        seed: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64 % 1_000_000),
-        verbose: false,
-    };
-    if let Some(k) = env("GPUSHARE_FAULT_KILLS") {
-        o.kills = k
-            .parse()
-            .map_err(|_| format!("GPUSHARE_FAULT_KILLS={k:?} is not a number"))?;
-    }
-    if let Some(s) = env("GPUSHARE_FAULT_SEED") {
-        o.seed = s
-            .parse()
-            .map_err(|_| format!("GPUSHARE_FAULT_SEED={s:?} is not a number"))?;
-    }
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut filters = Vec::new();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let (name, inline) = match a.split_once('=') {
-            Some((n, v)) if n.starts_with("--") => (n, Some(v.to_owned())),
-            _ => (a.as_str(), None),
-        };
-        let mut value = |what: &str| {
-            inline
-                .clone()
-                .or_else(|| it.next().cloned())
-                .ok_or_else(|| format!("{what} needs a value"))
-        };
-        match name {
-            "--kills" => {
-                let v = value("--kills")?;
-                o.kills = v
-                    .parse()
-                    .map_err(|_| format!("--kills {v:?} is not a number"))?;
-            }
-            "--long" => o.kills = 1000,
-            "--seed" => {
-                let v = value("--seed")?;
-                o.seed = v
-                    .parse()
-                    .map_err(|_| format!("--seed {v:?} is not a number"))?;
-            }
-            "--verbose" => o.verbose = true,
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                return Ok(None);
-            }
-            "--list" => {
-                println!("{TEST_NAME}: test");
-                return Ok(None);
-            }
-            // libtest's flags, which cargo test may pass to any test executable.
-            "--nocapture" | "--show-output" | "-q" | "--quiet" | "--include-ignored"
-            | "--ignored" | "--test" | "--bench" | "--no-capture" | "--exact" => {}
-            "--test-threads" | "--color" | "--format" | "--skip" | "-Z" => {
-                let _ = value(name)?;
-            }
-            f if !f.starts_with('-') => filters.push(f.to_owned()),
-            other => return Err(format!("unknown option {other}\n{USAGE}")),
-        }
-    }
-    if !filters.is_empty() && !filters.iter().any(|f| TEST_NAME.contains(f.as_str())) {
-        println!("{TEST_NAME}: filtered out ({})", filters.join(" "));
-        return Ok(None);
-    }
-    Ok(Some(o))
 }
 
 /// splitmix64: the run's random choices, repeatable from the seed.

@@ -42,7 +42,6 @@ mod tier;
 use std::process::{Command, ExitCode};
 use std::time::Duration;
 
-use opts::Action;
 use tier::ME;
 
 /// Why the real tier cannot run here; `None` when it can.
@@ -76,26 +75,19 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let opts = match opts::parse(&args, &|k| std::env::var(k).ok()) {
         Ok(o) => o,
+        // A usage error (exit 2) or --help (exit 0), printed as clap prints it.
         Err(e) => {
-            eprintln!("{ME}: error: {e}");
-            eprintln!("{}", opts::USAGE);
-            return ExitCode::from(2);
+            let _ = e.print();
+            return ExitCode::from(e.exit_code() as u8);
         }
     };
-    match &opts.action {
-        Action::Run => {}
-        Action::Help => {
-            println!("{}", opts::USAGE);
-            return ExitCode::SUCCESS;
-        }
-        Action::List => {
-            println!("{}: test", opts::TEST_NAME);
-            return ExitCode::SUCCESS;
-        }
-        Action::FilteredOut(why) => {
-            println!("{ME}: nothing to run: {why}");
-            return ExitCode::SUCCESS;
-        }
+    if opts.libtest.list {
+        println!("{}: test", opts::TEST_NAME);
+        return ExitCode::SUCCESS;
+    }
+    if let Some(why) = opts.libtest.filtered_out(opts::TEST_NAME) {
+        println!("{ME}: nothing to run: {why}");
+        return ExitCode::SUCCESS;
     }
     let mut simulate = opts.simulate;
     if !simulate {

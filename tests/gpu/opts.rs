@@ -4,43 +4,16 @@
 //!
 //! Invariants: parsing is pure (the environment comes in as a function); libtest's own
 //! flags, which `cargo test` may pass to any test executable, are accepted and ignored, and
-//! its filters select or skip the one test this target holds, `gpu_tier`, as libtest would.
+//! its filters select or skip the one test this target holds, `gpu_tier`, as libtest would
+//! (testkit's `Libtest`).
 
 use std::path::PathBuf;
 
+use clap::Parser;
+use testkit::libtest::Libtest;
+
 /// The name under which `--list` and filters see the tier.
 pub const TEST_NAME: &str = "gpu_tier";
-
-pub const USAGE: &str = "\
-usage: cargo test --test gpu -- [OPTIONS]      (or the test executable itself, as root,
-                                               from the repository root)
-  --simulate       run against gpushare-mps-sim instead of a GPU      GPUSHARE_GPU_SIMULATE=1
-                   (also what runs when no GPU is found)
-  --bin-dir DIR    where gpushare, gpushare-runtime and gpushare-mps-sim are    GPUSHARE_BIN_DIR
-                   (default: this build's target dir if it exists, else target/release)
-  --out FILE       append raw JSON lines here                                   GPUSHARE_GPU_OUT
-                   (default docs/gpu-validation-raw.jsonl; simulated target/tmp/gpu-simulate.jsonl)
-  --iterations N   matrix products per process in the KubeCon experiment (default 100000)
-                                                                         GPUSHARE_GPU_ITERATIONS
-  --hold S         seconds each concurrent client computes (default 6; 1.5 simulated)
-                                                                               GPUSHARE_GPU_HOLD
-  --python PATH    Python with torch, runnable by UIDs 1000-4000 (default: python3's executable)
-                                                                             GPUSHARE_GPU_PYTHON
-  --keep           keep the work directory under /tmp (every daemon's and client's log)
-                                                                             GPUSHARE_GPU_KEEP=1
-  --containers     then two users' PyTorch containers through gpushare-runtime and runc
-                   (real GPU only)                                     GPUSHARE_GPU_CONTAINERS=1
-  --runc PATH      runc for --containers (default: runc on PATH)                GPUSHARE_GPU_RUNC
-  --only LIST      run only these sections (comma-separated; the header, the preflight and the
-                   restore always run): per-user, shared, flags, multi-user, tenant-control,
-                   limits, uuid-limit, small-batch, create-path, driver-root, and the container sections
-                   containers, skip-mps, cdi (real GPU only; naming one implies --containers)
-                                                                               GPUSHARE_GPU_ONLY
-  -h, --help       this text
-also read: GPUSHARE_GPU_CREATE_ROUNDS (creates per inventory in section 7, default 30),
-GPUSHARE_GPU_INVENTORY (replaces inventory = \"nvml\", a test hook: file:/path) and
-GPUSHARE_GPU_DRIVER_ROOT (section 8's driver root; default: one made of read-only binds of
-the driver's own directories)";
 
 /// The sections `--only` can name, in the order they run.
 pub const SECTIONS: &[&str] = &[
@@ -61,33 +34,109 @@ pub const SECTIONS: &[&str] = &[
 /// The sections that run real containers (`--containers`).
 pub const CONTAINER_SECTIONS: &[&str] = &["containers", "skip-mps", "cdi"];
 
-#[derive(Debug, Clone, PartialEq)]
+/// The options. Each field's variable fills it where the command line leaves it unset.
+#[derive(Parser, Debug, Clone, PartialEq)]
+#[command(
+    bin_name = "cargo test --test gpu --",
+    about = "The GPU tier: as root, from the repository root (or the test executable itself).",
+    after_help = ENV_HELP,
+    args_override_self = true,
+    disable_version_flag = true
+)]
 pub struct Options {
+    /// Run against gpushare-mps-sim instead of a GPU (also what runs when no GPU is found)
+    /// [GPUSHARE_GPU_SIMULATE=1]
+    #[arg(long)]
     pub simulate: bool,
+    /// Where gpushare, gpushare-runtime and gpushare-mps-sim are (default: this build's
+    /// target dir if it exists, else target/release) [GPUSHARE_BIN_DIR]
+    #[arg(long, value_name = "DIR")]
     pub bin_dir: Option<PathBuf>,
+    /// Append raw JSON lines here (default docs/gpu-validation-raw.jsonl; simulated
+    /// target/tmp/gpu-simulate.jsonl) [GPUSHARE_GPU_OUT]
+    #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
+    /// Matrix products per process in the KubeCon experiment (default 100000)
+    /// [GPUSHARE_GPU_ITERATIONS]
+    #[arg(long = "iterations", value_name = "N", value_parser = positive::<u64>)]
+    iterations_arg: Option<u64>,
+    #[arg(skip = 100_000u64)]
     pub iterations: u64,
-    /// `None`: the mode's default (6 s, or 1.5 s simulated).
-    pub hold: Option<f64>,
+    /// Seconds each concurrent client computes (default 6; 1.5 simulated) [GPUSHARE_GPU_HOLD]
+    #[arg(long = "hold", value_name = "S", value_parser = hold_seconds)]
+    hold: Option<f64>,
+    /// Python with torch, runnable by UIDs 1000-4000 (default: python3's executable)
+    /// [GPUSHARE_GPU_PYTHON]
+    #[arg(long, value_name = "PATH")]
     pub python: Option<PathBuf>,
+    /// Keep the work directory under /tmp (every daemon's and client's log)
+    /// [GPUSHARE_GPU_KEEP=1]
+    #[arg(long)]
     pub keep: bool,
+    /// Then two users' PyTorch containers through gpushare-runtime and runc (real GPU only)
+    /// [GPUSHARE_GPU_CONTAINERS=1]
+    #[arg(long)]
     pub containers: bool,
+    /// runc for --containers (default: runc on PATH) [GPUSHARE_GPU_RUNC]
+    #[arg(long, value_name = "PATH")]
     pub runc: Option<PathBuf>,
+    /// Run only these sections (comma-separated; the header, the preflight and the restore
+    /// always run): per-user, shared, flags, multi-user, tenant-control, limits, uuid-limit,
+    /// small-batch, create-path, driver-root, and the container sections containers,
+    /// skip-mps, cdi (real GPU only; naming one implies --containers) [GPUSHARE_GPU_ONLY]
+    #[arg(long = "only", value_name = "LIST", value_parser = sections)]
+    only_arg: Option<Sections>,
     /// `--only`: the sections to run; `None` runs every section.
+    #[arg(skip)]
     pub only: Option<Vec<String>>,
+    #[arg(skip = 30u32)]
     pub create_rounds: u32,
+    #[arg(skip)]
     pub inventory_override: Option<String>,
-    /// What to do instead of running: print usage, list the test, or nothing (filtered out).
-    pub action: Action,
+    #[command(flatten)]
+    pub libtest: Libtest,
 }
 
+const ENV_HELP: &str = "\
+Also read: GPUSHARE_GPU_CREATE_ROUNDS (creates per inventory in section 7, default 30),
+GPUSHARE_GPU_INVENTORY (replaces inventory = \"nvml\", a test hook: file:/path) and
+GPUSHARE_GPU_DRIVER_ROOT (section 8's driver root; default: one made of read-only binds of
+the driver's own directories). An option wins over its variable.";
+
+/// `--only`'s list, checked.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Action {
-    Run,
-    Help,
-    List,
-    /// A libtest filter (or `--skip`, `--ignored`) leaves nothing to run; the reason.
-    FilteredOut(String),
+struct Sections(Vec<String>);
+
+fn positive<N: std::str::FromStr + Default + PartialOrd>(v: &str) -> Result<N, String> {
+    v.parse()
+        .ok()
+        .filter(|n| *n > N::default())
+        .ok_or_else(|| format!("must be a positive integer, not {v:?}"))
+}
+
+fn hold_seconds(v: &str) -> Result<f64, String> {
+    v.parse()
+        .ok()
+        .filter(|s: &f64| (0.5..=120.0).contains(s))
+        .ok_or_else(|| format!("must be a number of seconds from 0.5 to 120, not {v:?}"))
+}
+
+fn sections(list: &str) -> Result<Sections, String> {
+    let names: Vec<String> = list
+        .split(',')
+        .map(|n| n.trim().to_owned())
+        .filter(|n| !n.is_empty())
+        .collect();
+    if let Some(bad) = names.iter().find(|n| !SECTIONS.contains(&n.as_str())) {
+        return Err(format!(
+            "no section {bad:?}; the sections are {}",
+            SECTIONS.join(", ")
+        ));
+    }
+    if names.is_empty() {
+        return Err(format!("needs at least one of {}", SECTIONS.join(", ")));
+    }
+    Ok(Sections(names))
 }
 
 impl Options {
@@ -112,148 +161,56 @@ fn flag_env(env: &dyn Fn(&str) -> Option<String>, name: &str) -> bool {
     env(name).is_some_and(|v| !v.is_empty() && v != "0")
 }
 
-pub fn parse(args: &[String], env: &dyn Fn(&str) -> Option<String>) -> Result<Options, String> {
-    let mut o = Options {
-        simulate: flag_env(env, "GPUSHARE_GPU_SIMULATE"),
-        bin_dir: env("GPUSHARE_BIN_DIR")
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from),
-        out: env("GPUSHARE_GPU_OUT")
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from),
-        iterations: 100_000,
-        hold: None,
-        python: env("GPUSHARE_GPU_PYTHON")
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from),
-        keep: flag_env(env, "GPUSHARE_GPU_KEEP"),
-        containers: flag_env(env, "GPUSHARE_GPU_CONTAINERS"),
-        runc: env("GPUSHARE_GPU_RUNC")
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from),
-        only: None,
-        create_rounds: 30,
-        inventory_override: env("GPUSHARE_GPU_INVENTORY").filter(|v| !v.is_empty()),
-        action: Action::Run,
+/// The options from the command line (`args` without the program's name), each unset one
+/// from its variable. `Err` is clap's: it prints itself (usage errors exit 2, `--help` 0).
+pub fn parse(
+    args: &[String],
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Options, clap::Error> {
+    let mut o =
+        Options::try_parse_from(std::iter::once("gpu").chain(args.iter().map(String::as_str)))?;
+    let env = |k: &str| env(k).filter(|v| !v.is_empty());
+    let invalid = |k: &str, e: String| {
+        clap::Error::raw(clap::error::ErrorKind::InvalidValue, format!("{k}: {e}\n"))
     };
-    let mut iterations = env("GPUSHARE_GPU_ITERATIONS").filter(|v| !v.is_empty());
-    let mut hold = env("GPUSHARE_GPU_HOLD").filter(|v| !v.is_empty());
-    let mut only = env("GPUSHARE_GPU_ONLY").filter(|v| !v.is_empty());
-    if let Some(r) = env("GPUSHARE_GPU_CREATE_ROUNDS").filter(|v| !v.is_empty()) {
-        o.create_rounds = r.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
-            format!("GPUSHARE_GPU_CREATE_ROUNDS must be a positive integer, not {r:?}")
-        })?;
+    o.simulate |= flag_env(&env, "GPUSHARE_GPU_SIMULATE");
+    o.keep |= flag_env(&env, "GPUSHARE_GPU_KEEP");
+    o.containers |= flag_env(&env, "GPUSHARE_GPU_CONTAINERS");
+    o.bin_dir = o
+        .bin_dir
+        .or_else(|| env("GPUSHARE_BIN_DIR").map(PathBuf::from));
+    o.out = o.out.or_else(|| env("GPUSHARE_GPU_OUT").map(PathBuf::from));
+    o.python = o
+        .python
+        .or_else(|| env("GPUSHARE_GPU_PYTHON").map(PathBuf::from));
+    o.runc = o
+        .runc
+        .or_else(|| env("GPUSHARE_GPU_RUNC").map(PathBuf::from));
+    o.inventory_override = env("GPUSHARE_GPU_INVENTORY");
+    if let Some(r) = env("GPUSHARE_GPU_CREATE_ROUNDS") {
+        o.create_rounds = positive(&r).map_err(|e| invalid("GPUSHARE_GPU_CREATE_ROUNDS", e))?;
     }
-    let (mut filters, mut skips, mut exact, mut ignored_only) =
-        (Vec::new(), Vec::new(), false, false);
-    let mut i = 0;
-    while i < args.len() {
-        let arg = args[i].as_str();
-        let (name, inline) = match arg.split_once('=') {
-            Some((n, v)) if n.starts_with("--") => (n, Some(v.to_owned())),
-            _ => (arg, None),
-        };
-        let mut value = |what: &str| -> Result<String, String> {
-            if let Some(v) = &inline {
-                return Ok(v.clone());
-            }
-            i += 1;
-            args.get(i)
-                .cloned()
-                .ok_or_else(|| format!("{what} needs a value"))
-        };
-        match name {
-            "--simulate" => o.simulate = true,
-            "--keep" => o.keep = true,
-            "--containers" => o.containers = true,
-            "--runc" => o.runc = Some(value("--runc")?.into()),
-            "--bin-dir" => o.bin_dir = Some(value("--bin-dir")?.into()),
-            "--out" => o.out = Some(value("--out")?.into()),
-            "--python" => o.python = Some(value("--python")?.into()),
-            "--iterations" => iterations = Some(value("--iterations")?),
-            "--hold" => hold = Some(value("--hold")?),
-            "--only" => only = Some(value("--only")?),
-            "-h" | "--help" => o.action = Action::Help,
-            "--list" => o.action = Action::List,
-            // libtest's flags (cargo test passes some to every test executable): no meaning
-            // for one sequential test that always prints.
-            "--nocapture" | "--show-output" | "-q" | "--quiet" | "--include-ignored" | "--test"
-            | "--bench" | "--no-capture" => {}
-            "--exact" => exact = true,
-            "--ignored" => ignored_only = true,
-            "--report-time" | "--ensure-time" | "--force-run-in-process" | "--shuffle" => {}
-            "--test-threads" | "--color" | "--format" | "--logfile" | "-Z" | "--shuffle-seed" => {
-                value(name)?;
-            }
-            "--skip" => skips.push(value("--skip")?),
-            other if other.starts_with('-') => {
-                return Err(format!("unknown option {other:?} (see --help)"))
-            }
-            filter => filters.push(filter.to_owned()),
+    o.iterations = match (o.iterations_arg, env("GPUSHARE_GPU_ITERATIONS")) {
+        (Some(n), _) => n,
+        (None, Some(n)) => positive(&n).map_err(|e| invalid("GPUSHARE_GPU_ITERATIONS", e))?,
+        (None, None) => o.iterations,
+    };
+    if o.hold.is_none() {
+        if let Some(h) = env("GPUSHARE_GPU_HOLD") {
+            o.hold = Some(hold_seconds(&h).map_err(|e| invalid("GPUSHARE_GPU_HOLD", e))?);
         }
-        i += 1;
     }
-    if let Some(n) = iterations {
-        o.iterations = n
-            .parse()
-            .ok()
-            .filter(|n| *n > 0)
-            .ok_or_else(|| format!("--iterations must be a positive integer, not {n:?}"))?;
-    }
-    if let Some(h) = hold {
-        let s: f64 = h
-            .parse()
-            .ok()
-            .filter(|s: &f64| (0.5..=120.0).contains(s))
-            .ok_or_else(|| {
-                format!("--hold must be a number of seconds from 0.5 to 120, not {h:?}")
-            })?;
-        o.hold = Some(s);
-    }
-    if let Some(list) = only {
-        let names: Vec<String> = list
-            .split(',')
-            .map(|n| n.trim().to_owned())
-            .filter(|n| !n.is_empty())
-            .collect();
-        if let Some(bad) = names.iter().find(|n| !SECTIONS.contains(&n.as_str())) {
-            return Err(format!(
-                "--only: no section {bad:?}; the sections are {}",
-                SECTIONS.join(", ")
-            ));
-        }
-        if names.is_empty() {
-            return Err(format!(
-                "--only needs at least one of {}",
-                SECTIONS.join(", ")
-            ));
-        }
-        if names
+    let only = match o.only_arg.take() {
+        Some(s) => Some(s),
+        None => env("GPUSHARE_GPU_ONLY")
+            .map(|l| sections(&l).map_err(|e| invalid("GPUSHARE_GPU_ONLY", e)))
+            .transpose()?,
+    };
+    if let Some(Sections(names)) = only {
+        o.containers |= names
             .iter()
-            .any(|n| CONTAINER_SECTIONS.contains(&n.as_str()))
-        {
-            o.containers = true;
-        }
+            .any(|n| CONTAINER_SECTIONS.contains(&n.as_str()));
         o.only = Some(names);
-    }
-    let matches = |f: &String| {
-        if exact {
-            f == TEST_NAME
-        } else {
-            TEST_NAME.contains(f.as_str())
-        }
-    };
-    if o.action == Action::Run {
-        if ignored_only {
-            o.action = Action::FilteredOut(format!(
-                "--ignored runs only ignored tests, and {TEST_NAME} is not one"
-            ));
-        } else if !filters.is_empty() && !filters.iter().any(matches) {
-            o.action =
-                Action::FilteredOut(format!("filter {filters:?} does not match {TEST_NAME}"));
-        } else if let Some(s) = skips.iter().find(|s| TEST_NAME.contains(s.as_str())) {
-            o.action = Action::FilteredOut(format!("--skip {s:?}"));
-        }
     }
     Ok(o)
 }
@@ -273,7 +230,7 @@ mod tests {
     #[test]
     fn defaults_follow_the_mode() {
         let o = parse(&[], &no_env).unwrap();
-        assert_eq!(o.action, Action::Run);
+        assert_eq!(o.libtest.filtered_out(TEST_NAME), None);
         assert!(!o.simulate && !o.keep && !o.containers);
         assert_eq!(
             (o.iterations, o.hold(o.simulate), o.create_rounds),
@@ -321,16 +278,34 @@ mod tests {
     #[test]
     fn bad_values_are_refused_with_the_option_named() {
         for (a, needle) in [
-            (&["--hold", "0.1"][..], "--hold must be"),
-            (&["--hold", "abc"][..], "--hold must be"),
-            (&["--iterations", "0"][..], "--iterations must be"),
-            (&["--iterations", "-3"][..], "--iterations must be"),
-            (&["--out"][..], "--out needs a value"),
-            (&["--frobnicate"][..], "unknown option \"--frobnicate\""),
+            (
+                &["--hold", "0.1"][..],
+                "'--hold <S>': must be a number of seconds",
+            ),
+            (
+                &["--hold", "abc"][..],
+                "'--hold <S>': must be a number of seconds",
+            ),
+            (
+                &["--iterations", "0"][..],
+                "'--iterations <N>': must be a positive",
+            ),
+            (
+                &["--iterations=-3"][..],
+                "'--iterations <N>': must be a positive",
+            ),
+            (&["--out"][..], "a value is required for '--out <FILE>'"),
+            (&["--frobnicate"][..], "unexpected argument '--frobnicate'"),
         ] {
-            let e = parse(&args(a), &no_env).unwrap_err();
+            let e = parse(&args(a), &no_env).unwrap_err().to_string();
             assert!(e.contains(needle), "{a:?}: {e}");
         }
+        let env = |k: &str| (k == "GPUSHARE_GPU_HOLD").then(|| "200".to_owned());
+        let e = parse(&[], &env).unwrap_err().to_string();
+        assert!(
+            e.contains("GPUSHARE_GPU_HOLD: must be a number of seconds"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -344,34 +319,44 @@ mod tests {
         let env = |k: &str| (k == "GPUSHARE_GPU_ONLY").then(|| "tenant-control".to_owned());
         let o = parse(&[], &env).unwrap();
         assert!(o.wants("tenant-control") && !o.wants("limits") && !o.containers);
-        let e = parse(&args(&["--only=small,cdi"]), &no_env).unwrap_err();
+        let e = parse(&args(&["--only=small,cdi"]), &no_env)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("no section \"small\"") && e.contains("tenant-control"),
             "{e}"
         );
-        let e = parse(&args(&["--only", ","]), &no_env).unwrap_err();
+        let e = parse(&args(&["--only", ","]), &no_env)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("at least one"), "{e}");
     }
 
     #[test]
     fn libtest_flags_are_accepted_and_filters_select_the_tier() {
-        let run = |a: &[&str]| parse(&args(a), &no_env).unwrap().action;
-        assert_eq!(
-            run(&["--nocapture", "--test-threads", "1", "-q"]),
-            Action::Run
-        );
-        assert_eq!(
-            run(&["--test-threads=2", "--color=never", "gpu"]),
-            Action::Run
-        );
-        assert_eq!(run(&["tier"]), Action::Run);
-        assert_eq!(run(&["--list"]), Action::List);
-        assert_eq!(run(&["-h"]), Action::Help);
-        assert!(matches!(run(&["core_path"]), Action::FilteredOut(_)));
-        assert!(matches!(run(&["--exact", "gpu"]), Action::FilteredOut(_)));
-        assert_eq!(run(&["--exact", "gpu_tier"]), Action::Run);
-        assert!(matches!(run(&["--skip", "gpu"]), Action::FilteredOut(_)));
-        assert!(matches!(run(&["--ignored"]), Action::FilteredOut(_)));
-        assert_eq!(run(&["--include-ignored"]), Action::Run);
+        let runs = |a: &[&str]| {
+            let o = parse(&args(a), &no_env).unwrap();
+            o.libtest.filtered_out(TEST_NAME).is_none()
+        };
+        assert!(runs(&["--nocapture", "--test-threads", "1", "-q", "-q"]));
+        assert!(runs(&["--test-threads=2", "--color=never", "gpu"]));
+        assert!(runs(&[
+            "-Z",
+            "unstable-options",
+            "--format",
+            "json",
+            "--show-output"
+        ]));
+        assert!(runs(&["tier"]));
+        assert!(parse(&args(&["--list"]), &no_env).unwrap().libtest.list);
+        let help = parse(&args(&["-h"]), &no_env).unwrap_err();
+        assert_eq!(help.kind(), clap::error::ErrorKind::DisplayHelp);
+        assert!(help.to_string().contains("GPUSHARE_GPU_ONLY"), "{help}");
+        assert!(!runs(&["core_path"]));
+        assert!(!runs(&["--exact", "gpu"]));
+        assert!(runs(&["--exact", "gpu_tier"]));
+        assert!(!runs(&["--skip", "gpu"]));
+        assert!(!runs(&["--ignored"]));
+        assert!(runs(&["--include-ignored"]));
     }
 }

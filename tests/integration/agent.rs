@@ -292,53 +292,10 @@ fn podman_run_returns_at_once(bin: Option<PathBuf>) {
     let mut env = Env::with_config("idle-timeout = \"120s\"");
     // The agent runs where the hooks run: in the engine's mount namespace. A fetched
     // Podman (5) brings its conmon and helpers, named in a containers.conf of its own.
-    let (ns, podman, conf) = podman_at(env.path(), bin.as_deref());
-    env.enter(&ns);
+    let p = Podman::new(&env, bin.as_deref());
+    env.enter(&p.ns);
     let agent = env.start_agent();
-    let dir = env.path().join("p");
-    let hooks = dir.join("hooks.d");
-    write_hooks_d(&env, &hooks);
-    let runroot: PathBuf = dir.join("run");
-    let pm = |args: &[&str]| {
-        let mut cmd = ns.cmd("timeout");
-        cmd.arg("120").arg(&podman);
-        if let Some(conf) = &conf {
-            cmd.env("CONTAINERS_CONF", conf);
-        }
-        cmd.arg("--root")
-            .arg(dir.join("storage"))
-            .arg("--runroot")
-            .arg(&runroot)
-            .arg("--tmpdir")
-            .arg(dir.join("tmp"))
-            .arg("--hooks-dir")
-            .arg(&hooks)
-            .args([
-                "--storage-driver",
-                "vfs",
-                "--runtime",
-                "runc",
-                "--cgroup-manager",
-                "cgroupfs",
-                "--events-backend",
-                "file",
-            ])
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap()
-    };
-    struct Cleanup<'a>(&'a dyn Fn(&[&str]) -> Output, PathBuf);
-    impl Drop for Cleanup<'_> {
-        fn drop(&mut self) {
-            let _ = (self.0)(&["rm", "-af"]);
-            umount_below(&self.1);
-        }
-    }
-    let _cleanup = Cleanup(&pm, dir.clone());
-    let tar = rootfs_tar(&dir);
-    let out = pm(&["import", tar.to_str().unwrap(), "gpushare-test"]);
-    assert!(out.status.success(), "{}", text(&out));
+    let runroot = p.runroot();
     let conmons = || {
         processes_with("conmon --api-version 1 -c")
             .into_iter()
@@ -347,22 +304,7 @@ fn podman_run_returns_at_once(bin: Option<PathBuf>) {
     };
     for round in ["cold", "warm"] {
         let started = Instant::now();
-        let out = pm(&[
-            "run",
-            "--rm",
-            "--network",
-            "none",
-            "--user",
-            "1000",
-            "--ulimit",
-            "nofile=1024:1024",
-            "--ulimit",
-            "nproc=1024:1024",
-            "--annotation",
-            "gpushare.io/device=0",
-            "gpushare-test",
-            "true",
-        ]);
+        let out = p.run_rm("1000", &["--annotation", "gpushare.io/device=0"], "true");
         assert!(out.status.success(), "{round}: {}", text(&out));
         let left = !wait_until(Duration::from_secs(5), || conmons().is_empty());
         let sup = supervisor(&env);

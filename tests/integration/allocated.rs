@@ -392,36 +392,6 @@ fn the_allocators_own_mps_is_refused_and_nothing_is_touched() {
     }
 }
 
-/// Makes `env`'s low-level runtime a stand-in for NVIDIA's shim (by its name, which is how
-/// gpushare knows it): it keeps the spec of each container it creates as
-/// `<dir>/<id>.json`, then runs runc. Returns `<dir>`.
-fn nvidia_stand_in(env: &Env) -> std::path::PathBuf {
-    let dir = env.path().join("nv");
-    std::fs::create_dir_all(&dir).unwrap();
-    let stand_in = dir.join("nvidia-container-runtime");
-    let runc = which("runc").unwrap();
-    std::fs::write(
-        &stand_in,
-        format!(
-            "#!/bin/sh\nb=.\nprev=\nfor a in \"$@\"; do [ \"$prev\" = --bundle ] && b=$a; prev=$a; done\ncase \" $* \" in *' create '*) cp \"$b/config.json\" {dir}/\"$prev\".json;; esac\nexec {runc} \"$@\"\n",
-            dir = dir.display(),
-            runc = runc.display()
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(
-        &stand_in,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    let cfg = std::fs::read_to_string(&env.config).unwrap().replace(
-        &format!("low-level-runtime = [{:?}]", runc.display().to_string()),
-        &format!("low-level-runtime = [{:?}]", stand_in.display().to_string()),
-    );
-    std::fs::write(&env.config, cfg).unwrap();
-    dir
-}
-
 /// A pod's own `emptyDir` where the device plugin's volume mounts go (and the tmpfs the
 /// read-only test rootfs needs under it).
 fn push_pod_volume(env: &Env, v: &mut Value, id: &str) {
@@ -445,7 +415,7 @@ fn push_pod_volume(env: &Env, v: &mut Value, id: &str) {
 #[test]
 fn a_pod_s_own_env_and_volumes_neither_make_nor_move_its_allocation() {
     let env = Env::with_configs("default-device = \"allocated\"", "");
-    let handed = nvidia_stand_in(&env);
+    let handed = nvidia_stand_in(&env, &[]);
     // Allocated nothing: another tenant's GPU 2 by env, or by emptyDir.
     for (id, forge) in [("forged-env", true), ("forged-volume", false)] {
         let c = env.container(id).uid(1000).sh("echo plain").bundle();

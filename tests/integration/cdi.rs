@@ -12,21 +12,12 @@
 //! request is not one.
 
 use std::path::PathBuf;
-use std::process::{Output, Stdio};
 use std::time::Duration;
 
 use crate::engines::Dockerd;
 use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
-
-/// The `/tmp/nvidia-mps` mounts in a container's mountinfo: one per hook that served it.
-fn pipe_mounts(mountinfo: &str) -> usize {
-    mountinfo
-        .lines()
-        .filter(|l| l.split(' ').nth(4) == Some("/tmp/nvidia-mps"))
-        .count()
-}
 
 /// Podman `bin` (`None`: Debian 12's 4.3, else a fetched one with its own conmon and
 /// helpers named in a containers.conf of its own): a CDI device of gpushare's, alone or
@@ -40,12 +31,10 @@ fn podman_serves_a_cdi_device(bin: Option<PathBuf>) {
         "accept-env-requests = false\n[cdi.profiles.small]\nactive-thread-percentage = 25\n",
         "",
     );
-    let dir = env.path().join("p");
-    let hooks = dir.join("hooks.d");
-    write_hooks_d(&env, &hooks);
-    let (ns, podman, conf) = podman_at(env.path(), bin.as_deref());
+    let p = Podman::new(&env, bin.as_deref());
+    let ns = &p.ns;
     if bin.is_some() {
-        env.enter(&ns);
+        env.enter(ns);
         env.start_agent();
     }
     // The spec, by the binary under test, where Podman reads it (in the namespace only).
@@ -72,60 +61,9 @@ fn podman_serves_a_cdi_device(bin: Option<PathBuf>) {
         "{}",
         text(&out)
     );
-    // Bounded, so that an engine that hangs fails the test instead of holding it.
-    let pm = |args: &[&str]| {
-        let mut cmd = ns.cmd(need("timeout", "coreutils"));
-        cmd.arg("120").arg(&podman);
-        if let Some(conf) = &conf {
-            cmd.env("CONTAINERS_CONF", conf)
-                .env("PODMAN_IGNORE_CGROUPSV1_WARNING", "1");
-        }
-        cmd.arg("--root")
-            .arg(dir.join("storage"))
-            .arg("--runroot")
-            .arg(dir.join("run"))
-            .arg("--tmpdir")
-            .arg(dir.join("tmp"))
-            .arg("--hooks-dir")
-            .arg(&hooks)
-            .args(["--storage-driver", "vfs", "--runtime"])
-            .arg(which("runc").unwrap())
-            .args(["--cgroup-manager", "cgroupfs", "--events-backend", "file"])
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap()
-    };
-    struct Cleanup<'a>(&'a dyn Fn(&[&str]) -> Output, PathBuf);
-    impl Drop for Cleanup<'_> {
-        fn drop(&mut self) {
-            let _ = (self.0)(&["rm", "-af"]);
-            umount_below(&self.1);
-        }
-    }
-    let _cleanup = Cleanup(&pm, dir.clone());
-    let tar = rootfs_tar(&dir);
-    let out = pm(&["import", tar.to_str().unwrap(), "gpushare-test"]);
-    assert!(out.status.success(), "{}", text(&out));
-    eprintln!("{}", text(&pm(&["--version"])));
-    let run = |extra: &[&str]| {
-        let mut args = vec![
-            "run",
-            "--rm",
-            "--network",
-            "none",
-            "--user",
-            "1000",
-            "--ulimit",
-            "nofile=1024:1024",
-            "--ulimit",
-            "nproc=1024:1024",
-        ];
-        let script = format!("{CLIENT}; cat /proc/self/mountinfo");
-        args.extend_from_slice(extra);
-        args.extend_from_slice(&["gpushare-test", "sh", "-c", &script]);
-        pm(&args)
-    };
+    eprintln!("{}", text(&p.run(&["--version"])));
+    let script = format!("{CLIENT}; cat /proc/self/mountinfo");
+    let run = |extra: &[&str]| p.run_rm("1000", extra, &script);
     // Every daemon ever started here, with the devices it serves.
     let devices_served = || -> Vec<serde_json::Value> {
         env.daemon_ids()

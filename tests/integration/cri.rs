@@ -290,13 +290,7 @@ fn cri_uninstall_gives_back_the_config_and_containerd_forgets_the_handler() {
     });
     node.cri().stop_pod(&plain.id).unwrap();
     node.cri().remove_pod(&plain.id).unwrap();
-    let out = env
-        .cmd(gpushare())
-        .args(["uninstall", "containerd", "--config"])
-        .arg(&node.config)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    uninstall_containerd(&env, &node.config);
     assert_eq!(
         std::fs::read_to_string(&node.config).unwrap(),
         base_config(&node.dir),
@@ -1248,19 +1242,12 @@ fn cri_pod_start_bench() {
         ("gpushare hooks, request", "gpushare-hooks", true),
     ];
     let rounds = podbench::rounds();
-    let mut ms: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
-    for r in 0..=rounds {
-        for k in 0..variants.len() {
-            let i = (k + r) % variants.len();
-            let (_, handler, request) = variants[i];
-            let (elapsed, pod, _) =
-                podbench::start(&mut node, &format!("b{r}v{i}"), handler, request);
-            if r > 0 {
-                ms[i].push(elapsed);
-            }
-            podbench::remove(&node, &pod);
-        }
-    }
+    let ms = podbench::rotated(variants.len(), rounds, |r, i| {
+        let (_, handler, request) = variants[i];
+        let (elapsed, pod, _) = podbench::start(&mut node, &format!("b{r}v{i}"), handler, request);
+        podbench::remove(&node, &pod);
+        elapsed
+    });
     let labels: Vec<&str> = variants.iter().map(|v| v.0).collect();
     podbench::report(
         &format!(
@@ -1507,15 +1494,7 @@ fn cri_serves_a_cdi_device_once_through_the_shim(version: u32) {
     // `gpushare install cdi` writes the spec into a private directory and turns CDI on in
     // the node's config, with that directory among its `cdi_spec_dirs`.
     let configure = |config: &Path| {
-        let out = env
-            .cmd(gpushare())
-            .args(["install", "cdi", "--output"])
-            .arg(cdi.join("gpushare.json"))
-            .args(["--enable", "containerd", "--config"])
-            .arg(config)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", text(&out));
+        install_cdi(&env, &cdi.join("gpushare.json"), config);
         let t: toml::Table = std::fs::read_to_string(config).unwrap().parse().unwrap();
         let cri = match version {
             2 => &t["plugins"]["io.containerd.grpc.v1.cri"],
@@ -1543,11 +1522,6 @@ fn cri_serves_a_cdi_device_once_through_the_shim(version: u32) {
         .unwrap();
     eprintln!("{}", text(&out));
     let script = format!("{CLIENT}; cat /proc/self/mountinfo; exec sleep 3600");
-    let pipe_mounts = |out: &str| {
-        out.lines()
-            .filter(|l| l.split(' ').nth(4) == Some("/tmp/nvidia-mps"))
-            .count()
-    };
     let devices_served = |env: &Env| -> Vec<Value> {
         env.daemon_ids()
             .iter()
@@ -1575,15 +1549,8 @@ fn cri_serves_a_cdi_device_once_through_the_shim(version: u32) {
         ("1000", "ok"),
         "{line:?}"
     );
-    assert!(wait_until(Duration::from_secs(10), || node
-        .output(&pod, &c)
-        .contains("/dev/shm")));
-    assert_eq!(
-        pipe_mounts(&node.output(&pod, &c)),
-        1,
-        "served once:\n{}",
-        node.output(&pod, &c)
-    );
+    let out = node.mountinfo(&pod, &c);
+    assert_eq!(pipe_mounts(&out), 1, "served once:\n{out}");
     assert_eq!(devices_served(&env), [serde_json::json!([GPU0])]);
     // The shim served it: its createRuntime hook, and the CDI hook gone.
     let spec = node.bundle_spec(&id);

@@ -555,64 +555,8 @@ fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
 #[test]
 fn podman_hook_only_mode_mounts_the_daemon_into_the_container() {
     let env = Env::new();
-    let podman = need("podman", "podman");
-    let ns = PrivateMounts::new();
-    let dir = env.path().join("p");
-    let hooks = dir.join("hooks.d");
-    write_hooks_d(&env, &hooks);
-    let pm = |args: &[&str]| {
-        ns.cmd(&podman)
-            .arg("--root")
-            .arg(dir.join("storage"))
-            .arg("--runroot")
-            .arg(dir.join("run"))
-            .arg("--tmpdir")
-            .arg(dir.join("tmp"))
-            .arg("--hooks-dir")
-            .arg(&hooks)
-            .args([
-                "--storage-driver",
-                "vfs",
-                "--runtime",
-                "runc",
-                "--cgroup-manager",
-                "cgroupfs",
-                "--events-backend",
-                "file",
-            ])
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap()
-    };
-    struct Cleanup<'a>(&'a dyn Fn(&[&str]) -> Output, PathBuf);
-    impl Drop for Cleanup<'_> {
-        fn drop(&mut self) {
-            let _ = (self.0)(&["rm", "-af"]);
-            umount_below(&self.1);
-        }
-    }
-    let _cleanup = Cleanup(&pm, dir.clone());
-    let tar = rootfs_tar(&dir);
-    let out = pm(&["import", tar.to_str().unwrap(), "gpushare-test"]);
-    assert!(out.status.success(), "{}", text(&out));
-    let run = |user: &str, extra: &[&str], cmd: &str| {
-        let mut args = vec![
-            "run",
-            "--rm",
-            "--network",
-            "none",
-            "--user",
-            user,
-            "--ulimit",
-            "nofile=1024:1024",
-            "--ulimit",
-            "nproc=1024:1024",
-        ];
-        args.extend_from_slice(extra);
-        args.extend_from_slice(&["gpushare-test", "sh", "-c", cmd]);
-        pm(&args)
-    };
+    let p = Podman::new(&env, None);
+    let run = |user: &str, extra: &[&str], cmd: &str| p.run_rm(user, extra, cmd);
     let out = run(
         "1000",
         &["--annotation", "gpushare.io/device=0"],
@@ -1145,57 +1089,13 @@ fn containerd_2_engine_tier() {
     );
 }
 
-/// Podman of one version with gpushare's hooks.d files (hook-only mode), its storage and
-/// state under `dir`. Every podman command is bounded (`timeout`), so that an engine that
-/// hangs fails the test instead of holding it.
-struct PodmanTier<'a> {
-    ns: &'a PrivateMounts,
-    dir: PathBuf,
-    podman: PathBuf,
-    /// A fetched Podman's own containers.conf (its conmon and helpers; Debian 12's
-    /// /usr/share/containers/containers.conf is Podman 4.3's).
-    conf: Option<PathBuf>,
-}
+/// Podman of one version (testkit's `Podman`) as an engine of the tier.
+struct PodmanTier(Podman);
 
-impl PodmanTier<'_> {
-    fn pm(&self, args: &[&str]) -> Output {
-        let mut cmd = self.ns.cmd(need("timeout", "coreutils"));
-        cmd.arg("60").arg(&self.podman);
-        if let Some(conf) = &self.conf {
-            cmd.env("CONTAINERS_CONF", conf)
-                .env("PODMAN_IGNORE_CGROUPSV1_WARNING", "1");
-        }
-        cmd.arg("--root")
-            .arg(self.dir.join("storage"))
-            .arg("--runroot")
-            .arg(self.dir.join("run"))
-            .arg("--tmpdir")
-            .arg(self.dir.join("tmp"))
-            .arg("--hooks-dir")
-            .arg(self.dir.join("hooks.d"))
-            .args(["--storage-driver", "vfs", "--runtime"])
-            .arg(which("runc").unwrap())
-            .args(["--cgroup-manager", "cgroupfs", "--events-backend", "file"])
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap()
-    }
-
+impl PodmanTier {
     fn args<'b>(name: &'b str, uid: &'b str, asks: &[Ask<'b>]) -> Vec<&'b str> {
-        // The machine's own nofile/nproc limits may be lower than Podman's defaults.
-        let mut args = vec![
-            "--name",
-            name,
-            "--network",
-            "none",
-            "--user",
-            uid,
-            "--ulimit",
-            "nofile=1024:1024",
-            "--ulimit",
-            "nproc=1024:1024",
-        ];
+        let mut args = vec!["--name", name];
+        args.extend(Podman::run_args(uid));
         for ask in asks {
             match ask {
                 Ask::Annotation(kv) => args.extend(["--annotation", kv]),
@@ -1204,9 +1104,13 @@ impl PodmanTier<'_> {
         }
         args
     }
+
+    fn pm(&self, args: &[&str]) -> Output {
+        self.0.run(args)
+    }
 }
 
-impl Engine for PodmanTier<'_> {
+impl Engine for PodmanTier {
     fn start(&self, name: &str, uid: u32, asks: &[Ask], cmd: &str) -> String {
         let uid = uid.to_string();
         let mut args = vec!["run", "-d"];
@@ -1242,13 +1146,6 @@ impl Engine for PodmanTier<'_> {
     }
 }
 
-impl Drop for PodmanTier<'_> {
-    fn drop(&mut self) {
-        let _ = self.pm(&["rm", "-af", "-t", "0"]);
-        umount_below(&self.dir);
-    }
-}
-
 /// Podman `bin` (`None`: Debian 12's 4.3) through the tier, asking by annotation (the
 /// hooks.d files run the hook on `gpushare.io/device`).
 ///
@@ -1259,18 +1156,9 @@ impl Drop for PodmanTier<'_> {
 /// runs) and removes them with `rm -f`, and every podman command is bounded.
 fn podman_tier(bin: Option<PathBuf>) {
     let env = Env::new();
-    let dir = env.path().join("p");
-    write_hooks_d(&env, &dir.join("hooks.d"));
-    let (ns, podman, conf) = podman_at(env.path(), bin.as_deref());
-    let p = PodmanTier {
-        ns: &ns,
-        dir: dir.clone(),
-        podman,
-        conf,
-    };
-    let tar = rootfs_tar(&dir);
-    let out = p.pm(&["import", tar.to_str().unwrap(), "gpushare-test"]);
-    assert!(out.status.success(), "{}", text(&out));
+    let mut podman = Podman::new(&env, bin.as_deref());
+    podman.limit = 60;
+    let p = PodmanTier(podman);
     eprintln!("{}", text(&p.pm(&["--version"])));
     engine_tier(
         &env,
@@ -1294,34 +1182,8 @@ fn podman_5_engine_tier() {
 #[test]
 fn chaining_to_nvidia_container_runtime_passes_argv_and_visible_devices() {
     let env = Env::new();
-    let dir = env.path().join("nv");
-    std::fs::create_dir_all(&dir).unwrap();
     // A stand-in for NVIDIA's shim: records its argv and the spec it was given, then runs runc.
-    let stand_in = dir.join("nvidia-container-runtime");
-    let runc = which("runc").unwrap();
-    std::fs::write(
-        &stand_in,
-        format!(
-            "#!/bin/sh\nprintf '%s\\n' \"$@\" >> {dir}/argv\nb=.\nprev=\nfor a in \"$@\"; do [ \"$prev\" = --bundle ] && b=$a; prev=$a; done\ncase \" $* \" in *' create '*) cp \"$b/config.json\" {dir}/spec.json;; esac\nexec {runc} \"$@\"\n",
-            dir = dir.display(),
-            runc = runc.display()
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(
-        &stand_in,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    let cfg = std::fs::read_to_string(&env.config).unwrap();
-    let cfg = cfg.replace(
-        &format!("low-level-runtime = [{:?}]", runc.display().to_string()),
-        &format!(
-            "low-level-runtime = [{:?}, \"runc\"]",
-            stand_in.display().to_string()
-        ),
-    );
-    std::fs::write(&env.config, cfg).unwrap();
+    let dir = nvidia_stand_in(&env, &["runc"]);
 
     // A host-wide MPS pipe dir that NVIDIA's toolkit would mount over ours: warned about.
     let host_pipe = Path::new("/tmp/nvidia-mps");
@@ -1359,7 +1221,8 @@ fn chaining_to_nvidia_container_runtime_passes_argv_and_visible_devices() {
         "argv forwarded verbatim"
     );
     let spec: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("spec.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join(format!("{}.json", c.id))).unwrap())
+            .unwrap();
     let env_list: Vec<&str> = spec["process"]["env"]
         .as_array()
         .unwrap()

@@ -154,16 +154,6 @@ impl Drop for Plugin {
     }
 }
 
-/// A pod on the default handler (no RuntimeClass).
-fn plain_pod(node: &mut Node, spec: &PodSpec) -> Pod {
-    let config = node.pod_config(spec);
-    let id = node
-        .cri()
-        .run_pod(&config, "")
-        .unwrap_or_else(|e| panic!("RunPodSandbox {}: {e}\n{}", spec.name, node.log_text()));
-    Pod { id, config }
-}
-
 /// The engine of every container record (the plugin's say `kubernetes-nri`).
 fn record_engines(env: &Env) -> Vec<String> {
     let mut out = Vec::new();
@@ -201,15 +191,12 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
 
     let mut served = Vec::new();
     for (name, uid) in [("alice", 1000), ("bob", 2000)] {
-        let pod = plain_pod(
-            &mut node,
-            &PodSpec {
-                name,
-                annotations: &ann,
-                run_as_user: Some(uid),
-                ..Default::default()
-            },
-        );
+        let pod = node.plain_pod(&PodSpec {
+            name,
+            annotations: &ann,
+            run_as_user: Some(uid),
+            ..Default::default()
+        });
         let c = ContainerSpec {
             name: "cuda",
             script: &hold(60),
@@ -286,13 +273,10 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
     assert_eq!(record_engines(&env), ["kubernetes-nri", "kubernetes-nri"]);
 
     // A pod without a request is untouched.
-    let plain = plain_pod(
-        &mut node,
-        &PodSpec {
-            name: "plain",
-            ..Default::default()
-        },
-    );
+    let plain = node.plain_pod(&PodSpec {
+        name: "plain",
+        ..Default::default()
+    });
     let p = ContainerSpec {
         name: "plain",
         script: "exec sleep 3600",
@@ -307,18 +291,15 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
     assert_eq!(node.daemon_of(&plain_id), None);
 
     // A bad request fails the container with gpushare's line, and starts no daemon.
-    let bad = plain_pod(
-        &mut node,
-        &PodSpec {
-            name: "bad",
-            annotations: &[
-                ("gpushare.io/device", "0"),
-                ("gpushare.io/active-thread-percentage", "101"),
-            ],
-            run_as_user: Some(1000),
-            ..Default::default()
-        },
-    );
+    let bad = node.plain_pod(&PodSpec {
+        name: "bad",
+        annotations: &[
+            ("gpushare.io/device", "0"),
+            ("gpushare.io/active-thread-percentage", "101"),
+        ],
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
     node.refuse(
         &bad,
         &ContainerSpec {
@@ -422,15 +403,12 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
         env.gpushare_log()
     );
     assert!(node.daemon_of(&served[1].1).is_some());
-    let again = plain_pod(
-        &mut node,
-        &PodSpec {
-            name: "again",
-            annotations: &ann,
-            run_as_user: Some(3000),
-            ..Default::default()
-        },
-    );
+    let again = node.plain_pod(&PodSpec {
+        name: "again",
+        annotations: &ann,
+        run_as_user: Some(3000),
+        ..Default::default()
+    });
     let a = ContainerSpec {
         name: "cuda",
         script: &hold(0),
@@ -468,15 +446,12 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
 /// nothing is recorded or started (never served as UID 0).
 fn refuses_a_per_user_request_with_one_line(env: &Env, mut node: Node) {
     let _plugin = Plugin::start(env, &node);
-    let pod = plain_pod(
-        &mut node,
-        &PodSpec {
-            name: "old",
-            annotations: &[("gpushare.io/device", "0")],
-            run_as_user: Some(1000),
-            ..Default::default()
-        },
-    );
+    let pod = node.plain_pod(&PodSpec {
+        name: "old",
+        annotations: &[("gpushare.io/device", "0")],
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
     node.refuse(
         &pod,
         &ContainerSpec {
@@ -534,15 +509,12 @@ fn nri_plugin_serves_the_allocated_device_on_a_node_that_defaults_to_it() {
     let env = Env::with_configs("default-device = \"allocated\"\n", "");
     let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri);
     let _plugin = Plugin::start(&env, &node);
-    let pod = plain_pod(
-        &mut node,
-        &PodSpec {
-            name: "allocated",
-            annotations: &[("gpushare.io/active-thread-percentage", "25")],
-            run_as_user: Some(1000),
-            ..Default::default()
-        },
-    );
+    let pod = node.plain_pod(&PodSpec {
+        name: "allocated",
+        annotations: &[("gpushare.io/active-thread-percentage", "25")],
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
     let served_on = |env: &Env, pod: &Pod, c: &ContainerSpec, id: &str, uid: &str| {
         let l = node.client_line(pod, c);
         assert_eq!(
@@ -635,15 +607,12 @@ fn nri_plugin_serves_the_allocated_device_on_a_node_that_defaults_to_it() {
 
     // The GPU Operator's validator, allocated GPU 2 in a namespace of the default
     // [nri] skip-namespaces: left alone, whatever the node's default.
-    let validator = plain_pod(
-        &mut node,
-        &PodSpec {
-            name: "validator",
-            namespace: "gpu-operator",
-            run_as_user: Some(1000),
-            ..Default::default()
-        },
-    );
+    let validator = node.plain_pod(&PodSpec {
+        name: "validator",
+        namespace: "gpu-operator",
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
     let cuda = ContainerSpec {
         name: "cuda-validation",
         script: "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset}; exec sleep 3600",
@@ -680,27 +649,16 @@ fn nri_plugin_leaves_a_cdi_device_to_gpushare_s_hook() {
     let env = Env::new();
     let cdi = env.path().join("cdi");
     let configure = |config: &Path| {
-        let out = env
-            .cmd(gpushare())
-            .args(["install", "cdi", "--output"])
-            .arg(cdi.join("gpushare.json"))
-            .args(["--enable", "containerd", "--config"])
-            .arg(config)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", text(&out));
+        install_cdi(&env, &cdi.join("gpushare.json"), config);
         enable_nri(config);
     };
     let mut node = Node::start_fetched_with(&env, bin, 3, &configure);
     let _plugin = Plugin::start(&env, &node);
-    let pod = plain_pod(
-        &mut node,
-        &PodSpec {
-            name: "cdi",
-            run_as_user: Some(1000),
-            ..Default::default()
-        },
-    );
+    let pod = node.plain_pod(&PodSpec {
+        name: "cdi",
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
     let c = ContainerSpec {
         name: "field",
         script: &format!("{CLIENT}; cat /proc/self/mountinfo; exec sleep 3600"),
@@ -715,15 +673,8 @@ fn nri_plugin_leaves_a_cdi_device_to_gpushare_s_hook() {
         ("1000", "ok"),
         "{line:?}"
     );
-    assert!(wait_until(Duration::from_secs(10), || node
-        .output(&pod, &c)
-        .contains("/dev/shm")));
-    let out = node.output(&pod, &c);
-    let pipe_mounts = out
-        .lines()
-        .filter(|l| l.split(' ').nth(4) == Some("/tmp/nvidia-mps"))
-        .count();
-    assert_eq!(pipe_mounts, 1, "served once:\n{out}");
+    let out = node.mountinfo(&pod, &c);
+    assert_eq!(pipe_mounts(&out), 1, "served once:\n{out}");
     // The hook's spec: its prestart hook, none of the plugin's mounts or env.
     let spec = node.bundle_spec(&id);
     assert!(has_gpushare_hook(&spec), "{}", spec["hooks"]);
@@ -776,15 +727,12 @@ fn nri_a_tenant_s_restarting_daemon_unserves_no_other_tenant_s_pod() {
     let registered = registrations(&env);
     let ann = [("gpushare.io/device", "0")];
     let pod_of = |node: &mut Node, name: &str, uid: i64| {
-        plain_pod(
-            node,
-            &PodSpec {
-                name,
-                annotations: &ann,
-                run_as_user: Some(uid),
-                ..Default::default()
-            },
-        )
+        node.plain_pod(&PodSpec {
+            name,
+            annotations: &ann,
+            run_as_user: Some(uid),
+            ..Default::default()
+        })
     };
     let ctr = |name: &'static str, uid: i64, script: &'static str| ContainerSpec {
         name,
@@ -952,15 +900,12 @@ fn nri_default_validator_refuses_pods_that_need_the_plugin_while_it_is_down() {
     let mut pods = 0;
     let mut pod = |node: &mut Node, annotations: &[(&str, &str)]| {
         pods += 1;
-        plain_pod(
-            node,
-            &PodSpec {
-                name: &format!("p{pods}"),
-                annotations,
-                run_as_user: Some(1000),
-                ..Default::default()
-            },
-        )
+        node.plain_pod(&PodSpec {
+            name: &format!("p{pods}"),
+            annotations,
+            run_as_user: Some(1000),
+            ..Default::default()
+        })
     };
     let c = ContainerSpec {
         name: "c",
@@ -1026,13 +971,7 @@ fn nri_default_validator_refuses_pods_that_need_the_plugin_while_it_is_down() {
     assert!(adjusted(&node, &id));
 
     // Uninstall: no container may need a plugin that is gone.
-    let out = env
-        .cmd(gpushare())
-        .args(["uninstall", "containerd", "--config"])
-        .arg(&node.config)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    let out = uninstall_containerd(&env, &node.config);
     // The file as it was before the install (the undo record), or, where it changed
     // since, gpushare taken out of required_plugins: either way nothing requires it.
     let config: toml::Table =
@@ -1047,8 +986,7 @@ fn nri_default_validator_refuses_pods_that_need_the_plugin_while_it_is_down() {
         .unwrap_or_default();
     assert!(
         !required.iter().any(|p| p.as_str() == Some("gpushare")),
-        "{}\n{config}",
-        text(&out)
+        "{out}\n{config}"
     );
 }
 
@@ -1073,34 +1011,28 @@ fn nri_a_pod_s_annotations_forge_neither_its_allocation_nor_the_sandbox_marker()
         ..Default::default()
     };
     let forged = format!("nvidia.com/gpu={GPU2}");
-    let forger = plain_pod(
-        &mut node,
-        &PodSpec {
-            name: "forger",
-            annotations: &[
-                ("gpushare.io/device", "allocated"),
-                ("cdi.k8s.io/x", &forged),
-            ],
-            run_as_user: Some(1000),
-            ..Default::default()
-        },
-    );
+    let forger = node.plain_pod(&PodSpec {
+        name: "forger",
+        annotations: &[
+            ("gpushare.io/device", "allocated"),
+            ("cdi.k8s.io/x", &forged),
+        ],
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
     node.refuse(&forger, &c, "found no devices allocated to the container");
     assert_eq!(env.daemon_ids(), Vec::<String>::new());
 
-    let marked = plain_pod(
-        &mut node,
-        &PodSpec {
-            name: "marked",
-            annotations: &[
-                ("io.kubernetes.cri-o.ContainerType", "sandbox"),
-                ("gpushare.io/device", "0"),
-                ("gpushare.io/active-thread-percentage", "101"),
-            ],
-            run_as_user: Some(1000),
-            ..Default::default()
-        },
-    );
+    let marked = node.plain_pod(&PodSpec {
+        name: "marked",
+        annotations: &[
+            ("io.kubernetes.cri-o.ContainerType", "sandbox"),
+            ("gpushare.io/device", "0"),
+            ("gpushare.io/active-thread-percentage", "101"),
+        ],
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
     node.refuse(&marked, &c, BAD_PERCENTAGE_LINE);
     assert_eq!(node.gpushare_records(), vec![]);
 }
@@ -1144,35 +1076,29 @@ fn nri_pod_start_bench() {
         ("gpushare hooks, request", "gpushare-hooks", true, true),
     ];
     let rounds = podbench::rounds();
-    let mut ms: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
-    for r in 0..=rounds {
-        for k in 0..variants.len() {
-            let i = (k + r) % variants.len();
-            let (_, handler, request, connected) = variants[i];
-            if !connected {
-                plugin.stop();
-            }
-            let name = format!("b{r}v{i}");
-            let (elapsed, pod, cid) = podbench::start(&mut node, &name, handler, request);
-            if r > 0 {
-                ms[i].push(elapsed); // round 0 warms up (and starts the daemon)
-            }
-            if request {
-                let spec = node.bundle_spec(&cid);
-                assert!(
-                    spec["process"]["env"]
-                        .to_string()
-                        .contains("CUDA_MPS_PIPE_DIRECTORY")
-                        || has_gpushare_hook(&spec),
-                    "{name} was served"
-                );
-            }
-            podbench::remove(&node, &pod);
-            if !connected {
-                plugin = Plugin::start(&env, &node);
-            }
+    let ms = podbench::rotated(variants.len(), rounds, |r, i| {
+        let (_, handler, request, connected) = variants[i];
+        if !connected {
+            plugin.stop();
         }
-    }
+        let name = format!("b{r}v{i}");
+        let (elapsed, pod, cid) = podbench::start(&mut node, &name, handler, request);
+        if request {
+            let spec = node.bundle_spec(&cid);
+            assert!(
+                spec["process"]["env"]
+                    .to_string()
+                    .contains("CUDA_MPS_PIPE_DIRECTORY")
+                    || has_gpushare_hook(&spec),
+                "{name} was served"
+            );
+        }
+        podbench::remove(&node, &pod);
+        if !connected {
+            plugin = Plugin::start(&env, &node);
+        }
+        elapsed
+    });
     let labels: Vec<&str> = variants.iter().map(|v| v.0).collect();
     podbench::report(
         &format!(
@@ -1300,15 +1226,12 @@ fn nri_plugin_launched_by_containerd_from_its_plugin_path() {
         assert!(environ.iter().any(|e| e == var), "{var}: {environ:?}");
     }
 
-    let pod = plain_pod(
-        &mut node,
-        &PodSpec {
-            name: "launched",
-            annotations: &[("gpushare.io/device", "0")],
-            run_as_user: Some(1000),
-            ..Default::default()
-        },
-    );
+    let pod = node.plain_pod(&PodSpec {
+        name: "launched",
+        annotations: &[("gpushare.io/device", "0")],
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
     let c = ContainerSpec {
         name: "cuda",
         script: &hold(0),
@@ -1344,14 +1267,8 @@ fn nri_plugin_launched_by_containerd_from_its_plugin_path() {
         cmdline(plugin.pid)
     );
 
-    let out = env
-        .cmd(gpushare())
-        .args(["uninstall", "containerd", "--config"])
-        .arg(&node.config)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(!wrapper.exists(), "{}", text(&out));
+    let out = uninstall_containerd(&env, &node.config);
+    assert!(!wrapper.exists(), "{out}");
     assert!(std::fs::read_dir(&plugins).unwrap().next().is_none());
 }
 
@@ -1374,16 +1291,13 @@ fn nri_plugin_gives_each_namespace_its_own_daemon_from_the_runtime_s_pod_namespa
             annotations.push(("io.kubernetes.cri.sandbox-namespace", "team-a"));
             annotations.push(("io.kubernetes.pod.namespace", "team-a"));
         }
-        let pod = plain_pod(
-            &mut node,
-            &PodSpec {
-                name,
-                namespace,
-                annotations: &annotations,
-                run_as_user: Some(1000),
-                ..Default::default()
-            },
-        );
+        let pod = node.plain_pod(&PodSpec {
+            name,
+            namespace,
+            annotations: &annotations,
+            run_as_user: Some(1000),
+            ..Default::default()
+        });
         let c = ContainerSpec {
             name: "cuda",
             script: "exec sleep 3600",
