@@ -13,8 +13,13 @@
 #      $RUNTIME_NAME; every other line of the file is kept; a second run changes nothing);
 #   3. restarts containerd only when its config changed: containerd has no config reload.
 #      Running containers are not affected: they belong to their shims, not to containerd;
-#   4. runs the node's agent (`gpushare agent`) in the host's mount namespace, so that MPS
-#      supervisors belong to no engine (`--once`: exits instead; AGENT=none: only waits).
+#   4. runs the node's agent (`gpushare agent`) and its GPU process watcher (`gpushare
+#      watch`) in the host's mount namespace: the agent's MPS supervisors belong to no
+#      engine; the watcher loads the host's NVML, and with hostPID sees the host's pids.
+#      Both are children of this script, in the pod's cgroup: SIGTERM (the pod deleted)
+#      stops both, and when either exits the other is stopped and the pod exits with its
+#      status, so the kubelet restarts it (`--once`: exits instead; AGENT=none and
+#      WATCH=none: only waits).
 #   Before it first changes a host file, the installer keeps the file as it was (or that
 #   there was none) under /etc/gpushare/node-installer, with the SHA-256 of what it wrote.
 #
@@ -52,6 +57,9 @@
 #                           to run systemctl, `gpushare daemon stop` and the agent (1)
 #   AGENT                   run (default): install's step 4 runs `gpushare agent`; none: a
 #                           host service runs it (docs/install.md)
+#   WATCH                   run (default): install's step 4 runs `gpushare watch`; none: a
+#                           host service runs it (the Debian package's
+#                           gpushare-watch.service; docs/install.md)
 #   READY_FILE              written when the action is done; the pod's readiness probe
 #                           (/tmp/gpushare-node-installer.ready)
 set -eu
@@ -109,6 +117,14 @@ case $RESTART_MODE in
 auto | systemd | signal | none) ;;
 *) die "RESTART_MODE=$RESTART_MODE is invalid: allowed are auto, systemd, signal, none" ;;
 esac
+AGENT=${AGENT:-run}
+WATCH=${WATCH:-run}
+for v in "AGENT=$AGENT" "WATCH=$WATCH"; do
+    case ${v#*=} in
+    run | none) ;;
+    *) die "$v is invalid: allowed are run, none" ;;
+    esac
+done
 for p in "$INSTALL_DIR" "$CONTAINERD_CONFIG"; do
     case $p in
     /*) ;;
@@ -377,12 +393,44 @@ if [ -n "$once" ]; then
     exit 0
 fi
 : >"$READY_FILE"
-# install: the agent in the host's mount namespace (where runc runs the hooks), until the
-# pod is deleted; SIGTERM stops it, the supervisors it started run on.
-if [ "$ACTION" = install ] && [ "${AGENT:-run}" = run ]; then
-    say "running the agent: $INSTALL_DIR/gpushare agent"
-    exec nsenter --target "$HOST_PID" --mount -- "$INSTALL_DIR/gpushare" agent
+# install: the agent and the watcher in the host's mount namespace (where runc runs the
+# hooks, and the host's NVML), until the pod is deleted. They are this shell's children,
+# not exec'd: the runtime sends a pod's SIGTERM to the container's first process only,
+# this shell, which passes it on and waits, so neither outlives the pod. The supervisors
+# the agent started run on. nsenter with --mount only execs, so each pid is gpushare's.
+if [ "$ACTION" != install ] || { [ "$AGENT" = none ] && [ "$WATCH" = none ]; }; then
+    trap 'exit 0' TERM INT
+    sleep 2147483647 &
+    wait
+    exit 0
 fi
-trap 'exit 0' TERM INT
-sleep 2147483647 &
-wait
+pids=
+stop() {
+    # shellcheck disable=SC2086
+    if [ -n "$pids" ]; then kill -TERM $pids 2>/dev/null || true; fi
+    wait
+}
+trap 'stop; exit 0' TERM INT
+for what in agent watch; do
+    if [ "$what" = agent ]; then want=$AGENT; else want=$WATCH; fi
+    [ "$want" = run ] || continue
+    say "running the $what: $INSTALL_DIR/gpushare $what"
+    nsenter --target "$HOST_PID" --mount -- "$INSTALL_DIR/gpushare" "$what" &
+    pids="$pids $!"
+done
+# Until one of them exits (POSIX sh has no `wait -n`): the other is stopped, and the
+# pod's exit and the kubelet's restart show it.
+while :; do
+    for pid in $pids; do
+        alive "$pid" && continue
+        status=0
+        wait "$pid" || status=$?
+        say "gpushare (pid $pid) exited with status $status: stopping the rest"
+        # shellcheck disable=SC2086
+        pids=$(printf '%s\n' $pids | grep -vx "$pid" | tr '\n' ' ')
+        stop
+        exit "$status"
+    done
+    sleep 1 &
+    wait $! || true
+done

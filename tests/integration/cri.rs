@@ -573,12 +573,121 @@ fn configmap_runtime_toml(path: &Path) {
     std::fs::write(path, cm["data"]["runtime.toml"].as_str().unwrap()).unwrap();
 }
 
+/// deploy/node-installer.sh's install as the DaemonSet's pod runs it (no `--once`, AGENT
+/// and WATCH as they default, the host's mount namespace `host_pid`), its output going to
+/// `dir`'s pod.out (`pod_output`).
+fn spawn_pod(
+    env: &Env,
+    dir: &Path,
+    host: &Path,
+    image: &Path,
+    source: &Path,
+    host_pid: u32,
+) -> std::process::Child {
+    let out = std::fs::File::create(dir.join("pod.out")).unwrap();
+    Command::new("sh")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/node-installer.sh"))
+        .env("HOST_ROOT", host)
+        .env("SOURCE_DIR", image)
+        .env("GPUSHARE_CONFIG_SOURCE", source)
+        .env("RESTART_MODE", "none")
+        .env("HOST_PID", host_pid.to_string())
+        .env("READY_FILE", dir.join("ready"))
+        .env("GPUSHARE_CONFIG", &env.config)
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .spawn()
+        .unwrap()
+}
+
+fn pod_output(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("pod.out")).unwrap_or_default()
+}
+
+/// `spawn_pod` until it is Ready with its agent and watcher running in the host's mount
+/// namespace (the watcher has written `watch.json`; no NVML here, which it reports and
+/// runs on); then the pod's SIGTERM: the script exits and neither process is left. Its
+/// success and output.
+fn pod_run(
+    env: &Env,
+    dir: &Path,
+    host: &Path,
+    image: &Path,
+    source: &Path,
+    host_pid: u32,
+) -> (bool, String) {
+    let ready = dir.join("ready");
+    let _ = std::fs::remove_file(env.state.join("watch.json"));
+    let mut child = spawn_pod(env, dir, host, image, source, host_pid);
+    // The script's children, by what they run once nsenter has exec'd gpushare.
+    let script = child.id() as i32;
+    let running = |what: &str| -> Option<i32> {
+        std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            let ppid: i32 = stat.rsplit_once(") ")?.1.split(' ').nth(1)?.parse().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            let want = format!("/usr/local/bin/gpushare\0{what}\0");
+            (ppid == script && cmdline == want.as_bytes()).then_some(pid)
+        })
+    };
+    let mut pids = None;
+    let up = wait_until(Duration::from_secs(20), || {
+        pids = running("agent").zip(running("watch"));
+        ready.exists() && pids.is_some() && env.state.join("watch.json").exists()
+    });
+    let (agent, watch) = pids.unwrap_or_default();
+    let left = |pid: i32| pid > 0 && alive(pid);
+    if !up {
+        stop_child(&mut child, Duration::from_secs(5));
+        for pid in [agent, watch] {
+            if left(pid) {
+                stop_process(pid, None);
+            }
+        }
+        panic!(
+            "the pod is not Ready with its agent and watcher running:\n{}",
+            pod_output(dir)
+        );
+    }
+    let _ = std::fs::remove_file(&ready);
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(script),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let exited = wait_until(Duration::from_secs(5), || {
+        matches!(child.try_wait(), Ok(Some(_)))
+    });
+    let stayed: Vec<i32> = [agent, watch]
+        .into_iter()
+        .filter(|&p| !wait_until(Duration::from_secs(2), || !left(p)))
+        .collect();
+    for &pid in &stayed {
+        stop_process(pid, None);
+    }
+    if !exited {
+        stop_child(&mut child, Duration::from_secs(5));
+    }
+    let out = pod_output(dir);
+    assert!(exited, "the pod's SIGTERM ended the script:\n{out}");
+    assert!(
+        stayed.is_empty(),
+        "the pod's SIGTERM left gpushare running (agent {agent}, watch {watch}): {stayed:?}\n{out}"
+    );
+    let success = child.wait().is_ok_and(|s| s.success());
+    (success, out)
+}
+
 /// deploy/node-installer.sh, as the DaemonSet runs it, against a fake host root whose
 /// containerd is this test's, through install, install again, upgrade and uninstall.
 /// Install: the binaries land in the host's /usr/local/bin and the ConfigMap's
 /// runtime.toml in /etc/gpushare, the host's config.toml gets the runtime, containerd is
-/// restarted and then serves the `gpushare` handler through the installed shim. Again:
-/// nothing is copied, containerd is not restarted. Upgrade (a new binary and config):
+/// restarted and then serves the `gpushare` handler through the installed shim. Again, as
+/// the pod runs it: nothing is copied, containerd is not restarted, the agent and the GPU
+/// process watcher run in the host's mount namespace and the pod's SIGTERM leaves neither
+/// running; where a host service already runs the watcher, the pod stops its agent and
+/// exits 1. Upgrade (a new binary and config):
 /// those two are copied, containerd is not restarted. Uninstall: containerd's config is
 /// put back byte for byte and containerd restarted; while a pod's daemon is in use the
 /// binaries stay and the run fails; once the pod is gone, the idle daemon is stopped and
@@ -750,14 +859,17 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
     let daemons = env.daemon_ids();
     assert_eq!(daemons.len(), 1, "{daemons:?}");
 
-    // Again (a restarted pod): nothing is copied, containerd keeps running.
+    // Again (a restarted pod, as the DaemonSet runs it, without --once): nothing is
+    // copied, containerd keeps running; the pod runs the agent and the watcher in the
+    // host's mount namespace, and its SIGTERM leaves neither running.
     let inodes: Vec<u64> = ["gpushare", "gpushare-runtime"]
         .iter()
         .map(|n| inode(&host_bin.join(n)))
         .collect();
     let config_inode = inode(&installed("/etc/gpushare/runtime.toml"));
-    let (ok, s) = run(&mut node, "install");
+    let (ok, s) = pod_run(&env, &dir, &host, &image, &source, host_pid);
     assert!(ok, "{s}");
+    assert!(!s.contains("SIGTERM to pid"), "{s}");
     assert_eq!(s.matches("is up to date").count(), 3, "{s}");
     assert!(s.contains("containerd is not restarted"), "{s}");
     assert_eq!(std::fs::read_to_string(&config).unwrap(), after);
@@ -768,6 +880,39 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
     assert_eq!(
         inode(&installed("/etc/gpushare/runtime.toml")),
         config_inode
+    );
+    // WATCH=run where a host service runs the watcher: the pod's watcher refuses to start,
+    // and the script stops the agent and exits with that status (the kubelet restarts the
+    // pod and counts it).
+    let mut host_watch = env
+        .cmd(gpushare())
+        .arg("watch")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _ = std::fs::remove_file(env.state.join("watch.json"));
+    let watching = wait_until(Duration::from_secs(10), || {
+        env.state.join("watch.json").exists()
+    });
+    let mut second = spawn_pod(&env, &dir, &host, &image, &source, host_pid);
+    let exited = wait_until(Duration::from_secs(20), || {
+        matches!(second.try_wait(), Ok(Some(_)))
+    });
+    if !exited {
+        stop_child(&mut second, Duration::from_secs(5));
+    }
+    stop_child(&mut host_watch, Duration::from_secs(5));
+    let status = second.wait().unwrap();
+    let s = pod_output(&dir);
+    assert!(watching, "the host's watcher runs");
+    assert!(exited && status.code() == Some(1), "{status:?}: {s}");
+    assert!(s.contains("another gpushare watch serves"), "{s}");
+    let agent_lock = std::fs::File::open(env.state.join("locks/agent.lock")).unwrap();
+    assert!(
+        nix::fcntl::Flock::lock(agent_lock, nix::fcntl::FlockArg::LockExclusiveNonblock).is_ok(),
+        "no agent is left: {s}"
     );
 
     // Upgrade: a new image's shim and a changed ConfigMap are copied; the rest stays.
