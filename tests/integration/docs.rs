@@ -1002,8 +1002,17 @@ fn command_problems(commands: &[(String, String)], registry: &[Registered]) -> V
             ));
         }
     }
-    for r in registry {
+    for (i, r) in registry.iter().enumerate() {
         let where_ = format!("{COMMAND_REGISTRY}:{}", r.line);
+        if registry[..i]
+            .iter()
+            .any(|o| o.doc == r.doc && o.command == r.command)
+        {
+            problems.push(format!(
+                "{where_}: {} `{}` is listed twice",
+                r.doc, r.command
+            ));
+        }
         if !commands
             .iter()
             .any(|(doc, command)| doc == &r.doc && command == &r.command)
@@ -1090,7 +1099,7 @@ fn the_command_check_names_a_new_command_a_stale_entry_and_a_missing_test() {
     let registry = command_registry(
         "# a comment\nd.md: gpushare doctor\n  test: operator::status_shows_daemons_health_and_containers_in_three_formats\n\
          d.md: gpushare gc\n  test: operator::no_such_test\nd.md: ctr run --rm img job1 true\n  not here: why\n\
-         d.md: cat > f <<EOF\n  script: scripts/test\nd.md: gpushare status\n  guess\nd.md: gone\n  not here: x\n",
+         d.md: cat > f <<EOF\n  script: scripts/test\nd.md: gpushare status\n  guess\nd.md: gone\n  not here: x\nd.md: gone\n  plain: y\n",
     )
     .unwrap();
     let problems = command_problems(&commands, &registry).join("\n");
@@ -1099,9 +1108,10 @@ fn the_command_check_names_a_new_command_a_stale_entry_and_a_missing_test() {
         "d.md shows no command `gone`",
         "no test operator::no_such_test",
         "runner `guess`",
+        "d.md `gone` is listed twice",
     ] {
         assert!(problems.contains(wanted), "{wanted} not in:\n{problems}");
     }
-    assert_eq!(problems.lines().count(), 4, "{problems}");
+    assert_eq!(problems.lines().count(), 6, "{problems}");
     assert!(command_registry("d.md: x\nd.md: y\n  not here: z\n").is_err());
 }
