@@ -762,13 +762,32 @@ fn the_docs_gpushare_commands_behave_as_the_docs_say() {
             "doctor does not say {wanted:?}:\n{out}"
         );
     }
+    // The checks of what the README sets up are ok; the others look at the machine (a
+    // running engine, the host's MPS pipe, other gpushare processes) and may warn there.
     let warns: Vec<&str> = out.lines().filter(|l| !l.starts_with("ok ")).collect();
-    assert!(
-        warns
-            .iter()
-            .all(|l| l.starts_with("warn  docker") || l.starts_with("warn  containerd")),
-        "the README's trial gets only ok lines, or a warn for a running engine:\n{out}"
-    );
+    for line in &warns {
+        let mut words = line.split_whitespace();
+        let (level, check) = (words.next(), words.next().unwrap_or(""));
+        assert_eq!(
+            level,
+            Some("warn"),
+            "the README's trial fails a check:\n{out}"
+        );
+        assert!(
+            !matches!(
+                check,
+                "config"
+                    | "driver"
+                    | "inventory"
+                    | "mps-control"
+                    | "socket-path"
+                    | "state-dir"
+                    | "state-dir-parents"
+                    | "agent"
+            ),
+            "the README's trial warns on its own setup:\n{out}"
+        );
+    }
     assert_eq!(code, Some(if warns.is_empty() { 0 } else { 1 }), "{out}");
     // Step 2: the wrapper, and step 4a's runtime entry (in a private daemon.json that
     // holds a setting of its own, which install keeps and uninstall gives back).
@@ -864,13 +883,20 @@ fn the_docs_gpushare_commands_behave_as_the_docs_say() {
         .current_dir(repo())
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
+    // Where the Debian package is installed, scripts/install refuses with one line (what
+    // scripts/test-package checks); the test command runs this before installing it.
+    let packaged = text(&out).contains("the gpushare Debian package is installed");
+    assert!(out.status.success() || packaged, "{}", text(&out));
     for wanted in [
         "would run: scripts/build-release\n",
         "/usr/local/bin/gpushare-runtime\n",
         "Next steps (as root):",
     ] {
-        assert!(text(&out).contains(wanted), "{wanted:?}:\n{}", text(&out));
+        assert!(
+            packaged || text(&out).contains(wanted),
+            "{wanted:?}:\n{}",
+            text(&out)
+        );
     }
     // kubernetes.md's k3s/RKE2 template: the doc's line, with `$d` a temp dir and the
     // package's deploy file the repository's: k3s's base template, then the gpushare
