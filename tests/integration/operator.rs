@@ -936,3 +936,47 @@ fn the_docs_gpushare_commands_behave_as_the_docs_say() {
     names.sort();
     assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
 }
+
+/// The README's first command, `./scripts/quickstart`, with the test's binaries for its
+/// build step (QUICKSTART_BIN_DIR): it exits 0, and without a driver prints what the
+/// README shows: each user's client on a server of its own, then on one shared daemon
+/// bob's client waiting for alice's 2-second job.
+#[test]
+fn the_quickstart_runs_two_users_at_once_as_the_readme_shows() {
+    require_root_and_runc();
+    let bins = Path::new(gpushare()).parent().unwrap();
+    assert_eq!(Path::new(sim()).parent(), Some(bins), "{}", sim());
+    let out = Command::new(repo().join("scripts/quickstart"))
+        .env("QUICKSTART_BIN_DIR", bins)
+        .env_remove("GPUSHARE_CONFIG")
+        .env_remove("KEEP")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let said = text(&out);
+    assert!(out.status.success(), "{said}");
+    if !said.contains("no NVIDIA driver here") {
+        return; // a real driver: real MPS daemons, whose lines are the driver's
+    }
+    for uid in [1000, 2000] {
+        let own = format!("mps-client pid=1 uid={uid} server=");
+        let served = said
+            .lines()
+            .find(|l| l.contains(&own))
+            .unwrap_or_else(|| panic!("no client of uid {uid}:\n{said}"));
+        assert!(
+            served.contains(&format!(" server_uid={uid} ")) && served.contains("shm=ok"),
+            "{said}"
+        );
+    }
+    let bob = said
+        .lines()
+        .find(|l| l.starts_with("bob (uid 2000):"))
+        .unwrap_or_else(|| panic!("no shared-daemon comparison:\n{said}"));
+    let waited: u64 = bob
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("waited_ms="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{bob}"));
+    assert!(waited >= 1000, "bob did not wait for alice's job: {bob}");
+}
