@@ -550,6 +550,36 @@ fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
         (0, 0),
         "root's per-user daemon is capless"
     );
+    // The README's step 4b, its two `ctr run` lines as it shows them (`$T/runtime` is
+    // gpushare-runtime with this env's config, as the README's wrapper is; `$T/rootfs`
+    // the test rootfs): GPU 0, then MIG 1:0 at 25 % of the threads.
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let mut lines = readme.lines();
+    let mut runs = Vec::new();
+    while let Some(line) = lines.next() {
+        if let Some(first) = line.strip_prefix("ctr run --rm --runc-binary $T/runtime ") {
+            let rest = lines.next().unwrap_or_default();
+            runs.push(format!("{} {}", first.trim_end_matches('\\'), rest.trim()));
+        }
+    }
+    assert_eq!(runs.len(), 2, "the README's step 4b has changed: {runs:#?}");
+    for (run, threads) in runs.iter().zip(["100.0", "25.0"]) {
+        let mut args = vec!["run", "--rm", "--runc-binary", runtime()];
+        for word in run.split_whitespace() {
+            args.push(match word {
+                "$T/rootfs" => own_rootfs.to_str().unwrap(),
+                w => w,
+            });
+        }
+        let out = ctr(&args);
+        let s = text(&out);
+        assert!(out.status.success(), "ctr {run}: {s}");
+        let client = client_line(&s);
+        assert_eq!(client["uid"], "0", "{s}");
+        assert_eq!(client["server_uid"], "0", "{s}");
+        assert_eq!(client["active_thread_percentage"], threads, "{s}");
+        assert_eq!(client["shm"], "ok", "{s}");
+    }
 }
 
 #[test]
