@@ -843,3 +843,275 @@ fn the_package_table_names_every_unit_and_deploy_file() {
         "docs/install.md's \"What goes where\" does not name {missing:?}"
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// Commands: every one the operator's docs show is run by a test, or says why it cannot be.
+
+/// The docs whose commands an operator types.
+const COMMAND_DOCS: [&str; 3] = ["README.md", "docs/install.md", "docs/kubernetes.md"];
+
+/// Where each documented command is run: tests/fixtures/doc-commands.txt.
+const COMMAND_REGISTRY: &str = "tests/fixtures/doc-commands.txt";
+
+/// The commands of `text`'s shell blocks (```sh, ```bash, ```console, indented or not), in
+/// order, each once. A backslash continuation is joined into its line, a heredoc's body
+/// belongs to the line that opens it (and is not a command), a trailing ` # …` comment is
+/// dropped; a whole-line comment is skipped unless it offers another command (`# or: …`).
+/// In a ```console block only `$ ` lines are commands (the rest is output).
+fn doc_commands(text: &str) -> Vec<String> {
+    let mut found: Vec<String> = Vec::new();
+    let mut block: Option<&str> = None;
+    let mut heredoc: Option<String> = None;
+    let mut pending = String::new();
+    for raw in text.lines() {
+        let line = raw.trim();
+        if let Some(fence) = line.strip_prefix("```") {
+            block = match block {
+                Some(_) => None,
+                None => Some(fence.trim()),
+            };
+            pending.clear();
+            heredoc = None;
+            continue;
+        }
+        let Some(lang) = block else { continue };
+        if !matches!(lang, "sh" | "bash" | "shell" | "console") {
+            continue;
+        }
+        if let Some(end) = &heredoc {
+            if line == end {
+                heredoc = None;
+            }
+            continue;
+        }
+        let mut line = line;
+        if lang == "console" {
+            match line.strip_prefix("$ ") {
+                Some(rest) => line = rest,
+                None if !pending.is_empty() => {}
+                None => continue,
+            }
+        }
+        if line.is_empty() {
+            continue;
+        }
+        if let Some(comment) = line.strip_prefix('#') {
+            match comment.trim().strip_prefix("or:") {
+                Some(alternative) => line = alternative.trim(),
+                None => continue,
+            }
+        }
+        let line = strip_comment(line);
+        if let Some(start) = line.strip_suffix('\\') {
+            pending.push_str(start.trim_end());
+            pending.push(' ');
+            continue;
+        }
+        pending.push_str(line);
+        let command = pending.split_whitespace().collect::<Vec<_>>().join(" ");
+        pending.clear();
+        if let Some(at) = command.find("<<") {
+            let word = command[at + 2..].trim_start_matches('-');
+            let word = word.split_whitespace().next().unwrap_or("");
+            heredoc = Some(word.trim_matches(|c| c == '\'' || c == '"').to_owned());
+        }
+        if !found.contains(&command) {
+            found.push(command);
+        }
+    }
+    found
+}
+
+/// `line` without a trailing ` # …` comment (a `#` outside quotes, after a blank).
+fn strip_comment(line: &str) -> &str {
+    let (mut single, mut double) = (false, false);
+    let mut prev = ' ';
+    for (at, c) in line.char_indices() {
+        match c {
+            '\'' if !double => single = !single,
+            '"' if !single => double = !double,
+            '#' if !single && !double && prev.is_whitespace() => return line[..at].trim_end(),
+            _ => {}
+        }
+        prev = c;
+    }
+    line.trim_end()
+}
+
+/// One registry entry: a doc, a command exactly as the doc shows it (see `doc_commands`),
+/// and what runs it: `test: module::name` or `script: scripts/…` (either may add a note),
+/// `not here: why` (it needs what a test machine lacks) or `plain: why` (a shell or
+/// engine command whose behaviour is not gpushare's) or `untested: why` (it could run
+/// here and no test runs it yet).
+struct Registered {
+    doc: String,
+    command: String,
+    runner: String,
+    line: usize,
+}
+
+/// The registry's entries: `<doc>: <command>` lines, each followed by an indented runner
+/// line; `#` lines are comments.
+fn command_registry(text: &str) -> Result<Vec<Registered>, String> {
+    let mut entries: Vec<Registered> = Vec::new();
+    let mut open: Option<(String, String, usize)> = None;
+    for (n, raw) in text.lines().enumerate() {
+        let n = n + 1;
+        if raw.trim().is_empty() || raw.trim_start().starts_with('#') {
+            continue;
+        }
+        if raw.starts_with(char::is_whitespace) {
+            let Some((doc, command, line)) = open.take() else {
+                return Err(format!("line {n}: a runner with no command above it"));
+            };
+            entries.push(Registered {
+                doc,
+                command,
+                runner: raw.trim().to_owned(),
+                line,
+            });
+            continue;
+        }
+        if let Some((_, command, line)) = &open {
+            return Err(format!("line {line}: `{command}` has no runner line"));
+        }
+        let Some((doc, command)) = raw.split_once(": ") else {
+            return Err(format!("line {n}: not `<doc>: <command>`"));
+        };
+        let command = command.split_whitespace().collect::<Vec<_>>().join(" ");
+        open = Some((doc.to_owned(), command, n));
+    }
+    if let Some((_, command, line)) = open {
+        return Err(format!("line {line}: `{command}` has no runner line"));
+    }
+    Ok(entries)
+}
+
+/// What is wrong between the docs' commands (`(doc, command)`) and the registry: a
+/// command it does not list, an entry no doc shows, a runner that is no test, script or
+/// reason.
+fn command_problems(commands: &[(String, String)], registry: &[Registered]) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (doc, command) in commands {
+        if !registry
+            .iter()
+            .any(|r| &r.doc == doc && &r.command == command)
+        {
+            problems.push(format!(
+                "{doc} shows `{command}`, which {COMMAND_REGISTRY} does not list: name the test that runs it, or why it cannot run here"
+            ));
+        }
+    }
+    for (i, r) in registry.iter().enumerate() {
+        let where_ = format!("{COMMAND_REGISTRY}:{}", r.line);
+        if registry[..i]
+            .iter()
+            .any(|o| o.doc == r.doc && o.command == r.command)
+        {
+            problems.push(format!(
+                "{where_}: {} `{}` is listed twice",
+                r.doc, r.command
+            ));
+        }
+        if !commands
+            .iter()
+            .any(|(doc, command)| doc == &r.doc && command == &r.command)
+        {
+            problems.push(format!(
+                "{where_}: {} shows no command `{}`",
+                r.doc, r.command
+            ));
+        }
+        if let Some(test) = r.runner.strip_prefix("test: ") {
+            let test = test.split_whitespace().next().unwrap_or("");
+            if !test.contains("::") || !missing_tests(&[test.to_owned()]).is_empty() {
+                problems.push(format!("{where_}: no test {test}"));
+            }
+        } else if let Some(script) = r.runner.strip_prefix("script: ") {
+            let script = script.split_whitespace().next().unwrap_or("");
+            if !script.starts_with("scripts/") || !root().join(script).is_file() {
+                problems.push(format!("{where_}: no script {script}"));
+            }
+        } else if let Some((kind, why)) = r.runner.split_once(": ") {
+            if !matches!(kind, "not here" | "plain" | "untested") {
+                problems.push(format!("{where_}: unknown runner kind `{kind}`"));
+            } else if why.trim().is_empty() {
+                problems.push(format!("{where_}: `{kind}:` without a reason"));
+            }
+        } else {
+            problems.push(format!(
+                "{where_}: runner `{}` is none of `test: module::name`, `script: scripts/…`, `not here: why`, `plain: why`, `untested: why`",
+                r.runner
+            ));
+        }
+    }
+    problems
+}
+
+/// Every command README.md, docs/install.md and docs/kubernetes.md show is in the
+/// registry with the test (or script of the test command) that runs it, or the reason it
+/// cannot run on a test machine; a new command, a removed one or a renamed test fails.
+#[test]
+fn every_documented_command_is_run_by_a_test_or_says_why_not() {
+    let root = root();
+    let mut commands = Vec::new();
+    for doc in COMMAND_DOCS {
+        let text = std::fs::read_to_string(root.join(doc)).unwrap();
+        for command in doc_commands(&text) {
+            commands.push((doc.to_owned(), command));
+        }
+    }
+    assert!(
+        commands.len() > 50,
+        "only {} commands found",
+        commands.len()
+    );
+    let registry = std::fs::read_to_string(root.join(COMMAND_REGISTRY)).unwrap();
+    let registry =
+        command_registry(&registry).unwrap_or_else(|e| panic!("{COMMAND_REGISTRY}: {e}"));
+    let problems = command_problems(&commands, &registry);
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// The parser and the check on a planted doc: a new command, a stale entry and a test
+/// that does not exist are each named.
+#[test]
+fn the_command_check_names_a_new_command_a_stale_entry_and_a_missing_test() {
+    let doc = "text\n```sh\ngpushare doctor   # exit 0\n# a comment\n# or: gpushare gc\n\
+               ctr run --rm \\\n    img job1 true\ncat > f <<EOF\nnot = \"a command\"\nEOF\n```\n\
+               ```console\n$ gpushare status\nno-daemons output\n```\n```toml\nx = 1\n```\n";
+    let found = doc_commands(doc);
+    assert_eq!(
+        found,
+        [
+            "gpushare doctor",
+            "gpushare gc",
+            "ctr run --rm img job1 true",
+            "cat > f <<EOF",
+            "gpushare status"
+        ]
+    );
+    let commands: Vec<(String, String)> = found
+        .into_iter()
+        .chain(["planted --command".to_owned()])
+        .map(|c| ("d.md".to_owned(), c))
+        .collect();
+    let registry = command_registry(
+        "# a comment\nd.md: gpushare doctor\n  test: operator::status_shows_daemons_health_and_containers_in_three_formats\n\
+         d.md: gpushare gc\n  test: operator::no_such_test\nd.md: ctr run --rm img job1 true\n  not here: why\n\
+         d.md: cat > f <<EOF\n  script: scripts/test\nd.md: gpushare status\n  guess\nd.md: gone\n  not here: x\nd.md: gone\n  plain: y\n",
+    )
+    .unwrap();
+    let problems = command_problems(&commands, &registry).join("\n");
+    for wanted in [
+        "d.md shows `planted --command`",
+        "d.md shows no command `gone`",
+        "no test operator::no_such_test",
+        "runner `guess`",
+        "d.md `gone` is listed twice",
+    ] {
+        assert!(problems.contains(wanted), "{wanted} not in:\n{problems}");
+    }
+    assert_eq!(problems.lines().count(), 6, "{problems}");
+    assert!(command_registry("d.md: x\nd.md: y\n  not here: z\n").is_err());
+}

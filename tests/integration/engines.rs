@@ -550,6 +550,36 @@ fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
         (0, 0),
         "root's per-user daemon is capless"
     );
+    // The README's step 4b, its two `ctr run` lines as it shows them (`$T/runtime` is
+    // gpushare-runtime with this env's config, as the README's wrapper is; `$T/rootfs`
+    // the test rootfs): GPU 0, then MIG 1:0 at 25 % of the threads.
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let mut lines = readme.lines();
+    let mut runs = Vec::new();
+    while let Some(line) = lines.next() {
+        if let Some(first) = line.strip_prefix("ctr run --rm --runc-binary $T/runtime ") {
+            let rest = lines.next().unwrap_or_default();
+            runs.push(format!("{} {}", first.trim_end_matches('\\'), rest.trim()));
+        }
+    }
+    assert_eq!(runs.len(), 2, "the README's step 4b has changed: {runs:#?}");
+    for (run, threads) in runs.iter().zip(["100.0", "25.0"]) {
+        let mut args = vec!["run", "--rm", "--runc-binary", runtime()];
+        for word in run.split_whitespace() {
+            args.push(match word {
+                "$T/rootfs" => own_rootfs.to_str().unwrap(),
+                w => w,
+            });
+        }
+        let out = ctr(&args);
+        let s = text(&out);
+        assert!(out.status.success(), "ctr {run}: {s}");
+        let client = client_line(&s);
+        assert_eq!(client["uid"], "0", "{s}");
+        assert_eq!(client["server_uid"], "0", "{s}");
+        assert_eq!(client["active_thread_percentage"], threads, "{s}");
+        assert_eq!(client["shm"], "ok", "{s}");
+    }
 }
 
 #[test]
@@ -653,6 +683,97 @@ trait Engine {
     fn remove(&self, id: &str);
     /// The containers the engine still has.
     fn listed(&self) -> String;
+}
+
+/// The README's step 4a as it is written, on a running dockerd: `gpushare install docker
+/// --name gpushare-try --runtime-path …`, then `kill -HUP` of dockerd (a reload: the
+/// runtime is known without a restart), then each of the README's `docker` lines of the
+/// trial exactly as it shows them (its image `gpushare-sim` is the test rootfs, tagged),
+/// with the outcome the README prints: each user's client on a server of its own, the
+/// MIG device's memory limit, and gpushare's line for the two refused requests.
+#[test]
+fn docker_takes_a_runtime_on_sighup_and_runs_the_readme_s_docker_lines() {
+    let env = Env::new();
+    let ns = PrivateMounts::new();
+    let d = Dockerd::start(&env, &ns);
+    let out = env
+        .cmd(gpushare())
+        .args([
+            "install",
+            "docker",
+            "--name",
+            "gpushare-try",
+            "--runtime-path",
+        ])
+        .arg(runtime())
+        .arg("--config")
+        .arg(d.dir.join("daemon.json"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    // `kill -HUP $(pidof dockerd)`: this dockerd's pid, from its pidfile.
+    let pid: i32 = std::fs::read_to_string(d.dir.join("docker.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(30), || text(&d.docker(&["info"]))
+            .contains("gpushare-try")),
+        "dockerd did not take runtimes.gpushare-try on SIGHUP:\n{}",
+        text(&d.docker(&["info"]))
+    );
+    let out = d.docker(&["tag", "gpushare-test:latest", "gpushare-sim"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let lines: Vec<&str> = readme
+        .lines()
+        .filter(|l| l.starts_with("docker run ") && l.contains("--runtime gpushare-try"))
+        .chain(readme.lines().filter(|l| *l == "docker rm -f alice"))
+        .collect();
+    assert_eq!(lines.len(), 7, "the README's trial has changed: {lines:#?}");
+    for line in lines {
+        let args: Vec<&str> = line.split_whitespace().skip(1).collect();
+        let out = d.docker(&args);
+        let said = text(&out);
+        if line.contains("GPUSHARE_DEVICE=1 ") {
+            assert!(!out.status.success(), "{line}: {said}");
+            assert!(
+                said.contains("gpushare: GPUSHARE_DEVICE=\"1\" names GPU 1, which is in MIG mode: allowed is one of its MIG devices (1:0, 1:1, 1:2)"),
+                "{line}: {said}"
+            );
+        } else if line.contains("GPUSHARE_PINNED_MEMORY_LIMIT=12G") {
+            assert!(!out.status.success(), "{line}: {said}");
+            assert!(
+                said.contains(
+                    "gpushare: GPUSHARE_PINNED_MEMORY_LIMIT=\"12G\" exceeds the memory of MIG-"
+                ) && said.contains("(10 GiB): allowed is 1M up to 10G"),
+                "{line}: {said}"
+            );
+        } else {
+            assert!(out.status.success(), "{line}: {said}");
+            if line.contains("--rm") {
+                let uid = if line.contains("-u 1000") { 1000 } else { 2000 };
+                let mine = format!("uid={uid} server=");
+                let own = format!("server_uid={uid} ");
+                assert!(
+                    said.contains("mps-client pid=1 ")
+                        && said.contains(&mine)
+                        && said.contains(&own)
+                        && said.contains("shm=ok"),
+                    "{line}: {said}"
+                );
+                if line.contains("PINNED_MEMORY_LIMIT=4GB") {
+                    assert!(said.contains("pinned_mem_limit=0=4096M"), "{line}: {said}");
+                }
+            }
+        }
+    }
 }
 
 /// The tier every engine version runs: a bad request fails with gpushare's line and

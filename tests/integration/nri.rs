@@ -362,6 +362,24 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
         "{}",
         text(&status)
     );
+    // kubernetes.md's `gpushare doctor` after the plugin started: its `nri` line.
+    let doctor = env.cmd(gpushare()).arg("doctor").output().unwrap();
+    assert!(
+        text(&doctor).lines().any(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            words.starts_with(&[
+                "ok",
+                "nri",
+                "NRI",
+                "plugin",
+                "connected",
+                "to",
+                "containerd",
+            ])
+        }),
+        "{}",
+        text(&doctor)
+    );
     plugin.stop();
     let status = env.cmd(gpushare()).arg("status").output().unwrap();
     assert!(

@@ -1,5 +1,7 @@
 //! What an operator sees — status in three formats, doctor on a broken setup, versions.
 
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use testkit::*;
@@ -677,4 +679,304 @@ fn daemon_start_takes_a_namespace_only_where_tenants_are_namespaces() {
         "{err}"
     );
     assert!(by_uid.daemon_ids().is_empty());
+}
+
+/// The body of the heredoc `opening` (`cat > … <<EOF`) in `doc`, with `$T` as `t`.
+fn heredoc(doc: &str, opening: &str, t: &Path) -> String {
+    let start = doc
+        .find(opening)
+        .unwrap_or_else(|| panic!("the doc no longer shows `{opening}`"));
+    let body = &doc[start + opening.len()..].trim_start_matches('\n');
+    let body = &body[..body.find("\nEOF\n").expect("an EOF line") + 1];
+    body.replace("$T", t.to_str().unwrap())
+}
+
+/// The docs' gpushare commands, each as the doc shows it (tests/fixtures/doc-commands.txt
+/// names this test for them): the README's "Try it without a GPU" on its own
+/// configuration (taken from the README) with its agent, then install.md's and
+/// kubernetes.md's install and CDI commands. Where a command would write the host's
+/// engine config or CDI spec, a private `--config`/`--output` is the only flag added.
+#[test]
+fn the_docs_gpushare_commands_behave_as_the_docs_say() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    // Step 1: a temp dir with the inventory, the simulator and the README's configuration.
+    let t = env.path().join("try");
+    std::fs::create_dir(&t).unwrap();
+    std::fs::set_permissions(&t, std::fs::Permissions::from_mode(0o711)).unwrap();
+    std::fs::copy(
+        repo().join("docs/examples/inventory.json"),
+        t.join("inventory.json"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(sim(), t.join("gpushare-mps-sim")).unwrap();
+    std::os::unix::fs::symlink(runtime(), t.join("gpushare-runtime")).unwrap();
+    let config = t.join("runtime.toml");
+    std::fs::write(&config, heredoc(&readme, "cat > $T/runtime.toml <<EOF", &t)).unwrap();
+    // The doc's command line with `$T/gpushare` (or `gpushare`) as the built binary.
+    let run = |doc_line: &str, private: &[&str]| {
+        let line = doc_line.replace("$T", t.to_str().unwrap());
+        let mut words = line.split_whitespace();
+        let bin = words.next().unwrap();
+        assert!(bin.ends_with("gpushare"), "{doc_line}");
+        let out = Command::new(gpushare())
+            .args(words)
+            .args(private)
+            .env("GPUSHARE_CONFIG", &config)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        (out.status.code(), text(&out))
+    };
+    // `$T/gpushare agent </dev/null >/dev/null 2>&1 &`
+    let mut agent = Command::new(gpushare())
+        .arg("agent")
+        .env("GPUSHARE_CONFIG", &config)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let sock = t.join("state/agent.sock");
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            std::os::unix::net::UnixStream::connect(&sock).is_ok()
+        }),
+        "the README's agent did not listen on {}",
+        sock.display()
+    );
+    // "one ok line per check … ok agent once the agent answers … Where Docker or
+    // containerd runs, a warn line (and exit code 1)".
+    let (code, out) = run("$T/gpushare doctor", &[]);
+    let inventory = format!("inventory = \"file:{}/inventory.json\"", t.display());
+    for wanted in [
+        "ok    driver             no NVIDIA driver on this machine; ",
+        inventory.as_str(),
+        "(test mode)",
+        "ok    inventory          3 GPU(s), 3 MIG device(s) from file:",
+        "ok    agent ",
+    ] {
+        assert!(
+            out.contains(wanted),
+            "doctor does not say {wanted:?}:\n{out}"
+        );
+    }
+    // The checks of what the README sets up are ok; the others look at the machine (a
+    // running engine, the host's MPS pipe, other gpushare processes) and may warn there.
+    let warns: Vec<&str> = out.lines().filter(|l| !l.starts_with("ok ")).collect();
+    for line in &warns {
+        let mut words = line.split_whitespace();
+        let (level, check) = (words.next(), words.next().unwrap_or(""));
+        assert_eq!(
+            level,
+            Some("warn"),
+            "the README's trial fails a check:\n{out}"
+        );
+        assert!(
+            !matches!(
+                check,
+                "config"
+                    | "driver"
+                    | "inventory"
+                    | "mps-control"
+                    | "socket-path"
+                    | "state-dir"
+                    | "state-dir-parents"
+                    | "agent"
+            ),
+            "the README's trial warns on its own setup:\n{out}"
+        );
+    }
+    assert_eq!(code, Some(if warns.is_empty() { 0 } else { 1 }), "{out}");
+    // Step 2: the wrapper, and step 4a's runtime entry (in a private daemon.json that
+    // holds a setting of its own, which install keeps and uninstall gives back).
+    let wrapper = t.join("runtime");
+    std::fs::write(
+        &wrapper,
+        heredoc(&readme, "cat > $T/runtime <<EOF", &t).replace("\\$@", "$@"),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let version = Command::new(&wrapper).arg("--version").output().unwrap();
+    assert!(
+        text(&version).contains("gpushare-runtime"),
+        "the README's wrapper does not run gpushare-runtime: {}",
+        text(&version)
+    );
+    let daemon_json = t.join("daemon.json");
+    let before = "{\n  \"log-level\": \"warn\"\n}\n";
+    std::fs::write(&daemon_json, before).unwrap();
+    let private = ["--config", daemon_json.to_str().unwrap()];
+    let (code, out) = run(
+        "$T/gpushare install docker --name gpushare-try --runtime-path $T/runtime",
+        &private,
+    );
+    assert_eq!(code, Some(0), "{out}");
+    let installed: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&daemon_json).unwrap()).unwrap();
+    assert_eq!(
+        installed["runtimes"]["gpushare-try"]["path"],
+        wrapper.to_str().unwrap(),
+        "{installed}"
+    );
+    assert_eq!(installed["log-level"], "warn", "{installed}");
+    // `$T/gpushare status`: the table's header, here with no daemon yet.
+    let (code, out) = run("$T/gpushare status", &[]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.starts_with("DAEMON "), "{out}");
+    // Step 5.
+    let (code, out) = run("$T/gpushare daemon stop --all --force", &[]);
+    assert_eq!(code, Some(0), "{out}");
+    // `kill $AGENT`: the agent ends on SIGTERM, with status 0.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(agent.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = agent.wait().unwrap();
+    assert!(status.success(), "the agent ended with {status} on kill");
+    let (code, out) = run("$T/gpushare uninstall docker --name gpushare-try", &private);
+    assert_eq!(code, Some(0), "{out}");
+    assert_eq!(std::fs::read_to_string(&daemon_json).unwrap(), before);
+
+    // install.md and kubernetes.md: each engine's install into a private config.
+    let engine = |doc_line: &str, file: &str, wanted: &str| {
+        let path = t.join(file);
+        let (code, out) = run(doc_line, &["--config", path.to_str().unwrap()]);
+        assert_eq!(code, Some(0), "{doc_line}: {out}");
+        let written = std::fs::read_to_string(&path).unwrap();
+        assert!(written.contains(wanted), "{doc_line} wrote:\n{written}");
+    };
+    engine("gpushare install docker", "docker.json", "\"gpushare\"");
+    engine(
+        "gpushare install containerd",
+        "containerd.toml",
+        "containerd.runtimes.gpushare.options]\nBinaryName = ",
+    );
+    engine(
+        "gpushare install containerd --hook-only",
+        "hooks.toml",
+        "base_runtime_spec",
+    );
+    engine(
+        "gpushare install containerd --nri",
+        "nri.toml",
+        "disable = false",
+    );
+    // `gpushare install cdi` and `# or: gpushare cdi generate`: the same spec.
+    let (cdi, generated) = (t.join("cdi.json"), t.join("generated.json"));
+    let (code, out) = run("gpushare install cdi", &["--output", cdi.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{out}");
+    let (code, out) = run(
+        "gpushare cdi generate",
+        &["--output", generated.to_str().unwrap()],
+    );
+    assert_eq!(code, Some(0), "{out}");
+    let spec = std::fs::read_to_string(&cdi).unwrap();
+    assert!(spec.contains("\"cdiVersion\": \"0.5.0\""), "{spec}");
+    assert_eq!(spec, std::fs::read_to_string(&generated).unwrap());
+    // install.md's `scripts/install --dry-run`: every step printed, nothing changed (the
+    // real runs, into a temp prefix, are scripts/test-package's).
+    let out = Command::new(repo().join("scripts/install"))
+        .arg("--dry-run")
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    // Where the Debian package is installed, scripts/install refuses with one line (what
+    // scripts/test-package checks); the test command runs this before installing it.
+    let packaged = text(&out).contains("the gpushare Debian package is installed");
+    assert!(out.status.success() || packaged, "{}", text(&out));
+    for wanted in [
+        "would run: scripts/build-release\n",
+        "/usr/local/bin/gpushare-runtime\n",
+        "Next steps (as root):",
+    ] {
+        assert!(
+            packaged || text(&out).contains(wanted),
+            "{wanted:?}:\n{}",
+            text(&out)
+        );
+    }
+    // kubernetes.md's k3s/RKE2 template: the doc's line, with `$d` a temp dir and the
+    // package's deploy file the repository's: k3s's base template, then the gpushare
+    // table without the file's `version` line (k3s writes its own).
+    let k3s = std::fs::read_to_string(repo().join("docs/kubernetes.md")).unwrap();
+    let line = k3s
+        .lines()
+        .find(|l| l.starts_with("{ echo '{{ template \"base\" . }}'; sed 1,/^version/d "))
+        .expect("kubernetes.md's k3s template line");
+    let line = line.replace(
+        "/usr/share/gpushare/deploy/",
+        &format!("{}/deploy/", repo().display()),
+    );
+    let out = Command::new("bash")
+        .args(["-c", &line])
+        .env("d", &t)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{line}: {}", text(&out));
+    let template = std::fs::read_to_string(t.join("config.toml.tmpl")).unwrap();
+    let (first, rest) = template.split_once('\n').unwrap();
+    assert_eq!(first, "{{ template \"base\" . }}");
+    assert!(!rest.contains("version ="), "{template}");
+    let table: toml::Table = toml::from_str(rest).unwrap_or_else(|e| panic!("{e}:\n{rest}"));
+    assert!(
+        table["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+            .get("gpushare")
+            .is_some(),
+        "{template}"
+    );
+    // Nothing was written beside the private files (the host's are the scripts/test's
+    // before/after listing's to check).
+    let mut names: Vec<String> = std::fs::read_dir(&t)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
+}
+
+/// The README's first command, `./scripts/quickstart`, with the test's binaries for its
+/// build step (QUICKSTART_BIN_DIR): it exits 0, and without a driver prints what the
+/// README shows: each user's client on a server of its own, then on one shared daemon
+/// bob's client waiting for alice's 2-second job.
+#[test]
+fn the_quickstart_runs_two_users_at_once_as_the_readme_shows() {
+    require_root_and_runc();
+    let bins = Path::new(gpushare()).parent().unwrap();
+    assert_eq!(Path::new(sim()).parent(), Some(bins), "{}", sim());
+    let out = Command::new(repo().join("scripts/quickstart"))
+        .env("QUICKSTART_BIN_DIR", bins)
+        .env_remove("GPUSHARE_CONFIG")
+        .env_remove("KEEP")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let said = text(&out);
+    assert!(out.status.success(), "{said}");
+    if !said.contains("no NVIDIA driver here") {
+        return; // a real driver: real MPS daemons, whose lines are the driver's
+    }
+    for uid in [1000, 2000] {
+        let own = format!("mps-client pid=1 uid={uid} server=");
+        let served = said
+            .lines()
+            .find(|l| l.contains(&own))
+            .unwrap_or_else(|| panic!("no client of uid {uid}:\n{said}"));
+        assert!(
+            served.contains(&format!(" server_uid={uid} ")) && served.contains("shm=ok"),
+            "{said}"
+        );
+    }
+    let bob = said
+        .lines()
+        .find(|l| l.starts_with("bob (uid 2000):"))
+        .unwrap_or_else(|| panic!("no shared-daemon comparison:\n{said}"));
+    let waited: u64 = bob
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("waited_ms="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{bob}"));
+    assert!(waited >= 1000, "bob did not wait for alice's job: {bob}");
 }
