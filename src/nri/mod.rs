@@ -21,7 +21,7 @@
 //! once, one more is refused. A broken frame or an oversized message ends the connection
 //! (one line), and the plugin dials again. Nothing the runtime sends panics the process,
 //! which serves every pod of the node: the fuzz target `nri` drives this session over
-//! bytes in memory (`converse`).
+//! bytes in memory (`converse`), and the tests here over a socket pair, as the runtime.
 //!
 //! NRI fails open unless told otherwise: while no plugin is connected, the runtime creates
 //! containers without it, so a pod with a request then runs unserved, unless NRI's default
