@@ -288,3 +288,55 @@ fn mount_into(pid: i32, rootfs: &Path, binds: &[Bind]) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open_root(rootfs: &Path) -> OwnedFd {
+        nix::fcntl::open(
+            rootfs,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .unwrap()
+    }
+
+    /// Where an fd of this process points.
+    fn path_of(fd: &OwnedFd) -> PathBuf {
+        use std::os::fd::AsRawFd;
+        std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap()
+    }
+
+    #[test]
+    fn a_symlink_in_the_image_cannot_move_a_bind_target_out_of_the_rootfs() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = dir.path().canonicalize().unwrap();
+        let rootfs = host.join("rootfs");
+        std::fs::create_dir(&rootfs).unwrap();
+        // An image whose /tmp is a plain directory: the target is made under it.
+        std::fs::create_dir(rootfs.join("tmp")).unwrap();
+        let fd = target_dir(&open_root(&rootfs), PIPE_IN_CONTAINER).unwrap();
+        assert_eq!(path_of(&fd), rootfs.join(PIPE_IN_CONTAINER));
+
+        // /tmp a link that climbs out (to the temp directory, were it followed as the
+        // host sees it): it stops at the rootfs, as in the container.
+        std::fs::remove_dir_all(rootfs.join("tmp")).unwrap();
+        // (relative to the link's directory, the rootfs).
+        std::os::unix::fs::symlink("..", rootfs.join("tmp")).unwrap();
+        let fd = target_dir(&open_root(&rootfs), PIPE_IN_CONTAINER).unwrap();
+        assert_eq!(path_of(&fd), rootfs.join("nvidia-mps"));
+        assert!(!host.join("nvidia-mps").exists());
+
+        // /tmp a link to a host directory by its absolute path: read as a path in the
+        // image, where it does not exist (or loops back through the link, the temp
+        // directory being under /tmp); refused, nothing made on the host.
+        let outside = host.join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::remove_file(rootfs.join("tmp")).unwrap();
+        std::os::unix::fs::symlink(&outside, rootfs.join("tmp")).unwrap();
+        let err = target_dir(&open_root(&rootfs), PIPE_IN_CONTAINER).unwrap_err();
+        assert!(err.to_string().starts_with("open /tmp"), "{err:#}");
+        assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
+    }
+}

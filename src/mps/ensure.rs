@@ -274,3 +274,141 @@ pub(crate) fn stop(
     tracing::info!(daemon = %id, "MPS daemon stopped and removed");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::ProcRef;
+
+    fn ident() -> Identity {
+        Identity {
+            devices: vec!["GPU-8f8bff94-112e-9541-43da-cfd453333404".into()],
+            uid: 1000,
+            gid: 1000,
+            multi_user: false,
+            active_thread_percentage: Some(25),
+            pinned_memory_limit: None,
+            ipc_host: false,
+            tenant: None,
+        }
+    }
+
+    /// A state directory with `daemons` daemon directories (ids `0…0`, `1…1`, …).
+    fn state(dir: &std::path::Path, daemons: usize) -> (StateDir, Vec<String>) {
+        let state = StateDir::new(dir);
+        let ids: Vec<String> = (0..daemons)
+            .map(|i| i.to_string().repeat(crate::identity::ID_LEN))
+            .collect();
+        for id in &ids {
+            std::fs::create_dir_all(state.containers_dir(id)).unwrap();
+        }
+        (state, ids)
+    }
+
+    fn container(id: &str) -> ContainerRecord {
+        ContainerRecord::new(id.into(), Some(std::process::id() as i32), None, None)
+    }
+
+    #[test]
+    fn release_finds_the_record_whatever_daemon_the_annotation_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let (state, ids) = state(dir.path(), 2);
+        let (a, b) = (&ids[0], &ids[1]);
+        state.add_container(b, &container("c1")).unwrap();
+        // The daemon the annotation names: found there.
+        assert!(release(&state, Some(b), "c1"));
+        assert!(state.containers(b).unwrap().is_empty());
+        // A forged annotation naming another daemon, or one that is no daemon id at
+        // all: the record is looked for under every daemon, and only it goes.
+        for forged in [Some(a.as_str()), Some("../../etc"), None] {
+            state.add_container(b, &container("c1")).unwrap();
+            state.add_container(b, &container("c2")).unwrap();
+            assert!(release(&state, forged, "c1"), "{forged:?}");
+            let left: Vec<String> = state
+                .containers(b)
+                .unwrap()
+                .into_iter()
+                .map(|r| r.id)
+                .collect();
+            assert_eq!(left, ["c2"]);
+            state.remove_container(b, "c2").unwrap();
+        }
+        // Nowhere: false, nothing else touched.
+        assert!(!release(&state, Some(a), "c9"));
+    }
+
+    fn record(id: &str, status: DaemonStatus, supervisor: Option<ProcRef>) -> DaemonRecord {
+        DaemonRecord {
+            id: id.into(),
+            identity: ident(),
+            status,
+            supervisor,
+            daemon: supervisor,
+            started_at: 0,
+            ready_at: None,
+            restarts: 0,
+            error: None,
+            limits_unconfirmed_since: None,
+        }
+    }
+
+    #[test]
+    fn wait_ready_ends_at_ready_failed_a_gone_supervisor_or_the_deadline() {
+        let dir = tempfile::tempdir().unwrap();
+        let (state, _) = state(dir.path(), 0);
+        // A record is read only under its identity's id.
+        let id = &ident().id();
+        std::fs::create_dir_all(state.daemon_dir(id)).unwrap();
+        let me = ProcRef::of(std::process::id() as i32);
+        // Not this process: the pid is, the start time is not.
+        let gone = me.map(|p| ProcRef {
+            start_time: p.start_time + 1,
+            ..p
+        });
+        let wait = |timeout: Duration| {
+            wait_ready(&state, id, None, Instant::now() + timeout, timeout)
+                .map_err(|e| format!("{e:#}"))
+        };
+        state
+            .write_record(&record(id, DaemonStatus::Ready, me))
+            .unwrap();
+        assert_eq!(
+            wait(Duration::from_secs(5)).unwrap().status,
+            DaemonStatus::Ready
+        );
+
+        let mut failed = record(id, DaemonStatus::Failed, me);
+        failed.error = Some("nvidia-cuda-mps-control: no such device".into());
+        state.write_record(&failed).unwrap();
+        assert_eq!(
+            wait(Duration::from_secs(5)).unwrap_err(),
+            format!("MPS daemon {id} failed to start: nvidia-cuda-mps-control: no such device")
+        );
+
+        state
+            .write_record(&record(id, DaemonStatus::Starting, gone))
+            .unwrap();
+        assert_eq!(
+            wait(Duration::from_secs(5)).unwrap_err(),
+            format!("the supervisor of MPS daemon {id} exited: see the gpushare log")
+        );
+
+        // Starting, its supervisor alive, never ready: the deadline, with where to look.
+        state
+            .write_record(&record(id, DaemonStatus::Starting, me))
+            .unwrap();
+        let err = wait(Duration::from_millis(50)).unwrap_err();
+        assert!(
+            err.starts_with(&format!(
+                "MPS daemon {id} was not ready within mps.start-timeout (50ms)"
+            )),
+            "{err}"
+        );
+
+        std::fs::remove_file(state.record_path(id)).unwrap();
+        assert_eq!(
+            wait(Duration::from_secs(5)).unwrap_err(),
+            "the daemon record disappeared"
+        );
+    }
+}

@@ -21,7 +21,7 @@
 //! once, one more is refused. A broken frame or an oversized message ends the connection
 //! (one line), and the plugin dials again. Nothing the runtime sends panics the process,
 //! which serves every pod of the node: the fuzz target `nri` drives this session over
-//! bytes in memory (`converse`).
+//! bytes in memory (`converse`), and the tests here over a socket pair, as the runtime.
 //!
 //! NRI fails open unless told otherwise: while no plugin is connected, the runtime creates
 //! containers without it, so a pod with a request then runs unserved, unless NRI's default
@@ -920,6 +920,332 @@ mod tests {
             all.iter().filter(|(_, code)| *code == 0).count(),
             MAX_IN_FLIGHT
         );
+    }
+
+    /// The runtime's end of a socket pair whose other end a session serves: it reads the
+    /// plugin's frames back into ttrpc messages, each conn on its own.
+    struct Runtime {
+        sock: UnixStream,
+        plugin_conn: wire::Stream,
+        runtime_conn: wire::Stream,
+    }
+
+    impl Runtime {
+        /// A session of `plugin` on a fresh socket pair, on a thread of its own; what
+        /// `connected` was called with goes into `configured`.
+        fn start(
+            plugin: &Arc<Plugin>,
+            configured: &Arc<Mutex<Vec<String>>>,
+        ) -> (Self, std::thread::JoinHandle<anyhow::Result<bool>>) {
+            let (ours, theirs) = UnixStream::pair().unwrap();
+            // A session that stops answering fails the test instead of hanging it.
+            ours.set_read_timeout(Some(Duration::from_secs(30)))
+                .unwrap();
+            let (plugin, configured) = (Arc::clone(plugin), Arc::clone(configured));
+            let session = std::thread::spawn(move || {
+                let connected: Connected =
+                    Arc::new(move |runtime| configured.lock().unwrap().push(runtime));
+                let reader = theirs.try_clone().unwrap();
+                serve(
+                    &plugin,
+                    reader,
+                    Box::new(theirs),
+                    DEFAULT_NAME,
+                    DEFAULT_INDEX,
+                    connected,
+                    &Arc::new(InFlight::default()),
+                )
+            });
+            let runtime = Runtime {
+                sock: ours,
+                plugin_conn: wire::Stream::default(),
+                runtime_conn: wire::Stream::default(),
+            };
+            (runtime, session)
+        }
+
+        fn send(&mut self, bytes: &[u8]) {
+            self.sock.write_all(bytes).unwrap();
+        }
+
+        /// The plugin's next whole message: (conn, message).
+        fn recv(&mut self) -> (u32, wire::Message) {
+            loop {
+                for (conn, stream) in [
+                    (PLUGIN_CONN, &mut self.plugin_conn),
+                    (RUNTIME_CONN, &mut self.runtime_conn),
+                ] {
+                    if let Some(msg) = stream.next_message().unwrap() {
+                        return (conn, msg);
+                    }
+                }
+                let (conn, payload) = wire::read_frame(&mut self.sock)
+                    .unwrap()
+                    .expect("the plugin closed the connection");
+                match conn {
+                    PLUGIN_CONN => self.plugin_conn.push(&payload),
+                    RUNTIME_CONN => self.runtime_conn.push(&payload),
+                    other => panic!("the plugin wrote on conn {other}"),
+                }
+            }
+        }
+
+        /// Reads the plugin's RegisterPlugin and answers it.
+        fn register(&mut self) {
+            let (conn, msg) = self.recv();
+            assert_eq!((conn, msg.stream, msg.typ), (RUNTIME_CONN, 1, TYPE_REQUEST));
+            let req = api::Request::decode(msg.body.as_slice()).unwrap();
+            assert_eq!(
+                (req.service.as_str(), req.method.as_str()),
+                (RUNTIME_SERVICE, "RegisterPlugin")
+            );
+            assert_eq!(
+                api::RegisterPluginRequest::decode(req.payload.as_slice()).unwrap(),
+                api::RegisterPluginRequest {
+                    plugin_name: DEFAULT_NAME.into(),
+                    plugin_idx: DEFAULT_INDEX.into(),
+                }
+            );
+            self.send(&registered());
+        }
+
+        /// Sends a request on the plugin's service and reads its answer.
+        fn call(&mut self, stream: u32, method: &str, payload: &impl Message) -> api::Response {
+            self.send(&call(stream, method, payload));
+            let (conn, msg) = self.recv();
+            assert_eq!(
+                (conn, msg.stream, msg.typ),
+                (PLUGIN_CONN, stream, TYPE_RESPONSE)
+            );
+            api::Response::decode(msg.body.as_slice()).unwrap()
+        }
+
+        /// Closes the connection and returns how the session ended.
+        fn close(
+            self,
+            session: std::thread::JoinHandle<anyhow::Result<bool>>,
+        ) -> Result<bool, String> {
+            drop(self.sock);
+            session
+                .join()
+                .expect("the session panicked")
+                .map_err(|e| format!("{e:#}"))
+        }
+    }
+
+    /// A node whose state directory is `dir` and whose inventory cannot load, with records
+    /// the plugin wrote for the containers `ids` under one daemon.
+    fn node_with_records(dir: &Path, ids: &[&str]) -> (Config, StateDir, String) {
+        let cfg = crate::config::parse(
+            &format!(
+                "state-dir = \"{}\"\ninventory = \"file:/dev/null/inventory.json\"\n",
+                dir.display()
+            ),
+            None,
+        )
+        .unwrap();
+        let dirs = StateDir::new(&cfg.state_dir);
+        let daemon = "0".repeat(crate::identity::ID_LEN);
+        std::fs::create_dir_all(dirs.containers_dir(&daemon)).unwrap();
+        for id in ids {
+            let rec = crate::state::ContainerRecord::new(
+                (*id).to_owned(),
+                Some(std::process::id() as i32),
+                None,
+                Some(plugin::ENGINE.into()),
+            );
+            dirs.add_container(&daemon, &rec).unwrap();
+        }
+        (cfg, dirs, daemon)
+    }
+
+    fn record_ids(dirs: &StateDir, daemon: &str) -> Vec<String> {
+        let mut ids: Vec<String> = dirs
+            .containers(daemon)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
+        ids.sort();
+        ids
+    }
+
+    fn ctr(id: &str) -> api::Container {
+        api::Container {
+            id: id.into(),
+            pod_sandbox_id: "pod1".into(),
+            name: id.into(),
+            ..Default::default()
+        }
+    }
+
+    fn sync_part(ids: &[&str], more: bool) -> api::SynchronizeRequest {
+        api::SynchronizeRequest {
+            pods: vec![],
+            containers: ids.iter().map(|id| ctr(id)).collect(),
+            more,
+        }
+    }
+
+    #[test]
+    fn a_session_over_a_socket_registers_configures_synchronizes_in_parts_and_creates() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cfg, dirs, daemon) = node_with_records(dir.path(), &["c1", "c2", "gone"]);
+        let plugin = Arc::new(Plugin::new(cfg));
+        let configured = Arc::new(Mutex::new(Vec::new()));
+        let (mut rt, session) = Runtime::start(&plugin, &configured);
+        rt.register();
+
+        let resp = rt.call(
+            1,
+            "Configure",
+            &api::ConfigureRequest {
+                runtime_name: "containerd".into(),
+                runtime_version: "v2.3.4".into(),
+                request_timeout: 2000,
+                ..Default::default()
+            },
+        );
+        assert_eq!(resp.status, None);
+        assert_eq!(
+            api::ConfigureResponse::decode(resp.payload.as_slice()).unwrap(),
+            api::ConfigureResponse {
+                events: event::mask(&[
+                    event::CREATE_CONTAINER,
+                    event::POST_CREATE_CONTAINER,
+                    event::STOP_CONTAINER,
+                    event::REMOVE_CONTAINER,
+                ]),
+            }
+        );
+        assert_eq!(*configured.lock().unwrap(), ["containerd v2.3.4"]);
+
+        // A Synchronize in two parts: nothing is dropped until the last part, then the
+        // record of the container the runtime no longer has is.
+        let resp = rt.call(3, "Synchronize", &sync_part(&["c1"], true));
+        assert_eq!(resp.status, None);
+        assert!(
+            api::SynchronizeResponse::decode(resp.payload.as_slice())
+                .unwrap()
+                .more
+        );
+        assert_eq!(record_ids(&dirs, &daemon), ["c1", "c2", "gone"]);
+        let resp = rt.call(5, "Synchronize", &sync_part(&["c2"], false));
+        assert_eq!(resp.status, None);
+        assert!(
+            !api::SynchronizeResponse::decode(resp.payload.as_slice())
+                .unwrap()
+                .more
+        );
+        assert_eq!(record_ids(&dirs, &daemon), ["c1", "c2"]);
+        assert!(plugin.sync.lock().unwrap().is_empty());
+
+        // A container without a request: an empty adjustment.
+        let pod = api::PodSandbox {
+            id: "pod1".into(),
+            name: "trainer".into(),
+            namespace: "team-a".into(),
+            ..Default::default()
+        };
+        let event = |c: api::Container| api::ContainerEvent {
+            pod: Some(pod.clone()),
+            container: Some(c),
+        };
+        let resp = rt.call(7, "CreateContainer", &event(ctr("c3")));
+        assert_eq!(resp.status, None);
+        assert_eq!(
+            api::CreateContainerResponse::decode(resp.payload.as_slice()).unwrap(),
+            api::CreateContainerResponse {
+                adjust: Some(api::ContainerAdjustment::default())
+            }
+        );
+        // One with a request, on a node whose inventory does not load: refused, with the
+        // reason, and the session goes on.
+        let asks = api::Container {
+            annotations: HashMap::from([("gpushare.io/device".into(), "0".into())]),
+            ..ctr("c4")
+        };
+        let resp = rt.call(9, "CreateContainer", &event(asks));
+        let status = resp.status.unwrap();
+        assert_eq!(status.code, CODE_UNKNOWN);
+        assert!(
+            status.message.starts_with("gpushare: "),
+            "{}",
+            status.message
+        );
+        // RemoveContainer forgets the container's record.
+        assert_eq!(
+            rt.call(11, "RemoveContainer", &event(ctr("c1"))).status,
+            None
+        );
+        assert_eq!(record_ids(&dirs, &daemon), ["c2"]);
+
+        // The runtime closes the connection: the session ends, registered, no panic.
+        assert_eq!(rt.close(session), Ok(true));
+    }
+
+    #[test]
+    fn a_session_closed_before_or_refused_at_registration_ends_with_its_reason() {
+        let plugin = Arc::new(Plugin::new(cfg()));
+        let configured = Arc::new(Mutex::new(Vec::new()));
+        // Closed before the runtime answered RegisterPlugin: not registered.
+        let (mut rt, session) = Runtime::start(&plugin, &configured);
+        let (conn, _) = rt.recv();
+        assert_eq!(conn, RUNTIME_CONN);
+        assert_eq!(rt.close(session), Ok(false));
+        // Refused: the runtime's reason, escaped, in the session's one error line.
+        let (mut rt, session) = Runtime::start(&plugin, &configured);
+        rt.recv();
+        let refusal = api::Response {
+            status: Some(api::Status {
+                code: 6,
+                message: "plugin \"gpushare\" already registered\n".into(),
+            }),
+            payload: Vec::new(),
+        };
+        rt.send(&frame(
+            RUNTIME_CONN,
+            1,
+            TYPE_RESPONSE,
+            &refusal.encode_to_vec(),
+        ));
+        let err = session.join().unwrap().unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "the runtime refused to register the plugin gpushare (index 10): plugin \"gpushare\" already registered\\n"
+        );
+        assert!(configured.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_session_that_drops_mid_synchronize_leaves_no_list_for_the_next() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cfg, dirs, daemon) = node_with_records(dir.path(), &["fresh", "stale"]);
+        let plugin = Arc::new(Plugin::new(cfg));
+        let configured = Arc::new(Mutex::new(Vec::new()));
+        // The first session: the first part of a Synchronize, then the runtime goes away
+        // (a restart). Its part is left in the plugin's list.
+        let (mut rt, session) = Runtime::start(&plugin, &configured);
+        rt.register();
+        assert_eq!(
+            rt.call(1, "Synchronize", &sync_part(&["stale"], true))
+                .status,
+            None
+        );
+        assert_eq!(rt.close(session), Ok(true));
+        assert_eq!(plugin.sync.lock().unwrap().len(), 1);
+        // The restarted runtime no longer has `stale`: its whole list is `fresh`, so the
+        // record of `stale` goes. Had the first session's part been kept, the list would
+        // name `stale` too and its record would stay, keeping its daemon alive.
+        let (mut rt, session) = Runtime::start(&plugin, &configured);
+        rt.register();
+        assert_eq!(
+            rt.call(1, "Synchronize", &sync_part(&["fresh"], false))
+                .status,
+            None
+        );
+        assert_eq!(record_ids(&dirs, &daemon), ["fresh"]);
+        assert_eq!(rt.close(session), Ok(true));
     }
 
     #[test]

@@ -18,6 +18,23 @@
 //! for a conn other than 1 and 2 is dropped, as NRI's own multiplexer drops it; a
 //! connection that ends inside a frame is an error, never a clean end. Nothing here
 //! panics on what a peer sends (the fuzz target `nri` drives it).
+//!
+//! Why not the `ttrpc` crate (containerd's ttrpc-rust, 0.10.0): it does not fit NRI's
+//! connection, and it weighs more than the 127 lines of code here. Its synchronous `Server`
+//! serves only connections it accepts itself (`bind`, `add_listener`: it listens and
+//! accepts), and its `Client` owns a connected socket and drops every message that does
+//! not answer a request of its own; the plugin dials (or is handed) one connected socket
+//! on which it serves conn 1 and is a client on conn 2, behind a multiplexer the crate
+//! does not have. With it, the multiplexer would stay, and a socket pair per logical conn
+//! with a thread pumping each, and a listening socket for the server to accept its conn
+//! from, would be added. By `cargo tree -e normal,build`, `features = ["sync", "prost"]`
+//! pulls in 49 crates: 17 this crate's tree lacks (crossbeam's six, prost-build with
+//! petgraph and prettyplease, byteorder, log, ...) and second copies of six it has at
+//! another version: nix 0.26 beside 0.31, bitflags 1, and prost 0.13 beside 0.14, whose
+//! `Message` is not the one `api`'s types derive; its build runs `protoc`. The default
+//! features (rust-protobuf) pull in 47, with a second protobuf runtime. What the crate
+//! would have given, the framing and its checks, is pinned by this module's tests and by
+//! the session's over a socket pair (`nri`'s tests).
 
 use std::io::{Read, Write};
 

@@ -433,3 +433,81 @@ impl Backoff {
         true
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    // `raise` sends to the calling thread (tgkill), in a threaded process too.
+    use nix::sys::signal::raise;
+
+    /// A signal fd for SIGTERM and SIGHUP, blocked in this test's thread only, and the
+    /// signals sent to this thread alone: no other thread of the test process sees them.
+    fn signals() -> SignalFd {
+        let mut mask = SigSet::empty();
+        mask.add(Signal::SIGTERM);
+        mask.add(Signal::SIGHUP);
+        mask.thread_block().unwrap();
+        SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC).unwrap()
+    }
+
+    fn event(e: Event) -> &'static str {
+        match e {
+            Event::Stop => "stop",
+            Event::ChildExited => "child exited",
+            Event::Timeout => "timeout",
+        }
+    }
+
+    #[test]
+    fn a_wait_ends_at_sigterm_the_childs_exit_or_the_timeout_not_at_another_signal() {
+        let mut sfd = signals();
+        let short = Some(Duration::from_millis(50));
+        assert_eq!(event(wait_event(&mut sfd, None, short)), "timeout");
+        // SIGHUP (the log rotation's nudge) is read and the wait goes on.
+        raise(Signal::SIGHUP).unwrap();
+        assert_eq!(event(wait_event(&mut sfd, None, short)), "timeout");
+        raise(Signal::SIGTERM).unwrap();
+        assert_eq!(event(wait_event(&mut sfd, None, None)), "stop");
+        // A child that has exited (a zombie, not yet reaped): seen before any wait.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let stat = format!("/proc/{}/stat", child.id());
+        let zombie = poll_until(
+            Instant::now() + Duration::from_secs(10),
+            Duration::from_millis(5),
+            Duration::from_millis(5),
+            || {
+                std::fs::read_to_string(&stat)
+                    .ok()?
+                    .contains(") Z ")
+                    .then_some(())
+            },
+        );
+        assert!(zombie.is_some());
+        assert_eq!(
+            event(wait_event(
+                &mut sfd,
+                Some(&mut child),
+                Some(Duration::from_secs(30))
+            )),
+            "child exited"
+        );
+    }
+
+    #[test]
+    fn the_backoff_doubles_and_a_stop_ends_it_at_once() {
+        let mut sfd = signals();
+        let mut b = Backoff(Duration::from_millis(1));
+        assert!(b.wait(&mut sfd));
+        assert_eq!(b.0, Duration::from_millis(2));
+        assert!(b.wait(&mut sfd));
+        assert_eq!(b.0, Duration::from_millis(4));
+        // A stop during the longest pause: `false` at once, not after BACKOFF_MAX, and
+        // the pause unchanged.
+        let mut b = Backoff(BACKOFF_MAX);
+        raise(Signal::SIGTERM).unwrap();
+        let began = Instant::now();
+        assert!(!b.wait(&mut sfd));
+        assert!(began.elapsed() < Duration::from_secs(1));
+        assert_eq!(b.0, BACKOFF_MAX);
+    }
+}
