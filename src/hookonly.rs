@@ -28,12 +28,10 @@ use nix::sys::stat::Mode;
 
 use crate::config::Config;
 use crate::hook::State;
+use crate::mounts::{Inside, MountPlan};
 use crate::request::{self, IpcMode};
 use crate::spec::SpecFile;
 use crate::state::StateDir;
-
-/// Where the pipe directory appears in hook-only mode: CUDA's default.
-pub(crate) const PIPE_IN_CONTAINER: &str = "tmp/nvidia-mps";
 
 /// `prestart` in hook-only mode: `cdi` is the request of the CDI hook
 /// (`--cdi-device`), `None` for the hooks.d hook. Returns without doing anything for a
@@ -114,19 +112,10 @@ pub(crate) fn prestart(
     } else {
         bundle.join(root)
     };
-    let mut binds = vec![Bind {
-        source: dirs.pipe_dir(&id),
-        target: PIPE_IN_CONTAINER,
-        read_only: true,
-    }];
-    if ipc == IpcMode::Isolated {
-        binds.push(Bind {
-            source: dirs.shm_dir(&id),
-            target: "dev/shm",
-            read_only: false,
-        });
-    }
-    mount_into(pid, &rootfs, &binds)?;
+    // The pipe directory where CUDA looks by default: a hook cannot set the environment.
+    // Host IPC is the engine's own here: nothing to add for it.
+    let plan = MountPlan::new(&dirs, &id, Inside::cuda_default(), ipc);
+    mount_into(pid, &rootfs, &binds(&plan))?;
     tracing::info!(daemon = %id, uid = ident.uid, "hook-only: daemon ensured and mounted into the container");
     Ok(())
 }
@@ -215,19 +204,46 @@ fn target_dir(root: &OwnedFd, rel: &str) -> anyhow::Result<OwnedFd> {
 }
 
 /// One host directory to bind into the container.
-struct Bind {
-    source: PathBuf,
+pub(crate) struct Bind {
+    pub(crate) source: PathBuf,
     /// Relative to the container's root.
-    target: &'static str,
-    read_only: bool,
+    pub(crate) target: String,
+    /// The `MOUNT_ATTR_*` flags the clone gets before it is attached.
+    pub(crate) attrs: u64,
+}
+
+/// A container's mount plan as binds a hook makes: each at its destination under the
+/// container's root, with the flags its options name.
+pub(crate) fn binds(plan: &MountPlan) -> Vec<Bind> {
+    use crate::sys::{MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY};
+    let flags = [
+        ("ro", MOUNT_ATTR_RDONLY),
+        ("nosuid", MOUNT_ATTR_NOSUID),
+        ("nodev", MOUNT_ATTR_NODEV),
+        ("noexec", MOUNT_ATTR_NOEXEC),
+    ];
+    plan.binds
+        .iter()
+        .map(|b| Bind {
+            source: b.source.clone(),
+            target: b
+                .destination
+                .to_string_lossy()
+                .trim_start_matches('/')
+                .to_owned(),
+            attrs: flags
+                .iter()
+                .filter(|(option, _)| b.has(option))
+                .fold(0, |attrs, (_, flag)| attrs | flag),
+        })
+        .collect()
 }
 
 /// Binds host directories into the mount namespace of process `pid` under `rootfs`
 /// (before pivot_root, the container's root is its rootfs path in its own namespace).
-/// Every bind is nosuid, nodev and noexec, and read-only where it says so, before it is
-/// attached.
+/// Every bind gets its flags (the plan's: nosuid, nodev and noexec, and read-only where
+/// it says so) before it is attached.
 fn mount_into(pid: i32, rootfs: &Path, binds: &[Bind]) -> anyhow::Result<()> {
-    use crate::sys::{MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY};
     use rustix::fs::CWD;
     use rustix::mount::{self, MoveMountFlags, OpenTreeFlags};
     use std::os::fd::AsFd;
@@ -244,15 +260,12 @@ fn mount_into(pid: i32, rootfs: &Path, binds: &[Bind]) -> anyhow::Result<()> {
                 OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC,
             )
             .with_context(|| format!("clone the mount of {}", b.source.display()))?;
-            let mut set = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
-            if b.read_only {
-                set |= MOUNT_ATTR_RDONLY;
-            }
-            crate::sys::set_mount_attr(&tree, true, set, 0).with_context(|| {
+            crate::sys::set_mount_attr(&tree, true, b.attrs, 0).with_context(|| {
+                let read_only = b.attrs & crate::sys::MOUNT_ATTR_RDONLY != 0;
                 format!(
                     "make the clone of {} {}nosuid, nodev and noexec",
                     b.source.display(),
-                    if b.read_only { "read-only, " } else { "" }
+                    if read_only { "read-only, " } else { "" }
                 )
             })?;
             Ok(tree)
@@ -269,7 +282,7 @@ fn mount_into(pid: i32, rootfs: &Path, binds: &[Bind]) -> anyhow::Result<()> {
     )
     .with_context(|| format!("open the container's rootfs {}", rootfs.display()))?;
     for (b, tree) in binds.iter().zip(&trees) {
-        let target = target_dir(&root, b.target)?;
+        let target = target_dir(&root, &b.target)?;
         // Both ends by fd: no path is resolved again after the target was checked.
         mount::move_mount(
             tree.as_fd(),

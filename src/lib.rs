@@ -13,6 +13,8 @@
 //! - `hook` (createRuntime / poststop)
 //! - `decision` (the request pipeline; the shim↔hook contract), `mps` (control interface,
 //!   supervisor, ensure, the reaper of a failed create's directories)
+//! - `mounts` (what a container gets from its daemon: the pipe and log directories, the
+//!   shm; planned once, rendered as spec edits, an NRI adjustment or hook-only binds)
 //! - `spec` (config.json load/edit/save), `rootfs` (what the image holds where gpushare
 //!   mounts), `state` (the state directory: layout, records,
 //!   locks, a daemon's directories and tmpfs, the caps and what they take back, removal),
@@ -55,6 +57,7 @@ mod hookonly;
 pub mod identity;
 mod inventory_cache;
 mod logging;
+pub mod mounts;
 mod mps;
 mod nri;
 mod ops;

@@ -5,16 +5,23 @@
 #![no_main]
 use std::path::Path;
 
-use gpushare::spec::edits::{apply_all, plan, ContainerPlan, IpcPlan, SetHooks};
+use gpushare::mounts::{Inside, MountPlan};
+use gpushare::request::IpcMode;
+use gpushare::spec::edits::{apply_all, plan, ContainerPlan, SetHooks};
+use gpushare::state::StateDir;
 use gpushare::spec::{RawSpec, SpecFile};
 use libfuzzer_sys::fuzz_target;
 
 fn decision(host: bool) -> ContainerPlan {
     ContainerPlan {
         env: vec![("CUDA_MPS_PIPE_DIRECTORY".into(), "/tmp/nvidia-mps".into())],
-        pipe: ("/run/gpushare/mps/0123456789abcdef0123456789abcdef/pipe".into(), "/tmp/nvidia-mps".into()),
-        log: None,
-        ipc: if host { IpcPlan::Host } else { IpcPlan::Isolated { shm_dir: "/run/gpushare/mps/0123456789abcdef0123456789abcdef/shm".into() } },
+        mounts: MountPlan::new(
+            &StateDir::new("/run/gpushare"),
+            "0123456789abcdef0123456789abcdef",
+            Inside { pipe: "/tmp/nvidia-mps".into(), log: None },
+            if host { IpcMode::Host } else { IpcMode::Isolated },
+        )
+        .spec_edits(),
         hooks: SetHooks {
             binary: "/usr/local/bin/gpushare".into(),
             env: vec!["PATH=/usr/bin:/bin".into()],
@@ -47,7 +54,7 @@ fuzz_target!(|data: &[u8]| {
     let typed_ok = spec.check_typed().is_ok();
     let _ = spec.host_user();
     let _ = spec.env();
-    let edits = plan(&decision(data.len() % 2 == 0));
+    let edits = plan(decision(data.len() % 2 == 0));
     if apply_all(&mut spec.doc, &edits).is_err() {
         return;
     }

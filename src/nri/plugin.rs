@@ -37,7 +37,7 @@ use serde_json::{json, Map, Value};
 
 use super::api::{self, Container, ContainerAdjustment, PodSandbox};
 use crate::config::Config;
-use crate::request::IpcMode;
+use crate::mounts::{Inside, MountPlan};
 use crate::spec::SpecFile;
 use crate::state::{valid_container_id, ContainerRecord, PodNames, StateDir};
 
@@ -199,21 +199,13 @@ impl Plugin {
         };
         let ensured = self.ensure_within(&served.identity, record, began + budget, budget)?;
         let id = ensured.record.id;
-        let ro = |s: &Path, d: &Path| mount(s, d, crate::spec::edits::READ_ONLY_DIR_OPTIONS);
-        let mut mounts = vec![ro(
-            &self.dirs.pipe_dir(&id),
-            &self.cfg.mps.container_pipe_dir,
-        )];
-        if let Some(dir) = &self.cfg.mps.container_log_dir {
-            mounts.push(ro(&self.dirs.log_dir(&id), dir));
-        }
-        if ipc == IpcMode::Isolated {
-            mounts.push(mount(
-                &self.dirs.shm_dir(&id),
-                Path::new("/dev/shm"),
-                crate::spec::edits::SHM_OPTIONS,
-            ));
-        }
+        // Host IPC is the engine's own here (the pod's hostIPC): nothing to add for it.
+        let mounts = adjustment_mounts(&MountPlan::new(
+            &self.dirs,
+            &id,
+            Inside::configured(&self.cfg),
+            ipc,
+        ));
         // The plugin does not know the low-level runtime: NVIDIA's devices reach the
         // container through the engine's own CDI or NVIDIA's plugin, not through this env.
         let env = crate::runtime::client_env(&self.cfg, &served, Path::new(""))
@@ -389,12 +381,80 @@ impl Plugin {
     }
 }
 
-fn mount(source: &Path, destination: &Path, options: &[&str]) -> api::Mount {
-    api::Mount {
-        destination: destination.to_string_lossy().into_owned(),
-        r#type: "bind".into(),
-        source: source.to_string_lossy().into_owned(),
-        options: options.iter().map(|o| o.to_string()).collect(),
+/// A container's mount plan as the NRI adjustment's mounts.
+fn adjustment_mounts(plan: &MountPlan) -> Vec<api::Mount> {
+    plan.binds
+        .iter()
+        .map(|b| api::Mount {
+            destination: b.destination.to_string_lossy().into_owned(),
+            r#type: "bind".into(),
+            source: b.source.to_string_lossy().into_owned(),
+            options: b.options.iter().map(|o| o.to_string()).collect(),
+        })
+        .collect()
+}
+
+/// The three renderings of one mount plan (the shim's spec edits, this adjustment,
+/// hook-only mode's binds) give the same sources, destinations and options.
+#[cfg(test)]
+mod the_renderings_agree {
+    use super::adjustment_mounts;
+    use crate::mounts::tests::every_plan;
+    use crate::request::IpcMode;
+    use serde_json::{json, Map, Value};
+
+    #[test]
+    fn on_every_plan() {
+        for plan in every_plan() {
+            let nri: Vec<Value> = adjustment_mounts(&plan)
+                .iter()
+                .map(|m| {
+                    json!({"destination": m.destination, "type": m.r#type,
+                           "source": m.source, "options": m.options})
+                })
+                .collect();
+            // The spec edits on a spec without mounts: the daemon's binds, then (host
+            // IPC) the host's /dev/shm, which an engine's own host IPC brings elsewhere.
+            let mut doc: Map<String, Value> = Map::new();
+            crate::spec::edits::apply_all(&mut doc, &plan.spec_edits()).unwrap();
+            let mut spec = doc["mounts"].as_array().unwrap().clone();
+            if plan.ipc == IpcMode::Host {
+                let host = spec.pop().unwrap();
+                assert_eq!(host["source"], "/dev/shm");
+                assert_eq!(host["destination"], "/dev/shm");
+            }
+            assert_eq!(nri, spec, "{plan:?}");
+            // Hook-only mode: each bind at the same place (relative to the root), with
+            // the flags its options name.
+            let hook = crate::hookonly::binds(&plan);
+            assert_eq!(hook.len(), nri.len());
+            for (h, n) in hook.iter().zip(&nri) {
+                assert_eq!(h.source.to_str(), n["source"].as_str());
+                assert_eq!(format!("/{}", h.target), n["destination"].as_str().unwrap());
+                let options: Vec<&str> = n["options"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|o| o.as_str().unwrap())
+                    .collect();
+                use crate::sys::{
+                    MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY,
+                };
+                for (option, flag) in [
+                    ("ro", MOUNT_ATTR_RDONLY),
+                    ("nosuid", MOUNT_ATTR_NOSUID),
+                    ("nodev", MOUNT_ATTR_NODEV),
+                    ("noexec", MOUNT_ATTR_NOEXEC),
+                ] {
+                    assert_eq!(
+                        options.contains(&option),
+                        h.attrs & flag != 0,
+                        "{option} on {}",
+                        h.target
+                    );
+                }
+            }
+        }
     }
 }
 

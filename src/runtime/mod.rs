@@ -26,15 +26,17 @@ use anyhow::Context;
 
 use crate::config::Config;
 use crate::decision::{self, Resolved};
+use crate::mounts::{Inside, MountPlan};
 use crate::mps::control::SAFE_PATH;
 use crate::request::{self, IpcMode, Request};
 use crate::rootfs::Maker;
-use crate::spec::edits::{self, IpcPlan, SetHooks};
+use crate::spec::edits::{self, SetHooks};
 use crate::spec::SpecFile;
 use crate::state::{valid_container_id, ContainerRecord, StateDir};
 
-/// The pipe directory NVIDIA's container toolkit mounts from the host when present.
-pub(crate) const NVIDIA_HOST_PIPE_DIR: &str = "/tmp/nvidia-mps";
+/// The pipe directory NVIDIA's container toolkit mounts from the host when present: CUDA's
+/// default.
+pub(crate) const NVIDIA_HOST_PIPE_DIR: &str = crate::mounts::CUDA_DEFAULT_PIPE_DIR;
 
 /// What `gpushare-runtime` without arguments prints.
 const USAGE: &str =
@@ -205,7 +207,7 @@ pub(crate) fn prepare(
     }
 
     let plan = decide(cfg, &state, &served, &id, runtime)?;
-    edits::apply_all(&mut spec.doc, &edits::plan(&plan))?;
+    edits::apply_all(&mut spec.doc, &edits::plan(plan))?;
     spec.save()?;
     tracing::info!(
         daemon = %id,
@@ -329,18 +331,7 @@ fn decide(
 ) -> anyhow::Result<edits::ContainerPlan> {
     Ok(edits::ContainerPlan {
         env: client_env(cfg, served, runtime),
-        pipe: (state.pipe_dir(id), cfg.mps.container_pipe_dir.clone()),
-        log: cfg
-            .mps
-            .container_log_dir
-            .as_ref()
-            .map(|d| (state.log_dir(id), d.clone())),
-        ipc: match served.ipc {
-            IpcMode::Isolated => IpcPlan::Isolated {
-                shm_dir: state.shm_dir(id),
-            },
-            IpcMode::Host => IpcPlan::Host,
-        },
+        mounts: MountPlan::new(state, id, Inside::configured(cfg), served.ipc).spec_edits(),
         hooks: hooks(cfg)?,
         annotations: decision::Decision {
             identity: served.identity.clone(),

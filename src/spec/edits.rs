@@ -5,10 +5,8 @@
 //! it once; an edit touches only the fields it names and keeps every other entry (other
 //! hooks, mounts, env) where it was, in order.
 //!
-//! Mounts of the daemon's directories: the pipe directory and the optional log directory
-//! are bound read-only, the daemon's shm writable, all three `nosuid,nodev,noexec`; an
-//! engine's mount at the same place is replaced. Why: docs/design.md, "Mounts of the
-//! daemon's directories".
+//! The mounts of the daemon's directories are planned by `crate::mounts`, which renders
+//! them as these edits; an engine's mount at the same place is replaced.
 
 use std::path::PathBuf;
 
@@ -245,77 +243,24 @@ impl SpecEdit for SetAnnotations {
     }
 }
 
-/// IPC for the container (docs/design.md, "IPC").
-#[derive(Debug, Clone, PartialEq)]
-pub enum IpcPlan {
-    /// The daemon's shm tmpfs (host path) becomes the container's /dev/shm.
-    Isolated { shm_dir: PathBuf },
-    /// Exactly `docker run --ipc=host`: no ipc namespace, host /dev/shm bound.
-    Host,
-}
-
-/// Everything the shim puts into one container's spec; plain data, built by the runtime
-/// module; its annotations carry the shim↔hook decision (`decision::Decision`).
-#[derive(Debug, Clone, PartialEq)]
+/// Everything the shim puts into one container's spec; built by the runtime module; its
+/// mounts are the container's mount plan rendered as edits (`crate::mounts`), its
+/// annotations carry the shim↔hook decision (`decision::Decision`).
+#[derive(Debug)]
 pub struct ContainerPlan {
     pub env: Vec<(String, String)>,
-    /// (host pipe dir, container pipe dir)
-    pub pipe: (PathBuf, PathBuf),
-    /// (host log dir, container log dir), when the config asks for it.
-    pub log: Option<(PathBuf, PathBuf)>,
-    pub ipc: IpcPlan,
+    pub mounts: Vec<Box<dyn SpecEdit>>,
     pub hooks: SetHooks,
     pub annotations: Vec<(String, String)>,
 }
 
-/// Mount options for the daemon's pipe and log directories: read-only, no devices, no
-/// setuid, no exec (see the module doc).
-pub(crate) const READ_ONLY_DIR_OPTIONS: &[&str] =
-    &["rbind", "rprivate", "ro", "nosuid", "nodev", "noexec"];
-/// Mount options for the daemon's shm over /dev/shm: writable, no devices, no setuid, no
-/// exec (as Docker's own /dev/shm).
-pub(crate) const SHM_OPTIONS: &[&str] = &["rbind", "rprivate", "nosuid", "nodev", "noexec"];
-
-/// The edit chain for one container plan, in the order they apply.
-pub fn plan(d: &ContainerPlan) -> Vec<Box<dyn SpecEdit>> {
-    let path = |p: &PathBuf| p.to_string_lossy().into_owned();
-    let mut edits: Vec<Box<dyn SpecEdit>> = vec![
-        Box::new(SetEnv(d.env.clone())),
-        Box::new(SetMount::bind(
-            path(&d.pipe.0),
-            path(&d.pipe.1),
-            READ_ONLY_DIR_OPTIONS,
-        )),
-    ];
-    if let Some((host, container)) = &d.log {
-        edits.push(Box::new(SetMount::bind(
-            path(host),
-            path(container),
-            READ_ONLY_DIR_OPTIONS,
-        )));
-    }
-    match &d.ipc {
-        IpcPlan::Isolated { shm_dir } => {
-            edits.push(Box::new(SetMount::bind(
-                path(shm_dir),
-                "/dev/shm",
-                SHM_OPTIONS,
-            )));
-        }
-        IpcPlan::Host => {
-            // Exactly moby's --ipc=host: no ipc namespace, the engine's own /dev/shm mount
-            // dropped, and the host's /dev/shm bound last (daemon/oci_linux.go).
-            edits.push(Box::new(RemoveNamespace("ipc")));
-            edits.push(Box::new(RemoveMount("/dev/shm")));
-            edits.push(Box::new(SetMount::bind(
-                "/dev/shm",
-                "/dev/shm",
-                &["rbind", "rprivate"],
-            )));
-        }
-    }
-    edits.push(Box::new(d.hooks.clone()));
-    edits.push(Box::new(SetAnnotations(d.annotations.clone())));
+/// The edit chain for one container plan, in the order they apply: the env, the mounts,
+/// the hooks, the annotations.
+pub fn plan(d: ContainerPlan) -> Vec<Box<dyn SpecEdit>> {
+    let mut edits: Vec<Box<dyn SpecEdit>> = vec![Box::new(SetEnv(d.env))];
+    edits.extend(d.mounts);
+    edits.push(Box::new(d.hooks));
+    edits.push(Box::new(SetAnnotations(d.annotations)));
     edits
 }
 
@@ -328,7 +273,7 @@ pub fn apply_all(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::spec::tests::{fixture, FIXTURES};
 
@@ -336,18 +281,13 @@ mod tests {
         serde_json::from_slice(&fixture(name)).unwrap()
     }
 
-    fn decision(ipc: IpcPlan) -> ContainerPlan {
+    fn decision() -> ContainerPlan {
         ContainerPlan {
             env: vec![
                 ("CUDA_MPS_PIPE_DIRECTORY".into(), "/tmp/nvidia-mps".into()),
                 ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), "25".into()),
             ],
-            pipe: (
-                "/run/gpushare/mps/0123456789abcdef0123456789abcdef/pipe".into(),
-                "/tmp/nvidia-mps".into(),
-            ),
-            log: None,
-            ipc,
+            mounts: vec![],
             hooks: SetHooks {
                 binary: "/usr/local/bin/gpushare".into(),
                 env: vec!["PATH=/usr/bin:/bin".into()],
@@ -363,121 +303,21 @@ mod tests {
         }
     }
 
-    fn isolated() -> IpcPlan {
-        IpcPlan::Isolated {
-            shm_dir: "/run/gpushare/mps/0123456789abcdef0123456789abcdef/shm".into(),
+    /// Applying `edits` twice gives the same document as applying them once, on every
+    /// captured fixture.
+    pub(crate) fn assert_twice_is_once(edits: &[Box<dyn SpecEdit>]) {
+        for name in FIXTURES {
+            let mut once = doc(name);
+            apply_all(&mut once, edits).unwrap();
+            let mut twice = once.clone();
+            apply_all(&mut twice, edits).unwrap();
+            assert_eq!(once, twice, "{name}: {edits:?}");
         }
-    }
-
-    fn mounts_at<'a>(d: &'a Map<String, Value>, dest: &str) -> Vec<&'a Value> {
-        d["mounts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|m| m["destination"] == dest)
-            .collect()
     }
 
     #[test]
     fn applying_twice_changes_nothing_on_every_fixture() {
-        for name in FIXTURES {
-            for ipc in [isolated(), IpcPlan::Host] {
-                for log in [false, true] {
-                    let mut dec = decision(ipc.clone());
-                    if log {
-                        dec.log = Some((
-                            "/run/gpushare/mps/0123456789abcdef0123456789abcdef/log".into(),
-                            "/var/log/nvidia-mps".into(),
-                        ));
-                    }
-                    let edits = plan(&dec);
-                    let mut once = doc(name);
-                    apply_all(&mut once, &edits).unwrap();
-                    let mut twice = once.clone();
-                    apply_all(&mut twice, &edits).unwrap();
-                    assert_eq!(once, twice, "{name}");
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn isolated_replaces_dev_shm_in_place_and_keeps_ipc_namespace() {
-        let original = doc("docker-20.10-config.json");
-        let mut d = original.clone();
-        apply_all(&mut d, &plan(&decision(isolated()))).unwrap();
-        let shm = mounts_at(&d, "/dev/shm");
-        assert_eq!(shm.len(), 1);
-        assert_eq!(
-            shm[0]["source"],
-            "/run/gpushare/mps/0123456789abcdef0123456789abcdef/shm"
-        );
-        assert_eq!(shm[0]["type"], "bind");
-        let pos = |m: &Map<String, Value>| {
-            m["mounts"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .position(|x| x["destination"] == "/dev/shm")
-        };
-        assert_eq!(pos(&d), pos(&original), "same place in the mount order");
-        assert!(d["linux"]["namespaces"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|n| n["type"] == "ipc"));
-        let pipe = mounts_at(&d, "/tmp/nvidia-mps");
-        assert_eq!(
-            pipe[0]["source"],
-            "/run/gpushare/mps/0123456789abcdef0123456789abcdef/pipe"
-        );
-    }
-
-    /// The pipe and log directories are read-only, the shm writable, all three
-    /// nosuid,nodev,noexec; an engine's read-write mount at the same place is replaced.
-    #[test]
-    fn daemon_directories_are_read_only_and_nothing_is_suid_dev_or_exec() {
-        for name in FIXTURES {
-            let mut d = doc(name);
-            // A mount an engine or a user put at the pipe directory, read-write.
-            array(&mut d, "mounts").unwrap().push(json!({
-                "destination": "/tmp/nvidia-mps/", "type": "bind",
-                "source": "/somewhere", "options": ["rbind", "rw"]
-            }));
-            let mut dec = decision(isolated());
-            dec.log = Some((
-                "/run/gpushare/mps/0123456789abcdef0123456789abcdef/log".into(),
-                "/var/log/nvidia-mps".into(),
-            ));
-            apply_all(&mut d, &plan(&dec)).unwrap();
-            let options = |dest: &str| -> Vec<String> {
-                let at = mounts_at(&d, dest);
-                assert_eq!(at.len(), 1, "{name}: {dest}");
-                serde_json::from_value(at[0]["options"].clone()).unwrap()
-            };
-            for dest in ["/tmp/nvidia-mps", "/var/log/nvidia-mps"] {
-                let o = options(dest);
-                assert!(o.iter().any(|x| x == "ro"), "{name}: {dest} {o:?}");
-                assert!(!o.iter().any(|x| x == "rw"), "{name}: {dest} {o:?}");
-            }
-            assert!(
-                !options("/dev/shm").iter().any(|x| x == "ro"),
-                "{name}: clients write the server's shared memory"
-            );
-            for dest in ["/tmp/nvidia-mps", "/var/log/nvidia-mps", "/dev/shm"] {
-                let o = options(dest);
-                for flag in ["nosuid", "nodev", "noexec", "rbind"] {
-                    assert!(
-                        o.iter().any(|x| x == flag),
-                        "{name}: {dest} lacks {flag}: {o:?}"
-                    );
-                }
-            }
-            assert!(
-                mounts_at(&d, "/tmp/nvidia-mps/").is_empty(),
-                "{name}: the engine's read-write mount was replaced"
-            );
-        }
+        assert_twice_is_once(&plan(decision()));
     }
 
     #[test]
@@ -487,7 +327,7 @@ mod tests {
             .as_array_mut()
             .unwrap()
             .push("CUDA_MPS_PIPE_DIRECTORY=/evil".into());
-        apply_all(&mut d, &plan(&decision(isolated()))).unwrap();
+        apply_all(&mut d, &plan(decision())).unwrap();
         let env: Vec<&str> = d["process"]["env"]
             .as_array()
             .unwrap()
@@ -516,7 +356,7 @@ mod tests {
             {"path": "/opt/old/gpushare", "args": ["gpushare", "hook", "create-runtime"]},
             {"path": "/usr/bin/other-hook", "args": ["other-hook"]}
         ]);
-        apply_all(&mut d, &plan(&decision(isolated()))).unwrap();
+        apply_all(&mut d, &plan(decision())).unwrap();
         let prestart = d["hooks"]["prestart"].as_array().unwrap();
         assert_eq!(prestart.len(), 1);
         assert_eq!(
@@ -534,46 +374,10 @@ mod tests {
     }
 
     #[test]
-    fn host_ipc_removes_only_the_ipc_namespace() {
-        let mut d = doc("podman-4.3-config.json");
-        let before: Vec<Value> = d["linux"]["namespaces"].as_array().unwrap().clone();
-        apply_all(&mut d, &plan(&decision(IpcPlan::Host))).unwrap();
-        let after = d["linux"]["namespaces"].as_array().unwrap();
-        let expected: Vec<&Value> = before.iter().filter(|n| n["type"] != "ipc").collect();
-        assert_eq!(after.iter().collect::<Vec<_>>(), expected);
-        let shm = mounts_at(&d, "/dev/shm");
-        assert_eq!(shm.len(), 1);
-        assert_eq!(shm[0]["source"], "/dev/shm");
-        assert_eq!(shm[0]["options"], json!(["rbind", "rprivate"]));
-    }
-
-    /// The golden test: on Docker's own config.json, host IPC gives exactly what
-    /// `docker run --ipc=host` gave in the captured fixture, for the namespaces and every
-    /// mount (destinations in order; /dev/shm entry identical).
-    #[test]
-    fn host_ipc_is_exactly_dockers_ipc_host() {
-        let mut d = doc("docker-20.10-config.json");
-        apply_all(&mut d, &plan(&decision(IpcPlan::Host))).unwrap();
-        let golden = doc("docker-20.10-ipc-host-config.json");
-        assert_eq!(d["linux"]["namespaces"], golden["linux"]["namespaces"]);
-        let dests = |m: &Map<String, Value>| -> Vec<String> {
-            m["mounts"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x["destination"].as_str().unwrap().to_owned())
-                .filter(|x| x != "/tmp/nvidia-mps")
-                .collect()
-        };
-        assert_eq!(dests(&d), dests(&golden));
-        assert_eq!(mounts_at(&d, "/dev/shm"), mounts_at(&golden, "/dev/shm"));
-    }
-
-    #[test]
     fn annotations_are_created_when_absent() {
         let mut d = doc("docker-20.10-config.json");
         assert!(!d.contains_key("annotations"));
-        apply_all(&mut d, &plan(&decision(isolated()))).unwrap();
+        apply_all(&mut d, &plan(decision())).unwrap();
         assert_eq!(
             d["annotations"]["gpushare.io/daemon"],
             "0123456789abcdef0123456789abcdef"
@@ -584,7 +388,7 @@ mod tests {
     fn a_spec_without_process_is_refused_not_made_invalid() {
         let mut d = doc("containerd-1.6-config.json");
         d.remove("process");
-        let err = apply_all(&mut d, &plan(&decision(isolated())))
+        let err = apply_all(&mut d, &plan(decision()))
             .unwrap_err()
             .to_string();
         assert!(err.contains("no process object"), "{err}");

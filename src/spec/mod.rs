@@ -476,7 +476,7 @@ fn allows_every_device(rule: &LinuxDeviceCgroup) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub(crate) const FIXTURES: &[&str] = &[
