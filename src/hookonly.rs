@@ -323,6 +323,12 @@ mod tests {
 
     #[test]
     fn a_symlink_in_the_image_cannot_move_a_bind_target_out_of_the_rootfs() {
+        // The pipe directory's place, as `binds` opens it: relative to the rootfs.
+        const PIPE_IN_CONTAINER: &str = "tmp/nvidia-mps";
+        assert_eq!(
+            crate::mounts::CUDA_DEFAULT_PIPE_DIR.trim_start_matches('/'),
+            PIPE_IN_CONTAINER
+        );
         let dir = tempfile::tempdir().unwrap();
         let host = dir.path().canonicalize().unwrap();
         let rootfs = host.join("rootfs");
