@@ -185,8 +185,10 @@ enum Engine {
         /// Also turn CDI on in this engine's config, reading the spec's directory: Docker's
         /// daemon.json (`features.cdi`, `cdi-spec-dirs`) or containerd's config.toml
         /// (`enable_cdi`, `cdi_spec_dirs` of the CRI plugin).
-        #[arg(long, value_enum)]
-        enable: Option<CdiEngine>,
+        #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(
+            ops::install::ENGINES.iter().map(|e| e.name())
+        ))]
+        enable: Option<String>,
         /// The engine's config file (default: /etc/docker/daemon.json or
         /// /etc/containerd/config.toml).
         #[arg(long, requires = "enable")]
@@ -223,16 +225,32 @@ enum UninstallEngine {
     Containerd(UninstallArgs),
 }
 
+impl Engine {
+    /// The engine a runtime is registered with, by its [`ops::install::EngineConfig`]
+    /// name, and the flags every engine takes; `None` for `install cdi`.
+    fn runtime_args(&self) -> Option<(&'static str, &InstallArgs)> {
+        match self {
+            Engine::Docker(args) => Some(("docker", args)),
+            Engine::Containerd { args, .. } => Some(("containerd", args)),
+            Engine::Cdi { .. } => None,
+        }
+    }
+}
+
+impl UninstallEngine {
+    /// The engine, by its [`ops::install::EngineConfig`] name, and the flags.
+    fn parts(&self) -> (&'static str, &UninstallArgs) {
+        match self {
+            UninstallEngine::Docker(args) => ("docker", args),
+            UninstallEngine::Containerd(args) => ("containerd", args),
+        }
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum NriRequired {
     Node,
     Pods,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum CdiEngine {
-    Docker,
-    Containerd,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -554,18 +572,11 @@ impl Command {
                 | Command::Daemon {
                     command: DaemonCommand::List { .. }
                 }
-                | Command::Install {
-                    engine: Engine::Docker(InstallArgs { dry_run: true, .. })
-                        | Engine::Containerd {
-                            args: InstallArgs { dry_run: true, .. },
-                            ..
-                        }
-                }
-                | Command::Uninstall {
-                    engine: UninstallEngine::Docker(UninstallArgs { dry_run: true, .. })
-                        | UninstallEngine::Containerd(UninstallArgs { dry_run: true, .. })
-                }
-        )
+        ) || match self {
+            Command::Install { engine } => engine.runtime_args().is_some_and(|(_, a)| a.dry_run),
+            Command::Uninstall { engine } => engine.parts().1.dry_run,
+            _ => false,
+        }
     }
 }
 
@@ -594,19 +605,15 @@ fn run(cfg: &Config, command: Command) -> i32 {
         } => doctor(cfg, docker_config, containerd_config, cdi_spec),
         Command::Install { engine } => report(install(cfg, engine)),
         Command::Uninstall { engine } => {
-            let (engine, args) = match engine {
-                UninstallEngine::Docker(a) => (ops::install::Engine::Docker, a),
-                UninstallEngine::Containerd(a) => (
-                    ops::install::Engine::Containerd {
-                        config_version: None,
-                        hook_only: false,
-                    },
-                    a,
-                ),
+            let (name, args) = engine.parts();
+            let done = match ops::install::named(name) {
+                Some(e) => {
+                    ops::install::uninstall(e, args.config.clone(), &args.name, args.dry_run)
+                }
+                None => Err(anyhow::anyhow!("no engine {name}")),
             };
-            let is_containerd = engine != ops::install::Engine::Docker;
-            let done = ops::install::uninstall(engine, args.config, &args.name, args.dry_run);
-            if done.is_ok() && is_containerd && !args.dry_run {
+            // The NRI plugin is containerd's own: its state goes with `uninstall containerd`.
+            if done.is_ok() && matches!(engine, UninstallEngine::Containerd(_)) && !args.dry_run {
                 forget_nri_plugin(cfg);
             }
             report(done)
@@ -770,11 +777,12 @@ fn doctor(
     containerd: std::path::PathBuf,
     cdi_specs: Vec<std::path::PathBuf>,
 ) -> i32 {
-    let mut paths = ops::doctor::Paths {
-        docker,
-        containerd,
-        ..Default::default()
-    };
+    let mut paths = ops::doctor::Paths::default();
+    for (name, config) in [("docker", docker), ("containerd", containerd)] {
+        if let Some(at) = paths.engine_mut(name) {
+            at.config = config;
+        }
+    }
     if !cdi_specs.is_empty() {
         paths.cdi_specs = cdi_specs;
     }
@@ -806,23 +814,19 @@ impl From<Format> for ops::status::Format {
 
 /// `gpushare install <engine>`: the CDI spec, or a runtime registered with an engine.
 fn install(cfg: &Config, engine: Engine) -> anyhow::Result<()> {
-    let (args, engine) = match engine {
+    let engine_named =
+        |name: &str| ops::install::named(name).ok_or_else(|| anyhow::anyhow!("no engine {name}"));
+    let (name, config_version, hook_only, args) = match engine {
         Engine::Cdi {
             output,
             enable,
             config,
             dry_run,
         } => {
-            let enable = enable.map(|e| match e {
-                CdiEngine::Docker => ops::install::Engine::Docker,
-                CdiEngine::Containerd => ops::install::Engine::Containerd {
-                    config_version: None,
-                    hook_only: false,
-                },
-            });
+            let enable = enable.as_deref().map(engine_named).transpose()?;
             return ops::install::cdi(cfg, &output, enable, config, dry_run);
         }
-        Engine::Docker(args) => (args, ops::install::Engine::Docker),
+        Engine::Docker(args) => ("docker", None, false, args),
         Engine::Containerd {
             args,
             config_version,
@@ -849,19 +853,19 @@ fn install(cfg: &Config, engine: Engine) -> anyhow::Result<()> {
             hook_only,
             nri: false,
             ..
-        } => (
-            args,
-            ops::install::Engine::Containerd {
-                config_version,
-                hook_only,
-            },
-        ),
+        } => ("containerd", config_version, hook_only, args),
     };
-    ops::install::run(ops::install::Install {
-        engine,
+    let install = ops::install::Install {
+        engine: engine_named(name)?,
+        config_version,
         config: args.config,
         runtime_path: args.runtime_path,
         name: args.name,
         dry_run: args.dry_run,
-    })
+    };
+    if hook_only {
+        ops::install::hook_only(install)
+    } else {
+        ops::install::run(install)
+    }
 }

@@ -3,12 +3,12 @@
 //! exit code is the worst result: 0 ok, 1 warn, 2 fail (a config that does not load is a
 //! `FAIL config` line and exit 2). Works on a machine without a GPU and says so. Reads
 //! only: it changes nothing, not even gpushare's log file. Whether an engine's config
-//! registers gpushare is the installers' answer (`install::docker::registration`,
-//! `install::containerd::registration`): doctor parses no engine config of its own.
+//! registers gpushare is the installers' answer (each engine's `EngineConfig::check`):
+//! doctor parses no engine config of its own.
 
 use std::path::{Path, PathBuf};
 
-use super::install::{containerd, docker, Registration};
+use super::install::{EngineConfig, ENGINES};
 use crate::config::{Config, UserMode};
 use crate::device::{ComputeMode, Inventory, InventorySource};
 
@@ -55,23 +55,39 @@ fn fail(name: &'static str, detail: impl Into<String>, fix: impl Into<String>) -
 /// Where the engines' configs are looked for (overridable for tests and odd layouts).
 #[derive(Clone)]
 pub(crate) struct Paths {
-    pub docker: PathBuf,
-    pub containerd: PathBuf,
-    /// Whether an engine runs here at all is told by its socket.
-    pub docker_socket: PathBuf,
-    pub containerd_socket: PathBuf,
+    /// Every engine's, in [`ENGINES`]' order.
+    pub engines: Vec<EnginePaths>,
     /// Where gpushare's CDI spec may be: each one there is compared with the spec this
     /// node would generate now.
     pub cdi_specs: Vec<PathBuf>,
 }
 
+/// Where one engine's config is, and the socket that tells whether it runs here at all.
+#[derive(Clone)]
+pub(crate) struct EnginePaths {
+    pub engine: &'static dyn EngineConfig,
+    pub config: PathBuf,
+    pub socket: PathBuf,
+}
+
+impl Paths {
+    /// The paths of the engine called `name`.
+    pub(crate) fn engine_mut(&mut self, name: &str) -> Option<&mut EnginePaths> {
+        self.engines.iter_mut().find(|e| e.engine.name() == name)
+    }
+}
+
 impl Default for Paths {
     fn default() -> Self {
         Paths {
-            docker: super::install::DEFAULT_DOCKER_CONFIG.into(),
-            containerd: super::install::DEFAULT_CONTAINERD_CONFIG.into(),
-            docker_socket: "/run/docker.sock".into(),
-            containerd_socket: "/run/containerd/containerd.sock".into(),
+            engines: ENGINES
+                .iter()
+                .map(|&engine| EnginePaths {
+                    engine,
+                    config: engine.default_config().into(),
+                    socket: engine.default_socket().into(),
+                })
+                .collect(),
             cdi_specs: vec![
                 super::install::CDI_STATIC_SPEC.into(),
                 crate::cdi::DEFAULT_OUTPUT.into(),
@@ -402,132 +418,17 @@ fn host_pipe_check() -> Check {
     }
 }
 
-/// Whether an engine serves on this node: its socket exists.
-fn serving(socket: &Path) -> bool {
-    use std::os::unix::fs::FileTypeExt;
-    std::fs::metadata(socket).is_ok_and(|m| m.file_type().is_socket())
-}
-
-/// Docker and containerd: is gpushare registered with the engines that run here.
+/// Is gpushare registered with the engines that run here: one check each.
 fn engine_checks(paths: &Paths, out: &mut Vec<Check>) {
-    out.push(docker_check(paths));
-    out.push(containerd_check(paths));
+    out.extend(paths.engines.iter().map(engine_check));
 }
 
-/// Docker: `runtimes.gpushare` in daemon.json, where dockerd runs.
-fn docker_check(paths: &Paths) -> Check {
-    match std::fs::read_to_string(&paths.docker) {
-        Err(_) if !serving(&paths.docker_socket) => ok(
-            "docker",
-            format!(
-                "Docker does not run here (no {}, no {}): nothing to configure",
-                paths.docker.display(),
-                paths.docker_socket.display()
-            ),
-        ),
-        Err(_) => warn(
-            "docker",
-            format!(
-                "dockerd serves {} but {} does not exist",
-                paths.docker_socket.display(),
-                paths.docker.display()
-            ),
-            "gpushare install docker, then reload dockerd (SIGHUP)",
-        ),
-        Ok(text) => match docker::registration(&text, "gpushare") {
-            Some(Registration::Shim(path)) => ok(
-                "docker",
-                format!(
-                    "{} registers runtime gpushare at {}",
-                    paths.docker.display(),
-                    path.display()
-                ),
-            ),
-            Some(Registration::HookOnly(_)) | None => warn(
-                "docker",
-                format!(
-                    "{} does not register runtime gpushare",
-                    paths.docker.display()
-                ),
-                "gpushare install docker, then reload dockerd (SIGHUP)",
-            ),
-        },
-    }
-}
-
-/// containerd: a `gpushare` runtime in its CRI plugin's config, where containerd serves
-/// Kubernetes.
-fn containerd_check(paths: &Paths) -> Check {
-    let text = std::fs::read_to_string(&paths.containerd);
-    // The containerd that reads this file listens where its `[grpc] address` says.
-    let socket = text
-        .as_ref()
-        .ok()
-        .and_then(|t| containerd::socket(t))
-        .unwrap_or_else(|| paths.containerd_socket.clone());
-    let paths = &Paths {
-        containerd_socket: socket,
-        ..paths.clone()
-    };
-    match text {
-        Err(_) if !serving(&paths.containerd_socket) => ok(
-            "containerd",
-            format!(
-                "containerd does not run here (no {}, no {}): nothing to configure",
-                paths.containerd.display(),
-                paths.containerd_socket.display()
-            ),
-        ),
-        Err(_) => warn(
-            "containerd",
-            format!(
-                "containerd serves {} but {} does not exist",
-                paths.containerd_socket.display(),
-                paths.containerd.display()
-            ),
-            "gpushare install containerd, then restart containerd",
-        ),
-        Ok(text) => {
-            // Docker's own containerd (Debian's docker.io installs the package) serves no
-            // Kubernetes: without a running containerd with its CRI plugin there is
-            // nothing for gpushare to configure.
-            let cri_disabled = containerd::cri_disabled(&text);
-            let found = containerd::registration(&text, "gpushare").map(|r| match r {
-                Registration::Shim(bin) => format!("BinaryName {}", bin.display()),
-                Registration::HookOnly(spec) => {
-                    format!("hook-only, base_runtime_spec {}", spec.display())
-                }
-            });
-            match found {
-                Some(how) => ok(
-                    "containerd",
-                    format!(
-                        "{} has runtime gpushare ({how})",
-                        paths.containerd.display()
-                    ),
-                ),
-                None if cri_disabled || !serving(&paths.containerd_socket) => ok(
-                    "containerd",
-                    format!(
-                        "{} has no gpushare runtime, and {}: nothing for Kubernetes to use here",
-                        paths.containerd.display(),
-                        if cri_disabled {
-                            "its CRI plugin is disabled (Docker's containerd)".to_owned()
-                        } else {
-                            format!(
-                                "containerd does not run (no {})",
-                                paths.containerd_socket.display()
-                            )
-                        }
-                    ),
-                ),
-                None => warn(
-                    "containerd",
-                    format!("{} has no gpushare runtime", paths.containerd.display()),
-                    "gpushare install containerd, then restart containerd",
-                ),
-            }
-        }
+fn engine_check(at: &EnginePaths) -> Check {
+    let name = at.engine.name();
+    let found = at.engine.check(&at.config, &at.socket);
+    match found.fix {
+        None => ok(name, found.detail),
+        Some(fix) => warn(name, found.detail, fix),
     }
 }
 
@@ -951,24 +852,46 @@ mod tests {
 
     use super::*;
 
+    /// The engines' configs and sockets under `dir`.
+    struct At {
+        docker: PathBuf,
+        containerd: PathBuf,
+        paths: Paths,
+    }
+
     /// Paths under `dir`; a socket is "served" when `bind` made it a real socket.
-    fn paths(dir: &Path, docker_served: bool, containerd_served: bool) -> Paths {
-        let p = Paths {
-            docker: dir.join("daemon.json"),
-            containerd: dir.join("config.toml"),
-            docker_socket: dir.join("docker.sock"),
-            containerd_socket: dir.join("containerd.sock"),
+    fn paths(dir: &Path, docker_served: bool, containerd_served: bool) -> At {
+        let mut paths = Paths {
             cdi_specs: vec![],
+            ..Paths::default()
         };
-        for (served, sock) in [
-            (docker_served, &p.docker_socket),
-            (containerd_served, &p.containerd_socket),
+        for (name, config, served) in [
+            ("docker", "daemon.json", docker_served),
+            ("containerd", "config.toml", containerd_served),
         ] {
+            let at = paths.engine_mut(name).unwrap();
+            at.config = dir.join(config);
+            at.socket = dir.join(format!("{name}.sock"));
             if served {
-                std::os::unix::net::UnixListener::bind(sock).unwrap();
+                std::os::unix::net::UnixListener::bind(&at.socket).unwrap();
             }
         }
-        p
+        At {
+            docker: dir.join("daemon.json"),
+            containerd: dir.join("config.toml"),
+            paths,
+        }
+    }
+
+    fn check(at: &At, name: &str) -> Check {
+        let engine = at.paths.engines.iter().find(|e| e.engine.name() == name);
+        engine_check(engine.unwrap())
+    }
+    fn docker_check(at: &At) -> Check {
+        check(at, "docker")
+    }
+    fn containerd_check(at: &At) -> Check {
+        check(at, "containerd")
     }
 
     #[test]

@@ -26,6 +26,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 use toml_edit::{value, Array, DocumentMut, Item, Table};
 
+use super::engine::{serving, Finding, Removal};
 use super::file::{Edited, InstallError};
 use super::Registration;
 
@@ -612,6 +613,161 @@ pub(crate) fn is_launch_wrapper(content: &str) -> bool {
             .lines()
             .nth(1)
             .is_some_and(|l| l.starts_with(WRAPPER_MARK))
+}
+
+/// containerd as one of gpushare's engines. `install containerd --hook-only` and `--nri`
+/// are containerd's own commands (`ops::install::hook_only`, `ops::install::enable_nri`).
+pub(crate) struct Containerd;
+
+impl super::EngineConfig for Containerd {
+    fn name(&self) -> &'static str {
+        "containerd"
+    }
+    fn default_config(&self) -> &'static str {
+        super::DEFAULT_CONTAINERD_CONFIG
+    }
+    fn default_socket(&self) -> &'static str {
+        "/run/containerd/containerd.sock"
+    }
+    fn edit(
+        &self,
+        path: &Path,
+        text: &str,
+        name: &str,
+        runtime: &Path,
+        version: &dyn Fn() -> i64,
+    ) -> Result<Edited, InstallError> {
+        let shim = Registration::Shim(runtime.to_owned());
+        edit(path, text, name, &shim, version())
+    }
+    /// Also the hook-only base spec of ours that the runtime named, the launched NRI
+    /// plugin of ours, and gpushare in NRI's `required_plugins`: no container may need a
+    /// plugin that is going away, NRI's validator would refuse them all.
+    fn remove(&self, path: &Path, text: &str, name: &str) -> Result<Removal, InstallError> {
+        let (edited, base_spec) = remove(path, text, name)?;
+        let on = edited.text.as_deref().unwrap_or(text);
+        let also = unrequire_nri(path, on, crate::nri::DEFAULT_NAME)?.text.map(|t| {
+            let said = format!(
+                "removed {} from NRI's required_plugins in {}; restart containerd (`systemctl restart containerd`)",
+                crate::nri::DEFAULT_NAME,
+                path.display()
+            );
+            (t, said)
+        });
+        let wrapper = super::our_launch_wrapper(text).map(|at| {
+            let said = format!(
+                "removed gpushare's NRI plugin {}; containerd stops it when it restarts",
+                at.display()
+            );
+            (at, Some(said))
+        });
+        Ok(Removal {
+            runtime: edited.text,
+            also,
+            files: base_spec
+                .map(|p| (p, None))
+                .into_iter()
+                .chain(wrapper)
+                .collect(),
+        })
+    }
+    fn enable_cdi(
+        &self,
+        path: &Path,
+        text: &str,
+        dir: &Path,
+        version: &dyn Fn() -> i64,
+    ) -> Result<Edited, InstallError> {
+        enable_cdi(path, text, dir, version())
+    }
+    fn cdi_usage(&self, dir: &Path) -> String {
+        format!(
+            "containerd 1.7+ (CRI): enable_cdi = true (the default in 2.x){} in the CRI runtime plugin's table (or: gpushare install cdi --enable containerd); kubelet passes CDI devices from device plugins and DRA drivers",
+            super::spec_dirs_hint("cdi_spec_dirs = ", &CONTAINERD_CDI_DIRS, dir)
+        )
+    }
+    fn cdi_restart(&self) -> &'static str {
+        "restart containerd to use it"
+    }
+    fn next_steps(&self, name: &str) -> Vec<String> {
+        vec![
+            "restart containerd to use it: `systemctl restart containerd`;".to_owned(),
+            format!("Kubernetes: a RuntimeClass with handler: {name} (see deploy/)"),
+        ]
+    }
+    fn forget_steps(&self, name: &str, _restored: bool) -> Vec<String> {
+        vec![
+            "restart containerd for it to forget the runtime: `systemctl restart containerd`;"
+                .to_owned(),
+            format!(
+                "Kubernetes: delete the RuntimeClass whose handler is {name} once no pod uses it"
+            ),
+        ]
+    }
+    /// A `gpushare` runtime in its CRI plugin's config, where containerd serves
+    /// Kubernetes.
+    fn check(&self, config: &Path, socket: &Path) -> Finding {
+        const FIX: Option<&str> = Some("gpushare install containerd, then restart containerd");
+        let text = std::fs::read_to_string(config);
+        // The containerd that reads this file listens where its `[grpc] address` says.
+        let socket = text
+            .as_ref()
+            .ok()
+            .and_then(|t| self::socket(t))
+            .unwrap_or_else(|| socket.to_owned());
+        match text {
+            Err(_) if !serving(&socket) => Finding {
+                detail: format!(
+                    "containerd does not run here (no {}, no {}): nothing to configure",
+                    config.display(),
+                    socket.display()
+                ),
+                fix: None,
+            },
+            Err(_) => Finding {
+                detail: format!(
+                    "containerd serves {} but {} does not exist",
+                    socket.display(),
+                    config.display()
+                ),
+                fix: FIX,
+            },
+            Ok(text) => {
+                // Docker's own containerd (Debian's docker.io installs the package) serves no
+                // Kubernetes: without a running containerd with its CRI plugin there is
+                // nothing for gpushare to configure.
+                let cri_disabled = cri_disabled(&text);
+                let found = registration(&text, "gpushare").map(|r| match r {
+                    Registration::Shim(bin) => format!("BinaryName {}", bin.display()),
+                    Registration::HookOnly(spec) => {
+                        format!("hook-only, base_runtime_spec {}", spec.display())
+                    }
+                });
+                match found {
+                    Some(how) => Finding {
+                        detail: format!("{} has runtime gpushare ({how})", config.display()),
+                        fix: None,
+                    },
+                    None if cri_disabled || !serving(&socket) => Finding {
+                        detail: format!(
+                            "{} has no gpushare runtime, and {}: nothing for Kubernetes to use here",
+                            config.display(),
+                            if cri_disabled {
+                                "its CRI plugin is disabled (Docker's containerd)".to_owned()
+                            } else {
+                                format!("containerd does not run (no {})", socket.display())
+                            }
+                        ),
+                        fix: None,
+                    },
+                    None => Finding {
+                        detail: format!("{} has no gpushare runtime", config.display()),
+                        fix: FIX,
+                    },
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

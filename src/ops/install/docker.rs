@@ -9,6 +9,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
+use super::engine::{serving, Finding, Removal};
 use super::file::{Edited, InstallError};
 use super::Registration;
 
@@ -165,6 +166,107 @@ pub(crate) fn enable_cdi(path: &Path, text: &str, dir: &Path) -> Result<Edited, 
     let mut out = serde_json::to_string_pretty(&doc).map_err(|e| parse(e.to_string()))?;
     out.push('\n');
     Ok(Edited { text: Some(out) })
+}
+
+/// Docker as one of gpushare's engines.
+pub(crate) struct Docker;
+
+impl super::EngineConfig for Docker {
+    fn name(&self) -> &'static str {
+        "docker"
+    }
+    fn default_config(&self) -> &'static str {
+        super::DEFAULT_DOCKER_CONFIG
+    }
+    fn default_socket(&self) -> &'static str {
+        "/run/docker.sock"
+    }
+    fn edit(
+        &self,
+        path: &Path,
+        text: &str,
+        name: &str,
+        runtime: &Path,
+        _version: &dyn Fn() -> i64,
+    ) -> Result<Edited, InstallError> {
+        edit(path, text, name, runtime)
+    }
+    fn remove(&self, path: &Path, text: &str, name: &str) -> Result<Removal, InstallError> {
+        Ok(Removal {
+            runtime: remove(path, text, name)?.text,
+            also: None,
+            files: vec![],
+        })
+    }
+    fn enable_cdi(
+        &self,
+        path: &Path,
+        text: &str,
+        dir: &Path,
+        _version: &dyn Fn() -> i64,
+    ) -> Result<Edited, InstallError> {
+        enable_cdi(path, text, dir)
+    }
+    fn cdi_usage(&self, dir: &Path) -> String {
+        format!(
+            "Docker 25+: \"features\": {{\"cdi\": true}}{} in daemon.json (or: gpushare install cdi --enable docker), then docker run --device gpushare.io/gpu=0 …",
+            super::spec_dirs_hint("\"cdi-spec-dirs\": ", &DOCKER_CDI_DIRS, dir)
+        )
+    }
+    fn cdi_restart(&self) -> &'static str {
+        "restart dockerd to use it"
+    }
+    fn next_steps(&self, name: &str) -> Vec<String> {
+        vec![
+            "reload Docker to use it: `kill -HUP $(pidof dockerd)` or `systemctl reload docker`;".to_owned(),
+            format!("then: docker run --runtime {name} -e GPUSHARE_DEVICE=0 …  (Docker ≥ 24: --annotation gpushare.io/device=0)"),
+        ]
+    }
+    fn forget_steps(&self, _name: &str, restored: bool) -> Vec<String> {
+        vec![if restored {
+            // Docker 20.10's reload keeps the runtimes it has when the key is gone.
+            "restart Docker for it to forget the runtime: `systemctl restart docker`"
+        } else {
+            "reload Docker for it to forget the runtime: `kill -HUP $(pidof dockerd)` or `systemctl reload docker`"
+        }
+        .to_owned()]
+    }
+    /// `runtimes.gpushare` in daemon.json, where dockerd runs.
+    fn check(&self, config: &Path, socket: &Path) -> Finding {
+        const FIX: Option<&str> = Some("gpushare install docker, then reload dockerd (SIGHUP)");
+        match std::fs::read_to_string(config) {
+            Err(_) if !serving(socket) => Finding {
+                detail: format!(
+                    "Docker does not run here (no {}, no {}): nothing to configure",
+                    config.display(),
+                    socket.display()
+                ),
+                fix: None,
+            },
+            Err(_) => Finding {
+                detail: format!(
+                    "dockerd serves {} but {} does not exist",
+                    socket.display(),
+                    config.display()
+                ),
+                fix: FIX,
+            },
+            Ok(text) => match registration(&text, "gpushare") {
+                Some(Registration::Shim(path)) => Finding {
+                    detail: format!(
+                        "{} registers runtime gpushare at {}",
+                        config.display(),
+                        path.display()
+                    ),
+                    fix: None,
+                },
+                Some(Registration::HookOnly(_)) | None => Finding {
+                    detail: format!("{} does not register runtime gpushare", config.display()),
+                    fix: FIX,
+                },
+            },
+        }
+    }
 }
 
 #[cfg(test)]

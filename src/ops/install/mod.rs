@@ -1,5 +1,6 @@
 //! `gpushare install docker|containerd|cdi` and `gpushare uninstall docker|containerd`:
-//! which engine config to edit, the edit itself (`docker`, `containerd`: pure functions of
+//! each engine one [`EngineConfig`] (`engine`, listed in [`ENGINES`]) that this module
+//! dispatches through, never branching on which engine it is; which engine config to edit, the edit itself (`docker`, `containerd`: pure functions of
 //! the file's text), the file's read and atomic write (`file`), and what to tell the
 //! operator next; for containerd also the NRI plugin it launches from its plugin
 //! directory (written by `install containerd --nri --nri-launch`, deleted by uninstall
@@ -15,10 +16,12 @@
 
 pub(crate) mod containerd;
 pub(crate) mod docker;
+mod engine;
 mod file;
 pub(crate) mod undo;
 
 pub(crate) use containerd::NriRequired;
+pub(crate) use engine::{named, EngineConfig, Removal, ENGINES};
 pub(crate) use file::{CDI_STATIC_SPEC, DEFAULT_CONTAINERD_CONFIG, DEFAULT_DOCKER_CONFIG};
 
 use std::path::{Path, PathBuf};
@@ -37,36 +40,18 @@ pub(crate) enum Registration {
     HookOnly(PathBuf),
 }
 
-/// The engine to register the runtime with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Engine {
-    Docker,
-    /// `config_version` for a new file: 2 (containerd 1.x) or 3 (2.x); `None`: asks
-    /// `containerd --version`. `hook_only`: no shim, plain runc with gpushare's hooks in
-    /// a `base_runtime_spec` (`Registration::HookOnly`).
-    Containerd {
-        config_version: Option<i64>,
-        hook_only: bool,
-    },
-}
-
-impl Engine {
-    /// The engine's config file: `config`, else the engine's standard one.
-    fn config_path(&self, config: Option<PathBuf>) -> PathBuf {
-        config.unwrap_or_else(|| {
-            match self {
-                Engine::Docker => DEFAULT_DOCKER_CONFIG,
-                Engine::Containerd { .. } => DEFAULT_CONTAINERD_CONFIG,
-            }
-            .into()
-        })
-    }
+/// The engine's config file: `config`, else the engine's standard one.
+fn config_path(engine: &dyn EngineConfig, config: Option<PathBuf>) -> PathBuf {
+    config.unwrap_or_else(|| engine.default_config().into())
 }
 
 /// `gpushare install <engine>`'s flags, as given.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) struct Install {
-    pub engine: Engine,
+    pub engine: &'static dyn EngineConfig,
+    /// The config version of a new file, for an engine whose format has versions
+    /// (containerd: 2 for 1.x, 3 for 2.x); `None`: asks the installed engine.
+    pub config_version: Option<i64>,
     /// The engine's config file; `None`: its standard location.
     pub config: Option<PathBuf>,
     /// The shim to register; `None`: gpushare-runtime beside this binary.
@@ -78,21 +63,7 @@ pub(crate) struct Install {
 
 /// Registers the shim with the engine's config (or prints the result, `dry_run`).
 pub(crate) fn run(args: Install) -> anyhow::Result<()> {
-    let is_docker = args.engine == Engine::Docker;
-    let (version, hook_only) = match args.engine {
-        Engine::Docker => (2, false),
-        Engine::Containerd {
-            config_version,
-            hook_only,
-        } => (
-            config_version.unwrap_or_else(installed_containerd_config_version),
-            hook_only,
-        ),
-    };
-    let path = args.engine.config_path(args.config.clone());
-    if hook_only {
-        return hook_only_containerd(&args, &path, version, &default_spec()?);
-    }
+    let path = config_path(args.engine, args.config.clone());
     let runtime = file::runtime_path(args.runtime_path)?;
     if !runtime.is_file() {
         eprintln!(
@@ -101,12 +72,13 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
         );
     }
     let text = file::read(&path)?;
-    let edited = if is_docker {
-        docker::edit(&path, &text, &args.name, &runtime)?
-    } else {
-        let shim = Registration::Shim(runtime.clone());
-        containerd::edit(&path, &text, &args.name, &shim, version)?
+    let version = || {
+        args.config_version
+            .unwrap_or_else(installed_containerd_config_version)
     };
+    let edited = args
+        .engine
+        .edit(&path, &text, &args.name, &runtime, &version)?;
     let Some(new) = edited.text else {
         println!(
             "{} already registers runtime {} at {}; nothing to do",
@@ -127,47 +99,46 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
         runtime.display(),
         path.display()
     );
-    print_next_steps(is_docker, &args.name);
+    print_lines(args.engine.next_steps(&args.name));
     Ok(())
+}
+
+/// `gpushare install containerd --hook-only`: see [`hook_only_containerd`].
+pub(crate) fn hook_only(args: Install) -> anyhow::Result<()> {
+    let path = config_path(args.engine, args.config.clone());
+    let version = args
+        .config_version
+        .unwrap_or_else(installed_containerd_config_version);
+    hook_only_containerd(&args, &path, version, &default_spec()?)
 }
 
 /// `gpushare uninstall docker|containerd`: what `install` did to the engine's config
 /// (`config`, else the standard one) undone. On a file nobody changed since gpushare wrote
 /// it, and once no other runtime name of ours is registered there, the file as it was
 /// before the first install, byte for byte (`undo`); otherwise runtime `name` taken out,
-/// every other key kept. For containerd also the hook-only base spec of ours that the
-/// runtime named, the launched NRI plugin of ours, and gpushare in NRI's
-/// `required_plugins`. `dry_run` prints the result and writes nothing; a file without
+/// every other key kept, and what the engine's [`EngineConfig::remove`] says goes with
+/// it. `dry_run` prints the result and writes nothing; a file without
 /// anything of ours is left untouched.
 pub(crate) fn uninstall(
-    engine: Engine,
+    engine: &dyn EngineConfig,
     config: Option<PathBuf>,
     name: &str,
     dry_run: bool,
 ) -> anyhow::Result<()> {
-    let is_docker = engine == Engine::Docker;
-    let path = engine.config_path(config);
+    let path = config_path(engine, config);
     let text = file::read(&path)?;
-    let (mut edited, base_spec) = if is_docker {
-        (docker::remove(&path, &text, name)?, None)
-    } else {
-        containerd::remove(&path, &text, name)?
+    let Removal {
+        runtime,
+        also,
+        files,
+    } = engine.remove(&path, &text, name)?;
+    let runtime_removed = runtime.is_some();
+    let (edited, also_said) = match also {
+        Some((t, said)) => (Some(t), Some(said)),
+        None => (runtime, None),
     };
-    // No container may need a plugin that is going away: NRI's validator would refuse
-    // them all.
-    let unrequired = if is_docker {
-        None
-    } else {
-        let on = edited.text.as_deref().unwrap_or(&text);
-        containerd::unrequire_nri(&path, on, crate::nri::DEFAULT_NAME)?.text
-    };
-    let runtime_removed = edited.text.is_some();
-    if unrequired.is_some() {
-        edited.text = unrequired.clone();
-    }
-    let wrapper = (!is_docker).then(|| our_launch_wrapper(&text)).flatten();
-    let deleted: Vec<&PathBuf> = base_spec.iter().chain(wrapper.iter()).collect();
-    let plan = undo::plan(&path, &text, name, edited.text);
+    let deleted: Vec<&PathBuf> = files.iter().map(|(p, _)| p).collect();
+    let plan = undo::plan(&path, &text, name, edited);
     if dry_run {
         match &plan {
             undo::Undo::Restore(None) => println!("# delete {}", path.display()),
@@ -187,18 +158,10 @@ pub(crate) fn uninstall(
             Err(e) => return Err(e).with_context(|| format!("cannot delete {}", file.display())),
         }
     }
-    if let Some(at) = &wrapper {
-        println!(
-            "removed gpushare's NRI plugin {}; containerd stops it when it restarts",
-            at.display()
-        );
-    }
-    if unrequired.is_some() && !matches!(plan, undo::Undo::Restore(_)) {
-        println!(
-            "removed {} from NRI's required_plugins in {}; restart containerd (`systemctl restart containerd`)",
-            crate::nri::DEFAULT_NAME,
-            path.display()
-        );
+    let said: Vec<&String> = files.iter().filter_map(|(_, s)| s.as_ref()).collect();
+    print_lines(said.iter());
+    if let Some(said) = also_said.filter(|_| !matches!(plan, undo::Undo::Restore(_))) {
+        println!("{said}");
     }
     let stale = match &plan {
         undo::Undo::Restore(original) => {
@@ -221,7 +184,7 @@ pub(crate) fn uninstall(
             *stale
         }
         undo::Undo::Nothing { stale } => {
-            if wrapper.is_none() {
+            if said.is_empty() {
                 println!(
                     "{} registers no runtime {name}; nothing to do",
                     path.display()
@@ -243,19 +206,8 @@ pub(crate) fn uninstall(
     if matches!(plan, undo::Undo::Nothing { .. }) {
         return Ok(());
     }
-    if is_docker && matches!(plan, undo::Undo::Restore(_)) {
-        // Docker 20.10's reload keeps the runtimes it has when the key is gone.
-        println!("restart Docker for it to forget the runtime: `systemctl restart docker`");
-    } else if is_docker {
-        println!(
-            "reload Docker for it to forget the runtime: `kill -HUP $(pidof dockerd)` or `systemctl reload docker`"
-        );
-    } else {
-        println!(
-            "restart containerd for it to forget the runtime: `systemctl restart containerd`;"
-        );
-        println!("Kubernetes: delete the RuntimeClass whose handler is {name} once no pod uses it");
-    }
+    let restored = matches!(plan, undo::Undo::Restore(_));
+    print_lines(engine.forget_steps(name, restored));
     Ok(())
 }
 
@@ -316,7 +268,7 @@ fn hook_only_containerd(
         path.display()
     );
     println!("write the base spec again after a containerd upgrade: run this command again");
-    print_next_steps(false, &args.name);
+    print_lines(args.engine.next_steps(&args.name));
     Ok(())
 }
 
@@ -347,7 +299,7 @@ fn default_spec() -> anyhow::Result<Vec<u8>> {
 pub(crate) fn cdi(
     cfg: &crate::config::Config,
     output: &Path,
-    enable: Option<Engine>,
+    enable: Option<&dyn EngineConfig>,
     config: Option<PathBuf>,
     dry_run: bool,
 ) -> anyhow::Result<()> {
@@ -376,14 +328,9 @@ pub(crate) fn cdi(
     }
     println!("then ask for a share with a CDI device, e.g. gpushare.io/gpu=0 (docs/requests.md):");
     println!("  Podman 4.1+: podman run --device gpushare.io/gpu=0 … (Podman 4.x reads only /etc/cdi and /var/run/cdi)");
-    println!(
-        "  Docker 25+: \"features\": {{\"cdi\": true}}{} in daemon.json (or: gpushare install cdi --enable docker), then docker run --device gpushare.io/gpu=0 …",
-        spec_dirs_hint("\"cdi-spec-dirs\": ", &docker::DOCKER_CDI_DIRS, dir)
-    );
-    println!(
-        "  containerd 1.7+ (CRI): enable_cdi = true (the default in 2.x){} in the CRI runtime plugin's table (or: gpushare install cdi --enable containerd); kubelet passes CDI devices from device plugins and DRA drivers",
-        spec_dirs_hint("cdi_spec_dirs = ", &containerd::CONTAINERD_CDI_DIRS, dir)
-    );
+    for engine in ENGINES {
+        println!("  {}", engine.cdi_usage(dir));
+    }
     println!("run this command again after the GPUs, MIG devices or [cdi.profiles] change (gpushare doctor says when)");
     Ok(())
 }
@@ -391,7 +338,7 @@ pub(crate) fn cdi(
 /// What an engine's spec-directory list must say for it to read `dir`: nothing where
 /// `dir` is one of its defaults; else the whole list, its defaults first, because setting
 /// the list replaces them.
-fn spec_dirs_hint(key: &str, defaults: &[&str], dir: &Path) -> String {
+pub(super) fn spec_dirs_hint(key: &str, defaults: &[&str], dir: &Path) -> String {
     let dir = dir.to_string_lossy();
     if defaults.contains(&dir.as_ref()) {
         return String::new();
@@ -410,7 +357,7 @@ fn spec_dirs_hint(key: &str, defaults: &[&str], dir: &Path) -> String {
 
 /// CDI to turn on in one engine's config: the file, what it says now, and the edit.
 pub(super) struct CdiPlan {
-    is_docker: bool,
+    restart: &'static str,
     path: PathBuf,
     text: String,
     edited: file::Edited,
@@ -420,21 +367,16 @@ pub(super) struct CdiPlan {
 /// read and made but not written; `containerd_version` gives the config version of a new
 /// containerd file.
 pub(super) fn plan_cdi(
-    engine: Engine,
+    engine: &dyn EngineConfig,
     config: Option<PathBuf>,
     dir: &Path,
-    containerd_version: impl FnOnce() -> i64,
+    version: impl Fn() -> i64,
 ) -> anyhow::Result<CdiPlan> {
-    let is_docker = engine == Engine::Docker;
-    let path = engine.config_path(config);
+    let path = config_path(engine, config);
     let text = file::read(&path)?;
-    let edited = if is_docker {
-        docker::enable_cdi(&path, &text, dir)?
-    } else {
-        containerd::enable_cdi(&path, &text, dir, containerd_version())?
-    };
+    let edited = engine.enable_cdi(&path, &text, dir, &version)?;
     Ok(CdiPlan {
-        is_docker,
+        restart: engine.cdi_restart(),
         path,
         text,
         edited,
@@ -444,7 +386,7 @@ pub(super) fn plan_cdi(
 /// Writes a [`CdiPlan`] (through the undo record) and says what to restart.
 pub(super) fn write_cdi(plan: CdiPlan, dir: &Path) -> anyhow::Result<()> {
     let CdiPlan {
-        is_docker,
+        restart,
         path,
         text,
         edited,
@@ -461,11 +403,7 @@ pub(super) fn write_cdi(plan: CdiPlan, dir: &Path) -> anyhow::Result<()> {
                 "turned CDI on in {}, reading {}; {}",
                 path.display(),
                 dir.display(),
-                if is_docker {
-                    "restart dockerd to use it"
-                } else {
-                    "restart containerd to use it"
-                }
+                restart
             );
         }
     }
@@ -590,23 +528,17 @@ fn write_launch_wrapper(at: &Path, script: &str) -> anyhow::Result<bool> {
 
 /// The launched plugin's wrapper in the plugin directory of containerd's config `text`,
 /// when it is there and this installer wrote it (an operator's file by that name stays).
-fn our_launch_wrapper(text: &str) -> Option<PathBuf> {
+pub(super) fn our_launch_wrapper(text: &str) -> Option<PathBuf> {
     let at = containerd::nri_plugin_dir(text).join(containerd::launched_plugin_name());
     // A regular file only: read_regular refuses a link.
     let content = crate::fsops::read_regular(&at, 64 << 10).ok()?;
     containerd::is_launch_wrapper(&String::from_utf8_lossy(&content)).then_some(at)
 }
 
-/// What the operator does next for the engine to use the new runtime.
-fn print_next_steps(is_docker: bool, name: &str) {
-    if is_docker {
-        println!(
-            "reload Docker to use it: `kill -HUP $(pidof dockerd)` or `systemctl reload docker`;"
-        );
-        println!("then: docker run --runtime {name} -e GPUSHARE_DEVICE=0 …  (Docker ≥ 24: --annotation gpushare.io/device=0)");
-    } else {
-        println!("restart containerd to use it: `systemctl restart containerd`;");
-        println!("Kubernetes: a RuntimeClass with handler: {name} (see deploy/)");
+/// Prints what the operator does next, a line each.
+fn print_lines(lines: impl IntoIterator<Item = impl std::fmt::Display>) {
+    for line in lines {
+        println!("{line}");
     }
 }
 
@@ -668,7 +600,7 @@ mod tests {
         cdi(
             &cfg,
             &spec,
-            Some(Engine::Docker),
+            Some(&docker::Docker),
             Some(daemon_json.clone()),
             true,
         )
@@ -679,7 +611,7 @@ mod tests {
         cdi(
             &cfg,
             &spec,
-            Some(Engine::Docker),
+            Some(&docker::Docker),
             Some(daemon_json.clone()),
             false,
         )

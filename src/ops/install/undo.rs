@@ -162,8 +162,10 @@ pub(crate) fn apply(config: &Path, undo: &Undo, name: &str) -> Result<(), Instal
 #[cfg(test)]
 mod tests {
     use super::super::{
-        containerd::NriRequired, enable_nri, hook_only_containerd, plan_cdi, run, uninstall,
-        write_cdi, Engine, Install,
+        containerd::{Containerd, NriRequired},
+        docker::Docker,
+        enable_nri, hook_only_containerd, plan_cdi, run, uninstall, write_cdi, EngineConfig,
+        Install,
     };
     use std::path::{Path, PathBuf};
 
@@ -177,16 +179,10 @@ mod tests {
 
     type Step = fn(&At) -> anyhow::Result<()>;
 
-    fn containerd(at: &At) -> Engine {
-        Engine::Containerd {
-            config_version: Some(at.version),
-            hook_only: false,
-        }
-    }
-
-    fn args(at: &At, engine: Engine) -> Install {
+    fn args(at: &At, engine: &'static dyn EngineConfig) -> Install {
         Install {
             engine,
+            config_version: Some(at.version),
             config: Some(at.config.to_owned()),
             runtime_path: Some("/usr/bin/gpushare-runtime".into()),
             name: at.name.to_owned(),
@@ -199,26 +195,16 @@ mod tests {
 
     // Each install option, as the CLI runs it.
     fn docker(at: &At) -> anyhow::Result<()> {
-        run(args(at, Engine::Docker))
+        run(args(at, &Docker))
     }
     fn docker_cdi(at: &At) -> anyhow::Result<()> {
-        enable_cdi(
-            Engine::Docker,
-            Some(at.config.into()),
-            Path::new("/opt/cdi"),
-            || 2,
-        )
+        enable_cdi(&Docker, Some(at.config.into()), Path::new("/opt/cdi"), || 2)
     }
     fn shim(at: &At) -> anyhow::Result<()> {
-        run(args(at, containerd(at)))
+        run(args(at, &Containerd))
     }
     fn hook_only(at: &At) -> anyhow::Result<()> {
-        hook_only_containerd(
-            &args(at, containerd(at)),
-            at.config,
-            at.version,
-            DEFAULT_SPEC,
-        )
+        hook_only_containerd(&args(at, &Containerd), at.config, at.version, DEFAULT_SPEC)
     }
     fn nri(at: &At) -> anyhow::Result<()> {
         enable_nri(Some(at.config.into()), Some(at.version), false, false, None)
@@ -248,17 +234,17 @@ mod tests {
     }
     /// `install cdi --enable <engine>` as the CLI runs it (its plan, then its write).
     fn enable_cdi(
-        engine: Engine,
+        engine: &dyn EngineConfig,
         config: Option<PathBuf>,
         dir: &Path,
-        version: impl FnOnce() -> i64,
+        version: impl Fn() -> i64,
     ) -> anyhow::Result<()> {
         write_cdi(plan_cdi(engine, config, dir, version)?, dir)
     }
     fn containerd_cdi(at: &At) -> anyhow::Result<()> {
         let version = at.version;
         enable_cdi(
-            containerd(at),
+            &Containerd,
             Some(at.config.into()),
             Path::new("/opt/cdi"),
             move || version,
@@ -489,14 +475,7 @@ root = "/var/lib/containerd"
                     step(&at).unwrap_or_else(|e| panic!("{case}: {e:#}"));
                 }
                 changed += usize::from(tree(dir.path()) != before);
-                let engine = if row.docker {
-                    Engine::Docker
-                } else {
-                    Engine::Containerd {
-                        config_version: None,
-                        hook_only: false,
-                    }
-                };
+                let engine: &dyn EngineConfig = if row.docker { &Docker } else { &Containerd };
                 for name in row.uninstall {
                     uninstall(engine, Some(config.clone()), name, false)
                         .unwrap_or_else(|e| panic!("{case}: {e:#}"));
@@ -552,13 +531,12 @@ root = "/var/lib/containerd"
         // A dry run writes nothing, the record included.
         let installed = std::fs::read_to_string(&config).unwrap();
         let record = std::fs::read(super::record_path(&config)).unwrap();
-        uninstall(containerd(&at), Some(config.clone()), "gpushare", true).unwrap();
+        uninstall(&Containerd, Some(config.clone()), "gpushare", true).unwrap();
         assert_eq!(std::fs::read_to_string(&config).unwrap(), installed);
         assert_eq!(std::fs::read(super::record_path(&config)).unwrap(), record);
         let edited = std::fs::read_to_string(&config).unwrap() + "# mine\n";
         std::fs::write(&config, &edited).unwrap();
-        let engine = containerd(&at);
-        uninstall(engine, Some(config.clone()), "gpushare", false).unwrap();
+        uninstall(&Containerd, Some(config.clone()), "gpushare", false).unwrap();
         let left = std::fs::read_to_string(&config).unwrap();
         assert!(
             !left.contains("gpushare") && left.contains("# mine"),
@@ -568,7 +546,7 @@ root = "/var/lib/containerd"
         assert!(super::record_path(&config).exists());
         // A new install and its uninstall give back the file as it was then.
         shim(&at).unwrap();
-        uninstall(engine, Some(config.clone()), "gpushare", false).unwrap();
+        uninstall(&Containerd, Some(config.clone()), "gpushare", false).unwrap();
         assert_eq!(std::fs::read_to_string(&config).unwrap(), left);
         assert!(!super::record_path(&config).exists());
     }
