@@ -156,6 +156,21 @@ pub struct ClientEnv {
     pub per_device: bool,
 }
 
+impl ClientEnv {
+    /// The variable's value for `value` under `number` (as MPS reads it), once or once per
+    /// device of `devices` (`0=<v>,1=<v>`).
+    pub fn value(&self, number: Number, value: u64, devices: usize) -> String {
+        let text = number.mps_text(value);
+        if !self.per_device {
+            return text;
+        }
+        (0..devices)
+            .map(|i| format!("{i}={text}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
 /// Whether hook-only mode, which cannot set the container's environment, can honour a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HookOnly {
