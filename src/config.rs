@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::request::keys::PERCENTAGE;
+use crate::request::keys::Number;
+use crate::request::ProfileValue;
 use crate::request::{KeySpec, ACTIVE_THREAD_PERCENTAGE, PINNED_MEMORY_LIMIT};
 
 /// Where the configuration is read from when `GPUSHARE_CONFIG` is not set.
@@ -36,7 +37,7 @@ pub enum ConfigError {
         path: PathBuf,
         key: &'static str,
         value: String,
-        allowed: &'static str,
+        allowed: String,
     },
     #[error("invalid config {path}: [cdi.profiles.{name}]: {message}")]
     Profile {
@@ -189,6 +190,27 @@ pub struct CdiProfile {
     pub pinned_memory_limit: Option<String>,
 }
 
+impl CdiProfile {
+    /// The limits the profile sets, by row ([`crate::request::profile_keys`]), as written.
+    ///
+    /// Like [`RawMps::number`], the one place a profile's keys are spelled as fields:
+    /// serde's field per key refuses an unknown one with the line listing the known ones.
+    pub(crate) fn limits(&self) -> Vec<(&'static KeySpec, ProfileValue<'_>)> {
+        crate::request::profile_keys()
+            .filter_map(|key| {
+                let value = if *key == ACTIVE_THREAD_PERCENTAGE {
+                    self.active_thread_percentage.map(ProfileValue::Small)
+                } else if *key == PINNED_MEMORY_LIMIT {
+                    self.pinned_memory_limit.as_deref().map(ProfileValue::Text)
+                } else {
+                    None
+                };
+                value.map(|v| (key, v))
+            })
+            .collect()
+    }
+}
+
 /// Longest profile name.
 const MAX_PROFILE_NAME: usize = 32;
 /// What a profile name may be: it becomes the suffix of CDI device names (`0-<name>`).
@@ -206,6 +228,9 @@ pub(crate) fn valid_profile_name(name: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
         && name != "mig"
 }
+
+/// The node's default for each numeric request key that has one, by row.
+pub(crate) type Defaults = Vec<(&'static KeySpec, u64)>;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct MpsConfig {
@@ -225,11 +250,11 @@ pub struct MpsConfig {
     pub shm_size_total: Option<ShmSize>,
     pub start_timeout: Duration,
     pub idle_timeout: Duration,
-    pub default_active_thread_percentage: Option<u8>,
-    pub default_pinned_memory_limit: Option<u64>,
-    /// Requests above these are refused (operator ceilings; `None`: no ceiling).
-    pub max_active_thread_percentage: Option<u8>,
-    pub max_pinned_memory_limit: Option<u64>,
+    /// The node's defaults for the numeric request keys (the rows' `default_key`), by row;
+    /// a key not listed has none. Read through [`MpsConfig::default_for`].
+    pub(crate) defaults: Defaults,
+    /// The operator's ceilings (the rows' `ceiling_key`): requests above them are refused.
+    pub(crate) ceilings: crate::request::Ceilings,
     /// The group every per-user daemon runs as; `None`: the group numbered like its UID.
     /// Never the container's group (a container's `disk` or `video` must not reach a
     /// daemon that sees the host).
@@ -429,7 +454,7 @@ fn check_runtimes(path: &Path, list: &[String]) -> Result<(), ConfigError> {
             path: path.to_owned(),
             key: "low-level-runtime",
             value: format!("{list:?}"),
-            allowed: "a non-empty list of runtime names on PATH or absolute paths",
+            allowed: "a non-empty list of runtime names on PATH or absolute paths".into(),
         });
     }
     Ok(())
@@ -487,12 +512,27 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
     })
 }
 
-/// The client limits of `[mps]`: the defaults and the operator's ceilings over them.
-struct ClientLimits {
-    default_active_thread_percentage: Option<u8>,
-    default_pinned_memory_limit: Option<u64>,
-    max_active_thread_percentage: Option<u8>,
-    max_pinned_memory_limit: Option<u64>,
+impl RawMps {
+    /// The value of a row's `default_key` or `ceiling_key` (`mps.<name>`), as written.
+    ///
+    /// The one place a limit's config keys are spelled as fields: serde needs a field per
+    /// key to refuse unknown keys with the line that lists the known ones, and to type each.
+    fn number(&self, config_key: &str) -> Option<ProfileValue<'_>> {
+        let small = |v: Option<u8>| v.map(ProfileValue::Small);
+        match config_key.strip_prefix("mps.")? {
+            "default-active-thread-percentage" => small(self.default_active_thread_percentage),
+            "max-active-thread-percentage" => small(self.max_active_thread_percentage),
+            "default-pinned-memory-limit" => self
+                .default_pinned_memory_limit
+                .as_deref()
+                .map(ProfileValue::Text),
+            "max-pinned-memory-limit" => self
+                .max_pinned_memory_limit
+                .as_deref()
+                .map(ProfileValue::Text),
+            _ => None,
+        }
+    }
 }
 
 /// The checks of one config file's values: each refusal is a `ConfigError::Value` naming
@@ -503,12 +543,12 @@ struct Check {
 }
 
 impl Check {
-    fn bad(&self, key: &'static str, value: &str, allowed: &'static str) -> ConfigError {
+    fn bad(&self, key: &'static str, value: &str, allowed: &str) -> ConfigError {
         ConfigError::Value {
             path: self.path.clone(),
             key,
             value: value.to_owned(),
-            allowed,
+            allowed: allowed.to_owned(),
         }
     }
 
@@ -539,16 +579,6 @@ impl Check {
     fn size(&self, key: &'static str, value: &str) -> Result<u64, ConfigError> {
         crate::request::parse_size(key, value)
             .map_err(|_| self.bad(key, value, "a size with a unit, like 512M or 4G"))
-    }
-
-    /// A percentage of the GPU's threads ([`PERCENTAGE`]), when set.
-    fn percentage(&self, key: &'static str, value: Option<u8>) -> Result<Option<u8>, ConfigError> {
-        match value {
-            Some(p) if !PERCENTAGE.allows(p.into()) => {
-                Err(self.bad(key, &p.to_string(), PERCENTAGE.allowed()))
-            }
-            _ => Ok(value),
-        }
     }
 
     /// A count of at least 1, `default` when unset.
@@ -678,7 +708,7 @@ impl Check {
         let start_timeout = self.start_timeout(m.start_timeout.as_deref().unwrap_or("10s"))?;
         let idle_timeout =
             self.idle_timeout(m.idle_timeout.as_deref().unwrap_or(DEFAULT_IDLE_TIMEOUT))?;
-        let limits = self.client_limits(m)?;
+        let (defaults, ceilings) = self.client_limits(m)?;
         let max_daemons = self.count("mps.max-daemons", m.max_daemons, 64)?;
         let max_daemons_per_uid =
             self.count("mps.max-daemons-per-uid", m.max_daemons_per_uid, 8)?;
@@ -712,10 +742,8 @@ impl Check {
             shm_size_total,
             start_timeout,
             idle_timeout,
-            default_active_thread_percentage: limits.default_active_thread_percentage,
-            default_pinned_memory_limit: limits.default_pinned_memory_limit,
-            max_active_thread_percentage: limits.max_active_thread_percentage,
-            max_pinned_memory_limit: limits.max_pinned_memory_limit,
+            defaults,
+            ceilings,
             daemon_gid: m.daemon_gid,
             max_daemons,
             max_daemons_per_uid,
@@ -745,31 +773,48 @@ impl Check {
                     "the name is invalid: allowed is {PROFILE_NAME_ALLOWED}"
                 )));
             }
-            if p.active_thread_percentage.is_none() && p.pinned_memory_limit.is_none() {
-                return Err(bad(
-                    "sets no limit: allowed is active-thread-percentage, pinned-memory-limit or both".into(),
-                ));
+            let limits = p.limits();
+            if limits.is_empty() {
+                let names: Vec<&str> = crate::request::profile_keys().map(|k| k.name).collect();
+                return Err(bad(format!(
+                    "sets no limit: allowed is {} or both",
+                    names.join(", ")
+                )));
             }
-            if let Some(pct) = p.active_thread_percentage {
-                if !PERCENTAGE.allows(pct.into()) {
+            for (key, raw) in limits {
+                let Some(number) = key.number() else {
+                    continue;
+                };
+                let value = match raw {
+                    ProfileValue::Small(v) => {
+                        let v = u64::from(v);
+                        if !number.allows(v) {
+                            return Err(bad(format!(
+                                "{} = {v}: allowed is {}",
+                                key.name,
+                                number.allowed()
+                            )));
+                        }
+                        v
+                    }
+                    ProfileValue::Text(raw) => number
+                        .parse(key.name, raw)
+                        .map_err(|e| bad(e.to_string()))?,
+                };
+                let ceiling = mps.ceilings.0.iter().find(|(k, _)| *k == key);
+                if let Some(&(_, max)) = ceiling.filter(|(_, max)| value > *max) {
+                    let written = match raw {
+                        ProfileValue::Small(v) => v.to_string(),
+                        ProfileValue::Text(raw) => format!("{raw:?}"),
+                    };
+                    let ceiling_key = key.ceiling_key.unwrap_or_default();
+                    let max = match number {
+                        Number::Size => format!("({} MiB)", max >> 20),
+                        Number::Integer { .. } => format!("= {max}"),
+                    };
                     return Err(bad(format!(
-                        "active-thread-percentage = {pct}: allowed is {}",
-                        PERCENTAGE.allowed()
-                    )));
-                }
-                if let Some(max) = mps.max_active_thread_percentage.filter(|m| pct > *m) {
-                    return Err(bad(format!(
-                        "active-thread-percentage = {pct} is above mps.max-active-thread-percentage = {max}"
-                    )));
-                }
-            }
-            if let Some(raw) = &p.pinned_memory_limit {
-                let bytes = crate::request::parse_size("pinned-memory-limit", raw)
-                    .map_err(|e| bad(e.to_string()))?;
-                if let Some(max) = mps.max_pinned_memory_limit.filter(|m| bytes > *m) {
-                    return Err(bad(format!(
-                        "pinned-memory-limit = {raw:?} is above mps.max-pinned-memory-limit ({} MiB)",
-                        max >> 20
+                        "{} = {written} is above {ceiling_key} {max}",
+                        key.name
                     )));
                 }
             }
@@ -878,50 +923,63 @@ impl Check {
         }
     }
 
-    /// The default limits and the ceilings, each default at most its ceiling.
-    fn client_limits(&self, m: &RawMps) -> Result<ClientLimits, ConfigError> {
-        let default_tp = self.percentage(
-            "mps.default-active-thread-percentage",
-            m.default_active_thread_percentage,
-        )?;
-        let default_mem = m
-            .default_pinned_memory_limit
-            .as_deref()
-            .map(|s| self.size("mps.default-pinned-memory-limit", s))
-            .transpose()?;
-        let max_tp = self.percentage(
-            "mps.max-active-thread-percentage",
-            m.max_active_thread_percentage,
-        )?;
-        if let (Some(d), Some(max)) = (default_tp, max_tp) {
-            if d > max {
-                return Err(self.bad(
-                    "mps.default-active-thread-percentage",
-                    &d.to_string(),
-                    "at most mps.max-active-thread-percentage",
-                ));
+    /// The default limits and the ceilings (the rows' `default_key` and `ceiling_key`),
+    /// each default at most its ceiling. Every default is read before the ceilings, each
+    /// ceiling then compared with its default.
+    fn client_limits(
+        &self,
+        m: &RawMps,
+    ) -> Result<(Defaults, crate::request::Ceilings), ConfigError> {
+        let mut defaults = Vec::new();
+        for (key, number) in crate::request::numeric() {
+            if let Some(value) = self.limit(m, key.default_key, number)? {
+                defaults.push((key, value));
             }
         }
-        let max_mem = m
-            .max_pinned_memory_limit
-            .as_deref()
-            .map(|s| self.size("mps.max-pinned-memory-limit", s))
-            .transpose()?;
-        if let (Some(d), Some(max)) = (default_mem, max_mem) {
-            if d > max {
-                return Err(self.bad(
-                    "mps.default-pinned-memory-limit",
-                    &d.to_string(),
-                    "at most mps.max-pinned-memory-limit",
-                ));
+        let mut ceilings = Vec::new();
+        for (key, number) in crate::request::numeric() {
+            let Some(max) = self.limit(m, key.ceiling_key, number)? else {
+                continue;
+            };
+            if let (Some(&(_, d)), Some(default_key)) =
+                (defaults.iter().find(|(k, _)| *k == key), key.default_key)
+            {
+                if d > max {
+                    let ceiling_key = key.ceiling_key.unwrap_or_default();
+                    return Err(self.bad(
+                        default_key,
+                        &d.to_string(),
+                        &format!("at most {ceiling_key}"),
+                    ));
+                }
             }
+            ceilings.push((key, max));
         }
-        Ok(ClientLimits {
-            default_active_thread_percentage: default_tp,
-            default_pinned_memory_limit: default_mem,
-            max_active_thread_percentage: max_tp,
-            max_pinned_memory_limit: max_mem,
-        })
+        Ok((defaults, crate::request::Ceilings(ceilings)))
+    }
+
+    /// The value of a numeric request key's config key `config_key`, checked against the
+    /// key's grammar, when set.
+    fn limit(
+        &self,
+        m: &RawMps,
+        config_key: Option<&'static str>,
+        number: Number,
+    ) -> Result<Option<u64>, ConfigError> {
+        let Some(config_key) = config_key else {
+            return Ok(None);
+        };
+        match m.number(config_key) {
+            None => Ok(None),
+            Some(ProfileValue::Small(p)) => number
+                .parse(config_key, &p.to_string())
+                .map(Some)
+                .map_err(|_| self.bad(config_key, &p.to_string(), number.allowed())),
+            Some(ProfileValue::Text(s)) => number
+                .parse(config_key, s)
+                .map(Some)
+                .map_err(|_| self.bad(config_key, s, number.config_allowed())),
+        }
     }
 
     /// `mps.log-size`: at least 1M, room for the daemon's logs and their rotations.
@@ -946,28 +1004,15 @@ impl MpsConfig {
     /// The node's default for a numeric request key (the row's `default_key`), if it sets
     /// one.
     pub(crate) fn default_for(&self, key: &KeySpec) -> Option<u64> {
-        if *key == ACTIVE_THREAD_PERCENTAGE {
-            self.default_active_thread_percentage.map(u64::from)
-        } else if *key == PINNED_MEMORY_LIMIT {
-            self.default_pinned_memory_limit
-        } else {
-            None
-        }
+        self.defaults
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|&(_, v)| v)
     }
 
     /// The operator's ceilings on the numeric request keys (the rows' `ceiling_key`).
-    pub(crate) fn ceilings(&self) -> crate::request::Ceilings {
-        let tp = self.max_active_thread_percentage.map(u64::from);
-        let ceilings = [
-            (&ACTIVE_THREAD_PERCENTAGE, tp),
-            (&PINNED_MEMORY_LIMIT, self.max_pinned_memory_limit),
-        ];
-        crate::request::Ceilings(
-            ceilings
-                .into_iter()
-                .filter_map(|(k, max)| max.map(|m| (k, m)))
-                .collect(),
-        )
+    pub(crate) fn ceilings(&self) -> &crate::request::Ceilings {
+        &self.ceilings
     }
 
     /// How long a container record written by the shim (create pending, no pid yet) keeps
@@ -1045,6 +1090,165 @@ mod tests {
             assert!(err.contains(want), "{text}: {err}");
             assert!(!err.contains('\n'), "{err}");
         }
+    }
+
+    /// Every row's `default_key`, `ceiling_key` and profile key is read: set each to the
+    /// key's smallest value, written as the config writes it, and find it back by row. A
+    /// row whose config key the serde structs lack fails here, not silently at a node.
+    #[test]
+    fn every_rows_config_keys_are_read() {
+        let mut mps = String::from("[mps]\n");
+        let mut profile = String::from("[cdi.profiles.p]\n");
+        let min = |number: Number| match number {
+            Number::Integer { min, .. } => min,
+            Number::Size => crate::request::parse_size("k", &number.min_text()).unwrap(),
+        };
+        let toml = |number: Number| match number {
+            Number::Integer { .. } => number.config_text(min(number)),
+            Number::Size => format!("{:?}", number.config_text(min(number))),
+        };
+        for (key, number) in crate::request::numeric() {
+            for config_key in [key.default_key, key.ceiling_key].into_iter().flatten() {
+                let name = config_key.strip_prefix("mps.").expect("an [mps] key");
+                mps.push_str(&format!("{name} = {}\n", toml(number)));
+            }
+        }
+        for key in crate::request::profile_keys() {
+            let number = key.number().expect("numeric");
+            profile.push_str(&format!("{} = {}\n", key.name, toml(number)));
+        }
+        let cfg = parse(&(mps + &profile), None).unwrap();
+        for (key, number) in crate::request::numeric() {
+            let want = key.default_key.map(|_| min(number));
+            assert_eq!(cfg.mps.default_for(key), want, "{}", key.name);
+            let ceiling = cfg.mps.ceilings().0.iter().find(|(k, _)| *k == key);
+            let want = key.ceiling_key.map(|_| (key, min(number)));
+            assert_eq!(ceiling.copied(), want, "{}", key.name);
+        }
+        let limits = cfg.cdi_profiles["p"].limits();
+        let read: Vec<_> = limits.iter().map(|(k, _)| k.name).collect();
+        let rows: Vec<_> = crate::request::profile_keys().map(|k| k.name).collect();
+        assert_eq!(read, rows);
+    }
+
+    /// The config's lines about the limits' defaults, ceilings and CDI profiles, pinned
+    /// whole: they are built from the request-key rows, and must read as they always have.
+    #[test]
+    fn limit_lines_are_pinned() {
+        for (text, want) in [
+            (
+                "[mps]\ndefault-active-thread-percentage = 0",
+                "invalid config <defaults>: mps.default-active-thread-percentage = \"0\": an integer from 1 to 100",
+            ),
+            (
+                "[mps]\ndefault-active-thread-percentage = 300",
+                "invalid config <defaults>: TOML parse error at line 2, column 36 | 2 | default-active-thread-percentage = 300 | ^^^ invalid value: integer `300`, expected u8",
+            ),
+            (
+                "[mps]\ndefault-active-thread-percentage = \"5\"",
+                "invalid config <defaults>: TOML parse error at line 2, column 36 | 2 | default-active-thread-percentage = \"5\" | ^^^ invalid type: string \"5\", expected u8",
+            ),
+            (
+                "[mps]\nmax-active-thread-percentage = 101",
+                "invalid config <defaults>: mps.max-active-thread-percentage = \"101\": an integer from 1 to 100",
+            ),
+            (
+                "[mps]\ndefault-pinned-memory-limit = \"4\"",
+                "invalid config <defaults>: mps.default-pinned-memory-limit = \"4\": a size with a unit, like 512M or 4G",
+            ),
+            (
+                "[mps]\nmax-pinned-memory-limit = \"lots\"",
+                "invalid config <defaults>: mps.max-pinned-memory-limit = \"lots\": a size with a unit, like 512M or 4G",
+            ),
+            (
+                "[mps]\ndefault-pinned-memory-limit = \"1K\"\nmax-active-thread-percentage = 0",
+                "invalid config <defaults>: mps.default-pinned-memory-limit = \"1K\": a size with a unit, like 512M or 4G",
+            ),
+            (
+                "[mps]\ndefault-pinned-memory-limit = \"bad\"\nmax-active-thread-percentage = 0",
+                "invalid config <defaults>: mps.default-pinned-memory-limit = \"bad\": a size with a unit, like 512M or 4G",
+            ),
+            (
+                "[mps]\ndefault-active-thread-percentage = 60\nmax-active-thread-percentage = 50",
+                "invalid config <defaults>: mps.default-active-thread-percentage = \"60\": at most mps.max-active-thread-percentage",
+            ),
+            (
+                "[mps]\ndefault-pinned-memory-limit = \"4G\"\nmax-pinned-memory-limit = \"2G\"",
+                "invalid config <defaults>: mps.default-pinned-memory-limit = \"4294967296\": at most mps.max-pinned-memory-limit",
+            ),
+            (
+                "[mps]\ndefault-pinned-memory-limit = \"4G\"\nmax-pinned-memory-limit = \"2G\"\ndefault-active-thread-percentage = 60\nmax-active-thread-percentage = 50",
+                "invalid config <defaults>: mps.default-active-thread-percentage = \"60\": at most mps.max-active-thread-percentage",
+            ),
+            (
+                "[mps]\nmax-threads = 5",
+                "invalid config <defaults>: TOML parse error at line 2, column 1 | 2 | max-threads = 5 | ^^^^^^^^^^^ unknown field `max-threads`, expected one of `control-binary`, `user-mode`, `tenant`, `multi-user-flag`, `limits`, `ipc`, `allow-ipc-override`, `container-pipe-dir`, `container-log-dir`, `shm-size`, `shm-size-per-uid`, `shm-size-total`, `start-timeout`, `idle-timeout`, `default-active-thread-percentage`, `default-pinned-memory-limit`, `max-active-thread-percentage`, `max-pinned-memory-limit`, `daemon-gid`, `max-daemons`, `max-daemons-per-uid`, `log-size`, `limit-check-interval`, `daemon-memory-max`, `daemon-pids-max`",
+            ),
+            (
+                "[cdi.profiles.none]\n",
+                "invalid config <defaults>: [cdi.profiles.none]: sets no limit: allowed is active-thread-percentage, pinned-memory-limit or both",
+            ),
+            (
+                "[cdi.profiles.p]\nactive-thread-percentage = 0",
+                "invalid config <defaults>: [cdi.profiles.p]: active-thread-percentage = 0: allowed is an integer from 1 to 100",
+            ),
+            (
+                "[cdi.profiles.p]\nactive-thread-percentage = 300",
+                "invalid config <defaults>: TOML parse error at line 2, column 28 | 2 | active-thread-percentage = 300 | ^^^ invalid value: integer `300`, expected u8",
+            ),
+            (
+                "[cdi.profiles.p]\npinned-memory-limit = \"4\"",
+                "invalid config <defaults>: [cdi.profiles.p]: pinned-memory-limit=\"4\" is invalid: it has no unit, which is ambiguous; allowed is a size with a unit, like 512M, 4G, 4GiB or 1536MiB (K, M, G, T; every unit is 1024-based, so 4GB is 4GiB)",
+            ),
+            (
+                "[cdi.profiles.p]\npinned-memory-limit = 4",
+                "invalid config <defaults>: TOML parse error at line 2, column 23 | 2 | pinned-memory-limit = 4 | ^ invalid type: integer `4`, expected a string",
+            ),
+            (
+                "[mps]\nmax-active-thread-percentage = 50\n[cdi.profiles.p]\nactive-thread-percentage = 60",
+                "invalid config <defaults>: [cdi.profiles.p]: active-thread-percentage = 60 is above mps.max-active-thread-percentage = 50",
+            ),
+            (
+                "[mps]\nmax-pinned-memory-limit = \"2G\"\n[cdi.profiles.p]\npinned-memory-limit = \"4G\"",
+                "invalid config <defaults>: [cdi.profiles.p]: pinned-memory-limit = \"4G\" is above mps.max-pinned-memory-limit (2048 MiB)",
+            ),
+            (
+                "[mps]\nmax-pinned-memory-limit = \"2G\"\nmax-active-thread-percentage = 50\n[cdi.profiles.p]\npinned-memory-limit = \"4G\"\nactive-thread-percentage = 60",
+                "invalid config <defaults>: [cdi.profiles.p]: active-thread-percentage = 60 is above mps.max-active-thread-percentage = 50",
+            ),
+            (
+                "[cdi.profiles.p]\nthreads = 5",
+                "invalid config <defaults>: TOML parse error at line 2, column 1 | 2 | threads = 5 | ^^^^^^^ unknown field `threads`, expected `active-thread-percentage` or `pinned-memory-limit`",
+            ),
+        ] {
+            let err = parse(text, None).expect_err(text).to_string();
+            assert_eq!(err, want, "{text}");
+        }
+        let limits = |text| {
+            let c = parse(text, None).expect(text);
+            let d = |k| c.mps.default_for(k);
+            let ceilings = c
+                .mps
+                .ceilings()
+                .0
+                .iter()
+                .map(|(k, v)| (k.name, *v))
+                .collect::<Vec<_>>();
+            (
+                d(&crate::request::ACTIVE_THREAD_PERCENTAGE),
+                d(&crate::request::PINNED_MEMORY_LIMIT),
+                ceilings,
+            )
+        };
+        assert_eq!(
+            limits("[mps]\ndefault-active-thread-percentage = 30\ndefault-pinned-memory-limit = \"1536M\"\nmax-active-thread-percentage = 50\nmax-pinned-memory-limit = \"8G\""),
+            (Some(30), Some(1536 << 20), vec![("active-thread-percentage", 50), ("pinned-memory-limit", 8 << 30)])
+        );
+        assert_eq!(
+            limits("[mps]\nmax-pinned-memory-limit = \"8G\""),
+            (None, None, vec![("pinned-memory-limit", 8 << 30)])
+        );
+        assert_eq!(limits(""), (None, None, vec![]));
     }
 
     /// `mps.tenant`: `uid` by default, `namespace` only with per-user daemons (one

@@ -149,10 +149,7 @@ fn resolve_spec_as(
         let named = format!("CDI device {}={}", request::CDI_KIND, ask.name());
         let profile = match &ask.profile {
             None => None,
-            Some(name) => Some(cfg.cdi_profiles.get(name).map(|p| request::ProfileLimits {
-                active_thread_percentage: p.active_thread_percentage,
-                pinned_memory_limit: p.pinned_memory_limit.as_deref(),
-            }).with_context(|| {
+            Some(name) => Some(cfg.cdi_profiles.get(name).map(|p| p.limits()).with_context(|| {
                 format!(
                     "{named}: profile {} is not in this node's config (no [cdi.profiles.{}]); allowed is a profile the config has: regenerate the CDI spec (gpushare cdi generate) after changing [cdi.profiles]",
                     crate::util::escape(name),
@@ -184,9 +181,6 @@ fn resolve_spec_as(
     Ok(Some(resolved))
 }
 
-/// The client variable that sets an MPS client's own pinned memory limits.
-const CLIENT_MEMORY_LIMIT_VAR: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
-
 /// Refuses a container whose own `process.env` sets the client's pinned memory limit
 /// when its daemon enforces one. MPS reads the variable in the client, and an entry that
 /// names a device the client cannot see makes the server drop the daemon's limit for that
@@ -199,10 +193,14 @@ fn refuse_client_memory_limit(env: &[String], resolved: &Resolved) -> anyhow::Re
     let Some(limit) = resolved.identity.pinned_memory_limit else {
         return Ok(());
     };
-    let prefix = format!("{CLIENT_MEMORY_LIMIT_VAR}=");
+    // The client variable that sets an MPS client's own pinned memory limits: the row's.
+    let Some(var) = request::PINNED_MEMORY_LIMIT.client_env.map(|c| c.var) else {
+        return Ok(());
+    };
+    let prefix = format!("{var}=");
     if let Some(set) = env.iter().find(|e| e.starts_with(&prefix)) {
         anyhow::bail!(
-            "process.env sets {}: an MPS client's own pinned memory limit that names a device it cannot see lifts its daemon's limit ({} here); allowed: no {CLIENT_MEMORY_LIMIT_VAR} in the container's environment (gpushare gives the client its limit; ask for a lower one with gpushare.io/pinned-memory-limit)",
+            "process.env sets {}: an MPS client's own pinned memory limit that names a device it cannot see lifts its daemon's limit ({} here); allowed: no {var} in the container's environment (gpushare gives the client its limit; ask for a lower one with gpushare.io/pinned-memory-limit)",
             crate::util::escape(set),
             request::format_mps_size(limit)
         );
@@ -260,7 +258,7 @@ fn resolve_with(
             req.device.raw
         );
     }
-    request::check(&req, &devices, &cfg.mps.ceilings())?;
+    request::check(&req, &devices, cfg.mps.ceilings())?;
     let ipc = ipc(&req)?;
     let host_user = host_user()?;
     let tenant = Tenant::for_node(cfg, namespace)?;
@@ -363,10 +361,9 @@ pub fn identity_from_annotations(ann: &HashMap<String, String>) -> Result<Identi
     let in_range = |key: &request::KeySpec, value: Option<u64>| {
         value.is_none_or(|v| key.number().is_some_and(|n| n.allows(v)))
     };
-    let limits_ok = in_range(
-        &request::ACTIVE_THREAD_PERCENTAGE,
-        ident.active_thread_percentage.map(u64::from),
-    ) && in_range(&request::PINNED_MEMORY_LIMIT, ident.pinned_memory_limit);
+    let limits_ok = request::KEYS
+        .into_iter()
+        .all(|key| in_range(key, ident.limit(key)));
     let tenant_ok = ident
         .tenant
         .as_ref()

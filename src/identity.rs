@@ -186,6 +186,20 @@ impl Identity {
         )
     }
 
+    /// The value this identity holds for a request key: a limit the daemon enforces (a
+    /// numeric row with `identity`), `None` for any other key. The limits stay named
+    /// fields: their JSON and canonical spellings (`tp=`, `mem=`) are what existing daemon
+    /// ids hash, so a new limit adds a field here and appends to the canonical form.
+    pub(crate) fn limit(&self, key: &KeySpec) -> Option<u64> {
+        if *key == ACTIVE_THREAD_PERCENTAGE {
+            self.active_thread_percentage.map(u64::from)
+        } else if *key == PINNED_MEMORY_LIMIT {
+            self.pinned_memory_limit
+        } else {
+            None
+        }
+    }
+
     /// `ID_LEN` lowercase hex digits: the first 128 bits of SHA-256 over the canonical
     /// form.
     ///
@@ -295,6 +309,55 @@ mod tests {
             "v1|devices=GPU-8f8bff94-112e-9541-43da-cfd453333404,GPU-22f0c05f-5cf2-5ea2-8297-789695656dc0|uid=0|multi-user=true|tp=25|mem=4294967296|ipc=host"
         );
         assert_eq!(full.id(), "f1d2fa8ad98d86ad1a71939e3b54a4a7");
+    }
+
+    /// The limits reach the id from every source they have: a request's keys (pinned
+    /// above, `full`), the node's defaults and a CDI profile. Each is pinned here, so that
+    /// reading the defaults and profiles from the rows can never move an existing
+    /// daemon's id.
+    #[test]
+    fn ids_from_node_defaults_and_cdi_profiles_are_pinned() {
+        let devices = ["GPU-8f8bff94-112e-9541-43da-cfd453333404".to_owned()];
+        let cfg = crate::config::parse(
+            "[mps]\ndefault-active-thread-percentage = 50\ndefault-pinned-memory-limit = \"1G\"\n[cdi.profiles.small]\nactive-thread-percentage = 25\npinned-memory-limit = \"4G\"\n",
+            None,
+        )
+        .unwrap();
+        let plain = Request {
+            device: crate::request::Sourced {
+                value: crate::request::DeviceValue::Named(
+                    crate::request::parse_device("gpushare.io/device", "0").unwrap(),
+                ),
+                key: "gpushare.io/device",
+                raw: "0".into(),
+            },
+            ipc: None,
+            settings: crate::request::Settings::default(),
+        };
+        let by_default =
+            Identity::for_request(&cfg, &devices, 1000, &plain, IpcMode::Isolated, None);
+        assert_eq!(
+            by_default.canonical(),
+            "v1|devices=GPU-8f8bff94-112e-9541-43da-cfd453333404|uid=1000|multi-user=false|tp=50|mem=1073741824|ipc=isolated"
+        );
+        // `printf %s "<canonical>" | sha256sum | cut -c1-32`
+        assert_eq!(by_default.id(), "9e718f7a43388f2abf5e23f129a1a163");
+        let options = crate::request::Options {
+            accept_env: false,
+            default_device: None,
+            accept_visible_devices_env: false,
+        };
+        let profile = cfg.cdi_profiles["small"].limits();
+        let cdi = crate::request::from_cdi(&Default::default(), &options, "0", Some(profile))
+            .unwrap()
+            .expect("a request");
+        let by_profile =
+            Identity::for_request(&cfg, &devices, 1000, &cdi.request, IpcMode::Isolated, None);
+        assert_eq!(
+            by_profile.canonical(),
+            "v1|devices=GPU-8f8bff94-112e-9541-43da-cfd453333404|uid=1000|multi-user=false|tp=25|mem=4294967296|ipc=isolated"
+        );
+        assert_eq!(by_profile.id(), "bf3820c1fb2bead708adb3e912f58a08");
     }
 
     /// A key outside the daemon identity (the client priority) never changes the

@@ -65,6 +65,7 @@ pub(crate) use grammar::{
     format_mps_size, parse_device_without_container, parse_ipc, MAX_VALUE_LEN,
 };
 pub use grammar::{parse_device, parse_size, MAX_DEVICES};
+pub(crate) use keys::{numeric, profile_keys, ProfileValue};
 pub use keys::{
     KeySpec, ACTIVE_THREAD_PERCENTAGE, CLIENT_PRIORITY, DEVICE, IPC, KEYS, PINNED_MEMORY_LIMIT,
 };
@@ -582,17 +583,11 @@ impl CdiAsk {
 
 /// The CDI kind of gpushare's devices; errors about a CDI device name it as `<kind>=<name>`.
 pub(crate) const CDI_KIND: &str = "gpushare.io/gpu";
-/// The keys a CDI profile's limits are named by in errors.
-const CDI_PERCENTAGE_KEY: &str = "the CDI profile's active-thread-percentage";
-const CDI_PINNED_KEY: &str = "the CDI profile's pinned-memory-limit";
 const CDI_DEVICE_ALLOWED: &str = "a device of gpushare's CDI spec: a GPU index like 0, GPU-<uuid>, MIG-<uuid>, or <gpu>-mig-<mig> like 1-mig-0";
 
-/// A profile's limits as the config holds them (`[cdi.profiles.<name>]`).
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct ProfileLimits<'a> {
-    pub active_thread_percentage: Option<u8>,
-    pub pinned_memory_limit: Option<&'a str>,
-}
+/// A profile's limits as the config holds them (`[cdi.profiles.<name>]`): each limit's row
+/// ([`profile_keys`]) and its value as written.
+pub(crate) type ProfileLimits<'a> = Vec<(&'static KeySpec, ProfileValue<'a>)>;
 
 /// The request a CDI device of gpushare's carries, and the container's own device key
 /// beside it, which [`check_same_devices`] compares once both are resolved.
@@ -646,14 +641,14 @@ pub(crate) fn from_cdi(
     };
     let profile = profile.unwrap_or_default();
     let mut settings = Settings::default();
-    if let Some(p) = profile.active_thread_percentage {
-        let raw = p.to_string();
-        let value = Sourced::parse(CDI_PERCENTAGE_KEY, &raw, parse_percentage)?;
-        settings = settings.with(&ACTIVE_THREAD_PERCENTAGE, value);
-    }
-    if let Some(raw) = profile.pinned_memory_limit {
-        let value = Sourced::parse(CDI_PINNED_KEY, raw, parse_size)?;
-        settings = settings.with(&PINNED_MEMORY_LIMIT, value);
+    for (key, raw) in profile {
+        let Some(number) = key.number() else {
+            continue;
+        };
+        // Errors name the profile's key (`[cdi.profiles.<name>] <key>`); the config's
+        // load already parsed the same text with the same grammar.
+        let value = Sourced::parse(key.name, &raw.text(), |k, r| number.parse(k, r))?;
+        settings = settings.with(key, value);
     }
     refuse_env(c, opts)?;
     let lookup = |key| lookup(c, opts, key);
@@ -1315,10 +1310,10 @@ mod tests {
             default_device: Some(DefaultDevice::Allocated),
             accept_visible_devices_env: false,
         };
-        let small = ProfileLimits {
-            active_thread_percentage: Some(25),
-            pinned_memory_limit: Some("4G"),
-        };
+        let small: ProfileLimits = vec![
+            (&ACTIVE_THREAD_PERCENTAGE, ProfileValue::Small(25)),
+            (&PINNED_MEMORY_LIMIT, ProfileValue::Text("4G")),
+        ];
         let ask = |ann: &[(&str, &str)], env: &[&str], accept_env: bool, profile| {
             let ann: HashMap<String, String> = ann
                 .iter()
@@ -1333,7 +1328,7 @@ mod tests {
             from_cdi(&c, &opts(accept_env), "0", profile)
         };
         // The CDI device alone: its device and its profile's limits, env refused or not.
-        let r = ask(&[], &[], false, Some(small)).unwrap().unwrap();
+        let r = ask(&[], &[], false, Some(small.clone())).unwrap().unwrap();
         assert_eq!(r.request.device.key, CDI_KIND);
         let settings = &r.request.settings;
         assert_eq!(settings.value(&ACTIVE_THREAD_PERCENTAGE), Some(25));
@@ -1349,7 +1344,7 @@ mod tests {
             ],
             &[],
             true,
-            Some(small),
+            Some(small.clone()),
         )
         .unwrap()
         .unwrap();
@@ -1362,7 +1357,7 @@ mod tests {
                 &[("gpushare.io/active-thread-percentage", "100")][..],
                 &[][..],
                 true,
-                Some(small),
+                Some(small.clone()),
                 "gpushare.io/active-thread-percentage",
                 "100",
                 "(whose profile sets 25)",
@@ -1371,7 +1366,7 @@ mod tests {
                 &[],
                 &["GPUSHARE_PINNED_MEMORY_LIMIT=8G"],
                 true,
-                Some(small),
+                Some(small.clone()),
                 "GPUSHARE_PINNED_MEMORY_LIMIT",
                 "8G",
                 "(whose profile sets 4G)",

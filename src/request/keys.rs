@@ -114,6 +114,14 @@ impl Number {
         }
     }
 
+    /// What a config's refusal of a value says is allowed.
+    pub(crate) fn config_allowed(&self) -> &'static str {
+        match self {
+            Number::Integer { allowed, .. } => allowed,
+            Number::Size => "a size with a unit, like 512M or 4G",
+        }
+    }
+
     /// The smallest value, as errors write it (`1`, `1M`).
     pub(crate) fn min_text(&self) -> String {
         match *self {
@@ -146,6 +154,21 @@ pub struct ClientEnv {
     /// The value once per device, `0=<v>,1=<v>` (as `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`
     /// takes it), rather than once.
     pub per_device: bool,
+}
+
+impl ClientEnv {
+    /// The variable's value for `value` under `number` (as MPS reads it), once or once per
+    /// device of `devices` (`0=<v>,1=<v>`).
+    pub fn value(&self, number: Number, value: u64, devices: usize) -> String {
+        let text = number.mps_text(value);
+        if !self.per_device {
+            return text;
+        }
+        (0..devices)
+            .map(|i| format!("{i}={text}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
 }
 
 /// Whether hook-only mode, which cannot set the container's environment, can honour a key.
@@ -293,6 +316,31 @@ impl KeySpec {
 /// The keys whose values are numbers ([`super::Settings`]), in [`KEYS`] order.
 pub(crate) fn numeric() -> impl Iterator<Item = (&'static KeySpec, Number)> {
     KEYS.into_iter().filter_map(|k| k.number().map(|n| (k, n)))
+}
+
+/// The limits: the numeric keys that are part of the daemon identity, which the daemon
+/// enforces under `limits = "enforced"`, a CDI profile names, and the operator may set a
+/// default and a ceiling for.
+pub(crate) fn profile_keys() -> impl Iterator<Item = &'static KeySpec> {
+    numeric().filter(|(k, _)| k.identity).map(|(k, _)| k)
+}
+
+/// A limit's value as a config's serde typed it: a percentage as a small integer, a size
+/// as text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ProfileValue<'a> {
+    Small(u8),
+    Text(&'a str),
+}
+
+impl ProfileValue<'_> {
+    /// The value as written.
+    pub(crate) fn text(&self) -> String {
+        match self {
+            ProfileValue::Small(v) => v.to_string(),
+            ProfileValue::Text(s) => (*s).to_owned(),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -366,16 +366,10 @@ pub(crate) fn client_env(cfg: &Config, served: &Resolved, runtime: &Path) -> Vec
         let Some(value) = crate::identity::requested(cfg, req, key) else {
             continue;
         };
-        let text = number.mps_text(value);
-        let text = if client.per_device {
-            (0..uuids.len())
-                .map(|i| format!("{i}={text}"))
-                .collect::<Vec<_>>()
-                .join(",")
-        } else {
-            text
-        };
-        env.push((client.var.to_owned(), text));
+        env.push((
+            client.var.to_owned(),
+            client.value(number, value, uuids.len()),
+        ));
     }
     if lowlevel::is_nvidia(runtime) {
         env.push(("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(",")));

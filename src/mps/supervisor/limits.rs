@@ -82,22 +82,20 @@ fn set_limits(ident: &Identity, server: Option<u32>) -> Vec<String> {
 }
 
 /// The limits in the daemon's own environment, so that it has them from its first instant:
-/// the control daemon takes `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and
-/// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`<ordinal>=<size>,…`) as its defaults at start (MPS
-/// guide, "Environment variables"), before any client can connect; the `set_default_*`
-/// commands of `limit_commands` then set the same values again and are what the limit
-/// check reads back.
+/// the control daemon takes each limit's client variable (the row's `client_env`:
+/// `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` as
+/// `<ordinal>=<size>,…`) as its default at start (MPS guide, "Environment variables"),
+/// before any client can connect; the `set_default_*` commands of `limit_commands` then
+/// set the same values again and are what the limit check reads back.
 pub(super) fn limit_env(ident: &Identity) -> Vec<(&'static str, String)> {
     let mut env = Vec::new();
-    if let Some(p) = ident.active_thread_percentage {
-        env.push(("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", p.to_string()));
-    }
-    if let Some(bytes) = ident.pinned_memory_limit {
-        let size = crate::request::format_mps_size(bytes);
-        let each: Vec<String> = (0..ident.devices.len())
-            .map(|i| format!("{i}={size}"))
-            .collect();
-        env.push(("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", each.join(",")));
+    for key in crate::request::profile_keys() {
+        let (Some(value), Some(number), Some(client)) =
+            (ident.limit(key), key.number(), key.client_env)
+        else {
+            continue;
+        };
+        env.push((client.var, client.value(number, value, ident.devices.len())));
     }
     env
 }
@@ -296,11 +294,23 @@ mod tests {
                 "set_device_pinned_mem_limit 42 1 4096M",
             ]
         );
+        // The same limits in the daemon's environment, pinned: built from the rows.
+        assert_eq!(
+            limit_env(&ident),
+            vec![
+                ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25".to_owned()),
+                (
+                    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                    "0=4096M,1=4096M".to_owned()
+                ),
+            ]
+        );
         let none = Identity {
             active_thread_percentage: None,
             pinned_memory_limit: None,
             ..ident
         };
         assert!(limit_commands(&none).is_empty());
+        assert!(limit_env(&none).is_empty());
     }
 }
