@@ -382,16 +382,7 @@ mod tests {
     use super::*;
 
     fn ident() -> Identity {
-        Identity {
-            devices: vec!["GPU-8f8bff94-112e-9541-43da-cfd453333404".into()],
-            uid: 1000,
-            gid: 1000,
-            multi_user: false,
-            active_thread_percentage: Some(25),
-            pinned_memory_limit: None,
-            ipc_host: false,
-            tenant: None,
-        }
+        crate::identity::test_identity(1000, Some(25))
     }
 
     fn ann(i: &Identity) -> HashMap<String, String> {

@@ -238,21 +238,28 @@ pub fn valid_id(s: &str) -> bool {
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
+/// A per-user identity of `uid` on the test inventory's GPU 0, for unit tests here and
+/// in the modules that take identities.
+#[cfg(test)]
+pub(crate) fn test_identity(uid: u32, active_thread_percentage: Option<u8>) -> Identity {
+    Identity {
+        devices: vec!["GPU-8f8bff94-112e-9541-43da-cfd453333404".into()],
+        uid,
+        gid: uid,
+        multi_user: false,
+        active_thread_percentage,
+        pinned_memory_limit: None,
+        ipc_host: false,
+        tenant: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn ident(uid: u32, tp: Option<u8>) -> Identity {
-        Identity {
-            devices: vec!["GPU-8f8bff94-112e-9541-43da-cfd453333404".into()],
-            uid,
-            gid: uid,
-            multi_user: false,
-            active_thread_percentage: tp,
-            pinned_memory_limit: None,
-            ipc_host: false,
-            tenant: None,
-        }
+        test_identity(uid, tp)
     }
 
     #[test]
