@@ -190,7 +190,7 @@ fn resolve_spec_as(
 /// paths cannot overwrite); a process that sets it for itself at run time is beyond any
 /// runtime's reach (SECURITY.md, "What the limits bind").
 fn refuse_client_memory_limit(env: &[String], resolved: &Resolved) -> anyhow::Result<()> {
-    let Some(limit) = resolved.identity.pinned_memory_limit else {
+    let Some(limit) = resolved.identity.limit(&request::PINNED_MEMORY_LIMIT) else {
         return Ok(());
     };
     // The client variable that sets an MPS client's own pinned memory limits: the row's.
@@ -447,7 +447,7 @@ mod tests {
                 ..good.clone()
             },
             Identity {
-                active_thread_percentage: Some(0),
+                limits: crate::identity::test_limits(Some(0), None),
                 ..good.clone()
             },
             Identity {

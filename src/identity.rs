@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::config::{Config, Limits, TenantMode, UserMode};
-use crate::request::{IpcMode, KeySpec, Request, ACTIVE_THREAD_PERCENTAGE, PINNED_MEMORY_LIMIT};
+use crate::request::{IpcMode, KeySpec, Request};
 
 /// Length of a daemon id: 32 lowercase hex digits (128 bits).
 pub(crate) const ID_LEN: usize = 32;
@@ -39,10 +39,10 @@ pub struct Identity {
     /// daemon whatever their group, and the first one's group is used.
     pub gid: u32,
     pub multi_user: bool,
-    /// Enforced on the daemon (`set_default_active_thread_percentage`).
-    pub active_thread_percentage: Option<u8>,
-    /// Enforced on the daemon per device, in bytes (`set_default_device_pinned_mem_limit`).
-    pub pinned_memory_limit: Option<u64>,
+    /// The limits the daemon enforces, each under its row's field name
+    /// (`active_thread_percentage`; `pinned_memory_limit`, per device, in bytes).
+    #[serde(flatten)]
+    pub limits: LimitValues,
     /// The daemon and its clients use the host's IPC namespace and /dev/shm
     /// (`ipc = "host"`); otherwise the daemon's own shm tmpfs is everyone's /dev/shm.
     #[serde(default)]
@@ -158,46 +158,67 @@ impl Identity {
                 cfg.mps.daemon_gid.unwrap_or(uid)
             },
             multi_user,
-            active_thread_percentage: enforced(&ACTIVE_THREAD_PERCENTAGE)
-                .and_then(|p| u8::try_from(p).ok()),
-            pinned_memory_limit: enforced(&PINNED_MEMORY_LIMIT),
+            limits: crate::request::limits()
+                .filter_map(|(key, _, _)| enforced(key).map(|v| (key, v)))
+                .collect(),
             ipc_host: ipc == IpcMode::Host,
             tenant,
         }
     }
 
     /// The canonical text the id hashes; stable across versions (prefix `v1`). The
-    /// tenant is appended only when there is one, so that `mps.tenant = "uid"` keeps
-    /// every id it always had.
+    /// limits come from their rows (`request::Limit`): the first ones always, in their
+    /// `v1` places; a later one only when set, at the end. The tenant is written only when
+    /// there is one. So neither a new limit nor `mps.tenant = "uid"` moves an existing id.
     pub(crate) fn canonical(&self) -> String {
-        let opt = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |v| v.to_string());
-        let tenant = self
-            .tenant
-            .as_ref()
-            .map_or_else(String::new, |t| format!("|tenant={}", t.label()));
-        format!(
-            "v1|devices={}|uid={}|multi-user={}|tp={}|mem={}|ipc={}{tenant}",
-            self.devices.join(","),
-            self.uid,
-            self.multi_user,
-            opt(self.active_thread_percentage.map(u64::from)),
-            opt(self.pinned_memory_limit),
-            if self.ipc_host { "host" } else { "isolated" },
-        )
+        self.canonical_over(crate::request::limits())
     }
 
-    /// The value this identity holds for a request key: a limit the daemon enforces (a
-    /// numeric row with `identity`), `None` for any other key. The limits stay named
-    /// fields: their JSON and canonical spellings (`tp=`, `mem=`) are what existing daemon
-    /// ids hash, so a new limit adds a field here and appends to the canonical form.
-    pub(crate) fn limit(&self, key: &KeySpec) -> Option<u64> {
-        if *key == ACTIVE_THREAD_PERCENTAGE {
-            self.active_thread_percentage.map(u64::from)
-        } else if *key == PINNED_MEMORY_LIMIT {
-            self.pinned_memory_limit
-        } else {
-            None
+    /// The canonical text with `rows` as the limits' rows (a test adds one).
+    fn canonical_over(
+        &self,
+        rows: impl Iterator<
+            Item = (
+                &'static KeySpec,
+                crate::request::Limit,
+                crate::request::Number,
+            ),
+        >,
+    ) -> String {
+        use std::fmt::Write;
+        let mut text = format!(
+            "v1|devices={}|uid={}|multi-user={}",
+            self.devices.join(","),
+            self.uid,
+            self.multi_user
+        );
+        let mut later = String::new();
+        for (key, limit, _) in rows {
+            match (self.limits.get(key), limit.in_v1) {
+                (Some(v), true) => write!(text, "|{}={v}", limit.canonical),
+                (None, true) => write!(text, "|{}=-", limit.canonical),
+                (Some(v), false) => write!(later, "|{}={v}", limit.canonical),
+                (None, false) => Ok(()),
+            }
+            .unwrap_or_default();
         }
+        text.push_str(if self.ipc_host {
+            "|ipc=host"
+        } else {
+            "|ipc=isolated"
+        });
+        if let Some(t) = &self.tenant {
+            text.push_str("|tenant=");
+            text.push_str(&t.label());
+        }
+        text.push_str(&later);
+        text
+    }
+
+    /// The value this identity holds for a request key: a limit the daemon enforces,
+    /// `None` for any other key.
+    pub(crate) fn limit(&self, key: &KeySpec) -> Option<u64> {
+        self.limits.get(key)
     }
 
     /// `ID_LEN` lowercase hex digits: the first 128 bits of SHA-256 over the canonical
@@ -219,6 +240,91 @@ impl Identity {
     /// (everything but the GID must match).
     pub(crate) fn same_daemon(&self, other: &Identity) -> bool {
         self.canonical() == other.canonical()
+    }
+}
+
+/// The limits a daemon enforces, by row (`request::limits`): the value of each that is
+/// set, in the rows' order. In JSON (a record, the shim's annotation) each is its row's
+/// `field`: the `v1` limits always (`null` when unset, as they were written before they
+/// were rows), a later one only when set.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LimitValues(Vec<(&'static KeySpec, u64)>);
+
+impl LimitValues {
+    /// The value of limit `key`, if set.
+    pub(crate) fn get(&self, key: &KeySpec) -> Option<u64> {
+        self.0.iter().find(|(k, _)| *k == key).map(|&(_, v)| v)
+    }
+}
+
+impl FromIterator<(&'static KeySpec, u64)> for LimitValues {
+    /// The values given for limits, in the rows' order; any other key is dropped.
+    fn from_iter<I: IntoIterator<Item = (&'static KeySpec, u64)>>(iter: I) -> Self {
+        let given: Vec<_> = iter.into_iter().collect();
+        LimitValues(
+            crate::request::limits()
+                .filter_map(|(key, _, _)| {
+                    given
+                        .iter()
+                        .rev()
+                        .find(|(k, _)| *k == key)
+                        .map(|&(_, v)| (key, v))
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Serialize for LimitValues {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(None)?;
+        for (key, limit, _) in crate::request::limits() {
+            match self.get(key) {
+                Some(v) => map.serialize_entry(limit.field, &v)?,
+                None if limit.in_v1 => map.serialize_entry(limit.field, &None::<u64>)?,
+                None => {}
+            }
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for LimitValues {
+    /// The rows' fields of the identity's JSON; every other field is the identity's own.
+    /// A limit twice is refused, as serde refuses any field twice.
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = LimitValues;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a daemon identity's limits")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<LimitValues, A::Error> {
+                let mut values = Vec::new();
+                let mut seen = Vec::new();
+                while let Some(name) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    let Some((key, limit, _)) =
+                        crate::request::limits().find(|(_, l, _)| l.field == name)
+                    else {
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                        continue;
+                    };
+                    if seen.contains(&limit.field) {
+                        return Err(serde::de::Error::duplicate_field(limit.field));
+                    }
+                    seen.push(limit.field);
+                    if let Some(v) = map.next_value::<Option<u64>>()? {
+                        values.push((key, v));
+                    }
+                }
+                Ok(values.into_iter().collect())
+            }
+        }
+        d.deserialize_map(Fields)
     }
 }
 
@@ -247,16 +353,29 @@ pub(crate) fn test_identity(uid: u32, active_thread_percentage: Option<u8>) -> I
         uid,
         gid: uid,
         multi_user: false,
-        active_thread_percentage,
-        pinned_memory_limit: None,
+        limits: test_limits(active_thread_percentage, None),
         ipc_host: false,
         tenant: None,
     }
 }
 
+/// The limits of unit tests' identities: a thread percentage and pinned memory in bytes.
+#[cfg(test)]
+pub(crate) fn test_limits(threads: Option<u8>, memory: Option<u64>) -> LimitValues {
+    use crate::request::{ACTIVE_THREAD_PERCENTAGE, PINNED_MEMORY_LIMIT};
+    [
+        threads.map(|t| (&ACTIVE_THREAD_PERCENTAGE, u64::from(t))),
+        memory.map(|m| (&PINNED_MEMORY_LIMIT, m)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request::ACTIVE_THREAD_PERCENTAGE;
 
     fn ident(uid: u32, tp: Option<u8>) -> Identity {
         test_identity(uid, tp)
@@ -306,8 +425,7 @@ mod tests {
             uid: 0,
             gid: 0,
             multi_user: true,
-            active_thread_percentage: Some(25),
-            pinned_memory_limit: Some(4 << 30),
+            limits: test_limits(Some(25), Some(4 << 30)),
             ipc_host: true,
             tenant: None,
         };
@@ -316,6 +434,66 @@ mod tests {
             "v1|devices=GPU-8f8bff94-112e-9541-43da-cfd453333404,GPU-22f0c05f-5cf2-5ea2-8297-789695656dc0|uid=0|multi-user=true|tp=25|mem=4294967296|ipc=host"
         );
         assert_eq!(full.id(), "f1d2fa8ad98d86ad1a71939e3b54a4a7");
+    }
+
+    /// A limit added after the first canonical form (`in_v1: false`) moves no existing
+    /// daemon's id: unset, the text and id are the pinned ones; set, it comes last.
+    #[test]
+    fn a_later_limit_moves_no_existing_id() {
+        use crate::request::{Limit, Number, PINNED_MEMORY_LIMIT};
+        static LATER: KeySpec = KeySpec {
+            name: "later-limit",
+            limit: Some(Limit {
+                field: "later_limit",
+                canonical: "later",
+                in_v1: false,
+                mps: "later_limit",
+                status_field: "later_limit",
+                label: "later",
+                unit: "",
+            }),
+            ..PINNED_MEMORY_LIMIT
+        };
+        let rows =
+            || crate::request::limits().chain([(&LATER, LATER.limit.unwrap(), Number::Size)]);
+        let a = Identity {
+            tenant: Some(Tenant::NoNamespace),
+            ..ident(1000, Some(25))
+        };
+        assert_eq!(a.canonical_over(rows()), a.canonical());
+        let mut with = a.clone();
+        with.limits.0.push((&LATER, 7 << 20));
+        assert_eq!(
+            with.canonical_over(rows()),
+            format!("{}|later={}", a.canonical(), 7 << 20)
+        );
+    }
+
+    /// The identity's JSON (every daemon's record, the shim's annotation the hook reads
+    /// back) is what it was when the limits were named fields: pinned, byte for byte, both
+    /// ways, so that records written before read as the same identity.
+    #[test]
+    fn json_is_pinned_and_reads_records_written_before() {
+        let full = Identity {
+            limits: test_limits(Some(25), Some(4 << 30)),
+            ..test_identity(1000, None)
+        };
+        let json = r#"{"devices":["GPU-8f8bff94-112e-9541-43da-cfd453333404"],"uid":1000,"gid":1000,"multi_user":false,"active_thread_percentage":25,"pinned_memory_limit":4294967296,"ipc_host":false}"#;
+        assert_eq!(serde_json::to_string(&full).unwrap(), json);
+        assert_eq!(serde_json::from_str::<Identity>(json).unwrap(), full);
+        let none = test_identity(1000, None);
+        let json = r#"{"devices":["GPU-8f8bff94-112e-9541-43da-cfd453333404"],"uid":1000,"gid":1000,"multi_user":false,"active_thread_percentage":null,"pinned_memory_limit":null,"ipc_host":false}"#;
+        assert_eq!(serde_json::to_string(&none).unwrap(), json);
+        assert_eq!(serde_json::from_str::<Identity>(json).unwrap(), none);
+        // Written before `ipc_host` existed, and a limit twice (refused, as any field).
+        let old = r#"{"devices":["GPU-8f8bff94-112e-9541-43da-cfd453333404"],"uid":1000,"gid":1000,"multi_user":false,"active_thread_percentage":25,"pinned_memory_limit":null}"#;
+        assert_eq!(
+            serde_json::from_str::<Identity>(old).unwrap(),
+            test_identity(1000, Some(25))
+        );
+        let twice = old.replace(r#""uid""#, r#""active_thread_percentage":50,"uid""#);
+        let err = serde_json::from_str::<Identity>(&twice).unwrap_err();
+        assert!(err.to_string().contains("duplicate field"), "{err}");
     }
 
     /// The limits reach the id from every source they have: a request's keys (pinned
@@ -483,8 +661,9 @@ mod tests {
                     got.uid,
                     got.gid,
                     got.multi_user,
-                    got.active_thread_percentage,
-                    got.pinned_memory_limit,
+                    got.limit(&crate::request::ACTIVE_THREAD_PERCENTAGE)
+                        .and_then(|v| u8::try_from(v).ok()),
+                    got.limit(&crate::request::PINNED_MEMORY_LIMIT),
                     got.ipc_host
                 ),
                 *want,

@@ -65,9 +65,10 @@ pub(crate) use grammar::{
     format_mps_size, parse_device_without_container, parse_ipc, MAX_VALUE_LEN,
 };
 pub use grammar::{parse_device, parse_size, MAX_DEVICES};
-pub(crate) use keys::{numeric, profile_keys, ProfileValue};
+pub(crate) use keys::{limits, numeric, profile_keys, Number, ProfileValue};
 pub use keys::{
-    KeySpec, ACTIVE_THREAD_PERCENTAGE, CLIENT_PRIORITY, DEVICE, IPC, KEYS, PINNED_MEMORY_LIMIT,
+    KeySpec, Limit, ACTIVE_THREAD_PERCENTAGE, CLIENT_PRIORITY, DEVICE, IPC, KEYS,
+    PINNED_MEMORY_LIMIT,
 };
 
 /// The device value meaning "the devices this container was allocated".

@@ -48,6 +48,33 @@ pub struct KeySpec {
     pub ceiling_key: Option<&'static str>,
     /// `gpushare daemon start`'s flag for it: the keys a daemon enforces.
     pub flag: Option<&'static str>,
+    /// What the daemon, its record, its id and `status` call it: exactly the limits (the
+    /// numeric keys with `identity`) have one.
+    pub limit: Option<Limit>,
+}
+
+/// A limit as the daemon enforces it and gpushare records and shows it: everything about
+/// it beyond the request key, so that the identity, the daemon's commands, its check and
+/// `status` read the row instead of naming the limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limit {
+    /// Its field in the identity's JSON (a daemon's record): `active_thread_percentage`.
+    pub field: &'static str,
+    /// Its name in the identity's canonical form, which daemon ids hash: `tp`.
+    pub canonical: &'static str,
+    /// Written by the first canonical form (`v1`): always, `-` when unset, between
+    /// `multi-user` and `ipc`. A later limit is written only when set, after everything
+    /// else, so that every daemon that existed before it keeps its id.
+    pub in_v1: bool,
+    /// The control daemon's name for it: `set_default_<mps>`, `get_default_<mps>` on the
+    /// daemon, `set_<mps> <server>`, `get_<mps> <server>` on one server, each once per
+    /// device ordinal (before the value) when the client variable is per device.
+    pub mps: &'static str,
+    /// Its field in `gpushare status --json`'s daemons: `pinned_memory_limit_bytes`.
+    pub status_field: &'static str,
+    /// Its label in `status`'s table (`threads=25%`) and the unit after the value there.
+    pub label: &'static str,
+    pub unit: &'static str,
 }
 
 impl fmt::Debug for KeySpec {
@@ -218,6 +245,7 @@ pub static DEVICE: KeySpec = KeySpec {
     default_key: Some("default-device"),
     ceiling_key: None,
     flag: None,
+    limit: None,
 };
 
 pub static ACTIVE_THREAD_PERCENTAGE: KeySpec = KeySpec {
@@ -236,6 +264,15 @@ pub static ACTIVE_THREAD_PERCENTAGE: KeySpec = KeySpec {
     default_key: Some("mps.default-active-thread-percentage"),
     ceiling_key: Some("mps.max-active-thread-percentage"),
     flag: Some("--active-thread-percentage"),
+    limit: Some(Limit {
+        field: "active_thread_percentage",
+        canonical: "tp",
+        in_v1: true,
+        mps: "active_thread_percentage",
+        status_field: "active_thread_percentage",
+        label: "threads",
+        unit: "%",
+    }),
 };
 
 pub static PINNED_MEMORY_LIMIT: KeySpec = KeySpec {
@@ -254,6 +291,15 @@ pub static PINNED_MEMORY_LIMIT: KeySpec = KeySpec {
     default_key: Some("mps.default-pinned-memory-limit"),
     ceiling_key: Some("mps.max-pinned-memory-limit"),
     flag: Some("--pinned-memory-limit"),
+    limit: Some(Limit {
+        field: "pinned_memory_limit",
+        canonical: "mem",
+        in_v1: true,
+        mps: "device_pinned_mem_limit",
+        status_field: "pinned_memory_limit_bytes",
+        label: "mem",
+        unit: "",
+    }),
 };
 
 pub static IPC: KeySpec = KeySpec {
@@ -269,6 +315,7 @@ pub static IPC: KeySpec = KeySpec {
     default_key: Some("mps.ipc"),
     ceiling_key: None,
     flag: None,
+    limit: None,
 };
 
 pub static CLIENT_PRIORITY: KeySpec = KeySpec {
@@ -291,6 +338,7 @@ pub static CLIENT_PRIORITY: KeySpec = KeySpec {
     default_key: None,
     ceiling_key: None,
     flag: None,
+    limit: None,
 };
 
 /// Every request key, in the order they are read and checked.
@@ -322,7 +370,13 @@ pub(crate) fn numeric() -> impl Iterator<Item = (&'static KeySpec, Number)> {
 /// enforces under `limits = "enforced"`, a CDI profile names, and the operator may set a
 /// default and a ceiling for.
 pub(crate) fn profile_keys() -> impl Iterator<Item = &'static KeySpec> {
-    numeric().filter(|(k, _)| k.identity).map(|(k, _)| k)
+    limits().map(|(k, _, _)| k)
+}
+
+/// The limits with what the daemon, the identity and `status` call each, in [`KEYS`]
+/// order: [`profile_keys`] with their [`Limit`] and grammar.
+pub(crate) fn limits() -> impl Iterator<Item = (&'static KeySpec, Limit, Number)> {
+    numeric().filter_map(|(k, n)| k.limit.map(|l| (k, l, n)))
 }
 
 /// A limit's value as a config's serde typed it: a percentage as a small integer, a size
@@ -400,6 +454,24 @@ mod tests {
                 "{}",
                 key.name
             );
+            assert_eq!(key.limit.is_some(), enforced, "{}", key.name);
+            if let Some(limit) = key.limit {
+                assert_eq!(limit.field, key.name.replace('-', "_"), "{}", key.name);
+                for (i, other) in KEYS.iter().enumerate() {
+                    let Some(o) = other.limit.filter(|_| other.name != key.name) else {
+                        continue;
+                    };
+                    assert!(
+                        o.canonical != limit.canonical
+                            && o.status_field != limit.status_field
+                            && o.label != limit.label
+                            && o.mps != limit.mps,
+                        "{} and {} (row {i}) share a name",
+                        key.name,
+                        other.name
+                    );
+                }
+            }
             if let Some(Number::Integer { min, max, allowed }) = key.number() {
                 assert!(
                     allowed.contains(&min.to_string()) && allowed.contains(&max.to_string()),

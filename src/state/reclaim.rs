@@ -123,8 +123,7 @@ mod tests {
             uid: 1000,
             gid: 1000,
             multi_user: false,
-            active_thread_percentage: None,
-            pinned_memory_limit: None,
+            limits: Default::default(),
             ipc_host: true,
             tenant: None,
         };
@@ -153,8 +152,7 @@ mod tests {
             uid: 1000,
             gid: 1000,
             multi_user: false,
-            active_thread_percentage: None,
-            pinned_memory_limit: None,
+            limits: Default::default(),
             ipc_host: true,
             tenant: None,
         }

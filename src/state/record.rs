@@ -372,8 +372,7 @@ mod tests {
             uid: 1000,
             gid: 1000,
             multi_user: false,
-            active_thread_percentage: Some(50),
-            pinned_memory_limit: None,
+            limits: crate::identity::test_limits(Some(50), None),
             ipc_host: false,
             tenant: None,
         }

@@ -129,7 +129,10 @@ pub(crate) fn plan(listed: &[(Listed, Owner)], node: &Node, rules: &Rules) -> Pl
         });
     }
     for ((c, gpu), mut group) in clients {
-        let Some(limit) = node.served[c].identity.pinned_memory_limit else {
+        let Some(limit) = node.served[c]
+            .identity
+            .limit(&crate::request::PINNED_MEMORY_LIMIT)
+        else {
             continue;
         };
         let used = |procs: &[Process], i: usize| procs[i].used_memory_bytes.unwrap_or(0);
@@ -184,8 +187,7 @@ mod tests {
                 uid: 1000,
                 gid: 1000,
                 multi_user: false,
-                active_thread_percentage: Some(25),
-                pinned_memory_limit: limit,
+                limits: crate::identity::test_limits(Some(25), limit),
                 ipc_host: false,
                 tenant: None,
             })

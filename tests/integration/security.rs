@@ -680,8 +680,9 @@ fn forged_decisions<'a>(env: &'a Env) {
         uid: 0,
         gid: 0,
         multi_user: false,
-        active_thread_percentage: Some(100),
-        pinned_memory_limit: None,
+        limits: [(&gpushare::request::ACTIVE_THREAD_PERCENTAGE, 100)]
+            .into_iter()
+            .collect(),
         ipc_host: true,
         tenant: None,
     };

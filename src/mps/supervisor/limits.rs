@@ -26,7 +26,8 @@ use anyhow::bail;
 
 use super::Supervisor;
 use crate::identity::Identity;
-use crate::mps::reply::{self, percentage as parse_percentage, pinned_mem as parse_mps_mem};
+use crate::mps::reply;
+use crate::request::{KeySpec, Limit, Number};
 
 /// The longest one limit check may take, all its control commands together: a daemon
 /// that has not answered by then has not confirmed its limits.
@@ -50,7 +51,8 @@ pub(super) struct Unconfirmed {
     warned: Option<Instant>,
 }
 
-/// The commands that put a daemon's limits in place, in order. Pinned memory is set per
+/// The commands that put a daemon's limits in place, in order, from the limits' rows
+/// (`request::Limit::mps`). A limit whose client variable is per device (pinned memory) is set per
 /// device by ordinal: the daemon sees only its own devices, renumbered from 0
 /// (CUDA_VISIBLE_DEVICES), and NVIDIA's device plugin found UUID-keyed limits ignored by
 /// some drivers (docs/mps.md, "Limits").
@@ -67,18 +69,36 @@ fn set_limits(ident: &Identity, server: Option<u32>) -> Vec<String> {
         Some(s) => ("", format!("{s} ")),
     };
     let mut cmds = Vec::new();
-    if let Some(p) = ident.active_thread_percentage {
-        cmds.push(format!("set_{scope}active_thread_percentage {target}{p}"));
-    }
-    if let Some(bytes) = ident.pinned_memory_limit {
-        let size = crate::request::format_mps_size(bytes);
-        for i in 0..ident.devices.len() {
-            cmds.push(format!(
-                "set_{scope}device_pinned_mem_limit {target}{i} {size}"
-            ));
+    for (key, limit, number) in crate::request::limits() {
+        let Some(value) = ident.limit(key) else {
+            continue;
+        };
+        let text = number.mps_text(value);
+        for device in ordinals(key, ident) {
+            let device = device.map_or_else(String::new, |i| format!("{i} "));
+            cmds.push(format!("set_{scope}{} {target}{device}{text}", limit.mps));
         }
     }
     cmds
+}
+
+/// The device ordinals a limit is set and read per (`Some(0)`, `Some(1)`, …), or once for
+/// the daemon (`None`): per device where its client variable is.
+fn ordinals(key: &KeySpec, ident: &Identity) -> Vec<Option<usize>> {
+    if key.client_env.is_some_and(|c| c.per_device) {
+        (0..ident.devices.len()).map(Some).collect()
+    } else {
+        vec![None]
+    }
+}
+
+/// A limit's value as the control daemon prints it back (a percentage `25.0`, a size
+/// `4096M`), in the unit of its row's grammar; `None` if the reply is not one.
+fn read_back(number: Number, reply: &str) -> Option<f64> {
+    match number {
+        Number::Integer { max, .. } => reply::percentage(reply).filter(|v| *v <= max as f64),
+        Number::Size => reply::pinned_mem(reply).map(|b| b as f64),
+    }
 }
 
 /// The limits in the daemon's own environment, so that it has them from its first instant:
@@ -100,26 +120,48 @@ pub(super) fn limit_env(ident: &Identity) -> Vec<(&'static str, String)> {
     env
 }
 
-/// The limits the limit check compares with, as the control daemon prints them back.
+/// One limit the limit check compares with, as the control daemon prints it back: its
+/// value rounded as `set_*` sends it, and the devices it is read per.
 struct Wanted {
-    /// Active thread percentage.
-    tp: Option<f64>,
-    /// Pinned memory per device, in bytes, rounded as `set_*` sends it.
-    mem: Option<u64>,
-    devices: usize,
+    limit: Limit,
+    number: Number,
+    value: f64,
+    devices: Vec<Option<usize>>,
 }
 
 impl Wanted {
-    fn of(ident: &Identity) -> Self {
-        Wanted {
-            tp: ident.active_thread_percentage.map(f64::from),
-            mem: ident
-                .pinned_memory_limit
-                .and_then(|b| parse_mps_mem(&crate::request::format_mps_size(b))),
-            devices: ident.devices.len(),
+    /// Every limit the identity sets. A limit read back within `TOLERANCE` of the wanted
+    /// value is that value (the daemon prints percentages as decimals).
+    fn of(ident: &Identity) -> Vec<Wanted> {
+        crate::request::limits()
+            .filter_map(|(key, limit, number)| {
+                let value = read_back(number, &number.mps_text(ident.limit(key)?))?;
+                Some(Wanted {
+                    limit,
+                    number,
+                    value,
+                    devices: ordinals(key, ident),
+                })
+            })
+            .collect()
+    }
+
+    /// The `get_*` command that reads it back for `device` (`<server> ` first for a
+    /// server's, `scope` empty; `default_` for the daemon's defaults).
+    fn get(&self, scope: &str, server: Option<u32>, device: Option<usize>) -> String {
+        let mut cmd = format!("get_{scope}{}", self.limit.mps);
+        for n in [server.map(u64::from), device.map(|i| i as u64)]
+            .into_iter()
+            .flatten()
+        {
+            cmd.push_str(&format!(" {n}"));
         }
+        cmd
     }
 }
+
+/// How far a value read back may be from the one set and still be it.
+const TOLERANCE: f64 = 0.01;
 
 impl Supervisor {
     /// Checks that the daemon still enforces the identity's limits. A tenant reaches the
@@ -167,19 +209,14 @@ impl Supervisor {
     /// Whether the daemon's default limits differ from the identity's.
     fn defaults_changed(
         &self,
-        want: &Wanted,
+        want: &[Wanted],
         ask: &dyn Fn(&str) -> anyhow::Result<String>,
     ) -> anyhow::Result<bool> {
         let mut changed = false;
-        if let Some(p) = want.tp {
-            changed |= parse_percentage(&ask("get_default_active_thread_percentage")?)
-                .is_none_or(|got| (got - p).abs() > 0.01);
-        }
-        if let Some(m) = want.mem {
-            for i in 0..want.devices {
-                changed |=
-                    parse_mps_mem(&ask(&format!("get_default_device_pinned_mem_limit {i}"))?)
-                        != Some(m);
+        for w in want {
+            for &device in &w.devices {
+                changed |= read_back(w.number, &ask(&w.get("default_", None, device))?)
+                    .is_none_or(|got| (got - w.value).abs() > TOLERANCE);
             }
         }
         Ok(changed)
@@ -190,7 +227,7 @@ impl Supervisor {
     fn server_raised(
         &self,
         server: u32,
-        want: &Wanted,
+        want: &[Wanted],
         ask: &dyn Fn(&str) -> anyhow::Result<String>,
     ) -> anyhow::Result<bool> {
         let unreadable = |cmd: &str, reply: &str| {
@@ -198,16 +235,12 @@ impl Supervisor {
             false
         };
         let mut over = false;
-        if let Some(p) = want.tp {
-            let cmd = format!("get_active_thread_percentage {server}");
-            let g = ask(&cmd)?;
-            over |= parse_percentage(&g).map_or_else(|| unreadable(&cmd, &g), |g| g > p + 0.01);
-        }
-        if let Some(m) = want.mem {
-            for i in 0..want.devices {
-                let cmd = format!("get_device_pinned_mem_limit {server} {i}");
+        for w in want {
+            for &device in &w.devices {
+                let cmd = w.get("", Some(server), device);
                 let g = ask(&cmd)?;
-                over |= parse_mps_mem(&g).map_or_else(|| unreadable(&cmd, &g), |g| g > m);
+                over |= read_back(w.number, &g)
+                    .map_or_else(|| unreadable(&cmd, &g), |g| g > w.value + TOLERANCE);
             }
         }
         Ok(over)
@@ -273,8 +306,7 @@ mod tests {
             uid: 1000,
             gid: 1000,
             multi_user: false,
-            active_thread_percentage: Some(25),
-            pinned_memory_limit: Some(4 << 30),
+            limits: crate::identity::test_limits(Some(25), Some(4 << 30)),
             ipc_host: false,
             tenant: None,
         };
@@ -306,8 +338,7 @@ mod tests {
             ]
         );
         let none = Identity {
-            active_thread_percentage: None,
-            pinned_memory_limit: None,
+            limits: Default::default(),
             ..ident
         };
         assert!(limit_commands(&none).is_empty());

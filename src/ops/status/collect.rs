@@ -30,6 +30,36 @@ pub(crate) struct DeviceView {
     pub mig_profile: Option<String>,
 }
 
+/// A daemon's limits as `status` shows them: every limit's row, set or not.
+#[derive(Debug, Default)]
+pub(crate) struct LimitsView(pub crate::identity::LimitValues);
+
+impl Serialize for LimitsView {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(None)?;
+        for (key, limit, _) in crate::request::limits() {
+            map.serialize_entry(limit.status_field, &self.0.get(key))?;
+        }
+        map.end()
+    }
+}
+
+impl LimitsView {
+    /// Each limit that is set as the table shows it: `threads=25%`, `mem=4096M`.
+    pub(crate) fn labels(&self) -> impl Iterator<Item = String> + '_ {
+        crate::request::limits().filter_map(|(key, limit, number)| {
+            let value = self.0.get(key)?;
+            Some(format!(
+                "{}={}{}",
+                limit.label,
+                number.mps_text(value),
+                limit.unit
+            ))
+        })
+    }
+}
+
 #[derive(Debug, Serialize)]
 pub(crate) struct DaemonView {
     pub id: String,
@@ -42,8 +72,10 @@ pub(crate) struct DaemonView {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tenant: Option<crate::identity::Tenant>,
     pub ipc: &'static str,
-    pub active_thread_percentage: Option<u8>,
-    pub pinned_memory_limit_bytes: Option<u64>,
+    /// The limits it enforces, each its row's `status_field` (`active_thread_percentage`,
+    /// `pinned_memory_limit_bytes`), `null` when unset.
+    #[serde(flatten)]
+    pub limits: LimitsView,
     pub status: ViewStatus,
     pub pid: Option<i32>,
     pub supervisor_pid: Option<i32>,
@@ -371,8 +403,7 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
             multi_user: ident.multi_user,
             tenant: ident.tenant.clone(),
             ipc: if ident.ipc_host { "host" } else { "isolated" },
-            active_thread_percentage: ident.active_thread_percentage,
-            pinned_memory_limit_bytes: ident.pinned_memory_limit,
+            limits: LimitsView(ident.limits.clone()),
             status: ViewStatus::Record(rec.status),
             pid: rec.daemon.filter(|_| alive).map(|p| p.pid),
             supervisor_pid: rec.supervisor.map(|p| p.pid),
@@ -439,8 +470,7 @@ fn directory_view(state: &StateDir, id: String, pending_grace: u64) -> DaemonVie
         multi_user: false,
         tenant: None,
         ipc: if shm { "isolated" } else { "host" },
-        active_thread_percentage: None,
-        pinned_memory_limit_bytes: None,
+        limits: LimitsView::default(),
         status: ViewStatus::Directory(status),
         pid: None,
         supervisor_pid: None,

@@ -126,13 +126,7 @@ pub(crate) fn table(view: &StatusView) -> String {
             .collect::<Vec<_>>()
             .join(",");
         let uid = d.uid_label();
-        let mut limits = Vec::new();
-        if let Some(p) = d.active_thread_percentage {
-            limits.push(format!("threads={p}%"));
-        }
-        if let Some(m) = d.pinned_memory_limit_bytes {
-            limits.push(format!("mem={}", crate::request::format_mps_size(m)));
-        }
+        let mut limits: Vec<String> = d.limits.labels().collect();
         if d.ipc == "host" {
             limits.push("ipc=host".into());
         }
@@ -681,8 +675,7 @@ mod tests {
                 multi_user: false,
                 tenant: None,
                 ipc: "isolated",
-                active_thread_percentage: None,
-                pinned_memory_limit_bytes: None,
+                limits: Default::default(),
                 status: ViewStatus::Record(DaemonStatus::Ready),
                 pid: Some(5),
                 supervisor_pid: Some(4),
