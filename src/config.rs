@@ -11,8 +11,10 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::request::keys::Number;
+use crate::request::KeySpec;
 use crate::request::ProfileValue;
-use crate::request::{KeySpec, ACTIVE_THREAD_PERCENTAGE, PINNED_MEMORY_LIMIT};
+
+mod rows;
 
 /// Where the configuration is read from when `GPUSHARE_CONFIG` is not set.
 pub(crate) const DEFAULT_PATH: &str = "/etc/gpushare/runtime.toml";
@@ -182,30 +184,20 @@ pub struct Config {
 
 /// A named limit profile (`[cdi.profiles.<name>]`): the limits a CDI device `<dev>-<name>`
 /// asks for, kept as written (the request pipeline parses them as it parses a request's).
-/// At least one is set; each is valid and within the `[mps]` ceilings.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+/// At least one is set; each is valid and within the `[mps]` ceilings. Its keys are the
+/// limit rows' names (`request::profile_keys`), read by `rows`.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CdiProfile {
-    pub active_thread_percentage: Option<u8>,
-    pub pinned_memory_limit: Option<String>,
+    limits: Vec<(&'static KeySpec, rows::Written)>,
 }
 
 impl CdiProfile {
-    /// The limits the profile sets, by row ([`crate::request::profile_keys`]), as written.
-    ///
-    /// Like [`RawMps::number`], the one place a profile's keys are spelled as fields:
-    /// serde's field per key refuses an unknown one with the line listing the known ones.
+    /// The limits the profile sets, in the rows' order, as written.
     pub(crate) fn limits(&self) -> Vec<(&'static KeySpec, ProfileValue<'_>)> {
         crate::request::profile_keys()
             .filter_map(|key| {
-                let value = if *key == ACTIVE_THREAD_PERCENTAGE {
-                    self.active_thread_percentage.map(ProfileValue::Small)
-                } else if *key == PINNED_MEMORY_LIMIT {
-                    self.pinned_memory_limit.as_deref().map(ProfileValue::Text)
-                } else {
-                    None
-                };
-                value.map(|v| (key, v))
+                let (_, value) = self.limits.iter().find(|(k, _)| *k == key)?;
+                Some((key, value.as_profile()))
             })
             .collect()
     }
@@ -324,9 +316,19 @@ struct RawCdi {
     profiles: std::collections::BTreeMap<String, CdiProfile>,
 }
 
+/// `[mps]`: its own keys, and the rows' default and ceiling keys (`rows`).
+#[derive(Default)]
+struct RawMps {
+    fields: MpsFields,
+    /// The rows' keys that are set, by config key (`mps.<name>`), as written.
+    rows: Vec<(&'static str, rows::Written)>,
+}
+
+/// `[mps]`'s own keys. Unknown keys are refused by `rows` (whose line lists these and the
+/// rows' keys); `deny_unknown_fields` stays as the derive's own guard.
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
-struct RawMps {
+struct MpsFields {
     control_binary: Option<String>,
     user_mode: Option<UserMode>,
     tenant: Option<TenantMode>,
@@ -341,10 +343,6 @@ struct RawMps {
     shm_size_total: Option<String>,
     start_timeout: Option<String>,
     idle_timeout: Option<String>,
-    default_active_thread_percentage: Option<u8>,
-    default_pinned_memory_limit: Option<String>,
-    max_active_thread_percentage: Option<u8>,
-    max_pinned_memory_limit: Option<String>,
     daemon_gid: Option<u32>,
     max_daemons: Option<u32>,
     max_daemons_per_uid: Option<u32>,
@@ -514,24 +512,9 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
 
 impl RawMps {
     /// The value of a row's `default_key` or `ceiling_key` (`mps.<name>`), as written.
-    ///
-    /// The one place a limit's config keys are spelled as fields: serde needs a field per
-    /// key to refuse unknown keys with the line that lists the known ones, and to type each.
     fn number(&self, config_key: &str) -> Option<ProfileValue<'_>> {
-        let small = |v: Option<u8>| v.map(ProfileValue::Small);
-        match config_key.strip_prefix("mps.")? {
-            "default-active-thread-percentage" => small(self.default_active_thread_percentage),
-            "max-active-thread-percentage" => small(self.max_active_thread_percentage),
-            "default-pinned-memory-limit" => self
-                .default_pinned_memory_limit
-                .as_deref()
-                .map(ProfileValue::Text),
-            "max-pinned-memory-limit" => self
-                .max_pinned_memory_limit
-                .as_deref()
-                .map(ProfileValue::Text),
-            _ => None,
-        }
+        let (_, value) = self.rows.iter().find(|(k, _)| *k == config_key)?;
+        Some(value.as_profile())
     }
 }
 
@@ -684,7 +667,8 @@ impl Check {
     }
 
     /// `[mps]`, its keys checked one after the other: the first bad one is the error.
-    fn mps(&self, m: &RawMps) -> Result<MpsConfig, ConfigError> {
+    fn mps(&self, raw: &RawMps) -> Result<MpsConfig, ConfigError> {
+        let m = &raw.fields;
         let control_binary = self.control_binary(m.control_binary.as_deref())?;
         let multi_user_flag = self.multi_user_flag(m.multi_user_flag.as_deref().unwrap_or("-M"))?;
         let container_pipe_dir = self.abs(
@@ -708,7 +692,7 @@ impl Check {
         let start_timeout = self.start_timeout(m.start_timeout.as_deref().unwrap_or("10s"))?;
         let idle_timeout =
             self.idle_timeout(m.idle_timeout.as_deref().unwrap_or(DEFAULT_IDLE_TIMEOUT))?;
-        let (defaults, ceilings) = self.client_limits(m)?;
+        let (defaults, ceilings) = self.client_limits(raw)?;
         let max_daemons = self.count("mps.max-daemons", m.max_daemons, 64)?;
         let max_daemons_per_uid =
             self.count("mps.max-daemons-per-uid", m.max_daemons_per_uid, 8)?;
@@ -776,18 +760,18 @@ impl Check {
             let limits = p.limits();
             if limits.is_empty() {
                 let names: Vec<&str> = crate::request::profile_keys().map(|k| k.name).collect();
-                return Err(bad(format!(
-                    "sets no limit: allowed is {} or both",
-                    names.join(", ")
-                )));
+                let allowed = match names.as_slice() {
+                    [a, b] => format!("{a}, {b} or both"),
+                    _ => format!("one or more of {}", names.join(", ")),
+                };
+                return Err(bad(format!("sets no limit: allowed is {allowed}")));
             }
             for (key, raw) in limits {
                 let Some(number) = key.number() else {
                     continue;
                 };
                 let value = match raw {
-                    ProfileValue::Small(v) => {
-                        let v = u64::from(v);
+                    ProfileValue::Integer(v) => {
                         if !number.allows(v) {
                             return Err(bad(format!(
                                 "{} = {v}: allowed is {}",
@@ -804,7 +788,7 @@ impl Check {
                 let ceiling = mps.ceilings.0.iter().find(|(k, _)| *k == key);
                 if let Some(&(_, max)) = ceiling.filter(|(_, max)| value > *max) {
                     let written = match raw {
-                        ProfileValue::Small(v) => v.to_string(),
+                        ProfileValue::Integer(v) => v.to_string(),
                         ProfileValue::Text(raw) => format!("{raw:?}"),
                     };
                     let ceiling_key = key.ceiling_key.unwrap_or_default();
@@ -971,7 +955,7 @@ impl Check {
         };
         match m.number(config_key) {
             None => Ok(None),
-            Some(ProfileValue::Small(p)) => number
+            Some(ProfileValue::Integer(p)) => number
                 .parse(config_key, &p.to_string())
                 .map(Some)
                 .map_err(|_| self.bad(config_key, &p.to_string(), number.allowed())),
@@ -1074,7 +1058,13 @@ mod tests {
             cfg.cdi_profiles.keys().collect::<Vec<_>>(),
             ["mem4", "small"]
         );
-        assert_eq!(cfg.cdi_profiles["small"].active_thread_percentage, Some(25));
+        assert_eq!(
+            cfg.cdi_profiles["small"].limits(),
+            [(
+                &crate::request::ACTIVE_THREAD_PERCENTAGE,
+                ProfileValue::Integer(25)
+            )]
+        );
         for (text, want) in [
             ("[cdi.profiles.Big]\nactive-thread-percentage = 5", "[cdi.profiles.Big]: the name is invalid: allowed is 1 to 32 lowercase letters"),
             ("[cdi.profiles.mig]\nactive-thread-percentage = 5", "[cdi.profiles.mig]: the name is invalid"),
@@ -1131,6 +1121,68 @@ mod tests {
         assert_eq!(read, rows);
     }
 
+    /// An unknown key's line lists every key its table takes, the rows' among them, once
+    /// each: every numeric row's default and ceiling key under `[mps]` beside `[mps]`'s own
+    /// keys, and every limit's name under `[cdi.profiles.<name>]`.
+    #[test]
+    fn unknown_key_lines_list_the_rows_keys() {
+        let listed = |text: &str| -> Vec<String> {
+            let err = parse(text, None).unwrap_err().to_string();
+            let want = "TOML parse error at line 2, column 1 | 2 | zz = 1 | ^^ unknown field `zz`, expected ";
+            let (_, list) = err.split_once(want).unwrap_or_else(|| panic!("{err}"));
+            let list = list.strip_prefix("one of ").unwrap_or(list);
+            list.split(", ")
+                .flat_map(|item| item.split(" or "))
+                .map(|k| k.trim_matches('`').to_owned())
+                .collect()
+        };
+        let mps = listed("[mps]\nzz = 1");
+        let mut rows_keys = Vec::new();
+        for (key, _) in crate::request::numeric() {
+            for config_key in [key.default_key, key.ceiling_key].into_iter().flatten() {
+                rows_keys.push(config_key.strip_prefix("mps.").expect("an [mps] key"));
+            }
+        }
+        assert!(rows_keys.len() >= 4, "{rows_keys:?}");
+        for name in rows_keys
+            .iter()
+            .chain(&["control-binary", "daemon-pids-max"])
+        {
+            assert_eq!(
+                mps.iter().filter(|k| k == name).count(),
+                1,
+                "{name} in {mps:?}"
+            );
+        }
+        let mut unique = mps.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), mps.len(), "a key twice: {mps:?}");
+        let profile = listed("[cdi.profiles.p]\nzz = 1");
+        let names: Vec<_> = crate::request::profile_keys().map(|k| k.name).collect();
+        assert_eq!(profile, names);
+    }
+
+    /// The config module spells no limit outside its tests: the rows are the one home of
+    /// their keys, which `rows` reads by row (a limit spelled here again is a second home
+    /// that a new row would have to find).
+    #[test]
+    fn the_config_module_spells_no_limit() {
+        let sources = [
+            ("src/config.rs", include_str!("config.rs")),
+            ("src/config/rows.rs", include_str!("config/rows.rs")),
+        ];
+        for (file, text) in sources {
+            let code = text.split("#[cfg(test)]").next().unwrap_or(text);
+            for key in crate::request::profile_keys() {
+                let snake = key.name.replace('-', "_");
+                for spelled in [key.name.to_owned(), snake.to_uppercase(), snake] {
+                    assert!(!code.contains(&spelled), "{file} spells {spelled}");
+                }
+            }
+        }
+    }
+
     /// The config's lines about the limits' defaults, ceilings and CDI profiles, pinned
     /// whole: they are built from the request-key rows, and must read as they always have.
     #[test]
@@ -1142,11 +1194,23 @@ mod tests {
             ),
             (
                 "[mps]\ndefault-active-thread-percentage = 300",
-                "invalid config <defaults>: TOML parse error at line 2, column 36 | 2 | default-active-thread-percentage = 300 | ^^^ invalid value: integer `300`, expected u8",
+                "invalid config <defaults>: mps.default-active-thread-percentage = \"300\": an integer from 1 to 100",
             ),
             (
                 "[mps]\ndefault-active-thread-percentage = \"5\"",
-                "invalid config <defaults>: TOML parse error at line 2, column 36 | 2 | default-active-thread-percentage = \"5\" | ^^^ invalid type: string \"5\", expected u8",
+                "invalid config <defaults>: TOML parse error at line 2, column 36 | 2 | default-active-thread-percentage = \"5\" | ^^^ invalid type: string \"5\", expected an integer from 1 to 100",
+            ),
+            (
+                "[mps]\ndefault-active-thread-percentage = -1",
+                "invalid config <defaults>: TOML parse error at line 2, column 36 | 2 | default-active-thread-percentage = -1 | ^^ invalid value: integer `-1`, expected an integer from 1 to 100",
+            ),
+            (
+                "[mps]\nmax-active-thread-percentage = 1.5",
+                "invalid config <defaults>: TOML parse error at line 2, column 32 | 2 | max-active-thread-percentage = 1.5 | ^^^ invalid type: floating point `1.5`, expected an integer from 1 to 100",
+            ),
+            (
+                "[mps]\nmax-pinned-memory-limit = 4",
+                "invalid config <defaults>: TOML parse error at line 2, column 27 | 2 | max-pinned-memory-limit = 4 | ^ invalid type: integer `4`, expected a string with a size and a unit, like \"512M\" or \"4G\"",
             ),
             (
                 "[mps]\nmax-active-thread-percentage = 101",
@@ -1182,7 +1246,7 @@ mod tests {
             ),
             (
                 "[mps]\nmax-threads = 5",
-                "invalid config <defaults>: TOML parse error at line 2, column 1 | 2 | max-threads = 5 | ^^^^^^^^^^^ unknown field `max-threads`, expected one of `control-binary`, `user-mode`, `tenant`, `multi-user-flag`, `limits`, `ipc`, `allow-ipc-override`, `container-pipe-dir`, `container-log-dir`, `shm-size`, `shm-size-per-uid`, `shm-size-total`, `start-timeout`, `idle-timeout`, `default-active-thread-percentage`, `default-pinned-memory-limit`, `max-active-thread-percentage`, `max-pinned-memory-limit`, `daemon-gid`, `max-daemons`, `max-daemons-per-uid`, `log-size`, `limit-check-interval`, `daemon-memory-max`, `daemon-pids-max`",
+                "invalid config <defaults>: TOML parse error at line 2, column 1 | 2 | max-threads = 5 | ^^^^^^^^^^^ unknown field `max-threads`, expected one of `control-binary`, `user-mode`, `tenant`, `multi-user-flag`, `limits`, `ipc`, `allow-ipc-override`, `container-pipe-dir`, `container-log-dir`, `shm-size`, `shm-size-per-uid`, `shm-size-total`, `start-timeout`, `idle-timeout`, `daemon-gid`, `max-daemons`, `max-daemons-per-uid`, `log-size`, `limit-check-interval`, `daemon-memory-max`, `daemon-pids-max`, `default-active-thread-percentage`, `default-pinned-memory-limit`, `max-active-thread-percentage`, `max-pinned-memory-limit`",
             ),
             (
                 "[cdi.profiles.none]\n",
@@ -1194,7 +1258,11 @@ mod tests {
             ),
             (
                 "[cdi.profiles.p]\nactive-thread-percentage = 300",
-                "invalid config <defaults>: TOML parse error at line 2, column 28 | 2 | active-thread-percentage = 300 | ^^^ invalid value: integer `300`, expected u8",
+                "invalid config <defaults>: [cdi.profiles.p]: active-thread-percentage = 300: allowed is an integer from 1 to 100",
+            ),
+            (
+                "[cdi.profiles.p]\nactive-thread-percentage = \"25\"",
+                "invalid config <defaults>: TOML parse error at line 2, column 28 | 2 | active-thread-percentage = \"25\" | ^^^^ invalid type: string \"25\", expected an integer from 1 to 100",
             ),
             (
                 "[cdi.profiles.p]\npinned-memory-limit = \"4\"",
@@ -1202,7 +1270,7 @@ mod tests {
             ),
             (
                 "[cdi.profiles.p]\npinned-memory-limit = 4",
-                "invalid config <defaults>: TOML parse error at line 2, column 23 | 2 | pinned-memory-limit = 4 | ^ invalid type: integer `4`, expected a string",
+                "invalid config <defaults>: TOML parse error at line 2, column 23 | 2 | pinned-memory-limit = 4 | ^ invalid type: integer `4`, expected a string with a size and a unit, like \"512M\" or \"4G\"",
             ),
             (
                 "[mps]\nmax-active-thread-percentage = 50\n[cdi.profiles.p]\nactive-thread-percentage = 60",

@@ -1312,7 +1312,7 @@ mod tests {
             accept_visible_devices_env: false,
         };
         let small: ProfileLimits = vec![
-            (&ACTIVE_THREAD_PERCENTAGE, ProfileValue::Small(25)),
+            (&ACTIVE_THREAD_PERCENTAGE, ProfileValue::Integer(25)),
             (&PINNED_MEMORY_LIMIT, ProfileValue::Text("4G")),
         ];
         let ask = |ann: &[(&str, &str)], env: &[&str], accept_env: bool, profile| {

@@ -379,11 +379,11 @@ pub(crate) fn limits() -> impl Iterator<Item = (&'static KeySpec, Limit, Number)
     numeric().filter_map(|(k, n)| k.limit.map(|l| (k, l, n)))
 }
 
-/// A limit's value as a config's serde typed it: a percentage as a small integer, a size
-/// as text.
+/// A limit's value as a config wrote it: an integer grammar's as a TOML integer (its range
+/// unchecked), a size as text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ProfileValue<'a> {
-    Small(u8),
+    Integer(u64),
     Text(&'a str),
 }
 
@@ -391,7 +391,7 @@ impl ProfileValue<'_> {
     /// The value as written.
     pub(crate) fn text(&self) -> String {
         match self {
-            ProfileValue::Small(v) => v.to_string(),
+            ProfileValue::Integer(v) => v.to_string(),
             ProfileValue::Text(s) => (*s).to_owned(),
         }
     }
