@@ -1,10 +1,10 @@
 //! One container engine, as `install`, `uninstall`, `install cdi --enable`, `doctor` and
 //! the CLI use it: each engine is one implementation of [`EngineConfig`] (in its own
-//! module, beside the pure edits of its config), listed once in [`super::ENGINES`]. Nothing
-//! outside an engine's module branches on which engine it is: the CLI makes `install
-//! <engine>`, `uninstall <engine>` and doctor's `--<engine>-config` from the list, and
-//! what only one engine has (its own install flags, what follows its uninstall) is a
-//! method of its implementation.
+//! module, beside the pure edits of its config), listed once in [`super::ENGINES`].
+//! Nothing outside an engine's module branches on which engine it is: the CLI makes
+//! `install <engine>`, `uninstall <engine>` and doctor's `--<engine>-config` from the
+//! list, and what only one engine has (its own install flags, what follows its
+//! uninstall) is a method of its implementation.
 
 use std::path::{Path, PathBuf};
 

@@ -20,8 +20,8 @@
 //! and what follows its uninstall are in `commands`.
 //!
 //! Invariants: every function here is pure, on the file's text (`ops::install` and
-//! `commands` do the I/O);
-//! an edit keeps the rest of the file byte for byte and changes nothing the second time;
+//! `commands` do the I/O); an edit keeps the rest of the file byte for byte and changes
+//! nothing the second time;
 //! `registration` reads back exactly what `edit` writes (and `remove` takes out), and with
 //! `cri_disabled` and `socket` is all that `doctor` learns of a containerd config.
 
