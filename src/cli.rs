@@ -7,10 +7,11 @@
 //! lock a create could wait on; `gc` cleans everything it can, prints one line on stderr
 //! for each thing it could not (naming it and why), and exits 1 if there was any.
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::config::Config;
 use crate::ops;
+use crate::ops::install::{EngineConfig, ENGINES};
 use crate::request::{KeySpec, KEYS};
 
 #[derive(Parser)]
@@ -54,12 +55,9 @@ enum Command {
     /// Check this node: driver, MPS binary, compute modes, state dir, engines. Exit code
     /// 0 all ok, 1 warnings, 2 failures.
     Doctor {
-        /// Docker's daemon.json to check.
-        #[arg(long, default_value = crate::ops::install::DEFAULT_DOCKER_CONFIG)]
-        docker_config: std::path::PathBuf,
-        /// containerd's config.toml to check.
-        #[arg(long, default_value = crate::ops::install::DEFAULT_CONTAINERD_CONFIG)]
-        containerd_config: std::path::PathBuf,
+        // `--<engine>-config`, one per engine.
+        #[command(flatten)]
+        engine_configs: EngineConfigs,
         /// A CDI spec of gpushare's to compare with the inventory (repeatable; default:
         /// /etc/cdi/gpushare.json and /var/run/cdi/gpushare.json, where they exist).
         #[arg(long)]
@@ -68,14 +66,13 @@ enum Command {
     /// Register gpushare-runtime with a container engine.
     Install {
         #[command(subcommand)]
-        engine: Engine,
+        target: InstallTarget,
     },
-    /// Undo `install docker|containerd|cdi --enable` on a container engine's config: the
-    /// file as it was before the first install, byte for byte (kept beside it as
-    /// <config>.gpushare-undo), or, where it changed since, the runtime's entry taken out.
+    // Its help names the engines: made from them.
+    #[command(about = uninstall_about())]
     Uninstall {
         #[command(subcommand)]
-        engine: UninstallEngine,
+        engine: EngineUninstall,
     },
     /// Clean state left by crashes and reboots: stale container records, daemons whose
     /// supervisor is gone, half-removed directories. What cannot be cleaned is one line
@@ -139,59 +136,24 @@ struct InstallArgs {
     dry_run: bool,
 }
 
+/// What `gpushare install` installs: a runtime with one engine, or the CDI spec.
 #[derive(Subcommand)]
-enum Engine {
-    /// Add `runtimes.<name>` to Docker's daemon.json (default /etc/docker/daemon.json).
-    Docker(InstallArgs),
-    /// Add a runc-v2 runtime with BinaryName to containerd's config.toml
-    /// (default /etc/containerd/config.toml).
-    Containerd {
-        #[command(flatten)]
-        args: InstallArgs,
-        /// Config version for a new file: 2 (containerd 1.x) or 3 (2.x); default: asks
-        /// `containerd --version`, else 2. An existing file's own version always wins.
-        #[arg(long, value_parser = clap::value_parser!(i64).range(2..=3))]
-        config_version: Option<i64>,
-        /// No shim: plain runc whose base_runtime_spec (containerd's default spec, from
-        /// `ctr oci spec`, plus gpushare's hooks; written beside the config as
-        /// <name>-base-spec.json) runs gpushare in hook-only mode. --runtime-path is unused.
-        #[arg(long)]
-        hook_only: bool,
-        /// Instead of registering a runtime: turn containerd's NRI on (off by default in
-        /// 1.7, on in 2.x), for `gpushare nri` (docs/kubernetes.md). --name and
-        /// --runtime-path are unused.
-        #[arg(long, conflicts_with = "hook_only")]
-        nri: bool,
-        /// With --nri: also register the plugin for containerd to launch, as an
-        /// executable 10-gpushare in its NRI plugin_path (default /opt/nri/plugins) that
-        /// runs this `gpushare nri`; `gpushare uninstall containerd` removes it.
-        /// containerd 2.x only (a version 3 config).
-        #[arg(long, requires = "nri")]
-        nri_launch: bool,
-        /// With --nri: have NRI's default validator (containerd 2.2 and later) refuse
-        /// containers that need the plugin while it is not connected (stopped, crashed,
-        /// restarting): `node`, every container but those of pods annotated
-        /// tolerate-missing-plugins.gpushare.io: "true"; `pods`, the containers of pods
-        /// annotated required-plugins.noderesource.dev: '["gpushare"]' (docs/kubernetes.md).
-        #[arg(long, value_enum, requires = "nri")]
-        nri_required: Option<NriRequired>,
-    },
+enum InstallTarget {
+    #[command(flatten)]
+    Engine(EngineInstall),
     /// Write gpushare's CDI spec (`gpushare cdi generate`) where every CDI engine reads it
     /// across reboots (default /etc/cdi/gpushare.json), and say how each engine uses it.
     Cdi {
         /// Where to write it.
         #[arg(long, default_value = crate::ops::install::CDI_STATIC_SPEC)]
         output: std::path::PathBuf,
-        /// Also turn CDI on in this engine's config, reading the spec's directory: Docker's
-        /// daemon.json (`features.cdi`, `cdi-spec-dirs`) or containerd's config.toml
-        /// (`enable_cdi`, `cdi_spec_dirs` of the CRI plugin).
+        // Its help names each engine's config and settings: made from the engines.
         #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(
-            ops::install::ENGINES.iter().map(|e| e.name())
-        ))]
+            ENGINES.iter().map(|e| e.name())
+        ), help = cdi_enable_help())]
         enable: Option<String>,
-        /// The engine's config file (default: /etc/docker/daemon.json or
-        /// /etc/containerd/config.toml).
-        #[arg(long, requires = "enable")]
+        // Its help names each engine's default config: made from the engines.
+        #[arg(long, requires = "enable", help = cdi_config_help())]
         config: Option<std::path::PathBuf>,
         /// Print the spec (and with --enable the engine's resulting config) instead of
         /// writing them.
@@ -213,44 +175,178 @@ struct UninstallArgs {
     dry_run: bool,
 }
 
-#[derive(Subcommand)]
-enum UninstallEngine {
-    /// Docker's daemon.json (default /etc/docker/daemon.json).
-    Docker(UninstallArgs),
-    /// Remove the runtime's tables from containerd's config.toml (default
-    /// /etc/containerd/config.toml), the hook-only base spec of ours it named, the
-    /// NRI plugin `install containerd --nri-launch` put in its plugin_path, gpushare
-    /// in NRI's required_plugins (`--nri-required node`), and the state of an NRI plugin
-    /// that no longer runs (`<state-dir>/nri.json`).
-    Containerd(UninstallArgs),
+/// `gpushare install <engine>` or `gpushare uninstall <engine>`: one subcommand per engine
+/// of [`ENGINES`], in its order, with the flags every engine takes (`A`) and what the
+/// engine adds ([`EngineArgs::for_engine`]); `flags` holds all of them, for the engine's
+/// own ([`EngineConfig::install_flags`]).
+struct EngineCommand<A> {
+    engine: &'static dyn EngineConfig,
+    args: A,
+    flags: clap::ArgMatches,
 }
 
-impl Engine {
-    /// The engine a runtime is registered with, by its [`ops::install::EngineConfig`]
-    /// name, and the flags every engine takes; `None` for `install cdi`.
-    fn runtime_args(&self) -> Option<(&'static str, &InstallArgs)> {
-        match self {
-            Engine::Docker(args) => Some(("docker", args)),
-            Engine::Containerd { args, .. } => Some(("containerd", args)),
-            Engine::Cdi { .. } => None,
-        }
+type EngineInstall = EngineCommand<InstallArgs>;
+type EngineUninstall = EngineCommand<UninstallArgs>;
+
+/// The flags every engine takes in one command, and what each engine adds to its
+/// subcommand there (its help, its own flags).
+trait EngineArgs: Args {
+    fn for_engine(engine: &dyn EngineConfig, cmd: clap::Command) -> clap::Command;
+}
+
+impl EngineArgs for InstallArgs {
+    fn for_engine(engine: &dyn EngineConfig, cmd: clap::Command) -> clap::Command {
+        cmd.args(engine.install_flags())
+            .about(engine.install_about())
     }
 }
 
-impl UninstallEngine {
-    /// The engine, by its [`ops::install::EngineConfig`] name, and the flags.
-    fn parts(&self) -> (&'static str, &UninstallArgs) {
-        match self {
-            UninstallEngine::Docker(args) => ("docker", args),
-            UninstallEngine::Containerd(args) => ("containerd", args),
-        }
+impl EngineArgs for UninstallArgs {
+    fn for_engine(engine: &dyn EngineConfig, cmd: clap::Command) -> clap::Command {
+        cmd.about(engine.uninstall_about())
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum NriRequired {
-    Node,
-    Pods,
+impl<A: EngineArgs> clap::FromArgMatches for EngineCommand<A> {
+    fn from_arg_matches(m: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        use clap::error::ErrorKind;
+        let Some((name, sub)) = m.subcommand() else {
+            return Err(clap::Error::raw(
+                ErrorKind::MissingSubcommand,
+                "a subcommand is required but one was not provided",
+            ));
+        };
+        let engine = ops::install::named(name).ok_or_else(|| {
+            clap::Error::raw(
+                ErrorKind::InvalidSubcommand,
+                format!("the subcommand '{name}' wasn't recognized"),
+            )
+        })?;
+        Ok(EngineCommand {
+            engine,
+            args: A::from_arg_matches(sub)?,
+            flags: sub.clone(),
+        })
+    }
+
+    fn update_from_arg_matches(&mut self, m: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(m)?;
+        Ok(())
+    }
+}
+
+impl<A: EngineArgs> Subcommand for EngineCommand<A> {
+    fn augment_subcommands(cmd: clap::Command) -> clap::Command {
+        ENGINES.iter().fold(cmd, |cmd, &engine| {
+            let sub = A::augment_args(clap::Command::new(engine.name()));
+            cmd.subcommand(A::for_engine(engine, sub))
+        })
+    }
+
+    fn augment_subcommands_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_subcommands(cmd)
+    }
+
+    fn has_subcommand(name: &str) -> bool {
+        ops::install::named(name).is_some()
+    }
+}
+
+/// `gpushare doctor --<engine>-config <path>`: each engine's config to check, in
+/// [`ENGINES`]' order (default: the engine's standard one).
+#[derive(Default)]
+struct EngineConfigs(Vec<(&'static dyn EngineConfig, std::path::PathBuf)>);
+
+impl EngineConfigs {
+    /// The flag of `engine`: its id, long name and value name.
+    fn flag(engine: &dyn EngineConfig) -> (String, String, String) {
+        let name = engine.name();
+        (
+            format!("{}_config", name.replace('-', "_")),
+            format!("{name}-config"),
+            format!("{}_CONFIG", name.replace('-', "_").to_uppercase()),
+        )
+    }
+}
+
+impl clap::FromArgMatches for EngineConfigs {
+    fn from_arg_matches(m: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        let mut configs = EngineConfigs::default();
+        configs.update_from_arg_matches(m)?;
+        Ok(configs)
+    }
+
+    fn update_from_arg_matches(&mut self, m: &clap::ArgMatches) -> Result<(), clap::Error> {
+        for &engine in ENGINES {
+            if let Some(path) = m.get_one::<std::path::PathBuf>(&Self::flag(engine).0) {
+                self.0.retain(|(e, _)| e.name() != engine.name());
+                self.0.push((engine, path.clone()));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl clap::Args for EngineConfigs {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        ENGINES.iter().fold(cmd, |cmd, &engine| {
+            let (id, long, value_name) = Self::flag(engine);
+            cmd.arg(
+                clap::Arg::new(id)
+                    .long(long)
+                    .value_name(value_name)
+                    .value_parser(clap::value_parser!(std::path::PathBuf))
+                    .default_value(engine.default_config())
+                    .help(format!("{} to check", engine.config_name())),
+            )
+        })
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
+}
+
+/// `gpushare uninstall`'s help, naming the commands it undoes.
+fn uninstall_about() -> String {
+    let engines: Vec<&str> = ENGINES.iter().map(|e| e.name()).collect();
+    format!(
+        "Undo `install {}|cdi --enable` on a container engine's config: the file as it was before the first install, byte for byte (kept beside it as <config>.gpushare-undo), or, where it changed since, the runtime's entry taken out",
+        engines.join("|")
+    )
+}
+
+/// `gpushare install cdi --enable`'s help: what it changes in each engine's config.
+fn cdi_enable_help() -> String {
+    let each: Vec<String> = ENGINES
+        .iter()
+        .map(|e| format!("{} ({})", e.config_name(), e.cdi_settings()))
+        .collect();
+    format!(
+        "Also turn CDI on in this engine's config, reading the spec's directory: {}",
+        alternatives(&each)
+    )
+}
+
+/// `gpushare install cdi --config`'s help: each engine's default config.
+fn cdi_config_help() -> String {
+    let each: Vec<&str> = ENGINES.iter().map(|e| e.default_config()).collect();
+    format!(
+        "The engine's config file (default: {})",
+        alternatives(&each)
+    )
+}
+
+/// `a`, `a or b`, `a, b or c`.
+fn alternatives(items: &[impl AsRef<str>]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => one.as_ref().to_owned(),
+        [rest @ .., last] => {
+            let rest: Vec<&str> = rest.iter().map(AsRef::as_ref).collect();
+            format!("{} or {}", rest.join(", "), last.as_ref())
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -573,8 +669,10 @@ impl Command {
                     command: DaemonCommand::List { .. }
                 }
         ) || match self {
-            Command::Install { engine } => engine.runtime_args().is_some_and(|(_, a)| a.dry_run),
-            Command::Uninstall { engine } => engine.parts().1.dry_run,
+            Command::Install {
+                target: InstallTarget::Engine(engine),
+            } => engine.args.dry_run,
+            Command::Uninstall { engine } => engine.args.dry_run,
             _ => false,
         }
     }
@@ -599,22 +697,16 @@ fn run(cfg: &Config, command: Command) -> i32 {
         )),
         Command::Gc => i32::from(ops::gc::run(cfg) > 0),
         Command::Doctor {
-            docker_config,
-            containerd_config,
+            engine_configs,
             cdi_spec,
-        } => doctor(cfg, docker_config, containerd_config, cdi_spec),
-        Command::Install { engine } => report(install(cfg, engine)),
-        Command::Uninstall { engine } => {
-            let (name, args) = engine.parts();
-            let done = match ops::install::named(name) {
-                Some(e) => {
-                    ops::install::uninstall(e, args.config.clone(), &args.name, args.dry_run)
-                }
-                None => Err(anyhow::anyhow!("no engine {name}")),
-            };
-            // The NRI plugin is containerd's own: its state goes with `uninstall containerd`.
-            if done.is_ok() && matches!(engine, UninstallEngine::Containerd(_)) && !args.dry_run {
-                forget_nri_plugin(cfg);
+        } => doctor(cfg, engine_configs, cdi_spec),
+        Command::Install { target } => report(install(cfg, target)),
+        Command::Uninstall {
+            engine: EngineCommand { engine, args, .. },
+        } => {
+            let done = ops::install::uninstall(engine, args.config, &args.name, args.dry_run);
+            if done.is_ok() && !args.dry_run {
+                engine.after_uninstall(cfg);
             }
             report(done)
         }
@@ -626,32 +718,6 @@ fn run(cfg: &Config, command: Command) -> i32 {
             name,
             index,
         } => report(nri(cfg, socket, name, index)),
-    }
-}
-
-/// After `uninstall containerd`: the state of an NRI plugin that no longer runs goes with
-/// it, so that `doctor` stops warning about a plugin removed on purpose; one that still
-/// runs (launched by containerd until it restarts, or a service) is named.
-fn forget_nri_plugin(cfg: &Config) {
-    let state = crate::state::StateDir::new(&cfg.state_dir);
-    match ops::gc::forget_stopped_nri_plugin(&state) {
-        Ok(Some(_)) => println!(
-            "removed {}: the NRI plugin no longer runs",
-            state.nri_state_path().display()
-        ),
-        Ok(None) => {
-            if let Some(pid) = crate::nri::PluginState::read(&state)
-                .and_then(|p| p.process)
-                .filter(|p| p.alive())
-                .map(|p| p.pid)
-            {
-                println!("gpushare's NRI plugin still runs (pid {pid}): stop it (`systemctl disable --now gpushare-nri`, or restart containerd for a launched one), then `gpushare gc` forgets it");
-            }
-        }
-        Err(e) => eprintln!(
-            "gpushare: warning: cannot remove {}: {e}",
-            state.nri_state_path().display()
-        ),
     }
 }
 
@@ -771,15 +837,10 @@ fn supervise(cfg: &Config, id: &str) -> i32 {
     }
 }
 
-fn doctor(
-    cfg: &Config,
-    docker: std::path::PathBuf,
-    containerd: std::path::PathBuf,
-    cdi_specs: Vec<std::path::PathBuf>,
-) -> i32 {
+fn doctor(cfg: &Config, configs: EngineConfigs, cdi_specs: Vec<std::path::PathBuf>) -> i32 {
     let mut paths = ops::doctor::Paths::default();
-    for (name, config) in [("docker", docker), ("containerd", containerd)] {
-        if let Some(at) = paths.engine_mut(name) {
+    for (engine, config) in configs.0 {
+        if let Some(at) = paths.engine_mut(engine.name()) {
             at.config = config;
         }
     }
@@ -813,59 +874,129 @@ impl From<Format> for ops::status::Format {
 }
 
 /// `gpushare install <engine>`: the CDI spec, or a runtime registered with an engine.
-fn install(cfg: &Config, engine: Engine) -> anyhow::Result<()> {
-    let engine_named =
-        |name: &str| ops::install::named(name).ok_or_else(|| anyhow::anyhow!("no engine {name}"));
-    let (name, config_version, hook_only, args) = match engine {
-        Engine::Cdi {
+fn install(cfg: &Config, target: InstallTarget) -> anyhow::Result<()> {
+    match target {
+        InstallTarget::Cdi {
             output,
             enable,
             config,
             dry_run,
         } => {
-            let enable = enable.as_deref().map(engine_named).transpose()?;
-            return ops::install::cdi(cfg, &output, enable, config, dry_run);
+            let enable = match enable.as_deref() {
+                Some(name) => Some(
+                    ops::install::named(name).ok_or_else(|| anyhow::anyhow!("no engine {name}"))?,
+                ),
+                None => None,
+            };
+            ops::install::cdi(cfg, &output, enable, config, dry_run)
         }
-        Engine::Docker(args) => ("docker", None, false, args),
-        Engine::Containerd {
+        InstallTarget::Engine(EngineCommand {
+            engine,
             args,
-            config_version,
-            nri: true,
-            nri_launch,
-            nri_required,
-            ..
-        } => {
-            let required = nri_required.map(|r| match r {
-                NriRequired::Node => ops::install::NriRequired::Node,
-                NriRequired::Pods => ops::install::NriRequired::Pods,
-            });
-            return ops::install::enable_nri(
-                args.config,
-                config_version,
-                args.dry_run,
-                nri_launch,
-                required,
-            );
+            flags,
+        }) => {
+            let install = ops::install::Install {
+                engine,
+                config_version: None,
+                config: args.config,
+                runtime_path: args.runtime_path,
+                name: args.name,
+                dry_run: args.dry_run,
+            };
+            engine.install(install, &flags)
         }
-        Engine::Containerd {
-            args,
-            config_version,
-            hook_only,
-            nri: false,
-            ..
-        } => ("containerd", config_version, hook_only, args),
-    };
-    let install = ops::install::Install {
-        engine: engine_named(name)?,
-        config_version,
-        config: args.config,
-        runtime_path: args.runtime_path,
-        name: args.name,
-        dry_run: args.dry_run,
-    };
-    if hook_only {
-        ops::install::hook_only(install)
-    } else {
-        ops::install::run(install)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn names() -> Vec<String> {
+        ENGINES.iter().map(|e| e.name().to_owned()).collect()
+    }
+
+    /// `install <engine>`, `uninstall <engine>` and doctor's `--<engine>-config` are made
+    /// from `ENGINES`: exactly its engines, in its order (`install cdi` after them).
+    #[test]
+    fn install_uninstall_and_doctor_offer_exactly_the_engines() {
+        let cli = Cli::command();
+        cli.clone().debug_assert();
+        let subcommands = |of: &str| -> Vec<String> {
+            let of = cli.find_subcommand(of).unwrap();
+            of.get_subcommands()
+                .map(|c| c.get_name().to_owned())
+                .filter(|n| n != "help")
+                .collect()
+        };
+        let mut install = names();
+        install.push("cdi".to_owned());
+        assert_eq!(subcommands("install"), install);
+        assert_eq!(subcommands("uninstall"), names());
+        let doctor = cli.find_subcommand("doctor").unwrap();
+        let configs: Vec<String> = doctor
+            .get_arguments()
+            .filter_map(|a| a.get_long())
+            .filter(|l| l.ends_with("-config"))
+            .map(str::to_owned)
+            .collect();
+        let want: Vec<String> = names().iter().map(|n| format!("{n}-config")).collect();
+        assert_eq!(configs, want);
+        for engine in ENGINES {
+            // Each help line names the config it changes.
+            assert!(engine.install_about().contains(engine.default_config()));
+            assert!(engine.uninstall_about().contains(engine.default_config()));
+        }
+    }
+
+    /// An engine's own flags reach its `install` (containerd's); `dry_run` keeps the
+    /// log closed for every engine; doctor's flags set each engine's config.
+    #[test]
+    fn the_engines_flags_are_read_back() {
+        let parse = |argv: &[&str]| Cli::try_parse_from([&["gpushare"], argv].concat()).unwrap();
+        let cli = parse(&["install", "containerd", "--nri", "--nri-required", "pods"]);
+        let Command::Install {
+            target: InstallTarget::Engine(install),
+        } = &cli.command
+        else {
+            panic!("not install <engine>");
+        };
+        assert_eq!(install.engine.name(), "containerd");
+        assert_eq!(
+            install
+                .flags
+                .get_one::<String>("nri_required")
+                .map(String::as_str),
+            Some("pods")
+        );
+        assert!(install.flags.get_flag("nri") && !install.args.dry_run);
+        assert!(!cli.command.reads_only());
+        for engine in names() {
+            assert!(parse(&["install", &engine, "--dry-run"])
+                .command
+                .reads_only());
+            assert!(parse(&["uninstall", &engine, "--dry-run"])
+                .command
+                .reads_only());
+            assert!(!parse(&["uninstall", &engine]).command.reads_only());
+        }
+        assert!(!parse(&["install", "cdi", "--dry-run"]).command.reads_only());
+        let cli = parse(&["doctor", "--containerd-config", "/x/config.toml"]);
+        let Command::Doctor { engine_configs, .. } = cli.command else {
+            panic!("not doctor");
+        };
+        let given: Vec<(&str, &std::path::Path)> = engine_configs
+            .0
+            .iter()
+            .map(|(e, p)| (e.name(), p.as_path()))
+            .collect();
+        assert_eq!(
+            given,
+            [
+                ("docker", std::path::Path::new("/etc/docker/daemon.json")),
+                ("containerd", std::path::Path::new("/x/config.toml"))
+            ]
+        );
     }
 }

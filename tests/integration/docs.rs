@@ -35,18 +35,23 @@ fn named_paths(text: &str) -> Vec<String> {
 }
 
 /// The source files that can hold library module `module`: `src/**/<module>.rs` and
-/// `src/**/<module>/*.rs`.
+/// `src/**/<module>/**/*.rs` (its submodules, at any depth).
 fn library_files(dir: &Path, module: &str, out: &mut Vec<PathBuf>) {
+    fn every_rs(dir: &Path, out: &mut Vec<PathBuf>) {
+        for f in std::fs::read_dir(dir).unwrap().flatten() {
+            if f.path().is_dir() {
+                every_rs(&f.path(), out);
+            } else if f.path().extension().is_some_and(|e| e == "rs") {
+                out.push(f.path());
+            }
+        }
+    }
     for entry in std::fs::read_dir(dir).unwrap().flatten() {
         let path = entry.path();
         let name = entry.file_name().to_string_lossy().into_owned();
         if path.is_dir() {
             if name == module {
-                for f in std::fs::read_dir(&path).unwrap().flatten() {
-                    if f.path().extension().is_some_and(|e| e == "rs") {
-                        out.push(f.path());
-                    }
-                }
+                every_rs(&path, out);
             }
             library_files(&path, module, out);
         } else if name == format!("{module}.rs") {

@@ -1288,6 +1288,15 @@ fn nri_plugin_launched_by_containerd_from_its_plugin_path() {
     let out = uninstall_containerd(&env, &node.config);
     assert!(!wrapper.exists(), "{out}");
     assert!(std::fs::read_dir(&plugins).unwrap().next().is_none());
+    // The stopped plugin's state goes with containerd's uninstall (its `after_uninstall`).
+    assert!(!state.exists(), "{out}");
+    assert!(
+        out.contains(&format!(
+            "removed {}: the NRI plugin no longer runs",
+            state.display()
+        )),
+        "{out}"
+    );
 }
 
 /// `mps.tenant = "namespace"` through the plugin (containerd 2.3.4, no RuntimeClass):

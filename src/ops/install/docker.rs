@@ -13,6 +13,9 @@ use super::engine::{serving, Finding, Removal};
 use super::file::{Edited, InstallError};
 use super::Registration;
 
+/// Where Docker keeps its config on a standard install.
+pub(crate) const DEFAULT_CONFIG: &str = "/etc/docker/daemon.json";
+
 /// Adds or updates the runtime entry, keeping every other key in place and order.
 pub(crate) fn edit(
     path: &Path,
@@ -176,10 +179,19 @@ impl super::EngineConfig for Docker {
         "docker"
     }
     fn default_config(&self) -> &'static str {
-        super::DEFAULT_DOCKER_CONFIG
+        DEFAULT_CONFIG
     }
     fn default_socket(&self) -> &'static str {
         "/run/docker.sock"
+    }
+    fn config_name(&self) -> &'static str {
+        "Docker's daemon.json"
+    }
+    fn install_about(&self) -> &'static str {
+        "Add `runtimes.<name>` to Docker's daemon.json (default /etc/docker/daemon.json)"
+    }
+    fn uninstall_about(&self) -> &'static str {
+        "Docker's daemon.json (default /etc/docker/daemon.json)"
     }
     fn edit(
         &self,
@@ -187,7 +199,7 @@ impl super::EngineConfig for Docker {
         text: &str,
         name: &str,
         runtime: &Path,
-        _version: &dyn Fn() -> i64,
+        _version: Option<i64>,
     ) -> Result<Edited, InstallError> {
         edit(path, text, name, runtime)
     }
@@ -203,9 +215,12 @@ impl super::EngineConfig for Docker {
         path: &Path,
         text: &str,
         dir: &Path,
-        _version: &dyn Fn() -> i64,
+        _version: Option<i64>,
     ) -> Result<Edited, InstallError> {
         enable_cdi(path, text, dir)
+    }
+    fn cdi_settings(&self) -> &'static str {
+        "`features.cdi`, `cdi-spec-dirs`"
     }
     fn cdi_usage(&self, dir: &Path) -> String {
         format!(

@@ -1,12 +1,16 @@
 //! One container engine, as `install`, `uninstall`, `install cdi --enable`, `doctor` and
 //! the CLI use it: each engine is one implementation of [`EngineConfig`] (in its own
-//! module, beside the pure edits of its config), listed once in [`ENGINES`]. Nothing
-//! outside an engine's module branches on which engine it is; what only one engine has
-//! (containerd's hook-only runtime and NRI) stays a command of that engine's own.
+//! module, beside the pure edits of its config), listed once in [`super::ENGINES`].
+//! Nothing outside an engine's module branches on which engine it is: the CLI makes
+//! `install <engine>`, `uninstall <engine>` and doctor's `--<engine>-config` from the
+//! list, and what only one engine has (its own install flags, what follows its
+//! uninstall) is a method of its implementation.
 
 use std::path::{Path, PathBuf};
 
 use super::file::{Edited, InstallError};
+use super::Install;
+use crate::config::Config;
 
 /// One container engine's config: where it is, the edits gpushare makes to it and takes
 /// back, how doctor reads it, and what the operator does after each.
@@ -17,26 +21,51 @@ pub(crate) trait EngineConfig: Sync {
     fn default_config(&self) -> &'static str;
     /// The socket whose presence tells doctor the engine runs here.
     fn default_socket(&self) -> &'static str;
-    /// `text` with runtime `name` running the shim at `runtime`; `version` gives the
-    /// config version of a new file, for an engine whose format has versions.
+    /// How help texts name its config file: `Docker's daemon.json`.
+    fn config_name(&self) -> &'static str;
+    /// `gpushare install <name>`'s help line.
+    fn install_about(&self) -> &'static str;
+    /// `gpushare uninstall <name>`'s help line.
+    fn uninstall_about(&self) -> &'static str;
+    /// The flags of `gpushare install <name>` beyond those every engine takes.
+    fn install_flags(&self) -> Vec<clap::Arg> {
+        Vec::new()
+    }
+    /// `gpushare install <name>`: `install` holds the flags every engine takes, `flags`
+    /// the whole command line of the subcommand (for [`Self::install_flags`]).
+    fn install(&self, install: Install, flags: &clap::ArgMatches) -> anyhow::Result<()> {
+        let _ = flags;
+        super::run(install)
+    }
+    /// After `gpushare uninstall <name>` changed the config (not a dry run): what else
+    /// goes with the engine's registration outside its config.
+    fn after_uninstall(&self, cfg: &Config) {
+        let _ = cfg;
+    }
+    /// `text` with runtime `name` running the shim at `runtime`; `version`: the config
+    /// version of a new file, for an engine whose format has versions (`None`: the
+    /// engine's own choice).
     fn edit(
         &self,
         path: &Path,
         text: &str,
         name: &str,
         runtime: &Path,
-        version: &dyn Fn() -> i64,
+        version: Option<i64>,
     ) -> Result<Edited, InstallError>;
     /// `text` (read from `path`) without runtime `name` and what goes with it.
     fn remove(&self, path: &Path, text: &str, name: &str) -> Result<Removal, InstallError>;
-    /// `text` with CDI on, reading specs from `dir`.
+    /// `text` with CDI on, reading specs from `dir`; `version` as for [`Self::edit`].
     fn enable_cdi(
         &self,
         path: &Path,
         text: &str,
         dir: &Path,
-        version: &dyn Fn() -> i64,
+        version: Option<i64>,
     ) -> Result<Edited, InstallError>;
+    /// The settings [`Self::enable_cdi`] makes, for `install cdi --enable`'s help:
+    /// `` `features.cdi`, `cdi-spec-dirs` ``.
+    fn cdi_settings(&self) -> &'static str;
     /// How to ask this engine for a CDI device from the specs in `dir`: one line.
     fn cdi_usage(&self, dir: &Path) -> String;
     /// What to do for CDI turned on in the config to take effect.
@@ -67,13 +96,9 @@ pub(crate) struct Finding {
     pub fix: Option<&'static str>,
 }
 
-/// Every engine gpushare installs into, in doctor's order.
-pub(crate) static ENGINES: &[&dyn EngineConfig] =
-    &[&super::docker::Docker, &super::containerd::Containerd];
-
 /// The engine called `name` on the command line.
 pub(crate) fn named(name: &str) -> Option<&'static dyn EngineConfig> {
-    ENGINES.iter().copied().find(|e| e.name() == name)
+    super::ENGINES.iter().copied().find(|e| e.name() == name)
 }
 
 /// Whether an engine serves on this node: its socket exists.

@@ -2,9 +2,6 @@
 //! reads as empty; a write is atomic and keeps the file's mode (0644 for a new one); every
 //! failure names the file (`InstallError`).
 
-/// Where the engines keep their configs on a standard install.
-pub(crate) const DEFAULT_DOCKER_CONFIG: &str = "/etc/docker/daemon.json";
-pub(crate) const DEFAULT_CONTAINERD_CONFIG: &str = "/etc/containerd/config.toml";
 /// Where `gpushare install cdi` writes gpushare's CDI spec: the static CDI directory,
 /// which survives a reboot (`/var/run/cdi` does not).
 pub(crate) const CDI_STATIC_SPEC: &str = "/etc/cdi/gpushare.json";

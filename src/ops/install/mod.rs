@@ -1,12 +1,11 @@
-//! `gpushare install docker|containerd|cdi` and `gpushare uninstall docker|containerd`:
-//! each engine one [`EngineConfig`] (`engine`, listed in [`ENGINES`]) that this module
-//! dispatches through, never branching on which engine it is; which engine config to edit, the edit itself (`docker`, `containerd`: pure functions of
-//! the file's text), the file's read and atomic write (`file`), and what to tell the
-//! operator next; for containerd also the NRI plugin it launches from its plugin
-//! directory (written by `install containerd --nri --nri-launch`, deleted by uninstall
-//! only when it is ours). The installers also read a file back (`docker::registration`,
-//! `containerd::registration`): whether it registers gpushare, and how, which `doctor`
-//! reports; no other module parses an engine's config.
+//! `gpushare install <engine>|cdi` and `gpushare uninstall <engine>`: each engine one
+//! [`EngineConfig`] (`engine`, listed in [`ENGINES`]) in its own module, with the pure
+//! edits of its config and what only it has (its own install flags and commands); this
+//! module dispatches through the trait, never branching on which engine it is: which
+//! config to edit, the file's read and atomic write (`file`), the record that uninstall
+//! gives back (`undo`), and what to tell the operator next. The engines' modules also
+//! read a file back (their `registration`): whether it registers gpushare, and how,
+//! which `doctor` reports; no other module parses an engine's config.
 //!
 //! Invariants: every other key of the engine's config is kept (containerd's TOML with its
 //! comments and layout); running a command twice changes nothing the second time;
@@ -20,13 +19,16 @@ mod engine;
 mod file;
 pub(crate) mod undo;
 
-pub(crate) use containerd::NriRequired;
-pub(crate) use engine::{named, EngineConfig, Removal, ENGINES};
-pub(crate) use file::{CDI_STATIC_SPEC, DEFAULT_CONTAINERD_CONFIG, DEFAULT_DOCKER_CONFIG};
+pub(crate) use engine::{named, EngineConfig, Removal};
+
+/// Every engine gpushare installs into, in the CLI's and doctor's order: an engine is its
+/// module, declared above, and its row here.
+pub(crate) static ENGINES: &[&dyn EngineConfig] = &[&docker::Docker, &containerd::Containerd];
+pub(crate) use file::CDI_STATIC_SPEC;
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 
 /// How an engine's config runs gpushare: what `install` writes, and what the installers'
 /// `registration` reads back from a file.
@@ -41,7 +43,7 @@ pub(crate) enum Registration {
 }
 
 /// The engine's config file: `config`, else the engine's standard one.
-fn config_path(engine: &dyn EngineConfig, config: Option<PathBuf>) -> PathBuf {
+pub(super) fn config_path(engine: &dyn EngineConfig, config: Option<PathBuf>) -> PathBuf {
     config.unwrap_or_else(|| engine.default_config().into())
 }
 
@@ -49,8 +51,8 @@ fn config_path(engine: &dyn EngineConfig, config: Option<PathBuf>) -> PathBuf {
 #[derive(Clone)]
 pub(crate) struct Install {
     pub engine: &'static dyn EngineConfig,
-    /// The config version of a new file, for an engine whose format has versions
-    /// (containerd: 2 for 1.x, 3 for 2.x); `None`: asks the installed engine.
+    /// The config version of a new file, for an engine whose format has versions (its
+    /// own install flag); `None`: the engine's own choice.
     pub config_version: Option<i64>,
     /// The engine's config file; `None`: its standard location.
     pub config: Option<PathBuf>,
@@ -72,13 +74,9 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
         );
     }
     let text = file::read(&path)?;
-    let version = || {
-        args.config_version
-            .unwrap_or_else(installed_containerd_config_version)
-    };
     let edited = args
         .engine
-        .edit(&path, &text, &args.name, &runtime, &version)?;
+        .edit(&path, &text, &args.name, &runtime, args.config_version)?;
     let Some(new) = edited.text else {
         println!(
             "{} already registers runtime {} at {}; nothing to do",
@@ -103,16 +101,7 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `gpushare install containerd --hook-only`: see [`hook_only_containerd`].
-pub(crate) fn hook_only(args: Install) -> anyhow::Result<()> {
-    let path = config_path(args.engine, args.config.clone());
-    let version = args
-        .config_version
-        .unwrap_or_else(installed_containerd_config_version);
-    hook_only_containerd(&args, &path, version, &default_spec()?)
-}
-
-/// `gpushare uninstall docker|containerd`: what `install` did to the engine's config
+/// `gpushare uninstall <engine>`: what `install` did to the engine's config
 /// (`config`, else the standard one) undone. On a file nobody changed since gpushare wrote
 /// it, and once no other runtime name of ours is registered there, the file as it was
 /// before the first install, byte for byte (`undo`); otherwise runtime `name` taken out,
@@ -211,88 +200,6 @@ pub(crate) fn uninstall(
     Ok(())
 }
 
-/// `gpushare install containerd --hook-only`: containerd's default spec (`ctr oci spec`)
-/// with gpushare's hooks, written beside its config as `<name>-base-spec.json`, and the
-/// runtime class pointed at it. The hooks run this binary, with the config this process
-/// reads when `GPUSHARE_CONFIG` names one. The spec is written before the config names it.
-fn hook_only_containerd(
-    args: &Install,
-    path: &Path,
-    version: i64,
-    default_spec: &[u8],
-) -> anyhow::Result<()> {
-    if args.name.is_empty()
-        || !args
-            .name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-    {
-        bail!(
-            "runtime name {:?} cannot name a base spec file: allowed are letters, digits, - and _",
-            args.name
-        );
-    }
-    let spec_path = path.with_file_name(containerd::base_spec_name(&args.name));
-    let gpushare = std::env::current_exe().context("find gpushare's own path")?;
-    let (config, named) = crate::config::location();
-    let env = crate::runtime::hook_env(named.then_some(config.as_path()));
-    let spec = containerd::base_spec(&spec_path, default_spec, &gpushare, &env)?;
-    let spec_changed = file::read(&spec_path)? != spec;
-    let text = file::read(path)?;
-    let hook_only = Registration::HookOnly(spec_path.clone());
-    let edited = containerd::edit(path, &text, &args.name, &hook_only, version)?;
-    if !spec_changed && edited.text.is_none() {
-        println!(
-            "{} already registers runtime {} hook-only with {}; nothing to do",
-            path.display(),
-            args.name,
-            spec_path.display()
-        );
-        return Ok(());
-    }
-    if args.dry_run {
-        print!("{}", edited.text.unwrap_or(text));
-        print!("# {}:\n{spec}", spec_path.display());
-        return Ok(());
-    }
-    if spec_changed {
-        file::write(&spec_path, &spec)?;
-    }
-    if let Some(new) = edited.text {
-        undo::write(path, &text, &new, Some(&args.name))?;
-    }
-    println!(
-        "registered runtime {} hook-only (plain runc, gpushare's hooks in {}) in {}",
-        args.name,
-        spec_path.display(),
-        path.display()
-    );
-    println!("write the base spec again after a containerd upgrade: run this command again");
-    print_lines(args.engine.next_steps(&args.name));
-    Ok(())
-}
-
-/// containerd's default spec, as `ctr oci spec` prints it.
-fn default_spec() -> anyhow::Result<Vec<u8>> {
-    let path = std::env::var_os("PATH").unwrap_or_else(|| crate::mps::control::SAFE_PATH.into());
-    let ctr = crate::util::find_executable("ctr", &path).context(
-        "--hook-only needs containerd's ctr (its `ctr oci spec` is containerd's default spec): not found on PATH",
-    )?;
-    let out = std::process::Command::new(&ctr)
-        .args(["oci", "spec"])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .with_context(|| format!("run {} oci spec", ctr.display()))?;
-    if !out.status.success() {
-        bail!(
-            "{} oci spec failed: {}",
-            ctr.display(),
-            crate::util::one_line(&String::from_utf8_lossy(&out.stderr))
-        );
-    }
-    Ok(out.stdout)
-}
-
 /// `gpushare install cdi`: the CDI spec written where the engines read it, CDI turned on
 /// in one engine's config when asked (`enable`, its file `config` or the standard one),
 /// and what each engine needs to read it.
@@ -307,7 +214,7 @@ pub(crate) fn cdi(
     // Everything is read and edited before anything is written: a bad engine config
     // leaves no spec behind either.
     let engine = enable
-        .map(|engine| plan_cdi(engine, config, dir, installed_containerd_config_version))
+        .map(|engine| plan_cdi(engine, config, dir, None))
         .transpose()?;
     if dry_run {
         let spec = crate::cdi::to_bytes(&crate::cdi::current(cfg)?);
@@ -364,17 +271,17 @@ pub(super) struct CdiPlan {
 }
 
 /// CDI to turn on in `engine`'s config (`config`, else the standard one), reading `dir`,
-/// read and made but not written; `containerd_version` gives the config version of a new
-/// containerd file.
+/// read and made but not written; `version`: the config version of a new file, as for
+/// [`EngineConfig::edit`].
 pub(super) fn plan_cdi(
     engine: &dyn EngineConfig,
     config: Option<PathBuf>,
     dir: &Path,
-    version: impl Fn() -> i64,
+    version: Option<i64>,
 ) -> anyhow::Result<CdiPlan> {
     let path = config_path(engine, config);
     let text = file::read(&path)?;
-    let edited = engine.enable_cdi(&path, &text, dir, &version)?;
+    let edited = engine.enable_cdi(&path, &text, dir, version)?;
     Ok(CdiPlan {
         restart: engine.cdi_restart(),
         path,
@@ -410,165 +317,135 @@ pub(super) fn write_cdi(plan: CdiPlan, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `gpushare install containerd --nri`: NRI on in containerd's config (`config`, else
-/// the standard one), or the resulting file printed (`dry_run`). With `launch`, also the
-/// launched plugin: `containerd::launch_wrapper` as `<plugin_path>/10-gpushare`, 0755,
-/// running this binary with the config this process reads when `GPUSHARE_CONFIG` names
-/// one (refused on a config of containerd 1.x: `containerd::check_nri_launch`, before
-/// anything is written). The wrapper is written after the config.
-pub(crate) fn enable_nri(
-    config: Option<PathBuf>,
-    config_version: Option<i64>,
-    dry_run: bool,
-    launch: bool,
-    required: Option<containerd::NriRequired>,
-) -> anyhow::Result<()> {
-    let path = config.unwrap_or_else(|| DEFAULT_CONTAINERD_CONFIG.into());
-    let version = config_version.unwrap_or_else(installed_containerd_config_version);
-    let text = file::read(&path)?;
-    if let Some(required) = required {
-        // Refused before anything is written.
-        containerd::require_nri(&path, &text, version, required, crate::nri::DEFAULT_NAME)?;
-    }
-    let wrapper = if launch {
-        containerd::check_nri_launch(&path, &text, version)?;
-        let at = containerd::nri_plugin_dir(&text).join(containerd::launched_plugin_name());
-        let gpushare = std::env::current_exe().context("find gpushare's own path")?;
-        let (config, named) = crate::config::location();
-        let env = crate::runtime::hook_env(named.then_some(config.as_path()));
-        Some((at, containerd::launch_wrapper(&gpushare, &env)))
-    } else {
-        None
-    };
-    let mut edited = containerd::enable_nri(&path, &text, version)?;
-    let turned_on = edited.text.is_some();
-    if let Some(required) = required {
-        let on = edited.text.as_deref().unwrap_or(&text);
-        let name = crate::nri::DEFAULT_NAME;
-        if let Some(new) = containerd::require_nri(&path, on, version, required, name)?.text {
-            edited.text = Some(new);
-        }
-    }
-    if dry_run {
-        print!("{}", edited.text.as_deref().unwrap_or(&text));
-        if let Some((at, script)) = &wrapper {
-            print!("# {} (0755):\n{script}", at.display());
-        }
-        return Ok(());
-    }
-    let what = match (turned_on, edited.text.is_some()) {
-        (true, _) => "turned NRI on",
-        (false, true) => "set NRI's default validator",
-        (false, false) => "",
-    };
-    match edited.text {
-        None => println!("NRI is already on in {}", path.display()),
-        Some(new) => {
-            undo::write(&path, &text, &new, None)?;
-            println!(
-                "{what} in {}; restart containerd to use it (`systemctl restart containerd`)",
-                path.display()
-            );
-        }
-    }
-    match required {
-        Some(containerd::NriRequired::Node) => println!(
-            "while the plugin {} is not connected, containerd refuses every container but those of pods annotated {}: \"true\" (the node's own pods: deploy/ carries it)",
-            crate::nri::DEFAULT_NAME,
-            containerd::TOLERATE_ANNOTATION
-        ),
-        Some(containerd::NriRequired::Pods) => println!(
-            "while the plugin {} is not connected, containerd refuses the containers of pods annotated {}: '[\"{}\"]'",
-            crate::nri::DEFAULT_NAME,
-            containerd::REQUIRED_ANNOTATION,
-            crate::nri::DEFAULT_NAME
-        ),
-        None => {}
-    }
-    let Some((at, script)) = wrapper else {
-        println!("then run the plugin as root: `systemctl enable --now gpushare-nri` (Debian package) or `gpushare nri`; pods need no RuntimeClass (docs/kubernetes.md)");
-        return Ok(());
-    };
-    if write_launch_wrapper(&at, &script)? {
-        println!(
-            "registered the plugin {} in containerd's NRI plugin directory; containerd launches it when it starts (`systemctl restart containerd`)",
-            at.display()
-        );
-    } else {
-        println!(
-            "{} is already gpushare's NRI plugin; nothing to do",
-            at.display()
-        );
-    }
-    println!("do not also run `gpushare nri` as a service; pods need no RuntimeClass (docs/kubernetes.md)");
-    Ok(())
-}
-
-/// Writes the launched plugin's wrapper at `at` (its directory made 0755 where missing),
-/// 0755, atomically; `false` when it is already there with that content and mode.
-fn write_launch_wrapper(at: &Path, script: &str) -> anyhow::Result<bool> {
-    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-    let current = std::fs::symlink_metadata(at).ok().filter(|m| m.is_file());
-    if current.is_some_and(|m| m.permissions().mode() & 0o7777 == 0o755)
-        && file::read(at)? == script
-    {
-        return Ok(false);
-    }
-    if let Some(dir) = at.parent() {
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o755)
-            .create(dir)
-            .with_context(|| format!("cannot create {}", dir.display()))?;
-    }
-    crate::fsops::write_atomic(at, script.as_bytes(), 0o755)
-        .with_context(|| format!("cannot write {}", at.display()))?;
-    Ok(true)
-}
-
-/// The launched plugin's wrapper in the plugin directory of containerd's config `text`,
-/// when it is there and this installer wrote it (an operator's file by that name stays).
-pub(super) fn our_launch_wrapper(text: &str) -> Option<PathBuf> {
-    let at = containerd::nri_plugin_dir(text).join(containerd::launched_plugin_name());
-    // A regular file only: read_regular refuses a link.
-    let content = crate::fsops::read_regular(&at, 64 << 10).ok()?;
-    containerd::is_launch_wrapper(&String::from_utf8_lossy(&content)).then_some(at)
-}
-
 /// Prints what the operator does next, a line each.
-fn print_lines(lines: impl IntoIterator<Item = impl std::fmt::Display>) {
+pub(super) fn print_lines(lines: impl IntoIterator<Item = impl std::fmt::Display>) {
     for line in lines {
         println!("{line}");
-    }
-}
-
-/// The config version the installed containerd expects: 3 for 2.x, else 2.
-fn installed_containerd_config_version() -> i64 {
-    let out = std::process::Command::new("containerd")
-        .arg("--version")
-        .output();
-    let text = out
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default();
-    // "containerd github.com/containerd/containerd 1.6.20 <commit>" or "... v2.0.0 ..."
-    let major = text.split_whitespace().find_map(|w| {
-        w.trim_start_matches('v')
-            .split('.')
-            .next()?
-            .parse::<u32>()
-            .ok()
-            .filter(|_| w.contains('.'))
-    });
-    if major.is_some_and(|m| m >= 2) {
-        3
-    } else {
-        2
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The files that dispatch to the engines (outside the engines' own modules).
+    const DISPATCH: &[&str] = &[
+        "src/cli.rs",
+        "src/ops/doctor.rs",
+        "src/ops/install/mod.rs",
+        "src/ops/install/engine.rs",
+        "src/ops/install/file.rs",
+        "src/ops/install/undo.rs",
+    ];
+
+    /// The identifiers and string literals of Rust `source` up to its `#[cfg(test)]`
+    /// module, without comments (which may name an engine: they are not code).
+    fn code_tokens(source: &str) -> (Vec<String>, Vec<String>) {
+        let code = source.split("#[cfg(test)]").next().unwrap_or_default();
+        let c: Vec<char> = code.chars().collect();
+        let (mut idents, mut strings, mut i) = (Vec::new(), Vec::new(), 0);
+        // Just past the next `end` from `from`, else the end.
+        let until = |from: usize, end: &str| -> usize {
+            let end: Vec<char> = end.chars().collect();
+            (from..c.len())
+                .find(|&k| c[k..].starts_with(&end))
+                .map_or(c.len(), |k| k + end.len())
+        };
+        while i < c.len() {
+            match c[i] {
+                '/' if c.get(i + 1) == Some(&'/') => i = until(i, "\n"),
+                '/' if c.get(i + 1) == Some(&'*') => i = until(i + 2, "*/"),
+                '"' => {
+                    let mut j = i + 1;
+                    while j < c.len() && c[j] != '"' {
+                        j += if c[j] == '\\' { 2 } else { 1 };
+                    }
+                    strings.push(c[i + 1..j.min(c.len())].iter().collect());
+                    i = j + 1;
+                }
+                // A char literal ('x', '\n'); else a lifetime's quote.
+                '\'' if c.get(i + 1) == Some(&'\\') => i = until(i + 3, "'"),
+                '\'' if c.get(i + 2) == Some(&'\'') => i += 3,
+                ch if ch.is_alphabetic() || ch == '_' => {
+                    let mut j = i;
+                    while j < c.len() && (c[j].is_alphanumeric() || c[j] == '_') {
+                        j += 1;
+                    }
+                    let ident: String = c[i..j].iter().collect();
+                    let hashes = c[j..].iter().take_while(|&&h| h == '#').count();
+                    if matches!(ident.as_str(), "r" | "br") && c.get(j + hashes) == Some(&'"') {
+                        // A raw string: up to its quote and as many #.
+                        let end = format!("\"{}", "#".repeat(hashes));
+                        let from = j + hashes + 1;
+                        let to = until(from, &end);
+                        strings.push(c[from..to.saturating_sub(end.len())].iter().collect());
+                        i = to;
+                    } else {
+                        idents.push(ident);
+                        i = j;
+                    }
+                }
+                _ => i += 1,
+            }
+        }
+        (idents, strings)
+    }
+
+    /// Where code in `source` names `engine`: an identifier that contains its name (its
+    /// module, its type, a constant of its own) or a string that is its name (a branch
+    /// on it).
+    fn naming(source: &str, engine: &str) -> Vec<String> {
+        let ident = engine.replace('-', "_");
+        let (idents, strings) = code_tokens(source);
+        let idents = idents
+            .into_iter()
+            .filter(|i| i.to_lowercase().contains(&ident));
+        let strings = strings.into_iter().filter(|s| s == engine);
+        idents.chain(strings.map(|s| format!("{s:?}"))).collect()
+    }
+
+    /// A new engine is its module, declared in this one, and its row in [`ENGINES`]: the
+    /// CLI, doctor and the installers' dispatch name no engine, so none of them changes.
+    /// Fails on a per-engine branch (`"containerd"`, `Containerd`, `docker::…`,
+    /// `DEFAULT_DOCKER_CONFIG`) anywhere in their code.
+    #[test]
+    fn no_code_outside_an_engine_s_module_names_it() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut found = Vec::new();
+        for file in DISPATCH {
+            let source = std::fs::read_to_string(root.join(file)).unwrap();
+            // What adding an engine does change: its `mod` line and its row in ENGINES.
+            let declares = *file == "src/ops/install/mod.rs";
+            let source: String = source
+                .lines()
+                .filter(|l| {
+                    !(declares && (l.starts_with("pub(crate) mod ") || l.starts_with("mod ")))
+                })
+                .collect::<Vec<_>>()
+                .join("\n");
+            let source = match source.split_once("static ENGINES") {
+                Some((before, after)) => {
+                    format!("{before}{}", after.split_once(';').unwrap().1)
+                }
+                None => source,
+            };
+            assert!(code_tokens(&source).0.len() > 30, "{file}: no code read");
+            for engine in ENGINES {
+                for name in naming(&source, engine.name()) {
+                    found.push(format!("{file}: {name}"));
+                }
+            }
+        }
+        assert!(
+            found.is_empty(),
+            "engines named outside their modules: {found:#?}"
+        );
+        // The check sees an engine's name where code has it: in its own module.
+        let own = std::fs::read_to_string(root.join("src/ops/install/docker.rs")).unwrap();
+        assert!(naming(&own, "docker").contains(&"Docker".to_owned()));
+        assert!(naming("// docker\nlet s = \"docker\";", "docker") == ["\"docker\""]);
+        assert!(naming("let s = r#\"docker\"#; let c = '\"';", "docker") == ["\"docker\""]);
+    }
 
     #[test]
     fn the_cdi_hint_keeps_an_engine_s_default_spec_dirs() {
@@ -620,44 +497,5 @@ mod tests {
         assert!(std::fs::read_to_string(&daemon_json)
             .unwrap()
             .contains("\"cdi\": true"));
-    }
-    use std::os::unix::fs::PermissionsExt;
-
-    /// The launched plugin's wrapper: written 0755 into the config's plugin_path (made
-    /// where missing), the second time changes nothing, found again for removal; an
-    /// operator's file or link by the same name is never taken for ours.
-    #[test]
-    fn the_launched_plugin_is_written_once_and_only_ours_is_found_for_removal() {
-        let dir = tempfile::tempdir().unwrap();
-        let plugins = dir.path().join("opt/nri/plugins");
-        let config = format!(
-            "version = 3\n[plugins.\"io.containerd.nri.v1.nri\"]\n  plugin_path = {:?}\n",
-            plugins.display().to_string()
-        );
-        let at = containerd::nri_plugin_dir(&config).join(containerd::launched_plugin_name());
-        assert_eq!(at, plugins.join("10-gpushare"));
-        let script = containerd::launch_wrapper(Path::new("/usr/bin/gpushare"), &[]);
-        assert!(write_launch_wrapper(&at, &script).unwrap());
-        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
-        assert_eq!(mode(&at), 0o755);
-        assert_eq!(mode(&plugins), 0o755);
-        assert_eq!(std::fs::read_to_string(&at).unwrap(), script);
-        assert!(!write_launch_wrapper(&at, &script).unwrap(), "idempotent");
-        // A mode changed behind its back is put right.
-        std::fs::set_permissions(&at, std::fs::Permissions::from_mode(0o777)).unwrap();
-        assert!(write_launch_wrapper(&at, &script).unwrap());
-        assert_eq!(mode(&at), 0o755);
-        assert_eq!(our_launch_wrapper(&config), Some(at.clone()));
-
-        // An operator's plugin by that name, or a link to ours, is not ours to delete.
-        std::fs::write(&at, "#!/bin/sh\nexec /usr/local/bin/theirs\n").unwrap();
-        assert_eq!(our_launch_wrapper(&config), None);
-        let elsewhere = dir.path().join("ours");
-        std::fs::write(&elsewhere, &script).unwrap();
-        std::fs::remove_file(&at).unwrap();
-        std::os::unix::fs::symlink(&elsewhere, &at).unwrap();
-        assert_eq!(our_launch_wrapper(&config), None);
-        std::fs::remove_file(&at).unwrap();
-        assert_eq!(our_launch_wrapper(&config), None, "nothing there");
     }
 }

@@ -162,10 +162,12 @@ pub(crate) fn apply(config: &Path, undo: &Undo, name: &str) -> Result<(), Instal
 #[cfg(test)]
 mod tests {
     use super::super::{
-        containerd::{Containerd, NriRequired},
+        containerd::{
+            commands::{install_nri, write_hook_only},
+            Containerd, NriRequired,
+        },
         docker::Docker,
-        enable_nri, hook_only_containerd, plan_cdi, run, uninstall, write_cdi, EngineConfig,
-        Install,
+        plan_cdi, run, uninstall, write_cdi, EngineConfig, Install,
     };
     use std::path::{Path, PathBuf};
 
@@ -198,23 +200,28 @@ mod tests {
         run(args(at, &Docker))
     }
     fn docker_cdi(at: &At) -> anyhow::Result<()> {
-        enable_cdi(&Docker, Some(at.config.into()), Path::new("/opt/cdi"), || 2)
+        enable_cdi(
+            &Docker,
+            Some(at.config.into()),
+            Path::new("/opt/cdi"),
+            Some(2),
+        )
     }
     fn shim(at: &At) -> anyhow::Result<()> {
         run(args(at, &Containerd))
     }
     fn hook_only(at: &At) -> anyhow::Result<()> {
-        hook_only_containerd(&args(at, &Containerd), at.config, at.version, DEFAULT_SPEC)
+        write_hook_only(&args(at, &Containerd), at.config, at.version, DEFAULT_SPEC)
     }
     fn nri(at: &At) -> anyhow::Result<()> {
-        enable_nri(Some(at.config.into()), Some(at.version), false, false, None)
+        install_nri(Some(at.config.into()), Some(at.version), false, false, None)
     }
     fn nri_launch(at: &At) -> anyhow::Result<()> {
-        enable_nri(Some(at.config.into()), Some(at.version), false, true, None)
+        install_nri(Some(at.config.into()), Some(at.version), false, true, None)
     }
     fn nri_required_node(at: &At) -> anyhow::Result<()> {
         let required = Some(NriRequired::Node);
-        enable_nri(
+        install_nri(
             Some(at.config.into()),
             Some(at.version),
             false,
@@ -224,7 +231,7 @@ mod tests {
     }
     fn nri_required_pods(at: &At) -> anyhow::Result<()> {
         let required = Some(NriRequired::Pods);
-        enable_nri(
+        install_nri(
             Some(at.config.into()),
             Some(at.version),
             false,
@@ -237,17 +244,16 @@ mod tests {
         engine: &dyn EngineConfig,
         config: Option<PathBuf>,
         dir: &Path,
-        version: impl Fn() -> i64,
+        version: Option<i64>,
     ) -> anyhow::Result<()> {
         write_cdi(plan_cdi(engine, config, dir, version)?, dir)
     }
     fn containerd_cdi(at: &At) -> anyhow::Result<()> {
-        let version = at.version;
         enable_cdi(
             &Containerd,
             Some(at.config.into()),
             Path::new("/opt/cdi"),
-            move || version,
+            Some(at.version),
         )
     }
 

@@ -16,8 +16,12 @@
 //! `--nri-required` NRI's default validator refuses containers that need the plugin while
 //! it is not connected ([`require_nri`]; uninstall takes it back: [`unrequire_nri`]).
 //!
-//! Invariants: every function is pure, on the file's text (`ops::install` does the I/O);
-//! an edit keeps the rest of the file byte for byte and changes nothing the second time;
+//! containerd's own install flags and commands (`--hook-only`, `--nri`), with their I/O,
+//! and what follows its uninstall are in `commands`.
+//!
+//! Invariants: every function here is pure, on the file's text (`ops::install` and
+//! `commands` do the I/O); an edit keeps the rest of the file byte for byte and changes
+//! nothing the second time;
 //! `registration` reads back exactly what `edit` writes (and `remove` takes out), and with
 //! `cri_disabled` and `socket` is all that `doctor` learns of a containerd config.
 
@@ -26,9 +30,15 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 use toml_edit::{value, Array, DocumentMut, Item, Table};
 
+pub(super) mod commands;
+
 use super::engine::{serving, Finding, Removal};
 use super::file::{Edited, InstallError};
-use super::Registration;
+use super::{Install, Registration};
+use crate::config::Config;
+
+/// Where containerd keeps its config on a standard install.
+pub(crate) const DEFAULT_CONFIG: &str = "/etc/containerd/config.toml";
 
 /// The hook-only base spec's file name for runtime `name`, beside containerd's config.
 pub(crate) fn base_spec_name(name: &str) -> String {
@@ -615,8 +625,8 @@ pub(crate) fn is_launch_wrapper(content: &str) -> bool {
             .is_some_and(|l| l.starts_with(WRAPPER_MARK))
 }
 
-/// containerd as one of gpushare's engines. `install containerd --hook-only` and `--nri`
-/// are containerd's own commands (`ops::install::hook_only`, `ops::install::enable_nri`).
+/// containerd as one of gpushare's engines, with its own install flags: `--hook-only`
+/// ([`commands::hook_only`]) and `--nri` ([`commands::install_nri`]).
 pub(crate) struct Containerd;
 
 impl super::EngineConfig for Containerd {
@@ -624,10 +634,28 @@ impl super::EngineConfig for Containerd {
         "containerd"
     }
     fn default_config(&self) -> &'static str {
-        super::DEFAULT_CONTAINERD_CONFIG
+        DEFAULT_CONFIG
     }
     fn default_socket(&self) -> &'static str {
         "/run/containerd/containerd.sock"
+    }
+    fn config_name(&self) -> &'static str {
+        "containerd's config.toml"
+    }
+    fn install_about(&self) -> &'static str {
+        "Add a runc-v2 runtime with BinaryName to containerd's config.toml (default /etc/containerd/config.toml)"
+    }
+    fn uninstall_about(&self) -> &'static str {
+        "Remove the runtime's tables from containerd's config.toml (default /etc/containerd/config.toml), the hook-only base spec of ours it named, the NRI plugin `install containerd --nri-launch` put in its plugin_path, gpushare in NRI's required_plugins (`--nri-required node`), and the state of an NRI plugin that no longer runs (`<state-dir>/nri.json`)"
+    }
+    fn install_flags(&self) -> Vec<clap::Arg> {
+        commands::flags()
+    }
+    fn install(&self, install: Install, flags: &clap::ArgMatches) -> anyhow::Result<()> {
+        commands::install(install, flags)
+    }
+    fn after_uninstall(&self, cfg: &Config) {
+        commands::forget_nri_plugin(cfg);
     }
     fn edit(
         &self,
@@ -635,10 +663,11 @@ impl super::EngineConfig for Containerd {
         text: &str,
         name: &str,
         runtime: &Path,
-        version: &dyn Fn() -> i64,
+        version: Option<i64>,
     ) -> Result<Edited, InstallError> {
         let shim = Registration::Shim(runtime.to_owned());
-        edit(path, text, name, &shim, version())
+        let version = version.unwrap_or_else(commands::installed_config_version);
+        edit(path, text, name, &shim, version)
     }
     /// Also the hook-only base spec of ours that the runtime named, the launched NRI
     /// plugin of ours, and gpushare in NRI's `required_plugins`: no container may need a
@@ -654,7 +683,7 @@ impl super::EngineConfig for Containerd {
             );
             (t, said)
         });
-        let wrapper = super::our_launch_wrapper(text).map(|at| {
+        let wrapper = commands::our_launch_wrapper(text).map(|at| {
             let said = format!(
                 "removed gpushare's NRI plugin {}; containerd stops it when it restarts",
                 at.display()
@@ -676,9 +705,13 @@ impl super::EngineConfig for Containerd {
         path: &Path,
         text: &str,
         dir: &Path,
-        version: &dyn Fn() -> i64,
+        version: Option<i64>,
     ) -> Result<Edited, InstallError> {
-        enable_cdi(path, text, dir, version())
+        let version = version.unwrap_or_else(commands::installed_config_version);
+        enable_cdi(path, text, dir, version)
+    }
+    fn cdi_settings(&self) -> &'static str {
+        "`enable_cdi`, `cdi_spec_dirs` of the CRI plugin"
     }
     fn cdi_usage(&self, dir: &Path) -> String {
         format!(
