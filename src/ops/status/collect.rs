@@ -506,6 +506,24 @@ pub(super) fn shown(containers: Vec<ContainerRecord>) -> Vec<ContainerRecord> {
 mod tests {
     use super::*;
 
+    /// A daemon's limits in `status`: every limit's JSON field, set or `null`, and the
+    /// table's labels of those set; pinned (docs/state.md documents them).
+    #[test]
+    fn limits_show_as_documented() {
+        let both = LimitsView(crate::identity::test_limits(Some(25), Some(2 << 30)));
+        assert_eq!(
+            serde_json::to_string(&both).unwrap(),
+            r#"{"active_thread_percentage":25,"pinned_memory_limit_bytes":2147483648}"#
+        );
+        assert_eq!(both.labels().collect::<Vec<_>>(), ["threads=25%", "mem=2048M"]);
+        let none = LimitsView::default();
+        assert_eq!(
+            serde_json::to_string(&none).unwrap(),
+            r#"{"active_thread_percentage":null,"pinned_memory_limit_bytes":null}"#
+        );
+        assert_eq!(none.labels().count(), 0);
+    }
+
     #[test]
     fn probe_all_asks_every_daemon_once_and_keeps_the_order() {
         use std::os::unix::fs::PermissionsExt;
