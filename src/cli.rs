@@ -672,6 +672,9 @@ impl Command {
             Command::Install {
                 target: InstallTarget::Engine(engine),
             } => engine.args.dry_run,
+            Command::Install {
+                target: InstallTarget::Cdi { dry_run, .. },
+            } => *dry_run,
             Command::Uninstall { engine } => engine.args.dry_run,
             _ => false,
         }
@@ -981,7 +984,10 @@ mod tests {
                 .reads_only());
             assert!(!parse(&["uninstall", &engine]).command.reads_only());
         }
-        assert!(!parse(&["install", "cdi", "--dry-run"]).command.reads_only());
+        // `install cdi --dry-run` prints the spec (and the engine's config) and writes
+        // nothing either.
+        assert!(parse(&["install", "cdi", "--dry-run"]).command.reads_only());
+        assert!(!parse(&["install", "cdi"]).command.reads_only());
         let cli = parse(&["doctor", "--containerd-config", "/x/config.toml"]);
         let Command::Doctor { engine_configs, .. } = cli.command else {
             panic!("not doctor");

@@ -515,7 +515,10 @@ mod tests {
             serde_json::to_string(&both).unwrap(),
             r#"{"active_thread_percentage":25,"pinned_memory_limit_bytes":2147483648}"#
         );
-        assert_eq!(both.labels().collect::<Vec<_>>(), ["threads=25%", "mem=2048M"]);
+        assert_eq!(
+            both.labels().collect::<Vec<_>>(),
+            ["threads=25%", "mem=2048M"]
+        );
         let none = LimitsView::default();
         assert_eq!(
             serde_json::to_string(&none).unwrap(),
