@@ -668,6 +668,136 @@ fn the_module_maps_name_every_module() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// ARCHITECTURE.md's module map as layers, top first: each line's modules (a line whose
+/// names end in `,` goes on with the next).
+fn architecture_layers(text: &str) -> Vec<Vec<String>> {
+    let mut lines = text.lines().skip_while(|l| *l != "## Module map");
+    lines.next();
+    let mut layers: Vec<Vec<String>> = Vec::new();
+    let mut open = false;
+    for line in lines
+        .skip_while(|l| *l != "```text")
+        .skip(1)
+        .take_while(|l| *l != "```")
+    {
+        if line.starts_with(' ') || line.is_empty() {
+            continue;
+        }
+        let names = line.split("  ").next().unwrap_or("").trim();
+        let these = names
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(str::to_owned);
+        match layers.last_mut() {
+            Some(last) if open => last.extend(these),
+            _ => layers.push(these.collect()),
+        }
+        open = names.ends_with(',');
+    }
+    layers
+}
+
+/// The top-level modules `text` (one source file, its unit tests and comments left out)
+/// names through `crate::` paths, `crate::{a, b::c}` included.
+fn crate_uses(text: &str) -> Vec<String> {
+    let code = text
+        .split("#[cfg(test)]\nmod tests")
+        .next()
+        .unwrap_or("")
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let word = |s: &str| -> String {
+        s.trim_start()
+            .chars()
+            .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+            .collect()
+    };
+    let mut out = Vec::new();
+    for (i, _) in code.match_indices("crate::") {
+        let rest = &code[i + "crate::".len()..];
+        if let Some(group) = rest.strip_prefix('{') {
+            let mut depth = 0;
+            let mut item = String::new();
+            for c in group.chars() {
+                match c {
+                    '{' => depth += 1,
+                    '}' if depth == 0 => break,
+                    '}' => depth -= 1,
+                    ',' if depth == 0 => {
+                        out.push(word(&item));
+                        item.clear();
+                        continue;
+                    }
+                    _ => {}
+                }
+                item.push(c);
+            }
+            out.push(word(&item));
+        } else {
+            out.push(word(rest));
+        }
+    }
+    out.retain(|w| !w.is_empty());
+    out
+}
+
+/// ARCHITECTURE.md's claim "a module uses only the modules listed below its own line",
+/// checked against every `crate::` path outside unit tests and comments: no module reaches
+/// up the map (and so no circle runs through two lines of it).
+#[test]
+fn no_module_uses_one_listed_above_it() {
+    let arch = std::fs::read_to_string(root().join("ARCHITECTURE.md")).unwrap();
+    let layers = architecture_layers(&arch);
+    let rank = |m: &str| layers.iter().position(|l| l.iter().any(|n| n == m));
+    let src = root().join("src");
+    let mut files = Vec::new();
+    let mut problems = Vec::new();
+    let mut uses = 0;
+    for layer in &layers {
+        for module in layer {
+            files.clear();
+            library_files(&src, module, &mut files);
+            for file in &files {
+                let rel = file.strip_prefix(&src).unwrap();
+                // `library_files` also finds a deeper `<module>.rs` of another module.
+                let top = rel
+                    .components()
+                    .next()
+                    .unwrap()
+                    .as_os_str()
+                    .to_string_lossy();
+                if top.trim_end_matches(".rs") != module {
+                    continue;
+                }
+                let text = std::fs::read_to_string(file).unwrap();
+                for used in crate_uses(&text) {
+                    let (Some(at), Some(own)) = (rank(&used), rank(module)) else {
+                        continue;
+                    };
+                    uses += 1;
+                    if at < own {
+                        problems.push(format!(
+                            "src/{}: uses crate::{used}, which ARCHITECTURE.md's module map lists above `{module}`",
+                            rel.display()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        layers.len() > 10 && uses > 100,
+        "read {} layers and {uses} uses: the map or the sources were not found",
+        layers.len()
+    );
+    problems.sort();
+    problems.dedup();
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
 // ---------------------------------------------------------------------------------------
 // The configuration keys: docs/configuration.md and config/runtime.toml name exactly the
 // keys the config parser accepts.
