@@ -81,6 +81,7 @@ pub fn run(t: &mut Tier, opts: &Options) -> Ended {
     if opts.wants("driver-root") {
         driver_root(t);
     }
+    crate::round4::run(t, opts, &flag);
     if opts.containers {
         crate::containers::run(t, opts);
     }

@@ -53,6 +53,11 @@ pub fn catch_signals() {
     }
 }
 
+/// SIGINT or SIGTERM has come.
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
 /// Panics (caught around the sections) once SIGINT or SIGTERM has come.
 pub fn stop_if_interrupted() {
     if INTERRUPTED.load(Ordering::SeqCst) {
@@ -213,6 +218,9 @@ pub struct Tier {
     stopped: Vec<String>,
     stop_failed: Vec<String>,
     shm_before: BTreeSet<String>,
+    /// Round 4 (E1): the next `launch` gets a private /dev/shm and these nodes hidden.
+    pub next_private_shm: bool,
+    pub next_hide: Vec<PathBuf>,
 }
 
 fn shm_entries() -> BTreeSet<String> {
@@ -285,6 +293,8 @@ impl Tier {
             stopped: Vec::new(),
             stop_failed: Vec::new(),
             shm_before: shm_entries(),
+            next_private_shm: false,
+            next_hide: Vec::new(),
         };
         if let Err(e) = tier.prepare(opts) {
             let _ = std::fs::remove_dir_all(&tier.work);
@@ -535,6 +545,8 @@ impl Tier {
         let running = proc::launch(ClientSpec {
             uid,
             shm: shm.map(Path::to_path_buf),
+            private_shm: std::mem::take(&mut self.next_private_shm),
+            hide: std::mem::take(&mut self.next_hide),
             env: e,
             argv,
             cwd: home,
@@ -546,6 +558,32 @@ impl Tier {
             old.abort();
             old.join();
         }
+    }
+
+    /// Ends these clients now (SIGTERM, SIGKILL 5 s later) and waits up to 10 s for them:
+    /// a section's cleanup.
+    pub fn abort_clients(&mut self, labels: &[String]) {
+        for l in labels {
+            if let Some(c) = self.clients.get(l).filter(|c| c.done().is_none()) {
+                c.abort();
+            }
+        }
+        let _ = testkit::common::wait_until(Duration::from_secs(10), || {
+            labels.iter().all(|l| self.is_done(l))
+        });
+    }
+
+    /// A client's pid while it runs.
+    pub fn pid_of(&self, label: &str) -> Option<i32> {
+        self.clients
+            .get(label)
+            .filter(|c| c.done().is_none())
+            .and_then(|c| c.pid)
+    }
+
+    /// Its exit status and time, once it has exited.
+    pub fn done_of(&self, label: &str) -> Option<(i32, f64)> {
+        self.clients.get(label).and_then(Running::done)
     }
 
     fn is_done(&self, label: &str) -> bool {
