@@ -409,7 +409,8 @@ fn nodes(t: &mut Tier, r4: &R4, s: &mut Scope) {
     }
     // strace of a client's start (as UID 1000: it traces its own child).
     let strace = testkit::common::which("strace");
-    let trace = t.run_dir.join("r4-e1-strace.trace");
+    // strace writes it as UID 1000: in that UID's home, not the root-only run directory.
+    let trace = t.work.join(format!("home/{UA}/r4-e1-strace.trace"));
     if let Some(strace) = &strace {
         let mut argv: Vec<OsString> = vec![
             strace.clone().into(),
@@ -427,7 +428,6 @@ fn nodes(t: &mut Tier, r4: &R4, s: &mut Scope) {
         } else {
             t.workload_cmd(&["probe"])
         });
-        let _ = proc::mkdir(&t.run_dir, 0o777);
         start(
             t,
             s,
