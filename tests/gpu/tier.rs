@@ -573,6 +573,25 @@ impl Tier {
         });
     }
 
+    /// `runc delete -f` of every container a section made (a section's cleanup, the
+    /// restore's first step).
+    pub fn delete_containers(&self) {
+        for (runc, root) in &self.runc_roots {
+            for c in std::fs::read_dir(root).into_iter().flatten().flatten() {
+                let _ = proc::run(
+                    Command::new(runc)
+                        .arg("--root")
+                        .arg(root)
+                        .args(["delete", "-f"])
+                        .arg(c.file_name()),
+                    None,
+                    Duration::from_secs(30),
+                    Duration::from_secs(5),
+                );
+            }
+        }
+    }
+
     /// A client's pid while it runs.
     pub fn pid_of(&self, label: &str) -> Option<i32> {
         self.clients
@@ -833,20 +852,7 @@ impl Tier {
             }
         }
         // Containers before their daemons (their poststop hooks run).
-        for (runc, root) in self.runc_roots.clone() {
-            for c in std::fs::read_dir(&root).into_iter().flatten().flatten() {
-                let _ = proc::run(
-                    Command::new(&runc)
-                        .arg("--root")
-                        .arg(&root)
-                        .args(["delete", "-f"])
-                        .arg(c.file_name()),
-                    None,
-                    Duration::from_secs(30),
-                    Duration::from_secs(5),
-                );
-            }
-        }
+        self.delete_containers();
         if !self.stop_failed.is_empty() {
             let ev = self.stop_failed.join(" ");
             self.check("FAIL", "gpushare daemon stop --id, per section", &ev);
