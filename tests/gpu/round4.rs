@@ -418,7 +418,7 @@ fn nodes(t: &mut Tier, r4: &R4, s: &mut Scope) {
         t.check("FAIL", "E1: a client holding 1 GiB", &ev);
     }
     // strace of a client's start (as UID 1000: it traces its own child).
-    let strace = testkit::common::which("strace");
+    let (strace, strace_env) = find_strace(t);
     // strace writes it as UID 1000: in that UID's home, not the root-only run directory.
     let trace = t.work.join(format!("home/{UA}/r4-e1-strace.trace"));
     if let Some(strace) = &strace {
@@ -445,7 +445,10 @@ fn nodes(t: &mut Tier, r4: &R4, s: &mut Scope) {
             UA,
             Some(&d.pipe),
             Some(&d.shm),
-            &[],
+            &strace_env
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect::<Vec<_>>(),
             argv,
             tmo,
         );
@@ -563,6 +566,45 @@ fn nodes(t: &mut Tier, r4: &R4, s: &mut Scope) {
             let _ = t.collect("r4-e1-strace", UA, "r4-nodes");
         }
     }
+}
+
+/// strace: the machine's, else one carried beside the binaries (scripts/gpu/round4-pack:
+/// `strace` and the libraries it needs in `strace-lib/`), copied into the work directory
+/// where UID 1000 can run it, with the environment it needs (its libraries, which the
+/// traced client then also sees; only its output is read, no figure).
+fn find_strace(t: &Tier) -> (Option<PathBuf>, Vec<(String, String)>) {
+    if let Some(s) = testkit::common::which("strace") {
+        return (Some(s), Vec::new());
+    }
+    let Some(dir) = t.bins.gpushare.parent() else {
+        return (None, Vec::new());
+    };
+    if !dir.join("strace").is_file() {
+        return (None, Vec::new());
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path, m| {
+        let _ = std::fs::set_permissions(p, std::fs::Permissions::from_mode(m));
+    };
+    let bin = t.work.join("bin/strace");
+    let libs = t.work.join("strace-lib");
+    if std::fs::copy(dir.join("strace"), &bin).is_err() {
+        return (None, Vec::new());
+    }
+    mode(&bin, 0o755);
+    let _ = proc::mkdir(&libs, 0o755);
+    for e in std::fs::read_dir(dir.join("strace-lib"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let to = libs.join(e.file_name());
+        if std::fs::copy(e.path(), &to).is_ok() {
+            mode(&to, 0o644);
+        }
+    }
+    let env = vec![("LD_LIBRARY_PATH".to_owned(), libs.display().to_string())];
+    (Some(bin), env)
 }
 
 /// The GPU's device nodes (files only) under /dev and /dev/nvidia-caps.
