@@ -389,7 +389,8 @@ fn nodes(t: &mut Tier, r4: &R4, s: &mut Scope) {
     let Some(d) = daemon(t, s, "r4-nodes", &[]) else {
         return;
     };
-    let hold = r4.hold.max(3.0);
+    // Long enough to read its fds (a simulated client needs no torch import).
+    let hold = r4.hold.max(if t.simulate { 1.5 } else { 3.0 });
     // A normal client: what it holds open while it holds 1 GiB.
     let cmd = alloc_cmd(t, G, hold);
     let tmo = t.tmo(hold);
@@ -1209,7 +1210,7 @@ fn privileged(t: &mut Tier, r4: &R4, s: &mut Scope, flag: &str) {
     );
     // The supervisor checks every 2 s: root raises the default through the privileged
     // view, and the check, through the same channel, is to set it back.
-    crate::tier::pause(Duration::from_secs(3));
+    crate::tier::pause(Duration::from_secs(if t.simulate { 2 } else { 3 }));
     let raise = t.ctl1(0, &view, "set_default_active_thread_percentage 100");
     let back = testkit::common::wait_until(Duration::from_secs(12), || {
         crate::tier::stop_if_interrupted();

@@ -12,8 +12,8 @@
 //! 7. the shim's create path: what inventory = "nvml" costs every create with a request;
 //! 8. driver-root: the driver's files under a root of their own, as NVIDIA's GPU Operator
 //!    lays them out.
-//! Then round 4 (round4.rs, issue 36): what NVML, `terminate_client`, the thread cap, the
-//! watcher and the privileged channel do on a real driver.
+//! 9. round 4 (round4.rs, issue 36): what NVML, `terminate_client`, the thread cap, the
+//!    watcher and the privileged channel do on a real driver.
 //!
 //! The restore (8) is `Tier::restore`. Simulated, what needs real CUDA prints
 //! `SKIP (simulated)`; everything about daemons, users, queueing, flags, limit read-back and
