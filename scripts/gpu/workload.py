@@ -9,7 +9,11 @@ Workload modes (run as the test UIDs, one JSON object per line on stdout):
   matmul --size S (--iterations N | --seconds T) [--batch B]
                                          S x S fp32 matrix products; with --seconds it runs
                                          batches of B products until T s after the first kernel
-  alloc --bytes N                        allocate N bytes on the GPU and touch them
+  alloc --bytes N [--hold T] [--host-pinned M]
+                                         allocate N bytes on the GPU and touch them (and M
+                                         bytes of pinned host memory); print an "allocated"
+                                         line; keep them T s, touching them every 0.5 s (a
+                                         failing touch prints a "cuda_error" line)
 
   Each prints, as soon as the first kernel has completed, a line
   {"event": "first_kernel", "t_first_kernel": …} (so the caller can tell the process holds an
@@ -197,6 +201,27 @@ def cmd_alloc(args):
         buf.fill_(1)
         torch.cuda.synchronize()
         res["allocated"] = int(buf.numel())
+        if args.host_pinned:
+            host = torch.empty(args.host_pinned, dtype=torch.uint8, pin_memory=True)
+            host.fill_(1)
+            res["host_pinned"] = int(host.numel())
+        emit({"event": "allocated", "pid": os.getpid(), "t": time.time(),
+              "bytes": res["allocated"], "host_pinned": res.get("host_pinned")})
+        # --hold: keep the allocation, touching it twice a second, so that the caller can
+        # look at the process (its fds, NVML) and see when a CUDA call starts failing.
+        until = time.time() + args.hold
+        touches = 0
+        while time.time() < until:
+            time.sleep(0.5)
+            try:
+                buf[0:1].add_(1)
+                torch.cuda.synchronize()
+                touches += 1
+            except Exception as e:
+                emit({"event": "cuda_error", "t": time.time(), "after_touches": touches,
+                      "error": "%s: %s" % (type(e).__name__, one_line(e))})
+                raise
+        res["touches"] = touches
         res["ok"] = True
         del buf
     except Exception as e:
@@ -374,6 +399,8 @@ def main(argv):
     mm.add_argument("--batch", type=int, default=10)
     al = sub.add_parser("alloc")
     al.add_argument("--bytes", type=int, required=True)
+    al.add_argument("--hold", type=float, default=0.0)
+    al.add_argument("--host-pinned", type=int, default=0)
     rs = sub.add_parser("result")
     rs.add_argument("--dir", required=True)
     rs.add_argument("--label", required=True)

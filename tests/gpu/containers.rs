@@ -1164,3 +1164,251 @@ fn cdi(t: &mut Tier, ct: &Ct) {
         t.check("FAIL", "gpushare daemon stop --all --force (cdi)", &ev);
     }
 }
+
+/// Round 4, item 5 (`r4-watch`): `gpushare watch` (policy act, 1 s) on the real driver
+/// against a served container (GPU 0, 2G pinned limit) whose processes are an MPS client
+/// with 1 GiB, one that skips MPS with 1 GiB, and an MPS client that lifts its own limit
+/// (a pinned-limit entry for device 1) and takes 3 GiB; plus a host process with 1 GiB.
+/// The watcher is to kill the one that skips MPS, end the one above the limit, and leave
+/// the others alone; `status` is set beside `nvidia-smi`.
+pub fn r4_watch(t: &mut Tier, hold: f64, labels: &mut Vec<String>) {
+    t.section("r4-watch (item 5): gpushare watch on the real driver, a served container");
+    let name = "item 5: the watcher end to end";
+    if t.simulate {
+        t.skip_sim(name, "needs a GPU and runc with PyTorch containers; tests/integration/watch.rs runs the same against the simulator and the fake NVML");
+        return;
+    }
+    let ct = match setup(t) {
+        Ok(ct) => ct,
+        Err(e) => {
+            t.check("SKIP", name, &e);
+            return;
+        }
+    };
+    // The runtime and the watcher share a config of their own: the containers' state
+    // dir, a 1G shm (three small clients; 8G may exceed a small machine's shm total), and
+    // the watcher's policy.
+    let watch_cfg = ct.dir.join("watch.toml");
+    let text = std::fs::read_to_string(&ct.config)
+        .unwrap_or_default()
+        .replace("shm-size = \"8G\"", "shm-size = \"1G\"")
+        + "[watch]\ninterval = \"1s\"\npolicy = \"act\"\nmemory-margin = \"0\"\n";
+    if let Err(e) = std::fs::write(&watch_cfg, text) {
+        t.check("FAIL", name, &format!("watch config: {e}"));
+        return;
+    }
+    let ct = Ct {
+        dir: ct.dir.clone(),
+        runc: ct.runc.clone(),
+        root: ct.root.clone(),
+        rootfs: ct.rootfs.clone(),
+        config: watch_cfg.clone(),
+        bin: ct.bin.clone(),
+        py: ct.py.clone(),
+    };
+    let keep = 45.0_f64.max(hold * 4.0);
+    // The section's guard ends them if anything below panics.
+    labels.extend(["r4-watch".to_owned(), "r4-w-host".to_owned()]);
+    let gpushare = ct.bin.join("gpushare");
+    let cfg = watch_cfg.display().to_string();
+    t.launch(
+        "r4-watch",
+        0,
+        None,
+        None,
+        keep + 120.0,
+        &[("GPUSHARE_CONFIG", &cfg)],
+        vec![gpushare.into_os_string(), "watch".into()],
+    );
+    let nomps = t.work.join("nomps");
+    let host_cmd = t.workload_cmd(&[
+        "alloc",
+        "--bytes",
+        &(1u64 << 30).to_string(),
+        "--hold",
+        &format!("{keep}"),
+    ]);
+    t.launch(
+        "r4-w-host",
+        crate::tier::UB,
+        Some(&nomps),
+        None,
+        t.tmo(keep),
+        &[],
+        host_cmd,
+    );
+    let c = "r4w";
+    let py = ct.py.display().to_string();
+    let script = format!(
+        "W=/gpu/workload.py; \
+         {py} $W alloc --bytes {g1} --hold {keep} & \
+         env CUDA_MPS_PIPE_DIRECTORY=/mnt {py} $W alloc --bytes {g1} --hold {keep} & \
+         env CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=1=64G {py} $W alloc --bytes {g3} --hold {keep} & \
+         wait",
+        g1 = 1u64 << 30,
+        g3 = 3u64 << 30
+    );
+    let ann = [
+        ("gpushare.io/device", "0"),
+        ("gpushare.io/pinned-memory-limit", "2G"),
+    ];
+    let shared_pipe = t.work.join("h/ct-shared/pipe");
+    let made = ct
+        .make_bundle(c, 1000, Mode::Gpushare, &ann, hold, &shared_pipe)
+        .and_then(|()| {
+            let path = ct.bundle(c).join("config.json");
+            let mut v: Value = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .ok_or("no config.json")?;
+            v["process"]["args"] = json!(["/bin/sh", "-c", script]);
+            std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap_or_default())
+                .map_err(|e| e.to_string())
+        })
+        .and_then(|()| ct.start(&ct.runtime(), c).map(|_| ()));
+    if let Err(e) = made {
+        t.check("FAIL", name, &e);
+        t.abort_clients(&["r4-watch".to_owned(), "r4-w-host".to_owned()]);
+        ct.delete(c);
+        return;
+    }
+    // The watcher's report: both actions, or the deadline.
+    let report = t.state.join("watch.json");
+    let read = || -> Value {
+        std::fs::read(&report)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or(Value::Null)
+    };
+    // (Also over when all three of the container's processes have ended: nothing left to
+    // act on.)
+    let out = ct.bundle(c).join("out");
+    let t_wait = Instant::now();
+    let _ = testkit::common::wait_until(Duration::from_secs_f64(keep - 5.0), || {
+        crate::tier::stop_if_interrupted();
+        let ended = std::fs::read_to_string(&out)
+            .unwrap_or_default()
+            .matches("\"event\": \"result\"")
+            .count();
+        if ended >= 3 {
+            return true;
+        }
+        let r = read();
+        r["actions"]["stopped_direct"].as_u64().unwrap_or(0) >= 1
+            && r["actions"]["ended_clients"].as_u64().unwrap_or(0) >= 1
+    });
+    let waited = t_wait.elapsed().as_secs_f64();
+    // Two more scans, then what is left.
+    crate::tier::pause(Duration::from_secs(3));
+    let r = read();
+    let status = ct.gpushare(&["status", "--json"]);
+    let smi = proc::run(
+        Command::new("nvidia-smi").args([
+            "--query-compute-apps=pid,used_memory",
+            "--format=csv,noheader",
+        ]),
+        None,
+        Duration::from_secs(30),
+        Duration::from_secs(5),
+    );
+    let st: Value = serde_json::from_str(&status.out).unwrap_or(Value::Null);
+    t.record(json!({"event": "r4_watch", "report": r, "status": st, "nvidia_smi": smi.out}));
+    let procs: Vec<String> = r["processes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            format!(
+                "{} {} {} MiB {}{}",
+                p["pid"],
+                p["kind"].as_str().unwrap_or("?"),
+                p["used_memory_bytes"]
+                    .as_u64()
+                    .map_or("?".into(), |b| (b >> 20).to_string()),
+                p["container_id"].as_str().unwrap_or("-"),
+                p["verdict"]
+                    .as_str()
+                    .map_or(String::new(), |v| format!(" [{v}]"))
+            )
+        })
+        .collect();
+    t.check(
+        "INFO",
+        "item 5: the watcher's last report",
+        &format!("actions {}; processes: {}", r["actions"], procs.join(", ")),
+    );
+    let n = |k: &str| r["actions"][k].as_u64().unwrap_or(0);
+    t.check(
+        if n("stopped_direct") >= 1 {
+            "PASS"
+        } else {
+            "FAIL"
+        },
+        "item 5: the served process that skips MPS is killed",
+        &format!(
+            "stopped_direct {} (waited {waited:.1} s of at most {:.0})",
+            n("stopped_direct"),
+            keep - 5.0
+        ),
+    );
+    t.check(
+        if n("ended_clients") >= 1 {
+            "PASS"
+        } else {
+            "FAIL"
+        },
+        "item 5: the client that lifted its own limit is ended above 2G",
+        &format!(
+            "ended_clients {}, unconfirmed_terminations {}",
+            n("ended_clients"),
+            n("unconfirmed_terminations")
+        ),
+    );
+    let host_alive = t.done_of("r4-w-host").is_none();
+    t.check(
+        if host_alive { "PASS" } else { "FAIL" },
+        "item 5: a host process on the GPU is left alone",
+        &if host_alive {
+            "still running".to_owned()
+        } else {
+            format!(
+                "ended: {}",
+                calc::cut(
+                    &std::fs::read_to_string(t.run_dir.join("r4-w-host.err")).unwrap_or_default(),
+                    160
+                )
+            )
+        },
+    );
+    let st_procs: Vec<String> = st["watch"]["processes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            format!(
+                "{} {} MiB",
+                p["pid"],
+                p["used_memory_bytes"]
+                    .as_u64()
+                    .map_or("?".into(), |b| (b >> 20).to_string())
+            )
+        })
+        .collect();
+    t.check(
+        "INFO",
+        "item 5: status --json memory beside nvidia-smi",
+        &format!(
+            "status: {}; nvidia-smi: {}",
+            st_procs.join(", "),
+            smi.out.trim().lines().collect::<Vec<_>>().join("; ")
+        ),
+    );
+    ct.print_output(c);
+    t.abort_clients(&["r4-watch".to_owned(), "r4-w-host".to_owned()]);
+    ct.delete(c);
+    let stop = ct.gpushare(&["daemon", "stop", "--all", "--force"]);
+    if !stop.ok() {
+        let ev = calc::first_line(&stop.out, 220);
+        t.check("FAIL", "gpushare daemon stop --all --force (r4-watch)", &ev);
+    }
+}

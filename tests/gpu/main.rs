@@ -34,8 +34,10 @@
 mod calc;
 mod client;
 mod containers;
+mod helper;
 mod opts;
 mod proc;
+mod round4;
 mod sections;
 mod tier;
 
@@ -73,6 +75,9 @@ fn no_gpu_reason() -> Option<String> {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(code) = helper::run(&args) {
+        return ExitCode::from(code);
+    }
     let opts = match opts::parse(&args, &|k| std::env::var(k).ok()) {
         Ok(o) => o,
         // A usage error (exit 2) or --help (exit 0), printed as clap prints it.

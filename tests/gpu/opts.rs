@@ -30,6 +30,22 @@ pub const SECTIONS: &[&str] = &[
     "containers",
     "skip-mps",
     "cdi",
+    "r4-nodes",
+    "r4-nvml",
+    "r4-terminate",
+    "r4-threads",
+    "r4-watch",
+    "r4-privileged",
+];
+/// `--only round4`: every round-4 section (issue 36; round4.rs), in the order they run.
+pub const ROUND4: &str = "round4";
+pub const ROUND4_SECTIONS: &[&str] = &[
+    "r4-nodes",
+    "r4-nvml",
+    "r4-terminate",
+    "r4-threads",
+    "r4-watch",
+    "r4-privileged",
 ];
 /// The sections that run real containers (`--containers`).
 pub const CONTAINER_SECTIONS: &[&str] = &["containers", "skip-mps", "cdi"];
@@ -82,13 +98,19 @@ pub struct Options {
     pub runc: Option<PathBuf>,
     /// Run only these sections (comma-separated; the header, the preflight and the restore
     /// always run): per-user, shared, flags, multi-user, tenant-control, limits, uuid-limit,
-    /// small-batch, create-path, driver-root, and the container sections containers,
-    /// skip-mps, cdi (real GPU only; naming one implies --containers) [GPUSHARE_GPU_ONLY]
+    /// small-batch, create-path, driver-root, the container sections containers,
+    /// skip-mps, cdi (real GPU only; naming one implies --containers), and round 4's
+    /// r4-nodes, r4-nvml, r4-terminate, r4-threads, r4-watch, r4-privileged (`round4`: all
+    /// six) [GPUSHARE_GPU_ONLY]
     #[arg(long = "only", value_name = "LIST", value_parser = sections)]
     only_arg: Option<Sections>,
     /// `--only`: the sections to run; `None` runs every section.
     #[arg(skip)]
     pub only: Option<Vec<String>>,
+    /// Round 4: seconds its clients compute or hold an allocation (default 5; 1
+    /// simulated) [GPUSHARE_GPU_R4_HOLD]
+    #[arg(long = "r4-hold", value_name = "S", value_parser = hold_seconds)]
+    r4_hold: Option<f64>,
     #[arg(skip = 30u32)]
     pub create_rounds: u32,
     #[arg(skip)]
@@ -126,6 +148,13 @@ fn sections(list: &str) -> Result<Sections, String> {
         .split(',')
         .map(|n| n.trim().to_owned())
         .filter(|n| !n.is_empty())
+        .flat_map(|n| {
+            if n == ROUND4 {
+                ROUND4_SECTIONS.iter().map(|s| s.to_string()).collect()
+            } else {
+                vec![n]
+            }
+        })
         .collect();
     if let Some(bad) = names.iter().find(|n| !SECTIONS.contains(&n.as_str())) {
         return Err(format!(
@@ -149,6 +178,11 @@ impl Options {
         self.only
             .as_ref()
             .is_none_or(|o| o.iter().any(|n| n == name))
+    }
+
+    /// `--r4-hold`, else the default of the mode (round 4's clients).
+    pub fn r4_hold(&self, simulate: bool) -> f64 {
+        self.r4_hold.unwrap_or(if simulate { 1.0 } else { 5.0 })
     }
 
     /// `--hold`, else the default of the mode the run ended up in (no GPU: simulated).
@@ -195,6 +229,11 @@ pub fn parse(
         (None, Some(n)) => positive(&n).map_err(|e| invalid("GPUSHARE_GPU_ITERATIONS", e))?,
         (None, None) => o.iterations,
     };
+    if o.r4_hold.is_none() {
+        if let Some(h) = env("GPUSHARE_GPU_R4_HOLD") {
+            o.r4_hold = Some(hold_seconds(&h).map_err(|e| invalid("GPUSHARE_GPU_R4_HOLD", e))?);
+        }
+    }
     if o.hold.is_none() {
         if let Some(h) = env("GPUSHARE_GPU_HOLD") {
             o.hold = Some(hold_seconds(&h).map_err(|e| invalid("GPUSHARE_GPU_HOLD", e))?);
@@ -326,6 +365,10 @@ mod tests {
             e.contains("no section \"small\"") && e.contains("tenant-control"),
             "{e}"
         );
+        let o = parse(&args(&["--only", "round4,limits"]), &no_env).unwrap();
+        assert!(o.wants("r4-nodes") && o.wants("r4-privileged") && o.wants("limits"));
+        assert!(!o.containers && !o.wants("per-user"));
+        assert_eq!(o.r4_hold(false), 5.0);
         let e = parse(&args(&["--only", ","]), &no_env)
             .unwrap_err()
             .to_string();

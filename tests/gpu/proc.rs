@@ -169,10 +169,15 @@ pub fn run(cmd: &mut Command, input: Option<&str>, limit: Duration, grace: Durat
 /// How a client runs: as `uid` (gid the same, no supplementary groups) with only `env`, in
 /// `cwd`, its stdout and stderr to files; with `shm`, in a mount namespace of its own (a
 /// slave of the host's) with `shm` bound over /dev/shm — what gpushare-runtime gives a
-/// container in `ipc = "isolated"`.
+/// container in `ipc = "isolated"`. Round 4 (E1) adds a private /dev/shm and hidden
+/// device nodes.
 pub struct ClientSpec {
     pub uid: u32,
     pub shm: Option<PathBuf>,
+    /// Also in a mount namespace of its own: a fresh tmpfs on /dev/shm (over `shm`'s bind,
+    /// if any) and /dev/null bound over each of these files (the GPU's device nodes).
+    pub private_shm: bool,
+    pub hide: Vec<PathBuf>,
     pub env: Vec<(String, String)>,
     pub argv: Vec<OsString>,
     pub cwd: PathBuf,
@@ -242,6 +247,16 @@ pub fn launch(spec: ClientSpec) -> Running {
         Some(Err(_)) => return failed("shm path with a NUL byte".to_owned()),
         None => None,
     };
+    let Ok(hide) = spec
+        .hide
+        .iter()
+        .map(|p| CString::new(p.as_os_str().as_bytes()))
+        .collect::<Result<Vec<CString>, _>>()
+    else {
+        return failed("a hidden path with a NUL byte".to_owned());
+    };
+    let private_shm = spec.private_shm;
+    let own_ns = shm.is_some() || private_shm || !hide.is_empty();
     let mut cmd = Command::new(program);
     cmd.args(args)
         .env_clear()
@@ -259,7 +274,7 @@ pub fn launch(spec: ClientSpec) -> Running {
     unsafe {
         cmd.pre_exec(move || {
             use nix::mount::{mount, MsFlags};
-            if let Some(shm) = &shm {
+            if own_ns {
                 nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)?;
                 mount(
                     None::<&std::ffi::CStr>,
@@ -268,9 +283,29 @@ pub fn launch(spec: ClientSpec) -> Running {
                     MsFlags::MS_REC | MsFlags::MS_SLAVE,
                     None::<&std::ffi::CStr>,
                 )?;
+            }
+            if let Some(shm) = &shm {
                 mount(
                     Some(shm.as_c_str()),
                     c"/dev/shm",
+                    None::<&std::ffi::CStr>,
+                    MsFlags::MS_BIND,
+                    None::<&std::ffi::CStr>,
+                )?;
+            }
+            if private_shm {
+                mount(
+                    Some(c"tmpfs"),
+                    c"/dev/shm",
+                    Some(c"tmpfs"),
+                    MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+                    Some(c"mode=1777,size=256m"),
+                )?;
+            }
+            for node in &hide {
+                mount(
+                    Some(c"/dev/null"),
+                    node.as_c_str(),
                     None::<&std::ffi::CStr>,
                     MsFlags::MS_BIND,
                     None::<&std::ffi::CStr>,

@@ -12,6 +12,8 @@
 //! 7. the shim's create path: what inventory = "nvml" costs every create with a request;
 //! 8. driver-root: the driver's files under a root of their own, as NVIDIA's GPU Operator
 //!    lays them out.
+//! 9. round 4 (round4.rs, issue 36): what NVML, `terminate_client`, the thread cap, the
+//!    watcher and the privileged channel do on a real driver.
 //!
 //! The restore (8) is `Tier::restore`. Simulated, what needs real CUDA prints
 //! `SKIP (simulated)`; everything about daemons, users, queueing, flags, limit read-back and
@@ -81,6 +83,7 @@ pub fn run(t: &mut Tier, opts: &Options) -> Ended {
     if opts.wants("driver-root") {
         driver_root(t);
     }
+    crate::round4::run(t, opts, &flag);
     if opts.containers {
         crate::containers::run(t, opts);
     }

@@ -53,6 +53,11 @@ pub fn catch_signals() {
     }
 }
 
+/// SIGINT or SIGTERM has come.
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
 /// Panics (caught around the sections) once SIGINT or SIGTERM has come.
 pub fn stop_if_interrupted() {
     if INTERRUPTED.load(Ordering::SeqCst) {
@@ -213,6 +218,9 @@ pub struct Tier {
     stopped: Vec<String>,
     stop_failed: Vec<String>,
     shm_before: BTreeSet<String>,
+    /// Round 4 (E1): the next `launch` gets a private /dev/shm and these nodes hidden.
+    pub next_private_shm: bool,
+    pub next_hide: Vec<PathBuf>,
 }
 
 fn shm_entries() -> BTreeSet<String> {
@@ -285,6 +293,8 @@ impl Tier {
             stopped: Vec::new(),
             stop_failed: Vec::new(),
             shm_before: shm_entries(),
+            next_private_shm: false,
+            next_hide: Vec::new(),
         };
         if let Err(e) = tier.prepare(opts) {
             let _ = std::fs::remove_dir_all(&tier.work);
@@ -535,6 +545,8 @@ impl Tier {
         let running = proc::launch(ClientSpec {
             uid,
             shm: shm.map(Path::to_path_buf),
+            private_shm: std::mem::take(&mut self.next_private_shm),
+            hide: std::mem::take(&mut self.next_hide),
             env: e,
             argv,
             cwd: home,
@@ -546,6 +558,51 @@ impl Tier {
             old.abort();
             old.join();
         }
+    }
+
+    /// Ends these clients now (SIGTERM, SIGKILL 5 s later) and waits up to 10 s for them:
+    /// a section's cleanup.
+    pub fn abort_clients(&mut self, labels: &[String]) {
+        for l in labels {
+            if let Some(c) = self.clients.get(l).filter(|c| c.done().is_none()) {
+                c.abort();
+            }
+        }
+        let _ = testkit::common::wait_until(Duration::from_secs(10), || {
+            labels.iter().all(|l| self.is_done(l))
+        });
+    }
+
+    /// `runc delete -f` of every container a section made (a section's cleanup, the
+    /// restore's first step).
+    pub fn delete_containers(&self) {
+        for (runc, root) in &self.runc_roots {
+            for c in std::fs::read_dir(root).into_iter().flatten().flatten() {
+                let _ = proc::run(
+                    Command::new(runc)
+                        .arg("--root")
+                        .arg(root)
+                        .args(["delete", "-f"])
+                        .arg(c.file_name()),
+                    None,
+                    Duration::from_secs(30),
+                    Duration::from_secs(5),
+                );
+            }
+        }
+    }
+
+    /// A client's pid while it runs.
+    pub fn pid_of(&self, label: &str) -> Option<i32> {
+        self.clients
+            .get(label)
+            .filter(|c| c.done().is_none())
+            .and_then(|c| c.pid)
+    }
+
+    /// Its exit status and time, once it has exited.
+    pub fn done_of(&self, label: &str) -> Option<(i32, f64)> {
+        self.clients.get(label).and_then(Running::done)
     }
 
     fn is_done(&self, label: &str) -> bool {
@@ -795,20 +852,7 @@ impl Tier {
             }
         }
         // Containers before their daemons (their poststop hooks run).
-        for (runc, root) in self.runc_roots.clone() {
-            for c in std::fs::read_dir(&root).into_iter().flatten().flatten() {
-                let _ = proc::run(
-                    Command::new(&runc)
-                        .arg("--root")
-                        .arg(&root)
-                        .args(["delete", "-f"])
-                        .arg(c.file_name()),
-                    None,
-                    Duration::from_secs(30),
-                    Duration::from_secs(5),
-                );
-            }
-        }
+        self.delete_containers();
         if !self.stop_failed.is_empty() {
             let ev = self.stop_failed.join(" ");
             self.check("FAIL", "gpushare daemon stop --id, per section", &ev);
