@@ -37,7 +37,7 @@ pub const SECTIONS: &[&str] = &[
     "r4-watch",
     "r4-privileged",
 ];
-/// `--only round4`: every round-4 section (issue 36; round4.rs), in the order they run.
+/// `--only round4`: every round-4 section (round4.rs), in the order they run.
 pub const ROUND4: &str = "round4";
 pub const ROUND4_SECTIONS: &[&str] = &[
     "r4-nodes",

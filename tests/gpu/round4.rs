@@ -1,4 +1,4 @@
-//! Round 4 (issue 36, docs/gpu-validation.md "Round 4"): what a driver shows of MPS clients
+//! Round 4 (docs/gpu-validation.md "Round 4"): what a driver shows of MPS clients
 //! that only a GPU can confirm, as six sections `--only round4` selects (or each by name):
 //!
 //! - `r4-nodes` (E1): does an MPS client need the GPU's device nodes (a client with /dev/null
@@ -82,7 +82,7 @@ pub fn run(t: &mut Tier, opts: &Options, flag: &str) {
     let hold = opts.r4_hold(t.simulate);
     let total: f64 = wanted.iter().map(|s| estimate(s, hold)).sum();
     t.section(&format!(
-        "round 4 (issue 36): {} (holds {hold} s; about {total:.0} s on a GPU)",
+        "round 4: {} (holds {hold} s; about {total:.0} s on a GPU)",
         wanted.join(", ")
     ));
     t.record(json!({"event": "round4", "sections": wanted, "hold_s": hold, "estimate_s": total}));

@@ -12,7 +12,7 @@
 //! 7. the shim's create path: what inventory = "nvml" costs every create with a request;
 //! 8. driver-root: the driver's files under a root of their own, as NVIDIA's GPU Operator
 //!    lays them out.
-//! 9. round 4 (round4.rs, issue 36): what NVML, `terminate_client`, the thread cap, the
+//! 9. round 4 (round4.rs): what NVML, `terminate_client`, the thread cap, the
 //!    watcher and the privileged channel do on a real driver.
 //!
 //! The restore (8) is `Tier::restore`. Simulated, what needs real CUDA prints
