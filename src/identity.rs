@@ -381,6 +381,20 @@ mod tests {
         test_identity(uid, tp)
     }
 
+    /// A request for GPU 0 (`gpushare.io/device: 0`) with `settings`.
+    fn gpu0_request(settings: crate::request::Settings) -> Request {
+        use crate::request::{parse_device, DeviceValue, Sourced};
+        Request {
+            device: Sourced {
+                value: DeviceValue::Named(parse_device("gpushare.io/device", "0").unwrap()),
+                key: "gpushare.io/device",
+                raw: "0".into(),
+            },
+            ipc: None,
+            settings,
+        }
+    }
+
     #[test]
     fn id_separates_users_and_profiles_but_not_groups() {
         let a = ident(1000, None);
@@ -508,17 +522,7 @@ mod tests {
             None,
         )
         .unwrap();
-        let plain = Request {
-            device: crate::request::Sourced {
-                value: crate::request::DeviceValue::Named(
-                    crate::request::parse_device("gpushare.io/device", "0").unwrap(),
-                ),
-                key: "gpushare.io/device",
-                raw: "0".into(),
-            },
-            ipc: None,
-            settings: crate::request::Settings::default(),
-        };
+        let plain = gpu0_request(Default::default());
         let by_default =
             Identity::for_request(&cfg, &devices, 1000, &plain, IpcMode::Isolated, None);
         assert_eq!(
@@ -549,29 +553,17 @@ mod tests {
     /// identity a request gets.
     #[test]
     fn keys_outside_the_identity_leave_it_alone() {
-        use crate::request::{parse_device, DeviceValue, Settings, Sourced, CLIENT_PRIORITY};
+        use crate::request::{Settings, Sourced, CLIENT_PRIORITY};
         assert!(!CLIENT_PRIORITY.identity);
-        let device = Sourced {
-            value: DeviceValue::Named(parse_device("gpushare.io/device", "0").unwrap()),
-            key: "gpushare.io/device",
-            raw: "0".into(),
-        };
-        let plain = Request {
-            device,
-            ipc: None,
-            settings: Settings::default(),
-        };
-        let low = Request {
-            settings: Settings::default().with(
-                &CLIENT_PRIORITY,
-                Sourced {
-                    value: 1,
-                    key: CLIENT_PRIORITY.annotation,
-                    raw: "1".into(),
-                },
-            ),
-            ..plain.clone()
-        };
+        let plain = gpu0_request(Settings::default());
+        let low = gpu0_request(Settings::default().with(
+            &CLIENT_PRIORITY,
+            Sourced {
+                value: 1,
+                key: CLIENT_PRIORITY.annotation,
+                raw: "1".into(),
+            },
+        ));
         let cfg = crate::config::parse("", None).unwrap();
         let devices = ["GPU-8f8bff94-112e-9541-43da-cfd453333404".to_owned()];
         let ident =
@@ -584,16 +576,10 @@ mod tests {
     /// enforced or advisory limits and their defaults, IPC.
     #[test]
     fn for_request_follows_the_node_config() {
-        use crate::request::{parse_device, parse_percentage, DeviceValue, Settings, Sourced};
+        use crate::request::{parse_percentage, Settings, Sourced};
         const TP: &str = "gpushare.io/active-thread-percentage";
-        let req = |tp: Option<&str>| Request {
-            device: Sourced {
-                value: DeviceValue::Named(parse_device("gpushare.io/device", "0").unwrap()),
-                key: "gpushare.io/device",
-                raw: "0".into(),
-            },
-            ipc: None,
-            settings: match tp {
+        let req = |tp: Option<&str>| {
+            gpu0_request(match tp {
                 Some(raw) => Settings::default().with(
                     &ACTIVE_THREAD_PERCENTAGE,
                     Sourced {
@@ -603,7 +589,7 @@ mod tests {
                     },
                 ),
                 None => Settings::default(),
-            },
+            })
         };
         let gib = 1u64 << 30;
         // (config, requested percentage, ipc) → (uid, gid, multi-user, tp, mem, ipc_host)
@@ -680,17 +666,7 @@ mod tests {
     #[test]
     fn the_tenant_is_in_the_id_only_in_namespace_mode() {
         let devices = ["GPU-8f8bff94-112e-9541-43da-cfd453333404".to_owned()];
-        let req = Request {
-            device: crate::request::Sourced {
-                value: crate::request::DeviceValue::Named(
-                    crate::request::parse_device("gpushare.io/device", "0").unwrap(),
-                ),
-                key: "gpushare.io/device",
-                raw: "0".into(),
-            },
-            ipc: None,
-            settings: crate::request::Settings::default(),
-        };
+        let req = gpu0_request(Default::default());
         let id_in = |cfg: &Config, ns: Option<&str>| {
             let tenant = Tenant::for_node(cfg, ns.map(|n| (n, "test"))).unwrap();
             Identity::for_request(cfg, &devices, 1000, &req, IpcMode::Isolated, tenant)
