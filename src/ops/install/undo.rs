@@ -213,31 +213,27 @@ mod tests {
     fn hook_only(at: &At) -> anyhow::Result<()> {
         write_hook_only(&args(at, &Containerd), at.config, at.version, DEFAULT_SPEC)
     }
+    /// `install containerd --nri` with `--nri-launch` (`launch`) and `--nri-required`.
+    fn nri_with(at: &At, launch: bool, required: Option<NriRequired>) -> anyhow::Result<()> {
+        install_nri(
+            Some(at.config.into()),
+            Some(at.version),
+            false,
+            launch,
+            required,
+        )
+    }
     fn nri(at: &At) -> anyhow::Result<()> {
-        install_nri(Some(at.config.into()), Some(at.version), false, false, None)
+        nri_with(at, false, None)
     }
     fn nri_launch(at: &At) -> anyhow::Result<()> {
-        install_nri(Some(at.config.into()), Some(at.version), false, true, None)
+        nri_with(at, true, None)
     }
     fn nri_required_node(at: &At) -> anyhow::Result<()> {
-        let required = Some(NriRequired::Node);
-        install_nri(
-            Some(at.config.into()),
-            Some(at.version),
-            false,
-            false,
-            required,
-        )
+        nri_with(at, false, Some(NriRequired::Node))
     }
     fn nri_required_pods(at: &At) -> anyhow::Result<()> {
-        let required = Some(NriRequired::Pods);
-        install_nri(
-            Some(at.config.into()),
-            Some(at.version),
-            false,
-            false,
-            required,
-        )
+        nri_with(at, false, Some(NriRequired::Pods))
     }
     /// `install cdi --enable <engine>` as the CLI runs it (its plan, then its write).
     fn enable_cdi(
