@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::request::keys::Number;
+use crate::request::Number;
 use crate::request::KeySpec;
 use crate::request::ProfileValue;
 

@@ -18,8 +18,7 @@ use serde::de::{
 };
 
 use super::{CdiProfile, MpsFields, RawMps};
-use crate::request::keys::Number;
-use crate::request::{numeric, profile_keys, KeySpec, ProfileValue};
+use crate::request::{limits, numeric, KeySpec, Number, ProfileValue};
 
 /// A row's value as the file wrote it: an integer for an integer grammar, a string for a
 /// size.
@@ -282,11 +281,6 @@ impl<'de> Visitor<'de> for ProfileVisitor {
     }
 }
 
-/// The limit rows ([`profile_keys`]) with their grammar.
-fn limits() -> impl Iterator<Item = (&'static KeySpec, Number)> {
-    profile_keys().filter_map(|k| Some((k, k.number()?)))
-}
-
 /// A profile's key: the name of a limit row.
 struct ProfileKey;
 
@@ -306,9 +300,12 @@ impl<'de> Visitor<'de> for ProfileKey {
     }
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-        limits().find(|(k, _)| k.name == v).ok_or_else(|| {
-            let known: Vec<&str> = limits().map(|(k, _)| k.name).collect();
-            unknown_key(v, &known)
-        })
+        limits()
+            .map(|(k, _, n)| (k, n))
+            .find(|(k, _)| k.name == v)
+            .ok_or_else(|| {
+                let known: Vec<&str> = limits().map(|(k, _, _)| k.name).collect();
+                unknown_key(v, &known)
+            })
     }
 }
