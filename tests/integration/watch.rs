@@ -138,6 +138,16 @@ fn first_listed(env: &Env, id: &str, kind: &str, gib: u64) -> Value {
     found.unwrap()
 }
 
+/// Waits until the watcher has scanned three more times (within 10 s).
+fn three_more_scans(env: &Env) {
+    let scanned = |env: &Env| report(env).unwrap()["scanned_at"].as_u64().unwrap();
+    let before = scanned(env);
+    assert!(
+        wait_until(Duration::from_secs(10), || scanned(env) >= before + 3),
+        "the watcher did not scan three more times within 10 s"
+    );
+}
+
 fn pid_of(entry: &Value) -> i32 {
     i32::try_from(entry["pid"].as_i64().unwrap()).unwrap()
 }
@@ -275,10 +285,7 @@ fn watch_stops_a_served_process_outside_mps_and_ends_a_client_above_its_containe
     }
 
     // Three more scans: nothing else is touched.
-    let scanned = report(&env).unwrap()["scanned_at"].as_u64().unwrap();
-    assert!(wait_until(Duration::from_secs(10), || {
-        report(&env).unwrap()["scanned_at"].as_u64().unwrap() >= scanned + 3
-    }));
+    three_more_scans(&env);
     for (pid, what) in [
         (within, "the client within the limit"),
         (host, "the host's process"),
@@ -387,10 +394,7 @@ fn watch_with_policy_report_touches_nothing_and_reports_everything() {
     for pid in pids {
         listed(&env, pid, Duration::from_secs(10));
     }
-    let scanned = report(&env).unwrap()["scanned_at"].as_u64().unwrap();
-    assert!(wait_until(Duration::from_secs(10), || {
-        report(&env).unwrap()["scanned_at"].as_u64().unwrap() >= scanned + 3
-    }));
+    three_more_scans(&env);
     for pid in pids {
         assert!(alive(pid), "pid {pid} was touched under policy report");
     }
@@ -516,10 +520,7 @@ fn watch_through_the_cri_plugin_stops_what_escapes_and_names_each_pod() {
         )),
         "{log}"
     );
-    let scanned = report(&env).unwrap()["scanned_at"].as_u64().unwrap();
-    assert!(wait_until(Duration::from_secs(10), || {
-        report(&env).unwrap()["scanned_at"].as_u64().unwrap() >= scanned + 3
-    }));
+    three_more_scans(&env);
     for (pid, what) in [
         (within, "the client within the limit"),
         (host, "the host's process"),
