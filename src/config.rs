@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::request::Number;
 use crate::request::KeySpec;
+use crate::request::Number;
 use crate::request::ProfileValue;
 
 mod rows;
