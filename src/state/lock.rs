@@ -1,10 +1,12 @@
 //! The locks: one flock per daemon identity (`locks/<id>.lock`), one per daemon's
-//! supervisor (`locks/<id>.sup`) and the node lock (`locks/node.lock`).
+//! supervisor (`locks/<id>.sup`), the node lock (`locks/node.lock`), and one per daemon's
+//! container records (`mps/<id>/containers/records.lock`: shared by whoever writes or
+//! removes a record, exclusive while a sweep compares and removes what it judged stale).
 //!
-//! Invariants: lock files are opened without following a link and never removed; the
-//! node lock is taken after an identity's lock, never before (under it, other
-//! identities' locks are only tried, never waited for: `reclaim`); every wait has a deadline
-//! and a timeout names the lock. A supervisor holds its daemon's supervisor lock for its
+//! Invariants: lock files are opened without following a link and never removed (a
+//! records lock goes with its daemon's directory); the node lock is taken after an
+//! identity's lock, never before (under it, other identities' locks are only tried, never
+//! waited for: `reclaim`); every wait has a deadline and a timeout names the lock. A supervisor holds its daemon's supervisor lock for its
 //! whole life and holds no other lock while waiting for it.
 
 use std::fs::File;
@@ -55,6 +57,23 @@ impl StateDir {
         self.try_lock_one(self.watch_lock_path())
     }
 
+    /// The records lock of daemon `id`, shared (a writer of one container record) or
+    /// exclusive (a sweep removing records it judged stale), waiting until `deadline`.
+    /// Held for one write or one comparison and removal, never across a wait for anything
+    /// else. A daemon without its `containers/` directory has no records to lock: the
+    /// error is `StateError::Io` with `NotFound`, as a write there would fail.
+    pub(crate) fn lock_records(
+        &self,
+        id: &str,
+        hold: Hold,
+        deadline: Instant,
+    ) -> Result<Flock<File>, StateError> {
+        Self::check_id(id)?;
+        let path = self.records_lock_path(id);
+        let file = open_lock(&path).map_err(io("open lock", &path))?;
+        take(path, file, hold, deadline)
+    }
+
     fn try_lock_one(&self, path: PathBuf) -> Result<Option<Flock<File>>, StateError> {
         match self.lock_file(path, Instant::now()) {
             Ok(lock) => Ok(Some(lock)),
@@ -64,51 +83,73 @@ impl StateDir {
     }
 
     fn lock_file(&self, path: PathBuf, deadline: Instant) -> Result<Flock<File>, StateError> {
-        let started = Instant::now();
-        let open = || {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .mode(0o600)
-                .custom_flags(nix::libc::O_NOFOLLOW)
-                .open(&path)
-        };
-        let file = match open() {
+        let file = match open_lock(&path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 // First use of this state dir on this host.
                 self.ensure_root()?;
-                open()
+                open_lock(&path)
             }
             other => other,
         }
         .map_err(io("open lock", &path))?;
-        // Flock::lock takes the file and hands it back when the lock is busy: `file` is
-        // there again for every next try.
-        let mut file = Some(file);
-        let taken = util::poll_until(
-            deadline,
-            Duration::from_millis(1),
-            Duration::from_millis(20),
-            || match Flock::lock(file.take()?, FlockArg::LockExclusiveNonblock) {
-                Ok(lock) => Some(Ok(lock)),
-                Err((f, nix::errno::Errno::EWOULDBLOCK | nix::errno::Errno::EINTR)) => {
-                    file = Some(f);
-                    None
-                }
-                Err((_, e)) => Some(Err(e)),
-            },
-        );
-        match taken {
-            Some(Ok(lock)) => Ok(lock),
-            Some(Err(e)) => Err(io("lock", &path)(std::io::Error::from_raw_os_error(
-                e as i32,
-            ))),
-            None => Err(StateError::LockTimeout {
-                path,
-                waited: started.elapsed(),
-            }),
-        }
+        take(path, file, Hold::Exclusive, deadline)
+    }
+}
+
+/// How a lock is held: by one process, or by any number of them at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hold {
+    Shared,
+    Exclusive,
+}
+
+fn open_lock(path: &std::path::Path) -> std::io::Result<File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(path)
+}
+
+/// Takes the lock on `file`, trying until `deadline`.
+fn take(
+    path: PathBuf,
+    file: File,
+    hold: Hold,
+    deadline: Instant,
+) -> Result<Flock<File>, StateError> {
+    let started = Instant::now();
+    let arg = match hold {
+        Hold::Shared => FlockArg::LockSharedNonblock,
+        Hold::Exclusive => FlockArg::LockExclusiveNonblock,
+    };
+    // Flock::lock takes the file and hands it back when the lock is busy: `file` is
+    // there again for every next try.
+    let mut file = Some(file);
+    let taken = util::poll_until(
+        deadline,
+        Duration::from_millis(1),
+        Duration::from_millis(20),
+        || match Flock::lock(file.take()?, arg) {
+            Ok(lock) => Some(Ok(lock)),
+            Err((f, nix::errno::Errno::EWOULDBLOCK | nix::errno::Errno::EINTR)) => {
+                file = Some(f);
+                None
+            }
+            Err((_, e)) => Some(Err(e)),
+        },
+    );
+    match taken {
+        Some(Ok(lock)) => Ok(lock),
+        Some(Err(e)) => Err(io("lock", &path)(std::io::Error::from_raw_os_error(
+            e as i32,
+        ))),
+        None => Err(StateError::LockTimeout {
+            path,
+            waited: started.elapsed(),
+        }),
     }
 }
 

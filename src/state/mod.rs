@@ -15,6 +15,7 @@
 //!       log/                   tmpfs of mps.log-size, 0700 uid (multi-user: 0755 root): CUDA_MPS_LOG_DIRECTORY
 //!       shm/                   tmpfs, 0700 uid (multi-user: 1777): the daemon's and the clients' /dev/shm
 //!       containers/<cid>.json  0700 root   one record per container using the daemon
+//!       containers/records.lock 0600 root  flock: shared by record writers, exclusive by a sweep
 //!     .<id>.removing/          a daemon directory being removed (gc finishes it after a crash)
 //! ```
 //! Invariants: every parent is traversable by the daemon's UID and writable by root only;
@@ -42,6 +43,7 @@ mod record;
 mod remove;
 mod skeleton;
 
+pub(crate) use lock::Hold;
 pub(crate) use reclaim::Abandoned;
 pub use record::{
     valid_container_id, ContainerRecord, DaemonRecord, DaemonStatus, PodNames, ProcRef,
@@ -175,6 +177,11 @@ impl StateDir {
     }
     pub(crate) fn containers_dir(&self, id: &str) -> PathBuf {
         self.daemon_dir(id).join("containers")
+    }
+    /// The lock of daemon `id`'s container records (`lock::Hold`): in `containers/`, so it
+    /// goes with the daemon's directory and no record can outlive its lock.
+    pub(crate) fn records_lock_path(&self, id: &str) -> PathBuf {
+        self.containers_dir(id).join("records.lock")
     }
     pub(crate) fn record_path(&self, id: &str) -> PathBuf {
         self.daemon_dir(id).join("daemon.json")
@@ -363,6 +370,7 @@ mod tests {
             root.shm_dir(id),
             root.driver_lib_dir(id),
             root.containers_dir(id),
+            root.records_lock_path(id),
             root.root().join(crate::inventory_cache::CACHE_FILE),
         ] {
             let rel = path.strip_prefix("/s").unwrap();

@@ -1,17 +1,21 @@
 //! The records: `daemon.json` (what the hook, the supervisor and `status` know about one
 //! daemon) and `containers/<cid>.json` (one container using it).
 //!
-//! Invariants: records are written atomically and read without locks; a record that does
-//! not serialise writes nothing; a daemon record is trusted only under its own id (the
-//! record's id and its identity's); a container id passes runc's rule before it names a
-//! file; `ProcRef` pairs a pid with its start time, so a reused pid never passes for the
-//! process it named.
+//! Invariants: records are written atomically and read without locks; a container record
+//! is written or removed under its daemon's records lock held shared, and a sweep removes
+//! one only under that lock held exclusively and while it holds the bytes judged stale;
+//! a record that does not serialise writes nothing; a daemon record is trusted only under
+//! its own id (the record's id and its identity's); a container id passes runc's rule
+//! before it names a file; `ProcRef` pairs a pid with its start time, so a reused pid
+//! never passes for the process it named.
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{io, StateDir, StateError};
+use std::time::{Duration, Instant};
+
+use super::{io, Hold, StateDir, StateError};
 use crate::identity::Identity;
 use crate::{fsops, util};
 
@@ -287,18 +291,30 @@ impl StateDir {
     }
 
     /// Writes a container's record atomically; nothing if it does not serialise (a bundle
-    /// path that is not UTF-8 does not).
+    /// path that is not UTF-8 does not). Holds the daemon's records lock shared while it
+    /// writes, so that no sweep removes the record it replaces after judging the old one.
     pub(crate) fn add_container(&self, id: &str, rec: &ContainerRecord) -> Result<(), StateError> {
         let path = self.container_path(id, &rec.id)?;
         let data = serde_json::to_vec(rec).map_err(serialise(&path))?;
+        let _writing = self.lock_records(id, Hold::Shared, Instant::now() + RECORDS_LOCK_WAIT)?;
         // Atomic but not fsynced: a container record does not outlive a reboot's meaning
         // (the container is gone too), and the shim writes one on every create.
         fsops::write_atomic_with(&path, &data, 0o600, false).map_err(io("write", &path))
     }
 
-    /// Removes a container's record; `Ok(false)` if there was none.
+    /// Removes a container's record, for its owner (the container's end, a refused
+    /// create); `Ok(false)` if there was none. A sweep removes only what it judged
+    /// (`sweep_containers`).
     pub(crate) fn remove_container(&self, id: &str, cid: &str) -> Result<bool, StateError> {
         let path = self.container_path(id, cid)?;
+        let _writing = match self.lock_records(id, Hold::Shared, Instant::now() + RECORDS_LOCK_WAIT)
+        {
+            Ok(l) => l,
+            Err(StateError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(false)
+            }
+            Err(e) => return Err(e),
+        };
         match std::fs::remove_file(&path) {
             Ok(()) => Ok(true),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
@@ -307,6 +323,16 @@ impl StateDir {
     }
 
     pub(crate) fn containers(&self, id: &str) -> Result<Vec<ContainerRecord>, StateError> {
+        Ok(self
+            .container_files(id)?
+            .into_iter()
+            .map(|(rec, _)| rec)
+            .collect())
+    }
+
+    /// Every container record of daemon `id` that parses, with the bytes it was read from,
+    /// sorted by container id.
+    fn container_files(&self, id: &str) -> Result<Vec<(ContainerRecord, Vec<u8>)>, StateError> {
         Self::check_id(id)?;
         let dir = self.containers_dir(id);
         let entries = match std::fs::read_dir(&dir) {
@@ -323,11 +349,11 @@ impl StateDir {
             }
             if let Ok(bytes) = fsops::read_regular(&entry.path(), MAX_RECORD_BYTES) {
                 if let Ok(rec) = serde_json::from_slice::<ContainerRecord>(&bytes) {
-                    out.push(rec);
+                    out.push((rec, bytes));
                 }
             }
         }
-        out.sort_by(|a, b| a.id.cmp(&b.id));
+        out.sort_by(|a, b| a.0.id.cmp(&b.0.id));
         Ok(out)
     }
 
@@ -341,26 +367,69 @@ impl StateDir {
         Ok(self.sweep_containers(id, pending_grace)?.0)
     }
 
-    /// `live_containers`, and how many stale records it found (and removed), from one
-    /// read of the records.
+    /// `live_containers`, and how many stale records it removed, from one read of the
+    /// records.
     pub(crate) fn sweep_containers(
         &self,
         id: &str,
         pending_grace: u64,
     ) -> Result<(Vec<ContainerRecord>, usize), StateError> {
-        let mut live = Vec::new();
-        let mut stale = 0;
-        for rec in self.containers(id)? {
-            if rec.live(pending_grace) {
-                live.push(rec);
-            } else {
-                stale += 1;
-                let _ = self.remove_container(id, &rec.id);
+        self.sweep_with(id, pending_grace, || {})
+    }
+
+    /// The sweep, with `judged` run between the judgement and the removal (a test's seam).
+    /// Records are read and judged without a lock; a stale one is removed only under the
+    /// records lock held exclusively (`lock::Hold`), and only while its file still holds
+    /// the bytes that were judged: a record replaced meanwhile (the hook's record over the
+    /// shim's pending one) is judged again, never removed by its name. A sweep that cannot
+    /// have the lock within `SWEEP_LOCK_WAIT` removes nothing this time.
+    fn sweep_with(
+        &self,
+        id: &str,
+        pending_grace: u64,
+        judged: impl FnOnce(),
+    ) -> Result<(Vec<ContainerRecord>, usize), StateError> {
+        let (live, stale): (Vec<_>, Vec<_>) = self
+            .container_files(id)?
+            .into_iter()
+            .partition(|(rec, _)| rec.live(pending_grace));
+        let mut live: Vec<ContainerRecord> = live.into_iter().map(|(rec, _)| rec).collect();
+        if stale.is_empty() {
+            return Ok((live, 0));
+        }
+        judged();
+        let Ok(_sweeping) =
+            self.lock_records(id, Hold::Exclusive, Instant::now() + SWEEP_LOCK_WAIT)
+        else {
+            return Ok((live, 0));
+        };
+        let mut removed = 0;
+        for (rec, judged_bytes) in stale {
+            let path = self.container_path(id, &rec.id)?;
+            let now = match fsops::read_regular(&path, MAX_RECORD_BYTES) {
+                Ok(b) => b,
+                Err(_) => continue,
+            };
+            if now == judged_bytes {
+                if std::fs::remove_file(&path).is_ok() {
+                    removed += 1;
+                }
+            } else if let Ok(rec) = serde_json::from_slice::<ContainerRecord>(&now) {
+                if rec.live(pending_grace) {
+                    live.push(rec);
+                }
             }
         }
-        Ok((live, stale))
+        live.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok((live, removed))
     }
 }
+
+/// How long a writer of one container record waits for a sweep's comparison and removal.
+const RECORDS_LOCK_WAIT: Duration = Duration::from_secs(2);
+/// How long a sweep waits for the writers of one daemon's records before it gives up
+/// removing this time: it never holds up a create for longer than a few removals.
+const SWEEP_LOCK_WAIT: Duration = Duration::from_millis(200);
 
 #[cfg(test)]
 mod tests {
@@ -580,6 +649,77 @@ mod tests {
             (vec![live.clone()], 0)
         );
         assert_eq!(state.live_containers(id, 10).unwrap(), vec![live]);
+    }
+
+    /// The race a node's scale makes frequent: a sweep reads the shim's pending record,
+    /// the createRuntime hook replaces it with the container's (pid) record, runc create
+    /// exits (the pending record's creator is gone), and the sweep judges what it read
+    /// stale. It must not remove the record that now has that name.
+    #[test]
+    fn a_sweep_never_removes_a_record_replaced_after_it_was_judged() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let id = "0123456789abcdef0123456789abcdef";
+        std::fs::create_dir_all(state.containers_dir(id)).unwrap();
+        // The pending record of a create whose creator (the shim, then runc) has exited.
+        let mut exited = std::process::Command::new("true").spawn().unwrap();
+        let creator = ProcRef::of(exited.id() as i32).unwrap_or(ProcRef {
+            pid: exited.id() as i32,
+            start_time: 1,
+        });
+        exited.wait().unwrap();
+        let pending = ContainerRecord {
+            creator: Some(creator),
+            ..ContainerRecord::new("c1".into(), None, None, None)
+        };
+        state.add_container(id, &pending).unwrap();
+        assert!(
+            !pending.live(60),
+            "the pending record is stale once its creator exited"
+        );
+        // The hook's record, written between the sweep's judgement and its removal.
+        let me = std::process::id() as i32;
+        let running = ContainerRecord::new("c1".into(), Some(me), None, None);
+        let (live, removed) = state
+            .sweep_with(id, 60, || state.add_container(id, &running).unwrap())
+            .unwrap();
+        assert_eq!(
+            state.containers(id).unwrap(),
+            vec![running.clone()],
+            "the running container's record was removed by a sweep that judged the record it replaced"
+        );
+        assert_eq!((live, removed), (vec![running], 0));
+        // A record still holding what was judged stale is removed.
+        state.add_container(id, &pending).unwrap();
+        assert_eq!(state.sweep_with(id, 60, || {}).unwrap(), (vec![], 1));
+        assert!(state.containers(id).unwrap().is_empty());
+    }
+
+    /// A sweep removes nothing while a writer holds the records lock (it gives up after
+    /// `SWEEP_LOCK_WAIT`, never holding up the writer), and a writer waits out a sweep.
+    #[test]
+    fn a_sweep_removes_nothing_while_a_writer_holds_the_records_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let id = "0123456789abcdef0123456789abcdef";
+        std::fs::create_dir_all(state.containers_dir(id)).unwrap();
+        let gone = ContainerRecord::new("gone".into(), Some(i32::MAX), None, None);
+        state.add_container(id, &gone).unwrap();
+        let writing = state
+            .lock_records(id, Hold::Shared, Instant::now())
+            .unwrap();
+        let began = Instant::now();
+        assert_eq!(state.sweep_containers(id, 10).unwrap(), (vec![], 0));
+        assert!(began.elapsed() < Duration::from_secs(2));
+        assert_eq!(state.containers(id).unwrap(), vec![gone.clone()]);
+        // Writers share the lock with each other.
+        state.add_container(id, &gone).unwrap();
+        drop(writing);
+        assert_eq!(state.sweep_containers(id, 10).unwrap(), (vec![], 1));
+        // A daemon without its containers/ directory: nothing to remove, nothing made.
+        let other = "fedcba9876543210fedcba9876543210";
+        assert!(!state.remove_container(other, "gone").unwrap());
+        assert!(!state.containers_dir(other).exists());
     }
 
     #[test]
