@@ -166,6 +166,26 @@ impl Control {
             }
         }
     }
+    /// The daemon's servers and how many clients each has (`None` where a server's list
+    /// did not come), all within `timeout`; `Err` when the daemon did not list its
+    /// servers. What `status` shows, and what decides whether an idle daemon may quit.
+    pub(crate) fn clients(
+        &self,
+        timeout: Duration,
+    ) -> Result<Vec<(u32, Option<usize>)>, ControlError> {
+        let deadline = Instant::now() + timeout;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let servers = super::reply::pids(&self.command("get_server_list", timeout)?);
+        Ok(servers
+            .into_iter()
+            .map(|s| {
+                let listed = (!left().is_zero())
+                    .then(|| self.command(&format!("get_client_list {s}"), left()).ok())
+                    .flatten();
+                (s, listed.map(|out| super::reply::pids(&out).len()))
+            })
+            .collect())
+    }
     /// One command through the sockets in `pipe_dir`.
     fn command_in(
         &self,

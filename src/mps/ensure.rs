@@ -47,8 +47,26 @@ pub(crate) fn budget(cfg: &Config) -> Budget {
             .path
             .clone()
             .unwrap_or_else(|| crate::config::DEFAULT_PATH.into()),
+        clients: Some(clients_of(cfg)),
     }
 }
+
+/// How a cap asks an idle daemon for its MPS clients (`Budget::clients`): through the
+/// channel the supervisor uses, within `CLIENTS_DEADLINE`.
+fn clients_of(cfg: &Config) -> std::sync::Arc<crate::state::AskClients> {
+    let (binary, driver_root) = (cfg.mps.control_binary.clone(), cfg.driver_root.clone());
+    std::sync::Arc::new(move |state: &StateDir, id: &str, ident: &Identity| {
+        let binary = super::control::resolve_binary(&binary, driver_root.as_deref()).ok()?;
+        let servers = super::control::Control::of_daemon(binary, state, id, ident)
+            .clients(CLIENTS_DEADLINE)
+            .ok()?;
+        Some(servers.iter().any(|(_, n)| *n != Some(0)))
+    })
+}
+
+/// How long an idle daemon has to list its servers and their clients before a cap or its
+/// supervisor stops it.
+pub(crate) const CLIENTS_DEADLINE: Duration = Duration::from_secs(2);
 
 /// How long the supervisor of an idle daemon that a cap needs the place of, or that
 /// `gpushare daemon stop` stops, has to quit its daemon before it is killed.

@@ -48,7 +48,7 @@ pub(crate) use reclaim::Abandoned;
 pub use record::{
     valid_container_id, ContainerRecord, DaemonRecord, DaemonStatus, PodNames, ProcRef,
 };
-pub(crate) use skeleton::{Budget, CapUse, Capacity, Owner};
+pub(crate) use skeleton::{AskClients, Budget, CapUse, Capacity, Owner};
 
 use std::fs::DirBuilder;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};

@@ -8,9 +8,9 @@
 //! keeps it; an idle daemon is stopped the way `gpushare daemon stop` stops one (SIGTERM
 //! to its supervisor, which quits it cleanly) before its directory goes.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use super::{StateDir, StateError};
+use super::{Budget, StateDir, StateError};
 
 /// What `reclaim_abandoned` found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,16 +81,12 @@ impl StateDir {
     }
 
     /// Stops daemon `id` and removes its directory if it is idle: no process holds its
-    /// identity's lock, a supervisor runs it, and no container record is live. Its
-    /// supervisor gets `grace` to quit the daemon. A create that comes while it stops
-    /// keeps the directory (`remove_if_unused`) and its hook starts the daemon again.
+    /// identity's lock, a supervisor runs it, no container record is live, and no MPS
+    /// client is attached (`Budget::clients`; a daemon that does not say stays). Its
+    /// supervisor gets `budget.stop_grace` to quit the daemon. A create that comes while it
+    /// stops keeps the directory (`remove_if_unused`) and its hook starts the daemon again.
     /// Returns whether the directory went.
-    pub(crate) fn reclaim_idle(
-        &self,
-        id: &str,
-        pending_grace: u64,
-        grace: Duration,
-    ) -> Result<bool, StateError> {
+    pub(crate) fn reclaim_idle(&self, id: &str, budget: &Budget) -> Result<bool, StateError> {
         Self::check_id(id)?;
         let Some(_lock) = self.try_lock(id)? else {
             return Ok(false);
@@ -99,12 +95,18 @@ impl StateDir {
             return Ok(false);
         };
         if !rec.supervisor.is_some_and(|p| p.alive())
-            || !self.live_containers(id, pending_grace)?.is_empty()
+            || !self.live_containers(id, budget.pending_grace)?.is_empty()
         {
             return Ok(false);
         }
-        rec.stop_processes(grace);
-        let removed = self.remove_if_unused(id, pending_grace, |_| {})?;
+        if let Some(ask) = &budget.clients {
+            if ask(self, id, &rec.identity) != Some(false) {
+                tracing::warn!(daemon = %id, "an idle daemon has MPS clients but no live container record (a client without a record), or did not say: not stopped to make room");
+                return Ok(false);
+            }
+        }
+        rec.stop_processes(budget.stop_grace);
+        let removed = self.remove_if_unused(id, budget.pending_grace, |_| {})?;
         if removed {
             tracing::info!(daemon = %id, "idle MPS daemon stopped and removed to make room under a cap");
         }
@@ -116,6 +118,7 @@ impl StateDir {
 mod tests {
     use super::*;
     use crate::state::{ContainerRecord, DaemonRecord, DaemonStatus, ProcRef};
+    use std::time::Duration;
 
     fn record(id: &str, supervisor: Option<ProcRef>) -> DaemonRecord {
         let identity = crate::identity::Identity {
@@ -184,7 +187,7 @@ mod tests {
         let pending = ContainerRecord::pending("c".into(), None);
         state.add_container(&id, &pending).unwrap();
         assert_eq!(state.reclaim_abandoned(&id, 30).unwrap(), Abandoned::InUse);
-        assert!(!state.reclaim_idle(&id, 30, Duration::ZERO).unwrap());
+        assert!(!state.reclaim_idle(&id, &budget(None)).unwrap());
         // Its creator gone: abandoned.
         let dead = ContainerRecord {
             creator: Some(ProcRef {
@@ -199,5 +202,69 @@ mod tests {
             Abandoned::Reclaimed
         );
         assert!(!state.daemon_dir(&id).exists());
+    }
+
+    fn budget(clients: Option<std::sync::Arc<crate::state::AskClients>>) -> Budget {
+        Budget {
+            shm_size: "1M".into(),
+            shm_bytes: 1 << 20,
+            shm_per_uid: None,
+            shm_total: None,
+            log_size: 1 << 20,
+            max_daemons: 1,
+            max_daemons_per_uid: 1,
+            lock_wait: Duration::from_secs(1),
+            pending_grace: 30,
+            stop_grace: Duration::from_secs(1),
+            config: "/etc/gpushare/runtime.toml".into(),
+            clients,
+        }
+    }
+
+    /// A cap never stops an idle daemon (no live record) that still has MPS clients, or
+    /// that does not say whether it has: only one that answers "none".
+    #[test]
+    fn a_cap_stops_no_idle_daemon_with_clients_or_that_does_not_say() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path().join("s"));
+        state.ensure_root().unwrap();
+        let id = crate::identity::Identity {
+            devices: vec!["GPU-8f8bff94-112e-9541-43da-cfd453333404".into()],
+            uid: 1000,
+            gid: 1000,
+            multi_user: false,
+            limits: Default::default(),
+            ipc_host: true,
+            tenant: None,
+        }
+        .id();
+        let id = id.as_str();
+        std::fs::create_dir_all(state.containers_dir(id)).unwrap();
+        // The supervisor the record names: a process of this test's, stopped by SIGTERM.
+        let mut supervisor = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = supervisor.id() as i32;
+        state.write_record(&record(id, ProcRef::of(pid))).unwrap();
+        for (answer, what) in [(Some(true), "clients attached"), (None, "no answer")] {
+            let ask: std::sync::Arc<crate::state::AskClients> = std::sync::Arc::new(
+                move |_: &StateDir, _: &str, _: &crate::identity::Identity| answer,
+            );
+            assert!(
+                !state.reclaim_idle(id, &budget(Some(ask))).unwrap(),
+                "{what}"
+            );
+            assert!(state.daemon_dir(id).exists(), "{what}");
+            assert!(
+                ProcRef::of(pid).is_some(),
+                "{what}: the supervisor was stopped"
+            );
+        }
+        let none: std::sync::Arc<crate::state::AskClients> =
+            std::sync::Arc::new(|_: &StateDir, _: &str, _: &crate::identity::Identity| Some(false));
+        assert!(state.reclaim_idle(id, &budget(Some(none))).unwrap());
+        assert!(!state.daemon_dir(id).exists());
+        supervisor.wait().unwrap();
     }
 }

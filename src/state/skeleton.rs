@@ -21,6 +21,7 @@ use nix::fcntl::Flock;
 use super::reclaim::Abandoned;
 use super::remove::{mounted_in, remove_tree};
 use super::{StateDir, StateError};
+use crate::identity::Identity;
 
 /// Ownership and modes of one daemon's directories.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,9 +34,14 @@ pub(crate) struct Owner {
     pub shm: bool,
 }
 
+/// Asks a daemon whether MPS clients are attached to it: `Some(true)`, `Some(false)`, or
+/// `None` when it did not say. The state directory does not talk to daemons; `mps` gives
+/// this to a `Budget`, and a cap asks it before it stops an idle daemon.
+pub(crate) type AskClients = dyn Fn(&StateDir, &str, &Identity) -> Option<bool> + Send + Sync;
+
 /// What a new daemon may take on this node (`[mps]` in the config): the sizes of its
 /// tmpfs mounts and the caps on the number of daemons.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub(crate) struct Budget {
     /// The shm tmpfs `size=` option (`25%`, or bytes).
     pub shm_size: String,
@@ -62,6 +68,9 @@ pub(crate) struct Budget {
     pub stop_grace: Duration,
     /// The config file a refusal names.
     pub config: PathBuf,
+    /// Whether an idle daemon still has MPS clients (whatever its records say): one that
+    /// has, or does not say, is not stopped to make room. `None`: not asked.
+    pub clients: Option<std::sync::Arc<AskClients>>,
 }
 
 /// Files the log tmpfs may hold: the daemon's few logs and their rotations. Bounds the
@@ -314,7 +323,7 @@ impl StateDir {
             .collect();
         idle.sort();
         for (_, id) in idle {
-            match self.reclaim_idle(id, budget.pending_grace, budget.stop_grace) {
+            match self.reclaim_idle(id, budget) {
                 Ok(true) => {
                     take(slots, id);
                     if cap.admits(slots) {
@@ -576,6 +585,7 @@ mod tests {
             pending_grace: 30,
             stop_grace: Duration::from_secs(1),
             config: "/etc/gpushare/runtime.toml".into(),
+            clients: None,
         }
     }
 

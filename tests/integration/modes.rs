@@ -448,6 +448,52 @@ fn a_daemon_with_a_running_container_is_not_idle_but_a_stopped_one_does_not_coun
     );
 }
 
+/// No daemon idles out under an MPS client, whatever the records say: a running client
+/// whose container record is gone (deleted here by hand, as the sweep's race once did at
+/// scale) keeps its daemon, with one warning, until it detaches.
+#[test]
+fn an_idle_daemon_with_a_client_but_no_record_keeps_running_until_the_client_ends() {
+    let env = Env::with_config("idle-timeout = \"1s\"");
+    let c = env
+        .container("unrecorded")
+        .uid(1000)
+        .device("0")
+        .sh(&format!("{CLIENT} --hold 6"))
+        .create();
+    let id = env.daemon_of(&c);
+    c.start();
+    assert!(
+        wait_until(Duration::from_secs(10), || c.stdout().contains("server=")),
+        "the client attached: {}",
+        c.stdout()
+    );
+    let daemon = env.daemon_pid(&id);
+    let records = env.state.join("mps").join(&id).join("containers");
+    std::fs::remove_file(records.join("unrecorded.json")).unwrap();
+    // Several idle periods pass while the client runs: the daemon and its server stay.
+    assert!(
+        !wait_until(Duration::from_secs(4), || gone(&env, &id) || !alive(daemon)),
+        "the daemon was stopped under a running client"
+    );
+    let log = env.gpushare_log();
+    assert_eq!(
+        log.matches("a client without a record").count(),
+        1,
+        "one warning: {log}"
+    );
+    c.wait();
+    assert!(
+        !c.stdout().contains("terminated"),
+        "the client ran to its end: {}",
+        c.stdout()
+    );
+    // Its client gone, the daemon idles out.
+    assert!(
+        wait_until(Duration::from_secs(10), || gone(&env, &id)),
+        "the daemon idled out once its client ended"
+    );
+}
+
 #[test]
 fn gc_cleans_what_a_crash_left() {
     let env = Env::new();

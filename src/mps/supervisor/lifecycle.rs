@@ -274,6 +274,41 @@ impl Supervisor {
             tracing::warn!(daemon = %self.id, members = ?members(), "processes of the daemon's cgroup outlived SIGKILL");
         }
     }
+    /// Whether the daemon, idle by its records, still has MPS clients, or did not say
+    /// (asked through the channel the limit checks use, within `CLIENTS_DEADLINE`): then
+    /// it is kept running, whatever the records say, and one warning says so until the
+    /// daemon has a live record again. A client without a record is a container gpushare
+    /// lost track of, or a process that reached the pipe directory another way; quitting
+    /// the daemon would end its job mid-kernel.
+    fn clients_without_records(&self, warned: &mut Unrecorded) -> bool {
+        let attached = self
+            .control
+            .clients(crate::mps::ensure::CLIENTS_DEADLINE)
+            .map(|servers| {
+                let unknown = servers.iter().any(|(_, n)| n.is_none());
+                (
+                    servers.iter().map(|(_, n)| n.unwrap_or(0)).sum::<usize>(),
+                    unknown,
+                )
+            });
+        match attached {
+            Ok((0, false)) => false,
+            Ok((clients, unknown)) => {
+                if !warned.clients {
+                    warned.clients = true;
+                    tracing::warn!(daemon = %self.id, clients, unknown_servers = unknown, "the daemon has MPS clients but no live container record (a client without a record): kept running while they are attached");
+                }
+                true
+            }
+            Err(e) => {
+                if !warned.silent {
+                    warned.silent = true;
+                    tracing::warn!(daemon = %self.id, error = %e, "the idle daemon did not list its servers and clients: kept running, asked again after the next idle period");
+                }
+                true
+            }
+        }
+    }
     /// Quits an idle daemon and removes its directories under the identity's lock
     /// (`StateDir::remove_if_unused`); `Some(removed)`, or `None` when a create holds the
     /// lock.
@@ -379,6 +414,7 @@ fn watch(
     let mut idle_since: Option<Instant> = None;
     let mut missing = 0;
     let mut unconfirmed = Unconfirmed::default();
+    let mut unrecorded = Unrecorded::default();
     loop {
         match wait_event(sfd, Some(&mut *child), Some(tick)) {
             Event::Stop => return Watch::Stop,
@@ -406,9 +442,14 @@ fn watch(
             .map_or(true, |c| !c.is_empty());
         if busy {
             idle_since = None;
+            unrecorded = Unrecorded::default();
             continue;
         }
         if idle_since.get_or_insert_with(Instant::now).elapsed() < idle {
+            continue;
+        }
+        if sup.clients_without_records(&mut unrecorded) {
+            idle_since = None;
             continue;
         }
         match sup.remove_idle(child, pending_grace) {
@@ -418,6 +459,13 @@ fn watch(
             None => {}
         }
     }
+}
+
+/// The warnings an idle daemon that is kept for its clients has given (one each).
+#[derive(Default)]
+struct Unrecorded {
+    clients: bool,
+    silent: bool,
 }
 
 /// The pause before a restart: `BACKOFF_FIRST`, doubling up to `BACKOFF_MAX`.

@@ -267,19 +267,10 @@ type Answer = Result<(usize, usize), String>;
 
 /// Asks the daemon for its servers and their clients; the error says why it could not.
 fn probe(control: &Control) -> Answer {
-    let timeout = Duration::from_secs(2);
-    let servers = crate::mps::reply::pids(
-        &control
-            .command("get_server_list", timeout)
-            .map_err(|e| e.to_string())?,
-    );
-    let mut clients = 0;
-    for s in &servers {
-        clients += control
-            .command(&format!("get_client_list {s}"), timeout)
-            .map(|out| crate::mps::reply::pids(&out).len())
-            .unwrap_or(0);
-    }
+    let servers = control
+        .clients(Duration::from_secs(2))
+        .map_err(|e| e.to_string())?;
+    let clients = servers.iter().map(|(_, n)| n.unwrap_or(0)).sum();
     Ok((servers.len(), clients))
 }
 
