@@ -15,7 +15,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::common::{
-    alive, parse_client_line, sim_beside, stop_process, umount_below, wait_until, which,
+    alive, parse_client_line, sim_beside, stop_process, text, umount_below, wait_until, which,
 };
 
 /// The repository this kit was built from (its parent directory): the files the tests
@@ -1268,4 +1268,36 @@ pub fn pod_annotations_line() -> String {
         .map(|k| format!("{:?}", k.annotation))
         .collect();
     format!("pod_annotations = [{}]", keys.join(", "))
+}
+
+/// The fake NVML compiled into `<dir>/nvml/libnvidia-ml.so.1`, the name nvml-wrapper
+/// dlopens; returns that directory, for LD_LIBRARY_PATH.
+pub fn fake_nvml(dir: &Path) -> PathBuf {
+    let cc = need("cc", "gcc");
+    let source = repo().join("tests/integration/fake_nvml.c");
+    let lib_dir = dir.join("nvml");
+    std::fs::create_dir_all(&lib_dir).unwrap();
+    let out = Command::new(cc)
+        // nodelete: the thread nvmlInit_v2 leaves runs the library's code after the
+        // wrapper's dlclose, as a real driver's threads outlive it.
+        .args([
+            "-shared",
+            "-fPIC",
+            "-pthread",
+            "-Wl,-z,nodelete",
+            "-Wall",
+            "-Werror",
+            "-o",
+        ])
+        .arg(lib_dir.join("libnvidia-ml.so.1"))
+        .arg(&source)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "cc {}: {}",
+        source.display(),
+        text(&out)
+    );
+    lib_dir
 }

@@ -94,7 +94,8 @@ fn every_test_the_engine_table_names_exists() {
 }
 
 /// The names (`module::test`, `module::tests::test`, `module::tests`) that lead to no
-/// function (or test module).
+/// function (or test module): `module` is a file of the integration or the load tier, or
+/// a library module.
 fn missing_tests(names: &[String]) -> Vec<String> {
     let root = root();
     let mut missing = Vec::new();
@@ -102,9 +103,12 @@ fn missing_tests(names: &[String]) -> Vec<String> {
         let parts: Vec<&str> = name.split("::").collect();
         let (module, item) = (parts[0], parts[parts.len() - 1]);
         let integration = root.join("tests/integration").join(format!("{module}.rs"));
+        let load = root.join("tests/load").join(format!("{module}.rs"));
         let mut files = Vec::new();
         if integration.is_file() && parts.len() == 2 {
             files.push(integration);
+        } else if load.is_file() && parts.len() == 2 {
+            files.push(load);
         } else {
             library_files(&root.join("src"), module, &mut files);
         }

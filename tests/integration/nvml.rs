@@ -4,8 +4,7 @@
 //! create's result, the edited spec, the inventory cache, the error line — never which
 //! process loads NVML.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 
 use serde_json::Value;
 
@@ -15,37 +14,7 @@ use testkit::*;
 const FAKE_GPU0: &str = "GPU-0fa4e000-0000-4000-8000-00000000a300";
 const FAKE_GPU1: &str = "GPU-0fa4e000-0000-4000-8000-00000000a301";
 
-/// The fake NVML compiled into `<dir>/nvml/libnvidia-ml.so.1`, the name nvml-wrapper
-/// dlopens; returns that directory, for LD_LIBRARY_PATH.
-pub(crate) fn fake_nvml(dir: &Path) -> PathBuf {
-    let cc = need("cc", "gcc");
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/integration/fake_nvml.c");
-    let lib_dir = dir.join("nvml");
-    std::fs::create_dir_all(&lib_dir).unwrap();
-    let out = Command::new(cc)
-        // nodelete: the thread nvmlInit_v2 leaves runs the library's code after the
-        // wrapper's dlclose, as a real driver's threads outlive it.
-        .args([
-            "-shared",
-            "-fPIC",
-            "-pthread",
-            "-Wl,-z,nodelete",
-            "-Wall",
-            "-Werror",
-            "-o",
-        ])
-        .arg(lib_dir.join("libnvidia-ml.so.1"))
-        .arg(&source)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "cc {}: {}",
-        source.display(),
-        text(&out)
-    );
-    lib_dir
-}
+pub(crate) use testkit::fake_nvml;
 
 /// An env whose config says `inventory = "nvml"` and whose commands find the fake NVML;
 /// with the fake library's directory.

@@ -20,6 +20,7 @@
 //! checks its daemon's limits is never taken for one.
 
 mod measure;
+mod scale;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
