@@ -38,7 +38,7 @@ use nix::sys::signal::{SigSet, Signal};
 use crate::limits::{DeviceLimits, Percentage};
 use crate::log::ControlLog;
 use crate::sched::{Core, DaemonFiles, Settings};
-use crate::session;
+use crate::session::{self, Channel};
 
 /// `sun_path` is 108 bytes including the terminating NUL.
 const SUN_PATH_MAX: usize = 107;
@@ -349,15 +349,6 @@ impl Drop for Slot {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::SeqCst);
     }
-}
-
-/// Which socket a connection came in on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Channel {
-    /// `control`: every uid's CUDA clients and control clients.
-    Ordinary,
-    /// `control_privileged`: the daemon's own user's (root's) control clients only.
-    Privileged,
 }
 
 fn accept_loop(core: &Arc<Core>, listener: &UnixListener, channel: Channel) {

@@ -24,12 +24,20 @@ use nix::errno::Errno;
 use nix::sys::socket::{getsockopt, recv, sockopt, MsgFlags};
 
 use crate::control::{self, Command};
-use crate::daemon::Channel;
 use crate::sched::{ClientInfo, Core};
 use crate::wire::{self, Hello, Ready, WireError, HELLO_WORD};
 
 pub const FIRST_LINE_TIMEOUT: Duration = Duration::from_secs(5);
 const QUEUE_POLL: Duration = Duration::from_millis(200);
+
+/// Which socket a connection came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Channel {
+    /// `control`: every uid's CUDA clients and control clients.
+    Ordinary,
+    /// `control_privileged`: the daemon's own user's (root's) control clients only.
+    Privileged,
+}
 
 pub fn handle(core: Arc<Core>, stream: UnixStream, channel: Channel) {
     let peer = getsockopt(&stream, sockopt::PeerCredentials).map(|c| c.uid());
