@@ -17,7 +17,7 @@ use crate::request::{KeySpec, KEYS};
 #[derive(Parser)]
 #[command(
     name = "gpushare",
-    version = crate::VERSION,
+    version = crate::util::VERSION,
     about = "Share NVIDIA GPUs between containers through per-user CUDA MPS daemons"
 )]
 struct Cli {

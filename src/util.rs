@@ -13,6 +13,14 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+/// `<crate version> (commit <git commit>)`, for `--version`.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("GPUSHARE_GIT_COMMIT"),
+    ")"
+);
+
 /// RFC 3339 UTC time with milliseconds, e.g. `2026-11-21T21:05:16.123Z`. humantime writes
 /// only years 1970 to 9999 (and panics outside them): a time before is written as the
 /// first instant of 1970, one after as the last of 9999.

@@ -60,7 +60,7 @@ pub fn main(argv: Vec<OsString>) -> i32 {
     let inv = args::scan(rest).unwrap_or_default();
     if inv.command.is_none() && rest.iter().any(|a| a == "--version" || a == "-v") {
         // Ours first, then the low-level runtime's own (as NVIDIA's shim does).
-        println!("gpushare-runtime version {}", crate::VERSION);
+        println!("gpushare-runtime version {}", crate::util::VERSION);
     }
     if !inv.edits_spec() {
         return passthrough(rest, &inv);
