@@ -10,7 +10,7 @@
 //! `[cdi.profiles.<name>]`, as `<device>-<name>`. Each device's only edits are two hooks:
 //! `prestart`, `gpushare hook prestart --cdi-device <device> [--profile <name>]`, and
 //! `poststop`, `gpushare hook poststop`, with the absolute path of this binary and an
-//! explicit environment (`runtime::hook_env`).
+//! explicit environment (`served::hook_env`).
 //!
 //! Invariants: the request is the hook's arguments, never env or annotations, so that the
 //! container's own annotations and env, which its author writes, can neither redirect the
@@ -62,7 +62,7 @@ pub(crate) fn device_names(inv: &Inventory) -> Vec<String> {
 pub(crate) struct HookProgram<'a> {
     /// The absolute path of `gpushare`.
     pub binary: &'a Path,
-    /// The hooks' environment (`runtime::hook_env`).
+    /// The hooks' environment (`served::hook_env`).
     pub env: &'a [String],
     /// Seconds the engine gives the prestart hook (it may start a daemon).
     pub prestart_timeout: u64,
@@ -143,7 +143,7 @@ pub(crate) fn for_node(cfg: &crate::config::Config, inv: &Inventory) -> anyhow::
     use anyhow::Context;
     let binary = std::env::current_exe().context("find gpushare's own path")?;
     let (config, named) = crate::config::location();
-    let env = crate::runtime::hook_env(named.then_some(config.as_path()));
+    let env = crate::served::hook_env(named.then_some(config.as_path()));
     Ok(spec(
         inv,
         &cfg.cdi_profiles,

@@ -28,8 +28,8 @@ use nix::sys::stat::Mode;
 
 use crate::config::Config;
 use crate::hook::State;
-use crate::mounts::{Inside, MountPlan};
-use crate::request::{self, IpcMode};
+use crate::request;
+use crate::served::{Inside, MountPlan};
 use crate::spec::SpecFile;
 use crate::state::StateDir;
 
@@ -85,7 +85,7 @@ pub(crate) fn prestart(
         ),
         _ => {}
     }
-    let (ipc, honour_ipc) = engine_ipc(
+    let (ipc, honour_ipc) = crate::served::engine_ipc(
         &spec,
         "hook-only mode",
         "to ask the engine (e.g. podman --ipc=host) instead",
@@ -142,43 +142,6 @@ fn refuse_unhonoured(cfg: &Config, req: &request::Request) -> anyhow::Result<()>
         );
     }
     Ok(())
-}
-
-/// The IPC mode of a container whose spec the engine made and gpushare cannot change
-/// (hook-only mode, the NRI plugin): isolated when the spec has an `ipc` namespace (the
-/// daemon's shm goes over its /dev/shm), else the host's; and the check a request's
-/// `gpushare.io/ipc` must pass: it can only agree. `who` and `instead` complete the
-/// refusal's line.
-pub(crate) fn engine_ipc<'a>(
-    spec: &SpecFile,
-    who: &'a str,
-    instead: &'a str,
-) -> (
-    IpcMode,
-    impl FnOnce(&request::Request) -> anyhow::Result<IpcMode> + 'a,
-) {
-    let has_ipc_ns = spec
-        .typed
-        .linux
-        .as_ref()
-        .is_some_and(|l| l.has_namespace(oci_spec::runtime::LinuxNamespaceType::Ipc, |_| true));
-    let ipc = if has_ipc_ns {
-        IpcMode::Isolated
-    } else {
-        IpcMode::Host
-    };
-    let honour = move |req: &request::Request| {
-        if let Some(asked) = req.ipc.as_ref().filter(|a| a.value != ipc) {
-            bail!(
-                "{}={:?} cannot be honoured in {who}: the container's IPC namespace is already {}; allowed is {instead}",
-                asked.key,
-                asked.raw,
-                if has_ipc_ns { "private" } else { "the host's" }
-            );
-        }
-        Ok(ipc)
-    };
-    (ipc, honour)
 }
 
 fn open_dir(root: &OwnedFd, rel: &str) -> nix::Result<OwnedFd> {
@@ -326,7 +289,7 @@ mod tests {
         // The pipe directory's place, as `binds` opens it: relative to the rootfs.
         const PIPE_IN_CONTAINER: &str = "tmp/nvidia-mps";
         assert_eq!(
-            crate::mounts::CUDA_DEFAULT_PIPE_DIR.trim_start_matches('/'),
+            crate::served::mounts::CUDA_DEFAULT_PIPE_DIR.trim_start_matches('/'),
             PIPE_IN_CONTAINER
         );
         let dir = tempfile::tempdir().unwrap();

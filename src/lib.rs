@@ -26,13 +26,14 @@ mod hookonly;
 pub mod identity;
 mod inventory_cache;
 mod logging;
-pub mod mounts;
+mod lowlevel;
 mod mps;
 mod nri;
 mod ops;
 pub mod request;
 mod rootfs;
 pub mod runtime;
+pub mod served;
 pub mod spec;
 pub mod state;
 #[allow(unsafe_code)]

@@ -5,7 +5,7 @@
 #![no_main]
 use std::path::Path;
 
-use gpushare::mounts::{Inside, MountPlan};
+use gpushare::served::{Inside, MountPlan};
 use gpushare::request::IpcMode;
 use gpushare::spec::edits::{apply_all, plan, ContainerPlan, SetHooks};
 use gpushare::state::StateDir;

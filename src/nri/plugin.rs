@@ -28,7 +28,7 @@
 //! `Synchronize`: a record of the shim's or a hook's is never the plugin's to drop.
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -37,7 +37,7 @@ use serde_json::{json, Map, Value};
 
 use super::api::{self, Container, ContainerAdjustment, PodSandbox};
 use crate::config::Config;
-use crate::mounts::{Inside, MountPlan};
+use crate::served::{Inside, MountPlan};
 use crate::spec::SpecFile;
 use crate::state::{valid_container_id, ContainerRecord, PodNames, StateDir};
 
@@ -169,7 +169,7 @@ impl Plugin {
             );
             return Ok(ContainerAdjustment::default());
         }
-        let (ipc, honour_ipc) = crate::hookonly::engine_ipc(
+        let (ipc, honour_ipc) = crate::served::engine_ipc(
             &spec,
             "an NRI plugin",
             "hostIPC: true on the pod for the host's, or no gpushare.io/ipc",
@@ -208,7 +208,7 @@ impl Plugin {
         ));
         // The plugin does not know the low-level runtime: NVIDIA's devices reach the
         // container through the engine's own CDI or NVIDIA's plugin, not through this env.
-        let env = crate::runtime::client_env(&self.cfg, &served, Path::new(""))
+        let env = crate::served::client_env(&self.cfg, &served, false)
             .into_iter()
             .map(|(key, value)| api::KeyValue { key, value })
             .collect();
@@ -399,8 +399,8 @@ fn adjustment_mounts(plan: &MountPlan) -> Vec<api::Mount> {
 #[cfg(test)]
 mod the_renderings_agree {
     use super::adjustment_mounts;
-    use crate::mounts::tests::every_plan;
     use crate::request::IpcMode;
+    use crate::served::tests::every_plan;
     use serde_json::{json, Map, Value};
 
     #[test]

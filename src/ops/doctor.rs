@@ -406,7 +406,7 @@ impl Space {
 }
 
 fn host_pipe_check() -> Check {
-    let p = Path::new(crate::runtime::NVIDIA_HOST_PIPE_DIR);
+    let p = Path::new(crate::served::NVIDIA_HOST_PIPE_DIR);
     if p.exists() {
         warn(
             "host-mps-pipe",
@@ -749,7 +749,7 @@ fn low_level_runtime_check(cfg: &Config) -> Check {
         .ok()
         .map(|p| p.with_file_name("gpushare-runtime"))
         .and_then(|p| std::fs::metadata(p).ok());
-    match crate::runtime::lowlevel::resolve(&cfg.low_level_runtime) {
+    match crate::lowlevel::resolve(&cfg.low_level_runtime) {
         Ok(p) => {
             let is_shim = p.file_name().is_some_and(|n| n == "gpushare-runtime")
                 || std::fs::metadata(&p)
@@ -766,7 +766,7 @@ fn low_level_runtime_check(cfg: &Config) -> Check {
                     "point low-level-runtime at runc, crun or nvidia-container-runtime",
                 )
             } else if let Some(missing) =
-                crate::runtime::lowlevel::missing_nvidia(&cfg.low_level_runtime, &p)
+                crate::lowlevel::missing_nvidia(&cfg.low_level_runtime, &p)
             {
                 warn(
                     "low-level-runtime",

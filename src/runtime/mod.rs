@@ -16,7 +16,6 @@
 //! the container) and exits 1.
 
 pub mod args;
-pub(crate) mod lowlevel;
 pub(crate) mod runclog;
 
 use std::ffi::OsString;
@@ -26,17 +25,12 @@ use anyhow::Context;
 
 use crate::config::Config;
 use crate::decision::{self, Resolved};
-use crate::mounts::{Inside, MountPlan};
-use crate::mps::control::SAFE_PATH;
 use crate::request::{self, IpcMode, Request};
 use crate::rootfs::Maker;
+use crate::served::{Inside, MountPlan};
 use crate::spec::edits::{self, SetHooks};
 use crate::spec::SpecFile;
 use crate::state::{valid_container_id, ContainerRecord, StateDir};
-
-/// The pipe directory NVIDIA's container toolkit mounts from the host when present: CUDA's
-/// default.
-pub(crate) const NVIDIA_HOST_PIPE_DIR: &str = crate::mounts::CUDA_DEFAULT_PIPE_DIR;
 
 /// What `gpushare-runtime` without arguments prints.
 const USAGE: &str =
@@ -72,7 +66,7 @@ pub fn main(argv: Vec<OsString>) -> i32 {
         .unwrap_or_default();
     match create(&inv, &id) {
         Ok(runtime) => {
-            let err = lowlevel::exec(&runtime, rest);
+            let err = crate::lowlevel::exec(&runtime, rest);
             fail(&inv, &id, &anyhow::Error::new(err))
         }
         Err(e) => fail(&inv, &id, &e),
@@ -90,13 +84,15 @@ fn fail(inv: &args::Invocation, id: &str, e: &anyhow::Error) -> i32 {
 
 /// The low-level runtime from the one config key a passthrough reads.
 fn configured_runtime() -> anyhow::Result<PathBuf> {
-    Ok(lowlevel::resolve(&crate::config::low_level_runtime()?)?)
+    Ok(crate::lowlevel::resolve(
+        &crate::config::low_level_runtime()?,
+    )?)
 }
 
 /// Any command but create/run: resolve the runtime and exec it, nothing else.
 fn passthrough(rest: &[OsString], inv: &args::Invocation) -> i32 {
     let err: anyhow::Error = match configured_runtime() {
-        Ok(runtime) => lowlevel::exec(&runtime, rest).into(),
+        Ok(runtime) => crate::lowlevel::exec(&runtime, rest).into(),
         Err(e) => e,
     };
     // Not a create: stderr is runc's own channel for these commands.
@@ -121,7 +117,7 @@ fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
         if !r.may_request() {
             let fast = crate::config::fast_path()?;
             if !(fast.default_device && r.may_hold_allocation()) {
-                return Ok(lowlevel::resolve(&fast.low_level_runtime)?);
+                return Ok(crate::lowlevel::resolve(&fast.low_level_runtime)?);
             }
         }
     }
@@ -133,10 +129,10 @@ fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
     crate::logging::init(&cfg);
     let span = tracing::info_span!("create", container_id = %id);
     let _enter = span.enter();
-    let runtime = lowlevel::resolve(&cfg.low_level_runtime)?;
+    let runtime = crate::lowlevel::resolve(&cfg.low_level_runtime)?;
     let served = prepare(&cfg, spec?, &runtime, Some(id).filter(|s| !s.is_empty()))?;
     if let Some(missing) = served
-        .then(|| lowlevel::missing_nvidia(&cfg.low_level_runtime, &runtime))
+        .then(|| crate::lowlevel::missing_nvidia(&cfg.low_level_runtime, &runtime))
         .flatten()
     {
         tracing::warn!(
@@ -330,7 +326,7 @@ fn decide(
     runtime: &Path,
 ) -> anyhow::Result<edits::ContainerPlan> {
     Ok(edits::ContainerPlan {
-        env: client_env(cfg, served, runtime),
+        env: crate::served::client_env(cfg, served, crate::lowlevel::is_nvidia(runtime)),
         mounts: MountPlan::new(state, id, Inside::configured(cfg), served.ipc).spec_edits(),
         hooks: hooks(cfg)?,
         annotations: decision::Decision {
@@ -339,67 +335,6 @@ fn decide(
         }
         .to_annotations()?,
     })
-}
-
-/// The container's MPS client environment: where the pipe (and log) directory is, and the
-/// client variable of every request key whose row has one (its value, else the node's
-/// default); for NVIDIA's runtime, the devices too.
-pub(crate) fn client_env(cfg: &Config, served: &Resolved, runtime: &Path) -> Vec<(String, String)> {
-    let (req, uuids) = (&served.request, &served.devices.uuids);
-    let mut env = vec![(
-        "CUDA_MPS_PIPE_DIRECTORY".to_owned(),
-        cfg.mps.container_pipe_dir.to_string_lossy().into_owned(),
-    )];
-    if let Some(dir) = &cfg.mps.container_log_dir {
-        env.push((
-            "CUDA_MPS_LOG_DIRECTORY".into(),
-            dir.to_string_lossy().into_owned(),
-        ));
-    }
-    // Each key's client variable. A limit's repeats what the daemon applies under
-    // "enforced" (a tenant can only lower it) and is the only limit under "advisory"; a
-    // key outside the identity (the priority) is the client's alone.
-    for key in request::KEYS {
-        let (Some(client), Some(number)) = (key.client_env, key.number()) else {
-            continue;
-        };
-        let Some(value) = crate::identity::requested(cfg, req, key) else {
-            continue;
-        };
-        env.push((
-            client.var.to_owned(),
-            client.value(number, value, uuids.len()),
-        ));
-    }
-    if lowlevel::is_nvidia(runtime) {
-        env.push(("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(",")));
-        // libnvidia-container binds a host /tmp/nvidia-mps into every GPU container when
-        // it exists (docs/mps.md, "What NVIDIA's container toolkit mounts"), which would
-        // cover our pipe directory there.
-        if Path::new(NVIDIA_HOST_PIPE_DIR).exists()
-            && cfg.mps.container_pipe_dir == Path::new(NVIDIA_HOST_PIPE_DIR)
-        {
-            tracing::warn!(
-                "the host has {NVIDIA_HOST_PIPE_DIR}, which NVIDIA's container toolkit mounts into GPU containers over gpushare's pipe directory; remove it (stop the host-wide MPS daemon) or set mps.container-pipe-dir elsewhere"
-            );
-        }
-    }
-    env
-}
-
-/// The createRuntime and poststop hooks: `gpushare` beside this binary, with a safe PATH
-/// and the config file this shim read.
-/// The environment of a hook gpushare puts on a container (the shim's, and the hook-only
-/// base spec's of `gpushare install containerd --hook-only`): a fixed PATH, and
-/// `GPUSHARE_CONFIG` naming `config` when one is given, so that the hook reads the config
-/// of the process that wrote it, whatever runc's environment.
-pub(crate) fn hook_env(config: Option<&Path>) -> Vec<String> {
-    let mut env = vec![format!("PATH={SAFE_PATH}")];
-    if let Some(path) = config {
-        let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_owned());
-        env.push(format!("{}={}", crate::config::ENV_VAR, abs.display()));
-    }
-    env
 }
 
 /// `gpushare` beside this binary: the hooks' and the reaper's program.
@@ -411,7 +346,7 @@ fn gpushare_binary() -> anyhow::Result<PathBuf> {
 
 fn hooks(cfg: &Config) -> anyhow::Result<SetHooks> {
     let binary = gpushare_binary()?;
-    let env = hook_env(cfg.path.as_deref());
+    let env = crate::served::hook_env(cfg.path.as_deref());
     let create_timeout = cfg.mps.start_timeout.as_secs() + 5;
     Ok(SetHooks {
         binary,

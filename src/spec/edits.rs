@@ -5,7 +5,7 @@
 //! it once; an edit touches only the fields it names and keeps every other entry (other
 //! hooks, mounts, env) where it was, in order.
 //!
-//! The mounts of the daemon's directories are planned by `crate::mounts`, which renders
+//! The mounts of the daemon's directories are planned by `crate::served`, which renders
 //! them as these edits; an engine's mount at the same place is replaced.
 
 use std::path::PathBuf;
@@ -244,7 +244,7 @@ impl SpecEdit for SetAnnotations {
 }
 
 /// Everything the shim puts into one container's spec; built by the runtime module; its
-/// mounts are the container's mount plan rendered as edits (`crate::mounts`), its
+/// mounts are the container's mount plan rendered as edits (`crate::served`), its
 /// annotations carry the shim↔hook decision (`decision::Decision`).
 #[derive(Debug)]
 pub struct ContainerPlan {

@@ -663,13 +663,42 @@ fn architecture_layers(text: &str) -> Vec<Vec<String>> {
     layers
 }
 
+/// `text` without its `#[cfg(test)]` modules: the unit tests at the bottom, and any other
+/// test module (its braces matched; test code here has no unbalanced brace in a literal).
+fn without_test_modules(text: &str) -> String {
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("#[cfg(test)]\nmod ") {
+        out.push_str(&rest[..at]);
+        let module = &rest[at..];
+        let Some(open) = module.find('{') else {
+            return out;
+        };
+        let mut depth = 0usize;
+        let mut end = module.len();
+        for (i, c) in module[open..].char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = open + i + 1;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        rest = &module[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// The top-level modules `text` (one source file, its unit tests and comments left out)
 /// names through `crate::` paths, `crate::{a, b::c}` included.
 fn crate_uses(text: &str) -> Vec<String> {
-    let code = text
-        .split("#[cfg(test)]\nmod tests")
-        .next()
-        .unwrap_or("")
+    let code = without_test_modules(text)
         .lines()
         .filter(|l| !l.trim_start().starts_with("//"))
         .collect::<Vec<_>>()
@@ -757,6 +786,52 @@ fn no_module_uses_one_listed_above_it() {
         layers.len() > 10 && uses > 100,
         "read {} layers and {uses} uses: the map or the sources were not found",
         layers.len()
+    );
+    problems.sort();
+    problems.dedup();
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// The entry paths (ARCHITECTURE.md, "Adding an entry path"): how a container reaches
+/// gpushare. What two of them need lives in `served` or below, never in one of them.
+const ENTRY_PATHS: [&str; 4] = ["runtime", "hookonly", "nri", "cdi"];
+
+/// No entry path uses another (every `crate::` path outside unit tests and comments).
+#[test]
+fn no_entry_path_uses_another() {
+    let src = root().join("src");
+    let mut problems = Vec::new();
+    let mut files = Vec::new();
+    let mut read = 0;
+    for path in ENTRY_PATHS {
+        files.clear();
+        library_files(&src, path, &mut files);
+        for file in &files {
+            let rel = file.strip_prefix(&src).unwrap();
+            let top = rel
+                .components()
+                .next()
+                .unwrap()
+                .as_os_str()
+                .to_string_lossy();
+            if top.trim_end_matches(".rs") != path {
+                continue;
+            }
+            read += 1;
+            let text = std::fs::read_to_string(file).unwrap();
+            for used in crate_uses(&text) {
+                if used != path && ENTRY_PATHS.contains(&used.as_str()) {
+                    problems.push(format!(
+                        "src/{}: the entry path `{path}` uses the entry path `{used}`; give what both need a home in `served` or below",
+                        rel.display()
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        read >= ENTRY_PATHS.len(),
+        "read only {read} files of the entry paths"
     );
     problems.sort();
     problems.dedup();

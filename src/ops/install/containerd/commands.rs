@@ -128,7 +128,7 @@ pub(in crate::ops::install) fn write_hook_only(
     let spec_path = path.with_file_name(super::base_spec_name(&args.name));
     let gpushare = std::env::current_exe().context("find gpushare's own path")?;
     let (config, named) = crate::config::location();
-    let env = crate::runtime::hook_env(named.then_some(config.as_path()));
+    let env = crate::served::hook_env(named.then_some(config.as_path()));
     let spec = super::base_spec(&spec_path, default_spec, &gpushare, &env)?;
     let spec_changed = file::read(&spec_path)? != spec;
     let text = file::read(path)?;
@@ -211,7 +211,7 @@ pub(in crate::ops::install) fn install_nri(
         let at = super::nri_plugin_dir(&text).join(super::launched_plugin_name());
         let gpushare = std::env::current_exe().context("find gpushare's own path")?;
         let (config, named) = crate::config::location();
-        let env = crate::runtime::hook_env(named.then_some(config.as_path()));
+        let env = crate::served::hook_env(named.then_some(config.as_path()));
         Some((at, super::launch_wrapper(&gpushare, &env)))
     } else {
         None
