@@ -2,7 +2,7 @@
 """Raw probes of MPS v3's control interface (`nvidia-cuda-mps-control -p 3 ...`) on a driver
 >= 615, for the GPU tier's section r5-v3 (tests/gpu/round5.rs; docs/gpu-validation.md
 "Round 5"). gpushare has no v3 backend: this only asks the driver the open questions that
-docs/mps-v3.md lists (O1-O9, O13-O15) and prints what it answered.
+section lists (O1-O9, O13-O15) and prints what it answered.
 
   v3probe.py --work DIR --driver VERSION --uuid GPU-UUID --python PY --workload WORKLOAD.py
              --jsonl FILE [--control BIN] [--budget S] [--simulate]
@@ -423,8 +423,7 @@ def o2(p, full):
 
 def o3(p, full):
     p.say("\n-- O3: a client with no CUDA_MPS_PIPE_DIRECTORY while the daemon runs")
-    mode = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
+    _, mode = p.run("O3", ["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"])
     p.client("o3", UA, None, ["probe"])
     rc, res = p.finish("O3", "o3", 120)
     default = "/tmp/nvidia-mps/control exists" if os.path.exists("/tmp/nvidia-mps/control") \
@@ -448,8 +447,7 @@ def o15(p):
 def o8_o9(p):
     p.say("\n-- O8, O9: dmem (which cgroup pays; does a hard-only limit touch ancestors)")
     cap = read("/sys/fs/cgroup/dmem.capacity")
-    fs = subprocess.run(["stat", "-fc", "%T", "/sys/fs/cgroup"], stdout=subprocess.PIPE,
-                        text=True).stdout.strip()
+    fs = p.run("O8", ["stat", "-fc", "%T", "/sys/fs/cgroup"])[1].strip()
     if fs != "cgroup2fs" or "vidmem" not in cap:
         p.reading("O8", "SKIP", "dmem", "cgroup fs %r, dmem.capacity %r: no dmem backend" % (fs, one_line(cap, 120)))
         return
@@ -595,7 +593,6 @@ def o6(p):
         recreate(p, "O6")
         p.ctl("O6", ["client", "list", "--all", "--format=csv"])
     time.sleep(2.0)
-    c = p.clients["o6"]
     rc, res = p.finish("O6", "o6", 20)
     errs = [o for o in p.lines("o6") if o.get("event") == "cuda_error"]
     p.reading("O6", "INFO", "a client of namespace a across kill -9 and restart",
@@ -603,7 +600,6 @@ def o6(p):
               % (alive_server or "gone", "ok" if ok else "FAILED",
                  "ran to its end" if res.get("ok") else "failed", rc, res.get("touches"),
                  ", first cuda_error %+.1f s after the kill: %s" % (errs[0]["t"] - killed, one_line(errs[0].get("error"), 160)) if errs else ""))
-    del c
     return ok
 
 

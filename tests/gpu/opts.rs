@@ -117,7 +117,7 @@ pub struct Options {
     /// simulated) [GPUSHARE_GPU_R4_HOLD]
     #[arg(long = "r4-hold", value_name = "S", value_parser = hold_seconds)]
     r4_hold: Option<f64>,
-    /// Round 5: seconds each co-location setup measures (default 6; 0.5 simulated)
+    /// Round 5: seconds each co-location setup measures (default 6; 0.25 simulated)
     /// [GPUSHARE_GPU_R5_SECONDS]
     #[arg(long = "r5-seconds", value_name = "S", value_parser = hold_seconds)]
     r5_seconds: Option<f64>,
@@ -199,7 +199,7 @@ impl Options {
 
     /// `--r5-seconds`, else the default of the mode (round 5's co-location window).
     pub fn r5_seconds(&self, simulate: bool) -> f64 {
-        self.r5_seconds.unwrap_or(if simulate { 0.5 } else { 6.0 })
+        self.r5_seconds.unwrap_or(if simulate { 0.25 } else { 6.0 })
     }
 
     /// `--hold`, else the default of the mode the run ended up in (no GPU: simulated).
@@ -401,7 +401,7 @@ mod tests {
         assert!(!o.containers && !o.wants("limits"));
         assert_eq!((o.r5_seconds(false), o.r5_seconds(true)), (8.0, 8.0));
         let o = parse(&[], &no_env).unwrap();
-        assert_eq!((o.r5_seconds(false), o.r5_seconds(true)), (6.0, 0.5));
+        assert_eq!((o.r5_seconds(false), o.r5_seconds(true)), (6.0, 0.25));
         let e = parse(&args(&["--r5-seconds", "0.1"]), &no_env)
             .unwrap_err()
             .to_string();
