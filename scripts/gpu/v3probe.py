@@ -306,11 +306,25 @@ def wait(timeout, cond, every=0.05):
     return cond()
 
 
+def ancestors():
+    """This process and its ancestors (a `timeout` or shell above it may name --work)."""
+    out, pid = set(), os.getpid()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        try:
+            with open("/proc/%d/stat" % pid) as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
+
+
 def pids_marked(mark):
-    me = os.getpid()
+    """Live processes whose environment or argv names mark, never this one or its ancestors."""
+    skip = ancestors()
     out = []
     for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == me:
+        if not d.isdigit() or int(d) in skip:
             continue
         for what in ("environ", "cmdline"):
             try:
