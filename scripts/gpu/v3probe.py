@@ -16,7 +16,8 @@ Invariants: compute mode and MIG mode are never set (the EXCLUSIVE_PROCESS halve
 O7 are SKIP); every daemon, client, mount and cgroup this starts or makes lives under --work
 or is named in its own records and is ended, unmounted or removed before it exits, whatever
 failed; the whole run stops starting probes after --budget seconds. Exit 0 when it ran to its
-end (a probe's failure is a reading, not an error), 2 on a usage or setup error.
+end (a probe's failure is a reading, not an error), 2 on a usage or setup error, 130 when
+SIGTERM or SIGINT cut it short (after its cleanup).
 """
 
 import argparse
@@ -754,11 +755,12 @@ def main(argv):
             p.reading("O4", "SKIP", "budget", "the %.0f s budget is spent" % a.budget)
     except KeyboardInterrupt:
         p.say("v3probe: interrupted (%s): cleaning up" % (stop["why"] or "SIGINT"))
+        stop["why"] = stop["why"] or "SIGINT"
     finally:
         p.cleanup()
         p.record({"event": "v3_end", "elapsed_s": round(time.time() - p.t0, 1)})
         p.say("v3probe: done in %.0f s; daemons, clients, mounts and cgroups ended" % (time.time() - p.t0))
-    return 0
+    return 130 if stop["why"] else 0
 
 
 if __name__ == "__main__":

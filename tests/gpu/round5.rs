@@ -371,7 +371,7 @@ fn one_setup(
     }
     if row.errors.is_empty() {
         // Both ready (torch imported, model built, warmed up), then the one go.
-        let ready_s = if t.simulate { 30.0 } else { 240.0 };
+        let ready_s = if t.simulate { 30.0 } else { 120.0 };
         let ready = wait_for(&tenants, "\"event\": \"ready\"", ready_s);
         std::fs::write(&go_host, "go\n")
             .and_then(|()| {
