@@ -6,14 +6,31 @@ so this file imports cleanly on a machine without torch or CUDA.
 Workload modes (run as the test UIDs, one JSON object per line on stdout):
 
   probe                                  torch/CUDA available? device name, memory
-  matmul --size S (--iterations N | --seconds T) [--batch B]
+  matmul --size S (--iterations N | --seconds T) [--batch B] [--go FILE]
                                          S x S fp32 matrix products; with --seconds it runs
                                          batches of B products until T s after the first kernel
+                                         (with --go: after FILE exists, as infer and train)
+  fault                                  a fatal GPU fault (an out-of-bounds gather trips a
+                                         device-side assert): "faulted" and the error; exit 1
   alloc --bytes N [--hold T] [--host-pinned M]
                                          allocate N bytes on the GPU and touch them (and M
                                          bytes of pinned host memory); print an "allocated"
                                          line; keep them T s, touching them every 0.5 s (a
                                          failing touch prints a "cuda_error" line)
+
+  infer --seconds T --rate R [--go FILE] [--stand-in]
+                                         a small MLP's forward passes (batch 8, 1024-4096-4096-1024,
+                                         fp32, random weights) at R requests/s for T s; each
+                                         request's latency (from its scheduled time to the end of
+                                         its torch.cuda.synchronize()) is recorded: p50/p90/p99/max
+                                         in ms and every latency, rounded to 10 us
+  train --seconds T [--go FILE] [--stand-in]
+                                         a saturating training loop (an MLP, batch 512, width
+                                         4096, SGD) for T s: iterations and iterations/s
+  (infer and train print a "ready" line once their model is built and warmed up, then wait
+  for FILE to exist (at most 300 s) before their T s start, so that co-located tenants
+  measure the same window; --stand-in replaces CUDA by a CPU loop with the same lines, for
+  the simulated run)
 
   Each prints, as soon as the first kernel has completed, a line
   {"event": "first_kernel", "t_first_kernel": …} (so the caller can tell the process holds an
@@ -128,12 +145,38 @@ def cmd_probe(args):
         return EXIT_UNAVAILABLE
     try:
         first_kernel(torch, res)
+        free, total = torch.cuda.mem_get_info()
+        res["mem_get_info"] = {"free": int(free), "total": int(total)}
         res["ok"] = True
     except Exception as e:
         res["error"] = "%s: %s" % (type(e).__name__, one_line(e))
     res["t_end"] = time.time()
     emit(res)
     return EXIT_OK if res["ok"] else EXIT_FAILED
+
+
+def cmd_fault(args):
+    """A fatal GPU fault: an out-of-bounds gather, which trips a device-side assert."""
+    res = base("fault")
+    torch = load_torch(res)
+    if torch is None:
+        res["t_end"] = time.time()
+        emit(res)
+        return EXIT_UNAVAILABLE
+    res["faulted"] = False
+    try:
+        first_kernel(torch, res)
+        x = torch.zeros(16, device="cuda")
+        idx = torch.tensor([1 << 30], device="cuda")
+        y = x[idx]
+        torch.cuda.synchronize()
+        res["error"] = "no fault: the gather returned %s" % one_line(y.cpu())
+    except Exception as e:
+        res["faulted"] = True
+        res["error"] = "%s: %s" % (type(e).__name__, one_line(e))
+    res["t_end"] = time.time()
+    emit(res)
+    return EXIT_FAILED
 
 
 def cmd_matmul(args):
@@ -153,6 +196,11 @@ def cmd_matmul(args):
         b = torch.randn(args.size, args.size, device="cuda", dtype=torch.float32)
         c = torch.empty(args.size, args.size, device="cuda", dtype=torch.float32)
         torch.cuda.synchronize()
+        if args.go:
+            torch.matmul(a, b, out=c)
+            torch.cuda.synchronize()
+            if not wait_go(args, res):
+                raise RuntimeError(res["error"])
         t0 = time.time()
         if args.seconds is not None:
             until = t0 + args.seconds
@@ -226,6 +274,172 @@ def cmd_alloc(args):
         del buf
     except Exception as e:
         res["error"] = "%s: %s" % (type(e).__name__, one_line(e))
+    res["t_end"] = time.time()
+    emit(res)
+    return EXIT_OK if res["ok"] else EXIT_FAILED
+
+
+def wait_go(args, res):
+    """Prints "ready", then waits for --go (at most 300 s); False after filling res['error']."""
+    emit({"event": "ready", "pid": os.getpid(), "uid": os.getuid(), "t": time.time()})
+    if not args.go:
+        return True
+    deadline = time.time() + 300.0
+    while not os.path.exists(args.go):
+        if time.time() > deadline:
+            res["error"] = "no go file %s within 300 s" % args.go
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def percentiles(values):
+    """p50, p90, p99 and max (nearest rank) of values, or Nones."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "max": None}
+    v = sorted(values)
+    rank = lambda q: v[min(len(v) - 1, max(0, int(-(-q * len(v) // 1)) - 1))]  # noqa: E731
+    return {"p50": rank(0.50), "p90": rank(0.90), "p99": rank(0.99), "max": v[-1]}
+
+
+def stand_in_work(n):
+    """The CPU stand-in of one request or one training step."""
+    acc = 0
+    for i in range(n):
+        acc += i * i
+    return acc
+
+
+def cmd_infer(args):
+    res = base("infer")
+    res.update(rate=args.rate, seconds=args.seconds, stand_in=args.stand_in)
+    if args.stand_in:
+        forward = lambda: stand_in_work(2000)  # noqa: E731
+        sync = lambda: None  # noqa: E731
+        res["t_first_kernel"] = time.time()
+        emit({"event": "first_kernel", "pid": os.getpid(), "uid": os.getuid(),
+              "t_start": T_START, "t_first_kernel": res["t_first_kernel"]})
+    else:
+        torch = load_torch(res)
+        if torch is None:
+            res["t_end"] = time.time()
+            emit(res)
+            return EXIT_UNAVAILABLE
+    try:
+        if not args.stand_in:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            first_kernel(torch, res)
+            model = torch.nn.Sequential(
+                torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+                torch.nn.Linear(4096, 4096), torch.nn.GELU(),
+                torch.nn.Linear(4096, 1024)).cuda().eval()
+            x = torch.randn(8, 1024, device="cuda")
+
+            def forward():
+                with torch.no_grad():
+                    return model(x)
+
+            sync = torch.cuda.synchronize
+        for _ in range(20):
+            forward()
+        sync()
+        if not wait_go(args, res):
+            raise RuntimeError(res["error"])
+        period = 1.0 / args.rate
+        t0 = time.time()
+        res["t_measure"] = t0
+        lat, service, late = [], [], 0
+        i = 0
+        while True:
+            due = t0 + i * period
+            if due >= t0 + args.seconds:
+                break
+            now = time.time()
+            if now < due:
+                time.sleep(due - now)
+            else:
+                late += 1
+            begin = time.time()
+            forward()
+            sync()
+            end = time.time()
+            lat.append(end - due)
+            service.append(end - begin)
+            i += 1
+        ms = lambda v: None if v is None else round(v * 1000.0, 3)  # noqa: E731
+        res["requests"] = len(lat)
+        res["late_starts"] = late
+        res["latency_ms"] = {k: ms(v) for k, v in percentiles(lat).items()}
+        res["service_ms"] = {k: ms(v) for k, v in percentiles(service).items()}
+        res["latencies_ms"] = [round(v * 1000.0, 2) for v in lat]
+        res["ok"] = len(lat) > 0
+    except Exception as e:
+        res["error"] = res["error"] or "%s: %s" % (type(e).__name__, one_line(e))
+    res["t_end"] = time.time()
+    emit(res)
+    return EXIT_OK if res["ok"] else EXIT_FAILED
+
+
+def cmd_train(args):
+    res = base("train")
+    res.update(seconds=args.seconds, stand_in=args.stand_in)
+    if args.stand_in:
+        res["t_first_kernel"] = time.time()
+        emit({"event": "first_kernel", "pid": os.getpid(), "uid": os.getuid(),
+              "t_start": T_START, "t_first_kernel": res["t_first_kernel"]})
+    else:
+        torch = load_torch(res)
+        if torch is None:
+            res["t_end"] = time.time()
+            emit(res)
+            return EXIT_UNAVAILABLE
+    done = 0
+    try:
+        if args.stand_in:
+            step = lambda: stand_in_work(20000)  # noqa: E731
+            sync = lambda: None  # noqa: E731
+        else:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            first_kernel(torch, res)
+            model = torch.nn.Sequential(
+                torch.nn.Linear(4096, 4096), torch.nn.ReLU(),
+                torch.nn.Linear(4096, 4096), torch.nn.ReLU(),
+                torch.nn.Linear(4096, 4096)).cuda()
+            opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+            x = torch.randn(512, 4096, device="cuda")
+            y = torch.randn(512, 4096, device="cuda")
+
+            def step():
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+
+            sync = torch.cuda.synchronize
+        for _ in range(5):
+            step()
+        sync()
+        if not wait_go(args, res):
+            raise RuntimeError(res["error"])
+        t0 = time.time()
+        res["t_measure"] = t0
+        until = t0 + args.seconds
+        # Synchronized every 5 steps: the queue stays full (saturating) and the count exact.
+        while True:
+            for _ in range(5):
+                step()
+            sync()
+            done += 5
+            if time.time() >= until:
+                break
+        t1 = time.time()
+        res["compute_s"] = t1 - t0
+        res["iterations"] = done
+        res["iters_per_s"] = done / (t1 - t0) if t1 > t0 else None
+        res["ok"] = True
+    except Exception as e:
+        res["iterations"] = done
+        res["error"] = res["error"] or "%s: %s" % (type(e).__name__, one_line(e))
     res["t_end"] = time.time()
     emit(res)
     return EXIT_OK if res["ok"] else EXIT_FAILED
@@ -397,10 +611,21 @@ def main(argv):
     g.add_argument("--iterations", type=int, default=None)
     g.add_argument("--seconds", type=float, default=None)
     mm.add_argument("--batch", type=int, default=10)
+    mm.add_argument("--go", default=None)
+    sub.add_parser("fault")
     al = sub.add_parser("alloc")
     al.add_argument("--bytes", type=int, required=True)
     al.add_argument("--hold", type=float, default=0.0)
     al.add_argument("--host-pinned", type=int, default=0)
+    inf = sub.add_parser("infer")
+    inf.add_argument("--seconds", type=float, required=True)
+    inf.add_argument("--rate", type=float, default=100.0)
+    inf.add_argument("--go", default=None)
+    inf.add_argument("--stand-in", action="store_true")
+    tr = sub.add_parser("train")
+    tr.add_argument("--seconds", type=float, required=True)
+    tr.add_argument("--go", default=None)
+    tr.add_argument("--stand-in", action="store_true")
     rs = sub.add_parser("result")
     rs.add_argument("--dir", required=True)
     rs.add_argument("--label", required=True)
@@ -424,8 +649,13 @@ def main(argv):
         if args.size < 1 or args.batch < 1 or (args.iterations is not None and args.iterations < 1):
             sys.stderr.write("workload.py: --size, --batch and --iterations must be positive\n")
             return EXIT_USAGE
+    if args.cmd in ("infer", "train"):
+        if not 0 < args.seconds <= 600 or (args.cmd == "infer" and not 0 < args.rate <= 10000):
+            sys.stderr.write("workload.py: --seconds must be in (0, 600] and --rate in (0, 10000]\n")
+            return EXIT_USAGE
     handlers = {
         "probe": cmd_probe, "matmul": cmd_matmul, "alloc": cmd_alloc,
+        "infer": cmd_infer, "train": cmd_train, "fault": cmd_fault,
         "result": cmd_result, "field": cmd_field, "table": cmd_table,
     }
     return handlers[args.cmd](args)

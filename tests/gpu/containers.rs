@@ -39,7 +39,7 @@ const ALICE: &[(&str, &str)] = &[
 const BOB: &[(&str, &str)] = &[("gpushare.io/device", "0")];
 
 #[derive(Clone, Copy, PartialEq)]
-enum Mode {
+pub enum Mode {
     /// Through gpushare-runtime: the annotations ask for GPU 0.
     Gpushare,
     /// The shared daemon's pipe dir and the host's /dev/shm, as `--ipc=host` plus a
@@ -47,22 +47,23 @@ enum Mode {
     Shared,
 }
 
-struct Ct {
-    dir: PathBuf,
-    runc: PathBuf,
-    root: PathBuf,
-    rootfs: PathBuf,
-    config: PathBuf,
-    bin: PathBuf,
-    py: PathBuf,
+#[derive(Clone)]
+pub struct Ct {
+    pub dir: PathBuf,
+    pub runc: PathBuf,
+    pub root: PathBuf,
+    pub rootfs: PathBuf,
+    pub config: PathBuf,
+    pub bin: PathBuf,
+    pub py: PathBuf,
 }
 
 impl Ct {
-    fn bundle(&self, name: &str) -> PathBuf {
+    pub fn bundle(&self, name: &str) -> PathBuf {
         self.dir.join(name)
     }
 
-    fn runtime(&self) -> PathBuf {
+    pub fn runtime(&self) -> PathBuf {
         self.bin.join("gpushare-runtime")
     }
 
@@ -82,7 +83,7 @@ impl Ct {
     /// `make_bundle`, with `before` put in front of the workload's command (a tenant's
     /// `env VAR=…` wrapper) and `workload` replacing the matmul arguments when not empty.
     #[allow(clippy::too_many_arguments)]
-    fn make_bundle_with(
+    pub fn make_bundle_with(
         &self,
         name: &str,
         uid: u32,
@@ -201,7 +202,7 @@ impl Ct {
 
     /// `RUNTIME create` + `start`; the container's stdout and stderr go to files in its
     /// bundle. Returns the launch time.
-    fn start(&self, runtime: &Path, name: &str) -> Result<f64, String> {
+    pub fn start(&self, runtime: &Path, name: &str) -> Result<f64, String> {
         let b = self.bundle(name);
         let t0 = epoch_now();
         let _ = std::fs::write(b.join("t0"), format!("{t0}"));
@@ -311,7 +312,7 @@ impl Ct {
         Value::Object(r)
     }
 
-    fn delete(&self, name: &str) {
+    pub fn delete(&self, name: &str) {
         let _ = proc::run(
             Command::new(&self.runc)
                 .arg("--root")
@@ -334,7 +335,7 @@ impl Ct {
     }
 
     /// `gpushare` with the containers' config.
-    fn gpushare(&self, args: &[&str]) -> proc::Ran {
+    pub fn gpushare(&self, args: &[&str]) -> proc::Ran {
         proc::run(
             Command::new(self.bin.join("gpushare"))
                 .env("GPUSHARE_CONFIG", &self.config)
@@ -436,7 +437,7 @@ pub fn run(t: &mut Tier, opts: &Options) {
     }
 }
 
-fn setup(t: &mut Tier) -> Result<Ct, String> {
+pub fn setup(t: &mut Tier) -> Result<Ct, String> {
     let runc = t
         .runc_arg
         .clone()

@@ -33,11 +33,13 @@
 
 mod calc;
 mod client;
+mod coloc;
 mod containers;
 mod helper;
 mod opts;
 mod proc;
 mod round4;
+mod round5;
 mod sections;
 mod tier;
 

@@ -27,15 +27,17 @@ pub const SECTIONS: &[&str] = &[
     "small-batch",
     "create-path",
     "driver-root",
-    "containers",
-    "skip-mps",
-    "cdi",
+    "r5-v3",
+    "r5-coloc",
     "r4-nodes",
     "r4-nvml",
     "r4-terminate",
     "r4-threads",
     "r4-watch",
     "r4-privileged",
+    "containers",
+    "skip-mps",
+    "cdi",
 ];
 /// `--only round4`: every round-4 section (round4.rs), in the order they run.
 pub const ROUND4: &str = "round4";
@@ -47,6 +49,10 @@ pub const ROUND4_SECTIONS: &[&str] = &[
     "r4-watch",
     "r4-privileged",
 ];
+/// `--only round5`: every round-5 section (round5.rs), in the order they run (before
+/// round 4's).
+pub const ROUND5: &str = "round5";
+pub const ROUND5_SECTIONS: &[&str] = &["r5-v3", "r5-coloc"];
 /// The sections that run real containers (`--containers`).
 pub const CONTAINER_SECTIONS: &[&str] = &["containers", "skip-mps", "cdi"];
 
@@ -98,10 +104,10 @@ pub struct Options {
     pub runc: Option<PathBuf>,
     /// Run only these sections (comma-separated; the header, the preflight and the restore
     /// always run): per-user, shared, flags, multi-user, tenant-control, limits, uuid-limit,
-    /// small-batch, create-path, driver-root, the container sections containers,
-    /// skip-mps, cdi (real GPU only; naming one implies --containers), and round 4's
-    /// r4-nodes, r4-nvml, r4-terminate, r4-threads, r4-watch, r4-privileged (`round4`: all
-    /// six) [GPUSHARE_GPU_ONLY]
+    /// small-batch, create-path, driver-root, round 5's r5-v3, r5-coloc (`round5`: both),
+    /// round 4's r4-nodes, r4-nvml, r4-terminate, r4-threads, r4-watch, r4-privileged
+    /// (`round4`: all six), the container sections containers, skip-mps, cdi (real GPU
+    /// only; naming one implies --containers) [GPUSHARE_GPU_ONLY]
     #[arg(long = "only", value_name = "LIST", value_parser = sections)]
     only_arg: Option<Sections>,
     /// `--only`: the sections to run; `None` runs every section.
@@ -111,6 +117,10 @@ pub struct Options {
     /// simulated) [GPUSHARE_GPU_R4_HOLD]
     #[arg(long = "r4-hold", value_name = "S", value_parser = hold_seconds)]
     r4_hold: Option<f64>,
+    /// Round 5: seconds each co-location setup measures (default 6; 0.25 simulated)
+    /// [GPUSHARE_GPU_R5_SECONDS]
+    #[arg(long = "r5-seconds", value_name = "S", value_parser = hold_seconds)]
+    r5_seconds: Option<f64>,
     #[arg(skip = 30u32)]
     pub create_rounds: u32,
     #[arg(skip)]
@@ -151,6 +161,8 @@ fn sections(list: &str) -> Result<Sections, String> {
         .flat_map(|n| {
             if n == ROUND4 {
                 ROUND4_SECTIONS.iter().map(|s| s.to_string()).collect()
+            } else if n == ROUND5 {
+                ROUND5_SECTIONS.iter().map(|s| s.to_string()).collect()
             } else {
                 vec![n]
             }
@@ -183,6 +195,11 @@ impl Options {
     /// `--r4-hold`, else the default of the mode (round 4's clients).
     pub fn r4_hold(&self, simulate: bool) -> f64 {
         self.r4_hold.unwrap_or(if simulate { 1.0 } else { 5.0 })
+    }
+
+    /// `--r5-seconds`, else the default of the mode (round 5's co-location window).
+    pub fn r5_seconds(&self, simulate: bool) -> f64 {
+        self.r5_seconds.unwrap_or(if simulate { 0.25 } else { 6.0 })
     }
 
     /// `--hold`, else the default of the mode the run ended up in (no GPU: simulated).
@@ -232,6 +249,12 @@ pub fn parse(
     if o.r4_hold.is_none() {
         if let Some(h) = env("GPUSHARE_GPU_R4_HOLD") {
             o.r4_hold = Some(hold_seconds(&h).map_err(|e| invalid("GPUSHARE_GPU_R4_HOLD", e))?);
+        }
+    }
+    if o.r5_seconds.is_none() {
+        if let Some(h) = env("GPUSHARE_GPU_R5_SECONDS") {
+            o.r5_seconds =
+                Some(hold_seconds(&h).map_err(|e| invalid("GPUSHARE_GPU_R5_SECONDS", e))?);
         }
     }
     if o.hold.is_none() {
@@ -369,6 +392,23 @@ mod tests {
         assert!(o.wants("r4-nodes") && o.wants("r4-privileged") && o.wants("limits"));
         assert!(!o.containers && !o.wants("per-user"));
         assert_eq!(o.r4_hold(false), 5.0);
+        let o = parse(
+            &args(&["--only", "round5,round4", "--r5-seconds", "8"]),
+            &no_env,
+        )
+        .unwrap();
+        assert!(o.wants("r5-v3") && o.wants("r5-coloc") && o.wants("r4-watch"));
+        assert!(!o.containers && !o.wants("limits"));
+        assert_eq!((o.r5_seconds(false), o.r5_seconds(true)), (8.0, 8.0));
+        let o = parse(&[], &no_env).unwrap();
+        assert_eq!((o.r5_seconds(false), o.r5_seconds(true)), (6.0, 0.25));
+        let e = parse(&args(&["--r5-seconds", "0.1"]), &no_env)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("'--r5-seconds <S>': must be a number of seconds"),
+            "{e}"
+        );
         let e = parse(&args(&["--only", ","]), &no_env)
             .unwrap_err()
             .to_string();

@@ -46,9 +46,9 @@ const G: u64 = 1 << 30;
 
 /// What a section started: ended by `guarded` whatever happened.
 #[derive(Default)]
-struct Scope {
-    labels: Vec<String>,
-    daemons: Vec<String>,
+pub struct Scope {
+    pub labels: Vec<String>,
+    pub daemons: Vec<String>,
 }
 
 /// What the sections share: the helper executable (a copy every UID can run), NVML's
@@ -159,7 +159,7 @@ fn setup(t: &mut Tier, hold: f64) -> Result<R4, String> {
 /// Runs section `name`; whatever happens in it (a panic included), its clients and
 /// daemons are ended afterwards and the next section runs. An interruption still ends the
 /// run.
-fn guarded(t: &mut Tier, name: &str, f: impl FnOnce(&mut Tier, &mut Scope)) {
+pub fn guarded(t: &mut Tier, name: &str, f: impl FnOnce(&mut Tier, &mut Scope)) {
     let mut scope = Scope::default();
     let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(t, &mut scope)));
     t.abort_clients(&scope.labels);

@@ -12,8 +12,10 @@
 //! 7. the shim's create path: what inventory = "nvml" costs every create with a request;
 //! 8. driver-root: the driver's files under a root of their own, as NVIDIA's GPU Operator
 //!    lays them out.
-//! 9. round 4 (round4.rs): what NVML, `terminate_client`, the thread cap, the
-//!    watcher and the privileged channel do on a real driver.
+//! 9. round 5 (round5.rs): MPS v3's control interface (a driver >= 615), and an
+//!    inference tenant's tail latency beside a training tenant, alone, time-sliced and
+//!    through gpushare; then round 4 (round4.rs): what NVML, `terminate_client`, the
+//!    thread cap, the watcher and the privileged channel do on a real driver.
 //!
 //! The restore (8) is `Tier::restore`. Simulated, what needs real CUDA prints
 //! `SKIP (simulated)`; everything about daemons, users, queueing, flags, limit read-back and
@@ -83,6 +85,7 @@ pub fn run(t: &mut Tier, opts: &Options) -> Ended {
     if opts.wants("driver-root") {
         driver_root(t);
     }
+    crate::round5::run(t, opts, &flag);
     crate::round4::run(t, opts, &flag);
     if opts.containers {
         crate::containers::run(t, opts);

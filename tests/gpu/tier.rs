@@ -221,6 +221,8 @@ pub struct Tier {
     /// Round 4 (E1): the next `launch` gets a private /dev/shm and these nodes hidden.
     pub next_private_shm: bool,
     pub next_hide: Vec<PathBuf>,
+    /// Tables the sections made (round 5's co-location), printed after the summary.
+    pub tables: Vec<String>,
 }
 
 fn shm_entries() -> BTreeSet<String> {
@@ -295,6 +297,7 @@ impl Tier {
             shm_before: shm_entries(),
             next_private_shm: false,
             next_hide: Vec::new(),
+            tables: Vec::new(),
         };
         if let Err(e) = tier.prepare(opts) {
             let _ = std::fs::remove_dir_all(&tier.work);
@@ -979,6 +982,10 @@ impl Tier {
             println!();
             println!("clients (seconds since the run's first client was launched; latency = launch to first kernel):");
             print!("{}", client::table(&rows));
+        }
+        for table in &self.tables {
+            println!();
+            print!("{table}");
         }
         match self.append_out() {
             Ok(()) => {

@@ -6,4 +6,5 @@
 
 mod calc;
 mod client;
+mod coloc;
 mod opts;
