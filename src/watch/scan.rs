@@ -1,7 +1,8 @@
 //! One look at the node: every process NVML lists on each GPU (`list`, GPU by GPU: one
 //! that does not answer costs its own processes, never another's), and what each belongs
-//! to (`Node::owner_of_cgroup`, from the cgroup its pin read): an MPS server of one of gpushare's daemons, a container
-//! gpushare serves, or nothing gpushare serves (the host, another container).
+//! to (`Node::owner_of_cgroup`, from the cgroup its pin read): an MPS server of one of
+//! gpushare's daemons, a container gpushare serves, or nothing gpushare serves (the host,
+//! another container).
 //!
 //! Invariants: a process belongs to a container by its cgroup — the container's own, or
 //! one below it — never by anything the process says of itself (its name, its
