@@ -35,6 +35,9 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated subset: noreq,warm,passthrough,cold,burst,rss,overhead,decompose,scale (scale runs only when named)")
     ap.add_argument("--scale-points", default="10,100,1000", help="live containers at which node scale is measured")
     ap.add_argument("--scale-daemons", type=int, default=50, help="daemons of the node-scale benchmark (at most 50)")
+    ap.add_argument("--scale-shapes", default="", help="comma-separated daemon counts: the node-scale benchmark once per "
+                    "count, each on a fresh set of daemons and containers (e.g. 50,4: 50 x 20 and 4 x 250 at 1,000); "
+                    "default: --scale-daemons")
     ap.add_argument("--scale-stale", type=int, default=10000, help="stale container records for the gc run (0: none)")
     ap.add_argument("--scale-gc-runs", type=int, default=3, help="gc runs over the stale records")
     ap.add_argument("--scale-reps", type=int, default=7, help="runs per node-scale command")
@@ -84,10 +87,18 @@ def main():
             node.ensure_warm_daemon()
             lifecycle.bench_decompose(node, args.rounds)
         if "scale" in only:
-            try:
-                scale.bench_scale(node, args.scale_reps)
-            finally:
-                scale.scale_teardown(node)
+            shapes = [int(x) for x in args.scale_shapes.split(",") if x] or [args.scale_daemons]
+            for daemons in shapes:
+                args.scale_daemons = daemons
+                try:
+                    scale.bench_scale(node, args.scale_reps)
+                finally:
+                    scale.scale_teardown(node, stop_daemons=len(shapes) > 1)
+                if len(shapes) > 1:
+                    # Each shape's figures under its own key.
+                    node.results[f"scale_{daemons}_daemons"] = {
+                        k: node.results.pop(k) for k in list(node.results) if k.startswith("scale")
+                        and not k.endswith("_daemons")}
         info["loadavg_end"] = loadavg()
         node.report.targets(info)
         if args.json:

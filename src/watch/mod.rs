@@ -12,18 +12,25 @@
 //! - its own process, outside every create path: no create waits for it, and NVML (which
 //!   leaves threads running in the process that loads it) is loaded here, never in a hook;
 //! - it runs in the host's PID namespace, where NVML's PIDs are the host's;
-//! - it signals only through a pidfd opened after the process was classified and checked
-//!   again (start time and cgroup unchanged), so a reused PID is never killed;
+//! - it lists and judges GPU by GPU: a GPU whose processes cannot be listed (after
+//!   retries) costs that GPU's verdicts for that scan, counted and shown, never another's;
+//! - a kill or `terminate_client` reaches only the process that was listed and judged: it
+//!   is pinned by a pidfd as soon as its GPU is listed, its start time and cgroup are read
+//!   through that pin, and checked again before each step (`act`); a mismatch is reported,
+//!   never acted on;
 //! - it never touches an MPS server, a process of a container gpushare does not serve, or
 //!   a host process;
 //! - every action is one log line (pod, PID, what, why) and a counter; every control
 //!   command has a deadline, so a daemon that stalls delays one scan, never the next.
 
+mod act;
 mod plan;
 pub(crate) mod report;
 mod scan;
 
-use std::os::fd::AsFd;
+use std::collections::HashSet;
+use std::os::fd::{AsFd, OwnedFd};
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -35,6 +42,7 @@ use nvml_wrapper::Nvml;
 use crate::config::{Config, Limits};
 use crate::mps::control::{resolve_binary, Control};
 use crate::state::{ProcRef, StateDir};
+use act::{ActError, Outcome, Pins, Proc};
 use plan::{Action, Rules};
 use report::{Counters, Report};
 
@@ -63,16 +71,20 @@ pub(crate) fn run(cfg: &Config) -> anyhow::Result<()> {
     mask.thread_block().context("block the watcher's signals")?;
     let sfd = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
         .context("open the watcher's signalfd")?;
+    // The counters go on from the last watcher's.
+    let last = Report::read(&StateDir::new(&cfg.state_dir));
+    raise_descriptor_limit();
     let mut watcher = Watcher {
         cfg,
         state,
         nvml: None,
         cache: Default::default(),
-        counters: Report::read(&StateDir::new(&cfg.state_dir))
-            .map(|r| r.actions)
-            .unwrap_or_default(),
+        pins: Pins::default(),
+        counters: last.as_ref().map(|r| r.actions).unwrap_or_default(),
+        gpu_list_failures: last.as_ref().map_or(0, |r| r.gpu_list_failures),
         me: ProcRef::of(std::process::id() as i32),
         last_error: None,
+        last_unlisted: Vec::new(),
     };
     tracing::info!(
         policy = ?cfg.watch.policy,
@@ -109,46 +121,49 @@ struct Watcher<'a> {
     state: StateDir,
     nvml: Option<Nvml>,
     cache: scan::Cache,
+    pins: Pins<Rc<OwnedFd>>,
     counters: Counters,
+    gpu_list_failures: u64,
     me: Option<ProcRef>,
-    /// The last scan's NVML error: a change is logged once, not every interval.
+    /// The last scan's NVML error and the GPUs it could not list: a change is logged once,
+    /// not every interval.
     last_error: Option<String>,
+    last_unlisted: Vec<report::Unlisted>,
 }
 
-/// A listed process as it was when classified: what a later signal must still find.
-struct Seen {
-    start_time: Option<u64>,
-    cgroup: Option<String>,
+/// NVML, loaded on first use and kept while it answers.
+fn nvml<'n>(slot: &'n mut Option<Nvml>, cfg: &Config) -> Result<&'n Nvml, String> {
+    if slot.is_none() {
+        let library =
+            crate::driver::nvml_library(cfg.driver_root.as_deref()).map_err(|e| e.to_string())?;
+        let loaded = match library {
+            Some(path) => Nvml::builder().lib_path(path.as_os_str()).init(),
+            None => Nvml::init(),
+        }
+        .map_err(|e| format!("cannot initialise NVML: {e}"))?;
+        *slot = Some(loaded);
+    }
+    slot.as_ref().ok_or_else(|| "NVML is not loaded".to_owned())
 }
 
 impl Watcher<'_> {
-    fn nvml(&mut self) -> Result<&Nvml, String> {
-        if self.nvml.is_none() {
-            let library = crate::driver::nvml_library(self.cfg.driver_root.as_deref())
-                .map_err(|e| e.to_string())?;
-            let nvml = match library {
-                Some(path) => Nvml::builder().lib_path(path.as_os_str()).init(),
-                None => Nvml::init(),
-            }
-            .map_err(|e| format!("cannot initialise NVML: {e}"))?;
-            self.nvml = Some(nvml);
-        }
-        self.nvml
-            .as_ref()
-            .ok_or_else(|| "NVML is not loaded".to_owned())
-    }
-
     fn scan_once(&mut self) {
         let started = Instant::now();
-        let listed = self
-            .nvml()
-            .and_then(|nvml| scan::list(nvml).map_err(|e| crate::util::error_chain(&e)));
-        let (listed, error) = match listed {
-            Ok(l) => (l, None),
+        // Each GPU's processes are pinned as soon as that GPU is listed.
+        let pins = &mut self.pins;
+        let listed = nvml(&mut self.nvml, self.cfg).and_then(|n| {
+            scan::list(n, |p| {
+                pins.pin(&mut Proc, i32::try_from(p.pid).unwrap_or(0))
+            })
+            .map_err(|e| crate::util::error_chain(&e))
+        });
+        self.pins.end_scan();
+        let (listing, pinned, error) = match listed {
+            Ok((l, p)) => (l, p, None),
             Err(e) => {
                 // A driver that went away (or was reloaded) gets a fresh NVML next time.
                 self.nvml = None;
-                (Vec::new(), Some(e))
+                (scan::Listing::default(), Vec::new(), Some(e))
             }
         };
         if error != self.last_error {
@@ -158,18 +173,43 @@ impl Watcher<'_> {
             }
             self.last_error = error.clone();
         }
-        let node = scan::Node::read(&self.state, &mut self.cache);
-        let mut owned = Vec::with_capacity(listed.len());
-        let mut seen = Vec::with_capacity(listed.len());
-        for p in listed {
-            let pid = i32::try_from(p.pid).unwrap_or(0);
-            let (owner, cgroup) = node.owner(pid);
-            seen.push(Seen {
-                start_time: crate::util::proc_start_time(pid),
-                cgroup,
-            });
-            owned.push((p, owner));
+        let unlisted: Vec<report::Unlisted> = listing
+            .unlisted
+            .iter()
+            .map(|u| report::Unlisted {
+                gpu_index: u.index,
+                gpu: u.gpu.clone(),
+                error: crate::util::error_chain(&u.error),
+            })
+            .collect();
+        self.gpu_list_failures += unlisted.len() as u64;
+        if unlisted != self.last_unlisted {
+            for u in &unlisted {
+                tracing::warn!(
+                    gpu_index = u.gpu_index,
+                    "watch: the processes of GPU {} are not listed (this scan judges none of them; the other GPUs' are): {}",
+                    u.gpu_index,
+                    u.error
+                );
+            }
+            if unlisted.is_empty() {
+                tracing::info!("watch: every GPU's processes are listed again");
+            }
+            self.last_unlisted = unlisted.clone();
         }
+        let node = scan::Node::read(&self.state, &mut self.cache);
+        let owned: Vec<_> = listing
+            .processes
+            .into_iter()
+            .zip(&pinned)
+            .map(|(p, pin)| {
+                let owner = pin
+                    .cgroup
+                    .as_deref()
+                    .map_or(scan::Owner::None, |c| node.owner_of_cgroup(c));
+                (p, owner)
+            })
+            .collect();
         let rules = Rules {
             policy: self.cfg.watch.policy,
             enforced: self.cfg.mps.limits == Limits::Enforced,
@@ -178,24 +218,24 @@ impl Watcher<'_> {
         let mut plan = plan::plan(&owned, &node, &rules);
         // Daemons that did not answer in this scan are not asked again in it: a daemon
         // kept from answering delays one termination, not one per client of its tenant.
-        let mut silent = std::collections::HashSet::new();
+        let mut silent = HashSet::new();
         for action in std::mem::take(&mut plan.actions) {
             let index = match action {
                 Action::StopDirect(i) | Action::EndClient(i) => i,
             };
-            let outcome = self.act(
-                action,
-                &plan.processes[index],
-                &seen[index],
-                &node,
-                &mut silent,
-            );
-            if let Err(why) = outcome {
-                self.counters.failed += 1;
-                let p = &mut plan.processes[index];
-                if let Some(v) = &mut p.verdict {
-                    v.push_str(&format!(" (failed: {why})"));
-                }
+            let p = &plan.processes[index];
+            let mut terminate = |pid: i32| self.terminate_client(p, pid, &node, &mut silent);
+            let terminate: Option<&mut dyn FnMut(i32) -> Result<(), ActError>> = match action {
+                Action::StopDirect(_) => None,
+                Action::EndClient(_) => Some(&mut terminate),
+            };
+            let outcome = act::stop(&mut Proc, p.pid, &pinned[index], terminate);
+            if let Outcome::Refused(ActError::Moved { .. }) = outcome {
+                self.pins.forget(p.pid);
+            }
+            let note = self.record(action, p, &outcome);
+            if let (Some(note), Some(v)) = (note, &mut plan.processes[index].verdict) {
+                v.push_str(&note);
             }
         }
         let report = Report {
@@ -207,6 +247,8 @@ impl Watcher<'_> {
             scanned_at: crate::util::unix_now(),
             scan_seconds: started.elapsed().as_secs_f64(),
             error,
+            unlisted,
+            gpu_list_failures: self.gpu_list_failures,
             processes: plan.processes,
             actions: self.counters,
         };
@@ -218,15 +260,8 @@ impl Watcher<'_> {
         }
     }
 
-    /// Carries out one action, with its log line; the error says why it failed.
-    fn act(
-        &mut self,
-        action: Action,
-        p: &report::Process,
-        seen: &Seen,
-        node: &scan::Node,
-        silent: &mut std::collections::HashSet<String>,
-    ) -> Result<(), String> {
+    /// Counts and logs what an action came to; what its verdict gets added, if anything.
+    fn record(&mut self, action: Action, p: &report::Process, outcome: &Outcome) -> Option<String> {
         let names = p.names.escaped();
         let pod = match (&names.namespace, &names.pod, &names.container) {
             (Some(ns), Some(pod), Some(c)) => format!("pod {ns}/{pod} container {c}"),
@@ -235,28 +270,23 @@ impl Watcher<'_> {
         let container = p.container_id.as_deref().unwrap_or("-");
         let daemon = p.daemon.as_deref().unwrap_or("-");
         let why = p.verdict.as_deref().unwrap_or_default();
-        let mut confirmed = true;
-        if let Action::EndClient(_) = action {
-            confirmed = self.terminate_client(p, node, silent).is_ok();
-        }
-        let killed = kill_checked(p.pid, seen);
-        let what = match (action, confirmed) {
-            (Action::StopDirect(_), _) => "killed",
-            (Action::EndClient(_), true) => "terminate_client, then killed",
-            (Action::EndClient(_), false) => {
-                "killed without a confirmed terminate_client (the daemon did not confirm it)"
-            }
-        };
-        match &killed {
-            Ok(()) => {
-                match action {
-                    Action::StopDirect(_) => self.counters.stopped_direct += 1,
-                    Action::EndClient(_) => {
-                        self.counters.ended_clients += 1;
-                        if !confirmed {
-                            self.counters.unconfirmed_terminations += 1;
-                        }
+        let client = matches!(action, Action::EndClient(_));
+        match outcome {
+            Outcome::Killed { confirmed } => {
+                let what = match (client, confirmed) {
+                    (false, _) => "killed",
+                    (true, true) => "terminate_client, then killed",
+                    (true, false) => {
+                        "killed without a confirmed terminate_client (the daemon did not confirm it)"
                     }
+                };
+                if client {
+                    self.counters.ended_clients += 1;
+                    if !confirmed {
+                        self.counters.unconfirmed_terminations += 1;
+                    }
+                } else {
+                    self.counters.stopped_direct += 1;
                 }
                 tracing::warn!(
                     pid = p.pid,
@@ -266,17 +296,45 @@ impl Watcher<'_> {
                     p.pid,
                     p.gpu
                 );
+                None
             }
-            Err(e) => tracing::warn!(
-                pid = p.pid,
-                container_id = container,
-                daemon,
-                "watch: could not stop pid {} of {pod} (container {container}) on {}: {e}; it was to be {why}",
-                p.pid,
-                p.gpu
-            ),
+            Outcome::Gone { confirmed: true } if client => {
+                self.counters.ended_clients += 1;
+                tracing::warn!(
+                    pid = p.pid,
+                    container_id = container,
+                    daemon,
+                    "watch: terminate_client ended pid {} of {pod} (container {container}) on {}: {why}",
+                    p.pid,
+                    p.gpu
+                );
+                None
+            }
+            Outcome::Gone { .. } => {
+                tracing::info!(
+                    pid = p.pid,
+                    container_id = container,
+                    daemon,
+                    "watch: pid {} of {pod} (container {container}) on {} ended before it was stopped; it was to be {why}",
+                    p.pid,
+                    p.gpu
+                );
+                Some(" (it ended before it was stopped)".to_owned())
+            }
+            Outcome::Refused(e) => {
+                self.counters.failed += 1;
+                let e = crate::util::error_chain(e);
+                tracing::warn!(
+                    pid = p.pid,
+                    container_id = container,
+                    daemon,
+                    "watch: did not stop pid {} of {pod} (container {container}) on {}: {e}; it was to be {why}",
+                    p.pid,
+                    p.gpu
+                );
+                Some(format!(" (not done: {e})"))
+            }
         }
-        killed
     }
 
     /// `terminate_client <server> <pid>` on the client's daemon, trying its servers (one,
@@ -284,68 +342,79 @@ impl Watcher<'_> {
     fn terminate_client(
         &self,
         p: &report::Process,
+        pid: i32,
         node: &scan::Node,
-        silent: &mut std::collections::HashSet<String>,
-    ) -> Result<(), String> {
-        let daemon = p.daemon.as_deref().ok_or("no daemon")?;
+        silent: &mut HashSet<String>,
+    ) -> Result<(), ActError> {
+        let daemon = p.daemon.as_deref().ok_or(ActError::NoDaemon)?;
+        let owned = || daemon.to_owned();
         if silent.contains(daemon) {
-            return Err("its daemon did not answer earlier in this scan".to_owned());
+            return Err(ActError::Silent { daemon: owned() });
         }
         let identity = node
             .served
             .iter()
             .find(|s| s.daemon == daemon)
             .map(|s| s.identity.clone())
-            .ok_or("no record of its daemon")?;
+            .ok_or_else(|| ActError::NoRecord { daemon: owned() })?;
         let binary = resolve_binary(
             &self.cfg.mps.control_binary,
             self.cfg.driver_root.as_deref(),
         )
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| ActError::Binary(e.into()))?;
         let control = Control::of_daemon(binary, &self.state, daemon, &identity);
         let servers = control
             .command("get_server_list", CONTROL_TIMEOUT)
             .map_err(|e| {
-                silent.insert(daemon.to_owned());
-                e.to_string()
+                silent.insert(owned());
+                ActError::ServerList {
+                    daemon: owned(),
+                    error: e.into(),
+                }
             })?;
-        let mut last = "the daemon runs no server".to_owned();
+        let mut last = ActError::NoServer { daemon: owned() };
         for server in crate::mps::reply::pids(&servers) {
-            match control.command(
-                &format!("terminate_client {server} {}", p.pid),
-                CONTROL_TIMEOUT,
-            ) {
+            match control.command(&format!("terminate_client {server} {pid}"), CONTROL_TIMEOUT) {
                 Ok(out) if out.trim() == "0" => return Ok(()),
-                Ok(out) => last = crate::util::escape(&crate::util::one_line(&out)),
+                Ok(out) => {
+                    last = ActError::Refused {
+                        daemon: owned(),
+                        answer: crate::util::escape(&crate::util::one_line(&out)),
+                    }
+                }
                 Err(e) => {
-                    silent.insert(daemon.to_owned());
-                    last = e.to_string();
+                    silent.insert(owned());
+                    last = ActError::Terminate {
+                        daemon: owned(),
+                        error: e.into(),
+                    };
                     break;
                 }
             }
         }
         tracing::warn!(
-            pid = p.pid,
+            pid,
             daemon,
-            "watch: terminate_client failed: {last}"
+            "watch: terminate_client failed: {}",
+            crate::util::error_chain(&last)
         );
         Err(last)
     }
 }
 
-/// SIGKILL to `pid` through a pidfd, where it is still the process that was classified
-/// (same start time, same cgroup).
-fn kill_checked(pid: i32, seen: &Seen) -> Result<(), String> {
-    use rustix::process::{pidfd_open, pidfd_send_signal, Pid, PidfdFlags, Signal as RSignal};
-    let raw = Pid::from_raw(pid).ok_or("no such pid")?;
-    let fd = pidfd_open(raw, PidfdFlags::empty()).map_err(|e| format!("it is gone ({e})"))?;
-    // The pidfd names one process for good; checked after it is open, a PID reused
-    // between the scan and now is seen here and left alone.
-    let same = seen.start_time.is_some()
-        && crate::util::proc_start_time(pid) == seen.start_time
-        && scan::cgroup_of(pid) == seen.cgroup;
-    if !same {
-        return Err("the PID now names another process, or it left its cgroup".to_owned());
+/// The soft limit on open descriptors raised to the hard one: the watcher holds a pidfd
+/// per container init and per listed process (two thousand at a thousand containers). A
+/// process it could not pin for want of one is judged, never acted on.
+fn raise_descriptor_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let now = getrlimit(Resource::Nofile);
+    if now.current < now.maximum {
+        let raised = Rlimit {
+            current: now.maximum,
+            maximum: now.maximum,
+        };
+        if let Err(e) = setrlimit(Resource::Nofile, raised) {
+            tracing::warn!("watch: cannot raise its descriptor limit: {e}");
+        }
     }
-    pidfd_send_signal(&fd, RSignal::KILL).map_err(|e| format!("SIGKILL failed: {e}"))
 }

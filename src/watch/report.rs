@@ -68,7 +68,9 @@ pub(crate) struct Counters {
     pub ended_clients: u64,
     /// Of those, the ones whose `terminate_client` the daemon did not confirm (killed anyway).
     pub unconfirmed_terminations: u64,
-    /// Actions that found the process gone or changed, or whose kill failed.
+    /// Actions not carried out: the process was no longer the one listed and judged (its
+    /// PID taken by another, or it left its cgroup), it could not be pinned, or the kill
+    /// failed. A process that ended on its own before it was stopped is not counted.
     pub failed: u64,
 }
 
@@ -85,8 +87,26 @@ pub(crate) struct Report {
     pub scan_seconds: f64,
     /// Why the last scan saw no GPU (NVML did not answer); `None` when it did.
     pub error: Option<String>,
+    /// The GPUs whose processes the last scan could not list (after its retries): their
+    /// processes are missing from `processes`, and got no verdict in it; every other GPU's
+    /// did.
+    #[serde(default)]
+    pub unlisted: Vec<Unlisted>,
+    /// How many times, since the watcher started, a scan could not list one GPU
+    /// (cumulative, per scan and GPU).
+    #[serde(default)]
+    pub gpu_list_failures: u64,
     pub processes: Vec<Process>,
     pub actions: Counters,
+}
+
+/// A GPU whose processes a scan could not list.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Unlisted {
+    /// Its NVML index, and its UUID where NVML gave it.
+    pub gpu_index: u32,
+    pub gpu: Option<String>,
+    pub error: String,
 }
 
 impl Report {

@@ -1,6 +1,8 @@
-//! One look at the node: every process NVML lists on each GPU (`list`), and what each
-//! belongs to (`Node::owner`): an MPS server of one of gpushare's daemons, a container
-//! gpushare serves, or nothing gpushare serves (the host, another container).
+//! One look at the node: every process NVML lists on each GPU (`list`, GPU by GPU: one
+//! that does not answer costs its own processes, never another's), and what each belongs
+//! to (`Node::owner_of_cgroup`, from the cgroup its pin read): an MPS server of one of
+//! gpushare's daemons, a container gpushare serves, or nothing gpushare serves (the host,
+//! another container).
 //!
 //! Invariants: a process belongs to a container by its cgroup — the container's own, or
 //! one below it — never by anything the process says of itself (its name, its
@@ -13,6 +15,7 @@ use std::collections::{HashMap, HashSet};
 
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::struct_wrappers::device::ProcessInfo;
 use nvml_wrapper::Nvml;
 
 use crate::identity::Identity;
@@ -31,8 +34,10 @@ pub(crate) struct Listed {
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ScanError {
+    #[error("cannot count the GPUs through NVML")]
+    Count(#[source] NvmlError),
     #[error("cannot list the processes of GPU {index} through NVML ({what})")]
-    Nvml {
+    Gpu {
         index: u32,
         what: &'static str,
         #[source]
@@ -40,46 +45,103 @@ pub(crate) enum ScanError {
     },
 }
 
-/// Every process with a compute context on the node's GPUs. An MPS client is in both of
-/// NVML's lists, a server or a process outside MPS in the compute list only (docs/mps.md,
-/// "The GPU process watcher").
-pub(crate) fn list(nvml: &Nvml) -> Result<Vec<Listed>, ScanError> {
-    let err = |index, what| move |error| ScanError::Nvml { index, what, error };
-    let count = nvml.device_count().map_err(err(0, "count the GPUs"))?;
-    let mut out = Vec::new();
+/// A GPU whose processes could not be listed in one scan: none of its processes gets a
+/// verdict in that scan; the other GPUs' do.
+#[derive(Debug)]
+pub(crate) struct Unlisted {
+    pub index: u32,
+    /// Its UUID, where NVML gave it before the listing failed.
+    pub gpu: Option<String>,
+    pub error: ScanError,
+}
+
+/// What one scan found: the processes of every GPU that answered, and the GPUs that did not.
+#[derive(Debug, Default)]
+pub(crate) struct Listing {
+    pub processes: Vec<Listed>,
+    pub unlisted: Vec<Unlisted>,
+}
+
+/// How often a GPU's list is asked for when NVML answers that it grew between its two
+/// calls (a process that starts in between), and how often the whole GPU is listed again
+/// after any other error, before the GPU counts as not listed in this scan.
+const TRIES: usize = 3;
+
+/// Every process with a compute context on the node's GPUs, GPU by GPU: a GPU that does
+/// not answer costs its own processes' verdicts, never another GPU's. An MPS client is in
+/// both of NVML's lists, a server or a process outside MPS in the compute list only
+/// (docs/mps.md, "The GPU process watcher"). `pin` is called on each GPU's processes as
+/// soon as that GPU is listed, so that what it reads is as near the listing as can be.
+pub(crate) fn list<P>(
+    nvml: &Nvml,
+    mut pin: impl FnMut(&Listed) -> P,
+) -> Result<(Listing, Vec<P>), ScanError> {
+    let count = nvml.device_count().map_err(ScanError::Count)?;
+    let mut out = Listing::default();
+    let mut pinned = Vec::new();
     for index in 0..count {
-        let device = nvml.device_by_index(index).map_err(err(index, "open it"))?;
-        let gpu = device.uuid().map_err(err(index, "read its UUID"))?;
-        let compute = device
-            .running_compute_processes()
-            .map_err(err(index, "compute processes"))?;
-        // nvml-wrapper 0.13 sizes this call's buffer to exactly the count it asked for
-        // first: a client that starts in between makes it InsufficientSize. Ask again.
-        let mut mps = Err(NvmlError::InsufficientSize(None));
-        for _ in 0..3 {
-            mps = device.mps_running_compute_processes();
-            if !matches!(mps, Err(NvmlError::InsufficientSize(_))) {
+        let mut last = None;
+        for _ in 0..TRIES {
+            match list_gpu(nvml, index) {
+                Ok(processes) => {
+                    pinned.extend(processes.iter().map(&mut pin));
+                    out.processes.extend(processes);
+                    last = None;
+                    break;
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        if let Some((gpu, error)) = last {
+            out.unlisted.push(Unlisted { index, gpu, error });
+        }
+    }
+    Ok((out, pinned))
+}
+
+/// One GPU's processes; on failure, its UUID where NVML gave it.
+fn list_gpu(nvml: &Nvml, index: u32) -> Result<Vec<Listed>, (Option<String>, ScanError)> {
+    let err = |what| move |error| ScanError::Gpu { index, what, error };
+    let device = nvml
+        .device_by_index(index)
+        .map_err(|e| (None, err("open it")(e)))?;
+    let gpu = device.uuid().map_err(|e| (None, err("read its UUID")(e)))?;
+    let failed = |what| {
+        let gpu = gpu.clone();
+        move |e| (Some(gpu), err(what)(e))
+    };
+    // nvml-wrapper 0.13 sizes each list's buffer to exactly the count it asked for first:
+    // a process that starts in between makes it InsufficientSize. Ask again.
+    let again = |call: &dyn Fn() -> Result<Vec<ProcessInfo>, NvmlError>| {
+        let mut got = Err(NvmlError::InsufficientSize(None));
+        for _ in 0..TRIES {
+            got = call();
+            if !matches!(got, Err(NvmlError::InsufficientSize(_))) {
                 break;
             }
         }
-        let mps = mps.map_err(err(index, "MPS processes"))?;
-        let clients: HashSet<u32> = mps.iter().map(|p| p.pid).collect();
-        let mut seen = HashSet::new();
-        for p in compute.iter().chain(mps.iter()) {
-            if !seen.insert(p.pid) {
-                continue;
-            }
-            out.push(Listed {
-                pid: p.pid,
-                gpu: gpu.clone(),
-                gpu_index: index,
-                mps: clients.contains(&p.pid),
-                used: match p.used_gpu_memory {
-                    UsedGpuMemory::Used(b) => Some(b),
-                    UsedGpuMemory::Unavailable => None,
-                },
-            });
+        got
+    };
+    let compute =
+        again(&|| device.running_compute_processes()).map_err(failed("compute processes"))?;
+    let mps = again(&|| device.mps_running_compute_processes()).map_err(failed("MPS processes"))?;
+    let clients: HashSet<u32> = mps.iter().map(|p| p.pid).collect();
+    let mut seen = HashSet::new();
+    let mut out = Vec::with_capacity(compute.len());
+    for p in compute.iter().chain(mps.iter()) {
+        if !seen.insert(p.pid) {
+            continue;
         }
+        out.push(Listed {
+            pid: p.pid,
+            gpu: gpu.clone(),
+            gpu_index: index,
+            mps: clients.contains(&p.pid),
+            used: match p.used_gpu_memory {
+                UsedGpuMemory::Used(b) => Some(b),
+                UsedGpuMemory::Unavailable => None,
+            },
+        });
     }
     Ok(out)
 }
@@ -111,12 +173,13 @@ pub(crate) struct Node {
     pub(super) by_cgroup: HashMap<String, Option<usize>>,
 }
 
-/// What a scan keeps for the next: the cgroups of containers' init processes (a process
-/// does not move), each daemon's identity (an id names one identity for good), and each
-/// daemon's container records with the time its `containers/` directory last changed.
+/// What a scan keeps for the next: the containers' init processes, each pinned by a
+/// pidfd with its cgroup (a process does not move; the pidfd says when it ends, without
+/// reading /proc again), each daemon's identity (an id names one identity for good), and
+/// each daemon's container records with the time its `containers/` directory last changed.
 #[derive(Debug, Default)]
 pub(crate) struct Cache {
-    cgroups: HashMap<ProcRef, Option<String>>,
+    inits: HashMap<ProcRef, Init>,
     daemons: HashMap<String, Daemon>,
 }
 
@@ -128,6 +191,43 @@ struct Daemon {
     containers: Vec<ContainerRecord>,
 }
 
+/// A container's init process, as first found alive.
+#[derive(Debug)]
+struct Init {
+    /// `None` where no pidfd could be had (out of descriptors): its start time is read
+    /// again each scan instead.
+    pidfd: Option<std::os::fd::OwnedFd>,
+    cgroup: Option<String>,
+}
+
+impl Init {
+    /// `init` pinned, where it runs: its start time is read after the pidfd is open and
+    /// trusted only if the pidfd's process still runs after the reads.
+    fn open(init: ProcRef) -> Option<Init> {
+        use super::act::Proc;
+        let pidfd = match Proc::pidfd(init.pid) {
+            Ok(fd) => Some(fd),
+            Err(e) if e.raw_os_error() == Some(nix::libc::ESRCH) => return None,
+            Err(_) => None,
+        };
+        if crate::util::proc_start_time(init.pid) != Some(init.start_time) {
+            return None;
+        }
+        let cgroup = cgroup_of(init.pid);
+        match &pidfd {
+            Some(fd) if Proc::has_ended(fd) => None,
+            _ => Some(Init { pidfd, cgroup }),
+        }
+    }
+
+    fn runs(&self, init: ProcRef) -> bool {
+        match &self.pidfd {
+            Some(fd) => !super::act::Proc::has_ended(fd),
+            None => init.alive(),
+        }
+    }
+}
+
 /// A directory changed within this long of a read may change again in the same tick of
 /// its mtime: its records are read again rather than trusted.
 const SETTLED: std::time::Duration = std::time::Duration::from_secs(1);
@@ -136,7 +236,7 @@ impl Node {
     /// Reads every daemon's record and containers, from `cache` where nothing changed.
     pub(crate) fn read(state: &StateDir, cache: &mut Cache) -> Node {
         let mut node = Node::default();
-        let mut seen = HashSet::new();
+        let mut seen = HashMap::new();
         // Cgroups that hold more than one container's worth of processes.
         let shared: HashSet<String> = [Some(std::process::id() as i32), Some(1)]
             .into_iter()
@@ -176,15 +276,16 @@ impl Node {
                     continue;
                 };
                 let init = ProcRef { pid, start_time };
-                if !init.alive() {
+                let found = match cache.inits.remove(&init) {
+                    Some(i) if i.runs(init) => Some(i),
+                    Some(_) => None,
+                    None => Init::open(init),
+                };
+                let Some(found) = found else {
                     continue;
-                }
-                seen.insert(init);
-                let cgroup = cache
-                    .cgroups
-                    .entry(init)
-                    .or_insert_with(|| cgroup_of(pid))
-                    .clone();
+                };
+                let cgroup = found.cgroup.clone();
+                seen.insert(init, found);
                 let Some(cgroup) = cgroup.filter(|c| !shared.contains(c)) else {
                     continue;
                 };
@@ -202,16 +303,8 @@ impl Node {
             node.daemons.push(id.clone());
             cache.daemons.insert(id, daemon);
         }
-        cache.cgroups.retain(|p, _| seen.contains(p));
+        cache.inits = seen;
         node
-    }
-
-    /// What process `pid` belongs to, from its cgroup.
-    pub(crate) fn owner(&self, pid: i32) -> (Owner, Option<String>) {
-        let Some(cgroup) = cgroup_of(pid) else {
-            return (Owner::None, None);
-        };
-        (self.owner_of_cgroup(&cgroup), Some(cgroup))
     }
 
     pub(crate) fn owner_of_cgroup(&self, cgroup: &str) -> Owner {

@@ -25,6 +25,9 @@
  * them: in /proc/<pid>/fd of every process, so PIDs are the caller's (the host's) and a
  * process is listed exactly as long as it lives. `compute` processes are in the compute
  * list only, `mps` ones (MPS clients) in both, as NVML lists them (docs/mps.md).
+ * With FAKE_NVML_FAIL_LIST=<GPU UUID> in the environment, listing that GPU's processes (both
+ * lists) fails with NVML_ERROR_GPU_IS_LOST, as a GPU that fell off the bus does, while
+ * every other call about it and every other GPU answers.
  * With FAKE_NVML_TABLE=<file> the processes are that file's lines instead, `<pid> <GPU
  * UUID> <compute|mps> <bytes>`, whether the PIDs live or not: scripts/bench lists a
  * thousand containers' processes that way, so that what it measures is the watcher and
@@ -51,6 +54,7 @@ enum {
     NVML_ERROR_INVALID_ARGUMENT = 2,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_GPU_IS_LOST = 15,
 };
 enum { NVML_COMPUTEMODE_DEFAULT = 0 };
 enum { NVML_DEVICE_MIG_DISABLE = 0 };
@@ -338,6 +342,9 @@ static unsigned int scan(nvmlDevice_t device, int mps_only, nvmlProcessInfo_t *o
 static nvmlReturn_t processes(nvmlDevice_t device, unsigned int *count,
                               nvmlProcessInfo_t *infos, int mps_only) {
     DEVICE_CALL(device, count);
+    const char *lost = getenv("FAKE_NVML_FAIL_LIST");
+    if (lost != NULL && strcmp(lost, device->uuid) == 0)
+        return NVML_ERROR_GPU_IS_LOST;
     unsigned int room = infos == NULL ? 0 : *count;
     unsigned int found = scan(device, mps_only, infos, room);
     *count = found;

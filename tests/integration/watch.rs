@@ -571,3 +571,118 @@ fn watch_through_the_cri_plugin_stops_what_escapes_and_names_each_pod() {
     assert!(metrics.contains(&series), "{series} in:\n{metrics}");
     node.remove_all();
 }
+
+/// A GPU whose processes NVML cannot list (the fake's FAKE_NVML_FAIL_LIST: a lost GPU)
+/// costs that GPU's verdicts, never the other's: a served process outside MPS on GPU 0 is
+/// still stopped by the first scan that lists it, while GPU 1 is shown as not listed in
+/// the report, `status` and the metrics. With the whole-scan abort back, GPU 0's process
+/// lives and this test fails.
+#[test]
+fn watch_with_one_gpu_unlistable_still_judges_and_stops_on_the_others() {
+    let gpus = unique_gpus();
+    let mut env = watch_env(&gpus, "policy = \"act\"\nmemory-margin = \"0\"");
+    env.set_var("FAKE_NVML_FAIL_LIST", &gpus[1]);
+    let _watch = start_watch(&env);
+    let _lost = host_direct(&env, &gpus[1], "300.6");
+    let c = tenant(&env, &format!("wl{}", std::process::id()), &gpus[0]);
+    let seen = first_listed(&env, &c.id, "direct", 1);
+    let direct = pid_of(&seen);
+    assert!(
+        seen["verdict"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("stopped: "),
+        "{seen}"
+    );
+    assert!(
+        wait_until(Duration::from_secs(3), || !alive(direct)),
+        "pid {direct} outlived its verdict: {seen}"
+    );
+    three_more_scans(&env);
+    let r = report(&env).unwrap();
+    assert_eq!(r["error"], Value::Null, "{r}");
+    let unlisted = r["unlisted"].as_array().cloned().unwrap_or_default();
+    assert_eq!(unlisted.len(), 1, "{r}");
+    assert_eq!(unlisted[0]["gpu_index"], 1, "{r}");
+    assert_eq!(unlisted[0]["gpu"].as_str(), Some(gpus[1].as_str()), "{r}");
+    assert!(
+        unlisted[0]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("cannot list the processes of GPU 1 through NVML (compute processes)"),
+        "{r}"
+    );
+    assert!(r["gpu_list_failures"].as_u64().unwrap_or(0) >= 3, "{r}");
+    let procs = r["processes"].as_array().unwrap();
+    assert!(procs.iter().all(|p| p["gpu"] == gpus[0].as_str()), "{r}");
+    assert!(
+        procs.iter().any(|p| p["container_id"] == c.id.as_str()),
+        "{r}"
+    );
+    assert_eq!(r["actions"]["stopped_direct"], 1, "{r}");
+
+    let status = status_json(&env);
+    assert_eq!(status["watch"]["unlisted"][0]["gpu_index"], 1, "{status}");
+    let table = status_text(&env, &[]);
+    assert!(
+        table.contains(&format!(
+            "  └ GPU 1 {}: not listed in the last scan, none of its processes judged",
+            gpus[1]
+        )),
+        "{table}"
+    );
+    let metrics = status_text(&env, &["--format", "prometheus"]);
+    assert!(
+        metrics.contains(&format!(
+            "gpushare_watch_gpu_unlisted{{gpu=\"1\",UUID=\"{}\"}} 1\n",
+            gpus[1]
+        )),
+        "{metrics}"
+    );
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("gpushare_watch_gpu_list_failures_total ")
+                && l != "gpushare_watch_gpu_list_failures_total 0"),
+        "{metrics}"
+    );
+    let log = env.gpushare_log();
+    assert!(
+        log.contains("watch: the processes of GPU 1 are not listed"),
+        "{log}"
+    );
+}
+
+/// A stopped watcher's last scan is not exported as the present: its per-process series
+/// end, `gpushare_watch_up` says 0, the time of its last scan stays.
+#[test]
+fn a_stopped_watchers_processes_are_not_exported() {
+    let gpus = unique_gpus();
+    let env = watch_env(&gpus, "policy = \"report\"");
+    let watch = start_watch(&env);
+    let c = tenant(&env, &format!("ws{}", std::process::id()), &gpus[0]);
+    first_listed(&env, &c.id, "mps-client", 1);
+    let metrics = status_text(&env, &["--format", "prometheus"]);
+    assert!(
+        metrics.contains("gpushare_container_gpu_memory_used_bytes{"),
+        "{metrics}"
+    );
+    drop(watch);
+    let metrics = status_text(&env, &["--format", "prometheus"]);
+    assert!(metrics.contains("gpushare_watch_up 0\n"), "{metrics}");
+    for gone in [
+        "gpushare_container_gpu_memory_used_bytes{",
+        "gpushare_container_gpu_processes{",
+        "gpushare_mps_server_gpu_memory_used_bytes{",
+    ] {
+        assert!(!metrics.contains(gone), "{gone} in:\n{metrics}");
+    }
+    assert!(
+        metrics.lines().any(
+            |l| l.starts_with("gpushare_watch_last_scan_timestamp_seconds ")
+                && l != "gpushare_watch_last_scan_timestamp_seconds 0"
+        ),
+        "{metrics}"
+    );
+    drop(c);
+}

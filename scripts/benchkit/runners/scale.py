@@ -1,4 +1,5 @@
-"""[9] Node scale: 50 daemons and up to 1,000 live containers created through the shim;
+"""[9] Node scale: 50 daemons (or each of --scale-shapes' counts, e.g. 4: 250 containers a
+daemon at 1,000) and up to 1,000 live containers created through the shim;
 at each point the operator's commands (status, daemon list, gc), a warm create and the two
 hooks, each under GNU time (wall, CPU, peak RSS), with the GPU process watcher running and
 listing one GPU process per container (its CPU per scan measured at each point); then gc
@@ -138,7 +139,7 @@ def scale_state(node, cid, pid, annotations):
 def bench_scale(node, reps):
     n_daemons = node.args.scale_daemons
     points = [int(x) for x in node.args.scale_points.split(",")]
-    print(f"[9] node scale: {n_daemons} daemons (25 uids x 2 GPUs), live busybox containers "
+    print(f"[9] node scale: {n_daemons} daemons ({(n_daemons + 1) // 2} uids x 2 GPUs), live busybox containers "
           f"created through the shim at {points}; {reps} runs per command; stale records "
           f"for gc: {node.args.scale_stale}", flush=True)
     env = dict(node.env, GPUSHARE_CONFIG=str(node.cfg_scale))
@@ -182,7 +183,7 @@ def bench_scale(node, reps):
                                             "scan_wall_ms_median": round(w, 2)}
                                    for n, (c, w) in watched.items()}
     cpu, _ = watched[points[-1]]
-    node.verdicts.append((f"{points[-1]} containers: gpushare watch CPU per scan",
+    node.verdicts.append((f"{points[-1]} containers ({n_daemons} daemons): gpushare watch CPU per scan",
                           f"{cpu:.1f} ms", f"<= {T_WATCH_CPU_MS:.0f} ms", cpu <= T_WATCH_CPU_MS))
     finish_scale(node, env, points, results, daemons, pids)
 
@@ -274,7 +275,7 @@ def finish_scale(node, env, points, results, daemons, pids):
         if name.startswith("runc") or name.endswith("[old build]"):
             continue
         med = ms(statistics.median(x[0] for x in s))
-        node.verdicts.append((f"{points[-1]} containers: {name}", f"{med:.1f} ms",
+        node.verdicts.append((f"{points[-1]} containers ({len(daemons)} daemons): {name}", f"{med:.1f} ms",
                               f"<= {T_SCALE_MS:.0f} ms", med <= T_SCALE_MS))
     if node.args.scale_stale:
         scale_gc_stale(node, env, daemons, pids)
@@ -384,13 +385,15 @@ def scale_gc_stale(node, env, daemons, pids):
                           f"<= {T_SCALE_MS:.0f} ms", med <= T_SCALE_MS))
 
 
-def scale_teardown(node):
-    """Kills the node-scale containers, then deletes them (runc runs their poststop)."""
+def scale_teardown(node, stop_daemons=False):
+    """Kills the node-scale containers, then deletes them (runc runs their poststop); with
+    `stop_daemons`, then stops every daemon, so that the next shape starts from none."""
     if not node.runc_root.exists():
         return
     ids = subprocess.run([RUNC, "--root", str(node.runc_root), "list", "-q"],
                          capture_output=True, text=True).stdout.split()
-    ids = [c for c in ids if c.startswith("s")]
+    # With `stop_daemons`, also the containers the gc run's shim creates left (ann-<daemon>).
+    ids = [c for c in ids if c.startswith("s") or (stop_daemons and c.startswith("ann-"))]
 
     def kill_delete(c):
         subprocess.run([RUNC, "--root", str(node.runc_root), "kill", c, "KILL"],
@@ -400,3 +403,19 @@ def scale_teardown(node):
 
     with ThreadPoolExecutor(8) as ex:
         list(ex.map(kill_delete, ids))
+    if stop_daemons:
+        env = dict(node.env, GPUSHARE_CONFIG=str(node.cfg_scale))
+        subprocess.run([str(GPUSHARE), "daemon", "stop", "--all", "--force"], env=env,
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=True)
+        # Records of containers deleted meanwhile, and directories: what gc removes.
+        subprocess.run([str(GPUSHARE), "gc"], env=env, stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, check=True)
+        left = node.daemon_ids()
+        if left:
+            raise BenchError(f"{len(left)} daemons left after the node-scale shape's teardown")
+        # The next shape makes its bundles, and keeps its stale records, under the same
+        # names.
+        for b in node.bundles.iterdir():
+            if b.name.startswith(("s", "ann-")):
+                shutil.rmtree(b)
+        shutil.rmtree(node.work / "stale", ignore_errors=True)

@@ -162,6 +162,10 @@ pub(crate) struct WatchView {
     pub interval_seconds: f64,
     pub scan_seconds: f64,
     pub error: Option<String>,
+    /// The GPUs whose processes the last scan could not list (none of theirs is in
+    /// `processes`), and how many (scan, GPU) listings failed since the watcher started.
+    pub unlisted: Vec<crate::watch::report::Unlisted>,
+    pub gpu_list_failures: u64,
     /// Every process with a context on a GPU: its container and pod where gpushare serves
     /// it, its daemon for an MPS server, neither for the host's and other containers'.
     pub processes: Vec<crate::watch::report::Process>,
@@ -180,6 +184,16 @@ impl WatchView {
             interval_seconds: r.interval_seconds,
             scan_seconds: r.scan_seconds,
             error: esc(&r.error),
+            unlisted: r
+                .unlisted
+                .into_iter()
+                .map(|u| crate::watch::report::Unlisted {
+                    gpu: esc(&u.gpu),
+                    error: crate::util::escape(&u.error),
+                    ..u
+                })
+                .collect(),
+            gpu_list_failures: r.gpu_list_failures,
             processes: r
                 .processes
                 .into_iter()

@@ -62,6 +62,16 @@ fn watch_lines(out: &mut String, w: &WatchView, now: u64) {
     if let Some(e) = &w.error {
         let _ = writeln!(out, "  └ {e}");
     }
+    for u in &w.unlisted {
+        let _ = writeln!(
+            out,
+            "  └ GPU {} {}: not listed in the last scan, none of its processes judged ({} failed listings of a GPU since the watcher started): {}",
+            u.gpu_index,
+            u.gpu.as_deref().unwrap_or("(no UUID)"),
+            w.gpu_list_failures,
+            u.error
+        );
+    }
     let unserved: Vec<&Process> = w
         .processes
         .iter()
@@ -468,16 +478,21 @@ pub(crate) fn prometheus(view: &StatusView) -> String {
 
 /// The GPU processes, summed per container and GPU with DCGM exporter's labels (`gpu`,
 /// `UUID`, `namespace`, `pod`, `container`) so that the series join DCGM's; the host's
-/// and other containers' processes per GPU; the watcher's health and actions.
+/// and other containers' processes per GPU; the GPUs the last scan could not list; the
+/// watcher's health and actions. The series of the last scan's processes and GPUs are
+/// exported only while the watcher is up (`fresh`): a stopped or stalled watcher's last
+/// scan is not the present, and its series end rather than stay flat.
 fn watch_metrics(metric: &mut impl FnMut(&str, &str, &str, Vec<(String, String)>), w: &WatchView) {
     use std::collections::BTreeMap;
+    let processes: &[Process] = if w.fresh { &w.processes } else { &[] };
+    let unlisted: &[crate::watch::report::Unlisted] = if w.fresh { &w.unlisted } else { &[] };
     let gpu = |p: &Process| format!("gpu=\"{}\",UUID=\"{}\"", p.gpu_index, label_escaped(&p.gpu));
     let mut memory: BTreeMap<String, u64> = BTreeMap::new();
     let mut count: BTreeMap<String, u64> = BTreeMap::new();
     let mut unserved: BTreeMap<String, u64> = BTreeMap::new();
     let mut unserved_count: BTreeMap<String, u64> = BTreeMap::new();
     let mut servers: BTreeMap<String, u64> = BTreeMap::new();
-    for p in &w.processes {
+    for p in processes {
         let used = p.used_memory_bytes.unwrap_or(0);
         let name = |n: &Option<String>| label_escaped(n.as_deref().unwrap_or(""));
         match (&p.container_id, &p.daemon) {
@@ -541,9 +556,33 @@ fn watch_metrics(metric: &mut impl FnMut(&str, &str, &str, Vec<(String, String)>
         rows(unserved_count),
     );
     metric(
+        "gpushare_watch_gpu_unlisted",
+        "gauge",
+        "1 for a GPU whose processes the watcher's last scan could not list (none of them judged in it).",
+        unlisted
+            .iter()
+            .map(|u| {
+                (
+                    format!(
+                        "{{gpu=\"{}\",UUID=\"{}\"}}",
+                        u.gpu_index,
+                        label_escaped(u.gpu.as_deref().unwrap_or(""))
+                    ),
+                    "1".to_owned(),
+                )
+            })
+            .collect(),
+    );
+    metric(
+        "gpushare_watch_gpu_list_failures_total",
+        "counter",
+        "Scans that could not list one GPU's processes, per GPU and scan, since the watcher started.",
+        vec![(String::new(), w.gpu_list_failures.to_string())],
+    );
+    metric(
         "gpushare_watch_up",
         "gauge",
-        "1 when the GPU process watcher runs and its last scan is recent.",
+        "1 when the GPU process watcher runs and its last scan is recent; 0: the per-process and per-GPU series of its last scan are not exported.",
         vec![(String::new(), u8::from(w.fresh).to_string())],
     );
     metric(
@@ -763,6 +802,12 @@ mod tests {
             interval_seconds: 5.0,
             scan_seconds: 0.01,
             error: None,
+            unlisted: vec![crate::watch::report::Unlisted {
+                gpu_index: 1,
+                gpu: Some("GPU-2".into()),
+                error: "cannot list the processes of GPU 1 through NVML (compute processes)".into(),
+            }],
+            gpu_list_failures: 7,
             processes: vec![
                 Process {
                     pid: 42,
@@ -827,5 +872,41 @@ mod tests {
         );
         assert!(!table.contains('\u{1b}'));
         assert_eq!(human_duration(7300), "2h");
+        // A GPU the last scan could not list: shown, counted, its gauge set.
+        assert!(
+            table.contains("  └ GPU 1 GPU-2: not listed in the last scan, none of its processes judged (7 failed listings of a GPU since the watcher started): cannot list"),
+            "{table}"
+        );
+        for series in [
+            "gpushare_watch_gpu_unlisted{gpu=\"1\",UUID=\"GPU-2\"} 1\n",
+            "gpushare_watch_gpu_list_failures_total 7\n",
+            "gpushare_watch_up 1\n",
+        ] {
+            assert!(text.contains(series), "{series} in {text}");
+        }
+        // A stopped watcher: its last scan's processes and GPUs are no longer exported; its
+        // health says so, its counters and the time of its last scan stay.
+        let mut stale = view;
+        if let Some(w) = &mut stale.watch {
+            w.fresh = false;
+        }
+        let text = prometheus(&stale);
+        for gone in [
+            "gpushare_container_gpu_memory_used_bytes{",
+            "gpushare_container_gpu_processes{",
+            "gpushare_unserved_gpu_memory_used_bytes{",
+            "gpushare_unserved_gpu_processes{",
+            "gpushare_watch_gpu_unlisted{",
+        ] {
+            assert!(!text.contains(gone), "{gone} in {text}");
+        }
+        for kept in [
+            "gpushare_watch_up 0\n",
+            "gpushare_watch_last_scan_timestamp_seconds 0\n",
+            "gpushare_watch_actions_total{action=\"stop-direct\"} 3\n",
+            "gpushare_watch_gpu_list_failures_total 7\n",
+        ] {
+            assert!(text.contains(kept), "{kept} in {text}");
+        }
     }
 }
