@@ -211,12 +211,7 @@ impl Control {
         if let Some(mut stdin) = child.stdin.take() {
             let _ = stdin.write_all(format!("{command}\n").as_bytes());
         }
-        let exited = poll_until(
-            Instant::now() + timeout,
-            Duration::from_micros(200),
-            Duration::from_millis(10),
-            || child.try_wait().transpose(),
-        );
+        let exited = wait_exit(&mut child, Instant::now() + timeout);
         // A failed wait counts as no answer: the client is killed either way.
         let Some(Ok(status)) = exited else {
             let _ = child.kill();
@@ -238,6 +233,46 @@ impl Control {
                 output: crate::util::escape(&crate::util::one_line(&text)),
             })
         }
+    }
+}
+
+/// Waits until `child` exits or `deadline` passes: woken by its pidfd the moment it
+/// exits (a control client answers in a few milliseconds, and `status` asks two per
+/// daemon), else, where no pidfd can be had, by polling with a growing pause.
+fn wait_exit(
+    child: &mut std::process::Child,
+    deadline: Instant,
+) -> Option<std::io::Result<std::process::ExitStatus>> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use rustix::process::{pidfd_open, Pid, PidfdFlags};
+    use std::os::fd::AsFd;
+    let pidfd =
+        Pid::from_raw(child.id() as i32).and_then(|pid| pidfd_open(pid, PidfdFlags::empty()).ok());
+    let Some(pidfd) = pidfd else {
+        return poll_until(
+            deadline,
+            Duration::from_micros(200),
+            Duration::from_millis(10),
+            || child.try_wait().transpose(),
+        );
+    };
+    loop {
+        if let Some(done) = child.try_wait().transpose() {
+            return Some(done);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        // Rounded up: a wait never ends before the deadline it was given.
+        let ms = u32::try_from(left.as_millis() + 1)
+            .unwrap_or(u32::MAX)
+            .min(60_000);
+        let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
+        let _ = poll(
+            &mut fds,
+            PollTimeout::try_from(ms).unwrap_or(PollTimeout::MAX),
+        );
     }
 }
 
