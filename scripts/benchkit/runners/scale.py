@@ -348,7 +348,9 @@ def scale_gc_stale(node, env, daemons, pids):
                    if f.name.startswith("st"))
         if removed != n or left:
             raise BenchError(f"gc removed {removed} of {n} stale records, {left} left")
-    live = sum(1 for d in daemons for f in (node.state / "mps" / d / "containers").iterdir())
+    # Container records only: each daemon's containers/ also holds its records lock.
+    live = sum(1 for d in daemons for f in (node.state / "mps" / d / "containers").iterdir()
+               if f.suffix == ".json")
     if live != len(pids):
         raise BenchError(f"after gc {live} records left, {len(pids)} containers live")
     # The floor: unlinking the same files, and nothing else (find -delete).
