@@ -861,7 +861,13 @@ impl<'e> Node<'e> {
             let dir = self.env.state.join("mps").join(&d).join("containers");
             for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
-                out.push((d.clone(), name.trim_end_matches(".json").to_owned()));
+                // Records only: not the records lock, nor a record being written.
+                if let Some(id) = name
+                    .strip_suffix(".json")
+                    .filter(|_| !name.starts_with('.'))
+                {
+                    out.push((d.clone(), id.to_owned()));
+                }
             }
         }
         out

@@ -220,8 +220,8 @@ pub fn records(state: &Path, supervised: &[String]) -> Vec<String> {
             .flatten()
         {
             let cname = c.file_name().to_string_lossy().into_owned();
-            if cname.starts_with('.') {
-                continue; // a temp file a killed writer left; never read as a record
+            if cname.starts_with('.') || !cname.ends_with(".json") {
+                continue; // a temp file a killed writer left, the records lock: not records
             }
             let live = std::fs::read(c.path())
                 .ok()

@@ -160,6 +160,9 @@ fn record_engines(env: &Env) -> Vec<String> {
     for d in env.daemon_ids() {
         let dir = env.state.join("mps").join(&d).join("containers");
         for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            if e.path().extension().is_none_or(|x| x != "json") {
+                continue; // the records lock
+            }
             let rec: Value = serde_json::from_slice(&std::fs::read(e.path()).unwrap()).unwrap();
             out.push(rec["engine"].as_str().unwrap_or("").to_owned());
         }
