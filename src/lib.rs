@@ -7,7 +7,8 @@
 //! - `ops` (the operator commands: daemon start/stop, gc, doctor, status, install and
 //!   uninstall with each engine's installer)
 //! - `cdi` (the CDI spec of the node's devices, `gpushare cdi generate`)
-//! - `nri` (`gpushare nri`: the NRI plugin, its connection and its events)
+//! - `nri` (`gpushare nri`: the NRI plugin, its connection and its events;
+//!   `gpushare nri-validate`: the validator that checks the plugin's adjustments)
 //! - `watch` (`gpushare watch`: the GPU process watcher, its scan, its rules, its report)
 //! - `runtime` (the `gpushare-runtime` shim), `hookonly` (hooks.d mode)
 //! - `hook` (createRuntime / poststop)
@@ -77,3 +78,6 @@ mod watch;
 pub use mps::reply as mps_reply;
 /// The NRI plugin's session over bytes in memory: public for the fuzz target `nri`.
 pub use nri::converse as nri_converse;
+/// The NRI validator's session over bytes in memory: public for the fuzz target
+/// `nri_validate`.
+pub use nri::converse_validator as nri_validator_converse;

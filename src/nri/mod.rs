@@ -33,6 +33,7 @@
 
 pub(crate) mod api;
 pub(crate) mod plugin;
+pub(crate) mod validator;
 pub(crate) mod wire;
 
 use std::io::{Read, Write};
@@ -97,7 +98,12 @@ pub(crate) struct PluginState {
 impl PluginState {
     /// Reads the plugin's state; `None` when no plugin ever ran here.
     pub(crate) fn read(dirs: &StateDir) -> Option<PluginState> {
-        let bytes = crate::fsops::read_regular(&dirs.nri_state_path(), 64 << 10).ok()?;
+        Self::read_at(&dirs.nri_state_path())
+    }
+
+    /// The state at `path`: the plugin's, or the validator's (`validator::state_path`).
+    pub(crate) fn read_at(path: &Path) -> Option<PluginState> {
+        let bytes = crate::fsops::read_regular(path, 64 << 10).ok()?;
         serde_json::from_slice(&bytes).ok()
     }
 
@@ -106,13 +112,12 @@ impl PluginState {
         self.connected && self.process.is_some_and(|p| p.alive())
     }
 
-    fn write(&self, dirs: &StateDir) {
-        let path = dirs.nri_state_path();
+    fn write(&self, path: &Path) {
         let written = serde_json::to_vec(self)
             .map_err(std::io::Error::other)
-            .and_then(|data| crate::fsops::write_atomic_with(&path, &data, 0o644, false));
+            .and_then(|data| crate::fsops::write_atomic_with(path, &data, 0o644, false));
         if let Err(e) = written {
-            tracing::warn!(path = %path.display(), error = %e, "NRI: could not write the plugin's state");
+            tracing::warn!(path = %path.display(), error = %e, "NRI: could not write the process's state");
         }
     }
 }
@@ -126,12 +131,40 @@ pub(crate) enum Endpoint {
 }
 
 /// Runs the plugin until the runtime that launched it goes away (`Endpoint::Launched`),
-/// or for ever (`Endpoint::Socket`), registering as `name` with `index`.
-pub(crate) fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> anyhow::Result<()> {
+/// or for ever (`Endpoint::Socket`), registering as `name` with `index`. With
+/// `validator`, the socket the validator dials, the plugin keeps a validator running
+/// (`validator::keep`): a process of its own, which outlives this one.
+pub(crate) fn run(
+    cfg: &Config,
+    endpoint: Endpoint,
+    name: &str,
+    index: &str,
+    validator: Option<PathBuf>,
+) -> anyhow::Result<()> {
     let dirs = StateDir::new(&cfg.state_dir);
     dirs.ensure_root()?;
     let plugin = Arc::new(Plugin::new(cfg.clone()));
+    let reaper = Arc::clone(&plugin);
+    std::thread::spawn(move || reap_children(&reaper));
+    if let Some(socket) = validator {
+        let dirs = dirs.clone();
+        std::thread::spawn(move || validator::keep(&dirs, &socket));
+    }
+    run_service(&plugin, &dirs.nri_state_path(), endpoint, name, index)
+}
+
+/// Serves `service` on the runtime's connection, saying where it stands at `state_path`
+/// (`PluginState`): until the runtime that launched it goes away (`Endpoint::Launched`),
+/// or for ever, dialling again with backoff whenever the connection ends.
+fn run_service<S: Service>(
+    service: &Arc<S>,
+    state_path: &Path,
+    endpoint: Endpoint,
+    name: &str,
+    index: &str,
+) -> anyhow::Result<()> {
     let me = ProcRef::of(std::process::id() as i32);
+    let state_path = state_path.to_owned();
     let state =
         move |socket: &Path, connected: bool, runtime: Option<String>, error: Option<String>| {
             PluginState {
@@ -142,7 +175,7 @@ pub(crate) fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> 
                 since: crate::util::unix_now(),
                 error,
             }
-            .write(&dirs)
+            .write(&state_path)
         };
     let state = Arc::new(state);
     // What a session says once the runtime has configured the plugin (from the thread
@@ -151,12 +184,10 @@ pub(crate) fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> 
         let state = Arc::clone(&state);
         Arc::new(move |runtime: String| state(&socket, true, Some(runtime), None))
     };
-    let reaper = Arc::clone(&plugin);
-    std::thread::spawn(move || reap_children(&reaper));
     match endpoint {
         Endpoint::Launched(stream) => {
             let socket = PathBuf::from("(the connection the runtime launched the plugin with)");
-            let end = session(&plugin, stream, name, index, on_configured(socket.clone()));
+            let end = session(service, stream, name, index, on_configured(socket.clone()));
             state(
                 &socket,
                 false,
@@ -172,7 +203,7 @@ pub(crate) fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> 
                 let end = UnixStream::connect(&socket)
                     .with_context(|| format!("connect to the NRI socket {}", socket.display()))
                     .and_then(|stream| {
-                        session(&plugin, stream, name, index, on_configured(socket.clone()))
+                        session(service, stream, name, index, on_configured(socket.clone()))
                     });
                 let why = match end {
                     Ok(registered) => {
@@ -186,7 +217,7 @@ pub(crate) fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> 
                     Err(e) => format!("{e:#}"),
                 };
                 if why != last_error {
-                    tracing::warn!(error = %why, "NRI: not connected; trying again with backoff");
+                    tracing::warn!(name, error = %why, "NRI: not connected; trying again with backoff");
                     state(&socket, false, None, Some(why.clone()));
                     last_error = why;
                 }
@@ -218,6 +249,22 @@ fn reap_children(plugin: &Plugin) {
             }
         }
     }
+}
+
+/// What one NRI process serves on its connection: the plugin (`Plugin`) or the validator
+/// (`validator::Validator`). The session (framing, stream ids, the in-flight bound, the
+/// registration) is the same for both; only the methods' answers differ.
+pub(crate) trait Service: Send + Sync + 'static {
+    /// A new connection begins: whatever an earlier one left half done is dropped.
+    fn begin(&self) {}
+    /// The payload of the answer to `method`, whose request payload is `payload`;
+    /// `configured` runs once the runtime has configured the process.
+    fn handle(
+        &self,
+        method: &str,
+        payload: &[u8],
+        configured: &(dyn Fn(String) + Send + Sync),
+    ) -> anyhow::Result<Vec<u8>>;
 }
 
 /// Called once the runtime has configured the plugin, with the runtime's name and version.
@@ -306,8 +353,8 @@ fn quoted(s: &str) -> String {
 /// One connection to the runtime, until it ends. `Ok(true)` when the plugin had
 /// registered and the runtime then closed the connection; `Ok(false)` when it closed it
 /// before that. `connected` runs once the runtime has configured the plugin.
-fn session(
-    plugin: &Arc<Plugin>,
+fn session<S: Service>(
+    plugin: &Arc<S>,
     stream: UnixStream,
     name: &str,
     index: &str,
@@ -331,8 +378,8 @@ fn session(
 }
 
 /// `session` over any byte stream: the socket, or bytes in memory (`converse`).
-fn serve(
-    plugin: &Arc<Plugin>,
+fn serve<S: Service>(
+    plugin: &Arc<S>,
     mut reader: impl Read,
     writer: Box<dyn Write + Send>,
     name: &str,
@@ -340,10 +387,7 @@ fn serve(
     connected: Connected,
     in_flight: &Arc<InFlight>,
 ) -> anyhow::Result<bool> {
-    // A Synchronize that an earlier connection's end cut short is not this one's.
-    if let Ok(mut so_far) = plugin.sync.lock() {
-        so_far.clear();
-    }
+    plugin.begin();
     let sender = Arc::new(Sender {
         stream: Mutex::new(writer),
         next_stream: AtomicU32::new(1),
@@ -426,7 +470,7 @@ fn serve(
                         .name("nri-request".into())
                         .spawn(move || {
                             let _ticket = ticket;
-                            let response = answer(&plugin, &msg.body, &*connected);
+                            let response = answer(&*plugin, &msg.body, &*connected);
                             if let Err(e) = answers.send(
                                 PLUGIN_CONN,
                                 msg.stream,
@@ -469,8 +513,8 @@ fn serve(
 }
 
 /// The answer to one request of the runtime on the plugin's service.
-fn answer(
-    plugin: &Plugin,
+fn answer<S: Service>(
+    plugin: &S,
     body: &[u8],
     configured: &(dyn Fn(String) + Send + Sync),
 ) -> api::Response {
@@ -491,7 +535,7 @@ fn answer(
         tracing::warn!("NRI: {line}");
         return fail(CODE_UNIMPLEMENTED, line);
     }
-    match handle(plugin, &req.method, &req.payload, configured) {
+    match plugin.handle(&req.method, &req.payload, configured) {
         Ok(payload) => api::Response {
             status: None,
             payload,
@@ -501,6 +545,24 @@ fn answer(
             tracing::error!(method = %quoted(&req.method), "{line}");
             fail(CODE_UNKNOWN, line)
         }
+    }
+}
+
+impl Service for Plugin {
+    /// A Synchronize that an earlier connection's end cut short is not this one's.
+    fn begin(&self) {
+        if let Ok(mut so_far) = self.sync.lock() {
+            so_far.clear();
+        }
+    }
+
+    fn handle(
+        &self,
+        method: &str,
+        payload: &[u8],
+        configured: &(dyn Fn(String) + Send + Sync),
+    ) -> anyhow::Result<Vec<u8>> {
+        handle(self, method, payload, configured)
     }
 }
 
@@ -579,6 +641,18 @@ fn handle(
     })
 }
 
+/// The validator's side of one connection held in memory, for the fuzz target
+/// `nri_validate`, as `converse` is the plugin's.
+pub fn converse_validator(cfg: &Config, input: &[u8]) -> (Vec<(u32, i32)>, Result<bool, String>) {
+    let validator = Arc::new(validator::Validator::new(cfg, DEFAULT_NAME));
+    let out = Arc::new(Mutex::new(Vec::new()));
+    let in_flight = Arc::new(InFlight::default());
+    let end = serve_memory(&validator, input, &out, &in_flight);
+    in_flight.wait_idle(Duration::from_secs(60));
+    let written = std::mem::take(&mut *out.lock().unwrap_or_else(|e| e.into_inner()));
+    (answers(&written), end)
+}
+
 /// The plugin's side of one connection held in memory, for the fuzz target `nri`:
 /// `input` is what the runtime sent. Returns each answer on the plugin's service as
 /// (stream id, gRPC status code, 0 for success), once every request is answered, and how
@@ -593,8 +667,8 @@ pub fn converse(cfg: &Config, input: &[u8]) -> (Vec<(u32, i32)>, Result<bool, St
     (answers(&written), end)
 }
 
-fn serve_memory(
-    plugin: &Arc<Plugin>,
+fn serve_memory<S: Service>(
+    plugin: &Arc<S>,
     input: &[u8],
     out: &Arc<Mutex<Vec<u8>>>,
     in_flight: &Arc<InFlight>,
@@ -626,6 +700,41 @@ impl Write for Memory {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+/// Each successful answer's (stream id, payload).
+#[cfg(test)]
+type Payloads = Vec<(u32, Vec<u8>)>;
+
+/// `converse_validator`, with each successful answer's payload.
+#[cfg(test)]
+pub(crate) fn converse_validator_payloads(
+    cfg: &Config,
+    input: &[u8],
+) -> (Payloads, Result<bool, String>) {
+    let validator = Arc::new(validator::Validator::new(cfg, DEFAULT_NAME));
+    let out = Arc::new(Mutex::new(Vec::new()));
+    let in_flight = Arc::new(InFlight::default());
+    let end = serve_memory(&validator, input, &out, &in_flight);
+    in_flight.wait_idle(Duration::from_secs(60));
+    let written = std::mem::take(&mut *out.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut payloads = Vec::new();
+    let mut conn = wire::Stream::default();
+    let mut bytes = written.as_slice();
+    while let Ok(Some((c, payload))) = wire::read_frame(&mut bytes) {
+        if c != PLUGIN_CONN {
+            continue;
+        }
+        conn.push(&payload);
+        while let Ok(Some(msg)) = conn.next_message() {
+            if let Ok(r) = api::Response::decode(msg.body.as_slice()) {
+                if r.status.is_none() {
+                    payloads.push((msg.stream, r.payload));
+                }
+            }
+        }
+    }
+    (payloads, end)
 }
 
 /// The answers the plugin wrote on its service: (stream id, status code).
@@ -663,14 +772,14 @@ mod tests {
         .unwrap()
     }
 
-    fn frame(conn: u32, stream: u32, typ: u8, body: &[u8]) -> Vec<u8> {
+    pub(crate) fn frame(conn: u32, stream: u32, typ: u8, body: &[u8]) -> Vec<u8> {
         let mut out = Vec::new();
         let msg = wire::ttrpc_message(stream, typ, body).unwrap();
         wire::write_frame(&mut out, conn, &msg).unwrap();
         out
     }
 
-    fn call(stream: u32, method: &str, payload: &impl Message) -> Vec<u8> {
+    pub(crate) fn call(stream: u32, method: &str, payload: &impl Message) -> Vec<u8> {
         let req = api::Request {
             service: PLUGIN_SERVICE.into(),
             method: method.into(),
@@ -681,7 +790,7 @@ mod tests {
     }
 
     /// The runtime's answer to the plugin's RegisterPlugin (the plugin's stream 1).
-    fn registered() -> Vec<u8> {
+    pub(crate) fn registered() -> Vec<u8> {
         frame(
             RUNTIME_CONN,
             1,
@@ -690,7 +799,7 @@ mod tests {
         )
     }
 
-    fn configure(stream: u32) -> Vec<u8> {
+    pub(crate) fn configure(stream: u32) -> Vec<u8> {
         let req = api::ConfigureRequest {
             runtime_name: "containerd".into(),
             runtime_version: "v2.3.4".into(),

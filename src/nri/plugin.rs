@@ -154,18 +154,10 @@ impl Plugin {
         // it. Never across `ensure` (its own thread takes it).
         let no_reaping = self.reaping.read();
         let spec = spec_of(pod, ctr)?;
-        if let Some(stage) = gpushare_hook(ctr) {
+        if let Some(why) = left_alone(&self.cfg, pod, ctr) {
             tracing::debug!(
                 container_id = %crate::util::escape(&ctr.id),
-                "the spec carries gpushare's {stage} hook, which serves it: left alone"
-            );
-            return Ok(ContainerAdjustment::default());
-        }
-        // The runtime's own record of the pod's namespace, which no pod author writes.
-        if self.cfg.nri_skip_namespaces.contains(&pod.namespace) {
-            tracing::debug!(
-                namespace = %crate::util::escape(&pod.namespace),
-                "[nri] skip-namespaces: left alone"
+                "{why}: left alone"
             );
             return Ok(ContainerAdjustment::default());
         }
@@ -456,6 +448,34 @@ mod the_renderings_agree {
             }
         }
     }
+}
+
+/// Why the plugin leaves a container alone whatever it asks, if it does: gpushare's own
+/// OCI hook serves it, or its pod's namespace (the runtime's own record of it, which no
+/// pod author writes) is in `[nri] skip-namespaces`.
+fn left_alone(cfg: &Config, pod: &PodSandbox, ctr: &Container) -> Option<String> {
+    if let Some(stage) = gpushare_hook(ctr) {
+        return Some(format!(
+            "the spec carries gpushare's {stage} hook, which serves it"
+        ));
+    }
+    cfg.nri_skip_namespaces.contains(&pod.namespace).then(|| {
+        format!(
+            "[nri] skip-namespaces has its namespace {}",
+            crate::util::escape(&pod.namespace)
+        )
+    })
+}
+
+/// Whether the plugin serves this container, read as `create` reads it up to the request
+/// (no inventory, no daemon): `Ok(false)` for one it leaves alone or that asks for
+/// nothing; an error for a request `create` refuses. For the validator.
+pub(crate) fn serves(cfg: &Config, pod: &PodSandbox, ctr: &Container) -> anyhow::Result<bool> {
+    let spec = spec_of(pod, ctr)?;
+    if left_alone(cfg, pod, ctr).is_some() {
+        return Ok(false);
+    }
+    crate::decision::asks(cfg, &spec)
 }
 
 /// The stage of the first gpushare OCI hook in the container's spec, if any.

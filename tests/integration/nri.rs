@@ -70,13 +70,21 @@ fn nri_with_timeout(config: &Path, timeout: &str) {
     std::fs::write(config, text).unwrap();
 }
 
-/// `gpushare nri` on a node's NRI socket, in its mount namespace.
+/// `gpushare nri` on a node's NRI socket, in its mount namespace. The validator it keeps
+/// running (`gpushare nri-validate`, a process of its own that outlives the plugin) is
+/// stopped in `Drop` too, by the pid its state names.
 struct Plugin {
     child: Option<Child>,
+    validator_state: PathBuf,
 }
 
 impl Plugin {
     fn start(env: &Env, node: &Node) -> Plugin {
+        Self::start_with(env, node, &[])
+    }
+
+    /// With `args` after `gpushare nri --socket <the node's>` (`--no-validator`).
+    fn start_with(env: &Env, node: &Node, args: &[&str]) -> Plugin {
         let sock = node.dir.join("nri.sock");
         let mut cmd = env.cmd("nsenter");
         cmd.arg(format!("--mount=/proc/{}/ns/mnt", node.ns().holder_pid()))
@@ -85,26 +93,47 @@ impl Plugin {
             .arg("nri")
             .arg("--socket")
             .arg(&sock)
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         let plugin = Plugin {
             child: Some(cmd.spawn().unwrap()),
+            validator_state: env.state.join("nri-validator.json"),
         };
         let state = env.state.join("nri.json");
         let pid = plugin.child.as_ref().unwrap().id() as u64;
         assert!(
-            wait_until(Duration::from_secs(20), || {
-                std::fs::read(&state)
-                    .ok()
-                    .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-                    .is_some_and(|s| s["connected"] == true && s["process"]["pid"] == pid)
-            }),
+            wait_until(Duration::from_secs(20), || connected(&state)
+                .is_some_and(|p| p == pid)),
             "the plugin did not register: {}\n{}",
             std::fs::read_to_string(&state).unwrap_or_default(),
             env.gpushare_log()
         );
         plugin
+    }
+
+    /// The plugin as [`Plugin::start`] starts it, once its validator is connected too;
+    /// returns the validator's pid as well.
+    fn start_validated(env: &Env, node: &Node) -> (Plugin, u64) {
+        let plugin = Self::start(env, node);
+        let pid = plugin.validator_connected(env);
+        (plugin, pid)
+    }
+
+    /// Waits until a validator is connected; its pid.
+    fn validator_connected(&self, env: &Env) -> u64 {
+        let mut pid = None;
+        assert!(
+            wait_until(Duration::from_secs(20), || {
+                pid = connected(&self.validator_state);
+                pid.is_some()
+            }),
+            "the validator did not register: {}\n{}",
+            std::fs::read_to_string(&self.validator_state).unwrap_or_default(),
+            env.gpushare_log()
+        );
+        pid.unwrap()
     }
 
     fn stop(&mut self) {
@@ -122,6 +151,46 @@ impl Plugin {
         let pid = self.child.as_ref().unwrap().id() as i32;
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal).unwrap();
     }
+
+    /// Kills the validator its state names, if it is one, and waits until it is gone.
+    fn kill_validator(&self) {
+        let Some(pid) = std::fs::read(&self.validator_state)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .and_then(|s| s["process"]["pid"].as_u64())
+        else {
+            return;
+        };
+        let proc = PathBuf::from(format!("/proc/{pid}"));
+        let ours = std::fs::read(proc.join("cmdline"))
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains("nri-validate"));
+        if !ours {
+            return;
+        }
+        let pid = nix::unistd::Pid::from_raw(pid as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        assert!(
+            wait_until(Duration::from_secs(10), || {
+                // Ours to reap where this process adopted it; else init reaps it.
+                let _ = nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
+                std::fs::read_to_string(proc.join("stat")).map_or(true, |s| {
+                    s.rsplit(')')
+                        .next()
+                        .is_some_and(|r| r.trim_start().starts_with('Z'))
+                })
+            }),
+            "the validator {pid} did not exit"
+        );
+    }
+}
+
+/// The pid of the process whose NRI state at `path` says it is connected.
+fn connected(path: &Path) -> Option<u64> {
+    std::fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+        .filter(|s| s["connected"] == true)
+        .and_then(|s| s["process"]["pid"].as_u64())
 }
 
 /// How many times the plugin has registered with the runtime (its log's lines).
@@ -151,6 +220,8 @@ fn adjusted(node: &Node, id: &str) -> bool {
 impl Drop for Plugin {
     fn drop(&mut self) {
         self.stop();
+        // Killed after the plugin, which would otherwise start another.
+        self.kill_validator();
     }
 }
 
@@ -909,7 +980,9 @@ fn nri_default_validator_refuses_pods_that_need_the_plugin_while_it_is_down() {
         assert!(said.contains("required-plugins.noderesource.dev"), "{said}");
     };
     let mut node = Node::start_fetched_with(&env, bin, 3, &configure);
-    let mut plugin = Plugin::start(&env, &node);
+    // NRI's default validator alone: gpushare's would refuse the same containers, with
+    // its own reason, whichever of the two answers first.
+    let mut plugin = Plugin::start_with(&env, &node, &["--no-validator"]);
     let missing = "required plugin \"gpushare\" not present";
     let needs = [
         ("gpushare.io/device", "0"),
@@ -963,7 +1036,7 @@ fn nri_default_validator_refuses_pods_that_need_the_plugin_while_it_is_down() {
         &[("tolerate-missing-plugins.gpushare.io", "true")],
     );
     node.run(&p, &c);
-    let plugin = Plugin::start(&env, &node);
+    let plugin = Plugin::start_with(&env, &node, &["--no-validator"]);
     let p = pod(&mut node, &[]);
     node.run(&p, &c);
 
@@ -1006,6 +1079,151 @@ fn nri_default_validator_refuses_pods_that_need_the_plugin_while_it_is_down() {
         !required.iter().any(|p| p.as_str() == Some("gpushare")),
         "{out}\n{config}"
     );
+}
+
+/// gpushare's validator (`gpushare nri-validate`, which `gpushare nri` keeps running)
+/// against each way containerd 2.3.4 lets a container through without the plugin's
+/// adjustment, through its CRI plugin with the default request timeout (2 s), on a node
+/// set up as `install containerd --nri --nri-required pods` sets it up, with pods that
+/// carry no required-plugins annotation (so that NRI's default validator refuses none):
+/// - the stall: the plugin stopped (SIGSTOP) past the timeout; the create that reaches
+///   it waits the timeout out, containerd closes the plugin, and the validator refuses
+///   the unadjusted container; a pod without a request still starts;
+/// - the crash, then a retry: the plugin killed (SIGKILL) and the next NRI call a
+///   create into an existing pod, which reaches the plugin's dead entry; refused;
+/// - the validator down (killed): the plugin still serves, the plugin starts a new
+///   validator, which refuses again while the plugin is stopped.
+///
+/// Each refused container's retry is served once the plugin is back.
+#[test]
+fn nri_validator_refuses_containers_the_plugin_did_not_adjust() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::new();
+    let configure = |config: &Path| {
+        enable_nri_2s(config);
+        let out = env
+            .cmd(gpushare())
+            .args(["install", "containerd", "--nri", "--nri-required", "pods"])
+            .arg("--config")
+            .arg(config)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+    };
+    let mut node = Node::start_fetched_with(&env, bin, 3, &configure);
+    let (mut plugin, first) = Plugin::start_validated(&env, &node);
+    let refused = "did not adjust it";
+    let asks = [("gpushare.io/device", "0")];
+    let mut pods = 0;
+    let mut pod = |node: &mut Node, annotations: &[(&str, &str)]| {
+        pods += 1;
+        node.plain_pod(&PodSpec {
+            name: &format!("p{pods}"),
+            annotations,
+            run_as_user: Some(1000),
+            ..Default::default()
+        })
+    };
+    let c = |name: &'static str| ContainerSpec {
+        name,
+        script: "exec sleep 3600",
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    // Connected: served, and the validator lets it through.
+    let p = pod(&mut node, &asks);
+    let id = node.run(&p, &c("c"));
+    assert!(adjusted(&node, &id));
+
+    // The stall. The pod is made first (RunPodSandbox is an NRI call too).
+    let stalled = pod(&mut node, &asks);
+    let plain = pod(&mut node, &[]);
+    plugin.signal(nix::sys::signal::Signal::SIGSTOP);
+    let err = node
+        .try_run(&stalled, &c("c"))
+        .expect_err("refused: the plugin stalled and did not adjust it");
+    assert!(err.message.contains(refused), "{err}");
+    assert!(closed_a_plugin(&node), "{}", node.log_text());
+    // Without a request: through, stalled plugin or not.
+    node.run(&plain, &c("c"));
+    let before = registrations(&env);
+    plugin.signal(nix::sys::signal::Signal::SIGCONT);
+    assert!(
+        wait_until(Duration::from_secs(20), || registrations(&env) > before),
+        "the plugin did not dial again: {}",
+        env.gpushare_log()
+    );
+    // The kubelet's retry (the next attempt of the same container): served.
+    let id = node.run(
+        &stalled,
+        &ContainerSpec {
+            attempt: 1,
+            ..c("c")
+        },
+    );
+    assert!(adjusted(&node, &id));
+
+    // The crash, then a retry into an existing pod: the next NRI call after the kill is
+    // this create, which finds the plugin's dead entry.
+    let existing = pod(&mut node, &asks);
+    plugin.signal(nix::sys::signal::Signal::SIGKILL);
+    plugin.stop();
+    let err = node
+        .try_run(&existing, &c("c"))
+        .expect_err("refused: the plugin is dead");
+    assert!(err.message.contains(refused), "{err}");
+    let err = node
+        .try_run(
+            &existing,
+            &ContainerSpec {
+                attempt: 1,
+                ..c("c")
+            },
+        )
+        .expect_err("refused: the plugin is gone");
+    assert!(err.message.contains(refused), "{err}");
+    // The plugin back (as its service restarts it): the validator it finds is the same.
+    let plugin = Plugin::start(&env, &node);
+    assert_eq!(plugin.validator_connected(&env), first);
+    let id = node.run(
+        &existing,
+        &ContainerSpec {
+            attempt: 2,
+            ..c("c")
+        },
+    );
+    assert!(adjusted(&node, &id));
+
+    // The validator down: the plugin still serves; it starts another validator, which
+    // refuses again while the plugin is stopped.
+    plugin.kill_validator();
+    let p = pod(&mut node, &asks);
+    // The first create after the kill may meet the validator's dead entry (refused
+    // with its error); the retry meets none.
+    let id = node
+        .try_run(&p, &c("c"))
+        .or_else(|_| {
+            node.try_run(
+                &p,
+                &ContainerSpec {
+                    attempt: 1,
+                    ..c("c")
+                },
+            )
+        })
+        .unwrap_or_else(|e| panic!("served while the validator is down: {e}"));
+    assert!(adjusted(&node, &id));
+    let second = plugin.validator_connected(&env);
+    assert_ne!(second, first);
+    let mut plugin = plugin;
+    plugin.stop();
+    let p = pod(&mut node, &asks);
+    let err = node
+        .try_run(&p, &c("c"))
+        .expect_err("refused by the new validator");
+    assert!(err.message.contains(refused), "{err}");
 }
 
 /// A pod's annotations against its allocation, through containerd 2.3.4's CRI plugin: a
