@@ -232,6 +232,47 @@ pub(crate) fn keep(dirs: &StateDir, socket: &Path) {
     }
 }
 
+/// After `uninstall containerd`: a validator whose plugin no longer runs would refuse
+/// every container with a request for good, so it is stopped (SIGTERM, waited for up to
+/// 5 s) and its state removed. Its pid when it was; `None` while the plugin still runs
+/// or no validator does.
+pub(crate) fn stop_without_plugin(dirs: &StateDir) -> anyhow::Result<Option<i32>> {
+    if PluginState::read(dirs)
+        .and_then(|p| p.process)
+        .is_some_and(|p| p.alive())
+    {
+        return Ok(None);
+    }
+    let path = dirs.nri_validator_state_path();
+    let Some(state) = PluginState::read_at(&path) else {
+        return Ok(None);
+    };
+    let live = state.process.filter(|p| p.alive());
+    if let Some(p) = live {
+        let pid = nix::unistd::Pid::from_raw(p.pid);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)
+            .with_context(|| format!("stop the NRI validator (pid {})", p.pid))?;
+        let gone = crate::util::poll_until(
+            std::time::Instant::now() + Duration::from_secs(5),
+            Duration::from_millis(10),
+            Duration::from_millis(100),
+            || (!p.alive()).then_some(()),
+        );
+        if gone.is_none() {
+            anyhow::bail!(
+                "the NRI validator (pid {}) did not exit within 5 s of SIGTERM",
+                p.pid
+            );
+        }
+    }
+    match std::fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("remove {}", path.display())),
+    }
+    Ok(live.map(|p| p.pid))
+}
+
 fn start(socket: &Path) -> anyhow::Result<Child> {
     let me = std::env::current_exe().context("find gpushare's own path")?;
     use std::os::unix::process::CommandExt;
@@ -425,7 +466,11 @@ mod tests {
             configure(1),
             call(3, "Synchronize", &api::SynchronizeRequest::default()),
             call(5, "ValidateContainerAdjustment", &unadjusted),
-            call(7, "ValidateContainerAdjustment", &request(&[], "team-a", None)),
+            call(
+                7,
+                "ValidateContainerAdjustment",
+                &request(&[], "team-a", None),
+            ),
             call(9, "ValidateContainerAdjustment", &adjusted),
             call(11, "Shutdown", &api::Response::default()),
         ]
@@ -444,7 +489,8 @@ mod tests {
         assert!(verdict(5).reject);
         assert!(!verdict(7).reject);
         assert!(!verdict(9).reject);
-        let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/nri_validate/conversation");
+        let seed =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/nri_validate/conversation");
         if std::env::var_os("GPUSHARE_WRITE_SEEDS").is_some() {
             std::fs::create_dir_all(seed.parent().unwrap()).unwrap();
             std::fs::write(&seed, &input).unwrap();

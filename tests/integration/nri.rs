@@ -152,35 +152,51 @@ impl Plugin {
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), signal).unwrap();
     }
 
-    /// Kills the validator its state names, if it is one, and waits until it is gone.
+    /// Kills the validator its state names (`kill_validator`).
     fn kill_validator(&self) {
-        let Some(pid) = std::fs::read(&self.validator_state)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-            .and_then(|s| s["process"]["pid"].as_u64())
-        else {
-            return;
-        };
-        let proc = PathBuf::from(format!("/proc/{pid}"));
-        let ours = std::fs::read(proc.join("cmdline"))
-            .is_ok_and(|c| String::from_utf8_lossy(&c).contains("nri-validate"));
-        if !ours {
-            return;
-        }
-        let pid = nix::unistd::Pid::from_raw(pid as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
-        assert!(
-            wait_until(Duration::from_secs(10), || {
-                // Ours to reap where this process adopted it; else init reaps it.
-                let _ = nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
-                std::fs::read_to_string(proc.join("stat")).map_or(true, |s| {
-                    s.rsplit(')')
-                        .next()
-                        .is_some_and(|r| r.trim_start().starts_with('Z'))
-                })
-            }),
-            "the validator {pid} did not exit"
-        );
+        kill_validator(&self.validator_state);
+    }
+}
+
+/// Kills the validator whose state is at `state`, if it is one, and waits until it is
+/// gone.
+fn kill_validator(state: &Path) {
+    let Some(pid) = std::fs::read(state)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+        .and_then(|s| s["process"]["pid"].as_u64())
+    else {
+        return;
+    };
+    let proc = PathBuf::from(format!("/proc/{pid}"));
+    let ours = std::fs::read(proc.join("cmdline"))
+        .is_ok_and(|c| String::from_utf8_lossy(&c).contains("nri-validate"));
+    if !ours {
+        return;
+    }
+    let pid = nix::unistd::Pid::from_raw(pid as i32);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            // Ours to reap where this process adopted it; else init reaps it.
+            let _ = nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
+            std::fs::read_to_string(proc.join("stat")).map_or(true, |s| {
+                s.rsplit(')')
+                    .next()
+                    .is_some_and(|r| r.trim_start().starts_with('Z'))
+            })
+        }),
+        "the validator {pid} did not exit"
+    );
+}
+
+/// Kills, when dropped, the validator whose state is at its path: a plugin that
+/// containerd launched starts one that outlives it.
+struct ValidatorGuard(PathBuf);
+
+impl Drop for ValidatorGuard {
+    fn drop(&mut self) {
+        kill_validator(&self.0);
     }
 }
 
@@ -1386,7 +1402,8 @@ impl Drop for Launched {
 /// containerd 2.3.4 starts it with the connection it hands launched plugins; the test
 /// starts no `gpushare nri`. A pod of UID 1000 with a request and no RuntimeClass is
 /// served on its own daemon as host UID 1000; when containerd stops, the plugin goes
-/// with it (no process left); `gpushare uninstall containerd` deletes the plugin.
+/// with it, its validator (dialling the config's NRI socket) outlives it;
+/// `gpushare uninstall containerd` deletes the plugin and stops the validator.
 #[test]
 fn nri_plugin_launched_by_containerd_from_its_plugin_path() {
     let Some(bin) = containerd23_bin() else {
@@ -1414,6 +1431,7 @@ fn nri_plugin_launched_by_containerd_from_its_plugin_path() {
         }
     };
     let mut node = Node::start_fetched_with(&env, bin, 3, &install);
+    let _validator = ValidatorGuard(env.state.join("nri-validator.json"));
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let meta = std::fs::metadata(&wrapper).unwrap();
     assert_eq!((meta.permissions().mode() & 0o7777, meta.uid()), (0o755, 0));
@@ -1450,7 +1468,8 @@ fn nri_plugin_launched_by_containerd_from_its_plugin_path() {
         .parse::<u32>()
         .unwrap();
     assert_eq!(ppid, node.pid(), "containerd's child");
-    assert_eq!(cmdline(pid)[1..], ["nri"]);
+    let sock = node.dir.join("nri.sock").display().to_string();
+    assert_eq!(cmdline(pid)[1..], ["nri", "--socket", &sock]);
     assert!(cmdline(pid)[0].ends_with("/gpushare"), "{:?}", cmdline(pid));
     let environ = environ(pid);
     for var in [
@@ -1461,6 +1480,24 @@ fn nri_plugin_launched_by_containerd_from_its_plugin_path() {
     ] {
         assert!(environ.iter().any(|e| e == var), "{var}: {environ:?}");
     }
+
+    // Its validator: a process of its own, dialling the socket of the node's config.
+    let vstate = env.state.join("nri-validator.json");
+    let mut vpid = 0;
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            vpid = connected(&vstate).unwrap_or(0) as i32;
+            vpid != 0
+        }),
+        "the launched plugin started no validator: {}\n{}",
+        std::fs::read_to_string(&vstate).unwrap_or_default(),
+        env.gpushare_log()
+    );
+    let validator = Launched {
+        pid: vpid,
+        start: start_time(vpid),
+    };
+    assert_eq!(cmdline(vpid)[1..], ["nri-validate", "--socket", &sock]);
 
     let pod = node.plain_pod(&PodSpec {
         name: "launched",
@@ -1503,7 +1540,17 @@ fn nri_plugin_launched_by_containerd_from_its_plugin_path() {
         cmdline(plugin.pid)
     );
 
+    // The validator outlives it (as it outlives a crash of the plugin), until the
+    // uninstall, which stops it: no plugin is left to serve what it would refuse.
+    assert_eq!(start_time(validator.pid), validator.start);
+
     let out = uninstall_containerd(&env, &node.config);
+    assert!(
+        out.contains(&format!("stopped gpushare's NRI validator (pid {vpid})")),
+        "{out}"
+    );
+    assert_ne!(start_time(validator.pid), validator.start);
+    assert!(!vstate.exists(), "{out}");
     assert!(!wrapper.exists(), "{out}");
     assert!(std::fs::read_dir(&plugins).unwrap().next().is_none());
     // The stopped plugin's state goes with containerd's uninstall (its `after_uninstall`).
