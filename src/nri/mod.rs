@@ -265,6 +265,10 @@ pub(crate) trait Service: Send + Sync + 'static {
         payload: &[u8],
         configured: &(dyn Fn(String) + Send + Sync),
     ) -> anyhow::Result<Vec<u8>>;
+    /// The successful answer to `method` could not be sent (the runtime gave up on it:
+    /// timed out, closed the connection): what it left behind for an answer that was
+    /// never delivered is taken back.
+    fn undelivered(&self, _method: &str, _payload: &[u8]) {}
 }
 
 /// Called once the runtime has configured the plugin, with the runtime's name and version.
@@ -478,6 +482,9 @@ fn serve<S: Service>(
                                 &response.encode_to_vec(),
                             ) {
                                 tracing::warn!(error = %format!("{e:#}"), "NRI: could not answer the runtime");
+                                if response.status.is_none() {
+                                    undelivered(&*plugin, &msg.body);
+                                }
                             }
                         });
                     if let Err(e) = spawned {
@@ -548,6 +555,16 @@ fn answer<S: Service>(
     }
 }
 
+/// `Service::undelivered` for the request `body`, a successful answer to which could not
+/// be sent.
+fn undelivered<S: Service>(service: &S, body: &[u8]) {
+    if let Ok(req) = api::Request::decode(body) {
+        if req.service == PLUGIN_SERVICE {
+            service.undelivered(&req.method, &req.payload);
+        }
+    }
+}
+
 impl Service for Plugin {
     /// A Synchronize that an earlier connection's end cut short is not this one's.
     fn begin(&self) {
@@ -563,6 +580,26 @@ impl Service for Plugin {
         configured: &(dyn Fn(String) + Send + Sync),
     ) -> anyhow::Result<Vec<u8>> {
         handle(self, method, payload, configured)
+    }
+
+    /// A `CreateContainer` whose adjustment never reached the runtime: the runtime created
+    /// that container without it (NRI fails open) or not at all (a validator refused it),
+    /// so the record the create made is dropped, and with it the container's reference on
+    /// its daemon: an unserved container is no client of the daemon.
+    fn undelivered(&self, method: &str, payload: &[u8]) {
+        if method != "CreateContainer" {
+            return;
+        }
+        let Ok(ev) = api::ContainerEvent::decode(payload) else {
+            return;
+        };
+        let ctr = ev.container.unwrap_or_default();
+        if self.forget_unanswered(&ctr) {
+            tracing::warn!(
+                container_id = %quoted(&ctr.id),
+                "NRI: the runtime did not get the container's adjustment; its record is dropped"
+            );
+        }
     }
 }
 
@@ -1324,6 +1361,102 @@ mod tests {
             "the runtime refused to register the plugin gpushare (index 10): plugin \"gpushare\" already registered\\n"
         );
         assert!(configured.lock().unwrap().is_empty());
+    }
+
+    /// A service that answers CreateContainer and fails "Fail", and notes what it was
+    /// told went undelivered.
+    #[derive(Default)]
+    struct Probe {
+        undelivered: Mutex<Vec<String>>,
+    }
+
+    impl Service for Probe {
+        fn handle(
+            &self,
+            method: &str,
+            _payload: &[u8],
+            _configured: &(dyn Fn(String) + Send + Sync),
+        ) -> anyhow::Result<Vec<u8>> {
+            match method {
+                "Fail" => anyhow::bail!("refused"),
+                _ => Ok(Vec::new()),
+            }
+        }
+
+        fn undelivered(&self, method: &str, _payload: &[u8]) {
+            self.undelivered.lock().unwrap().push(method.to_owned());
+        }
+    }
+
+    /// A writer whose first flushed frame (the plugin's RegisterPlugin) goes through and
+    /// every write after it fails, as a connection the runtime closed.
+    struct ClosedAfterRegistering(bool);
+
+    impl Write for ClosedAfterRegistering {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            if self.0 {
+                return Err(std::io::ErrorKind::BrokenPipe.into());
+            }
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            self.0 = true;
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn an_answer_that_cannot_be_sent_is_taken_back_only_when_it_was_a_success() {
+        let probe = Arc::new(Probe::default());
+        let input = [
+            registered(),
+            call(1, "CreateContainer", &api::ContainerEvent::default()),
+            call(3, "Fail", &api::ContainerEvent::default()),
+        ]
+        .concat();
+        let in_flight = Arc::new(InFlight::default());
+        let end = serve(
+            &probe,
+            input.as_slice(),
+            Box::new(ClosedAfterRegistering(false)),
+            DEFAULT_NAME,
+            DEFAULT_INDEX,
+            Arc::new(|_| {}),
+            &in_flight,
+        );
+        in_flight.wait_idle(Duration::from_secs(60));
+        assert!(end.is_ok());
+        assert_eq!(*probe.undelivered.lock().unwrap(), ["CreateContainer"]);
+    }
+
+    #[test]
+    fn an_undelivered_create_drops_the_plugin_s_record_of_a_container_that_never_ran() {
+        let dir = tempfile::tempdir().unwrap();
+        // `ran` has its pid (PostCreateContainer): a container that runs keeps its record.
+        let (cfg, dirs, daemon) = node_with_records(dir.path(), &["ran"]);
+        // `never`: the record a create made before its answer went out.
+        let rec = crate::state::ContainerRecord::new(
+            "never".into(),
+            None,
+            None,
+            Some(plugin::ENGINE.into()),
+        );
+        dirs.add_container(&daemon, &rec).unwrap();
+        let plugin = Plugin::new(cfg);
+        let event = |id: &str| {
+            api::ContainerEvent {
+                pod: None,
+                container: Some(ctr(id)),
+            }
+            .encode_to_vec()
+        };
+        for id in ["ran", "never"] {
+            plugin.undelivered("CreateContainer", &event(id));
+        }
+        // Another method's undelivered answer leaves records alone.
+        plugin.undelivered("RemoveContainer", &event("ran"));
+        assert_eq!(record_ids(&dirs, &daemon), ["ran"]);
     }
 
     #[test]

@@ -330,6 +330,19 @@ impl Plugin {
         }
     }
 
+    /// Drops the plugin's record of a container whose `CreateContainer` answer was never
+    /// delivered; whether there was one. Only a record without a pid: one that
+    /// `PostCreateContainer` or `Synchronize` gave a pid is of a container that runs.
+    pub(crate) fn forget_unanswered(&self, ctr: &Container) -> bool {
+        if !valid_container_id(&ctr.id) {
+            return false;
+        }
+        self.own_records()
+            .into_iter()
+            .filter(|(_, r)| r.id == ctr.id && r.pid.is_none())
+            .any(|(daemon, r)| self.dirs.remove_container(&daemon, &r.id).unwrap_or(false))
+    }
+
     /// `Synchronize`: the plugin's records against the runtime's containers. A record of a
     /// container the runtime no longer has (removed while the plugin was away) is dropped;
     /// one of a running container gets its pid if it had none.

@@ -501,4 +501,81 @@ mod tests {
             seed.display()
         );
     }
+
+    /// The validator's own cost per create: decoding containerd's request and the
+    /// verdict, for a container with a request (served) and one without, each with a
+    /// pod's usual annotations, env and mounts. `cargo test --release --lib
+    /// validator_cost -- --ignored --nocapture` (BENCHMARKS.md).
+    #[test]
+    #[ignore = "a measurement: run it by name with --release"]
+    fn validator_cost() {
+        let v = Validator::new(&cfg(), "gpushare");
+        let configured = |_: String| {};
+        let kube: Vec<(String, String)> = [
+            ("io.kubernetes.cri.container-type", "container"),
+            ("io.kubernetes.cri.sandbox-name", "trainer"),
+            ("io.kubernetes.cri.sandbox-namespace", "team-a"),
+            ("io.kubernetes.cri.image-name", "docker.io/library/cuda:12"),
+            ("io.kubernetes.pod.terminationGracePeriod", "30"),
+            ("kubernetes.io/config.seen", "2026-12-05T00:00:00Z"),
+        ]
+        .iter()
+        .map(|(k, v)| ((*k).into(), (*v).into()))
+        .collect();
+        let make = |asks: bool| {
+            let mut annotations: HashMap<String, String> = kube.iter().cloned().collect();
+            if asks {
+                annotations.insert("gpushare.io/device".into(), "0".into());
+                annotations.insert("gpushare.io/sm-percentage".into(), "25".into());
+            }
+            let mut req = request(
+                &[],
+                "team-a",
+                asks.then(|| served("0123456789abcdef0123456789abcdef")),
+            );
+            let ctr = req.container.as_mut().unwrap();
+            ctr.annotations = annotations.clone();
+            ctr.env = (0..20).map(|i| format!("VAR_{i}=value-{i}")).collect();
+            ctr.mounts = (0..10)
+                .map(|i| api::Mount {
+                    destination: format!("/mnt/{i}"),
+                    r#type: "bind".into(),
+                    source: format!("/var/lib/kubelet/pods/x/volumes/{i}"),
+                    options: vec!["rbind".into(), "rprivate".into()],
+                })
+                .collect();
+            ctr.user = Some(api::User {
+                uid: 1000,
+                gid: 1000,
+                additional_gids: vec![],
+            });
+            req.pod.as_mut().unwrap().annotations = annotations;
+            req.encode_to_vec()
+        };
+        for (what, payload) in [("request, served", make(true)), ("no request", make(false))] {
+            let mut us = Vec::new();
+            for _ in 0..200 {
+                let began = std::time::Instant::now();
+                for _ in 0..100 {
+                    let out = v
+                        .handle("ValidateContainerAdjustment", &payload, &configured)
+                        .unwrap();
+                    assert!(
+                        !api::ValidateContainerAdjustmentResponse::decode(out.as_slice())
+                            .unwrap()
+                            .reject
+                    );
+                }
+                us.push(began.elapsed().as_secs_f64() * 1e6 / 100.0);
+            }
+            us.sort_by(f64::total_cmp);
+            println!(
+                "validator, {what}: median {:.1} µs [p10 {:.1}, p90 {:.1}] per ValidateContainerAdjustment ({} bytes)",
+                us[us.len() / 2],
+                us[us.len() / 10],
+                us[us.len() * 9 / 10],
+                payload.len()
+            );
+        }
+    }
 }

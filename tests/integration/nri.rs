@@ -1242,6 +1242,68 @@ fn nri_validator_refuses_containers_the_plugin_did_not_adjust() {
     assert!(err.message.contains(refused), "{err}");
 }
 
+/// A record only for an answer containerd got: with no validator (`--no-validator`) on
+/// containerd 2.3.4's CRI plugin (2 s timeout), the plugin stopped past the timeout lets
+/// the container that reaches it be created unserved (NRI fails open). Once the plugin
+/// runs again it finishes that create and cannot send the answer: it drops the record
+/// the create made, so that the unserved container is no client of the daemon, also after
+/// the plugin has dialled again and synchronized (which would otherwise give the record
+/// the running container's pid and keep it).
+#[test]
+fn nri_a_create_whose_answer_never_reached_containerd_leaves_no_record() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::new();
+    let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri_2s);
+    let plugin = Plugin::start_with(&env, &node, &["--no-validator"]);
+    let asks = [("gpushare.io/device", "0")];
+    let spec = |name: &'static str| PodSpec {
+        name,
+        annotations: &asks,
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let c = ContainerSpec {
+        name: "c",
+        script: "exec sleep 3600",
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    // Served, on a warm daemon.
+    let p = node.plain_pod(&spec("served"));
+    let served = node.run(&p, &c);
+    assert!(adjusted(&node, &served));
+    let daemon = node
+        .daemon_of(&served)
+        .expect("the served container's record");
+
+    let p = node.plain_pod(&spec("unserved"));
+    let synchronized = || {
+        env.gpushare_log()
+            .matches("NRI: records synchronized with the runtime")
+            .count()
+    };
+    let before = synchronized();
+    plugin.signal(nix::sys::signal::Signal::SIGSTOP);
+    let unserved = node.run(&p, &c);
+    assert!(!adjusted(&node, &unserved), "created without the plugin");
+    plugin.signal(nix::sys::signal::Signal::SIGCONT);
+    assert!(
+        wait_until(Duration::from_secs(20), || synchronized() > before),
+        "the plugin did not dial again and synchronize: {}",
+        env.gpushare_log()
+    );
+    assert!(
+        env.gpushare_log()
+            .contains("the runtime did not get the container's adjustment; its record is dropped"),
+        "{}",
+        env.gpushare_log()
+    );
+    assert_eq!(node.daemon_of(&unserved), None, "{}", env.gpushare_log());
+    assert_eq!(node.daemon_of(&served), Some(daemon));
+}
+
 /// A pod's annotations against its allocation, through containerd 2.3.4's CRI plugin: a
 /// pod's own annotations are the pod author's, and containerd hands NRI every one of them. A pod
 /// with no GPU allocated that writes `gpushare.io/device: allocated` beside a forged
