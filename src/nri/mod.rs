@@ -93,6 +93,10 @@ pub(crate) struct PluginState {
     /// Why it is not connected, when it is not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The containers with a request that the last `Synchronize` found running without
+    /// the plugin's adjustment (`Plugin::audit`): `<namespace>/<pod>/<container> (<id>)`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unserved: Vec<String>,
 }
 
 impl PluginState {
@@ -120,6 +124,20 @@ impl PluginState {
             tracing::warn!(path = %path.display(), error = %e, "NRI: could not write the process's state");
         }
     }
+}
+
+/// Puts what the audit found into the plugin's own state (`nri.json`), as long as that
+/// state is this process's.
+fn record_unserved(dirs: &StateDir, unserved: Vec<String>) {
+    let Some(mut state) = PluginState::read(dirs) else {
+        return;
+    };
+    if state.process.map(|p| p.pid) != Some(std::process::id() as i32) || state.unserved == unserved
+    {
+        return;
+    }
+    state.unserved = unserved;
+    state.write(&dirs.nri_state_path());
 }
 
 /// How the plugin reaches its runtime.
@@ -174,6 +192,7 @@ fn run_service<S: Service>(
                 runtime,
                 since: crate::util::unix_now(),
                 error,
+                unserved: Vec::new(),
             }
             .write(&state_path)
         };
@@ -571,6 +590,9 @@ impl Service for Plugin {
         if let Ok(mut so_far) = self.sync.lock() {
             so_far.clear();
         }
+        if let Ok(mut pods) = self.sync_pods.lock() {
+            pods.clear();
+        }
     }
 
     fn handle(
@@ -640,18 +662,30 @@ fn handle(
                 .sync
                 .lock()
                 .map_err(|_| anyhow::anyhow!("the synchronization is poisoned"))?;
+            let mut pods = plugin
+                .sync_pods
+                .lock()
+                .map_err(|_| anyhow::anyhow!("the synchronization is poisoned"))?;
             let bytes = |cs: &[api::Container]| cs.iter().map(|c| c.encoded_len()).sum::<usize>();
-            if bytes(&so_far) + bytes(&req.containers) > MAX_SYNC_BYTES {
+            let pod_bytes =
+                |ps: &[api::PodSandbox]| ps.iter().map(|p| p.encoded_len()).sum::<usize>();
+            if bytes(&so_far) + bytes(&req.containers) + pod_bytes(&pods) + pod_bytes(&req.pods)
+                > MAX_SYNC_BYTES
+            {
                 so_far.clear();
+                pods.clear();
                 anyhow::bail!(
                     "the runtime's Synchronize described more than {MAX_SYNC_BYTES} bytes of containers: allowed is at most that"
                 );
             }
             so_far.extend(req.containers);
+            pods.extend(req.pods);
             if !req.more {
                 let all = std::mem::take(&mut *so_far);
-                drop(so_far);
+                let all_pods = std::mem::take(&mut *pods);
+                drop((so_far, pods));
                 plugin.synchronize(&all);
+                record_unserved(&plugin.dirs, plugin.audit(&all_pods, &all));
             }
             api::SynchronizeResponse { more: req.more }.encode_to_vec()
         }

@@ -64,6 +64,8 @@ pub(crate) struct Plugin {
     pub reaping: Arc<RwLock<()>>,
     /// A `Synchronize` that comes in parts (`more`): the containers so far.
     pub sync: Mutex<Vec<Container>>,
+    /// And their pods so far (taken after `sync`, never before).
+    pub sync_pods: Mutex<Vec<PodSandbox>>,
     /// The identities (daemon ids) whose `ensure` thread still runs: a create of one of
     /// them is refused at once.
     starting: Arc<Mutex<HashSet<String>>>,
@@ -106,6 +108,7 @@ impl Plugin {
             request_timeout: Mutex::new(None),
             reaping: Arc::new(RwLock::new(())),
             sync: Mutex::new(Vec::new()),
+            sync_pods: Mutex::new(Vec::new()),
             starting: Arc::new(Mutex::new(HashSet::new())),
         }
     }
@@ -372,6 +375,53 @@ impl Plugin {
         );
     }
 
+    /// The audit at each `Synchronize` (each connection): the containers the runtime has
+    /// created or runs that the plugin serves (a request, not left alone) but that carry
+    /// no adjustment of its own (`carries_adjustment` on their mounts and env): created
+    /// while the plugin was not connected, stalled or closed, with no validator to refuse
+    /// them. Each is logged (one line) and returned as `<namespace>/<pod>/<container>
+    /// (<id>)`, for `status`. A container without a request is never named.
+    pub(crate) fn audit(&self, pods: &[PodSandbox], containers: &[Container]) -> Vec<String> {
+        const CREATED: i32 = 1;
+        const RUNNING: i32 = 3;
+        let pods: HashMap<&str, &PodSandbox> = pods.iter().map(|p| (p.id.as_str(), p)).collect();
+        let mut unserved = Vec::new();
+        for ctr in containers {
+            if !matches!(ctr.state, CREATED | RUNNING) {
+                continue;
+            }
+            let pod = pods
+                .get(ctr.pod_sandbox_id.as_str())
+                .copied()
+                .cloned()
+                .unwrap_or_default();
+            // A request the plugin would refuse never got a container through it either:
+            // it counts as one.
+            if matches!(serves(&self.cfg, &pod, ctr), Ok(false)) {
+                continue;
+            }
+            let env = ctr.env.iter().filter_map(|e| e.split_once('='));
+            if carries_adjustment(&self.cfg, &self.dirs, &ctr.mounts, env) {
+                continue;
+            }
+            let named = format!(
+                "{}/{}/{} ({})",
+                crate::util::escape(&pod.namespace),
+                crate::util::escape(&pod.name),
+                crate::util::escape(&ctr.name),
+                super::quoted(&ctr.id)
+            );
+            tracing::warn!(
+                container = %named,
+                "NRI audit: a container with a request runs without gpushare's adjustment (created while the plugin was not connected, stalled or closed); it is unserved until it is recreated"
+            );
+            unserved.push(named);
+        }
+        unserved.sort();
+        tracing::info!(unserved = unserved.len(), "NRI audit: done");
+        unserved
+    }
+
     /// Every container record the plugin wrote, with its daemon's id.
     fn own_records(&self) -> Vec<(String, ContainerRecord)> {
         let mut out = Vec::new();
@@ -397,6 +447,70 @@ fn adjustment_mounts(plan: &MountPlan) -> Vec<api::Mount> {
             options: b.options.iter().map(|o| o.to_string()).collect(),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod audit_tests {
+    use super::*;
+
+    #[test]
+    fn the_audit_names_running_containers_with_a_request_and_no_adjustment_only() {
+        let cfg = crate::config::parse(
+            "state-dir = \"/run/gpushare\"\n[nri]\nskip-namespaces = [\"kube-system\"]\n",
+            None,
+        )
+        .unwrap();
+        let plugin = Plugin::new(cfg);
+        let pod = |id: &str, ns: &str, asks: bool| PodSandbox {
+            id: id.into(),
+            name: format!("pod-{id}"),
+            namespace: ns.into(),
+            annotations: if asks {
+                HashMap::from([("gpushare.io/device".into(), "0".into())])
+            } else {
+                HashMap::new()
+            },
+            ..Default::default()
+        };
+        let daemon = "0123456789abcdef0123456789abcdef";
+        let adjusted = |c: Container| Container {
+            env: vec!["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps".into()],
+            mounts: vec![api::Mount {
+                destination: "/tmp/nvidia-mps".into(),
+                r#type: "bind".into(),
+                source: format!("/run/gpushare/mps/{daemon}/pipe"),
+                options: vec!["ro".into()],
+            }],
+            ..c
+        };
+        let ctr = |id: &str, pod: &str, state: i32| Container {
+            id: id.into(),
+            pod_sandbox_id: pod.into(),
+            name: format!("c-{id}"),
+            state,
+            ..Default::default()
+        };
+        let pods = [
+            pod("p1", "team-a", true),
+            pod("p2", "team-a", false),
+            pod("p3", "kube-system", true),
+        ];
+        let containers = [
+            ctr("unserved", "p1", 3),
+            ctr("created", "p1", 1),
+            adjusted(ctr("served", "p1", 3)),
+            ctr("stopped", "p1", 4),
+            ctr("plain", "p2", 3),
+            ctr("skipped", "p3", 3),
+        ];
+        assert_eq!(
+            plugin.audit(&pods, &containers),
+            [
+                "team-a/pod-p1/c-created (created)",
+                "team-a/pod-p1/c-unserved (unserved)"
+            ]
+        );
+    }
 }
 
 /// The three renderings of one mount plan (the shim's spec edits, this adjustment,
@@ -489,6 +603,31 @@ pub(crate) fn serves(cfg: &Config, pod: &PodSandbox, ctr: &Container) -> anyhow:
         return Ok(false);
     }
     crate::decision::asks(cfg, &spec)
+}
+
+/// Whether `mounts` and `env` carry what the plugin gives every container it serves: a
+/// bind of a daemon's pipe directory at `mps.container-pipe-dir`, and
+/// `CUDA_MPS_PIPE_DIRECTORY` naming it. Read by the validator (on the adjustment) and the
+/// audit (on a container as created).
+pub(crate) fn carries_adjustment<'a>(
+    cfg: &Config,
+    dirs: &StateDir,
+    mounts: &[api::Mount],
+    mut env: impl Iterator<Item = (&'a str, &'a str)>,
+) -> bool {
+    let inside = cfg.mps.container_pipe_dir.to_string_lossy();
+    let named = env.any(|(k, v)| k == "CUDA_MPS_PIPE_DIRECTORY" && v == inside);
+    named
+        && mounts.iter().any(|m| {
+            let source = Path::new(&m.source);
+            m.destination == inside
+                && m.r#type == "bind"
+                && source
+                    .parent()
+                    .and_then(Path::file_name)
+                    .and_then(|id| id.to_str())
+                    .is_some_and(|id| crate::identity::valid_id(id) && dirs.pipe_dir(id) == source)
+        })
 }
 
 /// The stage of the first gpushare OCI hook in the container's spec, if any.

@@ -98,24 +98,11 @@ impl Validator {
         let Some(adjust) = adjust else {
             return false;
         };
-        let inside = self.cfg.mps.container_pipe_dir.to_string_lossy();
         let env = adjust
             .env
             .iter()
-            .any(|kv| kv.key == "CUDA_MPS_PIPE_DIRECTORY" && kv.value == inside);
-        let mount = adjust.mounts.iter().any(|m| {
-            let source = Path::new(&m.source);
-            m.destination == inside
-                && m.r#type == "bind"
-                && source
-                    .parent()
-                    .and_then(Path::file_name)
-                    .and_then(|id| id.to_str())
-                    .is_some_and(|id| {
-                        crate::identity::valid_id(id) && self.dirs.pipe_dir(id) == source
-                    })
-        });
-        env && mount
+            .map(|kv| (kv.key.as_str(), kv.value.as_str()));
+        plugin::carries_adjustment(&self.cfg, &self.dirs, &adjust.mounts, env)
     }
 }
 

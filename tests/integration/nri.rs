@@ -1248,7 +1248,8 @@ fn nri_validator_refuses_containers_the_plugin_did_not_adjust() {
 /// runs again it finishes that create and cannot send the answer: it drops the record
 /// the create made, so that the unserved container is no client of the daemon, also after
 /// the plugin has dialled again and synchronized (which would otherwise give the record
-/// the running container's pid and keep it).
+/// the running container's pid and keep it). The audit at that Synchronize names it, and
+/// only it, in the log and in `status` (line, JSON, metric).
 #[test]
 fn nri_a_create_whose_answer_never_reached_containerd_leaves_no_record() {
     let Some(bin) = containerd23_bin() else {
@@ -1302,6 +1303,43 @@ fn nri_a_create_whose_answer_never_reached_containerd_leaves_no_record() {
     );
     assert_eq!(node.daemon_of(&unserved), None, "{}", env.gpushare_log());
     assert_eq!(node.daemon_of(&served), Some(daemon));
+
+    // The audit at that Synchronize found it: logged, in `status` (its line, its JSON, its
+    // metric); the served container is not named.
+    let status = |args: &[&str]| {
+        let out = env
+            .cmd(gpushare())
+            .arg("status")
+            .args(args)
+            .output()
+            .unwrap();
+        text(&out)
+    };
+    let line = status(&[]);
+    assert!(
+        line.contains("1 container(s) with a request run unserved") && line.contains(&unserved),
+        "{line}"
+    );
+    assert!(!line.contains(&served), "{line}");
+    let json: Value = serde_json::from_str(&status(&["--json"])).unwrap();
+    let named = json["nri"]["unserved"].as_array().unwrap();
+    assert_eq!(named.len(), 1, "{json}");
+    assert!(
+        named[0]
+            .as_str()
+            .unwrap()
+            .starts_with("default/unserved/c (")
+            || named[0].as_str().unwrap().contains(&unserved),
+        "{json}"
+    );
+    assert!(
+        status(&["--format", "prometheus"]).contains("\ngpushare_nri_unserved_containers 1\n"),
+        "{}",
+        status(&["--format", "prometheus"])
+    );
+    assert!(env
+        .gpushare_log()
+        .contains("NRI audit: a container with a request runs without gpushare's adjustment"));
 }
 
 /// A pod's annotations against its allocation, through containerd 2.3.4's CRI plugin: a
