@@ -209,9 +209,12 @@ fn connected(path: &Path) -> Option<u64> {
         .and_then(|s| s["process"]["pid"].as_u64())
 }
 
-/// How many times the plugin has registered with the runtime (its log's lines).
+/// How many times the plugin has registered with the runtime (its log's lines; not its
+/// validator's, which registers under its own name).
 fn registrations(env: &Env) -> usize {
-    env.gpushare_log().matches("NRI: plugin registered").count()
+    env.gpushare_log()
+        .matches("NRI: plugin registered name=\"gpushare\" ")
+        .count()
 }
 
 /// Whether the node's containerd dropped a plugin (a timed-out or failed call).
@@ -493,7 +496,6 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
 
     // containerd restarts under bob's live pod: the plugin dials again by itself, bob's
     // record stays, and a new pod is served.
-    let registrations = |env: &Env| env.gpushare_log().matches("NRI: plugin registered").count();
     let before = registrations(&env);
     node.stop();
     node.restart();
@@ -1127,6 +1129,12 @@ fn nri_validator_refuses_containers_the_plugin_did_not_adjust() {
             .output()
             .unwrap();
         assert!(out.status.success(), "{}", text(&out));
+        // The posture names the validator, which needs no step of its own.
+        assert!(
+            text(&out).contains("`gpushare nri-validate`"),
+            "{}",
+            text(&out)
+        );
     };
     let mut node = Node::start_fetched_with(&env, bin, 3, &configure);
     let (mut plugin, first) = Plugin::start_validated(&env, &node);

@@ -270,8 +270,11 @@ pub(in crate::ops::install) fn install_nri(
         ),
         None => {}
     }
+    println!(
+        "on containerd 2.2 and later, the plugin's validator (`gpushare nri-validate`, which every way of running the plugin runs beside it) refuses a container with a request that the plugin did not adjust, whatever its pod's annotations"
+    );
     let Some((at, script)) = wrapper else {
-        println!("then run the plugin as root: `systemctl enable --now gpushare-nri` (Debian package) or `gpushare nri`; pods need no RuntimeClass (docs/kubernetes.md)");
+        println!("then run the plugin as root: `systemctl enable --now gpushare-nri` (Debian package; it pulls in gpushare-nri-validator) or `gpushare nri`; pods need no RuntimeClass (docs/kubernetes.md)");
         return Ok(());
     };
     if write_launch_wrapper(&at, &script)? {
