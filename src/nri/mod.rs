@@ -703,7 +703,11 @@ fn handle(
             Vec::new()
         }
         "StopContainer" | "RemoveContainer" => {
-            plugin.release(&event()?.container.unwrap_or_default());
+            let ctr = event()?.container.unwrap_or_default();
+            plugin.release(&ctr);
+            if let Some(left) = plugin.no_longer_unserved(&ctr) {
+                record_unserved(&plugin.dirs, left);
+            }
             Vec::new()
         }
         // Shutdown, StateChange and the events the plugin did not subscribe to: nothing to

@@ -66,6 +66,9 @@ pub(crate) struct Plugin {
     pub sync: Mutex<Vec<Container>>,
     /// And their pods so far (taken after `sync`, never before).
     pub sync_pods: Mutex<Vec<PodSandbox>>,
+    /// What the last audit found: (container id, how `status` names it); an entry goes
+    /// when its container stops or is removed.
+    pub unserved: Mutex<Vec<(String, String)>>,
     /// The identities (daemon ids) whose `ensure` thread still runs: a create of one of
     /// them is refused at once.
     starting: Arc<Mutex<HashSet<String>>>,
@@ -109,6 +112,7 @@ impl Plugin {
             reaping: Arc::new(RwLock::new(())),
             sync: Mutex::new(Vec::new()),
             sync_pods: Mutex::new(Vec::new()),
+            unserved: Mutex::new(Vec::new()),
             starting: Arc::new(Mutex::new(HashSet::new())),
         }
     }
@@ -415,11 +419,24 @@ impl Plugin {
                 container = %named,
                 "NRI audit: a container with a request runs without gpushare's adjustment (created while the plugin was not connected, stalled or closed); it is unserved until it is recreated"
             );
-            unserved.push(named);
+            unserved.push((ctr.id.clone(), named));
         }
-        unserved.sort();
+        unserved.sort_by(|a, b| a.1.cmp(&b.1));
         tracing::info!(unserved = unserved.len(), "NRI audit: done");
-        unserved
+        let named = unserved.iter().map(|(_, n)| n.clone()).collect();
+        if let Ok(mut u) = self.unserved.lock() {
+            *u = unserved;
+        }
+        named
+    }
+
+    /// A container that stopped or went is no longer unserved: its audit entry goes.
+    /// What is left, when that changed.
+    pub(crate) fn no_longer_unserved(&self, ctr: &Container) -> Option<Vec<String>> {
+        let mut u = self.unserved.lock().ok()?;
+        let before = u.len();
+        u.retain(|(id, _)| *id != ctr.id);
+        (u.len() != before).then(|| u.iter().map(|(_, n)| n.clone()).collect())
     }
 
     /// Every container record the plugin wrote, with its daemon's id.
@@ -510,6 +527,13 @@ mod audit_tests {
                 "team-a/pod-p1/c-unserved (unserved)"
             ]
         );
+        // Stopped or removed: named no more; another container changes nothing.
+        assert_eq!(plugin.no_longer_unserved(&containers[4]), None);
+        assert_eq!(
+            plugin.no_longer_unserved(&containers[0]),
+            Some(vec!["team-a/pod-p1/c-created (created)".to_owned()])
+        );
+        assert_eq!(plugin.no_longer_unserved(&containers[0]), None);
     }
 }
 

@@ -1257,7 +1257,7 @@ fn nri_validator_refuses_containers_the_plugin_did_not_adjust() {
 /// the create made, so that the unserved container is no client of the daemon, also after
 /// the plugin has dialled again and synchronized (which would otherwise give the record
 /// the running container's pid and keep it). The audit at that Synchronize names it, and
-/// only it, in the log and in `status` (line, JSON, metric).
+/// only it, in the log and in `status` (line, JSON, metric), until it is removed.
 #[test]
 fn nri_a_create_whose_answer_never_reached_containerd_leaves_no_record() {
     let Some(bin) = containerd23_bin() else {
@@ -1348,6 +1348,15 @@ fn nri_a_create_whose_answer_never_reached_containerd_leaves_no_record() {
     assert!(env
         .gpushare_log()
         .contains("NRI audit: a container with a request runs without gpushare's adjustment"));
+    // Recreated (stopped and removed, as `kubectl delete pod` does): named no more.
+    node.cri().stop_container(&unserved, 0).unwrap();
+    node.cri().remove_container(&unserved).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || !status(&[]).contains(&unserved)),
+        "{}",
+        status(&[])
+    );
+    assert!(status(&["--format", "prometheus"]).contains("\ngpushare_nri_unserved_containers 0\n"));
 }
 
 /// A pod's annotations against its allocation, through containerd 2.3.4's CRI plugin: a
