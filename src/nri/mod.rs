@@ -24,10 +24,15 @@
 //! bytes in memory (`converse`), and the tests here over a socket pair, as the runtime.
 //!
 //! NRI fails open unless told otherwise: while no plugin is connected, the runtime creates
-//! containers without it, so a pod with a request then runs unserved, unless NRI's default
-//! validator requires the plugin (node-wide or per pod: docs/kubernetes.md). The plugin
-//! answers within a budget, so that the runtime never drops it for a late answer
-//! (`plugin`), and dials again whenever the connection ends. It says where it stands in
+//! containers without it, so a pod with a request then runs unserved, unless a validator
+//! refuses it: gpushare's own (`validator`, `gpushare nri-validate`, a process of its own
+//! that the plugin keeps running: it refuses a container with a request that lacks the
+//! plugin's adjustment), or NRI's default validator requiring the plugin (node-wide or per
+//! pod: docs/kubernetes.md). The plugin answers within a budget, so that the runtime never
+//! drops it for a late answer (`plugin`), and dials again whenever the connection ends;
+//! at each connection's `Synchronize` it audits the runtime's containers for any that got
+//! through unserved (`Plugin::audit`, reported in `nri.json`), and a create whose answer
+//! could not be sent leaves no record (`Service::undelivered`). It says where it stands in
 //! `<state-dir>/nri.json` (`PluginState`: its pid, whether it is registered with a runtime,
 //! which one, since when), which `doctor` and `status` read.
 
