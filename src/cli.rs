@@ -105,6 +105,29 @@ enum Command {
         /// launched).
         #[arg(long, default_value = crate::nri::DEFAULT_INDEX)]
         index: String,
+        /// Do not start the validator (`gpushare nri-validate` on --socket), which the
+        /// plugin otherwise keeps running as a process of its own.
+        #[arg(long)]
+        no_validator: bool,
+    },
+    /// Run gpushare's NRI validator (containerd ≥ 2.2): a process of its own that rejects
+    /// a container with a request whose creation gpushare's NRI plugin did not adjust (the
+    /// plugin not connected, stalled or closed), so that it is retried rather than run
+    /// unserved. `gpushare nri` starts it; runs until killed, one per node (a second one
+    /// stands by); root only (docs/kubernetes.md).
+    NriValidate {
+        /// The runtime's NRI socket.
+        #[arg(long, default_value = crate::nri::DEFAULT_SOCKET)]
+        socket: std::path::PathBuf,
+        /// The name the validator registers under.
+        #[arg(long, default_value = crate::nri::validator::DEFAULT_NAME)]
+        name: String,
+        /// Its index among the runtime's plugins.
+        #[arg(long, default_value = crate::nri::validator::DEFAULT_INDEX)]
+        index: String,
+        /// The name of the NRI plugin whose adjustment it looks for (in its reasons).
+        #[arg(long, default_value = crate::nri::DEFAULT_NAME)]
+        plugin: String,
     },
     /// Manage MPS daemons directly.
     Daemon {
@@ -720,17 +743,28 @@ fn run(cfg: &Config, command: Command) -> i32 {
             socket,
             name,
             index,
-        } => report(nri(cfg, socket, name, index)),
+            no_validator,
+        } => report(nri(cfg, socket, name, index, !no_validator)),
+        Command::NriValidate {
+            socket,
+            name,
+            index,
+            plugin,
+        } => report(crate::nri::validator::run(
+            cfg, socket, &name, &index, &plugin,
+        )),
     }
 }
 
 /// `gpushare nri`: the runtime's connection when it launched the plugin (its
-/// `NRI_PLUGIN_SOCKET`, `NRI_PLUGIN_NAME`, `NRI_PLUGIN_IDX`), else `socket`.
+/// `NRI_PLUGIN_SOCKET`, `NRI_PLUGIN_NAME`, `NRI_PLUGIN_IDX`), else `socket`; with
+/// `validator`, the validator kept running on `socket`.
 fn nri(
     cfg: &Config,
     socket: std::path::PathBuf,
     name: String,
     index: String,
+    validator: bool,
 ) -> anyhow::Result<()> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let endpoint = match var("NRI_PLUGIN_SOCKET") {
@@ -743,11 +777,11 @@ fn nri(
             })?;
             crate::nri::Endpoint::Launched(crate::sys::adopt_unix_stream(fd)?)
         }
-        None => crate::nri::Endpoint::Socket(socket),
+        None => crate::nri::Endpoint::Socket(socket.clone()),
     };
     let name = var("NRI_PLUGIN_NAME").unwrap_or(name);
     let index = var("NRI_PLUGIN_IDX").unwrap_or(index);
-    crate::nri::run(cfg, endpoint, &name, &index)
+    crate::nri::run(cfg, endpoint, &name, &index, validator.then_some(socket))
 }
 
 fn daemon(cfg: &Config, command: DaemonCommand) -> i32 {

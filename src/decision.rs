@@ -132,6 +132,49 @@ pub(crate) fn resolve_nri(
     resolve_spec_as(cfg, spec, ipc, host_user, namespace)
 }
 
+/// Whether the spec asks for a share, as the request pipeline reads it (`Ok(false)`: it
+/// would pass through unserved), without the inventory or anything past the request's
+/// own grammar: for the NRI validator, which must answer in microseconds. An error is a
+/// request the pipeline would refuse.
+pub(crate) fn asks(cfg: &Config, spec: &SpecFile) -> anyhow::Result<bool> {
+    let (options, inputs) = (request_options(cfg), spec.request_inputs());
+    Ok(if let Some(ask) = spec.cdi_ask()? {
+        let named = format!("CDI device {}={}", request::CDI_KIND, ask.name());
+        let profile = cdi_profile(cfg, &ask, &named)?;
+        request::from_cdi(&inputs, &options, &ask.device, profile)
+            .with_context(|| named.clone())?
+            .is_some()
+    } else {
+        request::parse(&inputs, &options)?.is_some()
+    })
+}
+
+fn request_options(cfg: &Config) -> request::Options {
+    request::Options {
+        accept_env: cfg.accept_env_requests,
+        default_device: cfg.default_device,
+        accept_visible_devices_env: cfg.accept_visible_devices_env,
+    }
+}
+
+/// The limits of the config's profile that a CDI device of gpushare's names, if any.
+fn cdi_profile<'c>(
+    cfg: &'c Config,
+    ask: &request::CdiAsk,
+    named: &str,
+) -> anyhow::Result<Option<request::ProfileLimits<'c>>> {
+    let Some(name) = &ask.profile else {
+        return Ok(None);
+    };
+    Ok(Some(cfg.cdi_profiles.get(name).map(|p| p.limits()).with_context(|| {
+        format!(
+            "{named}: profile {} is not in this node's config (no [cdi.profiles.{}]); allowed is a profile the config has: regenerate the CDI spec (gpushare cdi generate) after changing [cdi.profiles]",
+            crate::util::escape(name),
+            crate::util::escape(name)
+        )
+    })?))
+}
+
 fn resolve_spec_as(
     cfg: &Config,
     spec: &SpecFile,
@@ -139,24 +182,11 @@ fn resolve_spec_as(
     host_user: impl FnOnce() -> anyhow::Result<(u32, u32)>,
     namespace: Option<(&str, &'static str)>,
 ) -> anyhow::Result<Option<Resolved>> {
-    let options = request::Options {
-        accept_env: cfg.accept_env_requests,
-        default_device: cfg.default_device,
-        accept_visible_devices_env: cfg.accept_visible_devices_env,
-    };
+    let options = request_options(cfg);
     let inputs = spec.request_inputs();
     let resolved = if let Some(ask) = spec.cdi_ask()? {
         let named = format!("CDI device {}={}", request::CDI_KIND, ask.name());
-        let profile = match &ask.profile {
-            None => None,
-            Some(name) => Some(cfg.cdi_profiles.get(name).map(|p| p.limits()).with_context(|| {
-                format!(
-                    "{named}: profile {} is not in this node's config (no [cdi.profiles.{}]); allowed is a profile the config has: regenerate the CDI spec (gpushare cdi generate) after changing [cdi.profiles]",
-                    crate::util::escape(name),
-                    crate::util::escape(name)
-                )
-            })?),
-        };
+        let profile = cdi_profile(cfg, &ask, &named)?;
         let cdi = request::from_cdi(&inputs, &options, &ask.device, profile)
             .with_context(|| named.clone())?;
         let Some(cdi) = cdi else {

@@ -47,3 +47,6 @@ mod watch;
 pub use mps::reply as mps_reply;
 /// The NRI plugin's session over bytes in memory: public for the fuzz target `nri`.
 pub use nri::converse as nri_converse;
+/// The NRI validator's session over bytes in memory: public for the fuzz target
+/// `nri_validate`.
+pub use nri::converse_validator as nri_validator_converse;

@@ -257,6 +257,39 @@ pub(crate) struct KeyValue {
     pub value: String,
 }
 
+/// What a validation plugin (NRI 0.10, containerd 2.2 and later) is asked after every
+/// plugin has answered a `CreateContainer`: the pod, the container as the runtime made
+/// it, and the adjustment the plugins made (its mounts and env: the rest of it, the other
+/// containers' updates, the owners and the plugins consulted are skipped on decode).
+#[derive(Clone, PartialEq, prost::Message)]
+pub(crate) struct ValidateContainerAdjustmentRequest {
+    #[prost(message, optional, tag = "1")]
+    pub pod: Option<PodSandbox>,
+    #[prost(message, optional, tag = "2")]
+    pub container: Option<Container>,
+    #[prost(message, optional, tag = "3")]
+    pub adjust: Option<ContainerAdjustment>,
+    #[prost(message, repeated, tag = "6")]
+    pub plugins: Vec<PluginInstance>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+pub(crate) struct PluginInstance {
+    #[prost(string, tag = "1")]
+    pub name: String,
+    #[prost(string, tag = "2")]
+    pub index: String,
+}
+
+/// A validator's verdict: `reject` fails the container's creation with `reason`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub(crate) struct ValidateContainerAdjustmentResponse {
+    #[prost(bool, tag = "1")]
+    pub reject: bool,
+    #[prost(string, tag = "2")]
+    pub reason: String,
+}
+
 /// NRI's `Event` numbers the plugin subscribes to; the subscription is a mask of
 /// `1 << (event - 1)`.
 pub(crate) mod event {
@@ -264,6 +297,7 @@ pub(crate) mod event {
     pub(crate) const POST_CREATE_CONTAINER: i32 = 5;
     pub(crate) const STOP_CONTAINER: i32 = 10;
     pub(crate) const REMOVE_CONTAINER: i32 = 11;
+    pub(crate) const VALIDATE_CONTAINER_ADJUSTMENT: i32 = 14;
 
     pub(crate) fn mask(events: &[i32]) -> i32 {
         events.iter().fold(0, |m, e| m | (1 << (e - 1)))

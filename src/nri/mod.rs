@@ -24,15 +24,21 @@
 //! bytes in memory (`converse`), and the tests here over a socket pair, as the runtime.
 //!
 //! NRI fails open unless told otherwise: while no plugin is connected, the runtime creates
-//! containers without it, so a pod with a request then runs unserved, unless NRI's default
-//! validator requires the plugin (node-wide or per pod: docs/kubernetes.md). The plugin
-//! answers within a budget, so that the runtime never drops it for a late answer
-//! (`plugin`), and dials again whenever the connection ends. It says where it stands in
+//! containers without it, so a pod with a request then runs unserved, unless a validator
+//! refuses it: gpushare's own (`validator`, `gpushare nri-validate`, a process of its own
+//! that the plugin keeps running: it refuses a container with a request that lacks the
+//! plugin's adjustment), or NRI's default validator requiring the plugin (node-wide or per
+//! pod: docs/kubernetes.md). The plugin answers within a budget, so that the runtime never
+//! drops it for a late answer (`plugin`), and dials again whenever the connection ends;
+//! at each connection's `Synchronize` it audits the runtime's containers for any that got
+//! through unserved (`Plugin::audit`, reported in `nri.json`), and a create whose answer
+//! could not be sent leaves no record (`Service::undelivered`). It says where it stands in
 //! `<state-dir>/nri.json` (`PluginState`: its pid, whether it is registered with a runtime,
 //! which one, since when), which `doctor` and `status` read.
 
 pub(crate) mod api;
 pub(crate) mod plugin;
+pub(crate) mod validator;
 pub(crate) mod wire;
 
 use std::io::{Read, Write};
@@ -92,12 +98,21 @@ pub(crate) struct PluginState {
     /// Why it is not connected, when it is not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The containers with a request that the last `Synchronize` found running without
+    /// the plugin's adjustment (`Plugin::audit`): `<namespace>/<pod>/<container> (<id>)`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unserved: Vec<String>,
 }
 
 impl PluginState {
     /// Reads the plugin's state; `None` when no plugin ever ran here.
     pub(crate) fn read(dirs: &StateDir) -> Option<PluginState> {
-        let bytes = crate::fsops::read_regular(&dirs.nri_state_path(), 64 << 10).ok()?;
+        Self::read_at(&dirs.nri_state_path())
+    }
+
+    /// The state at `path`: the plugin's, or the validator's (`validator::state_path`).
+    pub(crate) fn read_at(path: &Path) -> Option<PluginState> {
+        let bytes = crate::fsops::read_regular(path, 64 << 10).ok()?;
         serde_json::from_slice(&bytes).ok()
     }
 
@@ -106,15 +121,28 @@ impl PluginState {
         self.connected && self.process.is_some_and(|p| p.alive())
     }
 
-    fn write(&self, dirs: &StateDir) {
-        let path = dirs.nri_state_path();
+    fn write(&self, path: &Path) {
         let written = serde_json::to_vec(self)
             .map_err(std::io::Error::other)
-            .and_then(|data| crate::fsops::write_atomic_with(&path, &data, 0o644, false));
+            .and_then(|data| crate::fsops::write_atomic_with(path, &data, 0o644, false));
         if let Err(e) = written {
-            tracing::warn!(path = %path.display(), error = %e, "NRI: could not write the plugin's state");
+            tracing::warn!(path = %path.display(), error = %e, "NRI: could not write the process's state");
         }
     }
+}
+
+/// Puts what the audit found into the plugin's own state (`nri.json`), as long as that
+/// state is this process's.
+fn record_unserved(dirs: &StateDir, unserved: Vec<String>) {
+    let Some(mut state) = PluginState::read(dirs) else {
+        return;
+    };
+    if state.process.map(|p| p.pid) != Some(std::process::id() as i32) || state.unserved == unserved
+    {
+        return;
+    }
+    state.unserved = unserved;
+    state.write(&dirs.nri_state_path());
 }
 
 /// How the plugin reaches its runtime.
@@ -126,12 +154,40 @@ pub(crate) enum Endpoint {
 }
 
 /// Runs the plugin until the runtime that launched it goes away (`Endpoint::Launched`),
-/// or for ever (`Endpoint::Socket`), registering as `name` with `index`.
-pub(crate) fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> anyhow::Result<()> {
+/// or for ever (`Endpoint::Socket`), registering as `name` with `index`. With
+/// `validator`, the socket the validator dials, the plugin keeps a validator running
+/// (`validator::keep`): a process of its own, which outlives this one.
+pub(crate) fn run(
+    cfg: &Config,
+    endpoint: Endpoint,
+    name: &str,
+    index: &str,
+    validator: Option<PathBuf>,
+) -> anyhow::Result<()> {
     let dirs = StateDir::new(&cfg.state_dir);
     dirs.ensure_root()?;
     let plugin = Arc::new(Plugin::new(cfg.clone()));
+    let reaper = Arc::clone(&plugin);
+    std::thread::spawn(move || reap_children(&reaper));
+    if let Some(socket) = validator {
+        let dirs = dirs.clone();
+        std::thread::spawn(move || validator::keep(&dirs, &socket));
+    }
+    run_service(&plugin, &dirs.nri_state_path(), endpoint, name, index)
+}
+
+/// Serves `service` on the runtime's connection, saying where it stands at `state_path`
+/// (`PluginState`): until the runtime that launched it goes away (`Endpoint::Launched`),
+/// or for ever, dialling again with backoff whenever the connection ends.
+fn run_service<S: Service>(
+    service: &Arc<S>,
+    state_path: &Path,
+    endpoint: Endpoint,
+    name: &str,
+    index: &str,
+) -> anyhow::Result<()> {
     let me = ProcRef::of(std::process::id() as i32);
+    let state_path = state_path.to_owned();
     let state =
         move |socket: &Path, connected: bool, runtime: Option<String>, error: Option<String>| {
             PluginState {
@@ -141,8 +197,9 @@ pub(crate) fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> 
                 runtime,
                 since: crate::util::unix_now(),
                 error,
+                unserved: Vec::new(),
             }
-            .write(&dirs)
+            .write(&state_path)
         };
     let state = Arc::new(state);
     // What a session says once the runtime has configured the plugin (from the thread
@@ -151,12 +208,10 @@ pub(crate) fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> 
         let state = Arc::clone(&state);
         Arc::new(move |runtime: String| state(&socket, true, Some(runtime), None))
     };
-    let reaper = Arc::clone(&plugin);
-    std::thread::spawn(move || reap_children(&reaper));
     match endpoint {
         Endpoint::Launched(stream) => {
             let socket = PathBuf::from("(the connection the runtime launched the plugin with)");
-            let end = session(&plugin, stream, name, index, on_configured(socket.clone()));
+            let end = session(service, stream, name, index, on_configured(socket.clone()));
             state(
                 &socket,
                 false,
@@ -172,7 +227,7 @@ pub(crate) fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> 
                 let end = UnixStream::connect(&socket)
                     .with_context(|| format!("connect to the NRI socket {}", socket.display()))
                     .and_then(|stream| {
-                        session(&plugin, stream, name, index, on_configured(socket.clone()))
+                        session(service, stream, name, index, on_configured(socket.clone()))
                     });
                 let why = match end {
                     Ok(registered) => {
@@ -186,7 +241,7 @@ pub(crate) fn run(cfg: &Config, endpoint: Endpoint, name: &str, index: &str) -> 
                     Err(e) => format!("{e:#}"),
                 };
                 if why != last_error {
-                    tracing::warn!(error = %why, "NRI: not connected; trying again with backoff");
+                    tracing::warn!(name, error = %why, "NRI: not connected; trying again with backoff");
                     state(&socket, false, None, Some(why.clone()));
                     last_error = why;
                 }
@@ -218,6 +273,26 @@ fn reap_children(plugin: &Plugin) {
             }
         }
     }
+}
+
+/// What one NRI process serves on its connection: the plugin (`Plugin`) or the validator
+/// (`validator::Validator`). The session (framing, stream ids, the in-flight bound, the
+/// registration) is the same for both; only the methods' answers differ.
+pub(crate) trait Service: Send + Sync + 'static {
+    /// A new connection begins: whatever an earlier one left half done is dropped.
+    fn begin(&self) {}
+    /// The payload of the answer to `method`, whose request payload is `payload`;
+    /// `configured` runs once the runtime has configured the process.
+    fn handle(
+        &self,
+        method: &str,
+        payload: &[u8],
+        configured: &(dyn Fn(String) + Send + Sync),
+    ) -> anyhow::Result<Vec<u8>>;
+    /// The successful answer to `method` could not be sent (the runtime gave up on it:
+    /// timed out, closed the connection): what it left behind for an answer that was
+    /// never delivered is taken back.
+    fn undelivered(&self, _method: &str, _payload: &[u8]) {}
 }
 
 /// Called once the runtime has configured the plugin, with the runtime's name and version.
@@ -306,8 +381,8 @@ fn quoted(s: &str) -> String {
 /// One connection to the runtime, until it ends. `Ok(true)` when the plugin had
 /// registered and the runtime then closed the connection; `Ok(false)` when it closed it
 /// before that. `connected` runs once the runtime has configured the plugin.
-fn session(
-    plugin: &Arc<Plugin>,
+fn session<S: Service>(
+    plugin: &Arc<S>,
     stream: UnixStream,
     name: &str,
     index: &str,
@@ -331,8 +406,8 @@ fn session(
 }
 
 /// `session` over any byte stream: the socket, or bytes in memory (`converse`).
-fn serve(
-    plugin: &Arc<Plugin>,
+fn serve<S: Service>(
+    plugin: &Arc<S>,
     mut reader: impl Read,
     writer: Box<dyn Write + Send>,
     name: &str,
@@ -340,10 +415,7 @@ fn serve(
     connected: Connected,
     in_flight: &Arc<InFlight>,
 ) -> anyhow::Result<bool> {
-    // A Synchronize that an earlier connection's end cut short is not this one's.
-    if let Ok(mut so_far) = plugin.sync.lock() {
-        so_far.clear();
-    }
+    plugin.begin();
     let sender = Arc::new(Sender {
         stream: Mutex::new(writer),
         next_stream: AtomicU32::new(1),
@@ -426,7 +498,7 @@ fn serve(
                         .name("nri-request".into())
                         .spawn(move || {
                             let _ticket = ticket;
-                            let response = answer(&plugin, &msg.body, &*connected);
+                            let response = answer(&*plugin, &msg.body, &*connected);
                             if let Err(e) = answers.send(
                                 PLUGIN_CONN,
                                 msg.stream,
@@ -434,6 +506,9 @@ fn serve(
                                 &response.encode_to_vec(),
                             ) {
                                 tracing::warn!(error = %format!("{e:#}"), "NRI: could not answer the runtime");
+                                if response.status.is_none() {
+                                    undelivered(&*plugin, &msg.body);
+                                }
                             }
                         });
                     if let Err(e) = spawned {
@@ -469,8 +544,8 @@ fn serve(
 }
 
 /// The answer to one request of the runtime on the plugin's service.
-fn answer(
-    plugin: &Plugin,
+fn answer<S: Service>(
+    plugin: &S,
     body: &[u8],
     configured: &(dyn Fn(String) + Send + Sync),
 ) -> api::Response {
@@ -491,7 +566,7 @@ fn answer(
         tracing::warn!("NRI: {line}");
         return fail(CODE_UNIMPLEMENTED, line);
     }
-    match handle(plugin, &req.method, &req.payload, configured) {
+    match plugin.handle(&req.method, &req.payload, configured) {
         Ok(payload) => api::Response {
             status: None,
             payload,
@@ -500,6 +575,57 @@ fn answer(
             let line = format!("gpushare: {e:#}");
             tracing::error!(method = %quoted(&req.method), "{line}");
             fail(CODE_UNKNOWN, line)
+        }
+    }
+}
+
+/// `Service::undelivered` for the request `body`, a successful answer to which could not
+/// be sent.
+fn undelivered<S: Service>(service: &S, body: &[u8]) {
+    if let Ok(req) = api::Request::decode(body) {
+        if req.service == PLUGIN_SERVICE {
+            service.undelivered(&req.method, &req.payload);
+        }
+    }
+}
+
+impl Service for Plugin {
+    /// A Synchronize that an earlier connection's end cut short is not this one's.
+    fn begin(&self) {
+        if let Ok(mut so_far) = self.sync.lock() {
+            so_far.clear();
+        }
+        if let Ok(mut pods) = self.sync_pods.lock() {
+            pods.clear();
+        }
+    }
+
+    fn handle(
+        &self,
+        method: &str,
+        payload: &[u8],
+        configured: &(dyn Fn(String) + Send + Sync),
+    ) -> anyhow::Result<Vec<u8>> {
+        handle(self, method, payload, configured)
+    }
+
+    /// A `CreateContainer` whose adjustment never reached the runtime: the runtime created
+    /// that container without it (NRI fails open) or not at all (a validator refused it),
+    /// so the record the create made is dropped, and with it the container's reference on
+    /// its daemon: an unserved container is no client of the daemon.
+    fn undelivered(&self, method: &str, payload: &[u8]) {
+        if method != "CreateContainer" {
+            return;
+        }
+        let Ok(ev) = api::ContainerEvent::decode(payload) else {
+            return;
+        };
+        let ctr = ev.container.unwrap_or_default();
+        if self.forget_unanswered(&ctr) {
+            tracing::warn!(
+                container_id = %quoted(&ctr.id),
+                "NRI: the runtime did not get the container's adjustment; its record is dropped"
+            );
         }
     }
 }
@@ -541,18 +667,30 @@ fn handle(
                 .sync
                 .lock()
                 .map_err(|_| anyhow::anyhow!("the synchronization is poisoned"))?;
+            let mut pods = plugin
+                .sync_pods
+                .lock()
+                .map_err(|_| anyhow::anyhow!("the synchronization is poisoned"))?;
             let bytes = |cs: &[api::Container]| cs.iter().map(|c| c.encoded_len()).sum::<usize>();
-            if bytes(&so_far) + bytes(&req.containers) > MAX_SYNC_BYTES {
+            let pod_bytes =
+                |ps: &[api::PodSandbox]| ps.iter().map(|p| p.encoded_len()).sum::<usize>();
+            if bytes(&so_far) + bytes(&req.containers) + pod_bytes(&pods) + pod_bytes(&req.pods)
+                > MAX_SYNC_BYTES
+            {
                 so_far.clear();
+                pods.clear();
                 anyhow::bail!(
                     "the runtime's Synchronize described more than {MAX_SYNC_BYTES} bytes of containers: allowed is at most that"
                 );
             }
             so_far.extend(req.containers);
+            pods.extend(req.pods);
             if !req.more {
                 let all = std::mem::take(&mut *so_far);
-                drop(so_far);
+                let all_pods = std::mem::take(&mut *pods);
+                drop((so_far, pods));
                 plugin.synchronize(&all);
+                record_unserved(&plugin.dirs, plugin.audit(&all_pods, &all));
             }
             api::SynchronizeResponse { more: req.more }.encode_to_vec()
         }
@@ -570,13 +708,29 @@ fn handle(
             Vec::new()
         }
         "StopContainer" | "RemoveContainer" => {
-            plugin.release(&event()?.container.unwrap_or_default());
+            let ctr = event()?.container.unwrap_or_default();
+            plugin.release(&ctr);
+            if let Some(left) = plugin.no_longer_unserved(&ctr) {
+                record_unserved(&plugin.dirs, left);
+            }
             Vec::new()
         }
         // Shutdown, StateChange and the events the plugin did not subscribe to: nothing to
         // do, an empty answer.
         _ => Vec::new(),
     })
+}
+
+/// The validator's side of one connection held in memory, for the fuzz target
+/// `nri_validate`, as `converse` is the plugin's.
+pub fn converse_validator(cfg: &Config, input: &[u8]) -> (Vec<(u32, i32)>, Result<bool, String>) {
+    let validator = Arc::new(validator::Validator::new(cfg, DEFAULT_NAME));
+    let out = Arc::new(Mutex::new(Vec::new()));
+    let in_flight = Arc::new(InFlight::default());
+    let end = serve_memory(&validator, input, &out, &in_flight);
+    in_flight.wait_idle(Duration::from_secs(60));
+    let written = std::mem::take(&mut *out.lock().unwrap_or_else(|e| e.into_inner()));
+    (answers(&written), end)
 }
 
 /// The plugin's side of one connection held in memory, for the fuzz target `nri`:
@@ -593,8 +747,8 @@ pub fn converse(cfg: &Config, input: &[u8]) -> (Vec<(u32, i32)>, Result<bool, St
     (answers(&written), end)
 }
 
-fn serve_memory(
-    plugin: &Arc<Plugin>,
+fn serve_memory<S: Service>(
+    plugin: &Arc<S>,
     input: &[u8],
     out: &Arc<Mutex<Vec<u8>>>,
     in_flight: &Arc<InFlight>,
@@ -626,6 +780,41 @@ impl Write for Memory {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+/// Each successful answer's (stream id, payload).
+#[cfg(test)]
+type Payloads = Vec<(u32, Vec<u8>)>;
+
+/// `converse_validator`, with each successful answer's payload.
+#[cfg(test)]
+pub(crate) fn converse_validator_payloads(
+    cfg: &Config,
+    input: &[u8],
+) -> (Payloads, Result<bool, String>) {
+    let validator = Arc::new(validator::Validator::new(cfg, DEFAULT_NAME));
+    let out = Arc::new(Mutex::new(Vec::new()));
+    let in_flight = Arc::new(InFlight::default());
+    let end = serve_memory(&validator, input, &out, &in_flight);
+    in_flight.wait_idle(Duration::from_secs(60));
+    let written = std::mem::take(&mut *out.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut payloads = Vec::new();
+    let mut conn = wire::Stream::default();
+    let mut bytes = written.as_slice();
+    while let Ok(Some((c, payload))) = wire::read_frame(&mut bytes) {
+        if c != PLUGIN_CONN {
+            continue;
+        }
+        conn.push(&payload);
+        while let Ok(Some(msg)) = conn.next_message() {
+            if let Ok(r) = api::Response::decode(msg.body.as_slice()) {
+                if r.status.is_none() {
+                    payloads.push((msg.stream, r.payload));
+                }
+            }
+        }
+    }
+    (payloads, end)
 }
 
 /// The answers the plugin wrote on its service: (stream id, status code).
@@ -663,14 +852,14 @@ mod tests {
         .unwrap()
     }
 
-    fn frame(conn: u32, stream: u32, typ: u8, body: &[u8]) -> Vec<u8> {
+    pub(crate) fn frame(conn: u32, stream: u32, typ: u8, body: &[u8]) -> Vec<u8> {
         let mut out = Vec::new();
         let msg = wire::ttrpc_message(stream, typ, body).unwrap();
         wire::write_frame(&mut out, conn, &msg).unwrap();
         out
     }
 
-    fn call(stream: u32, method: &str, payload: &impl Message) -> Vec<u8> {
+    pub(crate) fn call(stream: u32, method: &str, payload: &impl Message) -> Vec<u8> {
         let req = api::Request {
             service: PLUGIN_SERVICE.into(),
             method: method.into(),
@@ -681,7 +870,7 @@ mod tests {
     }
 
     /// The runtime's answer to the plugin's RegisterPlugin (the plugin's stream 1).
-    fn registered() -> Vec<u8> {
+    pub(crate) fn registered() -> Vec<u8> {
         frame(
             RUNTIME_CONN,
             1,
@@ -690,7 +879,7 @@ mod tests {
         )
     }
 
-    fn configure(stream: u32) -> Vec<u8> {
+    pub(crate) fn configure(stream: u32) -> Vec<u8> {
         let req = api::ConfigureRequest {
             runtime_name: "containerd".into(),
             runtime_version: "v2.3.4".into(),
@@ -1215,6 +1404,102 @@ mod tests {
             "the runtime refused to register the plugin gpushare (index 10): plugin \"gpushare\" already registered\\n"
         );
         assert!(configured.lock().unwrap().is_empty());
+    }
+
+    /// A service that answers CreateContainer and fails "Fail", and notes what it was
+    /// told went undelivered.
+    #[derive(Default)]
+    struct Probe {
+        undelivered: Mutex<Vec<String>>,
+    }
+
+    impl Service for Probe {
+        fn handle(
+            &self,
+            method: &str,
+            _payload: &[u8],
+            _configured: &(dyn Fn(String) + Send + Sync),
+        ) -> anyhow::Result<Vec<u8>> {
+            match method {
+                "Fail" => anyhow::bail!("refused"),
+                _ => Ok(Vec::new()),
+            }
+        }
+
+        fn undelivered(&self, method: &str, _payload: &[u8]) {
+            self.undelivered.lock().unwrap().push(method.to_owned());
+        }
+    }
+
+    /// A writer whose first flushed frame (the plugin's RegisterPlugin) goes through and
+    /// every write after it fails, as a connection the runtime closed.
+    struct ClosedAfterRegistering(bool);
+
+    impl Write for ClosedAfterRegistering {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            if self.0 {
+                return Err(std::io::ErrorKind::BrokenPipe.into());
+            }
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            self.0 = true;
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn an_answer_that_cannot_be_sent_is_taken_back_only_when_it_was_a_success() {
+        let probe = Arc::new(Probe::default());
+        let input = [
+            registered(),
+            call(1, "CreateContainer", &api::ContainerEvent::default()),
+            call(3, "Fail", &api::ContainerEvent::default()),
+        ]
+        .concat();
+        let in_flight = Arc::new(InFlight::default());
+        let end = serve(
+            &probe,
+            input.as_slice(),
+            Box::new(ClosedAfterRegistering(false)),
+            DEFAULT_NAME,
+            DEFAULT_INDEX,
+            Arc::new(|_| {}),
+            &in_flight,
+        );
+        in_flight.wait_idle(Duration::from_secs(60));
+        assert!(end.is_ok());
+        assert_eq!(*probe.undelivered.lock().unwrap(), ["CreateContainer"]);
+    }
+
+    #[test]
+    fn an_undelivered_create_drops_the_plugin_s_record_of_a_container_that_never_ran() {
+        let dir = tempfile::tempdir().unwrap();
+        // `ran` has its pid (PostCreateContainer): a container that runs keeps its record.
+        let (cfg, dirs, daemon) = node_with_records(dir.path(), &["ran"]);
+        // `never`: the record a create made before its answer went out.
+        let rec = crate::state::ContainerRecord::new(
+            "never".into(),
+            None,
+            None,
+            Some(plugin::ENGINE.into()),
+        );
+        dirs.add_container(&daemon, &rec).unwrap();
+        let plugin = Plugin::new(cfg);
+        let event = |id: &str| {
+            api::ContainerEvent {
+                pod: None,
+                container: Some(ctr(id)),
+            }
+            .encode_to_vec()
+        };
+        for id in ["ran", "never"] {
+            plugin.undelivered("CreateContainer", &event(id));
+        }
+        // Another method's undelivered answer leaves records alone.
+        plugin.undelivered("RemoveContainer", &event("ran"));
+        assert_eq!(record_ids(&dirs, &daemon), ["ran"]);
     }
 
     #[test]

@@ -28,7 +28,7 @@
 //! `Synchronize`: a record of the shim's or a hook's is never the plugin's to drop.
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -64,6 +64,11 @@ pub(crate) struct Plugin {
     pub reaping: Arc<RwLock<()>>,
     /// A `Synchronize` that comes in parts (`more`): the containers so far.
     pub sync: Mutex<Vec<Container>>,
+    /// And their pods so far (taken after `sync`, never before).
+    pub sync_pods: Mutex<Vec<PodSandbox>>,
+    /// What the last audit found: (container id, how `status` names it); an entry goes
+    /// when its container stops or is removed.
+    pub unserved: Mutex<Vec<(String, String)>>,
     /// The identities (daemon ids) whose `ensure` thread still runs: a create of one of
     /// them is refused at once.
     starting: Arc<Mutex<HashSet<String>>>,
@@ -106,6 +111,8 @@ impl Plugin {
             request_timeout: Mutex::new(None),
             reaping: Arc::new(RwLock::new(())),
             sync: Mutex::new(Vec::new()),
+            sync_pods: Mutex::new(Vec::new()),
+            unserved: Mutex::new(Vec::new()),
             starting: Arc::new(Mutex::new(HashSet::new())),
         }
     }
@@ -154,18 +161,10 @@ impl Plugin {
         // it. Never across `ensure` (its own thread takes it).
         let no_reaping = self.reaping.read();
         let spec = spec_of(pod, ctr)?;
-        if let Some(stage) = gpushare_hook(ctr) {
+        if let Some(why) = left_alone(&self.cfg, pod, ctr) {
             tracing::debug!(
                 container_id = %crate::util::escape(&ctr.id),
-                "the spec carries gpushare's {stage} hook, which serves it: left alone"
-            );
-            return Ok(ContainerAdjustment::default());
-        }
-        // The runtime's own record of the pod's namespace, which no pod author writes.
-        if self.cfg.nri_skip_namespaces.contains(&pod.namespace) {
-            tracing::debug!(
-                namespace = %crate::util::escape(&pod.namespace),
-                "[nri] skip-namespaces: left alone"
+                "{why}: left alone"
             );
             return Ok(ContainerAdjustment::default());
         }
@@ -338,6 +337,19 @@ impl Plugin {
         }
     }
 
+    /// Drops the plugin's record of a container whose `CreateContainer` answer was never
+    /// delivered; whether there was one. Only a record without a pid: one that
+    /// `PostCreateContainer` or `Synchronize` gave a pid is of a container that runs.
+    pub(crate) fn forget_unanswered(&self, ctr: &Container) -> bool {
+        if !valid_container_id(&ctr.id) {
+            return false;
+        }
+        self.own_records()
+            .into_iter()
+            .filter(|(_, r)| r.id == ctr.id && r.pid.is_none())
+            .any(|(daemon, r)| self.dirs.remove_container(&daemon, &r.id).unwrap_or(false))
+    }
+
     /// `Synchronize`: the plugin's records against the runtime's containers. A record of a
     /// container the runtime no longer has (removed while the plugin was away) is dropped;
     /// one of a running container gets its pid if it had none.
@@ -367,6 +379,66 @@ impl Plugin {
         );
     }
 
+    /// The audit at each `Synchronize` (each connection): the containers the runtime has
+    /// created or runs that the plugin serves (a request, not left alone) but that carry
+    /// no adjustment of its own (`carries_adjustment` on their mounts and env): created
+    /// while the plugin was not connected, stalled or closed, with no validator to refuse
+    /// them. Each is logged (one line) and returned as `<namespace>/<pod>/<container>
+    /// (<id>)`, for `status`. A container without a request is never named.
+    pub(crate) fn audit(&self, pods: &[PodSandbox], containers: &[Container]) -> Vec<String> {
+        const CREATED: i32 = 1;
+        const RUNNING: i32 = 3;
+        let pods: HashMap<&str, &PodSandbox> = pods.iter().map(|p| (p.id.as_str(), p)).collect();
+        let mut unserved = Vec::new();
+        for ctr in containers {
+            if !matches!(ctr.state, CREATED | RUNNING) {
+                continue;
+            }
+            let pod = pods
+                .get(ctr.pod_sandbox_id.as_str())
+                .copied()
+                .cloned()
+                .unwrap_or_default();
+            // A request the plugin would refuse never got a container through it either:
+            // it counts as one.
+            if matches!(serves(&self.cfg, &pod, ctr), Ok(false)) {
+                continue;
+            }
+            let env = ctr.env.iter().filter_map(|e| e.split_once('='));
+            if carries_adjustment(&self.cfg, &self.dirs, &ctr.mounts, env) {
+                continue;
+            }
+            let named = format!(
+                "{}/{}/{} ({})",
+                crate::util::escape(&pod.namespace),
+                crate::util::escape(&pod.name),
+                crate::util::escape(&ctr.name),
+                super::quoted(&ctr.id)
+            );
+            tracing::warn!(
+                container = %named,
+                "NRI audit: a container with a request runs without gpushare's adjustment (created while the plugin was not connected, stalled or closed); it is unserved until it is recreated"
+            );
+            unserved.push((ctr.id.clone(), named));
+        }
+        unserved.sort_by(|a, b| a.1.cmp(&b.1));
+        tracing::info!(unserved = unserved.len(), "NRI audit: done");
+        let named = unserved.iter().map(|(_, n)| n.clone()).collect();
+        if let Ok(mut u) = self.unserved.lock() {
+            *u = unserved;
+        }
+        named
+    }
+
+    /// A container that stopped or went is no longer unserved: its audit entry goes.
+    /// What is left, when that changed.
+    pub(crate) fn no_longer_unserved(&self, ctr: &Container) -> Option<Vec<String>> {
+        let mut u = self.unserved.lock().ok()?;
+        let before = u.len();
+        u.retain(|(id, _)| *id != ctr.id);
+        (u.len() != before).then(|| u.iter().map(|(_, n)| n.clone()).collect())
+    }
+
     /// Every container record the plugin wrote, with its daemon's id.
     fn own_records(&self) -> Vec<(String, ContainerRecord)> {
         let mut out = Vec::new();
@@ -392,6 +464,77 @@ fn adjustment_mounts(plan: &MountPlan) -> Vec<api::Mount> {
             options: b.options.iter().map(|o| o.to_string()).collect(),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod audit_tests {
+    use super::*;
+
+    #[test]
+    fn the_audit_names_running_containers_with_a_request_and_no_adjustment_only() {
+        let cfg = crate::config::parse(
+            "state-dir = \"/run/gpushare\"\n[nri]\nskip-namespaces = [\"kube-system\"]\n",
+            None,
+        )
+        .unwrap();
+        let plugin = Plugin::new(cfg);
+        let pod = |id: &str, ns: &str, asks: bool| PodSandbox {
+            id: id.into(),
+            name: format!("pod-{id}"),
+            namespace: ns.into(),
+            annotations: if asks {
+                HashMap::from([("gpushare.io/device".into(), "0".into())])
+            } else {
+                HashMap::new()
+            },
+            ..Default::default()
+        };
+        let daemon = "0123456789abcdef0123456789abcdef";
+        let adjusted = |c: Container| Container {
+            env: vec!["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps".into()],
+            mounts: vec![api::Mount {
+                destination: "/tmp/nvidia-mps".into(),
+                r#type: "bind".into(),
+                source: format!("/run/gpushare/mps/{daemon}/pipe"),
+                options: vec!["ro".into()],
+            }],
+            ..c
+        };
+        let ctr = |id: &str, pod: &str, state: i32| Container {
+            id: id.into(),
+            pod_sandbox_id: pod.into(),
+            name: format!("c-{id}"),
+            state,
+            ..Default::default()
+        };
+        let pods = [
+            pod("p1", "team-a", true),
+            pod("p2", "team-a", false),
+            pod("p3", "kube-system", true),
+        ];
+        let containers = [
+            ctr("unserved", "p1", 3),
+            ctr("created", "p1", 1),
+            adjusted(ctr("served", "p1", 3)),
+            ctr("stopped", "p1", 4),
+            ctr("plain", "p2", 3),
+            ctr("skipped", "p3", 3),
+        ];
+        assert_eq!(
+            plugin.audit(&pods, &containers),
+            [
+                "team-a/pod-p1/c-created (created)",
+                "team-a/pod-p1/c-unserved (unserved)"
+            ]
+        );
+        // Stopped or removed: named no more; another container changes nothing.
+        assert_eq!(plugin.no_longer_unserved(&containers[4]), None);
+        assert_eq!(
+            plugin.no_longer_unserved(&containers[0]),
+            Some(vec!["team-a/pod-p1/c-created (created)".to_owned()])
+        );
+        assert_eq!(plugin.no_longer_unserved(&containers[0]), None);
+    }
 }
 
 /// The three renderings of one mount plan (the shim's spec edits, this adjustment,
@@ -456,6 +599,59 @@ mod the_renderings_agree {
             }
         }
     }
+}
+
+/// Why the plugin leaves a container alone whatever it asks, if it does: gpushare's own
+/// OCI hook serves it, or its pod's namespace (the runtime's own record of it, which no
+/// pod author writes) is in `[nri] skip-namespaces`.
+fn left_alone(cfg: &Config, pod: &PodSandbox, ctr: &Container) -> Option<String> {
+    if let Some(stage) = gpushare_hook(ctr) {
+        return Some(format!(
+            "the spec carries gpushare's {stage} hook, which serves it"
+        ));
+    }
+    cfg.nri_skip_namespaces.contains(&pod.namespace).then(|| {
+        format!(
+            "[nri] skip-namespaces has its namespace {}",
+            crate::util::escape(&pod.namespace)
+        )
+    })
+}
+
+/// Whether the plugin serves this container, read as `create` reads it up to the request
+/// (no inventory, no daemon): `Ok(false)` for one it leaves alone or that asks for
+/// nothing; an error for a request `create` refuses. For the validator.
+pub(crate) fn serves(cfg: &Config, pod: &PodSandbox, ctr: &Container) -> anyhow::Result<bool> {
+    let spec = spec_of(pod, ctr)?;
+    if left_alone(cfg, pod, ctr).is_some() {
+        return Ok(false);
+    }
+    crate::decision::asks(cfg, &spec)
+}
+
+/// Whether `mounts` and `env` carry what the plugin gives every container it serves: a
+/// bind of a daemon's pipe directory at `mps.container-pipe-dir`, and
+/// `CUDA_MPS_PIPE_DIRECTORY` naming it. Read by the validator (on the adjustment) and the
+/// audit (on a container as created).
+pub(crate) fn carries_adjustment<'a>(
+    cfg: &Config,
+    dirs: &StateDir,
+    mounts: &[api::Mount],
+    mut env: impl Iterator<Item = (&'a str, &'a str)>,
+) -> bool {
+    let inside = cfg.mps.container_pipe_dir.to_string_lossy();
+    let named = env.any(|(k, v)| k == "CUDA_MPS_PIPE_DIRECTORY" && v == inside);
+    named
+        && mounts.iter().any(|m| {
+            let source = Path::new(&m.source);
+            m.destination == inside
+                && m.r#type == "bind"
+                && source
+                    .parent()
+                    .and_then(Path::file_name)
+                    .and_then(|id| id.to_str())
+                    .is_some_and(|id| crate::identity::valid_id(id) && dirs.pipe_dir(id) == source)
+        })
 }
 
 /// The stage of the first gpushare OCI hook in the container's spec, if any.

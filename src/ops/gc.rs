@@ -158,6 +158,7 @@ mod tests {
                 runtime: None,
                 since: 0,
                 error: None,
+                unserved: Vec::new(),
             };
             std::fs::write(state.nri_state_path(), serde_json::to_vec(&s).unwrap()).unwrap();
         };

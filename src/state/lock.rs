@@ -74,6 +74,12 @@ impl StateDir {
         take(path, file, hold, deadline)
     }
 
+    /// The NRI validator's lock (`nri::validator`), held by the node's one connected
+    /// validator for its whole life; `None` while another validator holds it.
+    pub(crate) fn try_lock_nri_validator(&self) -> Result<Option<Flock<File>>, StateError> {
+        self.try_lock_one(self.nri_validator_lock_path())
+    }
+
     fn try_lock_one(&self, path: PathBuf) -> Result<Option<Flock<File>>, StateError> {
         match self.lock_file(path, Instant::now()) {
             Ok(lock) => Ok(Some(lock)),

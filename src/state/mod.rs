@@ -213,6 +213,15 @@ impl StateDir {
     pub(crate) fn nri_state_path(&self) -> PathBuf {
         self.root.join("nri.json")
     }
+    /// What the NRI validator says of itself (`nri::validator`), as `nri_state_path`.
+    pub(crate) fn nri_validator_state_path(&self) -> PathBuf {
+        self.root.join("nri-validator.json")
+    }
+    /// The NRI validator's lock, held by the node's one connected validator for its
+    /// whole life: not a daemon id either.
+    pub(crate) fn nri_validator_lock_path(&self) -> PathBuf {
+        self.root.join("locks").join("nri-validator.lock")
+    }
     /// What the GPU process watcher found at its last scan (`watch::report`): root's,
     /// 0600, read by `status`.
     pub(crate) fn watch_report_path(&self) -> PathBuf {
@@ -364,6 +373,8 @@ mod tests {
             root.supervisor_lock_path(id),
             root.agent_socket(),
             root.nri_state_path(),
+            root.nri_validator_state_path(),
+            root.nri_validator_lock_path(),
             root.record_path(id),
             root.pipe_dir(id),
             root.log_dir(id),

@@ -1737,8 +1737,9 @@ fn argv(c: &yaml_rust2::Yaml) -> Vec<String> {
 /// `installer`: on the same nodes and namespace, from the same image; it runs the
 /// gpushare the installer copied to the host (INSTALL_DIR), in the host's mount namespace
 /// (nsenter into the host's PID 1: hostPID, privileged), as `gpushare nri --socket` on
-/// NRI's socket; an init container waits until that binary runs there; Ready while
-/// `gpushare status` says the plugin is connected.
+/// NRI's socket, and its validator as a container of its own (`gpushare nri-validate`);
+/// an init container waits until that binary runs there; Ready while `gpushare status`
+/// says the plugin is connected.
 fn check_nri_daemonset(name: &str, ds: &yaml_rust2::Yaml, installer: &yaml_rust2::Yaml) {
     let spec = &ds["spec"]["template"]["spec"];
     let ispec = &installer["spec"]["template"]["spec"];
@@ -1768,7 +1769,7 @@ fn check_nri_daemonset(name: &str, ds: &yaml_rust2::Yaml, installer: &yaml_rust2
     let inits = spec["initContainers"].as_vec().unwrap();
     assert_eq!(inits.len(), 1, "{name}");
     let containers = spec["containers"].as_vec().unwrap();
-    assert_eq!(containers.len(), 1, "{name}");
+    assert_eq!(containers.len(), 2, "{name}: the plugin and its validator");
     for c in inits.iter().chain(containers) {
         assert!(c["name"].as_str().is_some_and(|n| !n.is_empty()));
         assert_eq!(c["image"].as_str(), image, "{name}: the installer's image");
@@ -1788,8 +1789,12 @@ fn check_nri_daemonset(name: &str, ds: &yaml_rust2::Yaml, installer: &yaml_rust2
     );
     let c = &containers[0];
     let mut want: Vec<String> = in_host.iter().map(|a| a.to_string()).collect();
-    want.extend(["nri", "--socket", "/var/run/nri/nri.sock"].map(String::from));
+    want.extend(["nri", "--socket", "/var/run/nri/nri.sock", "--no-validator"].map(String::from));
     assert_eq!(argv(&c["command"]), want, "{name}");
+    // The validator: a container of its own, on the same socket.
+    let mut want: Vec<String> = in_host.iter().map(|a| a.to_string()).collect();
+    want.extend(["nri-validate", "--socket", "/var/run/nri/nri.sock"].map(String::from));
+    assert_eq!(argv(&containers[1]["command"]), want, "{name}");
     let probe = argv(&c["readinessProbe"]["exec"]["command"]);
     assert_eq!(
         probe,

@@ -222,6 +222,8 @@ pub(crate) struct NriView {
     /// Since when (Unix seconds) it has been connected, or not.
     pub since: u64,
     pub error: Option<String>,
+    /// Containers with a request that its last audit found running unserved.
+    pub unserved: Vec<String>,
 }
 
 impl NriView {
@@ -233,12 +235,19 @@ impl NriView {
             runtime: s.runtime.as_deref().map(crate::util::escape),
             since: s.since,
             error: s.error.as_deref().map(crate::util::escape),
+            unserved: s.unserved.iter().map(|u| crate::util::escape(u)).collect(),
         })
     }
 
     /// One line for people: connected to what, or why not and what a pod gets meanwhile.
     pub(crate) fn line(&self) -> String {
         match (self.running, self.connected) {
+            (true, true) if !self.unserved.is_empty() => format!(
+                "NRI plugin connected to {}; {} container(s) with a request run unserved, created while it was not connected (recreate them): {}",
+                self.runtime.as_deref().unwrap_or("the runtime"),
+                self.unserved.len(),
+                self.unserved.join(", ")
+            ),
             (true, true) => format!(
                 "NRI plugin connected to {}",
                 self.runtime.as_deref().unwrap_or("the runtime")

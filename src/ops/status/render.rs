@@ -473,6 +473,14 @@ pub(crate) fn prometheus(view: &StatusView) -> String {
     if let Some(capacity) = &view.capacity {
         capacity_metrics(&mut metric, capacity);
     }
+    if let Some(nri) = &view.nri {
+        metric(
+            "gpushare_nri_unserved_containers",
+            "gauge",
+            "Containers with a request that the NRI plugin's last audit (at its last connection) found running without its adjustment.",
+            vec![(String::new(), nri.unserved.len().to_string())],
+        );
+    }
     out
 }
 

@@ -73,7 +73,8 @@ pub(super) fn install(mut install: Install, flags: &ArgMatches) -> anyhow::Resul
 
 /// After `uninstall containerd`: the state of an NRI plugin that no longer runs goes with
 /// it, so that `doctor` stops warning about a plugin removed on purpose; one that still
-/// runs (launched by containerd until it restarts, or a service) is named.
+/// runs (launched by containerd until it restarts, or a service) is named. With no plugin
+/// running, its validator is stopped too (`nri::validator::stop_without_plugin`).
 pub(super) fn forget_nri_plugin(cfg: &Config) {
     let state = crate::state::StateDir::new(&cfg.state_dir);
     match crate::ops::gc::forget_stopped_nri_plugin(&state) {
@@ -94,6 +95,13 @@ pub(super) fn forget_nri_plugin(cfg: &Config) {
             "gpushare: warning: cannot remove {}: {e}",
             state.nri_state_path().display()
         ),
+    }
+    match crate::nri::validator::stop_without_plugin(&state) {
+        Ok(Some(pid)) => println!(
+            "stopped gpushare's NRI validator (pid {pid}): no gpushare NRI plugin runs to serve what it would wait for"
+        ),
+        Ok(None) => {}
+        Err(e) => eprintln!("gpushare: warning: {e:#}"),
     }
 }
 
@@ -212,7 +220,8 @@ pub(in crate::ops::install) fn install_nri(
         let gpushare = std::env::current_exe().context("find gpushare's own path")?;
         let (config, named) = crate::config::location();
         let env = crate::served::hook_env(named.then_some(config.as_path()));
-        Some((at, super::launch_wrapper(&gpushare, &env)))
+        let socket = super::nri_socket(&text);
+        Some((at, super::launch_wrapper(&gpushare, &env, &socket)))
     } else {
         None
     };
@@ -261,8 +270,11 @@ pub(in crate::ops::install) fn install_nri(
         ),
         None => {}
     }
+    println!(
+        "on containerd 2.2 and later, the plugin's validator (`gpushare nri-validate`, which every way of running the plugin runs beside it) refuses a container with a request that the plugin did not adjust, whatever its pod's annotations"
+    );
     let Some((at, script)) = wrapper else {
-        println!("then run the plugin as root: `systemctl enable --now gpushare-nri` (Debian package) or `gpushare nri`; pods need no RuntimeClass (docs/kubernetes.md)");
+        println!("then run the plugin as root: `systemctl enable --now gpushare-nri` (Debian package; it pulls in gpushare-nri-validator) or `gpushare nri`; pods need no RuntimeClass (docs/kubernetes.md)");
         return Ok(());
     };
     if write_launch_wrapper(&at, &script)? {
@@ -353,7 +365,11 @@ mod tests {
         );
         let at = super::super::nri_plugin_dir(&config).join(super::super::launched_plugin_name());
         assert_eq!(at, plugins.join("10-gpushare"));
-        let script = super::super::launch_wrapper(Path::new("/usr/bin/gpushare"), &[]);
+        let script = super::super::launch_wrapper(
+            Path::new("/usr/bin/gpushare"),
+            &[],
+            Path::new(crate::nri::DEFAULT_SOCKET),
+        );
         assert!(write_launch_wrapper(&at, &script).unwrap());
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
         assert_eq!(mode(&at), 0o755);

@@ -598,11 +598,25 @@ pub(crate) fn check_nri_launch(
     Ok(())
 }
 
-/// The launched plugin: a shell script that execs `gpushare nri` (so that containerd's
-/// kill reaches the plugin itself) with `env` (`NAME=value`: the PATH and config that
-/// the plugin would not otherwise get, as containerd launches it with NRI's three
-/// variables only). Everything it names is single-quoted.
-pub(crate) fn launch_wrapper(gpushare: &Path, env: &[String]) -> String {
+/// The socket a containerd config's NRI listens on (`socket_path`), NRI's default where
+/// it sets none.
+pub(crate) fn nri_socket(text: &str) -> PathBuf {
+    toml::from_str::<toml::Table>(text)
+        .ok()
+        .and_then(|doc| {
+            let sock = doc.get("plugins")?.get(NRI_PLUGIN)?.get("socket_path")?;
+            sock.as_str().filter(|s| !s.is_empty()).map(PathBuf::from)
+        })
+        .unwrap_or_else(|| PathBuf::from(crate::nri::DEFAULT_SOCKET))
+}
+
+/// The launched plugin: a shell script that execs `gpushare nri --socket <socket>` (so
+/// that containerd's kill reaches the plugin itself; the plugin talks to containerd on
+/// the connection it was handed, and its validator, a process of its own, dials
+/// `socket`) with `env` (`NAME=value`: the PATH and config that the plugin would not
+/// otherwise get, as containerd launches it with NRI's three variables only).
+/// Everything it names is single-quoted.
+pub(crate) fn launch_wrapper(gpushare: &Path, env: &[String], socket: &Path) -> String {
     let quote = |s: &str| format!("'{}'", s.replace('\'', "'\\''"));
     let mut out = format!(
         "#!/bin/sh\n{WRAPPER_MARK} from its plugin_path; written by `gpushare install containerd --nri-launch`, removed by `gpushare uninstall containerd`.\n"
@@ -612,7 +626,11 @@ pub(crate) fn launch_wrapper(gpushare: &Path, env: &[String]) -> String {
             out += &format!("{name}={}; export {name}\n", quote(value));
         }
     }
-    out += &format!("exec {} nri\n", quote(&gpushare.to_string_lossy()));
+    out += &format!(
+        "exec {} nri --socket {}\n",
+        quote(&gpushare.to_string_lossy()),
+        quote(&socket.to_string_lossy())
+    );
     out
 }
 
@@ -914,7 +932,8 @@ mod tests {
             "PATH=/usr/sbin:/usr/bin".to_owned(),
             "GPUSHARE_CONFIG=/etc/gs/it's.toml".to_owned(),
         ];
-        let script = launch_wrapper(Path::new("/opt/g s/gpushare"), &env);
+        let sock = Path::new("/run/nri/it's.sock");
+        let script = launch_wrapper(Path::new("/opt/g s/gpushare"), &env, sock);
         let lines: Vec<&str> = script.lines().collect();
         assert_eq!(lines[0], "#!/bin/sh");
         assert_eq!(
@@ -922,11 +941,14 @@ mod tests {
             [
                 "PATH='/usr/sbin:/usr/bin'; export PATH",
                 "GPUSHARE_CONFIG='/etc/gs/it'\\''s.toml'; export GPUSHARE_CONFIG",
-                "exec '/opt/g s/gpushare' nri",
+                "exec '/opt/g s/gpushare' nri --socket '/run/nri/it'\\''s.sock'",
             ]
         );
         assert!(is_launch_wrapper(&script));
-        assert_eq!(launch_wrapper(Path::new("/opt/g s/gpushare"), &env), script);
+        assert_eq!(
+            launch_wrapper(Path::new("/opt/g s/gpushare"), &env, sock),
+            script
+        );
         for theirs in [
             "",
             "#!/bin/sh\nexec /usr/bin/other\n",
@@ -934,7 +956,7 @@ mod tests {
         ] {
             assert!(!is_launch_wrapper(theirs), "{theirs}");
         }
-        // What sh makes of it: the env as written, then gpushare with `nri`.
+        // What sh makes of it: the env as written, then gpushare with `nri --socket`.
         let dir = tempfile::tempdir().unwrap();
         let fake = dir.path().join("g s");
         std::fs::create_dir(&fake).unwrap();
@@ -942,7 +964,7 @@ mod tests {
         std::fs::write(&bin, "#!/bin/sh\necho \"$GPUSHARE_CONFIG|$PATH|$*\"\n").unwrap();
         std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
             .unwrap();
-        let script = launch_wrapper(&bin, &env);
+        let script = launch_wrapper(&bin, &env, sock);
         let out = std::process::Command::new("/bin/sh")
             .arg("-c")
             .arg(&script)
@@ -951,7 +973,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             String::from_utf8_lossy(&out.stdout),
-            "/etc/gs/it's.toml|/usr/sbin:/usr/bin|nri\n"
+            "/etc/gs/it's.toml|/usr/sbin:/usr/bin|nri --socket /run/nri/it's.sock\n"
         );
     }
 
