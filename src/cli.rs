@@ -220,13 +220,13 @@ trait EngineArgs: Args {
 impl EngineArgs for InstallArgs {
     fn for_engine(engine: &dyn EngineConfig, cmd: clap::Command) -> clap::Command {
         cmd.args(engine.install_flags())
-            .about(engine.install_about())
+            .about(engine.about().install_about)
     }
 }
 
 impl EngineArgs for UninstallArgs {
     fn for_engine(engine: &dyn EngineConfig, cmd: clap::Command) -> clap::Command {
-        cmd.about(engine.uninstall_about())
+        cmd.about(engine.about().uninstall_about)
     }
 }
 
@@ -343,7 +343,7 @@ fn uninstall_about() -> String {
 fn cdi_enable_help() -> String {
     let each: Vec<String> = ENGINES
         .iter()
-        .map(|e| format!("{} ({})", e.config_name(), e.cdi_settings()))
+        .map(|e| format!("{} ({})", e.config_name(), e.about().cdi_settings))
         .collect();
     format!(
         "Also turn CDI on in this engine's config, reading the spec's directory: {}",
@@ -982,8 +982,14 @@ mod tests {
         assert_eq!(configs, want);
         for engine in ENGINES {
             // Each help line names the config it changes.
-            assert!(engine.install_about().contains(engine.default_config()));
-            assert!(engine.uninstall_about().contains(engine.default_config()));
+            assert!(engine
+                .about()
+                .install_about
+                .contains(engine.default_config()));
+            assert!(engine
+                .about()
+                .uninstall_about
+                .contains(engine.default_config()));
         }
     }
 

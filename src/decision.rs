@@ -71,36 +71,21 @@ pub(crate) fn resolve_spec(
     spec: &SpecFile,
     ipc: impl FnOnce(&Request) -> anyhow::Result<IpcMode>,
 ) -> anyhow::Result<Option<Resolved>> {
-    let namespace = cri_namespace(spec).map(|ns| (ns, CRI_NAMESPACE));
+    let namespace = cri_namespace(spec);
     resolve_spec_as(cfg, spec, ipc, || Ok(spec.host_user()?), namespace)
 }
 
-/// containerd's CRI annotation that names a container's Kubernetes namespace.
-const CRI_NAMESPACE: &str = "io.kubernetes.cri.sandbox-namespace";
-/// The containerd namespace of every container containerd's CRI plugin creates.
-const CRI_CONTAINERD_NAMESPACE: &str = "k8s.io";
-/// The directory under containerd's state directory that holds its shims' bundles,
-/// `<state>/io.containerd.runtime.v2.task/<containerd namespace>/<id>` (1.6 to 2.x).
-const CONTAINERD_TASK_DIR: &str = "io.containerd.runtime.v2.task";
-
-/// The Kubernetes namespace of a container's spec where it can be trusted: containerd's
-/// CRI annotation ([`CRI_NAMESPACE`]) of a container whose bundle is in containerd's
-/// `k8s.io` namespace. containerd's CRI writes that annotation itself, after any pod
-/// annotation its `pod_annotations` allowlist passes through, so a pod cannot set it; a
-/// container's author on any other engine can (Docker's and ctr's `--annotation`,
-/// Podman's, CRI-O copies a pod's annotations into its containers), and such a container's
-/// bundle is elsewhere: containerd chooses it from its own namespace, which only its
-/// clients — root — name. `None`: no namespace to trust ([`Tenant::NoNamespace`]).
-pub(crate) fn cri_namespace(spec: &SpecFile) -> Option<&str> {
-    let bundle = spec.path().parent()?;
-    let in_ns = bundle.parent()?;
-    let cri_bundle = bundle.is_absolute()
-        && in_ns.file_name()? == CRI_CONTAINERD_NAMESPACE
-        && in_ns.parent()?.file_name()? == CONTAINERD_TASK_DIR;
-    if !cri_bundle {
-        return None;
-    }
-    spec.annotation(CRI_NAMESPACE)
+/// The Kubernetes namespace of a container's spec where it can be trusted, and the key
+/// that said it: containerd's CRI annotation of a container whose bundle is in
+/// containerd's `k8s.io` namespace (`engine::cri_namespace`). containerd's CRI writes that
+/// annotation itself, after any pod annotation its `pod_annotations` allowlist passes
+/// through, so a pod cannot set it; a container's author on any other engine can (Docker's
+/// and ctr's `--annotation`, Podman's, CRI-O copies a pod's annotations into its
+/// containers), and such a container's bundle is elsewhere: containerd chooses it from its
+/// own namespace, which only its clients — root — name. `None`: no namespace to trust
+/// ([`Tenant::NoNamespace`]).
+pub(crate) fn cri_namespace(spec: &SpecFile) -> Option<(&str, &'static str)> {
+    crate::engine::cri_namespace(|k| spec.annotation(k), spec.path().parent()?)
 }
 
 /// [`resolve_spec`] for a container an NRI runtime describes (the plugin builds its spec
@@ -512,7 +497,8 @@ mod tests {
         let spec = |path: &str, ns: Option<&str>| {
             let mut doc = serde_json::json!({"ociVersion": "1.0.2", "process": {"user": {"uid": 1000, "gid": 1000}, "cwd": "/"}});
             if let Some(ns) = ns {
-                doc["annotations"] = serde_json::json!({ CRI_NAMESPACE: ns });
+                doc["annotations"] =
+                    serde_json::json!({ "io.kubernetes.cri.sandbox-namespace": ns });
             }
             SpecFile::from_bytes(
                 std::path::Path::new(path),
@@ -521,7 +507,10 @@ mod tests {
             .unwrap()
         };
         let cri = "/run/containerd/io.containerd.runtime.v2.task/k8s.io/abc/config.json";
-        assert_eq!(cri_namespace(&spec(cri, Some("team-a"))), Some("team-a"));
+        assert_eq!(
+            cri_namespace(&spec(cri, Some("team-a"))).map(|(ns, _)| ns),
+            Some("team-a")
+        );
         assert_eq!(cri_namespace(&spec(cri, None)), None);
         for elsewhere in [
             // Docker's containers, ctr's default namespace, Podman, CRI-O, runc by hand.

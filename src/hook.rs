@@ -49,29 +49,19 @@ impl State {
 }
 
 /// The Kubernetes names of a container, from the annotations its CRI engine writes into
-/// every container's spec: containerd's `io.kubernetes.cri.sandbox-namespace`,
-/// `sandbox-name` and `container-name` (1.6 to 2.x; containerd's own values win over any a
-/// pod passes through), else CRI-O's copies of the kubelet's labels
-/// `io.kubernetes.pod.namespace`, `io.kubernetes.pod.name` and
-/// `io.kubernetes.container.name`. Each is bounded (`PodNames::bounded`); what they say is
-/// only as true as the engine that wrote them (Docker, `ctr`, Podman and runc take any
-/// annotation from the container's author).
+/// every container's spec (`engine::pod_names`: containerd's keys, whose values containerd
+/// writes over any a pod passes through, then CRI-O's copies of the kubelet's labels).
+/// Each is bounded (`PodNames::bounded`); what they say is only as true as the engine that
+/// wrote them (Docker, `ctr`, Podman and runc take any annotation from the container's
+/// author).
 pub(crate) fn pod_names(state: &State) -> PodNames {
-    let first = |keys: [&str; 2]| {
-        keys.iter()
-            .find_map(|k| state.annotations.get(*k))
-            .map(|v| PodNames::bounded(v))
-    };
+    let [namespace, pod, container] =
+        crate::engine::pod_names(|k| state.annotations.get(k).map(String::as_str))
+            .map(|n| n.map(PodNames::bounded));
     PodNames {
-        namespace: first([
-            "io.kubernetes.cri.sandbox-namespace",
-            "io.kubernetes.pod.namespace",
-        ]),
-        pod: first(["io.kubernetes.cri.sandbox-name", "io.kubernetes.pod.name"]),
-        container: first([
-            "io.kubernetes.cri.container-name",
-            "io.kubernetes.container.name",
-        ]),
+        namespace,
+        pod,
+        container,
     }
 }
 
@@ -96,27 +86,15 @@ pub fn read_state(mut input: impl Read) -> anyhow::Result<State> {
     Ok(state)
 }
 
-/// Which engine created a container, from what engines leave in its state.
+/// Which engine created a container, from what engines leave in its state
+/// (`engine::made_by`).
 pub(crate) fn engine_of(state: &State) -> String {
-    let ann = |k: &str| state.annotations.get(k).map(String::as_str);
     let bundle = state
         .bundle
         .as_deref()
         .map(|b| b.to_string_lossy().into_owned())
         .unwrap_or_default();
-    if ann("io.kubernetes.cri.container-type").is_some()
-        || ann("io.container.manager") == Some("cri-o")
-    {
-        "kubernetes".into()
-    } else if ann("io.container.manager") == Some("libpod") {
-        "podman".into()
-    } else if bundle.contains("/moby/") {
-        "docker".into()
-    } else if bundle.contains("io.containerd.runtime.v2.task") {
-        "containerd".into()
-    } else {
-        "runc".into()
-    }
+    crate::engine::made_by(|k| state.annotations.get(k).map(String::as_str), &bundle).into()
 }
 
 /// `createRuntime`: ensure the daemon, record the container.

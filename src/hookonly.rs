@@ -12,7 +12,7 @@
 //! already prepared is left alone — known from its spec's `createRuntime` hooks
 //! (`SpecFile::prepared_by_shim`), which a container's author cannot write, never from
 //! the decision annotations, which it can — and so is a pod's sandbox, checked first on
-//! the state's own annotations (`request::sandbox_marker`).
+//! the state's own annotations (`engine::sandbox_marker`).
 //!
 //! The clones get their flags (`mount_setattr`) before they are attached, so the container
 //! never sees them otherwise, even for an instant: the pipe directory read-only, the shm
@@ -44,7 +44,7 @@ pub(crate) fn prestart(
     cdi: Option<&crate::request::CdiAsk>,
 ) -> anyhow::Result<()> {
     if let Some((key, value)) =
-        request::sandbox_marker(|k| state.annotations.get(k).map(String::as_str))
+        crate::engine::sandbox_marker(|k| state.annotations.get(k).map(String::as_str))
     {
         tracing::debug!(
             "{key}={}: a pod's sandbox is never a request",

@@ -20,6 +20,7 @@ pub mod config;
 pub mod decision;
 pub mod device;
 pub mod driver;
+mod engine;
 mod fsops;
 pub mod hook;
 mod hookonly;

@@ -10,7 +10,7 @@
 //! - An annotation wins over the env var of the same key, key by key; for env, the last
 //!   `NAME=` entry wins, as with execve. Env entries without `=` are ignored.
 //! - A pod's sandbox ("pause") container is never a request, whatever annotations or env it
-//!   carries (`sandbox_marker`: containerd's `io.kubernetes.cri.container-type=sandbox`,
+//!   carries (`engine::sandbox_marker`: containerd's `io.kubernetes.cri.container-type=sandbox`,
 //!   CRI-O's `io.kubernetes.cri-o.ContainerType=sandbox`, dockershim's
 //!   `io.kubernetes.docker.type=podsandbox`). [`parse`] checks this before anything else, so
 //!   the pod annotations that containerd and CRI-O copy into the sandbox's spec are neither
@@ -77,27 +77,7 @@ pub(crate) const ALLOCATED: &str = "allocated";
 /// errors name it.
 pub(crate) const DEFAULT_DEVICE_KEY: &str = "default-device";
 
-/// Annotations that mark a pod's sandbox ("pause") container, engine by engine
-/// (docs/kubernetes.md): containerd CRI, CRI-O, and the dockershim/cri-dockerd label should
-/// an engine ever copy it into annotations (Kata reads the same three). Podman's infra
-/// container carries no marker in its spec (its infra flag lives in libpod's database).
-pub(crate) const SANDBOX_MARKERS: [(&str, &str); 3] = [
-    ("io.kubernetes.cri.container-type", "sandbox"),
-    ("io.kubernetes.cri-o.ContainerType", "sandbox"),
-    ("io.kubernetes.docker.type", "podsandbox"),
-];
-
-/// The marker annotation, if the container is a pod's sandbox: three map lookups, so that
-/// every path checks it first. The values are compared exactly, as the engines write them.
-/// A marker only ever takes gpushare away from a container (a tenant who sets one on a
-/// workload container opts out of its own share), never grants anything.
-pub(crate) fn sandbox_marker<'a>(
-    annotation: impl Fn(&str) -> Option<&'a str>,
-) -> Option<(&'static str, &'static str)> {
-    SANDBOX_MARKERS
-        .into_iter()
-        .find(|(key, value)| annotation(key) == Some(*value))
-}
+use crate::engine::sandbox_marker;
 
 /// What the request pipeline reads from a container's spec: plain data borrowed from it
 /// (`SpecFile::request_inputs`).
@@ -1244,7 +1224,7 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect()
         };
-        for (key, value) in SANDBOX_MARKERS {
+        for (key, value) in crate::engine::sandbox_markers() {
             let m = map(&[(key, value), ("gpushare.io/device", "0")]);
             assert_eq!(
                 sandbox_marker(|k| m.get(k).map(String::as_str)),

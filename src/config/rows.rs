@@ -17,7 +17,8 @@ use serde::de::{
     self, Deserialize, DeserializeSeed, Deserializer, IntoDeserializer, MapAccess, Visitor,
 };
 
-use super::{CdiProfile, MpsFields, RawMps};
+use super::raw::{MpsFields, RawMps};
+use super::CdiProfile;
 use crate::request::{limits, numeric, KeySpec, Number, ProfileValue};
 
 /// A row's value as the file wrote it: an integer for an integer grammar, a string for a

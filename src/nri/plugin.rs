@@ -695,7 +695,7 @@ fn annotations(pod: &PodSandbox, ctr: &Container) -> Map<String, Value> {
     for (k, v) in pods.chain(&ctr.annotations) {
         out.insert(k.clone(), Value::String(v.clone()));
     }
-    for (key, _) in crate::request::SANDBOX_MARKERS {
+    for (key, _) in crate::engine::sandbox_markers() {
         out.remove(key);
     }
     out
@@ -921,7 +921,7 @@ mod tests {
             spec.annotation("cdi.k8s.io/devplugin"),
             Some("nvidia.com/gpu=0")
         );
-        for (key, _) in crate::request::SANDBOX_MARKERS {
+        for (key, _) in crate::engine::sandbox_markers() {
             assert_eq!(spec.annotation(key), None, "{key}");
         }
         // Not even a marker the container's own annotations carry: NRI says what it is.

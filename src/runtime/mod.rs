@@ -8,7 +8,7 @@
 //! bytes cannot spell one, exactly as a passthrough is: nothing parsed, no log — with
 //! `default-device` set, "spell one" includes an allocation, `RawSpec::may_hold_allocation`);
 //! a pod's sandbox is exec'd as a passthrough is once its annotations are parsed, before
-//! the full config is read or a log opened (`request::sandbox_marker`); a request is
+//! the full config is read or a log opened (`engine::sandbox_marker`); a request is
 //! validated completely (syntax, device, memory, the operator's ceilings:
 //! `decision::resolve_spec`, shared with hook-only mode and `gpushare daemon start`)
 //! before any directory is created or any byte written; on failure the shim writes one
@@ -25,7 +25,7 @@ use anyhow::Context;
 
 use crate::config::Config;
 use crate::decision::{self, Resolved};
-use crate::request::{self, IpcMode, Request};
+use crate::request::{IpcMode, Request};
 use crate::rootfs::Maker;
 use crate::served::{Inside, MountPlan};
 use crate::spec::edits::{self, SetHooks};
@@ -122,7 +122,7 @@ fn create(inv: &args::Invocation, id: &str) -> anyhow::Result<PathBuf> {
         }
     }
     let spec = raw.and_then(|r| SpecFile::from_raw(&r));
-    if matches!(&spec, Ok(s) if request::sandbox_marker(|k| s.annotation(k)).is_some()) {
+    if matches!(&spec, Ok(s) if crate::engine::sandbox_marker(|k| s.annotation(k)).is_some()) {
         return configured_runtime();
     }
     let cfg = crate::config::load()?;
@@ -273,12 +273,6 @@ fn decide_ipc(cfg: &Config, spec: &SpecFile, req: &Request) -> anyhow::Result<Ip
     Ok(ipc)
 }
 
-/// Annotations that mark a container of a CRI pod (containerd, CRI-O), whatever their value.
-const CRI_CONTAINER_MARKERS: [&str; 2] = [
-    "io.kubernetes.cri.container-type",
-    "io.kubernetes.cri-o.ContainerType",
-];
-
 /// Why the container's IPC namespace is its pod's, if it is: joined by path (containerd's
 /// CRI and Podman pods give every container the sandbox's namespace that way, Docker's
 /// `--ipc=container:`) unless that namespace is the one this process runs in, the host's
@@ -309,9 +303,7 @@ fn pod_ipc_namespace(spec: &SpecFile) -> Option<String> {
             crate::device::quote(&path.display().to_string())
         ));
     }
-    CRI_CONTAINER_MARKERS
-        .into_iter()
-        .find(|key| spec.annotation(key).is_some())
+    crate::engine::pod_container_marker(|k| spec.annotation(k))
         .map(|key| format!("a CRI container ({key}) with an ipc namespace"))
 }
 
@@ -361,6 +353,8 @@ fn hooks(cfg: &Config) -> anyhow::Result<SetHooks> {
 #[cfg(test)]
 mod tests {
     use std::path::Path;
+
+    use crate::request;
 
     use serde_json::{json, Value};
 

@@ -171,27 +171,25 @@ pub(crate) fn enable_cdi(path: &Path, text: &str, dir: &Path) -> Result<Edited, 
     Ok(Edited { text: Some(out) })
 }
 
+/// Docker as data: its names, where its config and socket are, its help texts.
+const DOCKER: super::About = super::About {
+    name: "docker",
+    default_config: DEFAULT_CONFIG,
+    default_socket: "/run/docker.sock",
+    config_name: "Docker's daemon.json",
+    install_about:
+        "Add `runtimes.<name>` to Docker's daemon.json (default /etc/docker/daemon.json)",
+    uninstall_about: "Docker's daemon.json (default /etc/docker/daemon.json)",
+    cdi_settings: "`features.cdi`, `cdi-spec-dirs`",
+    cdi_restart: "restart dockerd to use it",
+};
+
 /// Docker as one of gpushare's engines.
 pub(crate) struct Docker;
 
 impl super::EngineConfig for Docker {
-    fn name(&self) -> &'static str {
-        "docker"
-    }
-    fn default_config(&self) -> &'static str {
-        DEFAULT_CONFIG
-    }
-    fn default_socket(&self) -> &'static str {
-        "/run/docker.sock"
-    }
-    fn config_name(&self) -> &'static str {
-        "Docker's daemon.json"
-    }
-    fn install_about(&self) -> &'static str {
-        "Add `runtimes.<name>` to Docker's daemon.json (default /etc/docker/daemon.json)"
-    }
-    fn uninstall_about(&self) -> &'static str {
-        "Docker's daemon.json (default /etc/docker/daemon.json)"
+    fn about(&self) -> &'static super::About {
+        &DOCKER
     }
     fn edit(
         &self,
@@ -219,17 +217,11 @@ impl super::EngineConfig for Docker {
     ) -> Result<Edited, InstallError> {
         enable_cdi(path, text, dir)
     }
-    fn cdi_settings(&self) -> &'static str {
-        "`features.cdi`, `cdi-spec-dirs`"
-    }
     fn cdi_usage(&self, dir: &Path) -> String {
         format!(
             "Docker 25+: \"features\": {{\"cdi\": true}}{} in daemon.json (or: gpushare install cdi --enable docker), then docker run --device gpushare.io/gpu=0 …",
             super::spec_dirs_hint("\"cdi-spec-dirs\": ", &DOCKER_CDI_DIRS, dir)
         )
-    }
-    fn cdi_restart(&self) -> &'static str {
-        "restart dockerd to use it"
     }
     fn next_steps(&self, name: &str) -> Vec<String> {
         vec![

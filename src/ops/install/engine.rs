@@ -14,19 +14,50 @@ use crate::config::Config;
 
 /// One container engine's config: where it is, the edits gpushare makes to it and takes
 /// back, how doctor reads it, and what the operator does after each.
-pub(crate) trait EngineConfig: Sync {
+/// What an engine is, as data: its name, where its config and socket are, and the texts
+/// help and `install cdi --enable` show for it. One row per engine, in its module.
+#[derive(Debug)]
+pub(crate) struct About {
     /// Its name on the command line and in doctor's report: `docker`.
-    fn name(&self) -> &'static str;
+    pub name: &'static str,
     /// The config file the engine reads unless told otherwise.
-    fn default_config(&self) -> &'static str;
+    pub default_config: &'static str,
     /// The socket whose presence tells doctor the engine runs here.
-    fn default_socket(&self) -> &'static str;
+    pub default_socket: &'static str,
     /// How help texts name its config file: `Docker's daemon.json`.
-    fn config_name(&self) -> &'static str;
+    pub config_name: &'static str,
     /// `gpushare install <name>`'s help line.
-    fn install_about(&self) -> &'static str;
+    pub install_about: &'static str,
     /// `gpushare uninstall <name>`'s help line.
-    fn uninstall_about(&self) -> &'static str;
+    pub uninstall_about: &'static str,
+    /// The settings [`EngineConfig::enable_cdi`] makes, for `install cdi --enable`'s help:
+    /// `` `features.cdi`, `cdi-spec-dirs` ``.
+    pub cdi_settings: &'static str,
+    /// What to do for CDI turned on in the config to take effect.
+    pub cdi_restart: &'static str,
+}
+
+/// One container engine's config: where it is, the edits gpushare makes to it and takes
+/// back, how doctor reads it, and what the operator does after each.
+pub(crate) trait EngineConfig: Sync {
+    /// The engine's row.
+    fn about(&self) -> &'static About;
+    /// [`About::name`].
+    fn name(&self) -> &'static str {
+        self.about().name
+    }
+    /// [`About::default_config`].
+    fn default_config(&self) -> &'static str {
+        self.about().default_config
+    }
+    /// [`About::default_socket`].
+    fn default_socket(&self) -> &'static str {
+        self.about().default_socket
+    }
+    /// [`About::config_name`].
+    fn config_name(&self) -> &'static str {
+        self.about().config_name
+    }
     /// The flags of `gpushare install <name>` beyond those every engine takes.
     fn install_flags(&self) -> Vec<clap::Arg> {
         Vec::new()
@@ -63,13 +94,8 @@ pub(crate) trait EngineConfig: Sync {
         dir: &Path,
         version: Option<i64>,
     ) -> Result<Edited, InstallError>;
-    /// The settings [`Self::enable_cdi`] makes, for `install cdi --enable`'s help:
-    /// `` `features.cdi`, `cdi-spec-dirs` ``.
-    fn cdi_settings(&self) -> &'static str;
     /// How to ask this engine for a CDI device from the specs in `dir`: one line.
     fn cdi_usage(&self, dir: &Path) -> String;
-    /// What to do for CDI turned on in the config to take effect.
-    fn cdi_restart(&self) -> &'static str;
     /// What the operator does next for the engine to use runtime `name`.
     fn next_steps(&self, name: &str) -> Vec<String>;
     /// What the operator does for the engine to forget runtime `name`; `restored`: the

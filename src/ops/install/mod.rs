@@ -19,7 +19,7 @@ mod engine;
 mod file;
 pub(crate) mod undo;
 
-pub(crate) use engine::{named, EngineConfig, Removal};
+pub(crate) use engine::{named, About, EngineConfig, Removal};
 
 /// Every engine gpushare installs into, in the CLI's and doctor's order: an engine is its
 /// module, declared above, and its row here.
@@ -283,7 +283,7 @@ pub(super) fn plan_cdi(
     let text = file::read(&path)?;
     let edited = engine.enable_cdi(&path, &text, dir, version)?;
     Ok(CdiPlan {
-        restart: engine.cdi_restart(),
+        restart: engine.about().cdi_restart,
         path,
         text,
         edited,

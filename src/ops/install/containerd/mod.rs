@@ -643,28 +643,25 @@ pub(crate) fn is_launch_wrapper(content: &str) -> bool {
             .is_some_and(|l| l.starts_with(WRAPPER_MARK))
 }
 
+/// Containerd as data: its names, where its config and socket are, its help texts.
+const CONTAINERD: super::About = super::About {
+    name: "containerd",
+    default_config: DEFAULT_CONFIG,
+    default_socket: "/run/containerd/containerd.sock",
+    config_name: "containerd's config.toml",
+    install_about: "Add a runc-v2 runtime with BinaryName to containerd's config.toml (default /etc/containerd/config.toml)",
+    uninstall_about: "Remove the runtime's tables from containerd's config.toml (default /etc/containerd/config.toml), the hook-only base spec of ours it named, the NRI plugin `install containerd --nri-launch` put in its plugin_path, gpushare in NRI's required_plugins (`--nri-required node`), and the state of an NRI plugin that no longer runs (`<state-dir>/nri.json`)",
+    cdi_settings: "`enable_cdi`, `cdi_spec_dirs` of the CRI plugin",
+    cdi_restart: "restart containerd to use it",
+};
+
 /// containerd as one of gpushare's engines, with its own install flags: `--hook-only`
 /// ([`commands::hook_only`]) and `--nri` ([`commands::install_nri`]).
 pub(crate) struct Containerd;
 
 impl super::EngineConfig for Containerd {
-    fn name(&self) -> &'static str {
-        "containerd"
-    }
-    fn default_config(&self) -> &'static str {
-        DEFAULT_CONFIG
-    }
-    fn default_socket(&self) -> &'static str {
-        "/run/containerd/containerd.sock"
-    }
-    fn config_name(&self) -> &'static str {
-        "containerd's config.toml"
-    }
-    fn install_about(&self) -> &'static str {
-        "Add a runc-v2 runtime with BinaryName to containerd's config.toml (default /etc/containerd/config.toml)"
-    }
-    fn uninstall_about(&self) -> &'static str {
-        "Remove the runtime's tables from containerd's config.toml (default /etc/containerd/config.toml), the hook-only base spec of ours it named, the NRI plugin `install containerd --nri-launch` put in its plugin_path, gpushare in NRI's required_plugins (`--nri-required node`), and the state of an NRI plugin that no longer runs (`<state-dir>/nri.json`)"
+    fn about(&self) -> &'static super::About {
+        &CONTAINERD
     }
     fn install_flags(&self) -> Vec<clap::Arg> {
         commands::flags()
@@ -728,17 +725,11 @@ impl super::EngineConfig for Containerd {
         let version = version.unwrap_or_else(commands::installed_config_version);
         enable_cdi(path, text, dir, version)
     }
-    fn cdi_settings(&self) -> &'static str {
-        "`enable_cdi`, `cdi_spec_dirs` of the CRI plugin"
-    }
     fn cdi_usage(&self, dir: &Path) -> String {
         format!(
             "containerd 1.7+ (CRI): enable_cdi = true (the default in 2.x){} in the CRI runtime plugin's table (or: gpushare install cdi --enable containerd); kubelet passes CDI devices from device plugins and DRA drivers",
             super::spec_dirs_hint("cdi_spec_dirs = ", &CONTAINERD_CDI_DIRS, dir)
         )
-    }
-    fn cdi_restart(&self) -> &'static str {
-        "restart containerd to use it"
     }
     fn next_steps(&self, name: &str) -> Vec<String> {
         vec![
