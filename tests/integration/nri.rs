@@ -1466,6 +1466,18 @@ fn nri_evict_ends_an_unserved_container_with_a_request_and_no_other() {
         "{}",
         status(&["--format", "prometheus"])
     );
+    // Ended, it is unserved no more: status stops naming it (containerd tells the plugin
+    // of the exit, StopContainer; the re-audit would drop it too, its process gone).
+    assert!(
+        wait_until(Duration::from_secs(5), || status(&[
+            "--format",
+            "prometheus"
+        ])
+        .contains("\ngpushare_nri_unserved_containers 0\n")),
+        "{}",
+        status(&[])
+    );
+    assert!(!status(&[]).contains(&unserved), "{}", status(&[]));
     // Still 1 after more audits: the plain and the served container are never counted.
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(state(&plain), testkit::cri_api::CONTAINER_RUNNING);
