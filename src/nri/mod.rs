@@ -1402,6 +1402,35 @@ mod tests {
             None
         );
         assert_eq!(record_ids(&dirs, &daemon), ["c2"]);
+        // Started without the plugin's adjustment (created while it was away): the audit
+        // at StartContainer names it, while the session goes on; PostCreateContainer of
+        // one without a request names nothing; StopContainer takes it out.
+        let asks = |id: &str| api::Container {
+            annotations: HashMap::from([("gpushare.io/device".into(), "0".into())]),
+            ..ctr(id)
+        };
+        let unserved = |p: &Plugin| -> Vec<String> {
+            p.unserved
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|u| u.id.clone())
+                .collect()
+        };
+        assert_eq!(
+            rt.call(13, "StartContainer", &event(asks("c5"))).status,
+            None
+        );
+        assert_eq!(
+            rt.call(15, "PostCreateContainer", &event(ctr("c6"))).status,
+            None
+        );
+        assert_eq!(unserved(&plugin), ["c5"]);
+        assert_eq!(
+            rt.call(17, "StopContainer", &event(asks("c5"))).status,
+            None
+        );
+        assert!(unserved(&plugin).is_empty());
 
         // The runtime closes the connection: the session ends, registered, no panic.
         assert_eq!(rt.close(session), Ok(true));
