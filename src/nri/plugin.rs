@@ -482,6 +482,11 @@ impl Plugin {
         if carries_adjustment(&self.cfg, &self.dirs, &ctr.mounts, env) {
             return None;
         }
+        // Served by the shim (a pod of its RuntimeClass) or a hook: its edits are in the
+        // bundle, which NRI never sees. Read only for a container that looks unserved.
+        if self.served_elsewhere(&ctr.id) {
+            return None;
+        }
         let named = format!(
             "{}/{}/{} ({})",
             crate::util::escape(&pod.namespace),
@@ -503,6 +508,25 @@ impl Plugin {
             process,
             evicted: false,
         })
+    }
+
+    /// Whether another gpushare path (the shim, a hook) keeps a container record of this
+    /// container id: a record the plugin did not write, which only those paths write.
+    fn served_elsewhere(&self, id: &str) -> bool {
+        if !valid_container_id(id) {
+            return false;
+        }
+        self.dirs
+            .daemon_ids()
+            .unwrap_or_default()
+            .iter()
+            .any(|daemon| {
+                let path = self.dirs.containers_dir(daemon).join(format!("{id}.json"));
+                crate::fsops::read_regular(&path, 64 << 10)
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<ContainerRecord>(&b).ok())
+                    .is_some_and(|rec| rec.id == id && rec.engine.as_deref() != Some(ENGINE))
+            })
     }
 
     fn wake_audit(&self) {
@@ -848,6 +872,32 @@ mod evict_tests {
         );
         child.kill().unwrap();
         child.wait().unwrap();
+    }
+
+    /// A container the shim or a hook serves (a record of theirs under its id: the
+    /// edits are in the bundle, which NRI does not show) is not unserved; the plugin's own
+    /// record does not count.
+    #[test]
+    fn a_container_another_gpushare_path_serves_is_not_unserved() {
+        let dir = tempfile::tempdir().unwrap();
+        let plugin = Plugin::new(
+            crate::config::parse(
+                &format!("state-dir = {:?}\n", dir.path().display().to_string()),
+                None,
+            )
+            .unwrap(),
+        );
+        let daemon = "0".repeat(crate::identity::ID_LEN);
+        std::fs::create_dir_all(plugin.dirs.containers_dir(&daemon)).unwrap();
+        for (id, engine) in [("shim", None), ("mine", Some(ENGINE.into()))] {
+            let rec = ContainerRecord::new(id.into(), None, None, engine);
+            plugin.dirs.add_container(&daemon, &rec).unwrap();
+        }
+        assert_eq!(plugin.audit_event(&asks(), &ctr("shim", 0)), None);
+        assert_eq!(
+            plugin.audit_event(&asks(), &ctr("mine", 0)),
+            Some(vec!["team-a/trainer/cuda (mine)".to_owned()])
+        );
     }
 
     /// A `Synchronize` audit keeps the mark of a container already ended (not counted

@@ -1367,8 +1367,9 @@ fn nri_a_create_whose_answer_never_reached_containerd_leaves_no_record() {
 /// with a request be created unserved, and one without a request beside it. Once the
 /// plugin runs again its audit finds the first and, within one `[nri] audit-interval`,
 /// ends it (its init process killed through a pidfd: the container exits); the one
-/// without a request runs on, untouched, and so does a served one created before the
-/// stall (audited at its PostCreateContainer and StartContainer, never named). One log
+/// without a request runs on, untouched, and so do a served one created before the stall
+/// (audited at its PostCreateContainer and StartContainer, never named) and one of the
+/// shim's RuntimeClass created in it (served by the shim, whose record says so). One log
 /// line, `status`'s line and the counter `gpushare_nri_evicted_containers_total` say it.
 #[test]
 fn nri_evict_ends_an_unserved_container_with_a_request_and_no_other() {
@@ -1407,10 +1408,19 @@ fn nri_evict_ends_an_unserved_container_with_a_request_and_no_other() {
         run_as_user: Some(1000),
         ..Default::default()
     });
+    // A pod of the shim's RuntimeClass: the shim serves it, whatever NRI saw.
+    let r = node.pod(&PodSpec {
+        name: "shim",
+        annotations: &asks,
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
     plugin.signal(nix::sys::signal::Signal::SIGSTOP);
     let unserved = node.run(&p, &c);
     let plain = node.run(&q, &c);
+    let shim = node.run(&r, &c);
     assert!(!adjusted(&node, &unserved), "created without the plugin");
+    assert!(adjusted(&node, &shim), "served by the shim");
     let resumed = std::time::Instant::now();
     plugin.signal(nix::sys::signal::Signal::SIGCONT);
     let state = |id: &str| {
@@ -1482,6 +1492,7 @@ fn nri_evict_ends_an_unserved_container_with_a_request_and_no_other() {
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(state(&plain), testkit::cri_api::CONTAINER_RUNNING);
     assert_eq!(state(&served), testkit::cri_api::CONTAINER_RUNNING);
+    assert_eq!(state(&shim), testkit::cri_api::CONTAINER_RUNNING);
     assert!(!status(&[]).contains(&served), "{}", status(&[]));
     assert!(
         status(&["--format", "prometheus"]).contains("\ngpushare_nri_evicted_containers_total 1\n")
