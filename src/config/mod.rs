@@ -95,6 +95,17 @@ pub enum Limits {
     Advisory,
 }
 
+/// What the NRI plugin's audit does about a container with a request that runs without
+/// its adjustment (docs/configuration.md, `[nri] unserved`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NriUnserved {
+    /// Log it, name it in `status`, count it; touch nothing.
+    Report,
+    /// Also end it: its init process is killed (the kubelet recreates it).
+    Evict,
+}
+
 /// What the GPU process watcher does about what it finds (docs/configuration.md, `[watch]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -193,6 +204,11 @@ pub struct Config {
     /// `[nri] skip-namespaces`: the Kubernetes namespaces whose pods the NRI plugin
     /// leaves alone, from the runtime's own `PodSandbox.namespace`.
     pub nri_skip_namespaces: Vec<String>,
+    /// `[nri] audit-interval`: how often the plugin re-audits the unserved containers it
+    /// knows of (and, under `evict`, ends them).
+    pub nri_audit_interval: Duration,
+    /// `[nri] unserved`: report only, or also end what the audit finds.
+    pub nri_unserved: NriUnserved,
     /// `[cdi.profiles.<name>]`: the named limit profiles `gpushare cdi generate` offers as
     /// CDI devices `<device>-<name>`, by name.
     pub cdi_profiles: std::collections::BTreeMap<String, CdiProfile>,
@@ -437,6 +453,13 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
         cdi_profiles,
         watch: check.watch(&raw.watch)?,
         nri_skip_namespaces,
+        nri_audit_interval: check.duration(
+            "nri.audit-interval",
+            raw.nri.audit_interval.as_deref().unwrap_or("10s"),
+            |d| d >= Duration::from_secs(1) && d <= Duration::from_secs(600),
+            "a duration from 1s to 10m, like \"10s\"",
+        )?,
+        nri_unserved: raw.nri.unserved.unwrap_or(NriUnserved::Report),
     })
 }
 

@@ -44,6 +44,8 @@ pub(super) struct RawWatch {
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub(super) struct RawNri {
     pub(super) skip_namespaces: Option<Vec<String>>,
+    pub(super) audit_interval: Option<String>,
+    pub(super) unserved: Option<super::NriUnserved>,
 }
 
 #[derive(Deserialize, Default)]

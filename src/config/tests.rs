@@ -469,6 +469,33 @@ fn nri_skip_namespaces_are_namespace_names_with_defaults() {
 }
 
 #[test]
+fn nri_audit_interval_and_unserved_have_defaults_and_one_line_errors() {
+    let cfg = parse("", None).unwrap();
+    assert_eq!(cfg.nri_audit_interval, Duration::from_secs(10));
+    assert_eq!(cfg.nri_unserved, super::NriUnserved::Report);
+    let cfg = parse(
+        "[nri]\naudit-interval = \"2s\"\nunserved = \"evict\"\n",
+        None,
+    )
+    .unwrap();
+    assert_eq!(cfg.nri_audit_interval, Duration::from_secs(2));
+    assert_eq!(cfg.nri_unserved, super::NriUnserved::Evict);
+    for bad in ["0", "500ms", "11m", "ten"] {
+        let err = parse(&format!("[nri]\naudit-interval = {bad:?}\n"), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("nri.audit-interval") && err.contains("1s to 10m") && !err.contains('\n'),
+            "{err}"
+        );
+    }
+    let err = parse("[nri]\nunserved = \"kill\"\n", None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("report") && err.contains("evict"), "{err}");
+}
+
+#[test]
 fn default_device_is_unset_or_allocated() {
     assert_eq!(parse("", None).unwrap().default_device, None);
     assert_eq!(

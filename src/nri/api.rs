@@ -295,6 +295,7 @@ pub(crate) struct ValidateContainerAdjustmentResponse {
 pub(crate) mod event {
     pub(crate) const CREATE_CONTAINER: i32 = 4;
     pub(crate) const POST_CREATE_CONTAINER: i32 = 5;
+    pub(crate) const START_CONTAINER: i32 = 6;
     pub(crate) const STOP_CONTAINER: i32 = 10;
     pub(crate) const REMOVE_CONTAINER: i32 = 11;
     pub(crate) const VALIDATE_CONTAINER_ADJUSTMENT: i32 = 14;

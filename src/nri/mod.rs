@@ -7,7 +7,8 @@
 //! from its plugin directory, uses the socket it was handed in `NRI_PLUGIN_SOCKET`), splits
 //! it into NRI's two logical connections (`wire`), serves the plugin service on one and
 //! calls `RegisterPlugin` on the other; the runtime then calls `Configure` (the plugin
-//! subscribes to CreateContainer, PostCreateContainer, StopContainer, RemoveContainer),
+//! subscribes to CreateContainer, PostCreateContainer, StartContainer, StopContainer,
+//! RemoveContainer),
 //! `Synchronize` (every pod and container it has: `plugin::Plugin::synchronize`), and the
 //! events. Each request is answered on a thread of its own, so a slow daemon start does
 //! not hold up another container's events. When the runtime goes away (a restart), the
@@ -30,8 +31,11 @@
 //! plugin's adjustment), or NRI's default validator requiring the plugin (node-wide or per
 //! pod: docs/kubernetes.md). The plugin answers within a budget, so that the runtime never
 //! drops it for a late answer (`plugin`), and dials again whenever the connection ends;
-//! at each connection's `Synchronize` it audits the runtime's containers for any that got
-//! through unserved (`Plugin::audit`, reported in `nri.json`), and a create whose answer
+//! at each connection's `Synchronize`, and at each container's `PostCreateContainer` and
+//! `StartContainer`, it audits the runtime's containers for any that got through unserved
+//! (`Plugin::audit`, `Plugin::audit_event`, reported in `nri.json`), re-audits them every
+//! `[nri] audit-interval` and, under `[nri] unserved = "evict"`, ends them by their init
+//! process (`Plugin::audit_every`, a thread of its own), and a create whose answer
 //! could not be sent leaves no record (`Service::undelivered`). It says where it stands in
 //! `<state-dir>/nri.json` (`PluginState`: its pid, whether it is registered with a runtime,
 //! which one, since when), which `doctor` and `status` read.
@@ -102,6 +106,13 @@ pub(crate) struct PluginState {
     /// the plugin's adjustment (`Plugin::audit`): `<namespace>/<pod>/<container> (<id>)`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unserved: Vec<String>,
+    /// How many such containers this process ended (`[nri] unserved = "evict"`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub evicted: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl PluginState {
@@ -132,17 +143,25 @@ impl PluginState {
 }
 
 /// Puts what the audit found into the plugin's own state (`nri.json`), as long as that
-/// state is this process's.
-fn record_unserved(dirs: &StateDir, unserved: Vec<String>) {
+/// state is this process's; written only when it changed.
+fn record_unserved(dirs: &StateDir, unserved: Vec<String>, evicted: u64) {
     let Some(mut state) = PluginState::read(dirs) else {
         return;
     };
-    if state.process.map(|p| p.pid) != Some(std::process::id() as i32) || state.unserved == unserved
+    if state.process.map(|p| p.pid) != Some(std::process::id() as i32)
+        || (state.unserved == unserved && state.evicted == evicted)
     {
         return;
     }
     state.unserved = unserved;
+    state.evicted = evicted;
     state.write(&dirs.nri_state_path());
+}
+
+/// `record_unserved` with the plugin's count of evictions.
+fn record_audit(plugin: &Plugin, unserved: Vec<String>) {
+    let evicted = plugin.evicted.load(Ordering::Relaxed);
+    record_unserved(&plugin.dirs, unserved, evicted);
 }
 
 /// How the plugin reaches its runtime.
@@ -169,6 +188,11 @@ pub(crate) fn run(
     let plugin = Arc::new(Plugin::new(cfg.clone()));
     let reaper = Arc::clone(&plugin);
     std::thread::spawn(move || reap_children(&reaper));
+    let auditor = Arc::clone(&plugin);
+    std::thread::spawn(move || {
+        let dirs = auditor.dirs.clone();
+        auditor.audit_every(&|unserved, evicted| record_unserved(&dirs, unserved, evicted));
+    });
     if let Some(socket) = validator {
         let dirs = dirs.clone();
         std::thread::spawn(move || validator::keep(&dirs, &socket));
@@ -198,6 +222,7 @@ fn run_service<S: Service>(
                 since: crate::util::unix_now(),
                 error,
                 unserved: Vec::new(),
+                evicted: 0,
             }
             .write(&state_path)
         };
@@ -655,6 +680,7 @@ fn handle(
                 events: event::mask(&[
                     event::CREATE_CONTAINER,
                     event::POST_CREATE_CONTAINER,
+                    event::START_CONTAINER,
                     event::STOP_CONTAINER,
                     event::REMOVE_CONTAINER,
                 ]),
@@ -690,7 +716,7 @@ fn handle(
                 let all_pods = std::mem::take(&mut *pods);
                 drop((so_far, pods));
                 plugin.synchronize(&all);
-                record_unserved(&plugin.dirs, plugin.audit(&all_pods, &all));
+                record_audit(plugin, plugin.audit(&all_pods, &all));
             }
             api::SynchronizeResponse { more: req.more }.encode_to_vec()
         }
@@ -703,15 +729,22 @@ fn handle(
             }
             .encode_to_vec()
         }
-        "PostCreateContainer" => {
-            plugin.created(&event()?.container.unwrap_or_default());
+        "PostCreateContainer" | "StartContainer" => {
+            let ev = event()?;
+            let (pod, ctr) = (ev.pod.unwrap_or_default(), ev.container.unwrap_or_default());
+            if method == "PostCreateContainer" {
+                plugin.created(&ctr);
+            }
+            if let Some(unserved) = plugin.audit_event(&pod, &ctr) {
+                record_audit(plugin, unserved);
+            }
             Vec::new()
         }
         "StopContainer" | "RemoveContainer" => {
             let ctr = event()?.container.unwrap_or_default();
             plugin.release(&ctr);
             if let Some(left) = plugin.no_longer_unserved(&ctr) {
-                record_unserved(&plugin.dirs, left);
+                record_audit(plugin, left);
             }
             Vec::new()
         }
@@ -1302,6 +1335,7 @@ mod tests {
                 events: event::mask(&[
                     event::CREATE_CONTAINER,
                     event::POST_CREATE_CONTAINER,
+                    event::START_CONTAINER,
                     event::STOP_CONTAINER,
                     event::REMOVE_CONTAINER,
                 ]),
@@ -1368,6 +1402,35 @@ mod tests {
             None
         );
         assert_eq!(record_ids(&dirs, &daemon), ["c2"]);
+        // Started without the plugin's adjustment (created while it was away): the audit
+        // at StartContainer names it, while the session goes on; PostCreateContainer of
+        // one without a request names nothing; StopContainer takes it out.
+        let asks = |id: &str| api::Container {
+            annotations: HashMap::from([("gpushare.io/device".into(), "0".into())]),
+            ..ctr(id)
+        };
+        let unserved = |p: &Plugin| -> Vec<String> {
+            p.unserved
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|u| u.id.clone())
+                .collect()
+        };
+        assert_eq!(
+            rt.call(13, "StartContainer", &event(asks("c5"))).status,
+            None
+        );
+        assert_eq!(
+            rt.call(15, "PostCreateContainer", &event(ctr("c6"))).status,
+            None
+        );
+        assert_eq!(unserved(&plugin), ["c5"]);
+        assert_eq!(
+            rt.call(17, "StopContainer", &event(asks("c5"))).status,
+            None
+        );
+        assert!(unserved(&plugin).is_empty());
 
         // The runtime closes the connection: the session ends, registered, no panic.
         assert_eq!(rt.close(session), Ok(true));

@@ -159,6 +159,7 @@ mod tests {
                 since: 0,
                 error: None,
                 unserved: Vec::new(),
+                evicted: 0,
             };
             std::fs::write(state.nri_state_path(), serde_json::to_vec(&s).unwrap()).unwrap();
         };

@@ -1362,6 +1362,143 @@ fn nri_a_create_whose_answer_never_reached_containerd_leaves_no_record() {
     assert!(status(&["--format", "prometheus"]).contains("\ngpushare_nri_unserved_containers 0\n"));
 }
 
+/// `[nri] unserved = "evict"` through containerd 2.3.4's CRI plugin, with no validator
+/// (`--no-validator`, 2 s timeout): the plugin stopped past the timeout lets a container
+/// with a request be created unserved, and one without a request beside it. Once the
+/// plugin runs again its audit finds the first and, within one `[nri] audit-interval`,
+/// ends it (its init process killed through a pidfd: the container exits); the one
+/// without a request runs on, untouched, and so do a served one created before the stall
+/// (audited at its PostCreateContainer and StartContainer, never named) and one of the
+/// shim's RuntimeClass created in it (served by the shim, whose record says so). One log
+/// line, `status`'s line and the counter `gpushare_nri_evicted_containers_total` say it.
+#[test]
+fn nri_evict_ends_an_unserved_container_with_a_request_and_no_other() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::with_configs("[nri]\nunserved = \"evict\"\naudit-interval = \"2s\"", "");
+    let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri_2s);
+    let plugin = Plugin::start_with(&env, &node, &["--no-validator"]);
+    let asks = [("gpushare.io/device", "0")];
+    let c = ContainerSpec {
+        name: "c",
+        script: "exec sleep 3600",
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    // Served, with the plugin connected: audited at its PostCreateContainer and
+    // StartContainer, never named, never ended.
+    let s = node.plain_pod(&PodSpec {
+        name: "served",
+        annotations: &asks,
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
+    let served = node.run(&s, &c);
+    assert!(adjusted(&node, &served));
+    // The pods first: RunPodSandbox is a call of the runtime too.
+    let p = node.plain_pod(&PodSpec {
+        name: "unserved",
+        annotations: &asks,
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
+    let q = node.plain_pod(&PodSpec {
+        name: "plain",
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
+    // A pod of the shim's RuntimeClass: the shim serves it, whatever NRI saw.
+    let r = node.pod(&PodSpec {
+        name: "shim",
+        annotations: &asks,
+        run_as_user: Some(1000),
+        ..Default::default()
+    });
+    plugin.signal(nix::sys::signal::Signal::SIGSTOP);
+    let unserved = node.run(&p, &c);
+    let plain = node.run(&q, &c);
+    let shim = node.run(&r, &c);
+    assert!(!adjusted(&node, &unserved), "created without the plugin");
+    assert!(adjusted(&node, &shim), "served by the shim");
+    let resumed = std::time::Instant::now();
+    plugin.signal(nix::sys::signal::Signal::SIGCONT);
+    let state = |id: &str| {
+        node.cri()
+            .container_status(id)
+            .unwrap()
+            .status
+            .unwrap()
+            .state
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), || state(&unserved)
+            == testkit::cri_api::CONTAINER_EXITED),
+        "the unserved container was not ended: {}",
+        env.gpushare_log()
+    );
+    eprintln!("evicted {:?} after the plugin ran again", resumed.elapsed());
+    assert_eq!(state(&plain), testkit::cri_api::CONTAINER_RUNNING);
+    let log = env.gpushare_log();
+    assert_eq!(
+        log.matches("NRI audit: evicted an unserved container with a request")
+            .count(),
+        1,
+        "{log}"
+    );
+    assert!(
+        log.contains(&unserved) && !log.contains(&format!("({plain})")),
+        "{log}"
+    );
+    assert_eq!(
+        log.matches("NRI audit: a container with a request runs without gpushare's adjustment")
+            .count(),
+        1,
+        "found once: {log}"
+    );
+    let status = |args: &[&str]| {
+        let out = env
+            .cmd(gpushare())
+            .arg("status")
+            .args(args)
+            .output()
+            .unwrap();
+        text(&out)
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), || status(&[])
+            .contains("it evicted 1 unserved container(s)")),
+        "{}",
+        status(&[])
+    );
+    assert!(
+        status(&["--format", "prometheus"]).contains("\ngpushare_nri_evicted_containers_total 1\n"),
+        "{}",
+        status(&["--format", "prometheus"])
+    );
+    // Ended, it is unserved no more: status stops naming it (containerd tells the plugin
+    // of the exit, StopContainer; the re-audit would drop it too, its process gone).
+    assert!(
+        wait_until(Duration::from_secs(5), || status(&[
+            "--format",
+            "prometheus"
+        ])
+        .contains("\ngpushare_nri_unserved_containers 0\n")),
+        "{}",
+        status(&[])
+    );
+    assert!(!status(&[]).contains(&unserved), "{}", status(&[]));
+    // Still 1 after more audits: the plain and the served container are never counted.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(state(&plain), testkit::cri_api::CONTAINER_RUNNING);
+    assert_eq!(state(&served), testkit::cri_api::CONTAINER_RUNNING);
+    assert_eq!(state(&shim), testkit::cri_api::CONTAINER_RUNNING);
+    assert!(!status(&[]).contains(&served), "{}", status(&[]));
+    assert!(
+        status(&["--format", "prometheus"]).contains("\ngpushare_nri_evicted_containers_total 1\n")
+    );
+}
+
 /// A pod's annotations against its allocation, through containerd 2.3.4's CRI plugin: a
 /// pod's own annotations are the pod author's, and containerd hands NRI every one of them. A pod
 /// with no GPU allocated that writes `gpushare.io/device: allocated` beside a forged

@@ -222,8 +222,10 @@ pub(crate) struct NriView {
     /// Since when (Unix seconds) it has been connected, or not.
     pub since: u64,
     pub error: Option<String>,
-    /// Containers with a request that its last audit found running unserved.
+    /// Containers with a request that its audits found running unserved.
     pub unserved: Vec<String>,
+    /// How many such containers it ended (`[nri] unserved = "evict"`).
+    pub evicted: u64,
 }
 
 impl NriView {
@@ -236,14 +238,26 @@ impl NriView {
             since: s.since,
             error: s.error.as_deref().map(crate::util::escape),
             unserved: s.unserved.iter().map(|u| crate::util::escape(u)).collect(),
+            evicted: s.evicted,
         })
     }
 
     /// One line for people: connected to what, or why not and what a pod gets meanwhile.
     pub(crate) fn line(&self) -> String {
+        let mut line = self.state_line();
+        if self.evicted > 0 {
+            line += &format!(
+                "; it evicted {} unserved container(s) ([nri] unserved = \"evict\")",
+                self.evicted
+            );
+        }
+        line
+    }
+
+    fn state_line(&self) -> String {
         match (self.running, self.connected) {
             (true, true) if !self.unserved.is_empty() => format!(
-                "NRI plugin connected to {}; {} container(s) with a request run unserved, created while it was not connected (recreate them): {}",
+                "NRI plugin connected to {}; {} container(s) with a request run unserved, created while it was not connected or stalled (recreate them): {}",
                 self.runtime.as_deref().unwrap_or("the runtime"),
                 self.unserved.len(),
                 self.unserved.join(", ")

@@ -477,8 +477,14 @@ pub(crate) fn prometheus(view: &StatusView) -> String {
         metric(
             "gpushare_nri_unserved_containers",
             "gauge",
-            "Containers with a request that the NRI plugin's last audit (at its last connection) found running without its adjustment.",
+            "Containers with a request that the NRI plugin's audits (at each connection, each container's creation and start, and every [nri] audit-interval) found running without its adjustment.",
             vec![(String::new(), nri.unserved.len().to_string())],
+        );
+        metric(
+            "gpushare_nri_evicted_containers_total",
+            "counter",
+            "Unserved containers with a request that the NRI plugin ended ([nri] unserved = \"evict\") since it started.",
+            vec![(String::new(), nri.evicted.to_string())],
         );
     }
     out
