@@ -107,9 +107,28 @@ impl Check {
         key: &'static str,
         list: Option<Vec<String>>,
     ) -> Result<Vec<String>, ConfigError> {
-        let Some(list) = list else {
-            return Ok(DEFAULT_NRI_SKIP_NAMESPACES.map(String::from).to_vec());
-        };
+        let list = list.unwrap_or_else(|| DEFAULT_NRI_SKIP_NAMESPACES.map(String::from).to_vec());
+        self.labels(key, list, "Kubernetes namespace names")
+    }
+
+    /// `[nri] shim-handlers`: RuntimeClass handlers (RFC 1123 labels, as Kubernetes
+    /// requires of a handler).
+    pub(super) fn handlers(
+        &self,
+        key: &'static str,
+        list: Option<Vec<String>>,
+    ) -> Result<Vec<String>, ConfigError> {
+        let list = list.unwrap_or_else(|| DEFAULT_NRI_SHIM_HANDLERS.map(String::from).to_vec());
+        self.labels(key, list, "RuntimeClass handler names")
+    }
+
+    /// `list` when every name is an RFC 1123 label.
+    fn labels(
+        &self,
+        key: &'static str,
+        list: Vec<String>,
+        what: &str,
+    ) -> Result<Vec<String>, ConfigError> {
         for name in &list {
             let edge =
                 |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
@@ -123,7 +142,7 @@ impl Check {
                 return Err(self.bad(
                     key,
                     name,
-                    "a list of Kubernetes namespace names (at most 63 lowercase letters, digits and -, starting and ending with a letter or digit), [] for none",
+                    &format!("a list of {what} (at most 63 lowercase letters, digits and -, starting and ending with a letter or digit), [] for none"),
                 ));
             }
         }

@@ -35,6 +35,10 @@ pub(crate) const ENV_VAR: &str = "GPUSHARE_CONFIG";
 /// distinct limits cannot leave daemons behind forever.
 pub(crate) const DEFAULT_IDLE_TIMEOUT: &str = "5m";
 
+/// `[nri] shim-handlers` by default: the runtime `gpushare install containerd` registers,
+/// which the RuntimeClass names.
+pub(crate) const DEFAULT_NRI_SHIM_HANDLERS: [&str; 1] = ["gpushare"];
+
 /// `[nri] skip-namespaces` by default: the cluster's own and the GPU Operator's (its Helm
 /// chart's and OpenShift's namespaces), whose pods (validators, device plugins) must see
 /// their GPU as it is.
@@ -209,6 +213,9 @@ pub struct Config {
     pub nri_audit_interval: Duration,
     /// `[nri] unserved`: report only, or also end what the audit finds.
     pub nri_unserved: NriUnserved,
+    /// `[nri] shim-handlers`: the runtime handlers whose containers gpushare's shim serves
+    /// (the RuntimeClass's), which the NRI validator lets through unadjusted.
+    pub nri_shim_handlers: Vec<String>,
     /// `[cdi.profiles.<name>]`: the named limit profiles `gpushare cdi generate` offers as
     /// CDI devices `<device>-<name>`, by name.
     pub cdi_profiles: std::collections::BTreeMap<String, CdiProfile>,
@@ -460,6 +467,7 @@ pub fn parse(text: &str, path: Option<&Path>) -> Result<Config, ConfigError> {
             "a duration from 1s to 10m, like \"10s\"",
         )?,
         nri_unserved: raw.nri.unserved.unwrap_or(NriUnserved::Report),
+        nri_shim_handlers: check.handlers("nri.shim-handlers", raw.nri.shim_handlers)?,
     })
 }
 

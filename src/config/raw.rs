@@ -46,6 +46,7 @@ pub(super) struct RawNri {
     pub(super) skip_namespaces: Option<Vec<String>>,
     pub(super) audit_interval: Option<String>,
     pub(super) unserved: Option<super::NriUnserved>,
+    pub(super) shim_handlers: Option<Vec<String>>,
 }
 
 #[derive(Deserialize, Default)]

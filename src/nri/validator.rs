@@ -69,6 +69,11 @@ impl Validator {
             req.pod.clone().unwrap_or_default(),
             req.container.clone().unwrap_or_default(),
         );
+        // A pod of gpushare's RuntimeClass: the shim serves it when runc creates it (or
+        // refuses it), after this adjustment; the plugin's absence takes nothing from it.
+        if self.cfg.nri_shim_handlers.contains(&pod.runtime_handler) {
+            return api::ValidateContainerAdjustmentResponse::default();
+        }
         let asks = match plugin::serves(&self.cfg, &pod, &ctr) {
             Ok(false) => return api::ValidateContainerAdjustmentResponse::default(),
             Ok(true) => "asks for an MPS share".to_owned(),
@@ -421,6 +426,22 @@ mod tests {
                     verdict.reason
                 );
             }
+        }
+    }
+
+    /// A pod of the shim's RuntimeClass (its runtime handler in `[nri] shim-handlers`) is
+    /// the shim's to serve: let through unadjusted; a pod of any other handler is not.
+    #[test]
+    fn a_pod_of_the_shim_s_runtime_class_is_let_through() {
+        let v = Validator::new(&cfg(), "gpushare");
+        let on = |handler: &str| {
+            let mut req = request(&[("gpushare.io/device", "0")], "team-a", None);
+            req.pod.as_mut().unwrap().runtime_handler = handler.into();
+            v.verdict(&req).reject
+        };
+        assert!(!on("gpushare"), "the shim's class");
+        for other in ["", "runc", "gpushare-hooks", "nvidia"] {
+            assert!(on(other), "{other:?}");
         }
     }
 

@@ -1102,6 +1102,60 @@ fn nri_default_validator_refuses_pods_that_need_the_plugin_while_it_is_down() {
     );
 }
 
+/// A pod of gpushare's RuntimeClass is the shim's to serve, whatever NRI did: with the
+/// plugin killed and its validator up, its container starts, served by the shim (the
+/// validator lets the RuntimeClass's handler through, `[nri] shim-handlers`), while a pod
+/// of the default runtime with the same request is still refused.
+#[test]
+fn nri_validator_lets_the_shim_s_runtime_class_through_while_the_plugin_is_down() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::new();
+    let configure = |config: &Path| {
+        enable_nri_2s(config);
+        let out = env
+            .cmd(gpushare())
+            .args(["install", "containerd", "--nri", "--nri-required", "pods"])
+            .arg("--config")
+            .arg(config)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out));
+    };
+    let mut node = Node::start_fetched_with(&env, bin, 3, &configure);
+    let (mut plugin, _) = Plugin::start_validated(&env, &node);
+    let asks = [("gpushare.io/device", "0")];
+    let spec = |name: &'static str| PodSpec {
+        name,
+        annotations: &asks,
+        run_as_user: Some(1000),
+        ..Default::default()
+    };
+    let shim = node.pod(&spec("s1"));
+    let plain = node.plain_pod(&spec("p1"));
+    plugin.signal(nix::sys::signal::Signal::SIGKILL);
+    plugin.stop();
+    let c = |attempt: u32| ContainerSpec {
+        name: "c",
+        script: "exec sleep 3600",
+        run_as_user: Some(1000),
+        attempt,
+        ..Default::default()
+    };
+    // The first create after the kill meets the plugin's dead entry; either way the
+    // shim's pod goes through the validator and the shim serves it.
+    let id = node
+        .try_run(&shim, &c(0))
+        .or_else(|_| node.try_run(&shim, &c(1)))
+        .unwrap_or_else(|e| panic!("the shim's pod was refused: {e}\n{}", env.gpushare_log()));
+    assert!(adjusted(&node, &id), "the shim served it");
+    let err = node
+        .try_run(&plain, &c(0))
+        .expect_err("refused: the plugin is down and the pod is not the shim's");
+    assert!(err.message.contains("did not adjust it"), "{err}");
+}
+
 /// gpushare's validator (`gpushare nri-validate`, which `gpushare nri` keeps running)
 /// against each way containerd 2.3.4 lets a container through without the plugin's
 /// adjustment, through its CRI plugin with the default request timeout (2 s), on a node
