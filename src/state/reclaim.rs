@@ -118,10 +118,10 @@ impl StateDir {
 mod tests {
     use super::*;
     use crate::state::{ContainerRecord, DaemonRecord, DaemonStatus, ProcRef};
-    use std::time::Duration;
 
-    fn record(id: &str, supervisor: Option<ProcRef>) -> DaemonRecord {
-        let identity = crate::identity::Identity {
+    /// The one identity these tests' daemon has (a host-IPC per-user daemon on GPU 0).
+    fn identity() -> crate::identity::Identity {
+        crate::identity::Identity {
             devices: vec!["GPU-8f8bff94-112e-9541-43da-cfd453333404".into()],
             uid: 1000,
             gid: 1000,
@@ -129,7 +129,11 @@ mod tests {
             limits: Default::default(),
             ipc_host: true,
             tenant: None,
-        };
+        }
+    }
+
+    fn record(id: &str, supervisor: Option<ProcRef>) -> DaemonRecord {
+        let identity = identity();
         assert_eq!(identity.id(), id);
         DaemonRecord {
             id: id.into(),
@@ -150,16 +154,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let state = StateDir::new(dir.path().join("s"));
         state.ensure_root().unwrap();
-        let id = crate::identity::Identity {
-            devices: vec!["GPU-8f8bff94-112e-9541-43da-cfd453333404".into()],
-            uid: 1000,
-            gid: 1000,
-            multi_user: false,
-            limits: Default::default(),
-            ipc_host: true,
-            tenant: None,
-        }
-        .id();
+        let id = identity().id();
         assert_eq!(state.reclaim_abandoned(&id, 30).unwrap(), Abandoned::Gone);
         std::fs::create_dir_all(state.containers_dir(&id)).unwrap();
         std::fs::create_dir_all(state.pipe_dir(&id)).unwrap();
@@ -206,18 +201,8 @@ mod tests {
 
     fn budget(clients: Option<std::sync::Arc<crate::state::AskClients>>) -> Budget {
         Budget {
-            shm_size: "1M".into(),
-            shm_bytes: 1 << 20,
-            shm_per_uid: None,
-            shm_total: None,
-            log_size: 1 << 20,
-            max_daemons: 1,
-            max_daemons_per_uid: 1,
-            lock_wait: Duration::from_secs(1),
-            pending_grace: 30,
-            stop_grace: Duration::from_secs(1),
-            config: "/etc/gpushare/runtime.toml".into(),
             clients,
+            ..crate::state::skeleton::test_budget(1, 1)
         }
     }
 
@@ -228,16 +213,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let state = StateDir::new(dir.path().join("s"));
         state.ensure_root().unwrap();
-        let id = crate::identity::Identity {
-            devices: vec!["GPU-8f8bff94-112e-9541-43da-cfd453333404".into()],
-            uid: 1000,
-            gid: 1000,
-            multi_user: false,
-            limits: Default::default(),
-            ipc_host: true,
-            tenant: None,
-        }
-        .id();
+        let id = identity().id();
         let id = id.as_str();
         std::fs::create_dir_all(state.containers_dir(id)).unwrap();
         // The supervisor the record names: a process of this test's, stopped by SIGTERM.

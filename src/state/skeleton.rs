@@ -568,25 +568,32 @@ impl Cap {
     }
 }
 
+/// A budget of 1 MiB tmpfs mounts under the two daemon caps given, for the state
+/// directory's unit tests.
+#[cfg(test)]
+pub(super) fn test_budget(max_daemons: u32, max_daemons_per_uid: u32) -> Budget {
+    Budget {
+        shm_size: "1M".into(),
+        shm_bytes: 1 << 20,
+        shm_per_uid: None,
+        shm_total: None,
+        log_size: 1 << 20,
+        max_daemons,
+        max_daemons_per_uid,
+        lock_wait: Duration::from_secs(1),
+        pending_grace: 30,
+        stop_grace: Duration::from_secs(1),
+        config: "/etc/gpushare/runtime.toml".into(),
+        clients: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn budget(max_daemons: u32, max_daemons_per_uid: u32) -> Budget {
-        Budget {
-            shm_size: "1M".into(),
-            shm_bytes: 1 << 20,
-            shm_per_uid: None,
-            shm_total: None,
-            log_size: 1 << 20,
-            max_daemons,
-            max_daemons_per_uid,
-            lock_wait: Duration::from_secs(1),
-            pending_grace: 30,
-            stop_grace: Duration::from_secs(1),
-            config: "/etc/gpushare/runtime.toml".into(),
-            clients: None,
-        }
+        test_budget(max_daemons, max_daemons_per_uid)
     }
 
     /// Each cap with its use and the daemons it admits; the node's capacity is the least
