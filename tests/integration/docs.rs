@@ -738,6 +738,26 @@ fn crate_uses(text: &str) -> Vec<String> {
     out
 }
 
+/// The source files of top-level library module `module` (`src/<module>.rs` and
+/// `src/<module>/**`), each with the top-level modules its code uses (`crate_uses`), and its
+/// path under `src`.
+fn module_uses(src: &Path, module: &str) -> Vec<(String, Vec<String>)> {
+    let mut files = Vec::new();
+    library_files(src, module, &mut files);
+    files
+        .iter()
+        .filter_map(|file| {
+            let rel = file.strip_prefix(src).unwrap();
+            // `library_files` also finds a deeper `<module>.rs` of another module.
+            let top = rel.components().next()?.as_os_str().to_string_lossy();
+            (top.trim_end_matches(".rs") == module).then(|| {
+                let text = std::fs::read_to_string(file).unwrap();
+                (rel.display().to_string(), crate_uses(&text))
+            })
+        })
+        .collect()
+}
+
 /// ARCHITECTURE.md's claim "a module uses only the modules listed below its own line",
 /// checked against every `crate::` path outside unit tests and comments: no module reaches
 /// up the map or beside it (a module on its own line), and so no circle runs through it.
@@ -747,35 +767,19 @@ fn no_module_uses_one_listed_above_it() {
     let layers = architecture_layers(&arch);
     let rank = |m: &str| layers.iter().position(|l| l.iter().any(|n| n == m));
     let src = root().join("src");
-    let mut files = Vec::new();
     let mut problems = Vec::new();
     let mut uses = 0;
     for layer in &layers {
         for module in layer {
-            files.clear();
-            library_files(&src, module, &mut files);
-            for file in &files {
-                let rel = file.strip_prefix(&src).unwrap();
-                // `library_files` also finds a deeper `<module>.rs` of another module.
-                let top = rel
-                    .components()
-                    .next()
-                    .unwrap()
-                    .as_os_str()
-                    .to_string_lossy();
-                if top.trim_end_matches(".rs") != module {
-                    continue;
-                }
-                let text = std::fs::read_to_string(file).unwrap();
-                for used in crate_uses(&text) {
+            for (rel, used_all) in module_uses(&src, module) {
+                for used in used_all {
                     let (Some(at), Some(own)) = (rank(&used), rank(module)) else {
                         continue;
                     };
                     uses += 1;
                     if at <= own && used != *module {
                         problems.push(format!(
-                            "src/{}: uses crate::{used}, which ARCHITECTURE.md's module map lists above or beside `{module}`",
-                            rel.display()
+                            "src/{rel}: uses crate::{used}, which ARCHITECTURE.md's module map lists above or beside `{module}`"
                         ));
                     }
                 }
@@ -801,29 +805,14 @@ const ENTRY_PATHS: [&str; 4] = ["runtime", "hookonly", "nri", "cdi"];
 fn no_entry_path_uses_another() {
     let src = root().join("src");
     let mut problems = Vec::new();
-    let mut files = Vec::new();
     let mut read = 0;
     for path in ENTRY_PATHS {
-        files.clear();
-        library_files(&src, path, &mut files);
-        for file in &files {
-            let rel = file.strip_prefix(&src).unwrap();
-            let top = rel
-                .components()
-                .next()
-                .unwrap()
-                .as_os_str()
-                .to_string_lossy();
-            if top.trim_end_matches(".rs") != path {
-                continue;
-            }
+        for (rel, used_all) in module_uses(&src, path) {
             read += 1;
-            let text = std::fs::read_to_string(file).unwrap();
-            for used in crate_uses(&text) {
+            for used in used_all {
                 if used != path && ENTRY_PATHS.contains(&used.as_str()) {
                     problems.push(format!(
-                        "src/{}: the entry path `{path}` uses the entry path `{used}`; give what both need a home in `served` or below",
-                        rel.display()
+                        "src/{rel}: the entry path `{path}` uses the entry path `{used}`; give what both need a home in `served` or below"
                     ));
                 }
             }

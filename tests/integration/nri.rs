@@ -1102,6 +1102,21 @@ fn nri_default_validator_refuses_pods_that_need_the_plugin_while_it_is_down() {
     );
 }
 
+/// `config` with NRI on (a 2 s request timeout) and `gpushare install containerd --nri
+/// --nri-required pods` run on it, which succeeded; its output.
+fn install_required_pods(env: &Env, config: &Path) -> std::process::Output {
+    enable_nri_2s(config);
+    let out = env
+        .cmd(gpushare())
+        .args(["install", "containerd", "--nri", "--nri-required", "pods"])
+        .arg("--config")
+        .arg(config)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    out
+}
+
 /// A pod of gpushare's RuntimeClass is the shim's to serve, whatever NRI did: with the
 /// plugin killed and its validator up, its container starts, served by the shim (the
 /// validator lets the RuntimeClass's handler through, `[nri] shim-handlers`), while a pod
@@ -1113,15 +1128,7 @@ fn nri_validator_lets_the_shim_s_runtime_class_through_while_the_plugin_is_down(
     };
     let env = Env::new();
     let configure = |config: &Path| {
-        enable_nri_2s(config);
-        let out = env
-            .cmd(gpushare())
-            .args(["install", "containerd", "--nri", "--nri-required", "pods"])
-            .arg("--config")
-            .arg(config)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", text(&out));
+        install_required_pods(&env, config);
     };
     let mut node = Node::start_fetched_with(&env, bin, 3, &configure);
     let (mut plugin, _) = Plugin::start_validated(&env, &node);
@@ -1177,15 +1184,7 @@ fn nri_validator_refuses_containers_the_plugin_did_not_adjust() {
     };
     let env = Env::new();
     let configure = |config: &Path| {
-        enable_nri_2s(config);
-        let out = env
-            .cmd(gpushare())
-            .args(["install", "containerd", "--nri", "--nri-required", "pods"])
-            .arg("--config")
-            .arg(config)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", text(&out));
+        let out = install_required_pods(&env, config);
         // The posture names the validator, which needs no step of its own.
         assert!(
             text(&out).contains("`gpushare nri-validate`"),
@@ -1943,15 +1942,7 @@ fn nri_validator_soak() {
     };
     let env = Env::new();
     let configure = |config: &Path| {
-        enable_nri_2s(config);
-        let out = env
-            .cmd(gpushare())
-            .args(["install", "containerd", "--nri", "--nri-required", "pods"])
-            .arg("--config")
-            .arg(config)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", text(&out));
+        install_required_pods(&env, config);
     };
     let mut node = Node::start_fetched_with(&env, bin, 3, &configure);
     let (mut plugin, _) = Plugin::start_validated(&env, &node);
