@@ -326,13 +326,13 @@ impl StateDir {
         Ok(self
             .container_files(id)?
             .into_iter()
-            .map(|(rec, _)| rec)
+            .map(|(rec, _, _)| rec)
             .collect())
     }
 
-    /// Every container record of daemon `id` that parses, with the bytes it was read from,
-    /// sorted by container id.
-    fn container_files(&self, id: &str) -> Result<Vec<(ContainerRecord, Vec<u8>)>, StateError> {
+    /// Every container record of daemon `id` that parses, with the bytes it was read from
+    /// and the file that held them, sorted by container id.
+    fn container_files(&self, id: &str) -> Result<Vec<RecordFile>, StateError> {
         Self::check_id(id)?;
         let dir = self.containers_dir(id);
         let entries = match std::fs::read_dir(&dir) {
@@ -349,7 +349,7 @@ impl StateDir {
             }
             if let Ok(bytes) = fsops::read_regular(&entry.path(), MAX_RECORD_BYTES) {
                 if let Ok(rec) = serde_json::from_slice::<ContainerRecord>(&bytes) {
-                    out.push((rec, bytes));
+                    out.push((rec, bytes, entry.path()));
                 }
             }
         }
@@ -392,8 +392,8 @@ impl StateDir {
         let (live, stale): (Vec<_>, Vec<_>) = self
             .container_files(id)?
             .into_iter()
-            .partition(|(rec, _)| rec.live(pending_grace));
-        let mut live: Vec<ContainerRecord> = live.into_iter().map(|(rec, _)| rec).collect();
+            .partition(|(rec, _, _)| rec.live(pending_grace));
+        let mut live: Vec<ContainerRecord> = live.into_iter().map(|(rec, _, _)| rec).collect();
         if stale.is_empty() {
             return Ok((live, 0));
         }
@@ -404,8 +404,8 @@ impl StateDir {
             return Ok((live, 0));
         };
         let mut removed = 0;
-        for (rec, judged_bytes) in stale {
-            let path = self.container_path(id, &rec.id)?;
+        // The very file that was judged, not the one its record's id would name.
+        for (_, judged_bytes, path) in stale {
             let now = match fsops::read_regular(&path, MAX_RECORD_BYTES) {
                 Ok(b) => b,
                 Err(_) => continue,
@@ -424,6 +424,9 @@ impl StateDir {
         Ok((live, removed))
     }
 }
+
+/// A container record as read: what it says, its bytes, the file that held them.
+type RecordFile = (ContainerRecord, Vec<u8>, PathBuf);
 
 /// How long a writer of one container record waits for a sweep's comparison and removal.
 const RECORDS_LOCK_WAIT: Duration = Duration::from_secs(2);
@@ -693,6 +696,28 @@ mod tests {
         state.add_container(id, &pending).unwrap();
         assert_eq!(state.sweep_with(id, 60, || {}).unwrap(), (vec![], 1));
         assert!(state.containers(id).unwrap().is_empty());
+    }
+
+    /// A sweep removes the file it judged, whatever id the record inside names: a stale
+    /// record at `a.json` that says it is `b` goes, the live `b.json` stays.
+    #[test]
+    fn a_sweep_removes_the_file_it_judged_not_the_one_its_id_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = StateDir::new(dir.path());
+        let id = "0123456789abcdef0123456789abcdef";
+        std::fs::create_dir_all(state.containers_dir(id)).unwrap();
+        let me = std::process::id() as i32;
+        let live = ContainerRecord::new("b".into(), Some(me), None, None);
+        state.add_container(id, &live).unwrap();
+        let stale = ContainerRecord::new("b".into(), Some(i32::MAX), None, None);
+        let misnamed = state.containers_dir(id).join("a.json");
+        std::fs::write(&misnamed, serde_json::to_vec(&stale).unwrap()).unwrap();
+        assert_eq!(
+            state.sweep_containers(id, 10).unwrap(),
+            (vec![live.clone()], 1)
+        );
+        assert!(!misnamed.exists());
+        assert_eq!(state.containers(id).unwrap(), vec![live]);
     }
 
     /// A sweep removes nothing while a writer holds the records lock (it gives up after
