@@ -295,7 +295,7 @@ mod tests {
         // parses as one device.
         let hooks = d["containerEdits"]["hooks"].as_array().expect("hooks");
         assert_eq!(
-            crate::spec::SpecFile::cdi_asks_in(hooks).expect("asks"),
+            crate::bundle::SpecFile::cdi_asks_in(hooks).expect("asks"),
             [CdiAsk {
                 device: "1-mig-2".into(),
                 profile: Some("small".into())

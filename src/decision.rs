@@ -44,7 +44,7 @@ use crate::config::Config;
 use crate::device::{is_well_formed_uuid, ResolvedDevices};
 use crate::identity::{valid_id, Identity, Tenant, ID_ALLOWED};
 use crate::request::{self, DeviceValue, IpcMode, Request};
-use crate::spec::SpecFile;
+use crate::bundle::SpecFile;
 
 /// A request served on this node: what the pipeline decided for it.
 #[derive(Debug)]

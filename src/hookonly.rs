@@ -30,7 +30,7 @@ use crate::config::Config;
 use crate::hook::State;
 use crate::request;
 use crate::served::{Inside, MountPlan};
-use crate::spec::SpecFile;
+use crate::bundle::SpecFile;
 use crate::state::StateDir;
 
 /// `prestart` in hook-only mode: `cdi` is the request of the CDI hook

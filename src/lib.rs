@@ -14,6 +14,7 @@
 // `pub` that nothing outside can reach is a warning (an error under `-D warnings`).
 #![warn(unreachable_pub)]
 
+pub mod bundle;
 mod cdi;
 pub mod cli;
 pub mod config;
@@ -35,7 +36,6 @@ pub mod request;
 mod rootfs;
 pub mod runtime;
 pub mod served;
-pub mod spec;
 pub mod state;
 #[allow(unsafe_code)]
 mod sys;

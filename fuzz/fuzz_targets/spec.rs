@@ -7,9 +7,9 @@ use std::path::Path;
 
 use gpushare::served::{Inside, MountPlan};
 use gpushare::request::IpcMode;
-use gpushare::spec::edits::{apply_all, plan, ContainerPlan, SetHooks};
+use gpushare::bundle::edits::{apply_all, plan, ContainerPlan, SetHooks};
 use gpushare::state::StateDir;
-use gpushare::spec::{RawSpec, SpecFile};
+use gpushare::bundle::{RawSpec, SpecFile};
 use libfuzzer_sys::fuzz_target;
 
 fn decision(host: bool) -> ContainerPlan {

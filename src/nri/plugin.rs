@@ -46,7 +46,7 @@ use super::api::{self, Container, ContainerAdjustment, PodSandbox};
 use crate::config::Config;
 use crate::config::NriUnserved;
 use crate::served::{Inside, MountPlan};
-use crate::spec::SpecFile;
+use crate::bundle::SpecFile;
 use crate::state::{valid_container_id, ContainerRecord, PodNames, ProcRef, StateDir};
 
 /// The `engine` of the container records the plugin writes: how `Synchronize` tells its
@@ -941,7 +941,7 @@ mod the_renderings_agree {
             // The spec edits on a spec without mounts: the daemon's binds, then (host
             // IPC) the host's /dev/shm, which an engine's own host IPC brings elsewhere.
             let mut doc: Map<String, Value> = Map::new();
-            crate::spec::edits::apply_all(&mut doc, &plan.spec_edits()).unwrap();
+            crate::bundle::edits::apply_all(&mut doc, &plan.spec_edits()).unwrap();
             let mut spec = doc["mounts"].as_array().unwrap().clone();
             if plan.ipc == IpcMode::Host {
                 let host = spec.pop().unwrap();
@@ -1051,7 +1051,7 @@ fn gpushare_hook(ctr: &Container) -> Option<String> {
     .flatten()
     .find_map(|h| {
         let v = json!({"path": h.path, "args": h.args});
-        crate::spec::edits::gpushare_hook_stage(&v).map(str::to_owned)
+        crate::bundle::edits::gpushare_hook_stage(&v).map(str::to_owned)
     })
 }
 

@@ -496,7 +496,7 @@ mod tests {
     use crate::request::{
         parse, DefaultDevice, DeviceValue, Options, Request, RequestError, ALLOCATED,
     };
-    use crate::spec::{RawSpec, SpecFile};
+    use crate::bundle::{RawSpec, SpecFile};
 
     use super::*;
 

@@ -28,8 +28,8 @@ use crate::decision::{self, Resolved};
 use crate::request::{IpcMode, Request};
 use crate::rootfs::Maker;
 use crate::served::{Inside, MountPlan};
-use crate::spec::edits::{self, SetHooks};
-use crate::spec::SpecFile;
+use crate::bundle::edits::{self, SetHooks};
+use crate::bundle::SpecFile;
 use crate::state::{valid_container_id, ContainerRecord, StateDir};
 
 /// What `gpushare-runtime` without arguments prints.

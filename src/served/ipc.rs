@@ -4,7 +4,7 @@
 use anyhow::bail;
 
 use crate::request::{self, IpcMode};
-use crate::spec::SpecFile;
+use crate::bundle::SpecFile;
 
 /// The IPC mode of a container whose spec the engine made and gpushare cannot change
 /// (hook-only mode, the NRI plugin): isolated when the spec has an `ipc` namespace (the

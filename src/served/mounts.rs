@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use crate::config::Config;
 use crate::request::IpcMode;
-use crate::spec::edits::{RemoveMount, RemoveNamespace, SetMount, SpecEdit};
+use crate::bundle::edits::{RemoveMount, RemoveNamespace, SetMount, SpecEdit};
 use crate::state::StateDir;
 
 /// Mount options for the daemon's pipe and log directories: read-only, no devices, no
@@ -140,8 +140,8 @@ impl MountPlan {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::spec::edits::apply_all;
-    use crate::spec::tests::{fixture, FIXTURES};
+    use crate::bundle::edits::apply_all;
+    use crate::bundle::tests::{fixture, FIXTURES};
     use serde_json::{json, Map, Value};
 
     pub(crate) const ID: &str = "0123456789abcdef0123456789abcdef";
@@ -270,7 +270,7 @@ pub(crate) mod tests {
     #[test]
     fn applying_the_spec_edits_twice_changes_nothing_on_every_fixture() {
         for p in every_plan() {
-            crate::spec::edits::tests::assert_twice_is_once(&p.spec_edits());
+            crate::bundle::edits::tests::assert_twice_is_once(&p.spec_edits());
         }
     }
 

@@ -275,7 +275,7 @@ pub fn apply_all(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::spec::tests::{fixture, FIXTURES};
+    use crate::bundle::tests::{fixture, FIXTURES};
 
     fn doc(name: &str) -> Map<String, Value> {
         serde_json::from_slice(&fixture(name)).unwrap()
