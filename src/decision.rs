@@ -40,11 +40,11 @@ use std::collections::HashMap;
 
 use anyhow::Context;
 
-use crate::config::Config;
-use crate::device::{is_well_formed_uuid, ResolvedDevices};
-use crate::identity::{valid_id, Identity, Tenant, ID_ALLOWED};
-use crate::request::{self, DeviceValue, IpcMode, Request};
 use crate::bundle::SpecFile;
+use crate::config::{Config, Protocol};
+use crate::device::{is_well_formed_uuid, ResolvedDevices};
+use crate::identity::{valid_id, Identity, Namespace, Tenant, ID_ALLOWED, NAMESPACE_NAME_ALLOWED};
+use crate::request::{self, DeviceValue, IpcMode, Request};
 
 /// A request served on this node: what the pipeline decided for it.
 #[derive(Debug)]
@@ -57,6 +57,31 @@ pub(crate) struct Resolved {
     pub host_user: (u32, u32),
     /// The daemon that serves it.
     pub identity: Identity,
+    /// On a v3 daemon, the limits of the container's own namespace; `None`: legacy.
+    pub namespace_limits: Option<crate::identity::LimitValues>,
+}
+
+impl Resolved {
+    /// The container's v3 namespace, where its daemon is v3.
+    pub(crate) fn namespace(&self, container_id: &str) -> Option<Namespace> {
+        self.namespace_limits
+            .clone()
+            .map(|limits| Namespace::of_container(container_id, limits))
+    }
+}
+
+/// Whether a container is served by MPS v3 (`mps.protocol`, docs/mps.md, "Two
+/// backends"): the node speaks it (`v3`, or `auto` on a driver of 615 or later), and the
+/// container is neither on a MIG device (v3 namespaces and memory limits are not
+/// supported there) nor host root (whom a v3 server lets change any namespace's limits):
+/// those keep a legacy daemon.
+fn serves_v3(cfg: &Config, driver_version: &str, devices: &[String], host_uid: u32) -> bool {
+    let node = match cfg.mps.protocol {
+        Protocol::Legacy => false,
+        Protocol::V3 => true,
+        Protocol::Auto => crate::driver::has_mps_v3(driver_version),
+    };
+    node && host_uid != 0 && !devices.iter().any(|d| d.starts_with("MIG-"))
 }
 
 /// The pipeline for a container's spec (the shim, hook-only mode): the request in it under
@@ -277,13 +302,16 @@ fn resolve_with(
     let ipc = ipc(&req)?;
     let host_user = host_user()?;
     let tenant = Tenant::for_node(cfg, namespace)?;
-    let identity = Identity::for_request(cfg, &devices.uuids, host_user.0, &req, ipc, tenant);
+    let v3 = serves_v3(cfg, &inventory.driver_version, &devices.uuids, host_user.0);
+    let identity = Identity::for_request(cfg, &devices.uuids, host_user.0, &req, ipc, tenant, v3);
+    let namespace_limits = v3.then(|| crate::identity::enforced_limits(cfg, &req));
     Ok(Resolved {
         request: req,
         devices,
         ipc,
         host_user,
         identity,
+        namespace_limits,
     })
 }
 
@@ -297,6 +325,8 @@ const ANN_HOST_UID: &str = "gpushare.io/host-uid";
 const ANN_HOST_GID: &str = "gpushare.io/host-gid";
 /// `isolated` or `host`. For operators only (the identity carries it for the hook).
 const ANN_IPC_MODE: &str = "gpushare.io/ipc-mode";
+/// On a v3 daemon, the container's namespace and its limits as JSON. Read by the hook.
+const ANN_NAMESPACE: &str = "gpushare.io/mps-namespace";
 
 /// What the shim decided for a container and hands the hook.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -306,6 +336,8 @@ pub(crate) struct Decision {
     /// The container user's host UID and GID (`SpecFile::host_user`): informational, the
     /// daemon's own are in the identity.
     pub host_user: (u32, u32),
+    /// On a v3 daemon, the container's namespace.
+    pub namespace: Option<Namespace>,
 }
 
 impl Decision {
@@ -316,13 +348,17 @@ impl Decision {
         } else {
             IpcMode::Isolated
         };
-        Ok(vec![
+        let mut annotations = vec![
             (ANN_DAEMON.into(), self.identity.id()),
             (ANN_IDENTITY.into(), serde_json::to_string(&self.identity)?),
             (ANN_HOST_UID.into(), self.host_user.0.to_string()),
             (ANN_HOST_GID.into(), self.host_user.1.to_string()),
             (ANN_IPC_MODE.into(), ipc.to_string()),
-        ])
+        ];
+        if let Some(ns) = &self.namespace {
+            annotations.push((ANN_NAMESPACE.into(), serde_json::to_string(ns)?));
+        }
+        Ok(annotations)
     }
 }
 
@@ -346,6 +382,39 @@ pub enum DecisionError {
     InvalidIdentity { raw: String },
     #[error("annotation {ANN_DAEMON}={daemon} does not match the identity in {ANN_IDENTITY}")]
     Mismatch { daemon: String },
+    #[error("annotation {ANN_NAMESPACE} is missing: a v3 daemon's container needs its namespace")]
+    NoNamespace,
+    #[error("annotation {ANN_NAMESPACE} is only for a v3 daemon's container")]
+    NamespaceOnLegacy,
+    #[error("annotation {ANN_NAMESPACE} holds an invalid namespace: {raw:?}; allowed is the container's own ({NAMESPACE_NAME_ALLOWED}, from its id) with limits in their ranges")]
+    InvalidNamespace { raw: String },
+}
+
+/// The v3 namespace the shim decided for container `container_id`, read back from its
+/// annotations and checked: present exactly when the identity is v3, named from this
+/// container's id, its limits in their rows' ranges.
+pub(crate) fn namespace_from_annotations(
+    ann: &HashMap<String, String>,
+    ident: &Identity,
+    container_id: &str,
+) -> Result<Option<Namespace>, DecisionError> {
+    let Some(raw) = ann.get(ANN_NAMESPACE) else {
+        return match ident.v3 {
+            true => Err(DecisionError::NoNamespace),
+            false => Ok(None),
+        };
+    };
+    if !ident.v3 {
+        return Err(DecisionError::NamespaceOnLegacy);
+    }
+    let invalid = || DecisionError::InvalidNamespace {
+        raw: crate::util::escape(raw).chars().take(256).collect(),
+    };
+    let ns: Namespace = serde_json::from_str(raw).map_err(|_| invalid())?;
+    if ns.name != Namespace::name_for(container_id) || !ns.limits_valid() {
+        return Err(invalid());
+    }
+    Ok(Some(ns))
 }
 
 /// The daemon id as the annotation holds it, unvalidated: `poststop` hands it to
@@ -383,7 +452,13 @@ pub fn identity_from_annotations(ann: &HashMap<String, String>) -> Result<Identi
         .tenant
         .as_ref()
         .is_none_or(|t| t.is_valid() && !ident.multi_user);
-    if !devices_ok || !limits_ok || !tenant_ok || (ident.multi_user && ident.uid != 0) {
+    // A v3 daemon is root's, multi-user, of whole GPUs, and holds no limit or tenant.
+    let v3_ok = !ident.v3
+        || (ident.multi_user
+            && ident.limits == crate::identity::LimitValues::default()
+            && ident.tenant.is_none()
+            && ident.devices.iter().all(|d| d.starts_with("GPU-")));
+    if !devices_ok || !limits_ok || !tenant_ok || !v3_ok || (ident.multi_user && ident.uid != 0) {
         return Err(DecisionError::InvalidIdentity { raw: raw.clone() });
     }
     if ident.id() != *id {
@@ -416,6 +491,7 @@ mod tests {
                     ..ident()
                 },
                 host_user: (101000, 101001),
+                namespace: None,
             };
             let written: HashMap<String, String> =
                 d.to_annotations().unwrap().into_iter().collect();

@@ -115,6 +115,20 @@ fn find(root: &Path, dirs: &[&str], name: &str) -> Result<PathBuf, DriverError> 
         })
 }
 
+/// The first driver branch whose MPS speaks protocol 3 (namespaces, docs/mps.md, "Two
+/// backends").
+pub(crate) const MPS_V3_DRIVER: u32 = 615;
+
+/// Whether a driver version (`580.159.04`, as NVML reports it) is of a branch whose MPS
+/// speaks protocol 3; an unreadable version is not.
+pub(crate) fn has_mps_v3(driver_version: &str) -> bool {
+    driver_version
+        .split('.')
+        .next()
+        .and_then(|major| major.parse::<u32>().ok())
+        .is_some_and(|major| major >= MPS_V3_DRIVER)
+}
+
 /// The executable `name` under `root` ([`BIN_DIRS`]).
 pub fn find_binary(root: &Path, name: &str) -> Result<PathBuf, DriverError> {
     find(root, &BIN_DIRS, name)

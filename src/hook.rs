@@ -104,8 +104,25 @@ pub(crate) fn create_runtime(cfg: &Config, state: &State) -> anyhow::Result<()> 
     if let Some(pid) = state.pid {
         check_daemon_user(&ident, pid)?;
     }
+    let namespace =
+        crate::decision::namespace_from_annotations(&state.annotations, &ident, &state.id)?;
     let dirs = StateDir::new(&cfg.state_dir);
-    let ensured = ensure::ensure(cfg, &dirs, &ident, Some(&state.container_record()))?;
+    let record = ContainerRecord {
+        mps_namespace: namespace,
+        ..state.container_record()
+    };
+    let ensured = match &record.mps_namespace {
+        Some(ns) => {
+            let ensured = ensure::ensure_namespace(cfg, &dirs, &ident, &record, || {
+                std::env::current_exe().context("find the gpushare binary")
+            })?;
+            if let Some(pid) = state.pid {
+                crate::mps::v3::limit_memory(cfg, pid, &ident.devices, ns)?;
+            }
+            ensured
+        }
+        None => ensure::ensure(cfg, &dirs, &ident, Some(&record))?,
+    };
     tracing::info!(
         daemon = %ensured.record.id,
         started = ensured.started,
@@ -152,6 +169,18 @@ pub(crate) fn poststop(cfg: &Config, state: &State) {
         tracing::info!(daemon = daemon.unwrap_or("?"), "container released");
     } else {
         tracing::debug!("no record of the container to release");
+    }
+    // A v3 container's namespace goes with it (what cannot be deleted yet, the
+    // supervisor's check deletes once no record names it).
+    let Ok(ident) = crate::decision::identity_from_annotations(&state.annotations) else {
+        return;
+    };
+    if let Ok(Some(ns)) =
+        crate::decision::namespace_from_annotations(&state.annotations, &ident, &state.id)
+    {
+        if !ensure::retire_namespace(cfg, &dirs, &ident, &ns.name) {
+            tracing::info!(namespace = %ns.name, "MPS namespace not deleted yet; the supervisor deletes it");
+        }
     }
 }
 

@@ -26,11 +26,11 @@ use anyhow::{bail, Context};
 use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
 
+use crate::bundle::SpecFile;
 use crate::config::Config;
 use crate::hook::State;
 use crate::request;
 use crate::served::{Inside, MountPlan};
-use crate::bundle::SpecFile;
 use crate::state::StateDir;
 
 /// `prestart` in hook-only mode: `cdi` is the request of the CDI hook

@@ -51,6 +51,11 @@ pub struct Identity {
     /// `"uid"` (and then absent from the JSON and the canonical form).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<Tenant>,
+    /// An MPS v3 daemon (`mps.protocol`): root's, multi-user, one per device set; its
+    /// containers' limits are their namespaces' ([`Namespace`]), not the daemon's. Absent
+    /// from the JSON and the canonical form when false, so legacy ids do not move.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub v3: bool,
 }
 
 /// The tenant a container belongs to beside its host UID, under `mps.tenant =
@@ -143,12 +148,23 @@ impl Identity {
         req: &Request,
         ipc: IpcMode,
         tenant: Option<Tenant>,
+        v3: bool,
     ) -> Identity {
+        if v3 {
+            // One root multi-user daemon per device set: the limits are each container's
+            // namespace's, and every tenant shares the server (docs/mps.md, "Two backends").
+            return Identity {
+                devices: devices.to_vec(),
+                uid: 0,
+                gid: 0,
+                multi_user: true,
+                limits: LimitValues::default(),
+                ipc_host: ipc == IpcMode::Host,
+                tenant: None,
+                v3: true,
+            };
+        }
         let multi_user = cfg.mps.user_mode == UserMode::MultiUser;
-        // A limit is the daemon's only where it enforces it.
-        let enforced = |key: &KeySpec| {
-            requested(cfg, req, key).filter(|_| key.identity && cfg.mps.limits == Limits::Enforced)
-        };
         Identity {
             devices: devices.to_vec(),
             uid: if multi_user { 0 } else { uid },
@@ -158,11 +174,10 @@ impl Identity {
                 cfg.mps.daemon_gid.unwrap_or(uid)
             },
             multi_user,
-            limits: crate::request::limits()
-                .filter_map(|(key, _, _)| enforced(key).map(|v| (key, v)))
-                .collect(),
+            limits: enforced_limits(cfg, req),
             ipc_host: ipc == IpcMode::Host,
             tenant,
+            v3: false,
         }
     }
 
@@ -212,6 +227,9 @@ impl Identity {
             text.push_str(&t.label());
         }
         text.push_str(&later);
+        if self.v3 {
+            text.push_str("|protocol=v3");
+        }
         text
     }
 
@@ -254,6 +272,11 @@ impl LimitValues {
     /// The value of limit `key`, if set.
     pub(crate) fn get(&self, key: &KeySpec) -> Option<u64> {
         self.0.iter().find(|(k, _)| *k == key).map(|&(_, v)| v)
+    }
+
+    /// Each limit that is set, in the rows' order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&'static KeySpec, u64)> + '_ {
+        self.0.iter().copied()
     }
 }
 
@@ -328,6 +351,78 @@ impl<'de> Deserialize<'de> for LimitValues {
     }
 }
 
+/// The name of a v3 daemon's one server, in whose namespaces its containers run.
+pub(crate) const V3_SERVER: &str = "s";
+/// Hex digits of a namespace name after its `c`: 80 bits of SHA-256 over the container id,
+/// so the socket path `<pipe>/s/c<20 hex>/control` stays 24 bytes longer than legacy's.
+const NAMESPACE_HEX: usize = 20;
+/// What a namespace name may be, for error messages.
+pub(crate) const NAMESPACE_NAME_ALLOWED: &str = "\"c\" and 20 lowercase hex digits";
+
+/// A container's MPS v3 namespace: its name on the daemon's server and the limits it is
+/// capped at before its first process (docs/mps.md, "Two backends").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Namespace {
+    /// `c` and `NAMESPACE_HEX` hex digits of SHA-256 over the container id: within MPS's
+    /// name rule (lowercase letters, digits, underscores, at most 64), derived, never
+    /// chosen by a tenant.
+    pub name: String,
+    #[serde(flatten)]
+    pub limits: LimitValues,
+}
+
+impl Namespace {
+    /// The namespace of container `container_id` with `limits`.
+    pub(crate) fn of_container(container_id: &str, limits: LimitValues) -> Namespace {
+        Namespace {
+            name: Self::name_for(container_id),
+            limits,
+        }
+    }
+
+    /// The namespace name of container `container_id`.
+    pub(crate) fn name_for(container_id: &str) -> String {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let digest = Sha256::digest(container_id.as_bytes());
+        std::iter::once('c')
+            .chain(
+                digest[..NAMESPACE_HEX / 2]
+                    .iter()
+                    .flat_map(|b| [HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xf)]])
+                    .map(char::from),
+            )
+            .collect()
+    }
+
+    /// Whether `s` is a namespace name gpushare makes (`NAMESPACE_NAME_ALLOWED`).
+    pub(crate) fn valid_name(s: &str) -> bool {
+        s.len() == 1 + NAMESPACE_HEX
+            && s.starts_with('c')
+            && s[1..]
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    }
+
+    /// Whether every limit is within its row's range.
+    pub(crate) fn limits_valid(&self) -> bool {
+        crate::request::limits().all(|(key, _, _)| {
+            self.limits
+                .get(key)
+                .is_none_or(|v| key.number().is_some_and(|n| n.allows(v)))
+        })
+    }
+}
+
+/// The limits a request's daemon (legacy) or namespace (v3) enforces: each limit row's
+/// value the request asks for or the node's default, under `limits = "enforced"`; none
+/// under `"advisory"`.
+pub(crate) fn enforced_limits(cfg: &Config, req: &Request) -> LimitValues {
+    crate::request::limits()
+        .filter(|(key, _, _)| key.identity && cfg.mps.limits == Limits::Enforced)
+        .filter_map(|(key, _, _)| requested(cfg, req, key).map(|v| (key, v)))
+        .collect()
+}
+
 /// The value a request asks for a numeric key, or the node's default for it (the row's
 /// `default_key`): for a limit, what the daemon enforces under `limits = "enforced"`
 /// ([`Identity::for_request`]); for a key with a client variable, what the container's
@@ -356,6 +451,7 @@ pub(crate) fn test_identity(uid: u32, active_thread_percentage: Option<u8>) -> I
         limits: test_limits(active_thread_percentage, None),
         ipc_host: false,
         tenant: None,
+        v3: false,
     }
 }
 
@@ -442,6 +538,7 @@ mod tests {
             limits: test_limits(Some(25), Some(4 << 30)),
             ipc_host: true,
             tenant: None,
+            v3: false,
         };
         assert_eq!(
             full.canonical(),
@@ -524,7 +621,7 @@ mod tests {
         .unwrap();
         let plain = gpu0_request(Default::default());
         let by_default =
-            Identity::for_request(&cfg, &devices, 1000, &plain, IpcMode::Isolated, None);
+            Identity::for_request(&cfg, &devices, 1000, &plain, IpcMode::Isolated, None, false);
         assert_eq!(
             by_default.canonical(),
             "v1|devices=GPU-8f8bff94-112e-9541-43da-cfd453333404|uid=1000|multi-user=false|tp=50|mem=1073741824|ipc=isolated"
@@ -540,8 +637,15 @@ mod tests {
         let cdi = crate::request::from_cdi(&Default::default(), &options, "0", Some(profile))
             .unwrap()
             .expect("a request");
-        let by_profile =
-            Identity::for_request(&cfg, &devices, 1000, &cdi.request, IpcMode::Isolated, None);
+        let by_profile = Identity::for_request(
+            &cfg,
+            &devices,
+            1000,
+            &cdi.request,
+            IpcMode::Isolated,
+            None,
+            false,
+        );
         assert_eq!(
             by_profile.canonical(),
             "v1|devices=GPU-8f8bff94-112e-9541-43da-cfd453333404|uid=1000|multi-user=false|tp=25|mem=4294967296|ipc=isolated"
@@ -566,8 +670,9 @@ mod tests {
         ));
         let cfg = crate::config::parse("", None).unwrap();
         let devices = ["GPU-8f8bff94-112e-9541-43da-cfd453333404".to_owned()];
-        let ident =
-            |r: &Request| Identity::for_request(&cfg, &devices, 1000, r, IpcMode::Isolated, None);
+        let ident = |r: &Request| {
+            Identity::for_request(&cfg, &devices, 1000, r, IpcMode::Isolated, None, false)
+        };
         assert_eq!(ident(&plain), ident(&low));
         assert_eq!(ident(&plain).id(), ident(&low).id());
     }
@@ -641,7 +746,7 @@ mod tests {
         let devices = ["GPU-8f8bff94-112e-9541-43da-cfd453333404".to_owned()];
         for (text, tp, ipc, want) in cases {
             let cfg = crate::config::parse(text, None).unwrap();
-            let got = Identity::for_request(&cfg, &devices, 1000, &req(*tp), *ipc, None);
+            let got = Identity::for_request(&cfg, &devices, 1000, &req(*tp), *ipc, None, false);
             assert_eq!(
                 (
                     got.uid,
@@ -669,7 +774,7 @@ mod tests {
         let req = gpu0_request(Default::default());
         let id_in = |cfg: &Config, ns: Option<&str>| {
             let tenant = Tenant::for_node(cfg, ns.map(|n| (n, "test"))).unwrap();
-            Identity::for_request(cfg, &devices, 1000, &req, IpcMode::Isolated, tenant)
+            Identity::for_request(cfg, &devices, 1000, &req, IpcMode::Isolated, tenant, false)
         };
         let by_uid = crate::config::parse("", None).unwrap();
         for ns in [None, Some("team-a"), Some("team-b")] {

@@ -181,6 +181,10 @@ impl Check {
     pub(super) fn mps(&self, raw: &RawMps) -> Result<MpsConfig, ConfigError> {
         let m = &raw.fields;
         let control_binary = self.control_binary(m.control_binary.as_deref())?;
+        let nvidia_smi = self.program(
+            "mps.nvidia-smi",
+            m.nvidia_smi.as_deref().unwrap_or("nvidia-smi"),
+        )?;
         let multi_user_flag = self.multi_user_flag(m.multi_user_flag.as_deref().unwrap_or("-M"))?;
         let container_pipe_dir = self.abs(
             "mps.container-pipe-dir",
@@ -224,6 +228,9 @@ impl Check {
         }
         Ok(MpsConfig {
             control_binary,
+            protocol: m.protocol.unwrap_or(Protocol::Legacy),
+            cgroup_memory_limit: m.cgroup_memory_limit.unwrap_or(CgroupMemoryLimit::Auto),
+            nvidia_smi,
             user_mode,
             tenant,
             multi_user_flag,
@@ -318,13 +325,16 @@ impl Check {
     }
 
     pub(super) fn control_binary(&self, value: Option<&str>) -> Result<String, ConfigError> {
-        let binary = value.unwrap_or("nvidia-cuda-mps-control");
+        self.program(
+            "mps.control-binary",
+            value.unwrap_or("nvidia-cuda-mps-control"),
+        )
+    }
+
+    /// A program gpushare runs: a name on PATH or an absolute path.
+    pub(super) fn program(&self, key: &'static str, binary: &str) -> Result<String, ConfigError> {
         if binary.is_empty() || binary.contains('\0') {
-            return Err(self.bad(
-                "mps.control-binary",
-                binary,
-                "a program name on PATH or an absolute path",
-            ));
+            return Err(self.bad(key, binary, "a program name on PATH or an absolute path"));
         }
         Ok(binary.to_owned())
     }

@@ -80,6 +80,34 @@ pub enum UserMode {
     MultiUser,
 }
 
+/// Which MPS the node's daemons speak (docs/mps.md, "Two backends").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Protocol {
+    /// The daemons of `user-mode`: one per (device set, host UID, limit profile), or one
+    /// multi-user daemon per device set.
+    Legacy,
+    /// MPS v3 (driver 615 and later): one root multi-user daemon per device set, one MPS
+    /// namespace per container, created and capped before its first process.
+    V3,
+    /// `v3` where the driver is 615 or later and the control binary speaks it, else
+    /// `legacy`: decided per node.
+    Auto,
+}
+
+/// Whether a v3 container's pinned-memory limit also becomes its cgroup's hard device
+/// memory limit (the driver's per-cgroup memory limits, docs/mps.md, "Memory limits").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CgroupMemoryLimit {
+    /// Where the node has them (cgroup v2 with NVIDIA's controller), never on MIG.
+    Auto,
+    /// Always, on every non-MIG device: a create whose limit cannot be set fails.
+    On,
+    /// Never.
+    Off,
+}
+
 /// What a tenant is beside the host UID: which containers of one UID may share a daemon
 /// (docs/design.md, "Tenants").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -267,6 +295,12 @@ pub(crate) type Defaults = Vec<(&'static KeySpec, u64)>;
 #[derive(Debug, Clone, PartialEq)]
 pub struct MpsConfig {
     pub control_binary: String,
+    /// Which MPS the daemons speak (`mps.protocol`).
+    pub protocol: Protocol,
+    /// Whether a v3 container's pinned-memory limit is also its cgroup's hard device
+    /// memory limit (`mps.cgroup-memory-limit`), and the `nvidia-smi` that sets it.
+    pub cgroup_memory_limit: CgroupMemoryLimit,
+    pub nvidia_smi: String,
     pub user_mode: UserMode,
     pub tenant: TenantMode,
     pub multi_user_flag: String,

@@ -5,7 +5,10 @@
 use serde::Deserialize;
 
 use super::rows;
-use super::{CdiProfile, IpcConfig, Limits, LogFormat, TenantMode, UserMode, WatchPolicy};
+use super::{
+    CdiProfile, CgroupMemoryLimit, IpcConfig, Limits, LogFormat, Protocol, TenantMode, UserMode,
+    WatchPolicy,
+};
 use crate::request::ProfileValue;
 
 #[derive(Deserialize, Default)]
@@ -70,6 +73,9 @@ pub(super) struct RawMps {
 #[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub(super) struct MpsFields {
     pub(super) control_binary: Option<String>,
+    pub(super) protocol: Option<Protocol>,
+    pub(super) cgroup_memory_limit: Option<CgroupMemoryLimit>,
+    pub(super) nvidia_smi: Option<String>,
     pub(super) user_mode: Option<UserMode>,
     pub(super) tenant: Option<TenantMode>,
     pub(super) multi_user_flag: Option<String>,

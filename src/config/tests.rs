@@ -214,7 +214,7 @@ fn limit_lines_are_pinned() {
         ),
         (
             "[mps]\nmax-threads = 5",
-            "invalid config <defaults>: TOML parse error at line 2, column 1 | 2 | max-threads = 5 | ^^^^^^^^^^^ unknown field `max-threads`, expected one of `control-binary`, `user-mode`, `tenant`, `multi-user-flag`, `limits`, `ipc`, `allow-ipc-override`, `container-pipe-dir`, `container-log-dir`, `shm-size`, `shm-size-per-uid`, `shm-size-total`, `start-timeout`, `idle-timeout`, `daemon-gid`, `max-daemons`, `max-daemons-per-uid`, `log-size`, `limit-check-interval`, `daemon-memory-max`, `daemon-pids-max`, `default-active-thread-percentage`, `default-pinned-memory-limit`, `max-active-thread-percentage`, `max-pinned-memory-limit`",
+            "invalid config <defaults>: TOML parse error at line 2, column 1 | 2 | max-threads = 5 | ^^^^^^^^^^^ unknown field `max-threads`, expected one of `control-binary`, `protocol`, `cgroup-memory-limit`, `nvidia-smi`, `user-mode`, `tenant`, `multi-user-flag`, `limits`, `ipc`, `allow-ipc-override`, `container-pipe-dir`, `container-log-dir`, `shm-size`, `shm-size-per-uid`, `shm-size-total`, `start-timeout`, `idle-timeout`, `daemon-gid`, `max-daemons`, `max-daemons-per-uid`, `log-size`, `limit-check-interval`, `daemon-memory-max`, `daemon-pids-max`, `default-active-thread-percentage`, `default-pinned-memory-limit`, `max-active-thread-percentage`, `max-pinned-memory-limit`",
         ),
         (
             "[cdi.profiles.none]\n",

@@ -6,4 +6,4 @@ mod io;
 mod remove;
 
 pub(crate) use io::{read_regular, write_atomic, write_atomic_with};
-pub(crate) use remove::{remove_all, remove_contents};
+pub(crate) use remove::{remove_all, remove_contents, remove_contents_but};

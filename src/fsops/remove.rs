@@ -79,6 +79,18 @@ pub(crate) fn remove_contents(path: &Path) -> std::io::Result<()> {
     clear(&mut top)
 }
 
+/// Empties directory `path` but for its entry `keep` (left as it is, with what is below
+/// it): each other entry is removed as [`remove_all`] removes a tree.
+pub(crate) fn remove_contents_but(path: &Path, keep: &str) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(path)? {
+        let entry = entry?;
+        if entry.file_name() != keep {
+            remove_all(&entry.path())?;
+        }
+    }
+    Ok(())
+}
+
 fn split(path: &Path) -> std::io::Result<(&Path, &OsStr)> {
     match (path.parent(), path.file_name()) {
         (Some(parent), Some(name)) => Ok((

@@ -117,6 +117,9 @@ pub(crate) struct Control {
     /// The privileged view (`StateDir::privileged_view`) of a multi-user daemon: commands
     /// go there first. `None`: `control` only.
     pub privileged: Option<PathBuf>,
+    /// An MPS v3 daemon: commands are the command line's modules and verbs (`cli`), its
+    /// clients are listed by `client list`, and it quits with `-q`.
+    pub v3: bool,
 }
 
 impl Control {
@@ -133,7 +136,10 @@ impl Control {
             binary,
             pipe_dir: state.pipe_dir(id),
             user: (!ident.multi_user).then_some((ident.uid, ident.gid)),
-            privileged: ident.multi_user.then(|| state.privileged_view(id)),
+            // A v3 daemon's pipe directory is root's alone (0700): no tenant reaches its
+            // `control`, so it needs no other channel.
+            privileged: (ident.multi_user && !ident.v3).then(|| state.privileged_view(id)),
+            v3: ident.v3,
         }
     }
     /// The same daemon after its directory was renamed to `dir` (a tombstone).
@@ -173,6 +179,11 @@ impl Control {
         &self,
         timeout: Duration,
     ) -> Result<Vec<(u32, Option<usize>)>, ControlError> {
+        if self.v3 {
+            // One server; every client of every namespace in one CSV list.
+            let listed = self.cli(&super::v3::list_clients(), timeout)?;
+            return Ok(vec![(0, Some(super::v3::csv_rows(&listed).count()))]);
+        }
         let deadline = Instant::now() + timeout;
         let left = || deadline.saturating_duration_since(Instant::now());
         let servers = super::reply::pids(&self.command("get_server_list", timeout)?);
@@ -186,6 +197,19 @@ impl Control {
             })
             .collect())
     }
+    /// Quits the daemon: `quit` on a legacy daemon's stdin interface, `-q` on a v3 one.
+    pub(crate) fn quit(&self, timeout: Duration) -> Result<String, ControlError> {
+        match self.v3 {
+            true => self.cli(&["-q".to_owned()], timeout),
+            false => self.command("quit", timeout),
+        }
+    }
+    /// One command of MPS v3's command line (`<module> <verb> [args]`, docs/mps.md, "Two
+    /// backends") through `control` in the pipe directory; the daemon's reply (stdout)
+    /// when the client exits 0.
+    pub(crate) fn cli(&self, args: &[String], timeout: Duration) -> Result<String, ControlError> {
+        self.run_in(&self.pipe_dir, args, None, &args.join(" "), timeout)
+    }
     /// One command through the sockets in `pipe_dir`.
     fn command_in(
         &self,
@@ -193,8 +217,21 @@ impl Control {
         command: &str,
         timeout: Duration,
     ) -> Result<String, ControlError> {
+        self.run_in(pipe_dir, &[], Some(command), command, timeout)
+    }
+    /// Runs the control client in `pipe_dir` with `args`, `stdin` (a command line) written
+    /// to it; `shown` names the command in errors.
+    fn run_in(
+        &self,
+        pipe_dir: &std::path::Path,
+        args: &[String],
+        stdin: Option<&str>,
+        shown: &str,
+        timeout: Duration,
+    ) -> Result<String, ControlError> {
         let mut cmd = Command::new(&self.binary);
-        cmd.env_clear()
+        cmd.args(args)
+            .env_clear()
             .env("PATH", SAFE_PATH)
             .env("CUDA_MPS_PIPE_DIRECTORY", pipe_dir)
             .current_dir("/")
@@ -208,8 +245,10 @@ impl Control {
             binary: self.binary.clone(),
             source,
         })?;
-        if let Some(mut stdin) = child.stdin.take() {
-            let _ = stdin.write_all(format!("{command}\n").as_bytes());
+        if let Some(mut pipe) = child.stdin.take() {
+            if let Some(line) = stdin {
+                let _ = pipe.write_all(format!("{line}\n").as_bytes());
+            }
         }
         let exited = wait_exit(&mut child, Instant::now() + timeout);
         // A failed wait counts as no answer: the client is killed either way.
@@ -217,7 +256,7 @@ impl Control {
             let _ = child.kill();
             let _ = child.wait();
             return Err(ControlError::Timeout {
-                command: command.to_owned(),
+                command: shown.to_owned(),
                 timeout,
             });
         };
@@ -228,7 +267,7 @@ impl Control {
             let err = read_bounded(child.stderr.take());
             let text = format!("{} {}", out.trim(), err.trim());
             Err(ControlError::Failed {
-                command: command.to_owned(),
+                command: shown.to_owned(),
                 status: status.to_string(),
                 output: crate::util::escape(&crate::util::one_line(&text)),
             })
@@ -302,6 +341,7 @@ mod tests {
             pipe_dir: dir.join("pipe"),
             user: None,
             privileged: Some(dir.join("priv")),
+            v3: false,
         }
     }
 

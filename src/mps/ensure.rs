@@ -27,6 +27,7 @@ pub(crate) fn owner(ident: &Identity) -> Owner {
         gid: ident.gid,
         shared: ident.multi_user,
         shm: !ident.ipc_host,
+        namespaces: ident.v3,
     }
 }
 
@@ -171,6 +172,71 @@ pub(crate) fn ensure(
     ident: &Identity,
     container: Option<&ContainerRecord>,
 ) -> anyhow::Result<Ensured> {
+    ensure_as(cfg, state, ident, container, || {
+        std::env::current_exe().context("find the gpushare binary")
+    })
+}
+
+/// [`ensure`] for a container of a v3 daemon (its record names its namespace), then its
+/// namespace made and capped: after this the namespace's directory exists, for the
+/// engine to bind, and no client can attach to it uncapped. `gpushare` finds the binary
+/// that runs the supervisor and the reaper (the shim is another binary).
+pub(crate) fn ensure_namespace(
+    cfg: &Config,
+    state: &StateDir,
+    ident: &Identity,
+    container: &ContainerRecord,
+    gpushare: impl Fn() -> anyhow::Result<std::path::PathBuf>,
+) -> anyhow::Result<Ensured> {
+    let ns = container
+        .mps_namespace
+        .as_ref()
+        .context("a v3 daemon's container record names no namespace")?;
+    let ensured = ensure_as(cfg, state, ident, Some(container), gpushare)?;
+    let deadline = Instant::now() + cfg.mps.start_timeout;
+    super::v3::admit(&control_of(cfg, state, ident)?, ns, deadline)?;
+    Ok(ensured)
+}
+
+/// Deletes a v3 container's namespace once its container has ended, trying for at most
+/// `RETIRE_WAIT` while a client lingers; what is left the supervisor's check deletes.
+pub(crate) fn retire_namespace(
+    cfg: &Config,
+    state: &StateDir,
+    ident: &Identity,
+    name: &str,
+) -> bool {
+    control_of(cfg, state, ident)
+        .is_ok_and(|control| super::v3::retire(&control, name, Instant::now() + RETIRE_WAIT))
+}
+
+/// How long the end of a container waits for its namespace to be deleted.
+const RETIRE_WAIT: Duration = Duration::from_secs(1);
+
+/// The root control of `ident`'s daemon.
+fn control_of(
+    cfg: &Config,
+    state: &StateDir,
+    ident: &Identity,
+) -> anyhow::Result<super::control::Control> {
+    let binary =
+        super::control::resolve_binary(&cfg.mps.control_binary, cfg.driver_root.as_deref())?;
+    Ok(super::control::Control::of_daemon(
+        binary,
+        state,
+        &ident.id(),
+        ident,
+    ))
+}
+
+/// [`ensure`], the supervisor and reaper run by the binary `gpushare` finds.
+fn ensure_as(
+    cfg: &Config,
+    state: &StateDir,
+    ident: &Identity,
+    container: Option<&ContainerRecord>,
+    gpushare: impl Fn() -> anyhow::Result<std::path::PathBuf>,
+) -> anyhow::Result<Ensured> {
     let id = ident.id();
     let timeout = cfg.mps.start_timeout;
     let deadline = Instant::now() + timeout;
@@ -181,11 +247,7 @@ pub(crate) fn ensure(
     let new = !state.skeleton_ready(&id, !ident.ipc_host)
         && state.ensure_skeleton(&id, owner(ident), &budget(cfg))?;
     if new {
-        start_reaper(
-            || std::env::current_exe().context("find the gpushare binary"),
-            cfg,
-            &id,
-        );
+        start_reaper(&gpushare, cfg, &id);
     }
     let existing = match state.read_record(&id) {
         Ok(r) => r,
@@ -228,12 +290,7 @@ pub(crate) fn ensure(
                 limits_unconfirmed_since: None,
             };
             state.write_record(&rec)?;
-            let mut child = launch(
-                cfg,
-                || std::env::current_exe().context("find the gpushare binary"),
-                Job::Supervise,
-                &id,
-            )?;
+            let mut child = launch(cfg, &gpushare, Job::Supervise, &id)?;
             tracing::debug!(daemon = %id, pid = child.pid(), "supervisor spawned");
             match wait_ready(state, &id, Some(&mut child), deadline, timeout) {
                 Ok(rec) => (rec, true),

@@ -2,7 +2,8 @@
 //! hook-side `ensure` that finds or starts the daemon for an identity, and the reaper that
 //! removes what a failed create left; the one command that starts those two (`job`), how
 //! a hook has them started (`launch`), and the node's agent that starts them outside every
-//! engine's process tree (`agent`). Inside: `launch` asks `agent`, both use `job`.
+//! engine's process tree (`agent`); a v3 daemon's namespaces, one per container (`v3`).
+//! Inside: `launch` asks `agent`, both use `job`.
 
 pub(crate) mod agent;
 pub(crate) mod control;
@@ -12,3 +13,4 @@ pub(crate) mod launch;
 pub(crate) mod reaper;
 pub mod reply;
 pub(crate) mod supervisor;
+pub(crate) mod v3;

@@ -43,10 +43,10 @@ use anyhow::{bail, Context};
 use serde_json::{json, Map, Value};
 
 use super::api::{self, Container, ContainerAdjustment, PodSandbox};
+use crate::bundle::SpecFile;
 use crate::config::Config;
 use crate::config::NriUnserved;
 use crate::served::{Inside, MountPlan};
-use crate::bundle::SpecFile;
 use crate::state::{valid_container_id, ContainerRecord, PodNames, ProcRef, StateDir};
 
 /// The `engine` of the container records the plugin writes: how `Synchronize` tells its

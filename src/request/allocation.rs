@@ -491,12 +491,12 @@ mod tests {
 
     use serde_json::{json, Value};
 
+    use crate::bundle::{RawSpec, SpecFile};
     use crate::device::testing::{GPU0, GPU1, GPU2, MIG1, MIG2};
     use crate::device::{sample, DeviceKind};
     use crate::request::{
         parse, DefaultDevice, DeviceValue, Options, Request, RequestError, ALLOCATED,
     };
-    use crate::bundle::{RawSpec, SpecFile};
 
     use super::*;
 

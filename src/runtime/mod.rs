@@ -23,13 +23,13 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 
+use crate::bundle::edits::{self, SetHooks};
+use crate::bundle::SpecFile;
 use crate::config::Config;
 use crate::decision::{self, Resolved};
 use crate::request::{IpcMode, Request};
 use crate::rootfs::Maker;
 use crate::served::{Inside, MountPlan};
-use crate::bundle::edits::{self, SetHooks};
-use crate::bundle::SpecFile;
 use crate::state::{valid_container_id, ContainerRecord, StateDir};
 
 /// What `gpushare-runtime` without arguments prints.
@@ -177,9 +177,19 @@ pub(crate) fn prepare(
     // either sees it and stays, or is gone before the check (StateDir::remove_if_unused).
     // It names this process: a shim killed before runc create returns leaves a record
     // that is stale at once (ContainerRecord::live).
-    let pending = ContainerRecord::pending(container_id.to_owned(), bundle);
+    let pending = ContainerRecord {
+        mps_namespace: served.namespace(container_id),
+        ..ContainerRecord::pending(container_id.to_owned(), bundle)
+    };
     let recorded = state.add_container(&id, &pending).is_ok();
-    if !state.skeleton_ready(&id, !ident.ipc_host) {
+    if ident.v3 {
+        // runc binds the namespace's directory, which MPS makes when the namespace is
+        // made: so the daemon is ensured and the namespace made and capped here, before
+        // runc runs, not by the createRuntime hook (docs/mps.md, "Two backends").
+        let ensured =
+            crate::mps::ensure::ensure_namespace(cfg, &state, ident, &pending, gpushare_binary)?;
+        tracing::debug!(daemon = %id, started = ensured.started, "v3 namespace made");
+    } else if !state.skeleton_ready(&id, !ident.ipc_host) {
         // runc binds the daemon's directories before the createRuntime hook runs, so they
         // must exist now. Cold path only: the warm path is a few stat calls, no lock. A
         // new daemon is counted against the daemon caps here, before anything is made.
@@ -202,7 +212,7 @@ pub(crate) fn prepare(
         }
     }
 
-    let plan = decide(cfg, &state, &served, &id, runtime)?;
+    let plan = decide(cfg, &state, &served, &id, container_id, runtime)?;
     edits::apply_all(&mut spec.doc, &edits::plan(plan))?;
     spec.save()?;
     tracing::info!(
@@ -315,15 +325,23 @@ fn decide(
     state: &StateDir,
     served: &Resolved,
     id: &str,
+    container_id: &str,
     runtime: &Path,
 ) -> anyhow::Result<edits::ContainerPlan> {
+    let namespace = served.namespace(container_id);
+    let mounts = MountPlan::new(state, id, Inside::configured(cfg), served.ipc).in_namespace(
+        state,
+        id,
+        namespace.as_ref(),
+    );
     Ok(edits::ContainerPlan {
         env: crate::served::client_env(cfg, served, crate::lowlevel::is_nvidia(runtime)),
-        mounts: MountPlan::new(state, id, Inside::configured(cfg), served.ipc).spec_edits(),
+        mounts: mounts.spec_edits(),
         hooks: hooks(cfg)?,
         annotations: decision::Decision {
             identity: served.identity.clone(),
             host_user: served.host_user,
+            namespace,
         }
         .to_annotations()?,
     })

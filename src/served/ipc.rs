@@ -3,8 +3,8 @@
 
 use anyhow::bail;
 
-use crate::request::{self, IpcMode};
 use crate::bundle::SpecFile;
+use crate::request::{self, IpcMode};
 
 /// The IPC mode of a container whose spec the engine made and gpushare cannot change
 /// (hook-only mode, the NRI plugin): isolated when the spec has an `ipc` namespace (the

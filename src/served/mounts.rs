@@ -10,9 +10,9 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::bundle::edits::{RemoveMount, RemoveNamespace, SetMount, SpecEdit};
 use crate::config::Config;
 use crate::request::IpcMode;
-use crate::bundle::edits::{RemoveMount, RemoveNamespace, SetMount, SpecEdit};
 use crate::state::StateDir;
 
 /// Mount options for the daemon's pipe and log directories: read-only, no devices, no
@@ -104,6 +104,21 @@ impl MountPlan {
             });
         }
         MountPlan { binds, ipc }
+    }
+
+    /// On a v3 daemon, the plan with the container's namespace's directory as its pipe
+    /// directory: the container sees only its own namespace's socket, never the
+    /// daemon's `control`, the server's `default` namespace or another container's.
+    pub(crate) fn in_namespace(
+        mut self,
+        dirs: &StateDir,
+        id: &str,
+        namespace: Option<&crate::identity::Namespace>,
+    ) -> Self {
+        if let (Some(ns), Some(pipe)) = (namespace, self.binds.first_mut()) {
+            pipe.source = dirs.namespace_dir(id, &ns.name);
+        }
+        self
     }
 
     /// The plan as spec edits (the shim): each bind replaces an engine's mount at the same

@@ -138,6 +138,12 @@ impl StateDir {
     pub(crate) fn pipe_dir(&self, id: &str) -> PathBuf {
         self.daemon_dir(id).join("pipe")
     }
+    /// A v3 daemon's namespace `name`'s directory: `<pipe>/s/<name>`, which MPS makes.
+    pub(crate) fn namespace_dir(&self, id: &str, name: &str) -> PathBuf {
+        self.pipe_dir(id)
+            .join(crate::identity::V3_SERVER)
+            .join(name)
+    }
     pub(crate) fn log_dir(&self, id: &str) -> PathBuf {
         self.daemon_dir(id).join("log")
     }

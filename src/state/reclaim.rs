@@ -129,6 +129,7 @@ mod tests {
             limits: Default::default(),
             ipc_host: true,
             tenant: None,
+            v3: false,
         }
     }
 

@@ -143,6 +143,10 @@ pub struct ContainerRecord {
     /// The Kubernetes namespace, pod and container the engine named, where it did.
     #[serde(flatten)]
     pub names: PodNames,
+    /// On a v3 daemon, the container's MPS namespace and its limits: what the supervisor
+    /// makes again after a daemon restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps_namespace: Option<crate::identity::Namespace>,
 }
 
 /// A container's Kubernetes names, as the CRI engine wrote them into its spec (see
@@ -203,6 +207,7 @@ impl ContainerRecord {
             created_at: util::unix_now(),
             creator: None,
             names: PodNames::default(),
+            mps_namespace: None,
         }
     }
 
@@ -447,6 +452,7 @@ mod tests {
             limits: crate::identity::test_limits(Some(50), None),
             ipc_host: false,
             tenant: None,
+            v3: false,
         }
     }
 
@@ -504,6 +510,7 @@ mod tests {
                 engine: None,
                 creator: None,
                 names: PodNames::default(),
+                mps_namespace: None,
             };
             assert!(
                 matches!(
@@ -533,6 +540,7 @@ mod tests {
             engine: None,
             creator: None,
             names: PodNames::default(),
+            mps_namespace: None,
         };
         state.add_container(id, &rec).unwrap();
         assert_eq!(state.containers(id).unwrap(), vec![rec]);
@@ -617,6 +625,7 @@ mod tests {
             engine: None,
             creator: None,
             names: PodNames::default(),
+            mps_namespace: None,
         };
         state.add_container(id, &good).unwrap();
         // serde refuses a path that is not UTF-8; the record on disk stays as it was.
@@ -760,6 +769,7 @@ mod tests {
             engine: None,
             creator: None,
             names: PodNames::default(),
+            mps_namespace: None,
         };
         assert!(rec(Some(me), util::proc_start_time(me), now).live(10));
         assert!(!rec(Some(me), Some(1), now).live(10), "reused pid");

@@ -51,10 +51,14 @@ impl StateDir {
     /// containers): a socket, a pid file or anything else a tenant or a dead daemon left
     /// there, a directory planted under a name the daemon needs (`control`) included.
     /// A missing pipe directory is fine; a symlink in its place is refused.
-    pub(crate) fn clean_pipe_dir(&self, id: &str) -> Result<(), StateError> {
+    pub(crate) fn clean_pipe_dir(&self, id: &str, keep: Option<&str>) -> Result<(), StateError> {
         Self::check_id(id)?;
         let pipe = self.pipe_dir(id);
-        match fsops::remove_contents(&pipe) {
+        let emptied = match keep {
+            None => fsops::remove_contents(&pipe),
+            Some(keep) => fsops::remove_contents_but(&pipe, keep),
+        };
+        match emptied {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(io("empty", &pipe)(e)),
@@ -149,6 +153,7 @@ mod tests {
             engine: None,
             creator: None,
             names: Default::default(),
+            mps_namespace: None,
         };
         state.add_container(id, &pending).unwrap();
         assert!(!state
@@ -185,16 +190,16 @@ mod tests {
         std::fs::create_dir(&outside).unwrap();
         std::fs::write(outside.join("keep"), "").unwrap();
         std::os::unix::fs::symlink(&outside, pipe.join("control_lock")).unwrap();
-        state.clean_pipe_dir(id).unwrap();
+        state.clean_pipe_dir(id, None).unwrap();
         assert!(pipe.is_dir());
         assert_eq!(std::fs::read_dir(&pipe).unwrap().count(), 0);
         assert!(outside.join("keep").exists());
         // Missing is fine; bad ids never reach a path.
         state
-            .clean_pipe_dir("0000000000000000000000000000000a")
+            .clean_pipe_dir("0000000000000000000000000000000a", None)
             .unwrap();
         assert!(matches!(
-            state.clean_pipe_dir("../x"),
+            state.clean_pipe_dir("../x", None),
             Err(StateError::Name { .. })
         ));
     }

@@ -32,7 +32,14 @@ pub(crate) struct Owner {
     pub shared: bool,
     /// The daemon has its own shm tmpfs (isolated IPC); host-IPC daemons use the host's.
     pub shm: bool,
+    /// A v3 daemon: its pipe directory is root's alone (0700; each container gets only
+    /// its namespace's directory), and its sockets lie one namespace deeper.
+    pub namespaces: bool,
 }
+
+/// How much longer a v3 namespace's socket path is than the daemon's `control`:
+/// `/s/c<20 hex>` (`identity::Namespace`).
+const NAMESPACE_PATH_EXTRA: usize = 24;
 
 /// Asks a daemon whether MPS clients are attached to it: `Some(true)`, `Some(false)`, or
 /// `None` when it did not say. The state directory does not talk to daemons; `mps` gives
@@ -88,7 +95,13 @@ struct PipeOwner {
 
 impl PipeOwner {
     fn of(owner: Owner) -> Self {
-        if owner.shared {
+        if owner.namespaces {
+            PipeOwner {
+                uid: nix::unistd::geteuid().as_raw(),
+                gid: 0,
+                mode: 0o700,
+            }
+        } else if owner.shared {
             PipeOwner {
                 uid: nix::unistd::geteuid().as_raw(),
                 gid: 0,
@@ -143,7 +156,12 @@ impl StateDir {
         budget: &Budget,
     ) -> Result<bool, StateError> {
         Self::check_id(id)?;
-        let socket = self.control_socket(id);
+        let mut socket = self.control_socket(id);
+        if owner.namespaces {
+            socket = self
+                .namespace_dir(id, &"c".repeat(NAMESPACE_PATH_EXTRA - 3))
+                .join("control");
+        }
         let len = socket.as_os_str().len();
         if len >= 108 {
             return Err(StateError::SocketPathTooLong { path: socket, len });
@@ -692,6 +710,7 @@ mod tests {
                     gid: 0,
                     shared: false,
                     shm: true,
+                    namespaces: false,
                 },
                 &budget(64, 8),
             )
@@ -735,6 +754,7 @@ mod tests {
             gid: 0,
             shared: false,
             shm: true,
+            namespaces: false,
         };
         let new = "0123456789abcdef0123456789abcdef";
         let err = state

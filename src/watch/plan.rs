@@ -190,6 +190,7 @@ mod tests {
                 limits: crate::identity::test_limits(Some(25), limit),
                 ipc_host: false,
                 tenant: None,
+                v3: false,
             })
         };
         let served = |id: &str, limit| Served {

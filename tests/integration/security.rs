@@ -685,6 +685,7 @@ fn forged_decisions<'a>(env: &'a Env) {
             .collect(),
         ipc_host: true,
         tenant: None,
+        v3: false,
     };
     let (forged_id, forged_json) = (forged.id(), serde_json::to_string(&forged).unwrap());
     let forge = |b: ContainerBuilder<'a>| -> Container<'a> {

@@ -138,9 +138,15 @@ impl Supervisor {
         let log_dir = self.state.log_dir(&self.id);
         let out = open_daemon_out(&self.state.daemon_dir(&self.id))?;
         let mut cmd = Command::new(&self.binary);
-        cmd.arg("-f");
-        if self.ident.multi_user {
-            cmd.arg(&self.multi_user_flag);
+        if self.ident.v3 {
+            // Protocol 3, multi-user: one root server for every tenant (docs/mps.md, "Two
+            // backends"); the variable, which wins over the option, says the same.
+            cmd.args(["-p", "3", "-m", "-f"]);
+        } else {
+            cmd.arg("-f");
+            if self.ident.multi_user {
+                cmd.arg(&self.multi_user_flag);
+            }
         }
         cmd.env_clear()
             .env("PATH", daemon_path(&self.binary))
@@ -148,6 +154,7 @@ impl Supervisor {
             .env("CUDA_MPS_LOG_DIRECTORY", &log_dir)
             .env("CUDA_VISIBLE_DEVICES", self.ident.devices.join(","))
             .envs(limit_env(&self.ident))
+            .envs(self.ident.v3.then_some(("CUDA_MPS_PROTOCOL_VERSION", "3")))
             .envs(self.driver_libraries()?)
             .current_dir("/")
             .stdin(Stdio::null())

@@ -45,7 +45,7 @@ impl Supervisor {
             private_dev_shm(&self.state.shm_dir(&self.id))?;
         }
         drop_child_caps(self.ident.multi_user)?;
-        if self.ident.multi_user {
+        if self.ident.multi_user && !self.ident.v3 {
             // Without it, commands go through `control` only (`Control::command`): no
             // worse than before, so a daemon is not refused for it.
             if let Err(e) = self.state.make_privileged_view(&self.id) {
@@ -192,6 +192,9 @@ impl Supervisor {
     fn make_ready(&self, child: &mut Child) -> anyhow::Result<()> {
         let deadline = Instant::now() + self.start_timeout;
         let socket = self.state.control_socket(&self.id);
+        if self.ident.v3 {
+            return self.wait_v3_ready(child, &socket, deadline);
+        }
         let mut cmds = limit_commands(&self.ident);
         cmds.push("get_default_active_thread_percentage".into());
         let mut pause = Duration::from_micros(500);
@@ -220,6 +223,42 @@ impl Supervisor {
                     }
                     Err(e) if Instant::now() >= deadline => return Err(e.into()),
                     Err(_) => {}
+                }
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "the MPS control daemon did not answer within {:?}; see {}",
+                    self.start_timeout,
+                    self.state.log_dir(&self.id).display()
+                );
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(10));
+        }
+    }
+    /// `make_ready` for a v3 daemon: once its socket exists, its server and namespaces
+    /// (`make_v3_ready`), tried again until `deadline` while the daemon does not answer.
+    fn wait_v3_ready(
+        &self,
+        child: &mut Child,
+        socket: &std::path::Path,
+        deadline: Instant,
+    ) -> anyhow::Result<()> {
+        let mut pause = Duration::from_micros(500);
+        loop {
+            if let Some(status) = child.try_wait()? {
+                bail!(
+                    "the MPS control daemon exited during start-up ({status}); see {}",
+                    self.state.log_dir(&self.id).display()
+                );
+            }
+            if socket.exists() {
+                match self.make_v3_ready(deadline) {
+                    Ok(()) => return Ok(()),
+                    Err(e) if Instant::now() >= deadline => return Err(e),
+                    Err(e) => {
+                        tracing::debug!(daemon = %self.id, error = %format!("{e:#}"), "v3 daemon not ready yet")
+                    }
                 }
             }
             if Instant::now() >= deadline {
@@ -333,7 +372,7 @@ impl Supervisor {
     /// Quits the daemon through `control` (its pipe dir may have been renamed), killing it
     /// past the grace period.
     fn quit_via(&self, control: &Control, child: &mut Child) {
-        let _ = control.command("quit", Duration::from_secs(2));
+        let _ = control.quit(Duration::from_secs(2));
         crate::util::wait_or_kill(child, QUIT_GRACE);
     }
 }

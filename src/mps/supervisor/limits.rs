@@ -258,7 +258,12 @@ impl Supervisor {
         if let (Some(at), Some(every)) = (*next_check, self.limit_check) {
             if Instant::now() >= at {
                 *next_check = Some(Instant::now() + every);
-                match self.enforce_limits(Instant::now() + CHECK_DEADLINE) {
+                let deadline = Instant::now() + CHECK_DEADLINE;
+                let checked = match self.ident.v3 {
+                    true => self.reconcile_namespaces(deadline),
+                    false => self.enforce_limits(deadline),
+                };
+                match checked {
                     Ok(_) => self.confirmed(unconfirmed),
                     Err(e) => self.not_confirmed(unconfirmed, &format!("{e:#}")),
                 }
@@ -309,6 +314,7 @@ mod tests {
             limits: crate::identity::test_limits(Some(25), Some(4 << 30)),
             ipc_host: false,
             tenant: None,
+            v3: false,
         };
         assert_eq!(
             limit_commands(&ident),

@@ -21,6 +21,7 @@ mod confine;
 mod lifecycle;
 mod limits;
 mod logs;
+mod namespaces;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -69,6 +70,8 @@ struct Supervisor {
     me: Option<ProcRef>,
     /// `driver-root`: the daemon's servers load the driver libraries under it.
     driver_root: Option<PathBuf>,
+    /// `mps.pending-grace`'s seconds: how long a pending container record counts as live.
+    pending_grace: u64,
 }
 
 impl Supervisor {
@@ -88,11 +91,13 @@ impl Supervisor {
             multi_user_flag: cfg.mps.multi_user_flag.clone(),
             start_timeout: cfg.mps.start_timeout,
             log_size: cfg.mps.log_size,
-            limit_check: (!limit_commands(&ident).is_empty())
+            // A v3 daemon's namespaces are checked against the records as often.
+            limit_check: (ident.v3 || !limit_commands(&ident).is_empty())
                 .then_some(cfg.mps.limit_check_interval),
             ident,
             me,
             driver_root: cfg.driver_root.clone(),
+            pending_grace: cfg.mps.pending_grace().as_secs(),
         }
     }
     /// Changes the record with `f`. Every write names this supervisor: it holds the
@@ -121,8 +126,11 @@ impl Supervisor {
     }
     /// Empties the pipe directory: a socket or pid file left by a dead daemon is stale,
     /// and anything a tenant planted (a directory named `control`) goes too.
+    /// A v3 daemon's server directory stays: the namespace directories in it are bound
+    /// into running containers, and a restarted daemon makes their sockets again in them.
     fn clean_pipe_dir(&self) {
-        if let Err(e) = self.state.clean_pipe_dir(&self.id) {
+        let keep = self.ident.v3.then_some(crate::identity::V3_SERVER);
+        if let Err(e) = self.state.clean_pipe_dir(&self.id, keep) {
             tracing::warn!(daemon = %self.id, error = %e, "cannot empty the pipe directory");
         }
     }

@@ -575,6 +575,7 @@ mod tests {
                     pipe_dir: dir.path().join(n.to_string()),
                     user: None,
                     privileged: None,
+                    v3: false,
                 })
             })
             .collect();
