@@ -1447,6 +1447,23 @@ fn v3_server_dir_routes_to_default_main_socket_to_the_uid_server_and_logs() {
         ("default", "s")
     );
     assert_eq!(f["server_uid"], uid.to_string());
+    // The default namespace's pinned limit binds, unless the client's own
+    // CUDA_MPS_PINNED_DEVICE_MEM_LIMIT names a device it cannot see: that drops every
+    // pinned limit, the namespace's too (measured on r615 in NVIDIA Dynamo's docs).
+    let server_dir = sim.pipe.join("s");
+    let mut over = sim.client_in(&server_dir, &["--alloc", "1G"], None, &[]);
+    assert_eq!(over.wait_exit(COMMAND_TIMEOUT).code(), Some(2));
+    let mut lifted = sim.client_in(
+        &server_dir,
+        &["--alloc", "1G"],
+        None,
+        &[("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "1=4G")],
+    );
+    assert!(
+        lifted.wait_exit(COMMAND_TIMEOUT).success(),
+        "{}",
+        lifted.stderr()
+    );
     // The main socket: the uid's own `uid_<uid>` server, made on demand, without limits.
     let top = sim.attach(&[("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25")]);
     assert_eq!(top["server_name"], format!("uid_{uid}"));
@@ -1500,8 +1517,21 @@ fn v3_server_dir_routes_to_default_main_socket_to_the_uid_server_and_logs() {
         sim.cli_err(None, None, &["server", "create", "s"]),
         "server s already exists"
     );
-    sim.cli_ok(&["server", "delete", "s"]);
+    // Delete refuses while a client is attached, --force ends it.
+    let mut held = sim.client_in(&server_dir, &["--hold", "30"], None, &[]);
+    held.read_line();
+    assert_eq!(
+        sim.cli_err(None, None, &["server", "delete", "s"]),
+        "server delete: server s has 1 active client(s); use --force to terminate them"
+    );
+    sim.cli_ok(&["server", "delete", "s", "--force"]);
+    assert_eq!(
+        held.read_line().trim_end(),
+        format!("mps-client terminated pid={} (CUDA error 810)", held.pid())
+    );
+    assert!(process_gone(f["server"].parse().expect("pid")));
     assert!(!sim.pipe.join("s").exists());
+    stop_pid(held.pid());
 }
 
 #[test]
