@@ -1,13 +1,15 @@
-//! Command line, shaped like `nvidia-cuda-mps-control`'s: `-d`, `-f`, `-v`, the multi-user
-//! option (`-M`, or `-multiuser-server` as the MPS guide spells it), nothing for control client
-//! mode; plus `client [--hold S] [--timeout S] [--gpu UUID] [--alloc SIZE]` for the stand-in
+//! Command line, shaped like `nvidia-cuda-mps-control`'s: `-d`, `-f`, `-v`, `-h`, the multi-user
+//! option (`-M`, or `-multiuser-server` as the MPS guide spells it, or `-m`/`--multiuser` as
+//! NVIDIA's MPS v3 interface page spells it), `-p`/`--protocol <2|3>`, nothing for control
+//! client mode, `<module> <verb> …` for the v3 CLI (`v3::grammar` parses the rest); plus `client [--hold S] [--timeout S] [--gpu UUID] [--alloc SIZE]` for the stand-in
 //! CUDA process,
 //! `subreaper <command> [args…]` for a stand-in engine subreaper that waits (`subreaper`),
 //! `hold-control <connections> [--every <s>]` for a stand-in tenant that jams the control
 //! socket (`hold`), and two hidden modes this binary re-executes itself with.
 //!
-//! Invariant: parsing is pure; anything not recognised is a [`UsageError`], which `main`
-//! reports on one line with exit code 2.
+//! Invariant: parsing is pure (the environment's say on the protocol is applied by
+//! [`resolve_protocol`], also pure); anything not recognised is a [`UsageError`], which
+//! `main` reports on one line with exit code 2.
 
 use std::time::Duration;
 
@@ -18,15 +20,23 @@ use crate::cuda_client::ClientOptions;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Mode {
     Version,
-    /// `-f` (foreground) or `-d` (background).
+    /// `-h`: usage; `protocol` as the flag gave it (the environment may still override).
+    Help {
+        protocol: Option<u8>,
+    },
+    /// `-f` (foreground) or `-d` (background); `protocol` as the flag gave it.
     Daemon {
         background: bool,
         multiuser: bool,
+        protocol: Option<u8>,
     },
-    /// Hidden: the re-executed child that `-d` starts.
+    /// Hidden: the re-executed child that `-d` starts, with the protocol its launcher chose.
     DaemonChild {
         multiuser: bool,
+        protocol: u8,
     },
+    /// `<module> <verb> [args…]`: a v3 CLI call (the words after any `-p <n>`).
+    Cli(Vec<String>),
     /// No option: read control commands from stdin.
     Control,
     Client(ClientOptions),
@@ -49,6 +59,10 @@ pub enum UsageError {
     DaemonAndForeground,
     #[error("option -M needs -d or -f")]
     MultiuserAlone,
+    #[error("invalid protocol {0:?}: expected 2 or 3")]
+    Protocol(String),
+    #[error("protocol 3 is not supported by this binary (it is a protocol 2 one, as before driver 615); usage: gpushare-mps-sim [-d | -f] [-M] [-p 2] | -v | -h")]
+    ProtocolUnsupported,
     #[error("option {0} needs a value")]
     MissingValue(String),
     #[error("invalid number of connections {0:?}")]
@@ -66,46 +80,137 @@ pub enum UsageError {
 pub const HIDDEN_SERVER: &str = "--internal-server";
 pub const HIDDEN_DAEMON: &str = "--internal-daemon";
 
+/// The v3 CLI's modules, as NVIDIA's MPS v3 interface page lists them.
+pub const V3_MODULES: [&str; 8] = [
+    "server",
+    "namespace",
+    "client",
+    "device",
+    "sm-partition",
+    "feature",
+    "memacct",
+    "context-share",
+];
+
+/// The verbs of the `client` module: `client list` is the v3 CLI, `client [--hold …]` the
+/// stand-in CUDA process.
+const CLIENT_VERBS: [&str; 4] = ["list", "get", "terminate", "help"];
+
 pub fn parse(args: &[String]) -> Result<Mode, UsageError> {
     match args.first().map(String::as_str) {
+        Some("client")
+            if args
+                .get(1)
+                .is_some_and(|v| CLIENT_VERBS.contains(&v.as_str())) =>
+        {
+            return Ok(Mode::Cli(args.to_vec()))
+        }
         Some("client") => return parse_client(&args[1..]).map(Mode::Client),
+        Some(m) if V3_MODULES.contains(&m) => return Ok(Mode::Cli(args.to_vec())),
         Some("subreaper") if args.len() > 1 => return Ok(Mode::Subreaper(args[1..].to_vec())),
         Some("hold-control") => return parse_hold(&args[1..]),
         // The server ignores its arguments; the uid after the flag shows in `ps` only.
         Some(HIDDEN_SERVER) => return Ok(Mode::Server),
         Some(HIDDEN_DAEMON) => {
             return match &args[1..] {
-                [] => Ok(Mode::DaemonChild { multiuser: false }),
-                [m] if m == "-M" => Ok(Mode::DaemonChild { multiuser: true }),
+                [] => Ok(Mode::DaemonChild {
+                    multiuser: false,
+                    protocol: 2,
+                }),
+                [m] if m == "-M" => Ok(Mode::DaemonChild {
+                    multiuser: true,
+                    protocol: 2,
+                }),
+                [p, v] if p == "-p" && v == "3" => Ok(Mode::DaemonChild {
+                    multiuser: false,
+                    protocol: 3,
+                }),
+                [m, p, v] if m == "-M" && p == "-p" && v == "3" => Ok(Mode::DaemonChild {
+                    multiuser: true,
+                    protocol: 3,
+                }),
                 [other, ..] => Err(UsageError::Unknown(other.clone())),
             }
         }
         _ => {}
     }
-    let (mut d, mut f, mut v, mut m) = (false, false, false, false);
-    for arg in args {
+    let (mut d, mut f, mut v, mut m, mut h) = (false, false, false, false, false);
+    let mut protocol = None;
+    let mut it = args.iter().enumerate();
+    while let Some((i, arg)) = it.next() {
         match arg.as_str() {
-            "-d" => d = true,
-            "-f" => f = true,
+            "-d" | "--daemon" => d = true,
+            "-f" | "--foreground" => f = true,
             "-v" => v = true,
-            "-M" | "-multiuser-server" | "--multiuser-server" => m = true,
+            "-h" | "--help" => h = true,
+            "-M" | "-multiuser-server" | "--multiuser-server" | "-m" | "--multiuser" => m = true,
+            "-p" | "--protocol" => {
+                let value = it
+                    .next()
+                    .map(|(_, v)| v)
+                    .ok_or_else(|| UsageError::MissingValue(arg.clone()))?;
+                protocol = Some(protocol_number(value)?);
+            }
+            other if other.starts_with("--protocol=") => {
+                protocol = Some(protocol_number(&other["--protocol=".len()..])?);
+            }
+            // `-p 3 server list`: KAI's agent passes -p 3 on every CLI call.
+            other
+                if V3_MODULES.contains(&other)
+                    && protocol.is_some()
+                    && !(d || f || v || m || h) =>
+            {
+                return Ok(Mode::Cli(args[i..].to_vec()));
+            }
             other => return Err(UsageError::Unknown(other.to_string())),
         }
     }
     match (d, f, v, m) {
+        _ if h => Ok(Mode::Help { protocol }),
         (_, _, true, _) => Ok(Mode::Version),
         (true, true, _, _) => Err(UsageError::DaemonAndForeground),
         (true, false, _, multiuser) => Ok(Mode::Daemon {
             background: true,
             multiuser,
+            protocol,
         }),
         (false, true, _, multiuser) => Ok(Mode::Daemon {
             background: false,
             multiuser,
+            protocol,
         }),
         (false, false, _, true) => Err(UsageError::MultiuserAlone),
         (false, false, false, false) => Ok(Mode::Control),
     }
+}
+
+fn protocol_number(value: &str) -> Result<u8, UsageError> {
+    match value {
+        "2" => Ok(2),
+        "3" => Ok(3),
+        other => Err(UsageError::Protocol(other.to_string())),
+    }
+}
+
+/// The protocol a daemon (or `-h`) runs: NVIDIA's MPS v3 interface page: protocol 2 is the
+/// default, `-p`/`--protocol` selects, and CUDA_MPS_PROTOCOL_VERSION wins over the flag.
+/// `supported` is GPUSHARE_SIM_PROTOCOLS: `2` makes this a binary from before driver 615,
+/// which refuses protocol 3 (how such a binary answers is not documented; a usage error is
+/// the simulator's choice).
+pub fn resolve_protocol(
+    flag: Option<u8>,
+    env: Option<&str>,
+    supported: Option<&str>,
+) -> Result<u8, UsageError> {
+    let chosen = match env.map(str::trim).filter(|e| !e.is_empty()) {
+        Some(e) => protocol_number(e)?,
+        None => flag.unwrap_or(2),
+    };
+    let only_legacy = supported.map(str::trim) == Some("2");
+    if chosen == 3 && only_legacy {
+        return Err(UsageError::ProtocolUnsupported);
+    }
+    Ok(chosen)
 }
 
 fn parse_client(args: &[String]) -> Result<ClientOptions, UsageError> {
@@ -190,6 +295,7 @@ mod tests {
             Ok(Mode::Daemon {
                 background,
                 multiuser,
+                protocol: None,
             })
         };
         assert_eq!(p(&[]), Ok(Mode::Control));
@@ -209,9 +315,71 @@ mod tests {
         assert_eq!(p(&[HIDDEN_SERVER, "1000"]), Ok(Mode::Server));
         assert_eq!(
             p(&[HIDDEN_DAEMON, "-M"]),
-            Ok(Mode::DaemonChild { multiuser: true })
+            Ok(Mode::DaemonChild {
+                multiuser: true,
+                protocol: 2
+            })
         );
         assert!(p(&[HIDDEN_DAEMON, "-x"]).is_err());
+    }
+
+    #[test]
+    fn protocol_and_v3_options() {
+        let v3 = |background, multiuser| {
+            Ok(Mode::Daemon {
+                background,
+                multiuser,
+                protocol: Some(3),
+            })
+        };
+        assert_eq!(p(&["-p", "3", "-f"]), v3(false, false));
+        assert_eq!(p(&["--protocol", "3", "-d", "-m"]), v3(true, true));
+        assert_eq!(p(&["-f", "--protocol=3", "--multiuser"]), v3(false, true));
+        assert_eq!(p(&["-p", "3", "-h"]), Ok(Mode::Help { protocol: Some(3) }));
+        assert_eq!(p(&["--help"]), Ok(Mode::Help { protocol: None }));
+        assert_eq!(p(&["-p", "4", "-f"]), Err(UsageError::Protocol("4".into())));
+        assert_eq!(p(&["-p"]), Err(UsageError::MissingValue("-p".into())));
+        assert_eq!(
+            p(&[HIDDEN_DAEMON, "-M", "-p", "3"]),
+            Ok(Mode::DaemonChild {
+                multiuser: true,
+                protocol: 3
+            })
+        );
+        let words = |w: &[&str]| w.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            p(&["namespace", "list", "--format=csv"]),
+            Ok(Mode::Cli(words(&["namespace", "list", "--format=csv"])))
+        );
+        assert_eq!(
+            p(&["-p", "3", "server", "list"]),
+            Ok(Mode::Cli(words(&["server", "list"])))
+        );
+        assert_eq!(
+            p(&["client", "terminate", "12"]),
+            Ok(Mode::Cli(words(&["client", "terminate", "12"])))
+        );
+        assert!(matches!(p(&["client", "--hold", "1"]), Ok(Mode::Client(_))));
+        assert!(matches!(p(&["client"]), Ok(Mode::Client(_))));
+    }
+
+    #[test]
+    fn the_environment_wins_over_the_flag_and_a_legacy_binary_refuses_3() {
+        assert_eq!(resolve_protocol(None, None, None), Ok(2));
+        assert_eq!(resolve_protocol(Some(3), None, None), Ok(3));
+        assert_eq!(resolve_protocol(Some(3), Some("2"), None), Ok(2));
+        assert_eq!(resolve_protocol(Some(2), Some("3"), None), Ok(3));
+        assert_eq!(resolve_protocol(None, Some(""), None), Ok(2));
+        assert_eq!(
+            resolve_protocol(None, Some("7"), None),
+            Err(UsageError::Protocol("7".into()))
+        );
+        assert_eq!(
+            resolve_protocol(Some(3), None, Some("2")),
+            Err(UsageError::ProtocolUnsupported)
+        );
+        assert_eq!(resolve_protocol(Some(2), None, Some("2")), Ok(2));
+        assert_eq!(resolve_protocol(Some(3), None, Some("2,3")), Ok(3));
     }
 
     #[test]

@@ -138,8 +138,14 @@ pub fn run(pipe_dir: &Path, opts: &ClientOptions) -> u8 {
         }
         held => held,
     };
+    // A v3 daemon names the namespace and server at the end; a legacy line is unchanged.
+    let names = ready
+        .names
+        .as_ref()
+        .map(|(ns, s)| format!(" namespace={ns} server_name={s}"))
+        .unwrap_or_default();
     let line = format!(
-        "mps-client pid={} uid={} server={} server_uid={} waited_ms={} active_thread_percentage={} pinned_mem_limit={} client_priority={} allocated={} shm=ok\n",
+        "mps-client pid={} uid={} server={} server_uid={} waited_ms={} active_thread_percentage={} pinned_mem_limit={} client_priority={} allocated={} shm=ok{names}\n",
         std::process::id(),
         nix::unistd::getuid(),
         ready.server_pid,

@@ -70,12 +70,15 @@ pub enum Launch {
 }
 
 /// `-d`: start the daemon as a detached child and return once it listens.
-pub fn launch_background(multiuser: bool) -> Result<u8> {
+pub fn launch_background(multiuser: bool, protocol: u8) -> Result<u8> {
     let exe = std::env::current_exe().context("find own executable")?;
     let mut cmd = Command::new(&exe);
     cmd.arg("--internal-daemon");
     if multiuser {
         cmd.arg("-M");
+    }
+    if protocol == 3 {
+        cmd.args(["-p", "3"]);
     }
     let mut child = cmd
         .stdin(Stdio::null())
@@ -171,7 +174,7 @@ pub fn run(opts: &DaemonOptions, launch: Launch) -> Result<()> {
     Ok(())
 }
 
-fn block_signals() -> Result<SigSet> {
+pub(crate) fn block_signals() -> Result<SigSet> {
     let mut set = SigSet::empty();
     set.add(Signal::SIGTERM);
     set.add(Signal::SIGINT);
@@ -190,7 +193,7 @@ fn check_socket_path(socket: &Path) -> Result<()> {
     Ok(())
 }
 
-fn create_dir_if_missing(dir: &Path) -> Result<()> {
+pub(crate) fn create_dir_if_missing(dir: &Path) -> Result<()> {
     if dir.is_dir() {
         return Ok(());
     }
@@ -201,7 +204,7 @@ fn create_dir_if_missing(dir: &Path) -> Result<()> {
         .with_context(|| format!("create directory {}", dir.display()))
 }
 
-fn listen(
+pub(crate) fn listen(
     pipe_dir: &Path,
     socket: &Path,
     pid_file: &Path,
@@ -299,7 +302,7 @@ fn initial_defaults(opts: &DaemonOptions, log: &ControlLog) -> Settings {
 }
 
 /// Tells the `-d` launcher the socket listens, then points stdio at /dev/null.
-fn report_ready_and_detach() -> Result<()> {
+pub(crate) fn report_ready_and_detach() -> Result<()> {
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "{READY_WORD}").context("report readiness to the launcher")?;
@@ -333,10 +336,10 @@ fn spawn_signal_thread(core: Arc<Core>, signals: SigSet) -> Result<()> {
 
 /// One connection counted against its channel's cap; released on drop, even if the
 /// connection's thread panics.
-struct Slot(Arc<AtomicUsize>);
+pub(crate) struct Slot(Arc<AtomicUsize>);
 
 impl Slot {
-    fn take(active: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
+    pub(crate) fn take(active: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
         if active.fetch_add(1, Ordering::SeqCst) >= max {
             active.fetch_sub(1, Ordering::SeqCst);
             return None;

@@ -50,6 +50,11 @@ impl Percentage {
         Ok(Percentage(value))
     }
 
+    /// The number itself (v3 lists print it with two decimals).
+    pub fn value(self) -> f64 {
+        self.0
+    }
+
     /// The lower of the two: a client setting can only tighten the server's.
     pub fn lowered_by(self, client: Option<Percentage>) -> Percentage {
         match client {
@@ -98,6 +103,14 @@ impl MemLimit {
         Ok(MemLimit {
             mib,
             text: format!("{number}{letter}"),
+        })
+    }
+
+    /// A limit of whole MiB, printed `<n>M` (v3 sizes arrive in bytes); `None` for 0.
+    pub fn from_mib(mib: u64) -> Option<Self> {
+        (mib > 0).then(|| MemLimit {
+            mib,
+            text: format!("{mib}M"),
         })
     }
 

@@ -17,6 +17,8 @@ use anyhow::{Context, Result};
 
 pub struct ControlLog {
     path: PathBuf,
+    /// `Control`, or `Server` in a v3 server's `server.log`.
+    tag: &'static str,
     pid: u32,
     write: Mutex<()>,
 }
@@ -25,17 +27,22 @@ impl ControlLog {
     /// Opens (creating) `<dir>/control.log` once, so an unwritable log directory is a startup
     /// error rather than silence.
     pub fn open(dir: &Path, pid: u32) -> Result<Self> {
-        let path = dir.join("control.log");
-        open_append(&path).with_context(|| format!("open control log {}", path.display()))?;
+        Self::open_file(dir.join("control.log"), "Control", pid)
+    }
+
+    /// Opens (creating) any log file with lines tagged `tag`; v3's `<server>/server.log`.
+    pub fn open_file(path: PathBuf, tag: &'static str, pid: u32) -> Result<Self> {
+        open_append(&path).with_context(|| format!("open log {}", path.display()))?;
         Ok(ControlLog {
             path,
+            tag,
             pid,
             write: Mutex::new(()),
         })
     }
 
     pub fn log(&self, message: &str) {
-        let line = format_line(SystemTime::now(), self.pid, message);
+        let line = format_tagged(SystemTime::now(), self.tag, self.pid, message);
         let _serialized = self.write.lock().unwrap_or_else(|e| e.into_inner());
         // A failed log write must not take the daemon down; the control socket still works and
         // the caller has nowhere better to report it.
@@ -53,7 +60,12 @@ fn open_append(path: &Path) -> std::io::Result<std::fs::File> {
         .open(path)
 }
 
+#[cfg(test)]
 pub fn format_line(now: SystemTime, pid: u32, message: &str) -> String {
+    format_tagged(now, "Control", pid, message)
+}
+
+fn format_tagged(now: SystemTime, tag: &str, pid: u32, message: &str) -> String {
     // RFC 3339 (`2013-08-05T12:50:23.347Z`) less its `T` and `Z`. humantime writes no time
     // before 1970 (the clock reads none past 9999, humantime's last year).
     let stamp = humantime::format_rfc3339_millis(now.max(UNIX_EPOCH)).to_string();
@@ -62,7 +74,7 @@ pub fn format_line(now: SystemTime, pid: u32, message: &str) -> String {
         .chars()
         .map(|c| if c.is_control() { '?' } else { c })
         .collect();
-    format!("[{stamp} Control {pid}] {clean}\n")
+    format!("[{stamp} {tag} {pid}] {clean}\n")
 }
 
 #[cfg(test)]

@@ -219,6 +219,7 @@ fn cuda_client(core: &Arc<Core>, stream: &UnixStream, line: &str) {
         waited_ms: u64::try_from(admission.waited.as_millis()).unwrap_or(u64::MAX),
         percentage: admission.settings.percentage.lowered_by(hello.percentage),
         mem: admission.settings.mem.lowered_by(&hello.mem),
+        names: None,
     };
     if send(stream, &ready.to_line()) {
         wait_for_close(stream);
@@ -243,7 +244,7 @@ fn peer_gone(stream: &UnixStream) -> bool {
     }
 }
 
-fn wait_for_close(mut stream: &UnixStream) {
+pub(crate) fn wait_for_close(mut stream: &UnixStream) {
     let _ = stream.set_read_timeout(None);
     let mut sink = [0u8; 256];
     loop {
@@ -260,7 +261,7 @@ fn pid_namespace(pid: i32) -> u64 {
     std::fs::metadata(format!("/proc/{pid}/ns/pid")).map_or(0, |m| m.ino())
 }
 
-fn command_of(pid: i32) -> String {
+pub(crate) fn command_of(pid: i32) -> String {
     let from_cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
         .ok()
         .and_then(|raw| {

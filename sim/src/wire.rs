@@ -123,14 +123,21 @@ pub struct Ready {
     pub waited_ms: u64,
     pub percentage: Percentage,
     pub mem: DeviceLimits,
+    /// A v3 daemon's namespace and server name, appended as `namespace=<ns>
+    /// server_name=<s>`; `None` from a legacy daemon, whose line stays as it was.
+    pub names: Option<(String, String)>,
 }
 
 impl Ready {
     pub fn to_line(&self) -> String {
-        format!(
+        let mut line = format!(
             "READY server={} server_uid={} waited_ms={} active_thread_percentage={} pinned_mem_limit={}",
             self.server_pid, self.server_uid, self.waited_ms, self.percentage, self.mem
-        )
+        );
+        if let Some((ns, server)) = &self.names {
+            line.push_str(&format!(" namespace={ns} server_name={server}"));
+        }
+        line
     }
 
     pub fn parse(line: &str) -> Result<Self, WireError> {
@@ -153,7 +160,19 @@ impl Ready {
         let waited_ms = field("waited_ms")?.parse().map_err(|_| bad())?;
         let percentage = Percentage::parse(field("active_thread_percentage")?)?;
         let mem = DeviceLimits::parse(field("pinned_mem_limit")?)?;
+        let names = match (words.next(), words.next()) {
+            (None, None) => None,
+            (Some(ns), Some(server)) => Some((
+                ns.strip_prefix("namespace=").ok_or_else(bad)?.to_string(),
+                server
+                    .strip_prefix("server_name=")
+                    .ok_or_else(bad)?
+                    .to_string(),
+            )),
+            _ => return Err(bad()),
+        };
         Ok(Ready {
+            names,
             server_pid,
             server_uid,
             waited_ms,
@@ -262,6 +281,7 @@ mod tests {
             waited_ms: 1234,
             percentage: Percentage::parse("25").unwrap(),
             mem: DeviceLimits::parse("0=1G,1=512M").unwrap(),
+            names: None,
         };
         let line = ready.to_line();
         assert_eq!(
@@ -270,6 +290,12 @@ mod tests {
         );
         assert_eq!(Ready::parse(&line).unwrap(), ready);
         assert!(Ready::parse("READY server=1").is_err());
+        let v3 = Ready {
+            names: Some(("a".into(), "s".into())),
+            ..ready
+        };
+        assert!(v3.to_line().ends_with(" namespace=a server_name=s"));
+        assert_eq!(Ready::parse(&v3.to_line()).unwrap(), v3);
         assert!(Ready::parse("QUEUED").is_err());
     }
 

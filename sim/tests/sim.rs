@@ -1132,3 +1132,741 @@ fn a_client_with_a_gpu_holds_a_context_through_mps_or_directly_and_its_limit_bin
     stop_pid(lifted.pid());
     stop_pid(direct.pid());
 }
+
+// ---- MPS v3 (`-p 3`): servers, namespaces, the CLI, and the fake `nvidia-smi memory-limits`.
+
+impl Sim {
+    /// Starts `-p 3 -f` with extra options and waits until it answers `server list`.
+    fn start_v3(&mut self, opts: &[&str]) {
+        self.start_v3_with(opts, Stdio::null());
+    }
+
+    fn start_v3_with(&mut self, opts: &[&str], stdin: Stdio) {
+        let mut cmd = self.cmd();
+        cmd.args(["-p", "3", "-f"]).args(opts);
+        let stderr = fs::File::create(self.dir.path().join("daemon.stderr")).expect("stderr file");
+        cmd.stdin(stdin).stdout(Stdio::null()).stderr(stderr);
+        let mut daemon = Proc(cmd.spawn().expect("spawn daemon"));
+        let deadline = Instant::now() + DAEMON_START;
+        loop {
+            if let Some(status) = daemon.0.try_wait().expect("try_wait") {
+                panic!(
+                    "daemon exited with {status} before answering: {}",
+                    fs::read_to_string(self.dir.path().join("daemon.stderr")).unwrap_or_default()
+                );
+            }
+            if self.cli(&["server", "list"]).status.success() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "daemon did not answer in time");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.daemon = Some(daemon);
+    }
+
+    /// A v3 CLI call through `dir`'s `control` (the top-level pipe directory if `None`), as `uid`.
+    fn cli_as(&self, dir: Option<&std::path::Path>, uid: Option<u32>, words: &[&str]) -> Output {
+        let mut cmd = self.cmd();
+        cmd.args(words);
+        if let Some(dir) = dir {
+            cmd.env("CUDA_MPS_PIPE_DIRECTORY", dir);
+        }
+        if let Some(uid) = uid {
+            cmd.uid(uid).gid(uid);
+        }
+        run_output(cmd, "", COMMAND_TIMEOUT)
+    }
+
+    fn cli(&self, words: &[&str]) -> Output {
+        self.cli_as(None, None, words)
+    }
+
+    /// A CLI call that must succeed; its stdout.
+    fn cli_ok(&self, words: &[&str]) -> String {
+        let out = self.cli(words);
+        assert!(
+            out.status.success(),
+            "{words:?} failed: {} {}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+        text(&out.stdout)
+    }
+
+    /// A CLI call that must fail with exactly one line on stderr; that line.
+    fn cli_err(&self, dir: Option<&std::path::Path>, uid: Option<u32>, words: &[&str]) -> String {
+        let out = self.cli_as(dir, uid, words);
+        assert!(
+            !out.status.success(),
+            "{words:?} succeeded: {}",
+            text(&out.stdout)
+        );
+        let err = text(&out.stderr);
+        assert_eq!(err.lines().count(), 1, "{words:?}: {err:?}");
+        err.trim_end().to_string()
+    }
+
+    /// A client through `dir` (a server or namespace directory), as `uid` if given.
+    fn client_in(
+        &self,
+        dir: &std::path::Path,
+        args: &[&str],
+        uid: Option<u32>,
+        envs: &[(&str, &str)],
+    ) -> Proc {
+        let mut cmd = self.cmd();
+        cmd.env("CUDA_MPS_PIPE_DIRECTORY", dir)
+            .arg("client")
+            .args(args)
+            .envs(envs.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(uid) = uid {
+            cmd.uid(uid).gid(uid);
+        }
+        Proc(cmd.spawn().expect("spawn client"))
+    }
+
+    fn leaf(&self, server: &str, ns: &str) -> PathBuf {
+        self.pipe.join(server).join(ns)
+    }
+
+    /// Kills the daemon with SIGKILL (a crash: nothing cleaned up) and reaps it.
+    fn crash(&mut self) {
+        let mut daemon = self.daemon.take().expect("daemon");
+        let _ = daemon.0.kill();
+        let _ = daemon.0.wait();
+    }
+}
+
+/// Whether this machine lets a test bind-mount in a mount namespace of its own.
+fn can_unshare_mounts() -> bool {
+    let probe = Command::new("unshare")
+        .args(["-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    matches!(probe, Ok(s) if s.success())
+}
+
+#[test]
+fn v3_namespaces_cap_two_uids_on_one_server_through_their_leaf_directories_alone() {
+    if !is_root() || !can_unshare_mounts() {
+        skip("needs root and unshare -m to run clients as other uids through a bind-mounted leaf");
+        return;
+    }
+    let mut sim = Sim::new();
+    sim.start_v3(&["-m"]);
+    sim.cli_ok(&["server", "create", "s", "--uid=0"]);
+    sim.cli_ok(&["namespace", "create", "a", "--server=s"]);
+    sim.cli_ok(&["namespace", "create", "b", "--server=s"]);
+    sim.cli_ok(&[
+        "namespace",
+        "set",
+        "a",
+        "--server=s",
+        "--active-thread-percentage=30",
+        "--pinned-memory-limit=1G",
+    ]);
+    sim.cli_ok(&[
+        "namespace",
+        "set",
+        "b",
+        "server=s",
+        "active-thread-percentage=60",
+    ]);
+    let leaf_a = sim.leaf("s", "a");
+    assert_eq!(
+        fs::metadata(&leaf_a).expect("leaf").permissions().mode() & 0o777,
+        0o755
+    );
+    assert_eq!(
+        sim.cli_ok(&["namespace", "list", "--server=s", "--format=csv,noheader"]),
+        format!(
+            "a,s,Ready,1G,30.00,0,{}\nb,s,Ready,unlimited,60.00,0,{}\ndefault,s,Ready,unlimited,100.00,0,{}\n",
+            leaf_a.display(),
+            sim.leaf("s", "b").display(),
+            sim.leaf("s", "default").display()
+        )
+    );
+
+    // UID 1000 through its leaf; UID 2000 through only its leaf, bind-mounted read-only at
+    // another path in a mount namespace of its own, asking for more than its cap.
+    let mut a = sim.client_in(&leaf_a, &["--hold", "30"], Some(1000), &[]);
+    let fa = fields(a.read_line().trim_end());
+    let mnt = sim.dir.path().join("mnt");
+    fs::create_dir(&mnt).expect("mkdir mnt");
+    let mut cmd = Command::new("unshare");
+    cmd.args([
+        "-m",
+        "sh",
+        "-c",
+        "mount --bind -o ro \"$1\" \"$2\" && exec setpriv --reuid=2000 --regid=2000 --clear-groups \"$0\" client --hold 30",
+    ])
+    .arg(&sim.exe)
+    .arg(sim.leaf("s", "b"))
+    .arg(&mnt)
+    .env("CUDA_MPS_PIPE_DIRECTORY", &mnt)
+    .env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "80")
+    .env_remove("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut b = Proc(cmd.spawn().expect("spawn unshare"));
+    let fb = fields(b.read_line().trim_end());
+
+    assert_eq!((fa["uid"].as_str(), fb["uid"].as_str()), ("1000", "2000"));
+    assert_eq!(fa["active_thread_percentage"], "30.0");
+    assert_eq!(fa["pinned_mem_limit"], "0=1024M");
+    // The lower of the client's 80 and the namespace's 60; no pinned limit inherited.
+    assert_eq!(fb["active_thread_percentage"], "60.0");
+    assert_eq!(fb["pinned_mem_limit"], "none");
+    assert_eq!(
+        (fa["namespace"].as_str(), fb["namespace"].as_str()),
+        ("a", "b")
+    );
+    assert_eq!(fa["server_name"], "s");
+    // One server process, root's, serves both at once: nobody queued.
+    assert_eq!(fa["server"], fb["server"]);
+    assert_eq!(fb["server_uid"], "0");
+    assert_eq!(fb["waited_ms"], "0");
+    assert_eq!(proc_uid(&fa["server"]), Some((0, 0)));
+    let clients = sim.cli_ok(&["client", "list", "--format=csv"]);
+    assert!(
+        clients.starts_with("pid,server,device,namespace,cmd\n"),
+        "{clients}"
+    );
+    for (p, ns) in [(a.pid(), "a"), (b.pid(), "b")] {
+        assert!(
+            clients.contains(&format!("{p},s,0,{ns},")),
+            "{p} {ns}: {clients}"
+        );
+    }
+
+    // A tenant reads everything but changes nothing, even through its own leaf.
+    assert!(sim
+        .cli_as(Some(&leaf_a), Some(1000), &["namespace", "list"])
+        .status
+        .success());
+    assert_eq!(
+        sim.cli_err(
+            Some(&leaf_a),
+            Some(1000),
+            &[
+                "namespace",
+                "set",
+                "a",
+                "--server=s",
+                "--active-thread-percentage=100"
+            ]
+        ),
+        "Insufficient privileges for UID 1000. 'NAMESPACE SET' requires server owner."
+    );
+    for (words, title) in [
+        (
+            &["namespace", "delete", "b", "--server=s", "--force"][..],
+            "NAMESPACE DELETE",
+        ),
+        (&["server", "delete", "s", "--force"], "SERVER DELETE"),
+        (&["server", "create", "t"], "SERVER CREATE"),
+    ] {
+        assert_eq!(
+            sim.cli_err(Some(&leaf_a), Some(1000), words),
+            format!("Insufficient privileges for UID 1000. '{title}' requires server owner.")
+        );
+    }
+    let b_pid = b.pid().to_string();
+    assert_eq!(
+        sim.cli_err(Some(&leaf_a), Some(1000), &["client", "terminate", &b_pid]),
+        "Insufficient privileges for UID 1000. 'CLIENT TERMINATE' requires server owner."
+    );
+    let quit = run_output(
+        {
+            let mut c = sim.cmd();
+            c.env("CUDA_MPS_PIPE_DIRECTORY", &leaf_a)
+                .uid(1000)
+                .gid(1000);
+            c
+        },
+        "quit\n",
+        COMMAND_TIMEOUT,
+    );
+    assert!(!quit.status.success());
+    assert_eq!(
+        text(&quit.stdout).trim_end(),
+        "Insufficient privileges for UID 1000. 'QUIT' requires server owner."
+    );
+
+    // Root: limits cannot change under an attached client, nor the namespace go without --force.
+    assert_eq!(
+        sim.cli_err(None, None, &["namespace", "set", "a", "--server=s", "--client-priority=1"]),
+        "namespace set: namespace a on server s has 1 attached client(s); its limits cannot change while a client is attached"
+    );
+    assert_eq!(
+        sim.cli_err(None, None, &["namespace", "delete", "a", "--server=s"]),
+        "namespace delete: namespace a on server s has 1 attached client(s); use --force to terminate them"
+    );
+    sim.cli_ok(&["namespace", "delete", "a", "--server=s", "--force"]);
+    assert_eq!(
+        a.read_line().trim_end(),
+        format!("mps-client terminated pid={} (CUDA error 810)", a.pid())
+    );
+    assert!(!leaf_a.exists());
+    assert!(sim.cli_ok(&["namespace", "list", "a"]).lines().count() == 1);
+    // Root may end a client anywhere.
+    assert_eq!(sim.cli_ok(&["client", "terminate", &b_pid]), "");
+    assert_eq!(
+        b.read_line().trim_end(),
+        format!("mps-client terminated pid={} (CUDA error 810)", b.pid())
+    );
+    stop_pid(a.pid());
+    stop_pid(b.pid());
+}
+
+#[test]
+fn v3_server_dir_routes_to_default_main_socket_to_the_uid_server_and_logs() {
+    let mut sim = Sim::new();
+    sim.start_v3(&[]);
+    sim.cli_ok(&["server", "create", "s"]);
+    sim.cli_ok(&[
+        "server",
+        "set",
+        "s",
+        "--active-thread-percentage=40",
+        "--pinned-memory-limit=512M",
+    ]);
+    let uid = nix::unistd::getuid().as_raw();
+    let mut c = sim.client_in(&sim.pipe.join("s"), &[], None, &[]);
+    let f = fields(c.read_line().trim_end());
+    assert!(c.wait_exit(COMMAND_TIMEOUT).success());
+    assert_eq!(f["active_thread_percentage"], "40.0");
+    assert_eq!(f["pinned_mem_limit"], "0=512M");
+    assert_eq!(
+        (f["namespace"].as_str(), f["server_name"].as_str()),
+        ("default", "s")
+    );
+    assert_eq!(f["server_uid"], uid.to_string());
+    // The default namespace's pinned limit binds, unless the client's own
+    // CUDA_MPS_PINNED_DEVICE_MEM_LIMIT names a device it cannot see: that drops every
+    // pinned limit, the namespace's too (measured on r615 in NVIDIA Dynamo's docs).
+    let server_dir = sim.pipe.join("s");
+    let mut over = sim.client_in(&server_dir, &["--alloc", "1G"], None, &[]);
+    assert_eq!(over.wait_exit(COMMAND_TIMEOUT).code(), Some(2));
+    let mut lifted = sim.client_in(
+        &server_dir,
+        &["--alloc", "1G"],
+        None,
+        &[("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "1=4G")],
+    );
+    assert!(
+        lifted.wait_exit(COMMAND_TIMEOUT).success(),
+        "{}",
+        lifted.stderr()
+    );
+    // The main socket: the uid's own `uid_<uid>` server, made on demand, without limits.
+    let top = sim.attach(&[("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25")]);
+    assert_eq!(top["server_name"], format!("uid_{uid}"));
+    assert_eq!(top["namespace"], "default");
+    assert_eq!(top["active_thread_percentage"], "25.0");
+    assert_ne!(top["server"], f["server"]);
+    let servers = sim.cli_ok(&["server", "list", "--format=csv"]);
+    assert_eq!(
+        servers,
+        format!(
+            "name,uid,pid,status,pipe-directory,allowed-devices,context-ids\ns,{uid},{},Ready,{},all,-\nuid_{uid},{uid},{},Ready,{},all,-\n",
+            f["server"],
+            sim.pipe.join("s").display(),
+            top["server"],
+            sim.pipe.join(format!("uid_{uid}")).display()
+        )
+    );
+    assert_eq!(sim.cli_ok(&["server", "get", "s", "status"]), "Ready\n");
+    assert_eq!(
+        sim.cli_ok(&[
+            "namespace",
+            "get",
+            "default",
+            "s",
+            "active-thread-percentage"
+        ]),
+        "40.00\n"
+    );
+    assert!(sim
+        .cli_err(None, None, &["server", "get", "s", "bogus"])
+        .starts_with("unknown field \"bogus\"; fields: name, uid, pid,"));
+    let table = sim.cli_ok(&["server", "list"]);
+    assert!(table.starts_with("NAME "), "{table}");
+    assert!(sim
+        .log_lines()
+        .iter()
+        .any(|l| l.starts_with("Server s created for user")));
+    let server_log = fs::read_to_string(sim.log.join("s").join("server.log")).expect("server.log");
+    assert!(
+        server_log.contains("NEW CLIENT ") && server_log.contains(" Server "),
+        "{server_log}"
+    );
+    // Legacy commands other than quit are refused; names and sizes follow the rules.
+    let out = sim.control("get_server_list");
+    assert!(!out.status.success());
+    assert_eq!(
+        sim.cli_err(None, None, &["server", "create", "Bad-Name"]),
+        "invalid server name \"Bad-Name\": names are 1 to 64 lowercase letters, digits or underscores"
+    );
+    assert_eq!(
+        sim.cli_err(None, None, &["server", "create", "s"]),
+        "server s already exists"
+    );
+    // Delete refuses while a client is attached, --force ends it.
+    let mut held = sim.client_in(&server_dir, &["--hold", "30"], None, &[]);
+    held.read_line();
+    assert_eq!(
+        sim.cli_err(None, None, &["server", "delete", "s"]),
+        "server delete: server s has 1 active client(s); use --force to terminate them"
+    );
+    sim.cli_ok(&["server", "delete", "s", "--force"]);
+    assert_eq!(
+        held.read_line().trim_end(),
+        format!("mps-client terminated pid={} (CUDA error 810)", held.pid())
+    );
+    assert!(process_gone(f["server"].parse().expect("pid")));
+    assert!(!sim.pipe.join("s").exists());
+    stop_pid(held.pid());
+}
+
+#[test]
+fn v3_multiuser_refuses_a_server_of_another_uid() {
+    let mut sim = Sim::new();
+    sim.start_v3(&["--multiuser"]);
+    assert_eq!(
+        sim.cli_err(None, None, &["server", "create", "s", "--uid=1000"]),
+        "server create: --uid=1000 is not allowed in multiuser mode; every server is owned by root"
+    );
+    assert!(sim
+        .cli_ok(&["server", "list", "--format=csv,noheader"])
+        .is_empty());
+    sim.cli_ok(&["server", "create", "s", "--uid=0"]);
+    assert_eq!(sim.cli_ok(&["server", "get", "s", "uid"]), "0\n");
+}
+
+#[test]
+fn v3_restart_loses_every_namespace_and_recreates_them_in_the_same_directories() {
+    if !is_root() || !can_unshare_mounts() {
+        skip("needs root and unshare -m to hold a bind mount of a leaf across a restart");
+        return;
+    }
+    let mut sim = Sim::new();
+    sim.start_v3(&["-m"]);
+    sim.cli_ok(&["server", "create", "s"]);
+    sim.cli_ok(&["namespace", "create", "a", "--server=s"]);
+    let leaf = sim.leaf("s", "a");
+    let inode = fs::metadata(&leaf).expect("leaf").ino();
+    // A "container": the leaf bind-mounted at another path, held across the restart; its
+    // client starts only once `go` exists.
+    let mnt = sim.dir.path().join("mnt");
+    fs::create_dir(&mnt).expect("mkdir mnt");
+    let go = sim.dir.path().join("go");
+    let mut cmd = Command::new("unshare");
+    cmd.args([
+        "-m",
+        "sh",
+        "-c",
+        "mount --bind \"$1\" \"$2\" || exit 9; while [ ! -e \"$3\" ]; do sleep 0.05; done; exec \"$0\" client",
+    ])
+    .arg(&sim.exe)
+    .arg(&leaf)
+    .arg(&mnt)
+    .arg(&go)
+    .env("CUDA_MPS_PIPE_DIRECTORY", &mnt)
+    .env_remove("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    .env_remove("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut container = Proc(cmd.spawn().expect("spawn unshare"));
+    wait_until("the container's mount", COMMAND_TIMEOUT, || {
+        fs::read_to_string(format!("/proc/{}/mountinfo", container.pid()))
+            .is_ok_and(|m| m.contains(&mnt.display().to_string()))
+    });
+
+    sim.crash();
+    sim.start_v3(&["-m"]);
+    assert!(sim
+        .cli_ok(&["server", "list", "--format=csv,noheader"])
+        .is_empty());
+    assert!(sim
+        .cli_ok(&["namespace", "list", "--format=csv,noheader"])
+        .is_empty());
+    // The dead daemon's directories and sockets are still there; recreating works.
+    assert!(leaf.join("control").exists());
+    sim.cli_ok(&["server", "create", "s"]);
+    sim.cli_ok(&["namespace", "create", "a", "--server=s"]);
+    sim.cli_ok(&[
+        "namespace",
+        "set",
+        "a",
+        "--server=s",
+        "--active-thread-percentage=20",
+    ]);
+    assert_eq!(fs::metadata(&leaf).expect("leaf").ino(), inode);
+    fs::write(&go, "").expect("touch go");
+    let f = fields(container.read_line().trim_end());
+    assert_eq!(f["namespace"], "a");
+    assert_eq!(f["active_thread_percentage"], "20.0");
+    assert!(container.wait_exit(COMMAND_TIMEOUT).success());
+}
+
+#[test]
+fn v3_socket_paths_that_do_not_fit_fail_with_the_bare_line() {
+    let sim = Sim::new();
+    let long = sim.dir.path().join("p".repeat(110));
+    let log = sim.dir.path().join("long-log");
+    let mut cmd = sim.cmd();
+    cmd.env("CUDA_MPS_PIPE_DIRECTORY", &long)
+        .env("CUDA_MPS_LOG_DIRECTORY", &log)
+        .args(["-p", "3", "-f"]);
+    let out = run_output(cmd, "", COMMAND_TIMEOUT);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        text(&out.stderr),
+        "Failed to initialize MPS control daemon\n"
+    );
+    assert!(!log.exists(), "a log was written");
+
+    // A pipe directory that fits, whose namespace socket would not.
+    let base = sim.dir.path().display().to_string().len();
+    let mut sim = Sim::new();
+    let room = 107 - "/control".len() - base;
+    let pipe = sim.dir.path().join("q".repeat(room - 20));
+    fs::create_dir(&pipe).expect("mkdir");
+    fs::set_permissions(&pipe, fs::Permissions::from_mode(0o755)).expect("chmod");
+    sim.pipe = pipe;
+    sim.start_v3(&[]);
+    sim.cli_ok(&["server", "create", "s"]);
+    let ns = "n".repeat(30);
+    assert_eq!(
+        sim.cli_err(None, None, &["namespace", "create", &ns, "--server=s"]),
+        "Failed to initialize MPS control daemon"
+    );
+    assert!(!sim.leaf("s", &ns).exists());
+    assert!(sim.cli_ok(&["namespace", "list", &ns]).lines().count() == 1);
+}
+
+#[test]
+fn v3_protocol_selection_help_and_a_binary_from_before_615() {
+    let sim = Sim::new();
+    let run = |args: &[&str], envs: &[(&str, &str)]| {
+        let mut cmd = sim.cmd();
+        cmd.args(args).envs(envs.iter().copied());
+        run_output(cmd, "", COMMAND_TIMEOUT)
+    };
+    let help = run(&["-p", "3", "-h"], &[]);
+    assert!(help.status.success());
+    assert!(
+        text(&help.stdout).contains(
+            "Modules: server namespace client device sm-partition feature memacct context-share"
+        ),
+        "{}",
+        text(&help.stdout)
+    );
+    let old = [("GPUSHARE_SIM_PROTOCOLS", "2")];
+    for args in [
+        &["-p", "3", "-h"][..],
+        &["-p", "3", "-f"],
+        &["server", "list"],
+    ] {
+        let out = run(args, &old);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert_eq!(text(&out.stderr).lines().count(), 1, "{args:?}");
+    }
+    let out = run(&["-h"], &[("CUDA_MPS_PROTOCOL_VERSION", "3"), old[0]]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = run(&["-h"], &old);
+    assert!(out.status.success() && !text(&out.stdout).contains("namespace"));
+
+    // The environment wins over the flag: `-p 3` with CUDA_MPS_PROTOCOL_VERSION=2 is legacy,
+    // and a v3 CLI call against it fails.
+    let mut legacy = Sim::new();
+    legacy.start(&["-p", "3"], |c| {
+        c.env("CUDA_MPS_PROTOCOL_VERSION", "2");
+    });
+    assert_eq!(
+        legacy.cli_err(None, None, &["server", "list"]),
+        format!(
+            "the MPS control daemon at {} runs protocol 2 (legacy); 'server list' needs a protocol 3 daemon",
+            legacy.pipe.display()
+        )
+    );
+    let mut v3 = Sim::new();
+    let mut cmd = v3.cmd();
+    cmd.arg("-d").env("CUDA_MPS_PROTOCOL_VERSION", "3");
+    let out = run_output(cmd, "", COMMAND_TIMEOUT);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let pid: i32 = fs::read_to_string(v3.pid_file())
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid");
+    v3.detached.push(pid);
+    assert!(v3
+        .cli_ok(&["server", "list", "--format=csv"])
+        .starts_with("name,uid,pid,"));
+    // Control mode's quit stops a v3 daemon.
+    assert!(v3.control("quit").status.success());
+    wait_until("the -d daemon to exit", COMMAND_TIMEOUT, || {
+        process_gone(pid)
+    });
+    assert!(!v3.socket().exists());
+}
+
+#[test]
+fn v3_foreground_daemon_quits_on_stdin() {
+    let mut sim = Sim::new();
+    sim.start_v3_with(&[], Stdio::piped());
+    sim.cli_ok(&["server", "create", "s"]);
+    sim.cli_ok(&["namespace", "create", "a", "--server=s"]);
+    let server: i32 = sim
+        .cli_ok(&["server", "get", "s", "pid"])
+        .trim()
+        .parse()
+        .expect("pid");
+    let mut daemon = sim.daemon.take().expect("daemon");
+    daemon
+        .0
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(b"quit\n")
+        .expect("write quit");
+    assert!(daemon.wait_exit(COMMAND_TIMEOUT).success());
+    assert!(process_gone(server));
+    assert!(!shm_file(&server.to_string()).exists());
+    // Sockets go, directories stay for the next daemon.
+    assert!(!sim.socket().exists() && !sim.leaf("s", "a").join("control").exists());
+    assert!(sim.leaf("s", "a").is_dir());
+}
+
+#[test]
+fn fake_nvidia_smi_memory_limits_grammar_permissions_and_log() {
+    let sim = Sim::new();
+    let bin_dir = sim.dir.path().join("bin");
+    fs::create_dir(&bin_dir).expect("mkdir bin");
+    fs::set_permissions(&bin_dir, fs::Permissions::from_mode(0o777)).expect("chmod bin");
+    let smi = bin_dir.join("nvidia-smi");
+    std::os::unix::fs::symlink(&sim.exe, &smi).expect("link nvidia-smi");
+    let cgroup = sim.dir.path().join("cg");
+    fs::create_dir(&cgroup).expect("mkdir cgroup");
+    let cg = cgroup.display().to_string();
+    let run = |args: &[&str], uid: Option<u32>| {
+        let mut cmd = Command::new(&smi);
+        cmd.args(args);
+        if let Some(uid) = uid {
+            cmd.uid(uid).gid(uid);
+        }
+        run_output(cmd, "", COMMAND_TIMEOUT)
+    };
+    let fails = |args: &[&str], code: i32, msg: &str| {
+        let out = run(args, None);
+        assert_eq!(out.status.code(), Some(code), "{args:?}");
+        assert_eq!(text(&out.stderr).trim_end(), msg, "{args:?}");
+    };
+    let usage = "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help.";
+    fails(&["-i", "0", "memory-limits", "--get", "-n", &cg], 2, usage);
+    fails(
+        &[
+            "memory-limits",
+            "--set",
+            "-n",
+            &cg,
+            "--hard-limit",
+            "40G",
+            "-i",
+            "0",
+        ],
+        2,
+        "Invalid value \"40G\": expected an integer number of MiB, max or default",
+    );
+    fails(
+        &[
+            "memory-limits",
+            "--set",
+            "-n",
+            "/nonexistent/cg",
+            "--hard-limit",
+            "1",
+            "-i",
+            "0",
+        ],
+        if is_root() { 6 } else { 4 },
+        if is_root() {
+            "Unable to set memory limit: Not Found"
+        } else {
+            "Insufficient Permissions"
+        },
+    );
+    let log = bin_dir.join("memory-limits.jsonl");
+    let get = || {
+        let out = run(&["memory-limits", "--get", "-n", &cg, "-i", "0"], None);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    assert_eq!(get(), "hard: max soft: 0 MiB\n");
+    if !is_root() {
+        skip("needs root to set a memory limit and to try as another uid");
+        return;
+    }
+    let as_user = run(
+        &[
+            "memory-limits",
+            "--set",
+            "-n",
+            &cg,
+            "--hard-limit",
+            "3000",
+            "-i",
+            "0",
+        ],
+        Some(1000),
+    );
+    assert_eq!(as_user.status.code(), Some(4));
+    assert_eq!(text(&as_user.stderr).trim_end(), "Insufficient Permissions");
+    assert!(!log.exists());
+    let set = run(
+        &[
+            "memory-limits",
+            "--set",
+            "-n",
+            &cg,
+            "--soft-limit",
+            "0",
+            "--hard-limit",
+            "3000",
+            "-i",
+            "0",
+        ],
+        None,
+    );
+    assert!(set.status.success(), "{}", text(&set.stderr));
+    assert_eq!(
+        fs::read_to_string(&log).expect("log"),
+        format!("{{\"cgroup\":\"{cg}\",\"gpu\":\"0\",\"soft_mib\":0,\"hard_mib\":3000}}\n")
+    );
+    assert_eq!(get(), "hard: 3000 MiB soft: 0 MiB\n");
+    assert!(run(
+        &[
+            "memory-limits",
+            "--set",
+            "-n",
+            &cg,
+            "--hard-limit",
+            "max",
+            "-i",
+            "0"
+        ],
+        None
+    )
+    .status
+    .success());
+    assert_eq!(get(), "hard: max soft: 0 MiB\n");
+    assert_eq!(fs::read_to_string(&log).expect("log").lines().count(), 2);
+}
