@@ -39,6 +39,8 @@ pub enum Mode {
     Cli(Vec<String>),
     /// No option: read control commands from stdin.
     Control,
+    /// `-q`/`--quit`: quit the daemon found through CUDA_MPS_PIPE_DIRECTORY.
+    Quit,
     Client(ClientOptions),
     /// Hidden: an MPS server process started by the daemon.
     Server,
@@ -133,6 +135,9 @@ pub fn parse(args: &[String]) -> Result<Mode, UsageError> {
             }
         }
         _ => {}
+    }
+    if matches!(args, [q] if q == "-q" || q == "--quit") {
+        return Ok(Mode::Quit);
     }
     let (mut d, mut f, mut v, mut m, mut h) = (false, false, false, false, false);
     let mut protocol = None;
@@ -305,6 +310,8 @@ mod tests {
         assert_eq!(p(&["-M", "-f"]), daemon(false, true));
         assert_eq!(p(&["-multiuser-server", "-d"]), daemon(true, true));
         assert_eq!(p(&["-v"]), Ok(Mode::Version));
+        assert_eq!(p(&["-q"]), Ok(Mode::Quit));
+        assert_eq!(p(&["--quit"]), Ok(Mode::Quit));
         assert_eq!(p(&["-d", "-f"]), Err(UsageError::DaemonAndForeground));
         assert_eq!(p(&["-M"]), Err(UsageError::MultiuserAlone));
         assert_eq!(p(&["-x"]), Err(UsageError::Unknown("-x".into())));

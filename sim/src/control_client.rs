@@ -24,11 +24,21 @@ enum SendError {
 }
 
 pub fn run(pipe_dir: &Path) -> u8 {
+    run_from(pipe_dir, &mut std::io::stdin().lock())
+}
+
+/// `-q`/`--quit`: "Quit and stop the control daemon and all running servers" (NVIDIA's MPS
+/// v3 interface page, options): the `quit` command, sent as control client mode sends it.
+pub fn quit(pipe_dir: &Path) -> u8 {
+    run_from(pipe_dir, &mut &b"quit\n"[..])
+}
+
+/// Sends each line of `input` as a command.
+fn run_from(pipe_dir: &Path, input: &mut impl std::io::BufRead) -> u8 {
     let socket = pipe_dir.join("control");
-    let mut input = std::io::stdin().lock();
     let mut failed = false;
     loop {
-        let line = match wire::read_line(&mut input) {
+        let line = match wire::read_line(input) {
             Ok(Some(line)) => line,
             Ok(None) => break,
             Err(e) => {

@@ -128,6 +128,7 @@ fn run(mode: Mode) -> u8 {
             &words,
         ),
         Mode::Control => control_client::run(&env_dir("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_PIPE_DIR)),
+        Mode::Quit => control_client::quit(&env_dir("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_PIPE_DIR)),
         Mode::Client(opts) => {
             cuda_client::run(&env_dir("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_PIPE_DIR), &opts)
         }
