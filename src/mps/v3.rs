@@ -210,6 +210,11 @@ pub(crate) fn node_has_memory_limits() -> bool {
 /// The host path of the cgroup v2 of process `pid` (its `0::` line, read from the host's
 /// cgroup namespace).
 fn cgroup_of(pid: i32) -> anyhow::Result<std::path::PathBuf> {
+    let v2 = nix::sys::statfs::statfs(CGROUP_ROOT)
+        .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC);
+    if !v2 {
+        bail!("{CGROUP_ROOT} is not cgroup v2: device memory limits need cgroup v2; set mps.cgroup-memory-limit = \"off\" or \"auto\" on this node");
+    }
     let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
         .with_context(|| format!("read the cgroup of the container's process {pid}"))?;
     let rel = text

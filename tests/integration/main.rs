@@ -19,4 +19,5 @@ mod security;
 mod tenant_daemon;
 mod tenant_mounts;
 mod tenant_state;
+mod v3;
 mod watch;

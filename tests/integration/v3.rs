@@ -1,0 +1,326 @@
+//! The MPS v3 backend (`mps.protocol = "v3"`) through real runc and the simulator's v3:
+//! one server for every UID, a namespace per container made and capped before its first
+//! process, only its directory in the container, remade after a daemon restart, deleted
+//! at the container's end, the cgroup's device memory limit through `nvidia-smi`; and what
+//! keeps a legacy daemon (a host-root container, `auto` on a driver before 615).
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use testkit::*;
+
+const CLIENT: &str = "gpushare-mps-sim client";
+const V3: &str = "protocol = \"v3\"";
+
+/// `namespace list` of daemon `id`'s server as root sees it: (name, pinned, percentage).
+fn namespaces(env: &Env, id: &str) -> Vec<(String, String, String)> {
+    let out = root_cli(
+        env,
+        id,
+        &["namespace", "list", "--server=s", "--format=csv,noheader"],
+    );
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            (f[0].to_owned(), f[3].to_owned(), f[4].to_owned())
+        })
+        .collect()
+}
+
+/// One v3 command against daemon `id`'s top-level `control`, as root.
+fn root_cli(env: &Env, id: &str, args: &[&str]) -> std::process::Output {
+    Command::new(env.sim())
+        .args(args)
+        .env(
+            "CUDA_MPS_PIPE_DIRECTORY",
+            env.state.join("mps").join(id).join("pipe"),
+        )
+        .output()
+        .unwrap()
+}
+
+/// The name of a container's namespace, from its config.json's pipe mount.
+fn namespace_of(c: &Container) -> String {
+    let mounts = c.config()["mounts"].as_array().unwrap().clone();
+    let pipe = mounts
+        .iter()
+        .find(|m| m["destination"] == "/tmp/nvidia-mps")
+        .expect("the pipe mount");
+    let source = PathBuf::from(pipe["source"].as_str().unwrap());
+    assert_eq!(
+        source.parent().unwrap().file_name().unwrap(),
+        "s",
+        "only the namespace's directory is bound: {source:?}"
+    );
+    source.file_name().unwrap().to_string_lossy().into_owned()
+}
+
+#[test]
+fn two_uids_share_one_server_each_in_its_own_capped_namespace() {
+    let env = Env::with_config(V3);
+    let a = env
+        .container("v3-a")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "30")
+        .annotation("gpushare.io/pinned-memory-limit", "1G")
+        .sh(&format!("{CLIENT} --hold 1.5"))
+        .create();
+    let b = env
+        .container("v3-b")
+        .uid(2000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "60")
+        .sh(&format!("{CLIENT} --hold 1.5"))
+        .create();
+    let (na, nb) = (namespace_of(&a), namespace_of(&b));
+    assert_ne!(na, nb);
+    let ids = env.daemon_ids();
+    assert_eq!(ids.len(), 1, "one daemon for both UIDs: {ids:?}");
+    let id = &ids[0];
+    // Made and capped before either container's first process.
+    let listed = namespaces(&env, id);
+    assert!(
+        listed.contains(&(na.clone(), "1G".into(), "30.00".into())),
+        "{listed:?}"
+    );
+    assert!(
+        listed.contains(&(nb.clone(), "unlimited".into(), "60.00".into())),
+        "{listed:?}"
+    );
+    assert!(
+        listed
+            .iter()
+            .any(|(n, _, p)| n == "default" && p == "10.00"),
+        "the server's default namespace is capped: {listed:?}"
+    );
+    let [la, lb] = run_at_once([&a, &b]);
+    assert_eq!(la["server"], lb["server"], "one server for both users");
+    for (l, ns, uid, pct) in [(&la, &na, "1000", "30"), (&lb, &nb, "2000", "60")] {
+        assert_eq!(&l["namespace"], ns, "{l:?}");
+        assert_eq!(l["server_name"], "s");
+        assert_eq!(l["uid"], uid);
+        assert_eq!(
+            l["active_thread_percentage"].parse::<f64>().unwrap(),
+            pct.parse::<f64>().unwrap(),
+            "{l:?}"
+        );
+        assert!(l["waited_ms"].parse::<u64>().unwrap() < 1000, "{l:?}");
+    }
+    let pid = env.daemon_pid(id);
+    assert_eq!(uid_and_capeff(pid).0, 0, "the v3 daemon is root's");
+    let args = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap();
+    assert!(args.split('\0').any(|a| a == "-m"), "{args:?}");
+    assert_eq!(env.record(id)["identity"]["v3"], true);
+    // The containers' ends delete their namespaces.
+    a.delete();
+    b.delete();
+    let left = namespaces(&env, id);
+    assert!(
+        !left.iter().any(|(n, _, _)| *n == na || *n == nb),
+        "{left:?}"
+    );
+}
+
+#[test]
+fn a_tenant_cannot_raise_its_namespace_s_limits_through_its_own_socket() {
+    let env = Env::with_config(V3);
+    let ns = identity_namespace("v3-raise");
+    let c = env
+        .container("v3-raise")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "20")
+        .sh(&format!(
+            "gpushare-mps-sim namespace set {ns} --server=s --active-thread-percentage=100; echo rc=$?; {CLIENT}"
+        ))
+        .create();
+    assert_eq!(namespace_of(&c), ns);
+    let out = c.run();
+    assert!(out.contains("rc=1"), "{out}\n{}", c.stderr());
+    assert!(
+        c.stderr().contains(
+            "Insufficient privileges for UID 1000. 'NAMESPACE SET' requires server owner."
+        ),
+        "{}",
+        c.stderr()
+    );
+    let line = client_line(&out);
+    assert_eq!(
+        line["active_thread_percentage"].parse::<f64>().unwrap(),
+        20.0
+    );
+    c.delete();
+}
+
+/// The namespace gpushare names for container `id`: `c` and 20 hex digits of SHA-256.
+fn identity_namespace(id: &str) -> String {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(id.as_bytes());
+    format!(
+        "c{}",
+        d[..10]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    )
+}
+
+#[test]
+fn a_restarted_daemon_gets_every_running_container_s_namespace_back() {
+    let env = Env::with_config(V3);
+    let holder = env
+        .container("v3-hold")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "40")
+        .sh("sleep 60")
+        .create();
+    holder.start();
+    let ns = namespace_of(&holder);
+    let id = env.daemon_of(&holder);
+    let pid = env.daemon_pid(&id);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let restarted = wait_until(Duration::from_secs(10), || {
+        let rec = env.record(&id);
+        rec["status"] == "ready"
+            && rec["daemon"]["pid"]
+                .as_i64()
+                .is_some_and(|p| p as i32 != pid)
+    });
+    assert!(restarted, "record: {}", env.record(&id));
+    let listed = namespaces(&env, &id);
+    assert!(
+        listed.contains(&(ns.clone(), "unlimited".into(), "40.00".into())),
+        "{listed:?}"
+    );
+    // The running container's bound directory is the one the new socket is in.
+    let exec = Command::new("runc")
+        .args(["--root"])
+        .arg(&env.runc_root)
+        .args([
+            "exec",
+            "--user",
+            "1000:1000",
+            "v3-hold",
+            "gpushare-mps-sim",
+            "client",
+        ])
+        .output()
+        .unwrap();
+    let line = client_line(&String::from_utf8_lossy(&exec.stdout));
+    assert_eq!(line["namespace"], ns, "{exec:?}");
+    assert_eq!(
+        line["active_thread_percentage"].parse::<f64>().unwrap(),
+        40.0
+    );
+    holder.delete();
+}
+
+#[test]
+fn the_container_s_cgroup_gets_its_pinned_limit_as_its_hard_device_memory_limit() {
+    let mut env = Env::with_config(&format!("{V3}\ncgroup-memory-limit = \"on\""));
+    // Device memory limits need cgroup v2, which this machine may not mount: runc, the
+    // hooks and the daemon run in a mount namespace with cgroup v2 at /sys/fs/cgroup.
+    let mounts = PrivateMounts::with("mount -t cgroup2 gs-cgroup2 /sys/fs/cgroup");
+    env.enter(&mounts);
+    let smi = env.path().join("bin/nvidia-smi");
+    std::os::unix::fs::symlink(env.sim(), &smi).unwrap();
+    let cfg = std::fs::read_to_string(&env.config).unwrap();
+    std::fs::write(
+        &env.config,
+        cfg.replace(
+            "[mps]\n",
+            &format!("[mps]\nnvidia-smi = {:?}\n", smi.display().to_string()),
+        ),
+    )
+    .unwrap();
+    let c = env
+        .container("v3-mem")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/pinned-memory-limit", "2G")
+        .sh("cat /proc/self/cgroup")
+        .create();
+    let log = std::fs::read_to_string(env.path().join("bin/memory-limits.jsonl")).unwrap();
+    let set: serde_json::Value = serde_json::from_str(log.lines().next().unwrap()).unwrap();
+    assert_eq!(set["hard_mib"], 2048, "{log}");
+    assert_eq!(
+        set["soft_mib"],
+        serde_json::Value::Null,
+        "no soft limit: {log}"
+    );
+    assert_eq!(set["gpu"], inventory_json()["gpus"][0]["uuid"], "{log}");
+    let state = c.state().expect("created");
+    let pid = state["pid"].as_i64().unwrap();
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let rel = cgroup
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .unwrap()
+        .trim();
+    assert_ne!(rel, "/", "runc made the container a cgroup of its own");
+    assert_eq!(
+        set["cgroup"],
+        format!("/sys/fs/cgroup{rel}"),
+        "the container's own cgroup"
+    );
+    c.delete();
+}
+
+#[test]
+fn host_root_keeps_a_legacy_daemon_and_auto_before_615_stays_legacy() {
+    let env = Env::with_config(V3);
+    let root = env
+        .container("v3-root")
+        .uid(0)
+        .device("0")
+        .sh(CLIENT)
+        .create();
+    let line = client_line(&root.run());
+    assert!(!line.contains_key("namespace"), "{line:?}");
+    let id = env.daemon_of(&root);
+    assert_eq!(env.record(&id)["identity"].get("v3"), None);
+    root.delete();
+
+    let auto = Env::with_config("protocol = \"auto\"");
+    let c = auto
+        .container("auto-580")
+        .uid(1000)
+        .device("0")
+        .sh(CLIENT)
+        .create();
+    assert_eq!(
+        inventory_json()["driver_version"]
+            .as_str()
+            .unwrap()
+            .split('.')
+            .next(),
+        Some("580")
+    );
+    let line = client_line(&c.run());
+    assert!(!line.contains_key("namespace"), "{line:?}");
+    assert_eq!(auto.record(&auto.daemon_of(&c))["identity"].get("v3"), None);
+    c.delete();
+
+    let mut inv = inventory_json();
+    inv["driver_version"] = "615.71.09".into();
+    let auto = Env::with_config("protocol = \"auto\"");
+    std::fs::write(auto.path().join("inventory.json"), inv.to_string()).unwrap();
+    let c = auto
+        .container("auto-615")
+        .uid(1000)
+        .device("0")
+        .sh(CLIENT)
+        .create();
+    let line = client_line(&c.run());
+    assert_eq!(line["server_name"], "s", "{line:?}");
+    c.delete();
+}
