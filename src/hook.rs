@@ -165,22 +165,8 @@ pub(crate) fn check_daemon_user(ident: &crate::identity::Identity, pid: i32) -> 
 pub(crate) fn poststop(cfg: &Config, state: &State) {
     let dirs = StateDir::new(&cfg.state_dir);
     let daemon = crate::decision::daemon_annotation(&state.annotations);
-    if ensure::release(&dirs, daemon, &state.id) {
-        tracing::info!(daemon = daemon.unwrap_or("?"), "container released");
-    } else {
+    if !ensure::end(cfg, &dirs, daemon, &state.id) {
         tracing::debug!("no record of the container to release");
-    }
-    // A v3 container's namespace goes with it (what cannot be deleted yet, the
-    // supervisor's check deletes once no record names it).
-    let Ok(ident) = crate::decision::identity_from_annotations(&state.annotations) else {
-        return;
-    };
-    if let Ok(Some(ns)) =
-        crate::decision::namespace_from_annotations(&state.annotations, &ident, &state.id)
-    {
-        if !ensure::retire_namespace(cfg, &dirs, &ident, &ns.name) {
-            tracing::info!(namespace = %ns.name, "MPS namespace not deleted yet; the supervisor deletes it");
-        }
     }
 }
 

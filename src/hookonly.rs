@@ -94,12 +94,29 @@ pub(crate) fn prestart(
         return Ok(());
     };
     refuse_unhonoured(cfg, &served.request)?;
-    let ident = served.identity;
+    let ident = served.identity.clone();
     let pid = state.pid.context("the container state has no pid")?;
     crate::hook::check_daemon_user(&ident, pid)?;
     let dirs = StateDir::new(&cfg.state_dir);
     // The pid and the bundle checked above are the state's own, which the record names.
-    let ensured = crate::mps::ensure::ensure(cfg, &dirs, &ident, Some(&state.container_record()))?;
+    let namespace = served.namespace(&state.id);
+    let record = crate::state::ContainerRecord {
+        mps_namespace: namespace.clone(),
+        ..state.container_record()
+    };
+    let ensured = match &namespace {
+        // v3: the namespace made and capped, and the cgroup's memory limit set, before
+        // the container's first process, which runs after this hook.
+        Some(ns) => {
+            let ensured =
+                crate::mps::ensure::ensure_namespace(cfg, &dirs, &ident, &record, || {
+                    std::env::current_exe().context("find the gpushare binary")
+                })?;
+            crate::mps::v3::limit_memory(cfg, pid, &ident.devices, ns)?;
+            ensured
+        }
+        None => crate::mps::ensure::ensure(cfg, &dirs, &ident, Some(&record))?,
+    };
     let id = ensured.record.id;
     let root = spec
         .typed
@@ -114,7 +131,11 @@ pub(crate) fn prestart(
     };
     // The pipe directory where CUDA looks by default: a hook cannot set the environment.
     // Host IPC is the engine's own here: nothing to add for it.
-    let plan = MountPlan::new(&dirs, &id, Inside::cuda_default(), ipc);
+    let plan = MountPlan::new(&dirs, &id, Inside::cuda_default(), ipc).in_namespace(
+        &dirs,
+        &id,
+        namespace.as_ref(),
+    );
     mount_into(pid, &rootfs, &binds(&plan))?;
     tracing::info!(daemon = %id, uid = ident.uid, "hook-only: daemon ensured and mounted into the container");
     Ok(())

@@ -314,21 +314,74 @@ fn ensure_as(
     Ok(Ensured { record, started })
 }
 
+/// A container's record that [`release`] removed.
+#[derive(Debug)]
+pub(crate) struct Released {
+    /// The daemon it was recorded on.
+    pub daemon: String,
+    /// Its v3 namespace, where its daemon is v3.
+    pub namespace: Option<crate::identity::Namespace>,
+}
+
 /// Removes a container's record from whichever daemon it used. Never fails the caller.
 /// `daemon_id` (the decision annotation) is only where to look first: a container the shim
 /// did not prepare (hook-only mode) may carry a forged one, so a record not found there is
 /// looked for under every daemon.
-pub(crate) fn release(state: &StateDir, daemon_id: Option<&str>, container_id: &str) -> bool {
+pub(crate) fn release(
+    state: &StateDir,
+    daemon_id: Option<&str>,
+    container_id: &str,
+) -> Option<Released> {
     let named = daemon_id.filter(|id| crate::identity::valid_id(id));
-    if named.is_some_and(|id| state.remove_container(id, container_id).unwrap_or(false)) {
-        return true;
+    let take = |id: &str| {
+        let namespace = state
+            .read_container(id, container_id)
+            .and_then(|r| r.mps_namespace);
+        state
+            .remove_container(id, container_id)
+            .unwrap_or(false)
+            .then(|| Released {
+                daemon: id.to_owned(),
+                namespace,
+            })
+    };
+    if let Some(released) = named.and_then(take) {
+        return Some(released);
     }
     state
         .daemon_ids()
         .unwrap_or_default()
         .iter()
         .filter(|id| Some(id.as_str()) != named)
-        .any(|id| state.remove_container(id, container_id).unwrap_or(false))
+        .find_map(|id| take(id))
+}
+
+/// The end of a container: its record released ([`release`]) and, on a v3 daemon, its
+/// namespace deleted (`retire_namespace`). Never fails the caller; `false` when no record
+/// of the container was found.
+pub(crate) fn end(
+    cfg: &Config,
+    state: &StateDir,
+    daemon_id: Option<&str>,
+    container_id: &str,
+) -> bool {
+    let Some(released) = release(state, daemon_id, container_id) else {
+        return false;
+    };
+    tracing::info!(daemon = %released.daemon, "container released");
+    let Some(ns) = released.namespace else {
+        return true;
+    };
+    let ident = state
+        .read_record(&released.daemon)
+        .ok()
+        .flatten()
+        .map(|r| r.identity);
+    let deleted = ident.is_some_and(|ident| retire_namespace(cfg, state, &ident, &ns.name));
+    if !deleted {
+        tracing::info!(namespace = %ns.name, "MPS namespace not deleted yet; the supervisor deletes it");
+    }
+    true
 }
 
 /// Stops one daemon: SIGTERM to its supervisor (which quits the daemon cleanly), SIGKILL
@@ -382,14 +435,17 @@ mod tests {
         let (a, b) = (&ids[0], &ids[1]);
         state.add_container(b, &container("c1")).unwrap();
         // The daemon the annotation names: found there.
-        assert!(release(&state, Some(b), "c1"));
+        assert_eq!(
+            release(&state, Some(b), "c1").map(|r| r.daemon).as_ref(),
+            Some(b)
+        );
         assert!(state.containers(b).unwrap().is_empty());
         // A forged annotation naming another daemon, or one that is no daemon id at
         // all: the record is looked for under every daemon, and only it goes.
         for forged in [Some(a.as_str()), Some("../../etc"), None] {
             state.add_container(b, &container("c1")).unwrap();
             state.add_container(b, &container("c2")).unwrap();
-            assert!(release(&state, forged, "c1"), "{forged:?}");
+            assert!(release(&state, forged, "c1").is_some(), "{forged:?}");
             let left: Vec<String> = state
                 .containers(b)
                 .unwrap()
@@ -400,7 +456,7 @@ mod tests {
             state.remove_container(b, "c2").unwrap();
         }
         // Nowhere: false, nothing else touched.
-        assert!(!release(&state, Some(a), "c9"));
+        assert!(release(&state, Some(a), "c9").is_none());
     }
 
     fn record(id: &str, status: DaemonStatus, supervisor: Option<ProcRef>) -> DaemonRecord {

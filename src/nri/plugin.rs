@@ -362,7 +362,7 @@ impl Plugin {
             return;
         }
         if self.own_records().iter().any(|(_, r)| r.id == ctr.id)
-            && crate::mps::ensure::release(&self.dirs, None, &ctr.id)
+            && crate::mps::ensure::end(&self.cfg, &self.dirs, None, &ctr.id)
         {
             tracing::info!(container_id = %ctr.id, "NRI: container released");
         }

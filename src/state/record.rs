@@ -327,6 +327,13 @@ impl StateDir {
         }
     }
 
+    /// Container `cid`'s record on daemon `id`, if there is a readable one.
+    pub(crate) fn read_container(&self, id: &str, cid: &str) -> Option<ContainerRecord> {
+        let path = self.container_path(id, cid).ok()?;
+        let bytes = fsops::read_regular(&path, MAX_RECORD_BYTES).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
     pub(crate) fn containers(&self, id: &str) -> Result<Vec<ContainerRecord>, StateError> {
         Ok(self
             .container_files(id)?

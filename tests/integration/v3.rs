@@ -324,3 +324,80 @@ fn host_root_keeps_a_legacy_daemon_and_auto_before_615_stays_legacy() {
     assert_eq!(line["server_name"], "s", "{line:?}");
     c.delete();
 }
+
+/// Hook-only mode (hooks.d's prestart) and a CDI device's hook, in hook-only mode and
+/// through the shim: each container gets its own namespace, made and capped before its
+/// first process, bound at CUDA's default pipe directory (hook-only) or at
+/// `container-pipe-dir` (the shim); their ends delete them.
+#[test]
+fn hook_only_mode_and_cdi_devices_get_a_namespace_each() {
+    use crate::tenant_mounts::{hook_only_create, hook_only_create_with, RuncDelete};
+    let env = Env::with_config(V3);
+    let _cleanup = RuncDelete(&env, vec!["ho-v3".into(), "ho-cdi-v3".into()]);
+    let ho = env
+        .container("ho-v3")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "25")
+        .sh(CLIENT)
+        .bundle();
+    let out = hook_only_create(&env, &ho);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cdi = env.container("ho-cdi-v3").uid(2000).sh(CLIENT).bundle();
+    let out = hook_only_create_with(&env, &cdi, &["--cdi-device", "0"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The CDI device's hook through the shim: the spec carries it as the engine copied it.
+    let shim = env.container("shim-cdi-v3").uid(3000).sh(CLIENT).bundle();
+    let mut spec = shim.config();
+    spec["hooks"] = serde_json::json!({"prestart": [{
+        "path": gpushare(),
+        "args": ["gpushare", "hook", "prestart", "--cdi-device", "0"],
+    }]});
+    std::fs::write(
+        shim.bundle.join("config.json"),
+        serde_json::to_vec(&spec).unwrap(),
+    )
+    .unwrap();
+    let out = shim.try_create();
+    assert!(out.status.success(), "{}", shim.last_error());
+    let id = env.daemon_of(&shim);
+    assert_eq!(
+        env.daemon_ids(),
+        [id.clone()],
+        "one v3 daemon for the three paths"
+    );
+    let listed = namespaces(&env, &id);
+    for (c, pct) in [(&ho, "25.00"), (&cdi, "100.00"), (&shim, "100.00")] {
+        let ns = identity_namespace(&c.id);
+        assert!(
+            listed.iter().any(|(n, _, p)| *n == ns && p == pct),
+            "{}: {listed:?}",
+            c.id
+        );
+        let line = client_line(&c.run());
+        assert_eq!(line["namespace"], ns, "{}: {line:?}", c.id);
+    }
+    for c in [&ho, &cdi] {
+        let out = Command::new("runc")
+            .arg("--root")
+            .arg(&env.runc_root)
+            .args(["delete", &c.id])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+    }
+    shim.delete();
+    let left = namespaces(&env, &id);
+    assert!(
+        left.iter().all(|(n, _, _)| n == "default"),
+        "every end deleted its namespace: {left:?}"
+    );
+}
