@@ -223,19 +223,22 @@ impl Plugin {
             );
         }
         drop(no_reaping);
+        let namespace = served.namespace(&ctr.id);
         let record = ContainerRecord {
             names: pod_names(pod, ctr),
+            mps_namespace: namespace.clone(),
             ..ContainerRecord::new(ctr.id.clone(), None, None, Some(ENGINE.into()))
         };
         let ensured = self.ensure_within(&served.identity, record, began + budget, budget)?;
         let id = ensured.record.id;
         // Host IPC is the engine's own here (the pod's hostIPC): nothing to add for it.
-        let mounts = adjustment_mounts(&MountPlan::new(
-            &self.dirs,
-            &id,
-            Inside::configured(&self.cfg),
-            ipc,
-        ));
+        let mounts = adjustment_mounts(
+            &MountPlan::new(&self.dirs, &id, Inside::configured(&self.cfg), ipc).in_namespace(
+                &self.dirs,
+                &id,
+                namespace.as_ref(),
+            ),
+        );
         // The plugin does not know the low-level runtime: NVIDIA's devices reach the
         // container through the engine's own CDI or NVIDIA's plugin, not through this env.
         let env = crate::served::client_env(&self.cfg, &served, false)
@@ -267,6 +270,12 @@ impl Plugin {
         budget: Duration,
     ) -> anyhow::Result<crate::mps::ensure::Ensured> {
         let id = ident.id();
+        // A v3 daemon serves every tenant: one container's wait must not refuse another's,
+        // so its creates are told apart by container.
+        let key = match &record.mps_namespace {
+            Some(ns) => format!("{id}/{}", ns.name),
+            None => id.clone(),
+        };
         let refuse = |why: &str| {
             anyhow::anyhow!(
                 "MPS daemon {id} is not ready yet ({why}); the container is refused rather than run unserved, and the kubelet retries it (see `gpushare status`)"
@@ -276,13 +285,13 @@ impl Plugin {
             .starting
             .lock()
             .map_err(|_| anyhow::anyhow!("the plugin's start list is poisoned"))?
-            .insert(id.clone());
+            .insert(key.clone());
         if !inserted {
             return Err(refuse(
                 "an earlier container is still waiting for its start",
             ));
         }
-        let starting = Starting(Arc::clone(&self.starting), id.clone());
+        let starting = Starting(Arc::clone(&self.starting), key);
         let handoff = Arc::new(Handoff::default());
         let (cfg, dirs, reaping) = (
             Arc::clone(&self.cfg),
@@ -295,7 +304,12 @@ impl Plugin {
             .spawn(move || {
                 let result = {
                     let _no_reaping = reaping.read();
-                    crate::mps::ensure::ensure(&cfg, &dirs, &ident, Some(&record))
+                    match record.mps_namespace.is_some() {
+                        true => crate::mps::ensure::ensure_namespace(&cfg, &dirs, &ident, &record, || {
+                            std::env::current_exe().context("find the gpushare binary")
+                        }),
+                        false => crate::mps::ensure::ensure(&cfg, &dirs, &ident, Some(&record)),
+                    }
                 };
                 // Before the answer can go out: the runtime's next create of this
                 // identity must find it done, not still starting.
@@ -351,6 +365,31 @@ impl Plugin {
                 if let Err(e) = self.dirs.add_container(&daemon, &rec) {
                     tracing::warn!(daemon = %daemon, error = %e, "NRI: could not record the container's pid");
                 }
+                if let (Some(ns), Some(process)) = (&rec.mps_namespace, rec.pid.and_then(ProcRef::of)) {
+                    self.limit_memory(&daemon, ns, process);
+                }
+            }
+        }
+    }
+
+    /// A v3 container's cgroup memory limit (`mps::v3::limit_memory`), set once its cgroup
+    /// exists (`PostCreateContainer`, before the runtime starts its first process). A
+    /// container whose limit cannot be set does not run: its init process is killed
+    /// through a pidfd, as `unserved = "evict"` does.
+    fn limit_memory(&self, daemon: &str, ns: &crate::identity::Namespace, process: ProcRef) {
+        let Some(devices) = self
+            .dirs
+            .read_record(daemon)
+            .ok()
+            .flatten()
+            .map(|r| r.identity.devices)
+        else {
+            return;
+        };
+        if let Err(e) = crate::mps::v3::limit_memory(&self.cfg, process.pid, &devices, ns) {
+            tracing::error!(daemon = %daemon, namespace = %ns.name, error = %format!("{e:#}"), "NRI: the container's device memory limit cannot be set; its init process is killed");
+            if let Err(e) = evict_one(process) {
+                tracing::warn!(namespace = %ns.name, error = %e, "NRI: could not kill the container");
             }
         }
     }

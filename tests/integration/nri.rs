@@ -2058,3 +2058,74 @@ fn nri_validator_soak() {
     );
     assert_eq!(unserved, 0);
 }
+
+/// Under `protocol = "v3"` the plugin gives each container a namespace of its own on one
+/// root daemon, made and capped before it answers (before the container's first process),
+/// binds only that namespace's directory, and deletes it when the container is removed.
+#[test]
+fn nri_plugin_serves_v3_containers_each_in_its_own_namespace() {
+    let Some(bin) = containerd23_bin() else {
+        return;
+    };
+    let env = Env::with_config("protocol = \"v3\"\nidle-timeout = \"0\"");
+    let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri);
+    let mut plugin = Plugin::start(&env, &node);
+    let mut served = Vec::new();
+    for (name, uid, pct) in [("v3-alice", 1000, "30"), ("v3-bob", 2000, "70")] {
+        let ann = [("gpushare.io/device", "0"), ("gpushare.io/active-thread-percentage", pct)];
+        let pod = node.plain_pod(&PodSpec {
+            name,
+            annotations: &ann,
+            run_as_user: Some(uid),
+            ..Default::default()
+        });
+        let c = ContainerSpec {
+            name: "cuda",
+            script: &hold(60),
+            run_as_user: Some(uid),
+            ..Default::default()
+        };
+        let id = node.run(&pod, &c);
+        let line = node.client_line(&pod, &c);
+        assert_eq!(line["active_thread_percentage"].parse::<f64>().unwrap(), pct.parse::<f64>().unwrap(), "{name}: {line:?}");
+        let ns = line["namespace"].clone();
+        let daemon = node.daemon_of(&id).expect("the plugin recorded the container");
+        let spec = node.bundle_spec(&id);
+        let pipe = spec["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["destination"] == "/tmp/nvidia-mps")
+            .cloned()
+            .unwrap();
+        assert_eq!(
+            pipe["source"].as_str().unwrap(),
+            env.state.join("mps").join(&daemon).join("pipe/s").join(&ns).to_str().unwrap(),
+            "only the namespace's directory: {spec}"
+        );
+        served.push((id, daemon, ns, line));
+    }
+    assert_eq!(served[0].1, served[1].1, "one v3 daemon for both users");
+    assert_eq!(served[0].3["server"], served[1].3["server"], "one server");
+    assert_ne!(served[0].2, served[1].2, "a namespace each");
+    let pipe = env.state.join("mps").join(&served[0].1).join("pipe");
+    let listed = || {
+        let out = std::process::Command::new(env.sim())
+            .args(["namespace", "list", "--server=s", "--format=csv,noheader"])
+            .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let (id, _, ns, _) = &served[0];
+    node.cri().stop_container(id, 0).unwrap();
+    node.cri().remove_container(id).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || !listed().contains(ns.as_str())),
+        "the removed container's namespace is deleted: {}",
+        listed()
+    );
+    assert!(listed().contains(served[1].2.as_str()), "{}", listed());
+    node.remove_all();
+    plugin.stop();
+}
