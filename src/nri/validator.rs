@@ -2,7 +2,7 @@
 //! (NRI 0.10, containerd 2.2 and later) in a process of its own. After every plugin has
 //! answered a container's `CreateContainer`, the runtime hands each validator the
 //! container and the adjustment the plugins made, and creates the container only if none
-//! rejects it. This one rejects a container that the plugin serves (`plugin::serves`: it
+//! rejects it. This one rejects a container that the plugin serves (`container::serves`: it
 //! asks for a share and is not left alone) when the adjustment lacks what the plugin
 //! gives every container it serves: the daemon's pipe directory bound at
 //! `mps.container-pipe-dir` and `CUDA_MPS_PIPE_DIRECTORY` naming it (`Validator::served`).
@@ -31,7 +31,7 @@ use anyhow::Context;
 use prost::Message;
 
 use super::api::{self, event};
-use super::{plugin, PluginState, Service};
+use super::{container, PluginState, Service};
 use crate::config::Config;
 use crate::state::StateDir;
 
@@ -74,7 +74,7 @@ impl Validator {
         if self.cfg.nri_shim_handlers.contains(&pod.runtime_handler) {
             return api::ValidateContainerAdjustmentResponse::default();
         }
-        let asks = match plugin::serves(&self.cfg, &pod, &ctr) {
+        let asks = match container::serves(&self.cfg, &pod, &ctr) {
             Ok(false) => return api::ValidateContainerAdjustmentResponse::default(),
             Ok(true) => "asks for an MPS share".to_owned(),
             Err(e) => format!("has a request the plugin refuses ({e:#})"),
@@ -107,7 +107,7 @@ impl Validator {
             .env
             .iter()
             .map(|kv| (kv.key.as_str(), kv.value.as_str()));
-        plugin::carries_adjustment(&self.cfg, &self.dirs, &adjust.mounts, env)
+        container::carries_adjustment(&self.cfg, &self.dirs, &adjust.mounts, env)
     }
 }
 
