@@ -357,6 +357,19 @@ mod evict_tests {
         }
     }
 
+    /// A process that stands for a container's init process.
+    fn sleeper() -> std::process::Child {
+        std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap()
+    }
+
+    fn stop(child: &mut std::process::Child) {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
     fn ended(child: &mut std::process::Child) -> bool {
         let until = Instant::now() + Duration::from_secs(5);
         while Instant::now() < until {
@@ -375,14 +388,8 @@ mod evict_tests {
     #[test]
     fn evict_ends_an_unserved_container_s_process_and_only_it() {
         let plugin = plugin("evict");
-        let mut unserved = std::process::Command::new("sleep")
-            .arg("60")
-            .spawn()
-            .unwrap();
-        let mut plain = std::process::Command::new("sleep")
-            .arg("60")
-            .spawn()
-            .unwrap();
+        let mut unserved = sleeper();
+        let mut plain = sleeper();
         let c = ctr("c1", unserved.id());
         assert_eq!(
             plugin.audit_event(&asks(), &c),
@@ -406,24 +413,19 @@ mod evict_tests {
         assert!(matches!(plain.try_wait(), Ok(None)), "the plain one runs");
         // Gone now: dropped, counted once.
         assert_eq!(plugin.reaudit(), (vec![], 1));
-        plain.kill().unwrap();
-        plain.wait().unwrap();
+        stop(&mut plain);
     }
 
     /// `report` names and keeps it, touching nothing.
     #[test]
     fn report_touches_nothing() {
         let plugin = plugin("report");
-        let mut child = std::process::Command::new("sleep")
-            .arg("60")
-            .spawn()
-            .unwrap();
+        let mut child = sleeper();
         plugin.audit_event(&asks(), &ctr("c1", child.id()));
         assert_eq!(plugin.reaudit().1, 0);
         assert!(matches!(child.try_wait(), Ok(None)));
         assert_eq!(plugin.reaudit().0.len(), 1);
-        child.kill().unwrap();
-        child.wait().unwrap();
+        stop(&mut child);
     }
 
     /// A pid that is another process's now (its start time differs from the one the
@@ -431,10 +433,7 @@ mod evict_tests {
     #[test]
     fn a_reused_pid_is_never_signalled() {
         let plugin = plugin("evict");
-        let mut child = std::process::Command::new("sleep")
-            .arg("60")
-            .spawn()
-            .unwrap();
+        let mut child = sleeper();
         plugin.audit_event(&asks(), &ctr("c1", child.id()));
         if let Ok(mut u) = plugin.unserved.lock() {
             let p = u[0].process.as_mut().unwrap();
@@ -450,8 +449,7 @@ mod evict_tests {
             .map_err(|e| e.to_string()),
             Err("its process is gone".to_owned())
         );
-        child.kill().unwrap();
-        child.wait().unwrap();
+        stop(&mut child);
     }
 
     /// A container the shim or a hook serves (a record of theirs under its id: the
@@ -485,10 +483,7 @@ mod evict_tests {
     #[test]
     fn synchronize_keeps_what_was_evicted() {
         let plugin = plugin("evict");
-        let mut child = std::process::Command::new("sleep")
-            .arg("60")
-            .spawn()
-            .unwrap();
+        let mut child = sleeper();
         let c = ctr("c1", child.id());
         plugin.audit_event(&asks(), &c);
         assert_eq!(plugin.reaudit().1, 1);

@@ -31,7 +31,7 @@ use anyhow::Context;
 use prost::Message;
 
 use super::api::{self, event};
-use super::{container, PluginState, Service};
+use super::{container, Configured, PluginState, Service};
 use crate::config::Config;
 use crate::state::StateDir;
 
@@ -116,7 +116,7 @@ impl Service for Validator {
         &self,
         method: &str,
         payload: &[u8],
-        configured: &(dyn Fn(String) + Send + Sync),
+        configured: &Configured,
     ) -> anyhow::Result<Vec<u8>> {
         Ok(match method {
             "Configure" => {
@@ -497,17 +497,7 @@ mod tests {
         assert!(verdict(5).reject);
         assert!(!verdict(7).reject);
         assert!(!verdict(9).reject);
-        let seed =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/nri_validate/conversation");
-        if std::env::var_os("GPUSHARE_WRITE_SEEDS").is_some() {
-            std::fs::create_dir_all(seed.parent().unwrap()).unwrap();
-            std::fs::write(&seed, &input).unwrap();
-        }
-        assert!(
-            std::fs::read(&seed).unwrap() == input,
-            "{} is not the conversation: write it with GPUSHARE_WRITE_SEEDS=1",
-            seed.display()
-        );
+        super::super::tests::check_seed("nri_validate", &input);
     }
 
     /// The validator's own cost per create: decoding containerd's request and the
