@@ -42,9 +42,10 @@ use nvml_wrapper::Nvml;
 use crate::config::{Config, Limits};
 use crate::mps::control::{resolve_binary, Control};
 use crate::state::{ProcRef, StateDir};
-use act::{ActError, Outcome, Pins, Proc};
+use act::{ActError, Outcome, Pins};
 use plan::{Action, Rules};
 use report::{Counters, Report};
+use scan::Proc;
 
 /// How long one control command of an action may take.
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(5);
