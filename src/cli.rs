@@ -292,11 +292,19 @@ impl EngineConfigs {
     }
 }
 
+/// A flag set read from `m` as its update reads it, over its default: for the flag sets
+/// whose flags are all optional.
+fn updated_default<T: Default + clap::FromArgMatches>(
+    m: &clap::ArgMatches,
+) -> Result<T, clap::Error> {
+    let mut flags = T::default();
+    flags.update_from_arg_matches(m)?;
+    Ok(flags)
+}
+
 impl clap::FromArgMatches for EngineConfigs {
     fn from_arg_matches(m: &clap::ArgMatches) -> Result<Self, clap::Error> {
-        let mut configs = EngineConfigs::default();
-        configs.update_from_arg_matches(m)?;
-        Ok(configs)
+        updated_default(m)
     }
 
     fn update_from_arg_matches(&mut self, m: &clap::ArgMatches) -> Result<(), clap::Error> {
@@ -409,9 +417,7 @@ impl KeyFlags {
 
 impl clap::FromArgMatches for KeyFlags {
     fn from_arg_matches(m: &clap::ArgMatches) -> Result<Self, clap::Error> {
-        let mut flags = KeyFlags::default();
-        flags.update_from_arg_matches(m)?;
-        Ok(flags)
+        updated_default(m)
     }
 
     fn update_from_arg_matches(&mut self, m: &clap::ArgMatches) -> Result<(), clap::Error> {

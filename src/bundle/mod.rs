@@ -74,31 +74,25 @@ pub struct SpecView {
 }
 
 #[derive(Debug, Default, Deserialize)]
+#[serde(default)]
 pub struct ProcessView {
-    #[serde(default)]
     pub env: Option<Vec<String>>,
-    #[serde(default)]
     pub user: User,
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(default, rename_all = "camelCase")]
 pub struct LinuxView {
-    #[serde(default)]
     pub namespaces: Option<Vec<LinuxNamespace>>,
-    #[serde(default)]
     pub uid_mappings: Option<Vec<LinuxIdMapping>>,
-    #[serde(default)]
     pub gid_mappings: Option<Vec<LinuxIdMapping>>,
-    #[serde(default)]
     pub devices: Option<Vec<LinuxDevice>>,
-    #[serde(default)]
     pub resources: Option<ResourcesView>,
 }
 
 #[derive(Debug, Default, Deserialize)]
+#[serde(default)]
 pub struct ResourcesView {
-    #[serde(default)]
     pub devices: Option<Vec<LinuxDeviceCgroup>>,
 }
 
@@ -546,6 +540,21 @@ pub(crate) mod tests {
         assert_eq!(spec.to_bytes().unwrap(), bytes);
     }
 
+    /// `bytes` are refused as no valid OCI runtime spec (`why`: why they must be).
+    fn refused_as_invalid(bytes: &[u8], why: &str) {
+        let err = SpecFile::parse(Path::new("cfg"), bytes, 0o644)
+            .err()
+            .expect(why);
+        assert_invalid(&err);
+    }
+
+    fn assert_invalid(err: &impl std::fmt::Display) {
+        assert!(
+            err.to_string().contains("not a valid OCI runtime spec"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn malformed_specs_are_refused() {
         for bad in [
@@ -554,13 +563,7 @@ pub(crate) mod tests {
             b"{\"ociVersion\": 5}",
             b"{\"ociVersion\":\"1.0.2\",\"process\":{\"env\":\"x\"}}",
         ] {
-            let err = SpecFile::parse(Path::new("cfg"), bad, 0o644)
-                .err()
-                .expect("refused");
-            assert!(
-                err.to_string().contains("not a valid OCI runtime spec"),
-                "{err}"
-            );
+            refused_as_invalid(bad, "refused");
         }
     }
 
@@ -613,13 +616,17 @@ pub(crate) mod tests {
         assert!(spec(&bad).cdi_ask().is_err());
     }
 
-    #[test]
-    fn may_request_sees_every_spelling_and_only_those() {
-        let raw = |bytes: &[u8]| RawSpec {
+    /// `bytes` as an engine's config.json, not yet parsed.
+    fn raw(bytes: &[u8]) -> RawSpec {
+        RawSpec {
             path: "config.json".into(),
             mode: 0o644,
             bytes: bytes.to_vec(),
-        };
+        }
+    }
+
+    #[test]
+    fn may_request_sees_every_spelling_and_only_those() {
         for name in FIXTURES {
             // Real engines' specs: the fast path exactly for those without a request.
             let bytes = fixture(name);
@@ -642,11 +649,6 @@ pub(crate) mod tests {
 
     #[test]
     fn may_hold_allocation_sees_nvidia_in_any_case_and_escapes() {
-        let raw = |bytes: &[u8]| RawSpec {
-            path: "config.json".into(),
-            mode: 0o644,
-            bytes: bytes.to_vec(),
-        };
         for name in FIXTURES {
             // None of the captured engines' specs mentions an NVIDIA device.
             assert!(!raw(&fixture(name)).may_hold_allocation(), "{name}");
@@ -713,13 +715,7 @@ pub(crate) mod tests {
         }
         // A malformed field the request reads is refused before any edit.
         v["linux"]["devices"] = serde_json::json!([{"path": "/dev/nvidia0"}]);
-        let err = SpecFile::parse(Path::new("c"), &serde_json::to_vec(&v).unwrap(), 0o644)
-            .err()
-            .expect("a device without a type");
-        assert!(
-            err.to_string().contains("not a valid OCI runtime spec"),
-            "{err}"
-        );
+        refused_as_invalid(&serde_json::to_vec(&v).unwrap(), "a device without a type");
     }
 
     #[test]
@@ -728,10 +724,7 @@ pub(crate) mod tests {
         let spec = SpecFile::parse(Path::new("cfg"), bytes, 0o644).unwrap();
         assert_eq!(spec.host_user().unwrap(), (7, 8));
         let err = spec.check_typed().expect_err("hostname: 5 is not a spec");
-        assert!(
-            err.to_string().contains("not a valid OCI runtime spec"),
-            "{err}"
-        );
+        assert_invalid(&err);
         for name in FIXTURES {
             let spec = SpecFile::parse(Path::new(name), &fixture(name), 0o644).unwrap();
             spec.check_typed().unwrap();
@@ -764,15 +757,22 @@ pub(crate) mod tests {
         assert_eq!(ctr.annotation("gpushare.io/nope"), None);
     }
 
-    #[test]
-    fn user_namespace_maps_the_uid() {
+    /// The captured containerd spec, its process user 1000:1000, in the user namespace
+    /// `userns` (a `linux.namespaces` entry).
+    fn user_1000_in(userns: Value) -> Value {
         let mut v: Value = serde_json::from_slice(&fixture("containerd-1.6-config.json")).unwrap();
         v["process"]["user"]["uid"] = 1000.into();
         v["process"]["user"]["gid"] = 1000.into();
         v["linux"]["namespaces"]
             .as_array_mut()
             .unwrap()
-            .push(serde_json::json!({"type": "user"}));
+            .push(userns);
+        v
+    }
+
+    #[test]
+    fn user_namespace_maps_the_uid() {
+        let mut v = user_1000_in(serde_json::json!({"type": "user"}));
         v["linux"]["uidMappings"] =
             serde_json::json!([{"containerID": 0, "hostID": 100000, "size": 65536}]);
         v["linux"]["gidMappings"] =
@@ -794,13 +794,7 @@ pub(crate) mod tests {
     /// containerd's CRI container of a `hostUsers: false` pod: the sandbox's user namespace
     /// joined by path, with the mappings (the captured containerd spec, reshaped so).
     fn joined_userns(path: &str, mappings: bool) -> SpecFile {
-        let mut v: Value = serde_json::from_slice(&fixture("containerd-1.6-config.json")).unwrap();
-        v["process"]["user"]["uid"] = 1000.into();
-        v["process"]["user"]["gid"] = 1000.into();
-        v["linux"]["namespaces"]
-            .as_array_mut()
-            .unwrap()
-            .push(serde_json::json!({"type": "user", "path": path}));
+        let mut v = user_1000_in(serde_json::json!({"type": "user", "path": path}));
         if mappings {
             v["linux"]["uidMappings"] =
                 serde_json::json!([{"containerID": 0, "hostID": 200000, "size": 65536}]);

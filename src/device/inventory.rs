@@ -113,6 +113,14 @@ struct Validation<'a> {
     gi_caps: Vec<(usize, u32)>,
 }
 
+/// A field of a device entry, with whether its value is well formed and what is allowed.
+struct Field<'a> {
+    name: &'static str,
+    value: &'a str,
+    valid: bool,
+    allowed: &'static str,
+}
+
 impl Validation<'_> {
     fn invalid(
         &self,
@@ -151,24 +159,17 @@ impl Validation<'_> {
             }
             self.minors.push(minor);
         }
-        self.uuid(
+        self.device(
             entry,
-            &gpu.uuid,
-            "GPU-",
-            "GPU- followed by hex digits and dashes",
-        )?;
-        if gpu.memory_bytes == 0 {
-            return Err(self.invalid(entry, "memory_bytes", "0", "more than 0 bytes"));
-        }
-        if !is_compute_capability(&gpu.compute_capability) {
-            return Err(self.invalid(
-                entry,
-                "compute_capability",
-                &gpu.compute_capability,
-                "major.minor, like 8.0",
-            ));
-        }
-        Ok(())
+            (&gpu.uuid, "GPU-", "GPU- followed by hex digits and dashes"),
+            gpu.memory_bytes,
+            Field {
+                name: "compute_capability",
+                value: &gpu.compute_capability,
+                valid: is_compute_capability(&gpu.compute_capability),
+                allowed: "major.minor, like 8.0",
+            },
+        )
     }
 
     /// The MIG devices of the GPU at position `pos`, each in turn: its access nodes, its
@@ -192,22 +193,35 @@ impl Validation<'_> {
 
     /// A MIG device's own fields, and its UUID against every UUID before it.
     fn mig_device(&mut self, entry: &str, mig: &MigDevice) -> Result<(), DeviceError> {
-        self.uuid(
+        self.device(
             entry,
-            &mig.uuid,
-            "MIG-",
-            "MIG- followed by hex digits and dashes",
-        )?;
-        if mig.memory_bytes == 0 {
+            (&mig.uuid, "MIG-", "MIG- followed by hex digits and dashes"),
+            mig.memory_bytes,
+            Field {
+                name: "profile",
+                value: &mig.profile,
+                valid: is_safe_profile(&mig.profile),
+                allowed: "letters, digits, '.', '+', '-' and '_', like 1g.6gb",
+            },
+        )
+    }
+
+    /// What a GPU and a MIG device both have, in this order: a well-formed UUID that no
+    /// entry before used (`uuid`: the value, its prefix, what is allowed), memory, and
+    /// the one descriptive field of its kind.
+    fn device(
+        &mut self,
+        entry: &str,
+        (uuid, prefix, allowed): (&str, &str, &'static str),
+        memory_bytes: u64,
+        field: Field<'_>,
+    ) -> Result<(), DeviceError> {
+        self.uuid(entry, uuid, prefix, allowed)?;
+        if memory_bytes == 0 {
             return Err(self.invalid(entry, "memory_bytes", "0", "more than 0 bytes"));
         }
-        if !is_safe_profile(&mig.profile) {
-            return Err(self.invalid(
-                entry,
-                "profile",
-                &mig.profile,
-                "letters, digits, '.', '+', '-' and '_', like 1g.6gb",
-            ));
+        if !field.valid {
+            return Err(self.invalid(entry, field.name, field.value, field.allowed));
         }
         Ok(())
     }
@@ -276,7 +290,7 @@ impl Validation<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{GIB, GPU0, MIG0};
+    use super::super::testing::{many_gpus, GIB, GPU0, MIG0};
     use super::super::*;
     use crate::util::error_chain as chain;
     use std::io::Write;
@@ -459,14 +473,7 @@ mod tests {
         dup_mig_index.gpus[1].mig_devices[2].index = 1;
         let mut dup_mig_uuid = sample();
         dup_mig_uuid.gpus[1].mig_devices[2].uuid = MIG0.to_owned();
-        let mut too_many = sample();
-        too_many.gpus = (0..65)
-            .map(|i| Gpu {
-                index: i,
-                uuid: format!("GPU-{i:08x}"),
-                ..sample().gpus[2].clone()
-            })
-            .collect();
+        let too_many = many_gpus(65);
         let dup_mig_uuid_msg = format!("repeats uuid \"{MIG0}\": allowed is each uuid once");
         let cases: Vec<(Inventory, &str)> = vec![
             (dup_index, "inventory t: gpus[1] (GPU 0) repeats index \"0\": allowed is each index once"),

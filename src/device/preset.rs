@@ -35,7 +35,7 @@ pub fn sample() -> Inventory {
 /// Names of the preset's devices, and helpers, for unit tests.
 #[cfg(test)]
 pub(crate) mod testing {
-    use super::super::{DeviceRequest, DeviceSelector};
+    use super::super::{DeviceRequest, DeviceSelector, Gpu, Inventory};
 
     pub(crate) const GIB: u64 = 1 << 30;
     pub(crate) const KEY: &str = "gpushare.io/device";
@@ -52,6 +52,19 @@ pub(crate) mod testing {
 
     pub(crate) fn req(sels: &[DeviceSelector]) -> DeviceRequest {
         DeviceRequest(sels.to_vec())
+    }
+
+    /// The preset with `n` GPUs, each GPU 2 under its own index and UUID.
+    pub(crate) fn many_gpus(n: u32) -> Inventory {
+        let mut many = super::sample();
+        many.gpus = (0..n)
+            .map(|i| Gpu {
+                index: i,
+                uuid: format!("GPU-{i:08x}"),
+                ..super::sample().gpus[2].clone()
+            })
+            .collect();
+        many
     }
 }
 

@@ -283,7 +283,7 @@ impl Inventory {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{req, GIB, GPU0, GPU1, GPU2, KEY, MIG0, MIG1, MIG2};
+    use super::super::testing::{many_gpus, req, GIB, GPU0, GPU1, GPU2, KEY, MIG0, MIG1, MIG2};
     use super::super::*;
 
     #[test]
@@ -411,14 +411,7 @@ mod tests {
             "GPUSHARE_DEVICE=\"0\" names GPU 0, which does not exist: this node has no GPUs"
         );
 
-        let mut many = sample();
-        many.gpus = (0..10)
-            .map(|i| Gpu {
-                index: i,
-                uuid: format!("GPU-{i:08x}"),
-                ..sample().gpus[2].clone()
-            })
-            .collect();
+        let many = many_gpus(10);
         let msg = many
             .resolve(KEY, "10", &req(&[DeviceSelector::Index(10)]))
             .expect_err("absent")

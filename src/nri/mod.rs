@@ -9,7 +9,7 @@
 //! calls `RegisterPlugin` on the other; the runtime then calls `Configure` (the plugin
 //! subscribes to CreateContainer, PostCreateContainer, StartContainer, StopContainer,
 //! RemoveContainer),
-//! `Synchronize` (every pod and container it has: `plugin::Plugin::synchronize`), and the
+//! `Synchronize` (every pod and container it has: `Plugin::synchronize`, in `records`), and the
 //! events. Each request is answered on a thread of its own, so a slow daemon start does
 //! not hold up another container's events. When the runtime goes away (a restart), the
 //! plugin dials again with backoff; a plugin the runtime launched exits instead (the
@@ -42,10 +42,17 @@
 //!
 //! One file per job: running the plugin (the connection's life, its state file) here;
 //! `session` (the session on a connection, for the plugin and the validator alike), `wire`
-//! and `api` (the framing and the messages), `plugin`, `validator`, `tests`.
+//! and `api` (the framing and the messages), `plugin` (its state and the answer to
+//! `CreateContainer`), `records` (the container records it writes, reconciled at
+//! `Synchronize`), `audit` (the audit and eviction of unserved containers), `container`
+//! (what it reads of a container: the spec view, whether it serves it, whether it carries
+//! the adjustment), `validator`, `tests`.
 
 pub(crate) mod api;
+mod audit;
+mod container;
 pub(crate) mod plugin;
+mod records;
 mod session;
 #[cfg(test)]
 mod tests;

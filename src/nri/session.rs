@@ -18,7 +18,7 @@ pub(crate) trait Service: Send + Sync + 'static {
         &self,
         method: &str,
         payload: &[u8],
-        configured: &(dyn Fn(String) + Send + Sync),
+        configured: &Configured,
     ) -> anyhow::Result<Vec<u8>>;
     /// The successful answer to `method` could not be sent (the runtime gave up on it:
     /// timed out, closed the connection): what it left behind for an answer that was
@@ -27,7 +27,9 @@ pub(crate) trait Service: Send + Sync + 'static {
 }
 
 /// Called once the runtime has configured the plugin, with the runtime's name and version.
-pub(super) type Connected = Arc<dyn Fn(String) + Send + Sync>;
+pub(super) type Configured = dyn Fn(String) + Send + Sync;
+/// The same, shared by the threads that answer.
+pub(super) type Connected = Arc<Configured>;
 
 /// The write half of a connection, shared by the threads that answer.
 pub(super) struct Sender {
@@ -278,7 +280,7 @@ pub(super) fn serve<S: Service>(
 pub(super) fn answer<S: Service>(
     plugin: &S,
     body: &[u8],
-    configured: &(dyn Fn(String) + Send + Sync),
+    configured: &Configured,
 ) -> api::Response {
     let fail = |code: i32, message: String| api::Response {
         status: Some(api::Status { code, message }),
@@ -335,7 +337,7 @@ impl Service for Plugin {
         &self,
         method: &str,
         payload: &[u8],
-        configured: &(dyn Fn(String) + Send + Sync),
+        configured: &Configured,
     ) -> anyhow::Result<Vec<u8>> {
         handle(self, method, payload, configured)
     }
@@ -365,7 +367,7 @@ pub(super) fn handle(
     plugin: &Plugin,
     method: &str,
     payload: &[u8],
-    configured: &(dyn Fn(String) + Send + Sync),
+    configured: &Configured,
 ) -> anyhow::Result<Vec<u8>> {
     let event = || api::ContainerEvent::decode(payload).context("decode the runtime's event");
     Ok(match method {
@@ -464,11 +466,7 @@ pub(super) fn handle(
 /// `nri_validate`, as `converse` is the plugin's.
 pub fn converse_validator(cfg: &Config, input: &[u8]) -> (Vec<(u32, i32)>, Result<bool, String>) {
     let validator = Arc::new(validator::Validator::new(cfg, DEFAULT_NAME));
-    let out = Arc::new(Mutex::new(Vec::new()));
-    let in_flight = Arc::new(InFlight::default());
-    let end = serve_memory(&validator, input, &out, &in_flight);
-    in_flight.wait_idle(Duration::from_secs(60));
-    let written = std::mem::take(&mut *out.lock().unwrap_or_else(|e| e.into_inner()));
+    let (written, end) = serve_all(&validator, input);
     (answers(&written), end)
 }
 
@@ -478,12 +476,19 @@ pub fn converse_validator(cfg: &Config, input: &[u8]) -> (Vec<(u32, i32)>, Resul
 /// the session ended (its error line).
 pub fn converse(cfg: &Config, input: &[u8]) -> (Vec<(u32, i32)>, Result<bool, String>) {
     let plugin = Arc::new(Plugin::new(cfg.clone()));
+    let (written, end) = serve_all(&plugin, input);
+    (answers(&written), end)
+}
+
+/// One connection held in memory, `input` what the runtime sent: what `service` wrote
+/// once every request is answered, and how the session ended (its error line).
+fn serve_all<S: Service>(service: &Arc<S>, input: &[u8]) -> (Vec<u8>, Result<bool, String>) {
     let out = Arc::new(Mutex::new(Vec::new()));
     let in_flight = Arc::new(InFlight::default());
-    let end = serve_memory(&plugin, input, &out, &in_flight);
+    let end = serve_memory(service, input, &out, &in_flight);
     in_flight.wait_idle(Duration::from_secs(60));
     let written = std::mem::take(&mut *out.lock().unwrap_or_else(|e| e.into_inner()));
-    (answers(&written), end)
+    (written, end)
 }
 
 pub(super) fn serve_memory<S: Service>(
@@ -532,32 +537,28 @@ pub(crate) fn converse_validator_payloads(
     input: &[u8],
 ) -> (Payloads, Result<bool, String>) {
     let validator = Arc::new(validator::Validator::new(cfg, DEFAULT_NAME));
-    let out = Arc::new(Mutex::new(Vec::new()));
-    let in_flight = Arc::new(InFlight::default());
-    let end = serve_memory(&validator, input, &out, &in_flight);
-    in_flight.wait_idle(Duration::from_secs(60));
-    let written = std::mem::take(&mut *out.lock().unwrap_or_else(|e| e.into_inner()));
-    let mut payloads = Vec::new();
-    let mut conn = wire::Stream::default();
-    let mut bytes = written.as_slice();
-    while let Ok(Some((c, payload))) = wire::read_frame(&mut bytes) {
-        if c != PLUGIN_CONN {
-            continue;
-        }
-        conn.push(&payload);
-        while let Ok(Some(msg)) = conn.next_message() {
-            if let Ok(r) = api::Response::decode(msg.body.as_slice()) {
-                if r.status.is_none() {
-                    payloads.push((msg.stream, r.payload));
-                }
-            }
-        }
-    }
+    let (written, end) = serve_all(&validator, input);
+    let payloads = responses(&written)
+        .into_iter()
+        .filter_map(|(stream, r)| {
+            r.filter(|r| r.status.is_none())
+                .map(|r| (stream, r.payload))
+        })
+        .collect();
     (payloads, end)
 }
 
 /// The answers the plugin wrote on its service: (stream id, status code).
-pub(super) fn answers(mut written: &[u8]) -> Vec<(u32, i32)> {
+pub(super) fn answers(written: &[u8]) -> Vec<(u32, i32)> {
+    responses(written)
+        .into_iter()
+        .map(|(stream, r)| (stream, r.and_then(|r| r.status).map_or(0, |s| s.code)))
+        .collect()
+}
+
+/// Each message the plugin wrote on its service: its stream id and the response it
+/// decodes to (`None`: it does not).
+fn responses(mut written: &[u8]) -> Vec<(u32, Option<api::Response>)> {
     let mut out = Vec::new();
     let mut conn = wire::Stream::default();
     while let Ok(Some((c, payload))) = wire::read_frame(&mut written) {
@@ -566,11 +567,7 @@ pub(super) fn answers(mut written: &[u8]) -> Vec<(u32, i32)> {
         }
         conn.push(&payload);
         while let Ok(Some(msg)) = conn.next_message() {
-            let code = api::Response::decode(msg.body.as_slice())
-                .ok()
-                .and_then(|r| r.status)
-                .map_or(0, |s| s.code);
-            out.push((msg.stream, code));
+            out.push((msg.stream, api::Response::decode(msg.body.as_slice()).ok()));
         }
     }
     out

@@ -126,11 +126,19 @@ fn a_conversation_is_answered_request_by_request_and_seeds_the_fuzz_target() {
             (15, 0)
         ]
     );
-    // The seed the fuzz target starts from is this conversation (written afresh with
-    // GPUSHARE_WRITE_SEEDS=1 when the conversation changes).
-    let seed = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/nri/conversation");
+    check_seed("nri", &input);
+}
+
+/// The seed the fuzz target `target` starts from is this conversation (written afresh
+/// with GPUSHARE_WRITE_SEEDS=1 when the conversation changes).
+pub(super) fn check_seed(target: &str, input: &[u8]) {
+    let seed = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/seeds")
+        .join(target)
+        .join("conversation");
     if std::env::var_os("GPUSHARE_WRITE_SEEDS").is_some() {
-        std::fs::write(&seed, &input).unwrap();
+        std::fs::create_dir_all(seed.parent().unwrap()).unwrap();
+        std::fs::write(&seed, input).unwrap();
     }
     assert!(
         std::fs::read(&seed).unwrap() == input,
@@ -457,14 +465,10 @@ fn a_session_over_a_socket_registers_configures_synchronizes_in_parts_and_create
     assert_eq!(resp.status, None);
     assert_eq!(
         api::ConfigureResponse::decode(resp.payload.as_slice()).unwrap(),
+        // NRI's events 4, 5, 6, 10 and 11 (CreateContainer, PostCreateContainer,
+        // StartContainer, StopContainer, RemoveContainer), bit `event - 1` each.
         api::ConfigureResponse {
-            events: event::mask(&[
-                event::CREATE_CONTAINER,
-                event::POST_CREATE_CONTAINER,
-                event::START_CONTAINER,
-                event::STOP_CONTAINER,
-                event::REMOVE_CONTAINER,
-            ]),
+            events: 0b110_0011_1000,
         }
     );
     assert_eq!(*configured.lock().unwrap(), ["containerd v2.3.4"]);
@@ -607,7 +611,7 @@ impl Service for Probe {
         &self,
         method: &str,
         _payload: &[u8],
-        _configured: &(dyn Fn(String) + Send + Sync),
+        _configured: &Configured,
     ) -> anyhow::Result<Vec<u8>> {
         match method {
             "Fail" => anyhow::bail!("refused"),
@@ -693,27 +697,25 @@ fn a_session_that_drops_mid_synchronize_leaves_no_list_for_the_next() {
     let (cfg, dirs, daemon) = node_with_records(dir.path(), &["fresh", "stale"]);
     let plugin = Arc::new(Plugin::new(cfg));
     let configured = Arc::new(Mutex::new(Vec::new()));
+    // A session that registers and sends one part of a Synchronize.
+    let synchronizing = |ids: &[&str], more: bool| {
+        let (mut rt, session) = Runtime::start(&plugin, &configured);
+        rt.register();
+        assert_eq!(
+            rt.call(1, "Synchronize", &sync_part(ids, more)).status,
+            None
+        );
+        (rt, session)
+    };
     // The first session: the first part of a Synchronize, then the runtime goes away
     // (a restart). Its part is left in the plugin's list.
-    let (mut rt, session) = Runtime::start(&plugin, &configured);
-    rt.register();
-    assert_eq!(
-        rt.call(1, "Synchronize", &sync_part(&["stale"], true))
-            .status,
-        None
-    );
+    let (rt, session) = synchronizing(&["stale"], true);
     assert_eq!(rt.close(session), Ok(true));
     assert_eq!(plugin.sync.lock().unwrap().len(), 1);
     // The restarted runtime no longer has `stale`: its whole list is `fresh`, so the
     // record of `stale` goes. Had the first session's part been kept, the list would
     // name `stale` too and its record would stay, keeping its daemon alive.
-    let (mut rt, session) = Runtime::start(&plugin, &configured);
-    rt.register();
-    assert_eq!(
-        rt.call(1, "Synchronize", &sync_part(&["fresh"], false))
-            .status,
-        None
-    );
+    let (rt, session) = synchronizing(&["fresh"], false);
     assert_eq!(record_ids(&dirs, &daemon), ["fresh"]);
     assert_eq!(rt.close(session), Ok(true));
 }

@@ -2,7 +2,7 @@
 //! (NRI 0.10, containerd 2.2 and later) in a process of its own. After every plugin has
 //! answered a container's `CreateContainer`, the runtime hands each validator the
 //! container and the adjustment the plugins made, and creates the container only if none
-//! rejects it. This one rejects a container that the plugin serves (`plugin::serves`: it
+//! rejects it. This one rejects a container that the plugin serves (`container::serves`: it
 //! asks for a share and is not left alone) when the adjustment lacks what the plugin
 //! gives every container it serves: the daemon's pipe directory bound at
 //! `mps.container-pipe-dir` and `CUDA_MPS_PIPE_DIRECTORY` naming it (`Validator::served`).
@@ -31,7 +31,7 @@ use anyhow::Context;
 use prost::Message;
 
 use super::api::{self, event};
-use super::{plugin, PluginState, Service};
+use super::{container, Configured, PluginState, Service};
 use crate::config::Config;
 use crate::state::StateDir;
 
@@ -74,7 +74,7 @@ impl Validator {
         if self.cfg.nri_shim_handlers.contains(&pod.runtime_handler) {
             return api::ValidateContainerAdjustmentResponse::default();
         }
-        let asks = match plugin::serves(&self.cfg, &pod, &ctr) {
+        let asks = match container::serves(&self.cfg, &pod, &ctr) {
             Ok(false) => return api::ValidateContainerAdjustmentResponse::default(),
             Ok(true) => "asks for an MPS share".to_owned(),
             Err(e) => format!("has a request the plugin refuses ({e:#})"),
@@ -107,7 +107,7 @@ impl Validator {
             .env
             .iter()
             .map(|kv| (kv.key.as_str(), kv.value.as_str()));
-        plugin::carries_adjustment(&self.cfg, &self.dirs, &adjust.mounts, env)
+        container::carries_adjustment(&self.cfg, &self.dirs, &adjust.mounts, env)
     }
 }
 
@@ -116,7 +116,7 @@ impl Service for Validator {
         &self,
         method: &str,
         payload: &[u8],
-        configured: &(dyn Fn(String) + Send + Sync),
+        configured: &Configured,
     ) -> anyhow::Result<Vec<u8>> {
         Ok(match method {
             "Configure" => {
@@ -366,6 +366,12 @@ mod tests {
             a.mounts[0].source = "/run/gpushare/mps/../pipe".into();
             a
         };
+        // A v3 daemon's container: its namespace's directory under the server's.
+        let namespace = |server: &str, name: &str| {
+            let mut a = served(id);
+            a.mounts[0].source = format!("/run/gpushare/mps/{id}/pipe/{server}/{name}");
+            a
+        };
         let rows: Vec<(&str, api::ValidateContainerAdjustmentRequest, bool)> = vec![
             (
                 "a request, served",
@@ -390,6 +396,29 @@ mod tests {
             (
                 "a request, mount only",
                 request(&asks, "team-a", Some(only_mount)),
+                true,
+            ),
+            (
+                "a request, served a v3 namespace",
+                request(
+                    &asks,
+                    "team-a",
+                    Some(namespace("s", "c0123456789abcdef0123")),
+                ),
+                false,
+            ),
+            (
+                "a request, the v3 server's default namespace",
+                request(&asks, "team-a", Some(namespace("s", "default"))),
+                true,
+            ),
+            (
+                "a request, a namespace of another server",
+                request(
+                    &asks,
+                    "team-a",
+                    Some(namespace("t", "c0123456789abcdef0123")),
+                ),
                 true,
             ),
             (
@@ -497,17 +526,7 @@ mod tests {
         assert!(verdict(5).reject);
         assert!(!verdict(7).reject);
         assert!(!verdict(9).reject);
-        let seed =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/seeds/nri_validate/conversation");
-        if std::env::var_os("GPUSHARE_WRITE_SEEDS").is_some() {
-            std::fs::create_dir_all(seed.parent().unwrap()).unwrap();
-            std::fs::write(&seed, &input).unwrap();
-        }
-        assert!(
-            std::fs::read(&seed).unwrap() == input,
-            "{} is not the conversation: write it with GPUSHARE_WRITE_SEEDS=1",
-            seed.display()
-        );
+        super::super::tests::check_seed("nri_validate", &input);
     }
 
     /// The validator's own cost per create: decoding containerd's request and the

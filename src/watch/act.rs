@@ -13,8 +13,10 @@
 //! - the OS calls go through `Os`, so that each of these cases is a unit test.
 
 use std::collections::{HashMap, HashSet};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::rc::Rc;
+
+use super::scan::{cgroup_of, Proc};
 
 /// The OS calls an action makes; `Proc` is the host's.
 pub(crate) trait Os {
@@ -270,27 +272,6 @@ pub(crate) fn stop<O: Os>(
     }
 }
 
-/// The host's processes.
-pub(crate) struct Proc;
-
-impl Proc {
-    /// `pidfd_open(pid)`.
-    pub(crate) fn pidfd(pid: i32) -> std::io::Result<OwnedFd> {
-        use rustix::process::{pidfd_open, Pid, PidfdFlags};
-        let pid = Pid::from_raw(pid)
-            .ok_or_else(|| std::io::Error::from_raw_os_error(nix::libc::ESRCH))?;
-        Ok(pidfd_open(pid, PidfdFlags::empty())?)
-    }
-
-    /// Whether the pidfd's process has ended: its pidfd is readable from then on. An
-    /// error counts as ended (never acted on).
-    pub(crate) fn has_ended(fd: &OwnedFd) -> bool {
-        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-        let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
-        !matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))
-    }
-}
-
 impl Os for Proc {
     type Handle = Rc<OwnedFd>;
 
@@ -307,7 +288,7 @@ impl Os for Proc {
     }
 
     fn cgroup(&mut self, pid: i32) -> Option<String> {
-        super::scan::cgroup_of(pid)
+        cgroup_of(pid)
     }
 
     fn kill(&mut self, handle: &Rc<OwnedFd>) -> std::io::Result<()> {

@@ -42,9 +42,10 @@ use nvml_wrapper::Nvml;
 use crate::config::{Config, Limits};
 use crate::mps::control::{resolve_binary, Control};
 use crate::state::{ProcRef, StateDir};
-use act::{ActError, Outcome, Pins, Proc};
+use act::{ActError, Outcome, Pins};
 use plan::{Action, Rules};
 use report::{Counters, Report};
+use scan::Proc;
 
 /// How long one control command of an action may take.
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -271,7 +272,11 @@ impl Watcher<'_> {
         let daemon = p.daemon.as_deref().unwrap_or("-");
         let why = p.verdict.as_deref().unwrap_or_default();
         let client = matches!(action, Action::EndClient(_));
-        match outcome {
+        let of = format!(
+            "pid {} of {pod} (container {container}) on {}",
+            p.pid, p.gpu
+        );
+        let (warn, line, added) = match outcome {
             Outcome::Killed { confirmed } => {
                 let what = match (client, confirmed) {
                     (false, _) => "killed",
@@ -288,53 +293,37 @@ impl Watcher<'_> {
                 } else {
                     self.counters.stopped_direct += 1;
                 }
-                tracing::warn!(
-                    pid = p.pid,
-                    container_id = container,
-                    daemon,
-                    "watch: {what} pid {} of {pod} (container {container}) on {}: {why}",
-                    p.pid,
-                    p.gpu
-                );
-                None
+                (true, format!("watch: {what} {of}: {why}"), None)
             }
             Outcome::Gone { confirmed: true } if client => {
                 self.counters.ended_clients += 1;
-                tracing::warn!(
-                    pid = p.pid,
-                    container_id = container,
-                    daemon,
-                    "watch: terminate_client ended pid {} of {pod} (container {container}) on {}: {why}",
-                    p.pid,
-                    p.gpu
-                );
-                None
+                (
+                    true,
+                    format!("watch: terminate_client ended {of}: {why}"),
+                    None,
+                )
             }
-            Outcome::Gone { .. } => {
-                tracing::info!(
-                    pid = p.pid,
-                    container_id = container,
-                    daemon,
-                    "watch: pid {} of {pod} (container {container}) on {} ended before it was stopped; it was to be {why}",
-                    p.pid,
-                    p.gpu
-                );
-                Some(" (it ended before it was stopped)".to_owned())
-            }
+            Outcome::Gone { .. } => (
+                false,
+                format!("watch: {of} ended before it was stopped; it was to be {why}"),
+                Some(" (it ended before it was stopped)".to_owned()),
+            ),
             Outcome::Refused(e) => {
                 self.counters.failed += 1;
                 let e = crate::util::error_chain(e);
-                tracing::warn!(
-                    pid = p.pid,
-                    container_id = container,
-                    daemon,
-                    "watch: did not stop pid {} of {pod} (container {container}) on {}: {e}; it was to be {why}",
-                    p.pid,
-                    p.gpu
-                );
-                Some(format!(" (not done: {e})"))
+                (
+                    true,
+                    format!("watch: did not stop {of}: {e}; it was to be {why}"),
+                    Some(format!(" (not done: {e})")),
+                )
             }
+        };
+        if warn {
+            tracing::warn!(pid = p.pid, container_id = container, daemon, "{line}");
+        } else {
+            tracing::info!(pid = p.pid, container_id = container, daemon, "{line}");
         }
+        added
     }
 
     /// `terminate_client <server> <pid>` on the client's daemon, trying its servers (one,

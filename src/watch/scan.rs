@@ -2,7 +2,8 @@
 //! that does not answer costs its own processes, never another's), and what each belongs
 //! to (`Node::owner_of_cgroup`, from the cgroup its pin read): an MPS server of one of
 //! gpushare's daemons, a container gpushare serves, or nothing gpushare serves (the host,
-//! another container).
+//! another container). The host's process primitives that `act` uses too are here: a
+//! process's cgroup (`cgroup_of`) and its pidfd (`Proc`).
 //!
 //! Invariants: a process belongs to a container by its cgroup — the container's own, or
 //! one below it — never by anything the process says of itself (its name, its
@@ -12,6 +13,7 @@
 //! only root makes.
 
 use std::collections::{HashMap, HashSet};
+use std::os::fd::{AsFd, OwnedFd};
 
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
@@ -192,6 +194,28 @@ struct Daemon {
 }
 
 /// A container's init process, as first found alive.
+/// The host's processes: a pidfd pins one as soon as it is listed (`Init`, the actions
+/// in `act`), and tells whether the pinned process has ended.
+pub(crate) struct Proc;
+
+impl Proc {
+    /// `pidfd_open(pid)`.
+    pub(crate) fn pidfd(pid: i32) -> std::io::Result<OwnedFd> {
+        use rustix::process::{pidfd_open, Pid, PidfdFlags};
+        let pid = Pid::from_raw(pid)
+            .ok_or_else(|| std::io::Error::from_raw_os_error(nix::libc::ESRCH))?;
+        Ok(pidfd_open(pid, PidfdFlags::empty())?)
+    }
+
+    /// Whether the pidfd's process has ended: its pidfd is readable from then on. An
+    /// error counts as ended (never acted on).
+    pub(crate) fn has_ended(fd: &OwnedFd) -> bool {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
+        !matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))
+    }
+}
+
 #[derive(Debug)]
 struct Init {
     /// `None` where no pidfd could be had (out of descriptors): its start time is read
@@ -204,7 +228,6 @@ impl Init {
     /// `init` pinned, where it runs: its start time is read after the pidfd is open and
     /// trusted only if the pidfd's process still runs after the reads.
     fn open(init: ProcRef) -> Option<Init> {
-        use super::act::Proc;
         let pidfd = match Proc::pidfd(init.pid) {
             Ok(fd) => Some(fd),
             Err(e) if e.raw_os_error() == Some(nix::libc::ESRCH) => return None,
@@ -222,7 +245,7 @@ impl Init {
 
     fn runs(&self, init: ProcRef) -> bool {
         match &self.pidfd {
-            Some(fd) => !super::act::Proc::has_ended(fd),
+            Some(fd) => !Proc::has_ended(fd),
             None => init.alive(),
         }
     }

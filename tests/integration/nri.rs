@@ -2072,7 +2072,10 @@ fn nri_plugin_serves_v3_containers_each_in_its_own_namespace() {
     let mut plugin = Plugin::start(&env, &node);
     let mut served = Vec::new();
     for (name, uid, pct) in [("v3-alice", 1000, "30"), ("v3-bob", 2000, "70")] {
-        let ann = [("gpushare.io/device", "0"), ("gpushare.io/active-thread-percentage", pct)];
+        let ann = [
+            ("gpushare.io/device", "0"),
+            ("gpushare.io/active-thread-percentage", pct),
+        ];
         let pod = node.plain_pod(&PodSpec {
             name,
             annotations: &ann,
@@ -2087,9 +2090,15 @@ fn nri_plugin_serves_v3_containers_each_in_its_own_namespace() {
         };
         let id = node.run(&pod, &c);
         let line = node.client_line(&pod, &c);
-        assert_eq!(line["active_thread_percentage"].parse::<f64>().unwrap(), pct.parse::<f64>().unwrap(), "{name}: {line:?}");
+        assert_eq!(
+            line["active_thread_percentage"].parse::<f64>().unwrap(),
+            pct.parse::<f64>().unwrap(),
+            "{name}: {line:?}"
+        );
         let ns = line["namespace"].clone();
-        let daemon = node.daemon_of(&id).expect("the plugin recorded the container");
+        let daemon = node
+            .daemon_of(&id)
+            .expect("the plugin recorded the container");
         let spec = node.bundle_spec(&id);
         let pipe = spec["mounts"]
             .as_array()
@@ -2100,7 +2109,13 @@ fn nri_plugin_serves_v3_containers_each_in_its_own_namespace() {
             .unwrap();
         assert_eq!(
             pipe["source"].as_str().unwrap(),
-            env.state.join("mps").join(&daemon).join("pipe/s").join(&ns).to_str().unwrap(),
+            env.state
+                .join("mps")
+                .join(&daemon)
+                .join("pipe/s")
+                .join(&ns)
+                .to_str()
+                .unwrap(),
             "only the namespace's directory: {spec}"
         );
         served.push((id, daemon, ns, line));

@@ -16,6 +16,26 @@ use super::Registration;
 /// Where Docker keeps its config on a standard install.
 pub(crate) const DEFAULT_CONFIG: &str = "/etc/docker/daemon.json";
 
+/// daemon.json's text as its top-level object (no text: an empty one).
+fn load(path: &Path, text: &str) -> Result<Map<String, Value>, InstallError> {
+    if text.trim().is_empty() {
+        return Ok(Map::new());
+    }
+    match serde_json::from_str(text).map_err(|e| parse_error(path, e.to_string()))? {
+        Value::Object(m) => Ok(m),
+        _ => Err(parse_error(path, "the top level is not an object".into())),
+    }
+}
+
+/// daemon.json at `path` is no JSON that gpushare can edit: `message` says why.
+fn parse_error(path: &Path, message: String) -> InstallError {
+    InstallError::Parse {
+        path: path.to_owned(),
+        format: "JSON",
+        message,
+    }
+}
+
 /// Adds or updates the runtime entry, keeping every other key in place and order.
 pub(crate) fn edit(
     path: &Path,
@@ -23,19 +43,8 @@ pub(crate) fn edit(
     name: &str,
     runtime: &Path,
 ) -> Result<Edited, InstallError> {
-    let parse = |message: String| InstallError::Parse {
-        path: path.to_owned(),
-        format: "JSON",
-        message,
-    };
-    let mut doc: Map<String, Value> = if text.trim().is_empty() {
-        Map::new()
-    } else {
-        match serde_json::from_str(text).map_err(|e| parse(e.to_string()))? {
-            Value::Object(m) => m,
-            _ => return Err(parse("the top level is not an object".into())),
-        }
-    };
+    let parse = |message: String| parse_error(path, message);
+    let mut doc = load(path, text)?;
     let runtimes = doc
         .entry("runtimes")
         .or_insert_with(|| Value::Object(Map::new()));
@@ -77,16 +86,8 @@ pub(crate) fn remove(path: &Path, text: &str, name: &str) -> Result<Edited, Inst
     if text.trim().is_empty() {
         return Ok(Edited { text: None });
     }
-    let parse = |message: String| InstallError::Parse {
-        path: path.to_owned(),
-        format: "JSON",
-        message,
-    };
-    let mut doc: Map<String, Value> =
-        match serde_json::from_str(text).map_err(|e| parse(e.to_string()))? {
-            Value::Object(m) => m,
-            _ => return Err(parse("the top level is not an object".into())),
-        };
+    let parse = |message: String| parse_error(path, message);
+    let mut doc = load(path, text)?;
     match doc.get_mut("runtimes") {
         None => return Ok(Edited { text: None }),
         Some(Value::Object(runtimes)) => {
@@ -123,23 +124,12 @@ pub(crate) const DOCKER_CDI_DIRS: [&str; 2] = ["/etc/cdi", "/var/run/cdi"];
 /// `dir` is not one of Docker's defaults (the defaults are then listed too, so that
 /// nothing Docker read before is lost). Every other key is kept in place and order.
 pub(crate) fn enable_cdi(path: &Path, text: &str, dir: &Path) -> Result<Edited, InstallError> {
-    let parse = |message: String| InstallError::Parse {
-        path: path.to_owned(),
-        format: "JSON",
-        message,
-    };
+    let parse = |message: String| parse_error(path, message);
     let shape = |key: &str, is: &Value, want: &str| InstallError::Unsupported {
         path: path.to_owned(),
         message: format!("\"{key}\" is {is}, not {want}: fix or remove that key"),
     };
-    let mut doc: Map<String, Value> = if text.trim().is_empty() {
-        Map::new()
-    } else {
-        match serde_json::from_str(text).map_err(|e| parse(e.to_string()))? {
-            Value::Object(m) => m,
-            _ => return Err(parse("the top level is not an object".into())),
-        }
-    };
+    let mut doc = load(path, text)?;
     let before = doc.clone();
     let features = doc
         .entry("features")

@@ -78,12 +78,7 @@ pub(crate) fn run(args: Install) -> anyhow::Result<()> {
         .engine
         .edit(&path, &text, &args.name, &runtime, args.config_version)?;
     let Some(new) = edited.text else {
-        println!(
-            "{} already registers runtime {} at {}; nothing to do",
-            path.display(),
-            args.name,
-            runtime.display()
-        );
+        already_registered(&path, &args.name, &format!("at {}", runtime.display()));
         return Ok(());
     };
     if args.dry_run {
@@ -324,6 +319,15 @@ pub(super) fn print_lines(lines: impl IntoIterator<Item = impl std::fmt::Display
     }
 }
 
+/// The one line of an install that finds `path` already registering runtime `name`
+/// (`how`: the way it runs gpushare).
+pub(super) fn already_registered(path: &Path, name: &str, how: &str) {
+    println!(
+        "{} already registers runtime {name} {how}; nothing to do",
+        path.display()
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -474,25 +478,21 @@ mod tests {
             dir.path().join("daemon.json"),
         );
         std::fs::write(&daemon_json, "{}\n").unwrap();
-        cdi(
-            &cfg,
-            &spec,
-            Some(&docker::Docker),
-            Some(daemon_json.clone()),
-            true,
-        )
-        .unwrap();
+        let install = |dry_run: bool| {
+            cdi(
+                &cfg,
+                &spec,
+                Some(&docker::Docker),
+                Some(daemon_json.clone()),
+                dry_run,
+            )
+            .unwrap()
+        };
+        install(true);
         assert!(!spec.exists() && !spec.parent().unwrap().exists());
         assert_eq!(std::fs::read_to_string(&daemon_json).unwrap(), "{}\n");
         // Without it, both are written.
-        cdi(
-            &cfg,
-            &spec,
-            Some(&docker::Docker),
-            Some(daemon_json.clone()),
-            false,
-        )
-        .unwrap();
+        install(false);
         assert!(spec.is_file());
         assert!(std::fs::read_to_string(&daemon_json)
             .unwrap()

@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::{Arg, ArgAction, ArgMatches};
 
-use super::super::{config_path, file, print_lines, undo, Install, Registration};
+use super::super::{
+    already_registered, config_path, file, print_lines, undo, Install, Registration,
+};
 use super::NriRequired;
 use crate::config::Config;
 
@@ -143,11 +145,10 @@ pub(in crate::ops::install) fn write_hook_only(
     let hook_only = Registration::HookOnly(spec_path.clone());
     let edited = super::edit(path, &text, &args.name, &hook_only, version)?;
     if !spec_changed && edited.text.is_none() {
-        println!(
-            "{} already registers runtime {} hook-only with {}; nothing to do",
-            path.display(),
-            args.name,
-            spec_path.display()
+        already_registered(
+            path,
+            &args.name,
+            &format!("hook-only with {}", spec_path.display()),
         );
         return Ok(());
     }

@@ -80,16 +80,11 @@ pub(crate) fn require_nri(
     required: NriRequired,
     name: &str,
 ) -> Result<Edited, InstallError> {
-    let (mut doc, empty, _) = parse_versioned(path, text, default_version, "1.7")?;
-    let version = version_of(&doc, empty, default_version).unwrap_or(1);
-    if version < 3 {
-        return Err(InstallError::Unsupported {
-            path: path.to_owned(),
-            message: format!(
-                "--nri-required needs containerd 2.2 or later (config version 3), this file is version {version}: NRI's default validator, which refuses the containers, came with containerd 2.2"
-            ),
-        });
-    }
+    let (mut doc, empty) = version_3(path, text, default_version, |version| {
+        format!(
+            "--nri-required needs containerd 2.2 or later (config version 3), this file is version {version}: NRI's default validator, which refuses the containers, came with containerd 2.2"
+        )
+    })?;
     let before = doc.to_string();
     let nri = cri_table(path, &mut doc, NRI_PLUGIN)?;
     let validator = table(nri, VALIDATOR)
@@ -193,13 +188,7 @@ pub(super) const WRAPPER_MARK: &str = "# gpushare's NRI plugin, launched by cont
 /// `[plugins."io.containerd.nri.v1.nri"]`, else NRI's default (also for a file that is
 /// not TOML: the caller's edit refuses that one with its reason).
 pub(crate) fn nri_plugin_dir(text: &str) -> PathBuf {
-    toml::from_str::<toml::Table>(text)
-        .ok()
-        .and_then(|doc| {
-            let dir = doc.get("plugins")?.get(NRI_PLUGIN)?.get("plugin_path")?;
-            dir.as_str().filter(|d| !d.is_empty()).map(PathBuf::from)
-        })
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_NRI_PLUGIN_PATH))
+    nri_path(text, "plugin_path").unwrap_or_else(|| PathBuf::from(DEFAULT_NRI_PLUGIN_PATH))
 }
 
 /// Refuses to register a launched plugin with a config of version 2 (containerd 1.x):
@@ -210,29 +199,45 @@ pub(crate) fn check_nri_launch(
     text: &str,
     default_version: i64,
 ) -> Result<(), InstallError> {
+    version_3(path, text, default_version, |version| {
+        format!(
+            "--nri-launch needs containerd 2.x (config version 3), this file is version {version}: containerd 1.7 stops its CRI plugin when a plugin it launched fails to register; run `gpushare nri` as a service instead (containerd 2.x: `containerd config migrate` first)"
+        )
+    })?;
+    Ok(())
+}
+
+/// The config, parsed, and whether the file was empty, when it is of version 3
+/// (containerd 2.x); refused otherwise, with `needs(version)` saying what needs it.
+fn version_3(
+    path: &Path,
+    text: &str,
+    default_version: i64,
+    needs: impl FnOnce(i64) -> String,
+) -> Result<(DocumentMut, bool), InstallError> {
     let (doc, empty, _) = parse_versioned(path, text, default_version, "1.7")?;
     let version = version_of(&doc, empty, default_version).unwrap_or(1);
     if version < 3 {
         return Err(InstallError::Unsupported {
             path: path.to_owned(),
-            message: format!(
-                "--nri-launch needs containerd 2.x (config version 3), this file is version {version}: containerd 1.7 stops its CRI plugin when a plugin it launched fails to register; run `gpushare nri` as a service instead (containerd 2.x: `containerd config migrate` first)"
-            ),
+            message: needs(version),
         });
     }
-    Ok(())
+    Ok((doc, empty))
 }
 
 /// The socket a containerd config's NRI listens on (`socket_path`), NRI's default where
 /// it sets none.
 pub(crate) fn nri_socket(text: &str) -> PathBuf {
-    toml::from_str::<toml::Table>(text)
-        .ok()
-        .and_then(|doc| {
-            let sock = doc.get("plugins")?.get(NRI_PLUGIN)?.get("socket_path")?;
-            sock.as_str().filter(|s| !s.is_empty()).map(PathBuf::from)
-        })
-        .unwrap_or_else(|| PathBuf::from(crate::nri::DEFAULT_SOCKET))
+    nri_path(text, "socket_path").unwrap_or_else(|| PathBuf::from(crate::nri::DEFAULT_SOCKET))
+}
+
+/// The path `key` of `[plugins."io.containerd.nri.v1.nri"]` sets, if it sets one (not
+/// empty) and the file is TOML.
+fn nri_path(text: &str, key: &str) -> Option<PathBuf> {
+    let doc = toml::from_str::<toml::Table>(text).ok()?;
+    let path = doc.get("plugins")?.get(NRI_PLUGIN)?.get(key)?;
+    path.as_str().filter(|p| !p.is_empty()).map(PathBuf::from)
 }
 
 /// The launched plugin: a shell script that execs `gpushare nri --socket <socket>` (so

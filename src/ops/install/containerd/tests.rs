@@ -371,11 +371,10 @@ fn cri_disabled_and_socket_read_what_decides_where_containerd_serves() {
     assert_eq!(socket("[grpc\n"), None);
 }
 
-#[test]
-fn hook_only_registers_plain_runc_with_the_base_spec_and_back() {
-    let out = hook_only(V2);
-    assert!(out.starts_with(V2.trim_end()), "{out}");
-    let v: toml::Table = toml::from_str(&out).unwrap();
+/// The runtime `gpushare` of a version 2 config: a runc v2 runtime whose pod
+/// annotations are exactly the request keys, whichever way it runs gpushare.
+fn v2_runtime(text: &str) -> toml::Value {
+    let v: toml::Table = toml::from_str(text).unwrap();
     let rt = &v["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["gpushare"];
     assert_eq!(rt["runtime_type"].as_str(), Some("io.containerd.runc.v2"));
     assert_eq!(
@@ -383,6 +382,14 @@ fn hook_only_registers_plain_runc_with_the_base_spec_and_back() {
         request_keys(),
         "exactly the request keys"
     );
+    rt.clone()
+}
+
+#[test]
+fn hook_only_registers_plain_runc_with_the_base_spec_and_back() {
+    let out = hook_only(V2);
+    assert!(out.starts_with(V2.trim_end()), "{out}");
+    let rt = &v2_runtime(&out);
     assert_eq!(rt["base_runtime_spec"].as_str(), Some(BASE));
     assert_eq!(rt["options"].get("BinaryName"), None, "no shim");
     assert_eq!(rt["options"]["SystemdCgroup"].as_bool(), Some(true));
@@ -458,14 +465,7 @@ fn version_2_keeps_the_file_and_adds_the_runtime() {
         "the original text is kept:\n{out}"
     );
     assert!(out.contains("# keep this comment"));
-    let v: toml::Table = toml::from_str(&out).unwrap();
-    let rt = &v["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["gpushare"];
-    assert_eq!(rt["runtime_type"].as_str(), Some("io.containerd.runc.v2"));
-    assert_eq!(
-        rt["pod_annotations"],
-        request_keys(),
-        "exactly the request keys"
-    );
+    let rt = &v2_runtime(&out);
     assert_eq!(
         rt["container_annotations"][0].as_str(),
         Some("cdi.k8s.io/*")
