@@ -2067,7 +2067,9 @@ fn nri_plugin_serves_v3_containers_each_in_its_own_namespace() {
     let Some(bin) = containerd23_bin() else {
         return;
     };
-    let env = Env::with_config("protocol = \"v3\"\nidle-timeout = \"0\"");
+    // No check of the namespaces in between: the removal itself deletes the namespace.
+    let env =
+        Env::with_config("protocol = \"v3\"\nidle-timeout = \"0\"\nlimit-check-interval = \"60s\"");
     let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri);
     let mut plugin = Plugin::start(&env, &node);
     let mut served = Vec::new();
