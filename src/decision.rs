@@ -633,6 +633,79 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_namespace_read_back_is_checked() {
+        use crate::identity::test_limits;
+        let v3 = Identity {
+            uid: 0,
+            gid: 0,
+            multi_user: true,
+            limits: Default::default(),
+            v3: true,
+            ..ident()
+        };
+        let ns = Namespace::of_container("c1", test_limits(Some(25), Some(1 << 30)));
+        let with = |i: &Identity, ns: Option<&Namespace>| {
+            let d = Decision {
+                identity: i.clone(),
+                host_user: (1000, 1000),
+                namespace: ns.cloned(),
+            };
+            d.to_annotations()
+                .unwrap()
+                .into_iter()
+                .collect::<HashMap<_, _>>()
+        };
+        let read = |a: &HashMap<String, String>, i: &Identity, cid: &str| {
+            namespace_from_annotations(a, &identity_from_annotations(a).unwrap(), cid)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            identity_from_annotations(&with(&v3, Some(&ns))).unwrap(),
+            v3
+        );
+        assert_eq!(read(&with(&v3, Some(&ns)), &v3, "c1"), Ok(Some(ns.clone())));
+        assert_eq!(read(&with(&ident(), None), &ident(), "c1"), Ok(None));
+        // Another container's namespace, none on a v3 daemon, one on a legacy daemon.
+        assert!(read(&with(&v3, Some(&ns)), &v3, "c2")
+            .unwrap_err()
+            .contains("invalid namespace"));
+        assert!(read(&with(&v3, None), &v3, "c1")
+            .unwrap_err()
+            .contains("is missing"));
+        assert!(read(&with(&ident(), Some(&ns)), &ident(), "c1")
+            .unwrap_err()
+            .contains("only for a v3"));
+        // Limits out of their rows' ranges.
+        let wide = Namespace {
+            limits: test_limits(Some(101), None),
+            ..ns.clone()
+        };
+        assert!(read(&with(&v3, Some(&wide)), &v3, "c1")
+            .unwrap_err()
+            .contains("invalid namespace"));
+        // A v3 identity is root's, multi-user, limitless, of whole GPUs.
+        for bad in [
+            Identity {
+                limits: test_limits(Some(50), None),
+                ..v3.clone()
+            },
+            Identity {
+                multi_user: false,
+                ..v3.clone()
+            },
+            Identity {
+                tenant: Some(Tenant::NoNamespace),
+                ..v3.clone()
+            },
+        ] {
+            let err = identity_from_annotations(&with(&bad, Some(&ns)))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("invalid identity"), "{bad:?}: {err}");
+        }
+    }
+
     /// The messages are the hook's one line on a refused create: pinned, as the hook wrote
     /// them before they had a home here.
     #[test]
