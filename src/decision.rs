@@ -656,7 +656,7 @@ mod tests {
                 .into_iter()
                 .collect::<HashMap<_, _>>()
         };
-        let read = |a: &HashMap<String, String>, i: &Identity, cid: &str| {
+        let read = |a: &HashMap<String, String>, cid: &str| {
             namespace_from_annotations(a, &identity_from_annotations(a).unwrap(), cid)
                 .map_err(|e| e.to_string())
         };
@@ -664,16 +664,16 @@ mod tests {
             identity_from_annotations(&with(&v3, Some(&ns))).unwrap(),
             v3
         );
-        assert_eq!(read(&with(&v3, Some(&ns)), &v3, "c1"), Ok(Some(ns.clone())));
-        assert_eq!(read(&with(&ident(), None), &ident(), "c1"), Ok(None));
+        assert_eq!(read(&with(&v3, Some(&ns)), "c1"), Ok(Some(ns.clone())));
+        assert_eq!(read(&with(&ident(), None), "c1"), Ok(None));
         // Another container's namespace, none on a v3 daemon, one on a legacy daemon.
-        assert!(read(&with(&v3, Some(&ns)), &v3, "c2")
+        assert!(read(&with(&v3, Some(&ns)), "c2")
             .unwrap_err()
             .contains("invalid namespace"));
-        assert!(read(&with(&v3, None), &v3, "c1")
+        assert!(read(&with(&v3, None), "c1")
             .unwrap_err()
             .contains("is missing"));
-        assert!(read(&with(&ident(), Some(&ns)), &ident(), "c1")
+        assert!(read(&with(&ident(), Some(&ns)), "c1")
             .unwrap_err()
             .contains("only for a v3"));
         // Limits out of their rows' ranges.
@@ -681,7 +681,7 @@ mod tests {
             limits: test_limits(Some(101), None),
             ..ns.clone()
         };
-        assert!(read(&with(&v3, Some(&wide)), &v3, "c1")
+        assert!(read(&with(&v3, Some(&wide)), "c1")
             .unwrap_err()
             .contains("invalid namespace"));
         // A v3 identity is root's, multi-user, limitless, of whole GPUs.

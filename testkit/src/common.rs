@@ -129,6 +129,33 @@ pub fn umount_below(dir: &Path) {
     }
 }
 
+/// The pid and `/proc` directory of every process but this one.
+pub fn other_processes() -> Vec<(i32, PathBuf)> {
+    let me = std::process::id() as i32;
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_str()?.parse::<i32>().ok()?;
+            (pid != me).then(|| (pid, e.path()))
+        })
+        .collect()
+}
+
+/// Asserts that the command succeeded and that its output (stdout, then stderr) contains
+/// `want`.
+pub fn assert_succeeded_saying(out: &Output, want: &str) {
+    assert!(out.status.success(), "{}", text(out));
+    assert!(text(out).contains(want), "{}", text(out));
+}
+
+/// Asserts that `line` names every one of `parts`.
+pub fn assert_names(line: &str, parts: &[&str]) {
+    let missing: Vec<&&str> = parts.iter().filter(|p| !line.contains(**p)).collect();
+    assert!(missing.is_empty(), "{line:?} does not name {missing:?}");
+}
+
 /// A command's stdout then stderr, as text.
 pub fn text(o: &Output) -> String {
     format!(

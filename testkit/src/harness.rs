@@ -476,16 +476,26 @@ impl Env {
         }
     }
 
+    /// Container `id` of user `uid` that asks for `device` (the request annotation
+    /// `gpushare.io/device`).
+    pub fn request(&self, id: &str, uid: u32, device: &str) -> ContainerBuilder<'_> {
+        self.container(id).uid(uid).device(device)
+    }
+
+    /// Container `id` of user `uid` on GPU 0 at `percentage` % of its threads
+    /// (`gpushare.io/active-thread-percentage`), running the simulator's client; created.
+    pub fn client(&self, id: &str, uid: u32, percentage: &str) -> Container<'_> {
+        self.request(id, uid, "0")
+            .annotation("gpushare.io/active-thread-percentage", percentage)
+            .sh(crate::node::CLIENT)
+            .create()
+    }
+
     /// Two users' containers on GPU 0, both created (not started): `names[0]` of UID 1000
     /// and `names[1]` of UID 2000, each running `script`.
     pub fn two_users(&self, names: [&str; 2], script: &str) -> [Container<'_>; 2] {
-        [(names[0], 1000), (names[1], 2000)].map(|(name, uid)| {
-            self.container(name)
-                .uid(uid)
-                .device("0")
-                .sh(script)
-                .create()
-        })
+        [(names[0], 1000), (names[1], 2000)]
+            .map(|(name, uid)| self.request(name, uid, "0").sh(script).create())
     }
 
     pub fn daemon_ids(&self) -> Vec<String> {
@@ -520,6 +530,29 @@ impl Env {
             .expect("daemon pid in record") as i32
     }
 
+    /// Whether daemon `id`'s record says, within `limit`, that it is ready again with
+    /// another daemon process than `killed` (its supervisor restarted it).
+    pub fn daemon_restarted(&self, id: &str, killed: i32, limit: Duration) -> bool {
+        wait_until(limit, || {
+            let rec = self.record(id);
+            rec["status"] == "ready"
+                && rec["daemon"]["pid"]
+                    .as_i64()
+                    .is_some_and(|p| p as i32 != killed)
+        })
+    }
+
+    /// SIGKILLs daemon `id`'s daemon process; its pid.
+    pub fn kill_daemon(&self, id: &str) -> i32 {
+        let pid = self.daemon_pid(id);
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+        pid
+    }
+
     pub fn control_log(&self, id: &str) -> String {
         std::fs::read_to_string(self.state.join("mps").join(id).join("log/control.log"))
             .unwrap_or_default()
@@ -527,6 +560,83 @@ impl Env {
 
     pub fn gpushare_log(&self) -> String {
         std::fs::read_to_string(self.path().join("gpushare.log")).unwrap_or_default()
+    }
+
+    /// `gpushare <args>` (the binary under test) with this env's config, run to its end.
+    pub fn gpushare(&self, args: &[&str]) -> Output {
+        self.cmd(gpushare()).args(args).output().unwrap()
+    }
+
+    /// `gpushare daemon start` of a daemon for user `uid` on `device` at `percentage` %
+    /// of its threads, run to its end.
+    pub fn start_daemon(&self, device: &str, uid: &str, percentage: &str) -> Output {
+        self.gpushare(&[
+            "daemon",
+            "start",
+            "--device",
+            device,
+            "--uid",
+            uid,
+            "--active-thread-percentage",
+            percentage,
+        ])
+    }
+
+    /// Whether, within `limit`, `status` lists no container on any daemon (every client
+    /// container released).
+    pub fn no_container_listed(&self, limit: Duration) -> bool {
+        wait_until(limit, || {
+            self.status()
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|d| d["containers"].as_array().unwrap().is_empty())
+        })
+    }
+
+    /// `gpushare <args>` with `stdin` written to its standard input (a hook's state), run
+    /// to its end.
+    pub fn gpushare_with_stdin(&self, args: &[&str], stdin: &[u8]) -> Output {
+        let mut child = self
+            .cmd(gpushare())
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), stdin).unwrap();
+        child.wait_with_output().unwrap()
+    }
+
+    /// The standard output of `gpushare status <args>`, which must succeed.
+    pub fn status_text(&self, args: &[&str]) -> String {
+        let out = self.gpushare(&[&["status"], args].concat());
+        assert!(out.status.success(), "{}", text(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// `gpushare <args>` started with no stdin, stdout or stderr (`watch`, a daemon).
+    pub fn spawn_gpushare(&self, args: &[&str]) -> std::process::Child {
+        self.cmd(gpushare())
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    }
+
+    /// Daemon `id`'s entry in [`Env::status`]; `Null` where it lists no such daemon.
+    pub fn status_of(&self, id: &str) -> Value {
+        let status = self.status();
+        status
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|d| d["id"] == id)
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// `gpushare status --json`.
@@ -687,13 +797,7 @@ impl<'a> ContainerBuilder<'a> {
     /// Bundle + `gpushare-runtime create`; panics with the runtime's error if it fails.
     pub fn create(self) -> Container<'a> {
         let c = self.bundle();
-        let out = c.try_create();
-        assert!(
-            out.status.success(),
-            "create {} failed: {}",
-            c.id,
-            c.last_error()
-        );
+        c.must_create();
         c
     }
 }
@@ -725,12 +829,17 @@ impl Container<'_> {
 
     /// `gpushare-runtime create`; the container's stdio goes to files in the bundle.
     pub fn try_create(&self) -> Output {
+        self.try_create_with(runtime())
+    }
+
+    /// [`Container::try_create`] through `runtime` (another copy of the shim).
+    pub fn try_create_with(&self, runtime: &str) -> Output {
         self.env.containers.lock().unwrap().push(self.id.clone());
         let stdout = std::fs::File::create(self.bundle.join("stdout")).unwrap();
         let stderr = std::fs::File::create(self.bundle.join("stderr")).unwrap();
         let status = self
             .env
-            .cmd(runtime())
+            .cmd(runtime)
             .arg("--root")
             .arg(&self.env.runc_root)
             .arg("--log")
@@ -748,6 +857,43 @@ impl Container<'_> {
             stdout: self.stdout().into_bytes(),
             stderr: std::fs::read(self.bundle.join("stderr")).unwrap_or_default(),
         }
+    }
+
+    /// `create`, which must succeed.
+    pub fn must_create(&self) {
+        let out = self.try_create();
+        assert!(
+            out.status.success(),
+            "create {} failed: {}",
+            self.id,
+            self.last_error()
+        );
+    }
+
+    /// `create`, which must be refused (exit 1); the error line it logged.
+    pub fn refuse(&self) -> String {
+        let out = self.try_create();
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "create {}: {}",
+            self.id,
+            text(&out)
+        );
+        self.last_error()
+    }
+
+    /// [`Container::refuse`], with config.json left byte for byte as it was.
+    pub fn refuse_untouched(&self) -> String {
+        let before = self.config_bytes();
+        let line = self.refuse();
+        assert_eq!(
+            self.config_bytes(),
+            before,
+            "config.json of {} untouched",
+            self.id
+        );
+        line
     }
 
     /// The last error line the runtime wrote to runc's log.
@@ -801,6 +947,23 @@ impl Container<'_> {
         self.start();
         self.wait();
         self.stdout()
+    }
+
+    /// Starts the container and waits (10 s) until its simulator client is attached (its
+    /// line is printed).
+    pub fn start_attached(&self) {
+        self.start();
+        assert!(
+            self.wait_stdout("mps-client", Duration::from_secs(10)),
+            "{} attached: {}",
+            self.id,
+            self.stderr()
+        );
+    }
+
+    /// Whether the container's stdout contains `want` within `limit`.
+    pub fn wait_stdout(&self, want: &str, limit: Duration) -> bool {
+        wait_until(limit, || self.stdout().contains(want))
     }
 
     pub fn stdout(&self) -> String {
@@ -1065,6 +1228,13 @@ pub fn pipe_mounts(mountinfo: &str) -> usize {
 /// Parses the simulator client's line `mps-client pid=… server=… waited_ms=… …`.
 pub fn client_line(stdout: &str) -> BTreeMap<String, String> {
     parse_client_line(stdout).unwrap_or_else(|| panic!("no mps-client line in output:\n{stdout}"))
+}
+
+/// The active thread percentage a client's line reports.
+pub fn percentage(line: &BTreeMap<String, String>) -> f64 {
+    line["active_thread_percentage"]
+        .parse()
+        .unwrap_or_else(|_| panic!("no active_thread_percentage in {line:?}"))
 }
 
 /// Device number of a path (to tell which filesystem a directory is).

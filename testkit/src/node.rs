@@ -31,6 +31,9 @@ pub const HANDLER: &str = "gpushare";
 pub const PAUSE: &str = "gpushare.test/pause:1";
 pub const IMAGE: &str = "gpushare.test/sim:1";
 pub const CLIENT: &str = "gpushare-mps-sim client";
+/// A container's script that prints its pipe directory (`PIPE=unset` where it has none),
+/// then runs on.
+pub const PRINT_PIPE: &str = "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset}; exec sleep 3600";
 
 /// A private containerd's own keys: root, state, socket, opt dir under `dir`; nothing for
 /// the CRI plugin (its built-in defaults).
@@ -269,6 +272,18 @@ pub struct PodSpec<'a> {
     pub userns: Option<(u32, u32)>,
 }
 
+impl<'a> PodSpec<'a> {
+    /// Pod `name` of user `uid` (its `runAsUser`), annotated `annotations`.
+    pub fn user(name: &'a str, uid: i64, annotations: &'a [(&'a str, &'a str)]) -> Self {
+        PodSpec {
+            name,
+            annotations,
+            run_as_user: Some(uid),
+            ..Default::default()
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct Pod {
     pub id: String,
@@ -291,6 +306,36 @@ pub struct ContainerSpec<'a> {
     pub annotations: &'a [(&'a str, &'a str)],
     /// CRI `CDI_devices` (a device plugin's `CDIDevices`, a DRA driver's).
     pub cdi_devices: &'a [&'a str],
+}
+
+impl<'a> ContainerSpec<'a> {
+    /// Container `name` running `script` as user `uid` (as kubelet copies the pod's
+    /// `runAsUser`).
+    pub fn user(name: &'a str, uid: i64, script: &'a str) -> Self {
+        ContainerSpec {
+            name,
+            script,
+            run_as_user: Some(uid),
+            ..Default::default()
+        }
+    }
+}
+
+/// How a pod reaches gpushare on a node: by gpushare's runtime class (the shim serves
+/// it), or on containerd's default runtime, where only the NRI plugin can serve it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EntryPath {
+    RuntimeClass,
+    Nri,
+}
+
+/// One user's pod of [`Node::two_users_pods`]: the pod, its container, the container's
+/// id and its client's line.
+pub struct UserPod<'a> {
+    pub pod: Pod,
+    pub container: ContainerSpec<'a>,
+    pub id: String,
+    pub line: std::collections::BTreeMap<String, String>,
 }
 
 /// A private containerd with the CRI plugin, in its own mount namespace.
@@ -665,6 +710,68 @@ impl<'e> Node<'e> {
             .unwrap_or_else(|e| panic!("RunPodSandbox {}: {e}\n{}", spec.name, self.log_text()))
     }
 
+    /// A pod through `path`: [`Node::pod`] or [`Node::plain_pod`].
+    pub fn pod_through(&mut self, path: EntryPath, spec: &PodSpec) -> Pod {
+        match path {
+            EntryPath::RuntimeClass => self.pod(spec),
+            EntryPath::Nri => self.plain_pod(spec),
+        }
+    }
+
+    /// Pod `name` of user `uid` annotated `annotations` through `path`, with a container
+    /// `cuda` running `script` (a simulator client's) as that user: run, and its client's
+    /// line read.
+    pub fn user_pod<'a>(
+        &mut self,
+        path: EntryPath,
+        name: &str,
+        uid: i64,
+        annotations: &[(&str, &str)],
+        script: &'a str,
+    ) -> UserPod<'a> {
+        let pod = self.pod_through(path, &PodSpec::user(name, uid, annotations));
+        let container = ContainerSpec::user("cuda", uid, script);
+        let id = self.run(&pod, &container);
+        let line = self.client_line(&pod, &container);
+        UserPod {
+            pod,
+            container,
+            id,
+            line,
+        }
+    }
+
+    /// The two-user pod setup: alice (UID 1000), then bob (UID 2000), each a pod annotated
+    /// `annotations` through `path` with a container `cuda` running `script` as its user,
+    /// run and its client's line read; alice's client still runs when bob's starts where
+    /// `script` holds it. Both clients are served by their own user's server, bob's at
+    /// once (it waited for no other server), each on a daemon of its own.
+    pub fn two_users_pods<'a>(
+        &mut self,
+        path: EntryPath,
+        annotations: &[(&str, &str)],
+        script: &'a str,
+    ) -> [UserPod<'a>; 2] {
+        let served = [("alice", 1000), ("bob", 2000)].map(|(name, uid)| {
+            let served = self.user_pod(path, name, uid, annotations, script);
+            let line = &served.line;
+            assert_eq!(line["server_uid"], uid.to_string(), "{name}: {line:?}");
+            assert!(
+                line["waited_ms"].parse::<u64>().unwrap() < 1000,
+                "{name} waited for another's server: {line:?}"
+            );
+            served
+        });
+        let [alice, bob] = &served;
+        assert_ne!(alice.line["server"], bob.line["server"]);
+        let (da, db) = (self.daemon_of(&alice.id), self.daemon_of(&bob.id));
+        assert!(
+            da.is_some() && db.is_some() && da != db,
+            "each user has a daemon of its own: {da:?} {db:?}"
+        );
+        served
+    }
+
     pub fn create(&self, pod: &Pod, c: &ContainerSpec) -> Result<String, Status> {
         let userns = pod
             .config
@@ -794,6 +901,16 @@ impl<'e> Node<'e> {
             .filter_map(|l| l.splitn(4, ' ').nth(3))
             .map(|l| format!("{l}\n"))
             .collect()
+    }
+
+    /// Waits (20 s) until the container's output contains `want`; the output.
+    pub fn wait_output(&self, pod: &Pod, c: &ContainerSpec, want: &str) -> String {
+        let seen = wait_until(Duration::from_secs(20), || {
+            self.output(pod, c).contains(want)
+        });
+        let out = self.output(pod, c);
+        assert!(seen, "no {want:?} from {}:\n{out}", c.name);
+        out
     }
 
     /// The container's output once it holds its mountinfo (the `/dev/shm` line), for a

@@ -226,9 +226,7 @@ impl Run {
         let ident = &self.ids[i];
         let c = self
             .env
-            .container(cid)
-            .uid(ident.uid)
-            .device(ident.device)
+            .request(cid, ident.uid, ident.device)
             .annotation("gpushare.io/active-thread-percentage", ident.percentage)
             .sh(script)
             .bundle();

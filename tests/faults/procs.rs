@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use gpushare::util::proc_start_time as start_time;
+use testkit::other_processes;
 
 /// What a process of the run is: the kill targets, by the part of gpushare they are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -100,16 +101,9 @@ pub fn ppid_state(pid: i32) -> Option<(i32, char)> {
 pub fn scan(config: &Path, state: &Path) -> Vec<Proc> {
     let want_cfg = format!("GPUSHARE_CONFIG={}", config.display());
     let mps = state.join("mps");
-    let me = std::process::id() as i32;
     let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
-            continue;
-        };
-        if pid == me {
-            continue;
-        }
-        let args = read_nul(&e.path().join("cmdline"));
+    for (pid, dir) in other_processes() {
+        let args = read_nul(&dir.join("cmdline"));
         let Some(argv0) = args.first() else { continue };
         let base = Path::new(argv0)
             .file_name()
@@ -121,7 +115,7 @@ pub fn scan(config: &Path, state: &Path) -> Vec<Proc> {
         ) {
             continue;
         }
-        let environ = read_nul(&e.path().join("environ"));
+        let environ = read_nul(&dir.join("environ"));
         let ours = environ.contains(&want_cfg);
         let pipe = environ
             .iter()
@@ -169,7 +163,7 @@ pub fn scan(config: &Path, state: &Path) -> Vec<Proc> {
             ppid,
             kind,
             daemon,
-            cwd: std::fs::read_link(e.path().join("cwd")).ok(),
+            cwd: std::fs::read_link(dir.join("cwd")).ok(),
             args,
         });
     }

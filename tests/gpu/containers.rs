@@ -565,16 +565,7 @@ fn sections(t: &mut Tier, ct: &Ct) {
     println!("-- nvidia-smi compute apps");
     print!(
         "{}",
-        proc::run(
-            Command::new("nvidia-smi").args([
-                "--query-compute-apps=pid,process_name,used_memory",
-                "--format=csv,noheader"
-            ]),
-            None,
-            Duration::from_secs(30),
-            Duration::from_secs(5)
-        )
-        .out
+        proc::nvidia_smi("--query-compute-apps=pid,process_name,used_memory").out
     );
     for c in ["ct-alice", "ct-bob"] {
         if !ct.wait_stopped(c, hold as u64 + 180) {
@@ -1303,15 +1294,7 @@ pub fn r4_watch(t: &mut Tier, hold: f64, labels: &mut Vec<String>) {
     crate::tier::pause(Duration::from_secs(3));
     let r = read();
     let status = ct.gpushare(&["status", "--json"]);
-    let smi = proc::run(
-        Command::new("nvidia-smi").args([
-            "--query-compute-apps=pid,used_memory",
-            "--format=csv,noheader",
-        ]),
-        None,
-        Duration::from_secs(30),
-        Duration::from_secs(5),
-    );
+    let smi = proc::nvidia_smi("--query-compute-apps=pid,used_memory");
     let st: Value = serde_json::from_str(&status.out).unwrap_or(Value::Null);
     t.record(json!({"event": "r4_watch", "report": r, "status": st, "nvidia_smi": smi.out}));
     let procs: Vec<String> = r["processes"]

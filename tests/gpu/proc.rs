@@ -115,6 +115,16 @@ fn wait_unreaped(child: &Child) {
 }
 
 /// Runs `cmd` to its end or its deadline; stdin gets `input` (then EOF) or /dev/null.
+/// `nvidia-smi <query> --format=csv,noheader` (30 s at the most).
+pub fn nvidia_smi(query: &str) -> Ran {
+    run(
+        Command::new("nvidia-smi").args([query, "--format=csv,noheader"]),
+        None,
+        Duration::from_secs(30),
+        Duration::from_secs(5),
+    )
+}
+
 pub fn run(cmd: &mut Command, input: Option<&str>, limit: Duration, grace: Duration) -> Ran {
     let program = cmd.get_program().to_string_lossy().into_owned();
     let file = match tempfile::tempfile() {

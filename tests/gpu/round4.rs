@@ -203,18 +203,14 @@ fn daemon(t: &mut Tier, s: &mut Scope, what: &str, args: &[&str]) -> Option<Daem
 /// `alloc --hold`, or the simulator's `client --gpu --alloc` (which the fake NVML lists).
 fn alloc_cmd(t: &Tier, bytes: u64, hold: f64) -> Vec<OsString> {
     if t.simulate {
-        vec![
-            t.control.clone().into(),
-            "client".into(),
-            "--hold".into(),
-            format!("{hold}").into(),
-            "--timeout".into(),
-            "60".into(),
+        let mut cmd = t.client_cmd(hold);
+        cmd.extend([
             "--gpu".into(),
             t.gpu.uuid.clone().into(),
             "--alloc".into(),
             format!("{}G", bytes / G).into(),
-        ]
+        ]);
+        cmd
     } else {
         t.workload_cmd(&[
             "alloc",
@@ -277,15 +273,7 @@ fn smi_apps(t: &Tier) -> String {
     if t.simulate {
         return "(simulated: no nvidia-smi)".into();
     }
-    let r = proc::run(
-        Command::new("nvidia-smi").args([
-            "--query-compute-apps=pid,used_memory",
-            "--format=csv,noheader",
-        ]),
-        None,
-        Duration::from_secs(30),
-        Duration::from_secs(5),
-    );
+    let r = proc::nvidia_smi("--query-compute-apps=pid,used_memory");
     r.out.trim().lines().collect::<Vec<_>>().join("; ")
 }
 

@@ -237,15 +237,7 @@ fn shm_entries() -> BTreeSet<String> {
 /// `nvidia-smi --query-gpu=index,uuid,compute_mode,mig.mode.current`: the GPU state that
 /// must be the same after the run.
 pub fn gpu_state() -> String {
-    let r = proc::run(
-        Command::new("nvidia-smi").args([
-            "--query-gpu=index,uuid,compute_mode,mig.mode.current",
-            "--format=csv,noheader",
-        ]),
-        None,
-        Duration::from_secs(30),
-        Duration::from_secs(5),
-    );
+    let r = proc::nvidia_smi("--query-gpu=index,uuid,compute_mode,mig.mode.current");
     r.out.trim_end().to_owned()
 }
 

@@ -349,23 +349,7 @@ fn containerd_shim_adopts_no_supervisor() {
     let agent = env.start_agent();
     let c = Containerd::start(&env, &ns, &dir);
     let own_rootfs = c.rootfs();
-    let out = c.ctr(
-        &ns,
-        &[
-            "run",
-            "--rm",
-            "--rootfs",
-            "--runc-binary",
-            runtime(),
-            "--annotation",
-            "gpushare.io/device=0",
-            "--env",
-            "PATH=/usr/bin:/bin",
-            own_rootfs.to_str().unwrap(),
-            "ctr-agent",
-            "true",
-        ],
-    );
+    let out = c.run_request(&ns, &["--rm"], &own_rootfs, "ctr-agent", &["true"]);
     assert!(out.status.success(), "{}", text(&out));
     let sock = dir.join("c.sock");
     let shims = || {

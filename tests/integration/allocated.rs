@@ -5,7 +5,7 @@
 
 use serde_json::{json, Value};
 
-use crate::tenant_mounts::{hook_only_create, RuncDelete};
+use crate::tenant_mounts::{must_hook_only_create, RuncDelete};
 use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
@@ -245,12 +245,7 @@ fn each_strategy_brings_its_gpu_and_mig_device_to_their_daemon() {
             wanted.push((format!("mig{n}"), mig.to_string(), *mig_uuid));
         }
         for (id, alloc, uuid) in wanted {
-            let c = env
-                .container(&id)
-                .uid(1000)
-                .device("allocated")
-                .sh(CLIENT)
-                .bundle();
+            let c = env.request(&id, 1000, "allocated").sh(CLIENT).bundle();
             edit(&c, |v| allocate(v, *strategy, &alloc));
             let out = c.try_create();
             assert!(
@@ -282,9 +277,7 @@ fn each_strategy_brings_its_gpu_and_mig_device_to_their_daemon() {
     // to MIG device 1:1: it reaches that MIG device's daemon, the one the volume-mounts
     // container above started.
     let c = env
-        .container("mig-nodes")
-        .uid(1000)
-        .device("allocated")
+        .request("mig-nodes", 1000, "allocated")
         .sh(CLIENT)
         .bundle();
     let (gi, ci) = mig_caps_minors(1);
@@ -306,11 +299,7 @@ fn each_strategy_brings_its_gpu_and_mig_device_to_their_daemon() {
 
     // Two MIG devices by their nodes: refused as a list of them is, config.json untouched,
     // no daemon.
-    let c = env
-        .container("migs-nodes")
-        .uid(1000)
-        .device("allocated")
-        .bundle();
+    let c = env.request("migs-nodes", 1000, "allocated").bundle();
     edit(&c, |v| {
         allocate(v, Strategy::DeviceNodes, &GPU1_MINOR.to_string());
         for index in [0, 2] {
@@ -321,9 +310,8 @@ fn each_strategy_brings_its_gpu_and_mig_device_to_their_daemon() {
     });
     let before = c.config_bytes();
     let daemons = env.daemon_ids();
-    assert_eq!(c.try_create().status.code(), Some(1));
     assert_eq!(
-        c.last_error(),
+        c.refuse(),
         format!("gpushare: gpushare.io/device=\"allocated\" takes the devices allocated to the container: linux.devices=\"/dev/nvidia{GPU1_MINOR},/dev/nvidia-caps/nvidia-cap12,/dev/nvidia-caps/nvid…\" is invalid: a MIG device must stand alone, not in a list")
     );
     assert_untouched(&c, &before, "migs-nodes");
@@ -335,15 +323,12 @@ fn no_allocation_is_refused_naming_what_was_looked_at() {
     let env = Env::new();
     // The image's own NVIDIA_VISIBLE_DEVICES=all is no allocation.
     let c = env
-        .container("none")
-        .uid(1000)
-        .device("allocated")
+        .request("none", 1000, "allocated")
         .env("NVIDIA_VISIBLE_DEVICES=all")
         .bundle();
     let before = c.config_bytes();
-    assert_eq!(c.try_create().status.code(), Some(1));
     assert_eq!(
-        c.last_error(),
+        c.refuse(),
         "gpushare: gpushare.io/device=\"allocated\" found no devices allocated to the container: no cdi.k8s.io/* annotation names an NVIDIA GPU, no mount from /dev/null is under /var/run/nvidia-container-devices/, and linux.devices holds no /dev/nvidia<N> (not read in a privileged container); NVIDIA_VISIBLE_DEVICES is not read on this node (accept-visible-devices-env = false); allowed is allocated in a container given GPUs by a device plugin or DRA driver, or devices named explicitly (0, GPU-<uuid>, MIG-<uuid>, 0:1)"
     );
     assert_untouched(&c, &before, "none");
@@ -368,7 +353,7 @@ fn the_allocators_own_mps_is_refused_and_nothing_is_touched() {
             "where the device plugin's sharing.mps puts its pipe directory",
         ),
     ] {
-        let c = env.container(id).uid(1000).device("allocated").bundle();
+        let c = env.request(id, 1000, "allocated").bundle();
         edit(&c, |v| {
             allocate(v, Strategy::VolumeMounts, GPU2);
             push_env(v, &format!("CUDA_MPS_PIPE_DIRECTORY={pipe_env}"));
@@ -476,9 +461,8 @@ fn a_pod_s_own_env_and_volumes_neither_make_nor_move_its_allocation() {
         push_env(v, &format!("NVIDIA_VISIBLE_DEVICES={GPU2}"));
     });
     let before = c.config_bytes();
-    assert_eq!(c.try_create().status.code(), Some(1));
     assert_eq!(
-        c.last_error(),
+        c.refuse(),
         format!("gpushare: default-device=\"allocated\" is refused: the sources of the container's allocation disagree (linux.devices=\"/dev/nvidia{GPU0_MINOR}\" names {GPU0}, but NVIDIA_VISIBLE_DEVICES=\"{GPU2}\" names {GPU2}), and gpushare never merges them; allowed is an allocation whose sources all name the same devices")
     );
     assert_untouched(&c, &before, "disagree");
@@ -550,12 +534,7 @@ fn hook_only_mode_skips_sandboxes_and_reads_allocations_the_same_way() {
         .annotation(CRIO_TYPE, "sandbox")
         .device("0")
         .bundle();
-    let out = hook_only_create(&env, &pause);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    must_hook_only_create(&env, &pause);
     assert_no_state(&env, "ho-pause");
 
     // A workload whose device plugin used cdi-annotations, as CRI-O passes them.
@@ -567,12 +546,7 @@ fn hook_only_mode_skips_sandboxes_and_reads_allocations_the_same_way() {
         .sh(CLIENT)
         .bundle();
     edit(&work, |v| allocate(v, Strategy::CdiAnnotations, "2"));
-    let out = hook_only_create(&env, &work);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    must_hook_only_create(&env, &work);
     assert_eq!(client_line(&work.run())["shm"], "ok");
     let ids = env.daemon_ids();
     assert_eq!(ids.len(), 1, "{ids:?}");
@@ -583,11 +557,7 @@ fn hook_only_mode_skips_sandboxes_and_reads_allocations_the_same_way() {
 #[test]
 fn daemon_start_refuses_allocated() {
     let env = Env::new();
-    let out = env
-        .cmd(gpushare())
-        .args(["daemon", "start", "--device", "allocated", "--uid", "1000"])
-        .output()
-        .unwrap();
+    let out = env.gpushare(&["daemon", "start", "--device", "allocated", "--uid", "1000"]);
     assert_eq!(out.status.code(), Some(1));
     assert_eq!(
         String::from_utf8_lossy(&out.stderr),

@@ -19,6 +19,15 @@ use testkit::*;
 
 const CLIENT: &str = "gpushare-mps-sim client";
 
+/// `gpushare doctor --cdi-spec /var/run/cdi/gpushare.json` in `ns`, with `env`'s config.
+fn doctor_cdi(env: &Env, ns: &PrivateMounts) -> std::process::Output {
+    ns.cmd(gpushare())
+        .args(["doctor", "--cdi-spec", "/var/run/cdi/gpushare.json"])
+        .env("GPUSHARE_CONFIG", &env.config)
+        .output()
+        .unwrap()
+}
+
 /// Podman `bin` (`None`: Debian 12's 4.3, else a fetched one with its own conmon and
 /// helpers named in a containers.conf of its own): a CDI device of gpushare's, alone or
 /// beside the hooks.d hook, is served once on the GPU it names, with its profile's limit;
@@ -44,18 +53,8 @@ fn podman_serves_a_cdi_device(bin: Option<PathBuf>) {
         .env("GPUSHARE_CONFIG", &env.config)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("to /var/run/cdi/gpushare.json"),
-        "{}",
-        text(&out)
-    );
-    let out = ns
-        .cmd(gpushare())
-        .args(["doctor", "--cdi-spec", "/var/run/cdi/gpushare.json"])
-        .env("GPUSHARE_CONFIG", &env.config)
-        .output()
-        .unwrap();
+    assert_succeeded_saying(&out, "to /var/run/cdi/gpushare.json");
+    let out = doctor_cdi(&env, ns);
     assert!(
         text(&out).contains("/var/run/cdi/gpushare.json is current: 20 devices of gpushare.io/gpu"),
         "{}",
@@ -167,24 +166,14 @@ fn podman_serves_a_cdi_device(bin: Option<PathBuf>) {
         &["--device", "gpushare.io/gpu=0-small"],
         "CDI device gpushare.io/gpu=0-small: profile small is not in this node's config",
     );
-    let out = ns
-        .cmd(gpushare())
-        .args(["doctor", "--cdi-spec", "/var/run/cdi/gpushare.json"])
-        .env("GPUSHARE_CONFIG", &env.config)
-        .output()
-        .unwrap();
+    let out = doctor_cdi(&env, ns);
     assert!(
         text(&out).contains("/var/run/cdi/gpushare.json is out of date with the inventory and config: devices no longer on this node: [0-small,"),
         "{}",
         text(&out)
     );
     // The poststop hooks released every container.
-    assert!(wait_until(Duration::from_secs(5), || env
-        .status()
-        .as_array()
-        .unwrap()
-        .iter()
-        .all(|d| d["containers"].as_array().unwrap().is_empty())));
+    assert!(env.no_container_listed(Duration::from_secs(5)));
 }
 
 #[test]
@@ -289,12 +278,7 @@ fn docker_serves_a_cdi_device(bin: PathBuf) {
         "{:?}",
         devices_served()
     );
-    assert!(wait_until(Duration::from_secs(10), || env
-        .status()
-        .as_array()
-        .unwrap()
-        .iter()
-        .all(|d| d["containers"].as_array().unwrap().is_empty())));
+    assert!(env.no_container_listed(Duration::from_secs(10)));
 }
 
 #[test]

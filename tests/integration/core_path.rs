@@ -13,9 +13,7 @@ const CLIENT: &str = "gpushare-mps-sim client";
 fn container_gets_pipe_dir_and_daemon_shm_and_daemon_runs_as_its_user() {
     let env = Env::new();
     let c = env
-        .container("c1")
-        .uid(1000)
-        .device("0")
+        .request("c1", 1000, "0")
         .sh(&format!(
             "echo PIPE=$CUDA_MPS_PIPE_DIRECTORY; ls $CUDA_MPS_PIPE_DIRECTORY; {CLIENT}"
         ))
@@ -188,12 +186,7 @@ fn sixteen_simultaneous_creates_start_exactly_one_daemon() {
             .map(|i| {
                 let env = &env;
                 s.spawn(move || {
-                    let c = env
-                        .container(&format!("p{i}"))
-                        .uid(1000)
-                        .device("0")
-                        .sh(CLIENT)
-                        .bundle();
+                    let c = env.request(&format!("p{i}"), 1000, "0").sh(CLIENT).bundle();
                     let out = c.try_create();
                     (c, out.status.success())
                 })
@@ -237,27 +230,16 @@ fn sixteen_simultaneous_creates_start_exactly_one_daemon() {
 fn each_limit_profile_gets_its_own_daemon_with_limits_before_its_first_client() {
     let env = Env::new();
     let low = env
-        .container("low")
-        .uid(1000)
-        .device("0")
+        .request("low", 1000, "0")
         .annotation("gpushare.io/active-thread-percentage", "25")
         .annotation("gpushare.io/pinned-memory-limit", "1G")
         .sh(CLIENT)
         .create();
-    let high = env
-        .container("high")
-        .uid(1000)
-        .device("0")
-        .annotation("gpushare.io/active-thread-percentage", "50")
-        .sh(CLIENT)
-        .create();
+    let high = env.client("high", 1000, "50");
     let (ll, lh) = (client_line(&low.run()), client_line(&high.run()));
-    let pct = |l: &std::collections::BTreeMap<String, String>| {
-        l["active_thread_percentage"].parse::<f64>().unwrap()
-    };
-    assert_eq!(pct(&ll), 25.0);
+    assert_eq!(percentage(&ll), 25.0);
     assert!(ll["pinned_mem_limit"].contains("1024M"), "{ll:?}");
-    assert_eq!(pct(&lh), 50.0);
+    assert_eq!(percentage(&lh), 50.0);
     assert_ne!(ll["server"], lh["server"]);
     let ids = env.daemon_ids();
     assert_eq!(ids.len(), 2, "{ids:?}");
@@ -428,12 +410,7 @@ fn container_without_request_passes_through_untouched() {
 #[test]
 fn killed_daemon_is_replaced_and_daemons_outlive_their_containers() {
     let env = Env::new();
-    let first = env
-        .container("k1")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let first = env.request("k1", 1000, "0").sh(CLIENT).create();
     assert_eq!(client_line(&first.run())["shm"], "ok");
     first.delete();
     let id = env.daemon_ids().remove(0);
@@ -449,12 +426,7 @@ fn killed_daemon_is_replaced_and_daemons_outlive_their_containers() {
     )
     .unwrap();
     assert!(wait_until(Duration::from_secs(5), || !alive(pid)));
-    let second = env
-        .container("k2")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let second = env.request("k2", 1000, "0").sh(CLIENT).create();
     assert_eq!(
         client_line(&second.run())["shm"],
         "ok",
@@ -474,12 +446,7 @@ fn killed_daemon_is_replaced_and_daemons_outlive_their_containers() {
         );
     }
     assert!(wait_until(Duration::from_secs(5), || !alive(sup) && !alive(new_pid)));
-    let third = env
-        .container("k3")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let third = env.request("k3", 1000, "0").sh(CLIENT).create();
     assert_eq!(client_line(&third.run())["shm"], "ok");
     let rec = env.record(&id);
     assert_ne!(
@@ -493,12 +460,7 @@ fn killed_daemon_is_replaced_and_daemons_outlive_their_containers() {
 fn supervisor_is_detached_and_directories_have_owners_and_modes() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let env = Env::new();
-    let c = env
-        .container("d1")
-        .uid(1000)
-        .device("0")
-        .sh("sleep 30")
-        .create();
+    let c = env.request("d1", 1000, "0").sh("sleep 30").create();
     c.start();
     let id = env.daemon_ids().remove(0);
     let rec = env.record(&id);
@@ -622,28 +584,11 @@ fn poststop_never_fails() {
         r#"{"id":"../x"}"#,
         r#"{"id":"ok","annotations":{"gpushare.io/daemon":"../../etc"}}"#,
     ] {
-        let mut child = env
-            .cmd(gpushare())
-            .args(["hook", "poststop"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        std::io::Write::write_all(&mut child.stdin.take().unwrap(), stdin.as_bytes()).unwrap();
-        let out = child.wait_with_output().unwrap();
+        let out = env.gpushare_with_stdin(&["hook", "poststop"], stdin.as_bytes());
         assert!(out.status.success(), "poststop with {stdin:?}: {out:?}");
     }
     // create-runtime with the same input fails with one gpushare line.
-    let mut child = env
-        .cmd(gpushare())
-        .args(["hook", "create-runtime"])
-        .stdin(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), br#"{"id":"ok"}"#).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = env.gpushare_with_stdin(&["hook", "create-runtime"], br#"{"id":"ok"}"#);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(

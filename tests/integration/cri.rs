@@ -21,52 +21,17 @@ fn cri_pods_of_two_users_share_gpu_0_at_once_on_their_own_daemons() {
     let mut node = Node::start(&env);
     let ann = [("gpushare.io/device", "0")];
 
-    // runAsUser on the pod (kubelet copies it to the container).
-    let alice = node.pod(&PodSpec {
-        name: "alice",
-        annotations: &ann,
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
-    let a = ContainerSpec {
-        name: "cuda",
-        script: &hold(60),
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
-    let a_id = node.run(&alice, &a);
-    let la = node.client_line(&alice, &a);
-    assert_eq!(la["server_uid"], "1000", "{la:?}");
-
-    // While alice's client holds its server: bob (uid 2000) is served at once, by his own.
-    let bob = node.pod(&PodSpec {
-        name: "bob",
-        annotations: &ann,
-        run_as_user: Some(2000),
-        ..Default::default()
-    });
-    let b = ContainerSpec {
-        name: "cuda",
-        script: &hold(60),
-        run_as_user: Some(2000),
-        ..Default::default()
-    };
-    let b_id = node.run(&bob, &b);
-    let lb = node.client_line(&bob, &b);
-    assert_eq!(lb["server_uid"], "2000", "{lb:?}");
-    assert!(
-        lb["waited_ms"].parse::<u64>().unwrap() < 1000,
-        "bob waited for alice's server: {lb:?}"
-    );
-    assert_ne!(la["server"], lb["server"]);
-    let (da, db) = (node.daemon_of(&a_id), node.daemon_of(&b_id));
-    assert!(da.is_some() && db.is_some() && da != db, "{da:?} {db:?}");
+    // runAsUser on the pod (kubelet copies it to the container); bob (uid 2000) is served
+    // at once, by his own, while alice's client holds her server.
+    let held = hold(60);
+    let [alice, bob] = node.two_users_pods(EntryPath::RuntimeClass, &ann, &held);
+    let da = node.daemon_of(&alice.id);
     // The edited spec names the same daemon as the record.
     assert_eq!(
-        node.bundle_spec(&a_id)["annotations"]["gpushare.io/daemon"].as_str(),
+        node.bundle_spec(&alice.id)["annotations"]["gpushare.io/daemon"].as_str(),
         da.as_deref()
     );
-    let pipe_env = node.bundle_spec(&b_id)["process"]["env"].clone();
+    let pipe_env = node.bundle_spec(&bob.id)["process"]["env"].clone();
     assert!(
         pipe_env
             .as_array()
@@ -84,17 +49,13 @@ fn cri_pods_of_two_users_share_gpu_0_at_once_on_their_own_daemons() {
         run_as_user: None,
         ..Default::default()
     });
-    let c = ContainerSpec {
-        name: "cuda",
-        script: &hold(0),
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
+    let script = hold(0);
+    let c = ContainerSpec::user("cuda", 1000, &script);
     let c_id = node.run(&carol, &c);
     let lc = node.client_line(&carol, &c);
     assert_eq!(
         (lc["server_uid"].as_str(), lc["server"].as_str()),
-        ("1000", la["server"].as_str()),
+        ("1000", alice.line["server"].as_str()),
         "{lc:?}"
     );
     assert!(lc["waited_ms"].parse::<u64>().unwrap() < 1000, "{lc:?}");
@@ -107,119 +68,6 @@ fn cri_pods_of_two_users_share_gpu_0_at_once_on_their_own_daemons() {
         1000,
         "the container's own user"
     );
-}
-
-/// Two pods in two namespaces, three client containers: `gpushare status` names the
-/// namespace, pod and container of each (table, `--json`, Prometheus with DCGM exporter's
-/// label names), and lists no sandbox.
-fn every_client_container_is_named_by_its_pod(node: &mut Node) {
-    let ann = [("gpushare.io/device", "0")];
-    let mut want = Vec::new();
-    for (namespace, pod, uid, containers) in [
-        ("team-a", "trainer-0", 1000, &["trainer", "eval"][..]),
-        ("team-b", "infer-1", 2000, &["server"][..]),
-    ] {
-        let p = node.pod(&PodSpec {
-            name: pod,
-            namespace,
-            annotations: &ann,
-            run_as_user: Some(uid),
-            ..Default::default()
-        });
-        for name in containers {
-            let c = ContainerSpec {
-                name,
-                script: &hold(60),
-                run_as_user: Some(uid),
-                ..Default::default()
-            };
-            let id = node.run(&p, &c);
-            node.client_line(&p, &c);
-            want.push((id, namespace, pod, *name));
-        }
-    }
-    let daemons = node.env.status();
-    let listed: Vec<&Value> = daemons
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|d| d["containers"].as_array().unwrap())
-        .collect();
-    assert_eq!(
-        listed.len(),
-        want.len(),
-        "only the clients, no sandbox: {daemons:#}"
-    );
-    for (id, namespace, pod, name) in &want {
-        let c = listed
-            .iter()
-            .find(|c| c["id"] == id.as_str())
-            .unwrap_or_else(|| panic!("{id} not in status: {daemons:#}"));
-        assert_eq!(
-            (&c["namespace"], &c["pod"], &c["container"], &c["engine"]),
-            (
-                &Value::from(*namespace),
-                &Value::from(*pod),
-                &Value::from(*name),
-                &Value::from("kubernetes")
-            ),
-            "{c}"
-        );
-    }
-    let table = text(&node.env.cmd(gpushare()).arg("status").output().unwrap());
-    for (id, namespace, pod, name) in &want {
-        let line = format!("  └ container {}  engine=kubernetes  pid=", &id[..12]);
-        let row = table
-            .lines()
-            .find(|l| l.starts_with(&line))
-            .unwrap_or_else(|| panic!("{line:?} in:\n{table}"));
-        assert!(
-            row.ends_with(&format!("  pod={namespace}/{pod}  container={name}")),
-            "{row}"
-        );
-    }
-    let prom = text(
-        &node
-            .env
-            .cmd(gpushare())
-            .args(["status", "--format", "prometheus"])
-            .output()
-            .unwrap(),
-    );
-    for (id, namespace, pod, name) in &want {
-        let labels =
-            format!(",container_id=\"{id}\",namespace=\"{namespace}\",pod=\"{pod}\",container=\"{name}\"}} 1");
-        assert_eq!(
-            prom.lines()
-                .filter(
-                    |l| l.starts_with("gpushare_container_info{daemon=\"") && l.ends_with(&labels)
-                )
-                .count(),
-            1,
-            "{labels} in:\n{prom}"
-        );
-    }
-}
-
-#[test]
-fn cri_status_names_the_pod_of_every_client_container() {
-    let env = Env::new();
-    let mut node = Node::start(&env);
-    every_client_container_is_named_by_its_pod(&mut node);
-}
-
-#[test]
-fn cri_containerd_1_7_status_names_the_pod_of_every_client_container() {
-    let env = Env::new();
-    let mut node = Node::start_containerd_1_7_with(&env, &|_| {});
-    every_client_container_is_named_by_its_pod(&mut node);
-}
-
-#[test]
-fn cri_containerd2_status_names_the_pod_of_every_client_container() {
-    let env = Env::new();
-    let mut node = Node::start_containerd2(&env);
-    every_client_container_is_named_by_its_pod(&mut node);
 }
 
 /// A node laid out as NVIDIA's GPU Operator lays it out (the driver's files under a root
@@ -247,26 +95,12 @@ fn cri_pods_on_a_gpu_operator_node_get_their_share() {
         ("gpushare.io/active-thread-percentage", "50"),
     ];
     for (pod, uid) in [("alice", 1000), ("bob", 2000)] {
-        let p = node.pod(&PodSpec {
-            name: pod,
-            annotations: &ann,
-            run_as_user: Some(uid),
-            ..Default::default()
-        });
-        let c = ContainerSpec {
-            name: "cuda",
-            script: CLIENT,
-            run_as_user: Some(uid),
-            ..Default::default()
-        };
+        let p = node.pod(&PodSpec::user(pod, uid, &ann));
+        let c = ContainerSpec::user("cuda", uid, CLIENT);
         node.run(&p, &c);
         let line = node.client_line(&p, &c);
         assert_eq!(line["server_uid"], uid.to_string(), "{line:?}");
-        assert_eq!(
-            line["active_thread_percentage"].parse::<f64>().unwrap(),
-            50.0,
-            "{line:?}"
-        );
+        assert_eq!(percentage(&line), 50.0, "{line:?}");
     }
     let control = std::fs::canonicalize(root.join("bin/nvidia-cuda-mps-control")).unwrap();
     let ids = env.daemon_ids();
@@ -311,21 +145,18 @@ fn cri_uninstall_gives_back_the_config_and_containerd_forgets_the_handler() {
 fn cri_restarted_container_reattaches_and_removal_leaves_nothing() {
     let env = Env::new();
     let mut node = Node::start(&env);
-    let pod = node.pod(&PodSpec {
-        name: "restarts",
-        annotations: &[
+    let pod = node.pod(&PodSpec::user(
+        "restarts",
+        1000,
+        &[
             ("gpushare.io/device", "0"),
             ("gpushare.io/active-thread-percentage", "50"),
         ],
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
+    ));
+    let script = hold(0);
     let first = ContainerSpec {
-        name: "cuda",
         attempt: 0,
-        script: &hold(0),
-        run_as_user: Some(1000),
-        ..Default::default()
+        ..ContainerSpec::user("cuda", 1000, &script)
     };
     let id0 = node.run(&pod, &first);
     let l0 = node.client_line(&pod, &first);
@@ -401,22 +232,10 @@ fn cri_plain_pods_pass_through_and_a_bad_request_fails_the_container_with_gpusha
     let mut node = Node::start(&env);
 
     // No gpushare annotation under the gpushare handler: runc gets containerd's own spec.
-    let plain = node.pod(&PodSpec {
-        name: "plain",
-        annotations: &[("example.com/other", "x")],
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
-    let c = ContainerSpec {
-        name: "app",
-        script: "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset}; exec sleep 3600",
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
+    let plain = node.pod(&PodSpec::user("plain", 1000, &[("example.com/other", "x")]));
+    let c = ContainerSpec::user("app", 1000, PRINT_PIPE);
     let id = node.run(&plain, &c);
-    assert!(wait_until(Duration::from_secs(20), || node
-        .output(&plain, &c)
-        .contains("PIPE=unset")));
+    node.wait_output(&plain, &c, "PIPE=unset");
     let generated = Node::generated_spec(&node.cri().container_status(&id).unwrap().info);
     assert_eq!(
         node.bundle_spec(&id),
@@ -436,14 +255,11 @@ fn cri_plain_pods_pass_through_and_a_bad_request_fails_the_container_with_gpusha
     // containerd runs the runtime's `create`). The annotation form: in
     // cri_sandboxes_are_never_requests, where the pod's sandbox carries it too.
     let c = ContainerSpec {
-        name: "bad",
-        script: CLIENT,
-        run_as_user: Some(1000),
         envs: &[
             ("GPUSHARE_DEVICE", "0"),
             ("GPUSHARE_ACTIVE_THREAD_PERCENTAGE", "101"),
         ],
-        ..Default::default()
+        ..ContainerSpec::user("bad", 1000, CLIENT)
     };
     node.refuse(
         &plain,
@@ -492,12 +308,8 @@ fn cri_sandboxes_are_never_requests() {
     assert_eq!(node.gpushare_records(), vec![], "no sandbox is recorded");
 
     // Their containers are requests, and only they are recorded.
-    let c = ContainerSpec {
-        name: "cuda",
-        script: &hold(30),
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
+    let script = hold(30);
+    let c = ContainerSpec::user("cuda", 1000, &script);
     let ids: Vec<String> = pods.iter().map(|p| node.run(p, &c)).collect();
     for pod in &pods {
         assert_eq!(node.client_line(pod, &c)["server_uid"], "1000");
@@ -522,15 +334,14 @@ fn cri_sandboxes_are_never_requests() {
     // A bad pod annotation: the sandbox runs (it is no request), the container's create
     // fails with gpushare's one line in the CRI error, and nothing is started for it.
     let daemons = env.daemon_ids();
-    let bad = node.pod(&PodSpec {
-        name: "bad",
-        annotations: &[
+    let bad = node.pod(&PodSpec::user(
+        "bad",
+        1000,
+        &[
             ("gpushare.io/device", "0"),
             ("gpushare.io/active-thread-percentage", "101"),
         ],
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
+    ));
     node.refuse(&bad, &c, BAD_PERCENTAGE_LINE);
     assert_eq!(env.daemon_ids(), daemons, "nor for its sandbox");
 }
@@ -573,6 +384,22 @@ fn configmap_runtime_toml(path: &Path) {
     std::fs::write(path, cm["data"]["runtime.toml"].as_str().unwrap()).unwrap();
 }
 
+/// deploy/node-installer.sh as the DaemonSet's pod runs it, on the fake host root `host`
+/// (the host's mount namespace `host_pid`), from the image's files in `image` and the
+/// ConfigMap's runtime.toml at `source`, gpushare's state and log this env's (a pod has
+/// its own /var/log); the caller adds the action's flags and env.
+fn node_installer(env: &Env, host: &Path, image: &Path, source: &Path, host_pid: u32) -> Command {
+    let mut cmd = Command::new("sh");
+    cmd.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/node-installer.sh"))
+        .env("HOST_ROOT", host)
+        .env("SOURCE_DIR", image)
+        .env("GPUSHARE_CONFIG_SOURCE", source)
+        .env("HOST_PID", host_pid.to_string())
+        .env("GPUSHARE_CONFIG", &env.config)
+        .stdin(Stdio::null());
+    cmd
+}
+
 /// deploy/node-installer.sh's install as the DaemonSet's pod runs it (no `--once`, AGENT
 /// and WATCH as they default, the host's mount namespace `host_pid`), its output going to
 /// `dir`'s pod.out (`pod_output`).
@@ -585,16 +412,9 @@ fn spawn_pod(
     host_pid: u32,
 ) -> std::process::Child {
     let out = std::fs::File::create(dir.join("pod.out")).unwrap();
-    Command::new("sh")
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/node-installer.sh"))
-        .env("HOST_ROOT", host)
-        .env("SOURCE_DIR", image)
-        .env("GPUSHARE_CONFIG_SOURCE", source)
+    node_installer(env, host, image, source, host_pid)
         .env("RESTART_MODE", "none")
-        .env("HOST_PID", host_pid.to_string())
         .env("READY_FILE", dir.join("ready"))
-        .env("GPUSHARE_CONFIG", &env.config)
-        .stdin(Stdio::null())
         .stdout(out.try_clone().unwrap())
         .stderr(out)
         .spawn()
@@ -720,7 +540,6 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
     }
     let source = dir.join("configmap/runtime.toml");
     configmap_runtime_toml(&source);
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
     // containerd sees the fake host's /usr/local/bin at /usr/local/bin (in its namespace
     // only), as the real host sees what the installer copied there.
     let bin = host_bin.display().to_string();
@@ -731,12 +550,7 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
         &[&["mount", "--bind", &bin, "/usr/local/bin"]],
     );
     node.import_images();
-    let spec = PodSpec {
-        name: "before",
-        annotations: &[("gpushare.io/device", "0")],
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
+    let spec = PodSpec::user("before", 1000, &[("gpushare.io/device", "0")]);
     let err = node.try_pod(&spec).expect_err("no gpushare runtime yet");
     assert!(
         err.message
@@ -747,19 +561,11 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
     // The host's mount namespace is the node's (its holder outlives containerd).
     let host_pid = node.ns().holder_pid();
     let installer = |action: &str, containerd: u32| {
-        let out = Command::new("sh")
-            .arg(repo.join("deploy/node-installer.sh"))
+        let out = node_installer(&env, &host, &image, &source, host_pid)
             .arg("--once")
             .env("GPUSHARE_NODE_ACTION", action)
-            .env("HOST_ROOT", &host)
-            .env("SOURCE_DIR", &image)
-            .env("GPUSHARE_CONFIG_SOURCE", &source)
             .env("RESTART_MODE", "signal")
             .env("CONTAINERD_PID", containerd.to_string())
-            .env("HOST_PID", host_pid.to_string())
-            // gpushare's state and log (a pod has its own /var/log).
-            .env("GPUSHARE_CONFIG", &env.config)
-            .stdin(Stdio::null())
             .output()
             .unwrap();
         (out.status.success(), text(&out))
@@ -844,12 +650,8 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
         name: "after",
         ..spec.clone()
     });
-    let c = ContainerSpec {
-        name: "cuda",
-        script: &hold(120),
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
+    let script = hold(120);
+    let c = ContainerSpec::user("cuda", 1000, &script);
     let id = node.run(&pod, &c);
     assert_eq!(node.client_line(&pod, &c)["server_uid"], "1000");
     assert_eq!(
@@ -884,14 +686,7 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
     // WATCH=run where a host service runs the watcher: the pod's watcher refuses to start,
     // and the script stops the agent and exits with that status (the kubelet restarts the
     // pod and counts it).
-    let mut host_watch = env
-        .cmd(gpushare())
-        .arg("watch")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut host_watch = env.spawn_gpushare(&["watch"]);
     let _ = std::fs::remove_file(env.state.join("watch.json"));
     let watching = wait_until(Duration::from_secs(10), || {
         env.state.join("watch.json").exists()
@@ -1007,17 +802,10 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
         bare.display()
     ));
     let bare_run = |action: &str| {
-        let out = Command::new("sh")
-            .arg(repo.join("deploy/node-installer.sh"))
+        let out = node_installer(&env, &bare, &image, &source, bare_ns.holder_pid())
             .arg("--once")
             .env("GPUSHARE_NODE_ACTION", action)
-            .env("HOST_ROOT", &bare)
-            .env("SOURCE_DIR", &image)
-            .env("GPUSHARE_CONFIG_SOURCE", &source)
             .env("RESTART_MODE", "none")
-            .env("HOST_PID", bare_ns.holder_pid().to_string())
-            .env("GPUSHARE_CONFIG", &env.config)
-            .stdin(Stdio::null())
             .output()
             .unwrap();
         (out.status.success(), text(&out))
@@ -1025,16 +813,9 @@ fn node_installer_installs_upgrades_and_uninstalls_against_the_host_s_containerd
     // A host that cannot run the copied gpushare (here: it does not see it; an old glibc
     // alike): the runtime is not registered, nor containerd's config written.
     let blind_ns = PrivateMounts::with("mount -t tmpfs gs-blind /usr/local");
-    let blind = Command::new("sh")
-        .arg(repo.join("deploy/node-installer.sh"))
+    let blind = node_installer(&env, &bare, &image, &source, blind_ns.holder_pid())
         .arg("--once")
-        .env("HOST_ROOT", &bare)
-        .env("SOURCE_DIR", &image)
-        .env("GPUSHARE_CONFIG_SOURCE", &source)
         .env("RESTART_MODE", "none")
-        .env("HOST_PID", blind_ns.holder_pid().to_string())
-        .env("GPUSHARE_CONFIG", &env.config)
-        .stdin(Stdio::null())
         .output()
         .unwrap();
     assert!(
@@ -1120,12 +901,11 @@ fn cri_install_on_a_config_without_cri_tables_keeps_the_plugin_loading() {
 fn cri_an_allocation_by_nvidia_s_device_plugin_is_served_on_a_node_that_defaults_to_it() {
     let env = Env::with_configs("default-device = \"allocated\"\n", "");
     let mut node = Node::start(&env);
-    let pod = node.pod(&PodSpec {
-        name: "allocated",
-        annotations: &[("gpushare.io/active-thread-percentage", "25")],
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
+    let pod = node.pod(&PodSpec::user(
+        "allocated",
+        1000,
+        &[("gpushare.io/active-thread-percentage", "25")],
+    ));
     let allocated = format!("/var/run/nvidia-container-devices/{GPU2}");
     let forged = format!("/var/run/nvidia-container-devices/{GPU0}");
     let empty_dir = node.dir.join("empty-dir");
@@ -1187,20 +967,14 @@ fn cri_an_allocation_by_nvidia_s_device_plugin_is_served_on_a_node_that_defaults
     ] {
         let plain = ContainerSpec {
             name,
-            script: "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset}; exec sleep 3600",
+            script: PRINT_PIPE,
             run_as_user: Some(1000),
             envs,
             mounts,
             ..Default::default()
         };
         let plain_id = node.run(&pod, &plain);
-        assert!(
-            wait_until(Duration::from_secs(20), || node
-                .output(&pod, &plain)
-                .contains("PIPE=unset")),
-            "{name}: {}",
-            node.output(&pod, &plain)
-        );
+        node.wait_output(&pod, &plain, "PIPE=unset");
         let generated = Node::generated_spec(&node.cri().container_status(&plain_id).unwrap().info);
         assert_eq!(node.bundle_spec(&plain_id), generated, "{name}");
     }
@@ -1216,29 +990,17 @@ fn cri_a_pod_without_host_ipc_never_gets_it_by_annotation() {
     let env = Env::with_config("allow-ipc-override = true");
     let mut node = Node::start(&env);
     let ann = [("gpushare.io/device", "0"), ("gpushare.io/ipc", "host")];
-    let c = ContainerSpec {
-        name: "cuda",
-        script: &hold(30),
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
-    let pod = node.pod(&PodSpec {
-        name: "own-ipc",
-        annotations: &ann,
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
+    let script = hold(30);
+    let c = ContainerSpec::user("cuda", 1000, &script);
+    let pod = node.pod(&PodSpec::user("own-ipc", 1000, &ann));
     node.refuse(
         &pod,
         &c,
         "gpushare: gpushare.io/ipc=\"host\" is refused: the container's pod has an IPC namespace of its own (linux.namespaces joins \"/proc/",
     );
     let host_pod = node.pod(&PodSpec {
-        name: "host-ipc",
-        annotations: &ann,
-        run_as_user: Some(1000),
         host_ipc: true,
-        ..Default::default()
+        ..PodSpec::user("host-ipc", 1000, &ann)
     });
     let id = node.run(&host_pod, &c);
     assert_eq!(
@@ -1265,20 +1027,15 @@ fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
         );
     });
 
-    let pod = node.pod(&PodSpec {
-        name: "hookonly",
-        annotations: &[("gpushare.io/device", "0")],
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
-    let c = ContainerSpec {
-        name: "work",
-        script: &format!(
-            "echo PIPE=${{CUDA_MPS_PIPE_DIRECTORY:-unset}}; ls /tmp/nvidia-mps; {CLIENT}; exec sleep 3600"
-        ),
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
+    let pod = node.pod(&PodSpec::user(
+        "hookonly",
+        1000,
+        &[("gpushare.io/device", "0")],
+    ));
+    let script = format!(
+        "echo PIPE=${{CUDA_MPS_PIPE_DIRECTORY:-unset}}; ls /tmp/nvidia-mps; {CLIENT}; exec sleep 3600"
+    );
+    let c = ContainerSpec::user("work", 1000, &script);
     let id = node.run(&pod, &c);
     let line = node.client_line(&pod, &c);
     assert_eq!(
@@ -1314,22 +1071,10 @@ fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
     );
 
     // A pod without a request on the same class: the hook runs and does nothing.
-    let plain = node.pod(&PodSpec {
-        name: "plain",
-        annotations: &[],
-        run_as_user: Some(2000),
-        ..Default::default()
-    });
-    let c = ContainerSpec {
-        name: "app",
-        script: "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset} LS=$(ls /tmp/nvidia-mps 2>/dev/null)END; exec sleep 3600",
-        run_as_user: Some(2000),
-        ..Default::default()
-    };
+    let plain = node.pod(&PodSpec::user("plain", 2000, &[]));
+    let c = ContainerSpec::user("app", 2000, "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset} LS=$(ls /tmp/nvidia-mps 2>/dev/null)END; exec sleep 3600");
     node.run(&plain, &c);
-    assert!(wait_until(Duration::from_secs(20), || node
-        .output(&plain, &c)
-        .contains("END")));
+    node.wait_output(&plain, &c, "END");
     assert!(
         node.output(&plain, &c).contains("PIPE=unset LS=END"),
         "no pipe directory in a pod without a request:\n{}",
@@ -1338,21 +1083,15 @@ fn cri_base_runtime_spec_serves_a_pod_in_hook_only_mode_without_the_shim() {
     assert_eq!(env.daemon_ids(), ids, "no daemon for the plain pod");
 
     // A bad request fails the container in its prestart hook, with gpushare's line.
-    let bad = node.pod(&PodSpec {
-        name: "bad",
-        annotations: &[
+    let bad = node.pod(&PodSpec::user(
+        "bad",
+        3000,
+        &[
             ("gpushare.io/device", "0"),
             ("gpushare.io/active-thread-percentage", "101"),
         ],
-        run_as_user: Some(3000),
-        ..Default::default()
-    });
-    let c = ContainerSpec {
-        name: "bad",
-        script: CLIENT,
-        run_as_user: Some(3000),
-        ..Default::default()
-    };
+    ));
+    let c = ContainerSpec::user("bad", 3000, CLIENT);
     node.refuse(&bad, &c, BAD_PERCENTAGE_LINE);
     assert_eq!(env.daemon_ids(), ids, "no daemon for the bad request");
 }
@@ -1413,21 +1152,11 @@ fn cri_pod_start_bench() {
 fn cri_a_containerd_restart_keeps_a_pod_s_job_and_its_daemon() {
     let env = Env::new();
     let mut node = Node::start(&env);
-    let spec = PodSpec {
-        name: "held",
-        annotations: &[("gpushare.io/device", "0")],
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
-    let pod = node.pod(&spec);
-    let c = ContainerSpec {
-        name: "cuda",
-        script: &hold(120),
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
-    let held = node.run(&pod, &c);
-    assert_eq!(node.client_line(&pod, &c)["server_uid"], "1000");
+    let ann = [("gpushare.io/device", "0")];
+    let script = hold(120);
+    let held = node.user_pod(EntryPath::RuntimeClass, "held", 1000, &ann, &script);
+    assert_eq!(held.line["server_uid"], "1000");
+    let held = held.id;
     let ids = env.daemon_ids();
     assert_eq!(ids.len(), 1, "{ids:?}");
     let id = ids[0].clone();
@@ -1444,34 +1173,19 @@ fn cri_a_containerd_restart_keeps_a_pod_s_job_and_its_daemon() {
     );
     assert_eq!((pid_of("supervisor"), pid_of("daemon")), (sup, daemon));
     assert_eq!(env.record(&id)["restarts"], 0, "{}", env.record(&id));
-    let next = node.pod(&PodSpec {
-        name: "next",
-        ..spec.clone()
-    });
-    let n = ContainerSpec {
-        name: "cuda",
-        script: &hold(0),
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
-    let next_id = node.run(&next, &n);
-    assert_eq!(node.client_line(&next, &n)["shm"], "ok");
+    let script = hold(0);
+    let next = node.user_pod(EntryPath::RuntimeClass, "next", 1000, &ann, &script);
+    assert_eq!(next.line["shm"], "ok");
+    let next_id = next.id;
     assert_eq!(env.daemon_ids(), vec![id.clone()], "the same daemon");
     assert_eq!(node.daemon_of(&next_id).as_deref(), Some(id.as_str()));
-    let status = env.status();
-    let ours = status
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["id"] == id.as_str())
-        .cloned()
-        .unwrap_or_default();
-    assert_eq!(ours["health"], "ok", "status after the restart: {status}");
+    let ours = env.status_of(&id);
+    assert_eq!(ours["health"], "ok", "status after the restart: {ours}");
     assert!(
         node.status_containers()
             .get(&id)
             .is_some_and(|cs| cs.contains(&held)),
-        "the held container is still listed: {status}"
+        "the held container is still listed: {ours}"
     );
 }
 
@@ -1528,22 +1242,13 @@ fn cri_a_forged_decision_annotation_never_makes_the_hook_only_class_skip_a_pod()
             config,
         };
         // A bad request with the forged decision: still validated and refused.
-        let c = ContainerSpec {
-            name: "bad",
-            script: CLIENT,
-            run_as_user: Some(i64::from(uid)),
-            ..Default::default()
-        };
+        let c = ContainerSpec::user("bad", i64::from(uid), CLIENT);
         node.refuse(&start(bad), &c, BAD_PERCENTAGE_LINE);
 
         // A request with the forged decision: served, with the node's default limit.
         let pod = start(good);
-        let c = ContainerSpec {
-            name: "work",
-            script: &format!("{CLIENT}; exec sleep 3600"),
-            run_as_user: Some(i64::from(uid)),
-            ..Default::default()
-        };
+        let script = format!("{CLIENT}; exec sleep 3600");
+        let c = ContainerSpec::user("work", i64::from(uid), &script);
         let cid = node.run(&pod, &c);
         let spec = node.bundle_spec(&cid);
         assert_eq!(
@@ -1555,7 +1260,7 @@ fn cri_a_forged_decision_annotation_never_makes_the_hook_only_class_skip_a_pod()
         let line = node.client_line(&pod, &c);
         assert_eq!(line["server_uid"], uid.to_string(), "{handler}: {line:?}");
         assert_eq!(
-            line["active_thread_percentage"].parse::<f64>().unwrap(),
+            percentage(&line),
             25.0,
             "{handler}: the node's default limit: {line:?}"
         );
@@ -1578,18 +1283,11 @@ fn cri_host_users_false_pod_is_served_as_its_host_uid() {
     let env = Env::new();
     let mut node = Node::start_containerd2(&env);
     let pod = node.pod(&PodSpec {
-        name: "userns",
-        annotations: &[("gpushare.io/device", "0")],
-        run_as_user: Some(1000),
         userns: Some((200000, 65536)),
-        ..Default::default()
+        ..PodSpec::user("userns", 1000, &[("gpushare.io/device", "0")])
     });
-    let c = ContainerSpec {
-        name: "cuda",
-        script: &hold(0),
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
+    let script = hold(0);
+    let c = ContainerSpec::user("cuda", 1000, &script);
     let id = node.run(&pod, &c);
 
     // containerd's shape, as the runtime got it: the pod's user namespace joined by
@@ -1615,142 +1313,8 @@ fn cri_host_users_false_pod_is_served_as_its_host_uid() {
         .expect("gpushare status lists the container");
     assert_eq!(env.record(&daemon)["identity"]["uid"], 201000);
     assert_eq!(uid_and_capeff(env.daemon_pid(&daemon)).0, 201000);
-    let status = env.status();
-    let listed = status
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["id"] == daemon.as_str())
-        .cloned()
-        .unwrap_or_default();
+    let listed = env.status_of(&daemon);
     assert_eq!(listed["uid"], 201000, "{listed}");
-}
-
-/// CDI on containerd's CRI plugin (1.7: config version 2, 2.x: version 3; `enable_cdi`,
-/// a private `cdi_spec_dirs` holding the spec, both written by `gpushare install cdi
-/// --enable containerd`), with the gpushare runtime class: a CDI device of gpushare's, by
-/// the CRI `CDI_devices` field or a `cdi.k8s.io/*` annotation, is served once — the shim
-/// takes the request from the CDI hook and replaces that hook by its own — on the GPU it
-/// names, with its profile's limit; a pod annotation asking for another GPU beside it is
-/// refused, and no daemon ever serves that GPU.
-fn cri_serves_a_cdi_device_once_through_the_shim(version: u32) {
-    let env = Env::with_configs("[cdi.profiles.small]\nactive-thread-percentage = 25\n", "");
-    let cdi = env.path().join("cdi");
-    // `gpushare install cdi` writes the spec into a private directory and turns CDI on in
-    // the node's config, with that directory among its `cdi_spec_dirs`.
-    let configure = |config: &Path| {
-        install_cdi(&env, &cdi.join("gpushare.json"), config);
-        let t: toml::Table = std::fs::read_to_string(config).unwrap().parse().unwrap();
-        let cri = match version {
-            2 => &t["plugins"]["io.containerd.grpc.v1.cri"],
-            _ => &t["plugins"]["io.containerd.cri.v1.runtime"],
-        };
-        assert_eq!(cri["enable_cdi"].as_bool(), Some(true), "{t}");
-        assert!(
-            cri["cdi_spec_dirs"]
-                .as_array()
-                .unwrap()
-                .contains(&toml::Value::from(cdi.display().to_string())),
-            "{t}"
-        );
-    };
-    let mut node = match version {
-        2 => Node::start_containerd_1_7_with(&env, &configure),
-        _ => Node::start_containerd2_with(&env, &configure),
-    };
-    let containerd = node.program("containerd");
-    let out = node
-        .ns()
-        .cmd(&containerd)
-        .arg("--version")
-        .output()
-        .unwrap();
-    eprintln!("{}", text(&out));
-    let script = format!("{CLIENT}; cat /proc/self/mountinfo; exec sleep 3600");
-    let devices_served = |env: &Env| -> Vec<Value> {
-        env.daemon_ids()
-            .iter()
-            .map(|id| env.record(id)["identity"]["devices"].clone())
-            .collect()
-    };
-
-    // By the CDI_devices field.
-    let pod = node.pod(&PodSpec {
-        name: "cdi",
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
-    let c = ContainerSpec {
-        name: "field",
-        script: &script,
-        run_as_user: Some(1000),
-        cdi_devices: &["gpushare.io/gpu=0"],
-        ..Default::default()
-    };
-    let id = node.run(&pod, &c);
-    let line = node.client_line(&pod, &c);
-    assert_eq!(
-        (line["server_uid"].as_str(), line["shm"].as_str()),
-        ("1000", "ok"),
-        "{line:?}"
-    );
-    let out = node.mountinfo(&pod, &c);
-    assert_eq!(pipe_mounts(&out), 1, "served once:\n{out}");
-    assert_eq!(devices_served(&env), [serde_json::json!([GPU0])]);
-    // The shim served it: its createRuntime hook, and the CDI hook gone.
-    let spec = node.bundle_spec(&id);
-    let hooks = spec["hooks"].to_string();
-    assert!(!hooks.contains("--cdi-device"), "{hooks}");
-    assert_eq!(
-        spec["hooks"]["createRuntime"].as_array().map(Vec::len),
-        Some(1),
-        "{hooks}"
-    );
-
-    // By the cdi.k8s.io annotation, a profile's device: its limit.
-    let c = ContainerSpec {
-        name: "annotation",
-        script: &script,
-        run_as_user: Some(1000),
-        annotations: &[("cdi.k8s.io/gpushare", "gpushare.io/gpu=0-small")],
-        ..Default::default()
-    };
-    node.run(&pod, &c);
-    let line = node.client_line(&pod, &c);
-    assert_eq!(line["active_thread_percentage"], "25.0", "{line:?}");
-    assert_eq!(devices_served(&env).len(), 2);
-
-    // A pod annotation asking for GPU 2 beside the CDI device: refused.
-    let other = node.pod(&PodSpec {
-        name: "other",
-        annotations: &[("gpushare.io/device", "2")],
-        run_as_user: Some(2000),
-        ..Default::default()
-    });
-    let c = ContainerSpec {
-        name: "redirect",
-        script: &script,
-        run_as_user: Some(2000),
-        cdi_devices: &["gpushare.io/gpu=0"],
-        ..Default::default()
-    };
-    node.refuse(
-        &other,
-        &c,
-        "gpushare.io/device=\"2\" is refused: it asks for something other than the container's CDI device gpushare.io/gpu=0",
-    );
-    assert!(!devices_served(&env).contains(&serde_json::json!([GPU2])));
-    node.remove_all();
-}
-
-#[test]
-fn cri_containerd_1_7_serves_a_cdi_device_once_through_the_shim() {
-    cri_serves_a_cdi_device_once_through_the_shim(2);
-}
-
-#[test]
-fn cri_containerd2_serves_a_cdi_device_once_through_the_shim() {
-    cri_serves_a_cdi_device_once_through_the_shim(3);
 }
 
 /// `mps.tenant`, through containerd's CRI plugin with the shim's class (`gpushare`) and
@@ -1782,11 +1346,8 @@ fn pods_of_one_uid_in_two_namespaces(env: &Env) -> [String; 7] {
         let mut annotations = vec![("gpushare.io/device", "0")];
         annotations.extend_from_slice(extra);
         let config = node.pod_config(&PodSpec {
-            name,
             namespace,
-            annotations: &annotations,
-            run_as_user: Some(0),
-            ..Default::default()
+            ..PodSpec::user(name, 0, &annotations)
         });
         let pod = Pod {
             id: node
@@ -1795,12 +1356,7 @@ fn pods_of_one_uid_in_two_namespaces(env: &Env) -> [String; 7] {
                 .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}")),
             config,
         };
-        let c = ContainerSpec {
-            name: "cuda",
-            script: "exec sleep 3600",
-            run_as_user: Some(0),
-            ..Default::default()
-        };
+        let c = ContainerSpec::user("cuda", 0, "exec sleep 3600");
         let id = node.run(&pod, &c);
         // containerd's own value, whatever the pod wrote.
         assert_eq!(
@@ -1906,18 +1462,11 @@ fn cri_namespace_tenants_get_a_daemon_each_and_no_pod_picks_its_namespace() {
     ] {
         assert_eq!(env.record(daemon)["identity"]["tenant"], tenant);
         assert_eq!(env.record(daemon)["identity"]["uid"], 0);
-        let status = env.status();
-        let listed = status
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|d| d["id"] == daemon.as_str())
-            .cloned()
-            .unwrap_or_default();
+        let listed = env.status_of(daemon);
         assert_eq!(listed["tenant"], tenant, "{listed}");
     }
     assert_eq!(env.daemon_ids().len(), 3, "{:?}", env.daemon_ids());
-    let table = env.cmd(gpushare()).arg("status").output().unwrap();
+    let table = env.gpushare(&["status"]);
     let table = text(&table);
     for (daemon, shown) in [
         (&a, "ns=team-a"),
@@ -1962,12 +1511,7 @@ fn cri_host_users_false_pods_get_a_daemon_each() {
             userns: Some((base, 65536)),
             ..Default::default()
         });
-        let c = ContainerSpec {
-            name: "cuda",
-            script: "exec sleep 3600",
-            run_as_user: Some(1000),
-            ..Default::default()
-        };
+        let c = ContainerSpec::user("cuda", 1000, "exec sleep 3600");
         let id = node.run(&pod, &c);
         let daemon = node.daemon_of(&id).expect("the container is on a daemon");
         assert_eq!(env.record(&daemon)["identity"]["uid"], base + 1000);

@@ -62,34 +62,28 @@ fn library_files(dir: &Path, module: &str, out: &mut Vec<PathBuf>) {
 
 #[test]
 fn every_test_security_md_names_exists() {
-    let text = std::fs::read_to_string(root().join("SECURITY.md")).unwrap();
-    let names = named_paths(&text);
-    assert!(
-        names.len() > 20,
-        "SECURITY.md names only {} tests",
-        names.len()
-    );
-    let missing = missing_tests(&names);
-    assert!(
-        missing.is_empty(),
-        "SECURITY.md names tests that do not exist: {missing:?}"
-    );
+    every_test_named_exists("SECURITY.md", 21);
 }
 
 /// docs/install.md's table of engines and versions names the test behind every cell.
 #[test]
 fn every_test_the_engine_table_names_exists() {
-    let text = std::fs::read_to_string(root().join("docs/install.md")).unwrap();
+    every_test_named_exists("docs/install.md", 8);
+}
+
+/// The document at `path` names at least `least` tests, and every one exists.
+fn every_test_named_exists(path: &str, least: usize) {
+    let text = std::fs::read_to_string(root().join(path)).unwrap();
     let names = named_paths(&text);
     assert!(
-        names.len() >= 8,
-        "docs/install.md names only {} tests",
+        names.len() >= least,
+        "{path} names only {} tests",
         names.len()
     );
     let missing = missing_tests(&names);
     assert!(
         missing.is_empty(),
-        "docs/install.md names tests that do not exist: {missing:?}"
+        "{path} names tests that do not exist: {missing:?}"
     );
 }
 

@@ -91,7 +91,7 @@ pub(crate) fn operator_env() -> (Env, PathBuf) {
 }
 
 pub(crate) fn doctor(env: &Env) -> (String, Option<i32>) {
-    let out = env.cmd(gpushare()).arg("doctor").output().unwrap();
+    let out = env.gpushare(&["doctor"]);
     (
         String::from_utf8_lossy(&out.stdout).into_owned(),
         out.status.code(),
@@ -128,9 +128,7 @@ fn a_driver_under_a_root_serves_a_container_and_doctor_names_its_files() {
     // A container through runc on GPU 1, which only the root's NVML knows of, served by a
     // daemon that runs the root's control binary with the root's driver libraries.
     let c = env
-        .container("dr1")
-        .uid(1000)
-        .device("1")
+        .request("dr1", 1000, "1")
         .sh("gpushare-mps-sim client")
         .create();
     let identity = c.config()["annotations"]["gpushare.io/identity"]
@@ -202,9 +200,7 @@ fn a_missing_or_malformed_driver_root_is_one_line() {
     {
         set_line(&env, "driver-root = ", &format!("driver-root = {value:?}"));
         let c = env
-            .container(&format!("dr-bad{n}"))
-            .uid(1000)
-            .device("1")
+            .request(&format!("dr-bad{n}"), 1000, "1")
             .bundle();
         let before = c.config_bytes();
         let out = c.try_create();
@@ -277,12 +273,7 @@ fn doctor_and_the_shim_warn_when_nvidia_s_runtime_listed_first_is_missing() {
     assert!(code >= Some(1), "{report}");
 
     // The shim serves the container through runc and says the same in its log.
-    let c = env
-        .container("llr1")
-        .uid(1000)
-        .device("0")
-        .sh("true")
-        .create();
+    let c = env.request("llr1", 1000, "0").sh("true").create();
     c.run();
     let log = env.gpushare_log();
     assert!(

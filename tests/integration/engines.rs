@@ -196,12 +196,7 @@ fn docker_uninstall_gives_back_daemon_json_as_it_was() {
         .arg(&daemon_json)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("systemctl restart docker"),
-        "{}",
-        text(&out)
-    );
+    assert_succeeded_saying(&out, "systemctl restart docker");
     assert!(!daemon_json.exists(), "there was none before install");
     assert!(!d.dir.join("daemon.json.gpushare-undo").exists());
     // Twice changes nothing.
@@ -425,6 +420,33 @@ impl Containerd {
             .unwrap()
     }
 
+    /// `ctr run <flags>` of container `id` on `rootfs` with gpushare-runtime as its runc,
+    /// asking for GPU 0 (`gpushare.io/device=0`), running `command`.
+    pub(crate) fn run_request(
+        &self,
+        ns: &PrivateMounts,
+        flags: &[&str],
+        rootfs: &Path,
+        id: &str,
+        command: &[&str],
+    ) -> Output {
+        let mut args = vec!["run"];
+        args.extend_from_slice(flags);
+        args.extend_from_slice(&[
+            "--rootfs",
+            "--runc-binary",
+            runtime(),
+            "--annotation",
+            "gpushare.io/device=0",
+            "--env",
+            "PATH=/usr/bin:/bin",
+            rootfs.to_str().unwrap(),
+            id,
+        ]);
+        args.extend_from_slice(command);
+        self.ctr(ns, &args)
+    }
+
     /// A copy of the test rootfs of its own (ctr --rootfs uses the directory as is).
     pub(crate) fn rootfs(&self) -> PathBuf {
         let own = self.dir.join("rootfs");
@@ -519,22 +541,8 @@ fn containerd_accepts_the_installed_config_and_ctr_runs_through_gpushare() {
     let c = Containerd::start(&env, &ns, &dir);
     let ctr = |args: &[&str]| c.ctr(&ns, args);
     let own_rootfs = c.rootfs();
-    let out = ctr(&[
-        "run",
-        "--rm",
-        "--rootfs",
-        "--runc-binary",
-        runtime(),
-        "--annotation",
-        "gpushare.io/device=0",
-        "--env",
-        "PATH=/usr/bin:/bin",
-        own_rootfs.to_str().unwrap(),
-        "ctr1",
-        "sh",
-        "-c",
-        &format!("echo PIPE=$CUDA_MPS_PIPE_DIRECTORY; {CLIENT}"),
-    ]);
+    let script = format!("echo PIPE=$CUDA_MPS_PIPE_DIRECTORY; {CLIENT}");
+    let out = c.run_request(&ns, &["--rm"], &own_rootfs, "ctr1", &["sh", "-c", &script]);
     let s = text(&out);
     assert!(
         out.status.success(),
@@ -1309,12 +1317,7 @@ fn chaining_to_nvidia_container_runtime_passes_argv_and_visible_devices() {
     // A host-wide MPS pipe dir that NVIDIA's toolkit would mount over ours: warned about.
     let host_pipe = Path::new("/tmp/nvidia-mps");
     let created = !host_pipe.exists() && std::fs::create_dir(host_pipe).is_ok();
-    let c = env
-        .container("nv1")
-        .uid(1000)
-        .device("2")
-        .sh(CLIENT)
-        .create();
+    let c = env.request("nv1", 1000, "2").sh(CLIENT).create();
     if created {
         let _ = std::fs::remove_dir(host_pipe);
     }

@@ -44,12 +44,7 @@ fn a_shim_killed_before_runc_create_returned_leaves_no_record_that_keeps_its_dae
     // the daemon could not idle out and gc kept the record (and restarted a daemon whose
     // supervisor was gone "for" it).
     let env = Env::with_config("idle-timeout = \"1s\"");
-    let holder = env
-        .container("holder")
-        .uid(1000)
-        .device("0")
-        .sh("sleep 1000")
-        .create();
+    let holder = env.request("holder", 1000, "0").sh("sleep 1000").create();
     holder.start();
     let id = env.daemon_of(&holder);
     // The shim execs a low-level runtime that is SIGKILLed at once: the instant between
@@ -63,7 +58,7 @@ fn a_shim_killed_before_runc_create_returned_leaves_no_record_that_keeps_its_dae
     .unwrap();
     let real_runc = which("runc").unwrap();
     set_low_level_runtime(&env, &killed_runc);
-    let doomed = env.container("doomed").uid(1000).device("0").bundle();
+    let doomed = env.request("doomed", 1000, "0").bundle();
     assert!(!doomed.try_create().status.success());
     set_low_level_runtime(&env, &real_runc);
     let pending = env
@@ -74,7 +69,7 @@ fn a_shim_killed_before_runc_create_returned_leaves_no_record_that_keeps_its_dae
     assert!(pending.exists(), "the shim's pending record is there");
     holder.delete();
     // gc takes the record of a gone shim for stale at once...
-    let out = env.cmd(gpushare()).arg("gc").output().unwrap();
+    let out = env.gpushare(&["gc"]);
     assert!(out.status.success(), "gc: {}", text(&out));
     assert!(
         !pending.exists(),
@@ -94,6 +89,18 @@ fn a_shim_killed_before_runc_create_returned_leaves_no_record_that_keeps_its_dae
 }
 
 /// The `gpushare-mps-sim -f` processes serving pipe directory `pipe`.
+/// Rewrites daemon `id`'s record as `ensure` writes it while it starts the daemon (status
+/// `starting`, no supervisor, no daemon); the record's path.
+fn mark_starting(env: &Env, id: &str) -> PathBuf {
+    let mut starting = env.record(id);
+    starting["status"] = "starting".into();
+    starting["supervisor"] = serde_json::Value::Null;
+    starting["daemon"] = serde_json::Value::Null;
+    let record = env.state.join("mps").join(id).join("daemon.json");
+    std::fs::write(&record, serde_json::to_vec_pretty(&starting).unwrap()).unwrap();
+    record
+}
+
 fn control_daemons(pipe: &Path) -> Vec<i32> {
     let want = format!("CUDA_MPS_PIPE_DIRECTORY={}", pipe.display());
     let mut out = Vec::new();
@@ -132,12 +139,7 @@ fn a_supervisor_started_for_a_killed_create_never_runs_beside_another() {
     let rec = env.record(&id);
     let old_sup = rec["supervisor"]["pid"].as_i64().unwrap() as i32;
     stop_process(old_sup, rec["supervisor"]["start_time"].as_u64());
-    let mut starting = env.record(&id);
-    starting["status"] = "starting".into();
-    starting["supervisor"] = serde_json::Value::Null;
-    starting["daemon"] = serde_json::Value::Null;
-    let record = env.state.join("mps").join(&id).join("daemon.json");
-    std::fs::write(&record, serde_json::to_vec_pretty(&starting).unwrap()).unwrap();
+    mark_starting(&env, &id);
     let late = KillOnDrop(
         env.cmd("sh")
             .arg("-c")
@@ -206,7 +208,7 @@ fn gc_removes_the_cgroup_of_a_supervisor_that_is_a_zombie() {
     let _ = std::fs::create_dir(&top);
     let cg = top.join(format!("0123456789abcdef0123456789abcdef-{pid}"));
     std::fs::create_dir(&cg).unwrap();
-    let out = env.cmd(gpushare()).arg("gc").output().unwrap();
+    let out = env.gpushare(&["gc"]);
     let gone = !cg.exists();
     let _ = std::fs::remove_dir(&cg);
     let _ = zombie.wait();
@@ -264,12 +266,7 @@ fn gc_keeps_a_daemon_started_while_it_waited_for_the_identitys_lock() {
         &lock_path
     )));
     // Meanwhile the daemon is started again (what ensure does under the lock).
-    let mut starting = env.record(&id);
-    starting["status"] = "starting".into();
-    starting["supervisor"] = serde_json::Value::Null;
-    starting["daemon"] = serde_json::Value::Null;
-    let record = env.state.join("mps").join(&id).join("daemon.json");
-    std::fs::write(&record, serde_json::to_vec_pretty(&starting).unwrap()).unwrap();
+    let record = mark_starting(&env, &id);
     let _sup = KillOnDrop(
         env.cmd(gpushare())
             .args(["daemon", "supervise", "--id", &id])
@@ -310,13 +307,9 @@ fn gc_keeps_a_daemon_started_while_it_waited_for_the_identitys_lock() {
 
 /// `gpushare daemon start --device 0 --uid 1000 --json`, which must succeed: its output.
 fn start_uid_1000_on_gpu_0(env: &Env) -> serde_json::Value {
-    let out = env
-        .cmd(gpushare())
-        .args([
-            "daemon", "start", "--device", "0", "--uid", "1000", "--json",
-        ])
-        .output()
-        .unwrap();
+    let out = env.gpushare(&[
+        "daemon", "start", "--device", "0", "--uid", "1000", "--json",
+    ]);
     assert!(out.status.success(), "daemon start: {}", text(&out));
     serde_json::from_slice(&out.stdout).unwrap()
 }

@@ -27,17 +27,19 @@ fn kill9(pid: i32) {
     .unwrap();
 }
 
-/// A started container whose client holds its server; returns once the client is served.
-fn holder<'a>(env: &'a Env, id: &str) -> Container<'a> {
-    let c = env.container(id).uid(1000).device("0").sh(HOLD).create();
+/// A started container whose client holds its server, and its daemon; returns once the
+/// client is served.
+fn holder<'a>(env: &'a Env, id: &str) -> (Container<'a>, String) {
+    let c = env.request(id, 1000, "0").sh(HOLD).create();
     c.start();
     assert!(
-        wait_until(Duration::from_secs(40), || c.stdout().contains("shm=ok")),
+        c.wait_stdout("shm=ok", Duration::from_secs(40)),
         "holder {id} served; stdout: {} stderr: {}",
         c.stdout(),
         c.stderr()
     );
-    c
+    let daemon = env.daemon_of(&c);
+    (c, daemon)
 }
 
 fn running(c: &Container) -> bool {
@@ -68,8 +70,7 @@ fn no_panic(what: &str, text: &str) {
 #[test]
 fn a_supervisor_killed_with_sigkill_takes_its_daemon_and_the_next_create_replaces_it() {
     let env = Env::new();
-    let c = holder(&env, "sup1");
-    let id = env.daemon_of(&c);
+    let (c, id) = holder(&env, "sup1");
     let rec = env.record(&id);
     let (sup, daemon) = (pid_of(&rec, "supervisor"), pid_of(&rec, "daemon"));
     kill9(sup);
@@ -81,13 +82,8 @@ fn a_supervisor_killed_with_sigkill_takes_its_daemon_and_the_next_create_replace
     // The running container keeps running (its client does not notice here; see above).
     assert!(running(&c), "holder still running");
     // The operator sees it down, with the reason.
-    let st = env.status();
-    let d = st
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["id"] == id.as_str())
-        .expect("daemon in status");
+    let d = env.status_of(&id);
+    assert!(d.is_object(), "daemon {id} in status");
     assert_eq!(d["health"], "down", "{d}");
     assert!(
         d["health_reason"]
@@ -96,12 +92,7 @@ fn a_supervisor_killed_with_sigkill_takes_its_daemon_and_the_next_create_replace
         "{d}"
     );
     // The next create for the same identity replaces it, and serves the next client.
-    let next = env
-        .container("sup2")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let next = env.request("sup2", 1000, "0").sh(CLIENT).create();
     assert_eq!(env.daemon_of(&next), id);
     let rec2 = env.record(&id);
     assert_eq!(rec2["status"], "ready", "{rec2}");
@@ -124,27 +115,17 @@ fn a_supervisor_killed_with_sigkill_takes_its_daemon_and_the_next_create_replace
 fn a_control_daemon_killed_with_sigkill_under_a_live_client_is_restarted_and_serves_the_next() {
     let env = Env::new();
     let c = env
-        .container("ctl1")
-        .uid(1000)
-        .device("0")
+        .request("ctl1", 1000, "0")
         .annotation("gpushare.io/active-thread-percentage", "40")
         .sh(HOLD)
         .create();
     c.start();
-    assert!(wait_until(Duration::from_secs(40), || c
-        .stdout()
-        .contains("shm=ok")));
+    assert!(c.wait_stdout("shm=ok", Duration::from_secs(40)));
     let id = env.daemon_of(&c);
     let rec = env.record(&id);
     let (sup, daemon) = (pid_of(&rec, "supervisor"), pid_of(&rec, "daemon"));
     kill9(daemon);
-    let restarted = wait_until(Duration::from_secs(15), || {
-        let r = env.record(&id);
-        r["status"] == "ready"
-            && r["daemon"]["pid"]
-                .as_i64()
-                .is_some_and(|p| p as i32 != daemon)
-    });
+    let restarted = env.daemon_restarted(&id, daemon, Duration::from_secs(15));
     assert!(restarted, "record: {}", env.record(&id));
     assert_eq!(
         pid_of(&env.record(&id), "supervisor"),
@@ -163,18 +144,9 @@ fn a_control_daemon_killed_with_sigkill_under_a_live_client_is_restarted_and_ser
     let d = &st.as_array().unwrap()[0];
     assert_eq!(d["health"], "ok", "{d}");
     assert_eq!(d["restarts"], 1, "{d}");
-    let next = env
-        .container("ctl2")
-        .uid(1000)
-        .device("0")
-        .annotation("gpushare.io/active-thread-percentage", "40")
-        .sh(CLIENT)
-        .create();
+    let next = env.client("ctl2", 1000, "40");
     let line = client_line(&next.run());
-    assert_eq!(
-        line["active_thread_percentage"].parse::<f64>().unwrap(),
-        40.0
-    );
+    assert_eq!(percentage(&line), 40.0);
     assert_eq!(env.daemon_of(&next), id);
     next.delete();
     c.delete();
@@ -209,7 +181,7 @@ fn doctor_says(env: &Env, problem: &str) {
 /// config.json whole: as it was, or (when the hook failed after the shim's atomic save)
 /// the complete edited spec, which the engine removes with the bundle.
 fn create_fails_cleanly<'a>(env: &'a Env, id: &str, uid: u32, want: &str) -> Container<'a> {
-    let c = env.container(id).uid(uid).device("0").sh(CLIENT).bundle();
+    let c = env.request(id, uid, "0").sh(CLIENT).bundle();
     let before = c.config_bytes();
     let out = c.try_create();
     assert!(!out.status.success(), "create {id} succeeded");
@@ -254,20 +226,28 @@ fn fill(dir: &Path) -> std::path::PathBuf {
     filler
 }
 
+/// With the state dir broken: `c` and its daemon `id` (supervisor and daemon process)
+/// keep running, `status`, `doctor` and `gc` each fail with one clear error, and doctor's
+/// report says `says`.
+fn still_runs_and_each_command_fails_in_one_line(env: &Env, c: &Container, id: &str, says: &str) {
+    assert!(running(c));
+    let rec = env.record(id);
+    assert!(alive(pid_of(&rec, "supervisor")) && alive(pid_of(&rec, "daemon")));
+    for args in [&["status"][..], &["doctor"], &["gc"]] {
+        let (ok, out, err) = gpushare(env, args);
+        one_clear_error(args[0], ok, &out, &err);
+    }
+    doctor_says(env, says);
+}
+
 #[test]
 fn a_full_state_dir_fails_creates_cleanly_keeps_running_daemons_and_recovers() {
     let env = Env::new();
     state_on_tmpfs(&env, "2M");
-    let c = holder(&env, "full1");
-    let id = env.daemon_of(&c);
+    let (c, id) = holder(&env, "full1");
     let filler = fill(&env.state);
     // A new identity needs a new daemon: its record cannot be written.
-    let bad = env
-        .container("full2")
-        .uid(1001)
-        .device("0")
-        .sh(CLIENT)
-        .bundle();
+    let bad = env.request("full2", 1001, "0").sh(CLIENT).bundle();
     let before = bad.config_bytes();
     let out = bad.try_create();
     let err = bad.last_error();
@@ -283,23 +263,11 @@ fn a_full_state_dir_fails_creates_cleanly_keeps_running_daemons_and_recovers() {
     );
     assert_eq!(bad.config_bytes(), before, "config.json unchanged");
     // The running daemon and its container keep going.
-    assert!(running(&c));
-    let rec = env.record(&id);
-    assert!(alive(pid_of(&rec, "supervisor")) && alive(pid_of(&rec, "daemon")));
-    for args in [&["status"][..], &["doctor"], &["gc"]] {
-        let (ok, out, err) = gpushare(&env, args);
-        one_clear_error(args[0], ok, &out, &err);
-    }
-    doctor_says(&env, "has less than 1 MiB free");
+    still_runs_and_each_command_fails_in_one_line(&env, &c, &id, "has less than 1 MiB free");
     // Space comes back: the same create works.
     std::fs::remove_file(filler).unwrap();
     let _ = env.runtime(&["delete", "-f", "full2"], &bad.log());
-    let again = env
-        .container("full3")
-        .uid(1001)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let again = env.request("full3", 1001, "0").sh(CLIENT).create();
     assert_eq!(client_line(&again.run())["shm"], "ok");
     again.delete();
     c.delete();
@@ -309,8 +277,7 @@ fn a_full_state_dir_fails_creates_cleanly_keeps_running_daemons_and_recovers() {
 fn a_read_only_state_dir_fails_creates_cleanly_keeps_running_daemons_and_recovers() {
     use nix::mount::MsFlags;
     let env = Env::new();
-    let c = holder(&env, "ro1");
-    let id = env.daemon_of(&c);
+    let (c, id) = holder(&env, "ro1");
     // A file system cannot be remounted read-only while the supervisor holds daemon.out
     // open for writing (EBUSY); a read-only bind over the state dir is what new opens see
     // when the file system went read-only. The daemons' tmpfs below stay writable.
@@ -334,24 +301,12 @@ fn a_read_only_state_dir_fails_creates_cleanly_keeps_running_daemons_and_recover
     let bad = create_fails_cleanly(&env, "ro2", 1001, "Read-only file system");
     // A container of the running daemon: its container record cannot be written.
     let same = create_fails_cleanly(&env, "ro3", 1000, "Read-only file system");
-    assert!(running(&c));
-    let rec = env.record(&id);
-    assert!(alive(pid_of(&rec, "supervisor")) && alive(pid_of(&rec, "daemon")));
-    for args in [&["status"][..], &["doctor"], &["gc"]] {
-        let (ok, out, err) = gpushare(&env, args);
-        one_clear_error(args[0], ok, &out, &err);
-    }
-    doctor_says(&env, "is on a read-only file system");
+    still_runs_and_each_command_fails_in_one_line(&env, &c, &id, "is on a read-only file system");
     nix::mount::umount2(&env.state, nix::mount::MntFlags::MNT_DETACH).unwrap();
     for old in [&bad, &same] {
         let _ = env.runtime(&["delete", "-f", &old.id], &old.log());
     }
-    let again = env
-        .container("ro4")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let again = env.request("ro4", 1000, "0").sh(CLIENT).create();
     assert_eq!(env.daemon_of(&again), id);
     assert_eq!(client_line(&again.run())["shm"], "ok");
     again.delete();
@@ -361,8 +316,7 @@ fn a_read_only_state_dir_fails_creates_cleanly_keeps_running_daemons_and_recover
 #[test]
 fn a_deleted_state_dir_loses_its_daemons_to_no_one_and_the_next_create_starts_afresh() {
     let env = Env::new();
-    let c = holder(&env, "rm1");
-    let id = env.daemon_of(&c);
+    let (c, id) = holder(&env, "rm1");
     let rec = env.record(&id);
     let (sup, daemon) = (pid_of(&rec, "supervisor"), pid_of(&rec, "daemon"));
     // Env cannot stop them by their records once the state dir is gone.
@@ -384,12 +338,7 @@ fn a_deleted_state_dir_loses_its_daemons_to_no_one_and_the_next_create_starts_af
     let (ok, out, err) = gpushare(&env, &["gc"]);
     one_clear_error("gc", ok, &out, &err);
     // The next create recreates the state dir and a daemon.
-    let next = env
-        .container("rm2")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let next = env.request("rm2", 1000, "0").sh(CLIENT).create();
     assert_eq!(env.daemon_of(&next), id);
     assert_eq!(client_line(&next.run())["shm"], "ok");
     next.delete();
@@ -485,25 +434,8 @@ fn a_containerd_restart_keeps_containers_and_the_daemon() {
     let ns = PrivateMounts::new();
     let mut c = crate::engines::Containerd::start(&env, &ns, &env.path().join("c"));
     let own_rootfs = c.rootfs();
-    let rootfs = own_rootfs.to_str().unwrap();
     let run = |c: &crate::engines::Containerd, extra: &[&str], id: &str, cmd: &str| {
-        let mut args = vec!["run"];
-        args.extend_from_slice(extra);
-        args.extend_from_slice(&[
-            "--rootfs",
-            "--runc-binary",
-            runtime(),
-            "--annotation",
-            "gpushare.io/device=0",
-            "--env",
-            "PATH=/usr/bin:/bin",
-            rootfs,
-            id,
-            "sh",
-            "-c",
-            cmd,
-        ]);
-        c.ctr(&ns, &args)
+        c.run_request(&ns, extra, &own_rootfs, id, &["sh", "-c", cmd])
     };
     // The holder's output goes to a file in the rootfs: `ctr run -d` keeps no logs.
     let out = run(&c, &["-d"], "hold1", &format!("{HOLD} > /tmp/hold.out"));

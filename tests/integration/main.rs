@@ -9,6 +9,7 @@ mod cri;
 mod docs;
 mod driver_root;
 mod engines;
+mod entry_paths;
 mod faults_found;
 mod faults_live;
 mod modes;

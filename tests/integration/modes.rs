@@ -43,9 +43,7 @@ fn multi_user_serves_every_uid_from_one_root_daemon_at_once() {
 fn host_ipc_is_dockers_ipc_host_and_the_daemon_uses_the_hosts_shm() {
     let env = Env::with_config("ipc = \"host\"");
     let c = env
-        .container("h1")
-        .uid(1000)
-        .device("0")
+        .request("h1", 1000, "0")
         .sh(&format!("{CLIENT} --hold 1"))
         .create();
     c.start();
@@ -76,16 +74,9 @@ fn host_ipc_is_dockers_ipc_host_and_the_daemon_uses_the_hosts_shm() {
 #[test]
 fn ipc_override_only_where_allowed() {
     let env = Env::with_config("allow-ipc-override = true");
-    let iso = env
-        .container("o-iso")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let iso = env.request("o-iso", 1000, "0").sh(CLIENT).create();
     let host = env
-        .container("o-host")
-        .uid(1000)
-        .device("0")
+        .request("o-host", 1000, "0")
         .annotation("gpushare.io/ipc", "host")
         .sh(&format!("{CLIENT} --hold 1"))
         .create();
@@ -107,9 +98,7 @@ fn advisory_limits_are_client_env_only_with_one_daemon_per_user() {
     let env = Env::with_config("limits = \"advisory\"");
     let run = |name: &str, tp: &str| {
         let c = env
-            .container(name)
-            .uid(1000)
-            .device("0")
+            .request(name, 1000, "0")
             .annotation("gpushare.io/active-thread-percentage", tp)
             .sh(&format!(
                 "echo ENV=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; {CLIENT}"
@@ -146,25 +135,15 @@ fn client_priority_reaches_the_shims_clients_and_hook_only_mode_refuses_it() {
     let env = Env::with_config("limits = \"advisory\"");
     let _cleanup = RuncDelete(&env, vec!["ho-prio".into(), "ho-adv".into()]);
     let low = env
-        .container("prio-low")
-        .uid(1000)
-        .device("0")
+        .request("prio-low", 1000, "0")
         .annotation("gpushare.io/client-priority", "1")
         .annotation("gpushare.io/active-thread-percentage", "25")
         .sh(CLIENT)
         .create();
     let line = client_line(&low.run());
     assert_eq!(line["client_priority"], "1");
-    assert_eq!(
-        line["active_thread_percentage"].parse::<f64>().unwrap(),
-        25.0
-    );
-    let normal = env
-        .container("prio-normal")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    assert_eq!(percentage(&line), 25.0);
+    let normal = env.request("prio-normal", 1000, "0").sh(CLIENT).create();
     assert_eq!(client_line(&normal.run())["client_priority"], "-");
     let ids = env.daemon_ids();
     assert_eq!(ids.len(), 1, "the priority splits no daemon: {ids:?}");
@@ -184,9 +163,7 @@ fn client_priority_reaches_the_shims_clients_and_hook_only_mode_refuses_it() {
         ),
     ] {
         let c = env
-            .container(id)
-            .uid(2000)
-            .device("0")
+            .request(id, 2000, "0")
             .annotation(key, value)
             .sh(CLIENT)
             .bundle();
@@ -219,18 +196,11 @@ fn client_priority_reaches_the_shims_clients_and_hook_only_mode_refuses_it() {
 fn mig_devices_get_one_daemon_each_with_their_own_memory_limit() {
     let env = Env::new();
     let a = env
-        .container("mig-a")
-        .uid(1000)
-        .device("1:0")
+        .request("mig-a", 1000, "1:0")
         .annotation("gpushare.io/pinned-memory-limit", "8G")
         .sh(CLIENT)
         .create();
-    let b = env
-        .container("mig-b")
-        .uid(1000)
-        .device(MIG1)
-        .sh(CLIENT)
-        .create();
+    let b = env.request("mig-b", 1000, MIG1).sh(CLIENT).create();
     assert_eq!(client_line(&a.run())["shm"], "ok");
     assert_eq!(client_line(&b.run())["shm"], "ok");
     let (da, db) = (env.daemon_of(&a), env.daemon_of(&b));
@@ -243,26 +213,18 @@ fn mig_devices_get_one_daemon_each_with_their_own_memory_limit() {
 
     // The limit is checked against the MIG device's 10 GiB, not the GPU's 80 GiB.
     let big = env
-        .container("mig-big")
-        .uid(1000)
-        .device("1:2")
+        .request("mig-big", 1000, "1:2")
         .annotation("gpushare.io/pinned-memory-limit", "12G")
         .bundle();
-    assert_eq!(big.try_create().status.code(), Some(1));
-    let msg = big.last_error();
-    assert!(
-        msg.contains(MIG2) && msg.contains("allowed is 1M up to 10G"),
-        "{msg}"
-    );
+    let msg = big.refuse();
+    assert_names(&msg, &[MIG2, "allowed is 1M up to 10G"]);
 }
 
 #[test]
 fn a_list_of_full_gpus_gets_one_daemon_for_the_set() {
     let env = Env::new();
     let c = env
-        .container("list")
-        .uid(1000)
-        .device("0,2")
+        .request("list", 1000, "0,2")
         .annotation("gpushare.io/pinned-memory-limit", "2G")
         .sh(&format!(
             "echo MEM=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT; {CLIENT}"
@@ -315,42 +277,23 @@ fn user_namespaces_map_the_daemon_to_the_host_uid() {
         .userns(100000, 65536)
         .device("0")
         .bundle();
-    let before = unmapped.config_bytes();
-    assert_eq!(unmapped.try_create().status.code(), Some(1));
-    let msg = unmapped.last_error();
-    assert!(
-        msg.contains("70000") && msg.contains("uidMappings"),
-        "{msg}"
-    );
-    assert_eq!(unmapped.config_bytes(), before);
+    let msg = unmapped.refuse_untouched();
+    assert_names(&msg, &["70000", "uidMappings"]);
 }
 
 #[test]
 fn a_killed_daemon_is_restarted_with_its_limits_while_containers_use_it() {
     let env = Env::new();
     let holder = env
-        .container("hold")
-        .uid(1000)
-        .device("0")
+        .request("hold", 1000, "0")
         .annotation("gpushare.io/active-thread-percentage", "30")
         .sh("sleep 60")
         .create();
     holder.start();
     let id = env.daemon_of(&holder);
-    let pid = env.daemon_pid(&id);
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    let pid = env.kill_daemon(&id);
     // The supervisor restarts it on its own, within the start timeout.
-    let restarted = wait_until(Duration::from_secs(10), || {
-        let rec = env.record(&id);
-        rec["status"] == "ready"
-            && rec["daemon"]["pid"]
-                .as_i64()
-                .is_some_and(|p| p as i32 != pid)
-    });
+    let restarted = env.daemon_restarted(&id, pid, Duration::from_secs(10));
     assert!(restarted, "record: {}", env.record(&id));
     assert_eq!(env.record(&id)["restarts"], 1);
     let log = env.control_log(&id);
@@ -360,18 +303,9 @@ fn a_killed_daemon_is_restarted_with_its_limits_while_containers_use_it() {
         2,
         "limits re-applied:\n{log}"
     );
-    let next = env
-        .container("after")
-        .uid(1000)
-        .device("0")
-        .annotation("gpushare.io/active-thread-percentage", "30")
-        .sh(CLIENT)
-        .create();
+    let next = env.client("after", 1000, "30");
     let line = client_line(&next.run());
-    assert_eq!(
-        line["active_thread_percentage"].parse::<f64>().unwrap(),
-        30.0
-    );
+    assert_eq!(percentage(&line), 30.0);
     assert_eq!(env.daemon_of(&next), id);
     holder.delete();
 }
@@ -383,12 +317,7 @@ fn gone(env: &Env, id: &str) -> bool {
 #[test]
 fn an_idle_daemon_is_stopped_and_removed_and_comes_back_on_demand() {
     let env = Env::with_config("idle-timeout = \"1s\"");
-    let c = env
-        .container("idle1")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let c = env.request("idle1", 1000, "0").sh(CLIENT).create();
     assert_eq!(client_line(&c.run())["shm"], "ok");
     let id = env.daemon_of(&c);
     let rec = env.record(&id);
@@ -410,12 +339,7 @@ fn an_idle_daemon_is_stopped_and_removed_and_comes_back_on_demand() {
         log.contains("without containers; directories removed"),
         "{log}"
     );
-    let again = env
-        .container("idle2")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let again = env.request("idle2", 1000, "0").sh(CLIENT).create();
     assert_eq!(
         client_line(&again.run())["shm"],
         "ok",
@@ -426,12 +350,7 @@ fn an_idle_daemon_is_stopped_and_removed_and_comes_back_on_demand() {
 #[test]
 fn a_daemon_with_a_running_container_is_not_idle_but_a_stopped_one_does_not_count() {
     let env = Env::with_config("idle-timeout = \"1s\"");
-    let holder = env
-        .container("busy")
-        .uid(1000)
-        .device("0")
-        .sh("sleep 60")
-        .create();
+    let holder = env.request("busy", 1000, "0").sh("sleep 60").create();
     holder.start();
     let id = env.daemon_of(&holder);
     // Several idle periods pass while the container runs: the daemon stays.
@@ -455,15 +374,13 @@ fn a_daemon_with_a_running_container_is_not_idle_but_a_stopped_one_does_not_coun
 fn an_idle_daemon_with_a_client_but_no_record_keeps_running_until_the_client_ends() {
     let env = Env::with_config("idle-timeout = \"1s\"");
     let c = env
-        .container("unrecorded")
-        .uid(1000)
-        .device("0")
+        .request("unrecorded", 1000, "0")
         .sh(&format!("{CLIENT} --hold 6"))
         .create();
     let id = env.daemon_of(&c);
     c.start();
     assert!(
-        wait_until(Duration::from_secs(10), || c.stdout().contains("server=")),
+        c.wait_stdout("server=", Duration::from_secs(10)),
         "the client attached: {}",
         c.stdout()
     );
@@ -497,12 +414,7 @@ fn an_idle_daemon_with_a_client_but_no_record_keeps_running_until_the_client_end
 #[test]
 fn gc_cleans_what_a_crash_left() {
     let env = Env::new();
-    let c = env
-        .container("gc1")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let c = env.request("gc1", 1000, "0").sh(CLIENT).create();
     assert_eq!(client_line(&c.run())["shm"], "ok");
     c.delete();
     let id = env.daemon_of(&c);
@@ -532,7 +444,7 @@ fn gc_cleans_what_a_crash_left() {
         .join(".0123456789abcdef0123456789abcdef.removing");
     std::fs::create_dir_all(tomb.join("pipe")).unwrap();
 
-    let out = env.cmd(gpushare()).arg("gc").output().unwrap();
+    let out = env.gpushare(&["gc"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
     assert!(text.contains("removed 1 stale container record"), "{text}");
@@ -552,12 +464,7 @@ fn gc_cleans_what_a_crash_left() {
     );
 
     // With a live container and a dead supervisor, gc brings the daemon back instead.
-    let holder = env
-        .container("gc2")
-        .uid(1000)
-        .device("0")
-        .sh("sleep 60")
-        .create();
+    let holder = env.request("gc2", 1000, "0").sh("sleep 60").create();
     holder.start();
     let id2 = env.daemon_of(&holder);
     let rec = env.record(&id2);
@@ -570,7 +477,7 @@ fn gc_cleans_what_a_crash_left() {
     }
     let old_sup = rec["supervisor"]["pid"].as_i64().unwrap() as i32;
     assert!(wait_until(Duration::from_secs(5), || !alive(old_sup)));
-    let out = env.cmd(gpushare()).arg("gc").output().unwrap();
+    let out = env.gpushare(&["gc"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("restarted"),
@@ -585,20 +492,7 @@ fn gc_cleans_what_a_crash_left() {
 #[test]
 fn operators_start_list_and_stop_daemons_outside_containers() {
     let env = Env::new();
-    let out = env
-        .cmd(gpushare())
-        .args([
-            "daemon",
-            "start",
-            "--device",
-            "0",
-            "--uid",
-            "1000",
-            "--active-thread-percentage",
-            "40",
-        ])
-        .output()
-        .unwrap();
+    let out = env.start_daemon("0", "1000", "40");
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success() && text.starts_with("started daemon "),
@@ -612,39 +506,20 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
     );
     // A container with the same identity uses the pre-started daemon.
     let c = env
-        .container("pre")
-        .uid(1000)
-        .device("0")
+        .request("pre", 1000, "0")
         .annotation("gpushare.io/active-thread-percentage", "40")
         .sh("sleep 60")
         .create();
     c.start();
     assert_eq!(env.daemon_of(&c), id);
-    let list = env
-        .cmd(gpushare())
-        .args(["daemon", "list"])
-        .output()
-        .unwrap();
+    let list = env.gpushare(&["daemon", "list"]);
     let list = String::from_utf8_lossy(&list.stdout).into_owned();
     assert!(
         list.contains(&id) && list.contains("threads=40%") && list.contains("container pre"),
         "{list}"
     );
     // Bad input is one line naming the flag.
-    let bad = env
-        .cmd(gpushare())
-        .args([
-            "daemon",
-            "start",
-            "--device",
-            "0",
-            "--uid",
-            "1000",
-            "--active-thread-percentage",
-            "101",
-        ])
-        .output()
-        .unwrap();
+    let bad = env.start_daemon("0", "1000", "101");
     assert_eq!(bad.status.code(), Some(1));
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(
@@ -652,28 +527,16 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
         "{err}"
     );
     // Without --uid (and not multi-user) it refuses rather than serve root silently.
-    let no_uid = env
-        .cmd(gpushare())
-        .args(["daemon", "start", "--device", "0"])
-        .output()
-        .unwrap();
+    let no_uid = env.gpushare(&["daemon", "start", "--device", "0"]);
     assert_eq!(no_uid.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&no_uid.stderr).contains("--uid"));
     // Stopping a daemon that does not exist is an error, not a "stopped".
-    let none = env
-        .cmd(gpushare())
-        .args(["daemon", "stop", "--id", "0123456789abcdef0123456789abcdef"])
-        .output()
-        .unwrap();
+    let none = env.gpushare(&["daemon", "stop", "--id", "0123456789abcdef0123456789abcdef"]);
     assert_eq!(none.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&none.stderr)
         .contains("no daemon 0123456789abcdef0123456789abcdef"));
     // Stop refuses while a container uses it, then stops with --force.
-    let refused = env
-        .cmd(gpushare())
-        .args(["daemon", "stop", "--id", &id])
-        .output()
-        .unwrap();
+    let refused = env.gpushare(&["daemon", "stop", "--id", &id]);
     assert_eq!(refused.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("used by 1 container(s) (pre)"));
     let pid = env.daemon_pid(&id);
@@ -682,11 +545,7 @@ fn operators_start_list_and_stop_daemons_outside_containers() {
         !daemon_cgroups(&[sup]).is_empty(),
         "the supervisor has cgroups of its own"
     );
-    let forced = env
-        .cmd(gpushare())
-        .args(["daemon", "stop", "--all", "--force"])
-        .output()
-        .unwrap();
+    let forced = env.gpushare(&["daemon", "stop", "--all", "--force"]);
     assert!(forced.status.success(), "{forced:?}");
     assert!(!alive(pid) || wait_until(Duration::from_secs(5), || !alive(pid)));
     assert!(gone(&env, &id));

@@ -20,7 +20,7 @@ use crate::cri::BAD_PERCENTAGE_LINE;
 /// else the script's default cache. `None` (the test skips: the test command lists it
 /// with this reason; under `CI=true` it fails) only when the source archive it builds
 /// from is not beside the repository either.
-fn containerd23_bin() -> Option<PathBuf> {
+pub fn containerd23_bin() -> Option<PathBuf> {
     let dir = std::env::var_os("GPUSHARE_TEST_CONTAINERD23")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/var/cache/gpushare-test/engines/containerd-2.3.4/bin"));
@@ -47,7 +47,7 @@ fn containerd23_bin() -> Option<PathBuf> {
 
 /// NRI on, its socket and plugin directories the node's own; a request timeout that a
 /// loaded test machine's cold daemon start fits in.
-fn enable_nri(config: &Path) {
+pub fn enable_nri(config: &Path) {
     nri_with_timeout(config, "10s");
 }
 
@@ -73,13 +73,13 @@ fn nri_with_timeout(config: &Path, timeout: &str) {
 /// `gpushare nri` on a node's NRI socket, in its mount namespace. The validator it keeps
 /// running (`gpushare nri-validate`, a process of its own that outlives the plugin) is
 /// stopped in `Drop` too, by the pid its state names.
-struct Plugin {
+pub struct Plugin {
     child: Option<Child>,
     validator_state: PathBuf,
 }
 
 impl Plugin {
-    fn start(env: &Env, node: &Node) -> Plugin {
+    pub fn start(env: &Env, node: &Node) -> Plugin {
         Self::start_with(env, node, &[])
     }
 
@@ -245,7 +245,7 @@ impl Drop for Plugin {
 }
 
 /// The engine of every container record (the plugin's say `kubernetes-nri`).
-fn record_engines(env: &Env) -> Vec<String> {
+pub fn record_engines(env: &Env) -> Vec<String> {
     let mut out = Vec::new();
     for d in env.daemon_ids() {
         let dir = env.state.join("mps").join(&d).join("containers");
@@ -261,7 +261,7 @@ fn record_engines(env: &Env) -> Vec<String> {
 }
 
 /// Whether any of gpushare's hooks is in a container's spec.
-fn has_gpushare_hook(spec: &Value) -> bool {
+pub fn has_gpushare_hook(spec: &Value) -> bool {
     spec["hooks"]
         .as_object()
         .into_iter()
@@ -282,33 +282,17 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
     let mut plugin = Plugin::start(&env, &node);
     let ann = [("gpushare.io/device", "0")];
 
-    let mut served = Vec::new();
-    for (name, uid) in [("alice", 1000), ("bob", 2000)] {
-        let pod = node.plain_pod(&PodSpec {
-            name,
-            annotations: &ann,
-            run_as_user: Some(uid),
-            ..Default::default()
-        });
-        let c = ContainerSpec {
-            name: "cuda",
-            script: &hold(60),
-            run_as_user: Some(uid),
-            ..Default::default()
-        };
-        let id = node.run(&pod, &c);
-        let line = node.client_line(&pod, &c);
-        assert_eq!(line["server_uid"], uid.to_string(), "{name}: {line:?}");
-        assert!(
-            line["waited_ms"].parse::<u64>().unwrap() < 1000,
-            "{name} waited: {line:?}"
-        );
+    let held = hold(60);
+    let served = node.two_users_pods(EntryPath::Nri, &ann, &held);
+    let mut user_daemons = Vec::new();
+    for UserPod { pod, id, .. } in &served {
+        let name = &pod.config.metadata.as_ref().unwrap().name;
         // What the plugin adjusted: the pipe directory read-only, the daemon's shm over
         // /dev/shm, the client env; no hook of gpushare's (no shim ran: no decision).
-        let spec = node.bundle_spec(&id);
+        let spec = node.bundle_spec(id);
         let daemon = node
-            .daemon_of(&id)
-            .expect("the plugin recorded the container");
+            .daemon_of(id)
+            .unwrap_or_else(|| panic!("the plugin recorded {name}'s container"));
         let mount = |dest: &str| {
             spec["mounts"]
                 .as_array()
@@ -356,13 +340,8 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
         );
         assert!(!has_gpushare_hook(&spec), "{spec}");
         assert!(spec["annotations"].get("gpushare.io/daemon").is_none());
-        served.push((pod, id, daemon, line));
+        user_daemons.push(daemon);
     }
-    assert_ne!(
-        served[0].2, served[1].2,
-        "each user has a daemon of its own"
-    );
-    assert_ne!(served[0].3["server"], served[1].3["server"]);
     assert_eq!(record_engines(&env), ["kubernetes-nri", "kubernetes-nri"]);
 
     // A pod without a request is untouched.
@@ -384,23 +363,17 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
     assert_eq!(node.daemon_of(&plain_id), None);
 
     // A bad request fails the container with gpushare's line, and starts no daemon.
-    let bad = node.plain_pod(&PodSpec {
-        name: "bad",
-        annotations: &[
+    let bad = node.plain_pod(&PodSpec::user(
+        "bad",
+        1000,
+        &[
             ("gpushare.io/device", "0"),
             ("gpushare.io/active-thread-percentage", "101"),
         ],
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
+    ));
     node.refuse(
         &bad,
-        &ContainerSpec {
-            name: "cuda",
-            script: "true",
-            run_as_user: Some(1000),
-            ..Default::default()
-        },
+        &ContainerSpec::user("cuda", 1000, "true"),
         BAD_PERCENTAGE_LINE,
     );
 
@@ -408,18 +381,9 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
     // shim's edits name the same daemon at the same paths, and the hook's record replaces
     // the plugin's (one file per container).
     let daemons = env.daemon_ids().len();
-    let shimmed = node.pod(&PodSpec {
-        name: "shimmed",
-        annotations: &ann,
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
-    let s = ContainerSpec {
-        name: "cuda",
-        script: &hold(0),
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
+    let shimmed = node.pod(&PodSpec::user("shimmed", 1000, &ann));
+    let script = hold(0);
+    let s = ContainerSpec::user("cuda", 1000, &script);
     let s_id = node.run(&shimmed, &s);
     assert_eq!(node.client_line(&shimmed, &s)["server_uid"], "1000");
     let spec = node.bundle_spec(&s_id);
@@ -430,7 +394,10 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
         .filter(|m| m["destination"] == "/tmp/nvidia-mps")
         .count();
     assert_eq!(pipes, 1, "{spec}");
-    assert_eq!(node.daemon_of(&s_id).as_deref(), Some(served[0].2.as_str()));
+    assert_eq!(
+        node.daemon_of(&s_id).as_deref(),
+        Some(user_daemons[0].as_str())
+    );
     assert_eq!(env.daemon_ids().len(), daemons, "no second daemon");
     assert_eq!(
         node.gpushare_records()
@@ -447,7 +414,7 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
     // The plugin restarts under live pods: its records stay (Synchronize finds the
     // containers running); then a removed pod leaves no record.
     // Connected: the line deploy/nri-plugin.yaml's readiness probe looks for.
-    let status = env.cmd(gpushare()).arg("status").output().unwrap();
+    let status = env.gpushare(&["status"]);
     assert!(
         text(&status)
             .lines()
@@ -456,7 +423,7 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
         text(&status)
     );
     // kubernetes.md's `gpushare doctor` after the plugin started: its `nri` line.
-    let doctor = env.cmd(gpushare()).arg("doctor").output().unwrap();
+    let doctor = env.gpushare(&["doctor"]);
     assert!(
         text(&doctor).lines().any(|l| {
             let words: Vec<&str> = l.split_whitespace().collect();
@@ -474,14 +441,15 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
         text(&doctor)
     );
     plugin.stop();
-    let status = env.cmd(gpushare()).arg("status").output().unwrap();
+    let status = env.gpushare(&["status"]);
     assert!(
         text(&status).contains("NRI plugin not running"),
         "{}",
         text(&status)
     );
     let mut plugin = Plugin::start(&env, &node);
-    let (alice, alice_id, alice_daemon, _) = &served[0];
+    let [alice, bob] = &served;
+    let (alice_id, alice_daemon) = (&alice.id, &user_daemons[0]);
     assert_eq!(
         node.daemon_of(alice_id).as_deref(),
         Some(alice_daemon.as_str())
@@ -494,8 +462,8 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
         "StopContainer released {alice_id}"
     );
     node.cri().remove_container(alice_id).unwrap();
-    node.cri().stop_pod(&alice.id).unwrap();
-    node.cri().remove_pod(&alice.id).unwrap();
+    node.cri().stop_pod(&alice.pod.id).unwrap();
+    node.cri().remove_pod(&alice.pod.id).unwrap();
 
     // containerd restarts under bob's live pod: the plugin dials again by itself, bob's
     // record stays, and a new pod is served.
@@ -512,19 +480,10 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
         "the plugin did not reconnect after containerd's restart: {}",
         env.gpushare_log()
     );
-    assert!(node.daemon_of(&served[1].1).is_some());
-    let again = node.plain_pod(&PodSpec {
-        name: "again",
-        annotations: &ann,
-        run_as_user: Some(3000),
-        ..Default::default()
-    });
-    let a = ContainerSpec {
-        name: "cuda",
-        script: &hold(0),
-        run_as_user: Some(3000),
-        ..Default::default()
-    };
+    assert!(node.daemon_of(&bob.id).is_some());
+    let again = node.plain_pod(&PodSpec::user("again", 3000, &ann));
+    let script = hold(0);
+    let a = ContainerSpec::user("cuda", 3000, &script);
     let again_id = node.run(&again, &a);
     assert_eq!(node.client_line(&again, &a)["server_uid"], "3000");
     node.cri().stop_container(&again_id, 0).unwrap();
@@ -534,12 +493,12 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
 
     // A record whose container went away while the plugin was down is dropped at its
     // next Synchronize.
-    let (bob, bob_id, _, _) = &served[1];
+    let bob_id = &bob.id;
     plugin.stop();
     node.cri().stop_container(bob_id, 0).unwrap();
     node.cri().remove_container(bob_id).unwrap();
-    node.cri().stop_pod(&bob.id).unwrap();
-    node.cri().remove_pod(&bob.id).unwrap();
+    node.cri().stop_pod(&bob.pod.id).unwrap();
+    node.cri().remove_pod(&bob.pod.id).unwrap();
     assert!(node.daemon_of(bob_id).is_some(), "nobody released it yet");
     let _plugin = Plugin::start(&env, &node);
     assert!(
@@ -549,60 +508,6 @@ fn nri_plugin_serves_two_users_pods_without_a_runtime_class() {
         "no container record is left: {:?}",
         node.gpushare_records()
     );
-}
-
-/// A containerd before 2.3 tells NRI plugins no container user: a per-user request
-/// through the plugin fails the container with one line naming what is needed, and
-/// nothing is recorded or started (never served as UID 0).
-fn refuses_a_per_user_request_with_one_line(env: &Env, mut node: Node) {
-    let _plugin = Plugin::start(env, &node);
-    let pod = node.plain_pod(&PodSpec {
-        name: "old",
-        annotations: &[("gpushare.io/device", "0")],
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
-    node.refuse(
-        &pod,
-        &ContainerSpec {
-            name: "cuda",
-            script: "true",
-            run_as_user: Some(1000),
-            ..Default::default()
-        },
-        "gpushare: the container's user is unknown: containerd",
-    );
-    let err = node
-        .try_run(
-            &pod,
-            &ContainerSpec {
-                name: "cuda2",
-                script: "true",
-                run_as_user: Some(1000),
-                ..Default::default()
-            },
-        )
-        .unwrap_err();
-    assert!(
-        err.message.contains("allowed is containerd 2.3.0 or later"),
-        "{err}"
-    );
-    assert_eq!(node.gpushare_records(), vec![]);
-}
-
-#[test]
-fn nri_plugin_on_containerd_2_1_refuses_a_per_user_request_with_one_line() {
-    let env = Env::new();
-    let node = Node::start_fetched_with(&env, containerd2_bin(), 3, &enable_nri);
-    refuses_a_per_user_request_with_one_line(&env, node);
-}
-
-#[test]
-fn nri_plugin_on_containerd_1_7_refuses_a_per_user_request_with_one_line() {
-    let env = Env::new();
-    // containerd 1.7 has NRI off unless configured: `enable_nri` turns it on.
-    let node = Node::start_containerd_1_7_with(&env, &enable_nri);
-    refuses_a_per_user_request_with_one_line(&env, node);
 }
 
 /// The allocation default through the plugin, with no RuntimeClass: on a node with
@@ -619,12 +524,11 @@ fn nri_plugin_serves_the_allocated_device_on_a_node_that_defaults_to_it() {
     let env = Env::with_configs("default-device = \"allocated\"\n", "");
     let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri);
     let _plugin = Plugin::start(&env, &node);
-    let pod = node.plain_pod(&PodSpec {
-        name: "allocated",
-        annotations: &[("gpushare.io/active-thread-percentage", "25")],
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
+    let pod = node.plain_pod(&PodSpec::user(
+        "allocated",
+        1000,
+        &[("gpushare.io/active-thread-percentage", "25")],
+    ));
     let served_on = |env: &Env, pod: &Pod, c: &ContainerSpec, id: &str, uid: &str| {
         let l = node.client_line(pod, c);
         assert_eq!(
@@ -648,16 +552,14 @@ fn nri_plugin_serves_the_allocated_device_on_a_node_that_defaults_to_it() {
 
     // NVIDIA's device plugin: GPU 2 by a /dev/null volume mount.
     let allocated = format!("/var/run/nvidia-container-devices/{GPU2}");
+    let script = hold(60);
     let mounted = ContainerSpec {
-        name: "mounted",
-        script: &hold(60),
-        run_as_user: Some(1000),
         envs: &[(
             "NVIDIA_VISIBLE_DEVICES",
             "/var/run/nvidia-container-devices",
         )],
         mounts: &[("/dev/null", &allocated)],
-        ..Default::default()
+        ..ContainerSpec::user("mounted", 1000, &script)
     };
     let id = node.run(&pod, &mounted);
     assert_eq!(
@@ -675,12 +577,10 @@ fn nri_plugin_serves_the_allocated_device_on_a_node_that_defaults_to_it() {
         .unwrap();
     assert!(st.success(), "mknod");
     let dev = format!("{}:/dev/nvidia{GPU0_MINOR}", host_node.display());
+    let script = hold(60);
     let noded = ContainerSpec {
-        name: "device-node",
-        script: &hold(60),
-        run_as_user: Some(2000),
         devices: &[&dev],
-        ..Default::default()
+        ..ContainerSpec::user("device-node", 2000, &script)
     };
     let id = node.run(&pod, &noded);
     assert_eq!(
@@ -691,20 +591,9 @@ fn nri_plugin_serves_the_allocated_device_on_a_node_that_defaults_to_it() {
 
     // No allocation: no request, whatever the node's default.
     let daemons = env.daemon_ids();
-    let sidecar = ContainerSpec {
-        name: "sidecar",
-        script: "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset}; exec sleep 3600",
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
+    let sidecar = ContainerSpec::user("sidecar", 1000, PRINT_PIPE);
     let id = node.run(&pod, &sidecar);
-    assert!(
-        wait_until(Duration::from_secs(20), || node
-            .output(&pod, &sidecar)
-            .contains("PIPE=unset")),
-        "{}",
-        node.output(&pod, &sidecar)
-    );
+    node.wait_output(&pod, &sidecar, "PIPE=unset");
     let spec = node.bundle_spec(&id);
     let (envs, mounts) = (
         spec["process"]["env"].to_string(),
@@ -718,104 +607,21 @@ fn nri_plugin_serves_the_allocated_device_on_a_node_that_defaults_to_it() {
     // The GPU Operator's validator, allocated GPU 2 in a namespace of the default
     // [nri] skip-namespaces: left alone, whatever the node's default.
     let validator = node.plain_pod(&PodSpec {
-        name: "validator",
         namespace: "gpu-operator",
-        run_as_user: Some(1000),
-        ..Default::default()
+        ..PodSpec::user("validator", 1000, &[])
     });
     let cuda = ContainerSpec {
-        name: "cuda-validation",
-        script: "echo PIPE=${CUDA_MPS_PIPE_DIRECTORY:-unset}; exec sleep 3600",
-        run_as_user: Some(1000),
         envs: &[(
             "NVIDIA_VISIBLE_DEVICES",
             "/var/run/nvidia-container-devices",
         )],
         mounts: &[("/dev/null", &allocated)],
-        ..Default::default()
+        ..ContainerSpec::user("cuda-validation", 1000, PRINT_PIPE)
     };
     let id = node.run(&validator, &cuda);
-    assert!(
-        wait_until(Duration::from_secs(20), || node
-            .output(&validator, &cuda)
-            .contains("PIPE=unset")),
-        "{}",
-        node.output(&validator, &cuda)
-    );
+    node.wait_output(&validator, &cuda, "PIPE=unset");
     assert_eq!(node.daemon_of(&id), None);
     assert_eq!(env.daemon_ids(), daemons);
-}
-
-/// One server per container: a CDI device of gpushare's (from `gpushare install cdi`,
-/// the spec `gpushare cdi generate` writes) on a pod of no RuntimeClass reaches the
-/// container with gpushare's prestart hook in its spec, which serves it; the plugin
-/// leaves that container alone. Served once: one pipe directory mount, no mount or env of
-/// the plugin's in the spec, one daemon, and the hook's record, not the plugin's.
-#[test]
-fn nri_plugin_leaves_a_cdi_device_to_gpushare_s_hook() {
-    let Some(bin) = containerd23_bin() else {
-        return;
-    };
-    let env = Env::new();
-    let cdi = env.path().join("cdi");
-    let configure = |config: &Path| {
-        install_cdi(&env, &cdi.join("gpushare.json"), config);
-        enable_nri(config);
-    };
-    let mut node = Node::start_fetched_with(&env, bin, 3, &configure);
-    let _plugin = Plugin::start(&env, &node);
-    let pod = node.plain_pod(&PodSpec {
-        name: "cdi",
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
-    let c = ContainerSpec {
-        name: "field",
-        script: &format!("{CLIENT}; cat /proc/self/mountinfo; exec sleep 3600"),
-        run_as_user: Some(1000),
-        cdi_devices: &["gpushare.io/gpu=0"],
-        ..Default::default()
-    };
-    let id = node.run(&pod, &c);
-    let line = node.client_line(&pod, &c);
-    assert_eq!(
-        (line["server_uid"].as_str(), line["shm"].as_str()),
-        ("1000", "ok"),
-        "{line:?}"
-    );
-    let out = node.mountinfo(&pod, &c);
-    assert_eq!(pipe_mounts(&out), 1, "served once:\n{out}");
-    // The hook's spec: its prestart hook, none of the plugin's mounts or env.
-    let spec = node.bundle_spec(&id);
-    assert!(has_gpushare_hook(&spec), "{}", spec["hooks"]);
-    let state = env.state.display().to_string();
-    assert!(
-        !spec["mounts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|m| m["destination"] == "/tmp/nvidia-mps"
-                || m["source"].as_str().unwrap_or("").starts_with(&state)),
-        "{}",
-        spec["mounts"]
-    );
-    assert!(
-        !spec["process"]["env"].to_string().contains("CUDA_MPS"),
-        "{}",
-        spec["process"]["env"]
-    );
-    let ids = env.daemon_ids();
-    assert_eq!(ids.len(), 1, "{ids:?}");
-    assert_eq!(
-        env.record(&ids[0])["identity"]["devices"],
-        serde_json::json!([GPU0])
-    );
-    assert_eq!(node.gpushare_records(), [(ids[0].clone(), id.clone())]);
-    assert_ne!(
-        record_engines(&env),
-        ["kubernetes-nri"],
-        "the hook's record"
-    );
 }
 
 /// One tenant's slow daemon against another tenant's pods, through containerd 2.3.4's CRI
@@ -1019,12 +825,7 @@ fn nri_default_validator_refuses_pods_that_need_the_plugin_while_it_is_down() {
             ..Default::default()
         })
     };
-    let c = ContainerSpec {
-        name: "c",
-        script: "exec sleep 3600",
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
+    let c = ContainerSpec::user("c", 1000, "exec sleep 3600");
 
     // Per pod. Connected: the pod that needs the plugin is served.
     let p = pod(&mut node, &needs);
@@ -1329,12 +1130,7 @@ fn nri_a_create_whose_answer_never_reached_containerd_leaves_no_record() {
         run_as_user: Some(1000),
         ..Default::default()
     };
-    let c = ContainerSpec {
-        name: "c",
-        script: "exec sleep 3600",
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
+    let c = ContainerSpec::user("c", 1000, "exec sleep 3600");
     // Served, on a warm daemon.
     let p = node.plain_pod(&spec("served"));
     let served = node.run(&p, &c);
@@ -1370,15 +1166,7 @@ fn nri_a_create_whose_answer_never_reached_containerd_leaves_no_record() {
 
     // The audit at that Synchronize found it: logged, in `status` (its line, its JSON, its
     // metric); the served container is not named.
-    let status = |args: &[&str]| {
-        let out = env
-            .cmd(gpushare())
-            .arg("status")
-            .args(args)
-            .output()
-            .unwrap();
-        text(&out)
-    };
+    let status = |args: &[&str]| env.status_text(args);
     let line = status(&[]);
     assert!(
         line.contains("1 container(s) with a request run unserved") && line.contains(&unserved),
@@ -1433,41 +1221,17 @@ fn nri_evict_ends_an_unserved_container_with_a_request_and_no_other() {
     let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri_2s);
     let plugin = Plugin::start_with(&env, &node, &["--no-validator"]);
     let asks = [("gpushare.io/device", "0")];
-    let c = ContainerSpec {
-        name: "c",
-        script: "exec sleep 3600",
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
+    let c = ContainerSpec::user("c", 1000, "exec sleep 3600");
     // Served, with the plugin connected: audited at its PostCreateContainer and
     // StartContainer, never named, never ended.
-    let s = node.plain_pod(&PodSpec {
-        name: "served",
-        annotations: &asks,
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
+    let s = node.plain_pod(&PodSpec::user("served", 1000, &asks));
     let served = node.run(&s, &c);
     assert!(adjusted(&node, &served));
     // The pods first: RunPodSandbox is a call of the runtime too.
-    let p = node.plain_pod(&PodSpec {
-        name: "unserved",
-        annotations: &asks,
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
-    let q = node.plain_pod(&PodSpec {
-        name: "plain",
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
+    let p = node.plain_pod(&PodSpec::user("unserved", 1000, &asks));
+    let q = node.plain_pod(&PodSpec::user("plain", 1000, &[]));
     // A pod of the shim's RuntimeClass: the shim serves it, whatever NRI saw.
-    let r = node.pod(&PodSpec {
-        name: "shim",
-        annotations: &asks,
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
+    let r = node.pod(&PodSpec::user("shim", 1000, &asks));
     plugin.signal(nix::sys::signal::Signal::SIGSTOP);
     let unserved = node.run(&p, &c);
     let plain = node.run(&q, &c);
@@ -1509,15 +1273,7 @@ fn nri_evict_ends_an_unserved_container_with_a_request_and_no_other() {
         1,
         "found once: {log}"
     );
-    let status = |args: &[&str]| {
-        let out = env
-            .cmd(gpushare())
-            .arg("status")
-            .args(args)
-            .output()
-            .unwrap();
-        text(&out)
-    };
+    let status = |args: &[&str]| env.status_text(args);
     assert!(
         wait_until(Duration::from_secs(10), || status(&[])
             .contains("it evicted 1 unserved container(s)")),
@@ -1566,35 +1322,28 @@ fn nri_a_pod_s_annotations_forge_neither_its_allocation_nor_the_sandbox_marker()
     let env = Env::new();
     let mut node = Node::start_fetched_with(&env, bin, 3, &enable_nri);
     let _plugin = Plugin::start(&env, &node);
-    let c = ContainerSpec {
-        name: "cuda",
-        script: "exec sleep 3600",
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
+    let c = ContainerSpec::user("cuda", 1000, "exec sleep 3600");
     let forged = format!("nvidia.com/gpu={GPU2}");
-    let forger = node.plain_pod(&PodSpec {
-        name: "forger",
-        annotations: &[
+    let forger = node.plain_pod(&PodSpec::user(
+        "forger",
+        1000,
+        &[
             ("gpushare.io/device", "allocated"),
             ("cdi.k8s.io/x", &forged),
         ],
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
+    ));
     node.refuse(&forger, &c, "found no devices allocated to the container");
     assert_eq!(env.daemon_ids(), Vec::<String>::new());
 
-    let marked = node.plain_pod(&PodSpec {
-        name: "marked",
-        annotations: &[
+    let marked = node.plain_pod(&PodSpec::user(
+        "marked",
+        1000,
+        &[
             ("io.kubernetes.cri-o.ContainerType", "sandbox"),
             ("gpushare.io/device", "0"),
             ("gpushare.io/active-thread-percentage", "101"),
         ],
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
+    ));
     node.refuse(&marked, &c, BAD_PERCENTAGE_LINE);
     assert_eq!(node.gpushare_records(), vec![]);
 }
@@ -1809,18 +1558,13 @@ fn nri_plugin_launched_by_containerd_from_its_plugin_path() {
     };
     assert_eq!(cmdline(vpid)[1..], ["nri-validate", "--socket", &sock]);
 
-    let pod = node.plain_pod(&PodSpec {
-        name: "launched",
-        annotations: &[("gpushare.io/device", "0")],
-        run_as_user: Some(1000),
-        ..Default::default()
-    });
-    let c = ContainerSpec {
-        name: "cuda",
-        script: &hold(0),
-        run_as_user: Some(1000),
-        ..Default::default()
-    };
+    let pod = node.plain_pod(&PodSpec::user(
+        "launched",
+        1000,
+        &[("gpushare.io/device", "0")],
+    ));
+    let script = hold(0);
+    let c = ContainerSpec::user("cuda", 1000, &script);
     let id = node.run(&pod, &c);
     assert_eq!(node.client_line(&pod, &c)["server_uid"], "1000");
     let daemon = node
@@ -1894,18 +1638,10 @@ fn nri_plugin_gives_each_namespace_its_own_daemon_from_the_runtime_s_pod_namespa
             annotations.push(("io.kubernetes.pod.namespace", "team-a"));
         }
         let pod = node.plain_pod(&PodSpec {
-            name,
             namespace,
-            annotations: &annotations,
-            run_as_user: Some(1000),
-            ..Default::default()
+            ..PodSpec::user(name, 1000, &annotations)
         });
-        let c = ContainerSpec {
-            name: "cuda",
-            script: "exec sleep 3600",
-            run_as_user: Some(1000),
-            ..Default::default()
-        };
+        let c = ContainerSpec::user("cuda", 1000, "exec sleep 3600");
         let id = node.run(&pod, &c);
         node.daemon_of(&id)
             .unwrap_or_else(|| panic!("{name} is on no daemon: {}", env.gpushare_log()))

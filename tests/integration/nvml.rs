@@ -37,7 +37,7 @@ echo 'NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  (fake, for gpus
 fn doctor_and_status_see_the_fake_gpus() {
     let (mut env, _lib) = nvml_env();
     env.start_agent();
-    let out = env.cmd(gpushare()).arg("doctor").output().unwrap();
+    let out = env.gpushare(&["doctor"]);
     let report = String::from_utf8_lossy(&out.stdout);
     for line in [
         "ok    driver             NVML answers: driver 550.54.15, 2 GPU(s)",
@@ -51,11 +51,7 @@ fn doctor_and_status_see_the_fake_gpus() {
 
     // A daemon on GPU index 1: the CLI resolves the index through NVML, and status
     // describes the device from it.
-    let out = env
-        .cmd(gpushare())
-        .args(["daemon", "start", "--device", "1", "--uid", "1000"])
-        .output()
-        .unwrap();
+    let out = env.gpushare(&["daemon", "start", "--device", "1", "--uid", "1000"]);
     assert!(out.status.success(), "daemon start: {}", text(&out));
     let daemons = env.status();
     assert_eq!(daemons.as_array().map(Vec::len), Some(1), "{daemons}");
@@ -79,7 +75,7 @@ fn a_create_takes_its_gpu_from_nvml_and_the_next_one_from_the_cache() {
     let mounts = PrivateMounts::with(FAKE_DRIVER_PROC);
     env.enter(&mounts);
 
-    let first = env.container("n1").uid(1000).device("1").create();
+    let first = env.request("n1", 1000, "1").create();
     let cfg = first.config();
     let identity = cfg["annotations"]["gpushare.io/identity"]
         .as_str()
@@ -99,7 +95,7 @@ fn a_create_takes_its_gpu_from_nvml_and_the_next_one_from_the_cache() {
     // directory, and the cache is only written into one that exists: the second writes it.
     let cache_file = env.state.join("inventory.json");
     assert!(!cache_file.exists(), "no state dir, no cache");
-    let second = env.container("n2").uid(1000).device("1").create();
+    let second = env.request("n2", 1000, "1").create();
     assert_eq!(env.daemon_of(&second), id);
     let cache: Value = serde_json::from_slice(&std::fs::read(&cache_file).unwrap()).unwrap();
     let inventory = &cache["inventory"];
@@ -115,7 +111,7 @@ fn a_create_takes_its_gpu_from_nvml_and_the_next_one_from_the_cache() {
     // With the library gone only the cache can name GPU 1: the third create (well
     // within the default inventory-cache-ttl of 30 s) must not need NVML.
     std::fs::rename(lib.join("libnvidia-ml.so.1"), lib.join("hidden.so")).unwrap();
-    let third = env.container("n3").uid(1000).device("1").create();
+    let third = env.request("n3", 1000, "1").create();
     assert_eq!(
         third.config()["annotations"]["gpushare.io/identity"],
         identity,
@@ -127,7 +123,7 @@ fn a_create_takes_its_gpu_from_nvml_and_the_next_one_from_the_cache() {
 fn a_create_fails_with_one_line_when_nvml_does_not_initialise() {
     let (mut env, _lib) = nvml_env();
     env.set_var("FAKE_NVML_FAIL_INIT", "1");
-    let c = env.container("n1").uid(1000).device("1").bundle();
+    let c = env.request("n1", 1000, "1").bundle();
     let before = c.config_bytes();
     let out = c.try_create();
     assert_eq!(out.status.code(), Some(1), "{}", c.last_error());
@@ -163,7 +159,7 @@ fn a_create_fails_with_one_line_when_nvml_does_not_initialise() {
     assert!(!env.state.join("inventory.json").exists(), "nothing cached");
 
     // doctor says the same, as its driver check.
-    let out = env.cmd(gpushare()).arg("doctor").output().unwrap();
+    let out = env.gpushare(&["doctor"]);
     let report = String::from_utf8_lossy(&out.stdout);
     assert!(
         report
@@ -184,20 +180,9 @@ fn the_shim_reads_nvml_through_the_gpushare_beside_it() {
     std::fs::create_dir(&alone).unwrap();
     let shim = alone.join("gpushare-runtime");
     std::fs::copy(runtime(), &shim).unwrap();
-    let c = env.container("n2").uid(1000).device("1").bundle();
+    let c = env.request("n2", 1000, "1").bundle();
     let before = c.config_bytes();
-    let status = env
-        .cmd(shim.to_str().unwrap())
-        .arg("--root")
-        .arg(&env.runc_root)
-        .arg("--log")
-        .arg(c.log())
-        .args(["--log-format", "json", "create", "--bundle"])
-        .arg(&c.bundle)
-        .arg("n2")
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
+    let status = c.try_create_with(shim.to_str().unwrap());
     assert_eq!(status.status.code(), Some(1), "{}", text(&status));
     let log = std::fs::read_to_string(c.log()).unwrap();
     let want = format!(

@@ -11,31 +11,19 @@ fn status_shows_daemons_health_and_containers_in_three_formats() {
     let env = Env::new();
     let hold = "gpushare-mps-sim client --hold 30";
     let cs = [
-        env.container("st-a")
-            .uid(1000)
-            .device("0")
+        env.request("st-a", 1000, "0")
             .annotation("gpushare.io/active-thread-percentage", "50")
             .sh(hold)
             .create(),
-        env.container("st-b")
-            .uid(2000)
-            .device("0")
-            .sh(hold)
-            .create(),
-        env.container("st-m")
-            .uid(1000)
-            .device("1:0")
-            .sh(hold)
-            .create(),
+        env.request("st-b", 2000, "0").sh(hold).create(),
+        env.request("st-m", 1000, "1:0").sh(hold).create(),
     ];
     for c in &cs {
         c.start();
     }
     for c in &cs {
         assert!(
-            wait_until(Duration::from_secs(10), || c
-                .stdout()
-                .contains("mps-client")),
+            c.wait_stdout("mps-client", Duration::from_secs(10)),
             "{} attached",
             c.id
         );
@@ -62,8 +50,7 @@ fn status_shows_daemons_health_and_containers_in_three_formats() {
     assert_eq!(mig["devices"][0]["name"], "MIG 1:0");
     assert_eq!(mig["devices"][0]["mig_profile"], "1g.10gb");
 
-    let table =
-        String::from_utf8(env.cmd(gpushare()).arg("status").output().unwrap().stdout).unwrap();
+    let table = String::from_utf8(env.gpushare(&["status"]).stdout).unwrap();
     for needle in [
         "DAEMON",
         "HEALTH",
@@ -225,17 +212,13 @@ fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
     env.start_agent();
     let log = env.path().join("gpushare.log");
     let _ = std::fs::remove_file(&log);
-    let out = env
-        .cmd(gpushare())
-        .arg("doctor")
-        .args([
-            "--docker-config",
-            "/nonexistent",
-            "--containerd-config",
-            "/nonexistent",
-        ])
-        .output()
-        .unwrap();
+    let out = env.gpushare(&[
+        "doctor",
+        "--docker-config",
+        "/nonexistent",
+        "--containerd-config",
+        "/nonexistent",
+    ]);
     let report = String::from_utf8_lossy(&out.stdout).into_owned();
     assert_eq!(out.status.code(), Some(0), "{report}");
     for check in [
@@ -258,21 +241,14 @@ fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
             "{check}:\n{report}"
         );
     }
-    let out = env.cmd(gpushare()).arg("status").output().unwrap();
+    let out = env.gpushare(&["status"]);
     assert!(out.status.success());
     assert!(!log.exists(), "doctor and status wrote {}", log.display());
 
     // A config that does not load is a FAIL line and exit 2, not an error and exit 1.
     let bad = env.path().join("bad.toml");
     std::fs::write(&bad, "no-such-key = 1\n").unwrap();
-    let out = env
-        .cmd(gpushare())
-        .env("GPUSHARE_CONFIG", &bad)
-        .arg("doctor")
-        .output()
-        .unwrap();
-    let report = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert_eq!(out.status.code(), Some(2), "{report}");
+    let report = failing_doctor(&env, &bad, &[]);
     assert!(
         report.starts_with("FAIL  config") && report.contains("no-such-key"),
         "{report}"
@@ -288,24 +264,35 @@ fn doctor_reports_each_problem_of_a_broken_setup_with_its_fix() {
         text.replacen(&first, &format!("low-level-runtime = [{:?}]", runtime()), 1),
     )
     .unwrap();
-    let out = env
-        .cmd(gpushare())
-        .env("GPUSHARE_CONFIG", &looping)
-        .args([
-            "doctor",
+    let report = failing_doctor(
+        &env,
+        &looping,
+        &[
             "--docker-config",
             "/nonexistent",
             "--containerd-config",
             "/nonexistent",
-        ])
-        .output()
-        .unwrap();
-    let report = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert_eq!(out.status.code(), Some(2), "{report}");
+        ],
+    );
     assert!(
         report.contains("FAIL  low-level-runtime") && report.contains("gpushare-runtime itself"),
         "{report}"
     );
+}
+
+/// The report of `gpushare doctor <args>` on the config at `config`, which must exit 2
+/// (a FAIL line).
+fn failing_doctor(env: &Env, config: &Path, args: &[&str]) -> String {
+    let out = env
+        .cmd(gpushare())
+        .env("GPUSHARE_CONFIG", config)
+        .arg("doctor")
+        .args(args)
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{report}");
+    report
 }
 
 #[test]
@@ -338,12 +325,7 @@ fn both_binaries_report_their_version_and_the_shim_passes_runcs_through() {
 #[test]
 fn json_logs_carry_the_container_id_and_passthrough_commands_log_nothing() {
     let env = Env::with_configs("log-format = \"json\"", "");
-    let c = env
-        .container("lg1")
-        .uid(1000)
-        .device("0")
-        .sh("sleep 30")
-        .create();
+    let c = env.request("lg1", 1000, "0").sh("sleep 30").create();
     c.start();
     let log = env.gpushare_log();
     let lines: Vec<serde_json::Value> = log
@@ -396,22 +378,14 @@ fn a_pod_named_with_control_characters_and_quotes_is_escaped_everywhere() {
     let evil_ns = "ns\r\u{202e}";
     let long_container = "c".repeat(4000);
     let c = env
-        .container("named")
-        .uid(1000)
-        .device("0")
+        .request("named", 1000, "0")
         .annotation("io.kubernetes.cri.container-type", "container")
         .annotation("io.kubernetes.cri.sandbox-namespace", evil_ns)
         .annotation("io.kubernetes.cri.sandbox-name", evil_pod)
         .annotation("io.kubernetes.cri.container-name", &long_container)
         .sh("gpushare-mps-sim client --hold 30")
         .create();
-    c.start();
-    assert!(
-        wait_until(Duration::from_secs(10), || c
-            .stdout()
-            .contains("mps-client")),
-        "attached"
-    );
+    c.start_attached();
     let escaped_pod = "p\"} 1\\ngpushare_daemons 99\\n\\u{1b}]0;owned\\u{7}\\u{1b}[2J\\\\x";
     let escaped_ns = "ns\\r\\u{202e}";
 
@@ -438,7 +412,7 @@ fn a_pod_named_with_control_characters_and_quotes_is_escaped_everywhere() {
         "stored as written, escaped when shown"
     );
 
-    let out = env.cmd(gpushare()).arg("status").output().unwrap();
+    let out = env.gpushare(&["status"]);
     let table = String::from_utf8(out.stdout).unwrap();
     assert!(
         table.contains(&format!(
@@ -447,14 +421,8 @@ fn a_pod_named_with_control_characters_and_quotes_is_escaped_everywhere() {
         )),
         "{table}"
     );
-    let prom = String::from_utf8(
-        env.cmd(gpushare())
-            .args(["status", "--format", "prometheus"])
-            .output()
-            .unwrap()
-            .stdout,
-    )
-    .unwrap();
+    let prom =
+        String::from_utf8(env.gpushare(&["status", "--format", "prometheus"]).stdout).unwrap();
     let label = escaped_pod.replace('\\', "\\\\").replace('"', "\\\"");
     assert!(
         prom.contains(&format!(",pod=\"{label}\",")),
@@ -550,18 +518,10 @@ fn install_takes_a_bare_file_name_and_a_dry_run_creates_nothing() {
 fn daemon_stop_all_stops_every_idle_daemon_and_names_each_one_in_use() {
     let env = Env::new();
     let c = env
-        .container("busy")
-        .uid(1000)
-        .device("0")
+        .request("busy", 1000, "0")
         .sh("gpushare-mps-sim client --hold 30")
         .create();
-    c.start();
-    assert!(
-        wait_until(Duration::from_secs(10), || c
-            .stdout()
-            .contains("mps-client")),
-        "attached"
-    );
+    c.start_attached();
     let busy = env.daemon_of(&c);
     // Idle daemons until at least one sorts before and one after the busy one (ids are
     // hashes of the identity; each percentage is another identity).
@@ -586,11 +546,7 @@ fn daemon_stop_all_stops_every_idle_daemon_and_names_each_one_in_use() {
         idle.iter().any(|i| *i > busy),
         "an idle daemon sorts after {busy}"
     );
-    let out = env
-        .cmd(gpushare())
-        .args(["daemon", "stop", "--all"])
-        .output()
-        .unwrap();
+    let out = env.gpushare(&["daemon", "stop", "--all"]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(
@@ -611,11 +567,7 @@ fn daemon_stop_all_stops_every_idle_daemon_and_names_each_one_in_use() {
     );
     // Nothing in use: --all stops everything and exits 0.
     c.delete();
-    let out = env
-        .cmd(gpushare())
-        .args(["daemon", "stop", "--all"])
-        .output()
-        .unwrap();
+    let out = env.gpushare(&["daemon", "stop", "--all"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert!(env.daemon_ids().is_empty());
 }
@@ -650,9 +602,7 @@ fn daemon_start_takes_a_namespace_only_where_tenants_are_namespaces() {
     );
     assert_eq!(env.record(&none)["identity"]["tenant"], "no-namespace");
     let c = env
-        .container("outside")
-        .uid(1000)
-        .device("0")
+        .request("outside", 1000, "0")
         .annotation("io.kubernetes.cri.sandbox-namespace", "team-a")
         .sh("true")
         .create();

@@ -150,7 +150,7 @@ fn a_request_spelled_with_json_escapes_is_still_seen() {
 fn escaping_ids_and_planted_symlinks_are_refused() {
     let env = Env::new();
     // A container id built to escape the state directory.
-    let c = env.container("esc").uid(1000).device("0").bundle();
+    let c = env.request("esc", 1000, "0").bundle();
     let log = c.log();
     let out = env
         .cmd(runtime())
@@ -197,7 +197,7 @@ fn escaping_ids_and_planted_symlinks_are_refused() {
     )
     .unwrap();
     std::os::unix::fs::symlink(&elsewhere, env.state.join("mps")).unwrap();
-    let d = env.container("sym").uid(1000).device("0").bundle();
+    let d = env.request("sym", 1000, "0").bundle();
     assert_eq!(d.try_create().status.code(), Some(1));
     assert!(
         d.last_error().contains("unusable") && d.last_error().contains("symlink"),
@@ -217,7 +217,7 @@ fn escaping_ids_and_planted_symlinks_are_refused() {
         std::os::unix::fs::PermissionsExt::from_mode(0o777),
     )
     .unwrap();
-    let e = env.container("open").uid(1000).device("0").bundle();
+    let e = env.request("open", 1000, "0").bundle();
     assert_eq!(e.try_create().status.code(), Some(1));
     assert!(
         e.last_error()
@@ -264,9 +264,7 @@ fn a_preload_library_in_the_container_env_never_reaches_hook_supervisor_or_daemo
     let preload = format!("LD_PRELOAD={}", lib.display());
     let libpath = format!("LD_LIBRARY_PATH={}", env.path().display());
     let c = env
-        .container("preload")
-        .uid(1000)
-        .device("0")
+        .request("preload", 1000, "0")
         .env(&preload)
         .env(&libpath)
         .sh("true") // busybox is static: the container itself never loads it either
@@ -366,23 +364,17 @@ fn env_requests_are_refused_when_disabled() {
         .uid(1000)
         .env("GPUSHARE_DEVICE=0")
         .bundle();
-    let before = c.config_bytes();
-    assert_eq!(c.try_create().status.code(), Some(1));
-    let msg = c.last_error();
-    assert!(
-        msg.contains("GPUSHARE_DEVICE=\"0\" is refused")
-            && msg.contains("accept-env-requests = false")
-            && msg.contains("gpushare.io/device"),
-        "{msg}"
+    let msg = c.refuse_untouched();
+    assert_names(
+        &msg,
+        &[
+            "GPUSHARE_DEVICE=\"0\" is refused",
+            "accept-env-requests = false",
+            "gpushare.io/device",
+        ],
     );
-    assert_eq!(c.config_bytes(), before);
     // The annotation still works.
-    let ok = env
-        .container("ann")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let ok = env.request("ann", 1000, "0").sh(CLIENT).create();
     assert_eq!(client_line(&ok.run())["shm"], "ok");
 }
 
@@ -390,9 +382,7 @@ fn env_requests_are_refused_when_disabled() {
 fn a_tenant_cannot_raise_enforced_limits_from_inside() {
     let env = Env::new();
     let c = env
-        .container("greedy")
-        .uid(1000)
-        .device("0")
+        .request("greedy", 1000, "0")
         .annotation("gpushare.io/active-thread-percentage", "25")
         .annotation("gpushare.io/pinned-memory-limit", "1G")
         .sh(&format!(
@@ -400,11 +390,7 @@ fn a_tenant_cannot_raise_enforced_limits_from_inside() {
         ))
         .create();
     let line = client_line(&c.run());
-    assert_eq!(
-        line["active_thread_percentage"].parse::<f64>().unwrap(),
-        25.0,
-        "{line:?}"
-    );
+    assert_eq!(percentage(&line), 25.0, "{line:?}");
     assert_eq!(line["pinned_mem_limit"], "0=1024M", "{line:?}");
     let log = env.control_log(&env.daemon_of(&c));
     assert!(
@@ -423,25 +409,22 @@ fn a_client_memory_limit_in_the_container_env_is_refused_beside_an_enforced_one(
     let env = Env::new();
     let _cleanup = crate::tenant_mounts::RuncDelete(&env, vec!["lift-ho".into()]);
     let lifted = |id: &str| {
-        env.container(id)
-            .uid(1000)
-            .device("0")
+        env.request(id, 1000, "0")
             .annotation("gpushare.io/pinned-memory-limit", "2G")
             .env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=1=64G")
             .sh(CLIENT)
             .bundle()
     };
     let c = lifted("lift-shim");
-    let before = c.config_bytes();
-    assert_eq!(c.try_create().status.code(), Some(1));
-    let msg = c.last_error();
-    assert!(
-        msg.contains("process.env sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=1=64G")
-            && msg.contains("lifts its daemon's limit (2048M here)")
-            && msg.contains("gpushare.io/pinned-memory-limit"),
-        "{msg}"
+    let msg = c.refuse_untouched();
+    assert_names(
+        &msg,
+        &[
+            "process.env sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=1=64G",
+            "lifts its daemon's limit (2048M here)",
+            "gpushare.io/pinned-memory-limit",
+        ],
     );
-    assert_eq!(c.config_bytes(), before, "config.json untouched");
     assert!(
         env.daemon_ids().is_empty(),
         "no daemon for a refused create"
@@ -459,9 +442,7 @@ fn a_client_memory_limit_in_the_container_env_is_refused_beside_an_enforced_one(
 
     // No pinned limit: the variable stays the container's own.
     let free = env
-        .container("own-limit")
-        .uid(1000)
-        .device("0")
+        .request("own-limit", 1000, "0")
         .env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1G")
         .sh(CLIENT)
         .create();
@@ -529,7 +510,7 @@ fn a_joined_user_namespace_is_served_as_the_container_s_host_uid() {
     let holder = Holder::new(&["--user"]);
     let ns = format!("/proc/{}/ns/user", holder.pid());
     let joined = |id: &str, ns_path: &str, mappings: bool| {
-        let c = env.container(id).uid(1000).device("0").sh(CLIENT).bundle();
+        let c = env.request(id, 1000, "0").sh(CLIENT).bundle();
         let mut v = c.config();
         v["linux"]["namespaces"]
             .as_array_mut()
@@ -571,39 +552,20 @@ fn a_joined_user_namespace_is_served_as_the_container_s_host_uid() {
     // Joined by a path whose maps gpushare cannot read, without mappings: one line.
     let c = joined("joined-elsewhere", "/run/gs-userns-test/pod", false);
     let before = c.config_bytes();
-    assert_eq!(c.try_create().status.code(), Some(1));
-    assert_eq!(c.last_error(), "gpushare: linux.namespaces joins the user namespace \"/run/gs-userns-test/pod\" without linux.uidMappings, and gpushare cannot read that namespace's maps to find the container user's host uid; allowed is a user namespace joined as /proc/<pid>/ns/user, or one given with linux.uidMappings and gidMappings");
+    assert_eq!(
+        c.refuse(), "gpushare: linux.namespaces joins the user namespace \"/run/gs-userns-test/pod\" without linux.uidMappings, and gpushare cannot read that namespace's maps to find the container user's host uid; allowed is a user namespace joined as /proc/<pid>/ns/user, or one given with linux.uidMappings and gidMappings");
     assert_eq!(c.config_bytes(), before);
 
     // The hook's own check: a decision for host uid 1000 (a container without a user
     // namespace) handed to the hook for a process in the 200000 namespace is refused.
-    let plain = env
-        .container("plain")
-        .uid(1000)
-        .device("0")
-        .sh("true")
-        .create();
+    let plain = env.request("plain", 1000, "0").sh("true").create();
     let ann = plain.config()["annotations"].clone();
     assert_eq!(ann["gpushare.io/host-uid"], "1000");
     let state = serde_json::json!({
         "ociVersion": "1.0.2", "id": "forged-userns", "status": "creating",
         "pid": holder.pid(), "bundle": plain.bundle, "annotations": ann,
     });
-    let mut hook = env
-        .cmd(gpushare())
-        .args(["hook", "create-runtime"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    hook.stdin
-        .take()
-        .unwrap()
-        .write_all(state.to_string().as_bytes())
-        .unwrap();
-    let out = hook.wait_with_output().unwrap();
+    let out = env.gpushare_with_stdin(&["hook", "create-runtime"], state.to_string().as_bytes());
     assert!(!out.status.success());
     assert_eq!(
         String::from_utf8_lossy(&out.stderr).trim(),
@@ -630,9 +592,7 @@ fn a_pod_s_container_never_gets_the_host_s_ipc_by_annotation() {
     }
     let _rm = Rm(secret.clone());
     let c = env
-        .container("pod-member")
-        .uid(1000)
-        .device("0")
+        .request("pod-member", 1000, "0")
         .annotation("gpushare.io/ipc", "host")
         .sh(&format!("cat {secret}"))
         .bundle();
@@ -654,9 +614,7 @@ fn a_pod_s_container_never_gets_the_host_s_ipc_by_annotation() {
 
     // A container with a new IPC namespace of its own: the operator's override stands.
     let own = env
-        .container("own-ipc")
-        .uid(1000)
-        .device("0")
+        .request("own-ipc", 1000, "0")
         .annotation("gpushare.io/ipc", "host")
         .sh(&format!("cat {secret}"))
         .create();
@@ -710,19 +668,13 @@ fn forged_decisions<'a>(env: &'a Env) {
     );
 
     let served = forge(
-        env.container("forged-served")
-            .uid(1000)
-            .device("0")
+        env.request("forged-served", 1000, "0")
             .annotation("gpushare.io/active-thread-percentage", "25")
             .sh(CLIENT),
     );
     let line = client_line(&served.run());
     assert_eq!(line["server_uid"], "1000", "{line:?}");
-    assert_eq!(
-        line["active_thread_percentage"].parse::<f64>().unwrap(),
-        25.0,
-        "{line:?}"
-    );
+    assert_eq!(percentage(&line), 25.0, "{line:?}");
     let id = env.daemon_of(&served);
     assert_ne!(id, forged.id());
     assert_eq!(env.daemon_ids(), vec![id.clone()]);

@@ -116,7 +116,7 @@ fn a_daemon_cannot_write_host_files_or_open_host_devices() {
         ),
     )
     .unwrap();
-    let c = env.container("root").uid(0).device("0").sh(CLIENT).create();
+    let c = env.request("root", 0, "0").sh(CLIENT).create();
     let out = c.run();
     assert!(client_line(&out).contains_key("server"), "{out}");
     let id = env.daemon_of(&c);
@@ -172,9 +172,7 @@ fn links_planted_in_the_log_directory_are_never_followed_by_root() {
     let victims = victim_dir(&env);
     let victim = victims.join("victim");
     let c = env
-        .container("a")
-        .uid(1000)
-        .device("0")
+        .request("a", 1000, "0")
         .sh(&format!("{CLIENT} --hold 0.2"))
         .create();
     c.run();
@@ -258,9 +256,7 @@ fn a_tenant_raising_limits_through_its_socket_gets_them_set_back() {
     // daemon accepts these commands from its own user (driver 580, gpu-validation.md).
     let env = Env::with_config("limit-check-interval = \"200ms\"");
     let greedy = env
-        .container("greedy")
-        .uid(1000)
-        .device("0")
+        .request("greedy", 1000, "0")
         .annotation("gpushare.io/active-thread-percentage", "25")
         .annotation("gpushare.io/pinned-memory-limit", "1G")
         .sh(&format!("{CLIENT} --hold 30"))
@@ -319,20 +315,14 @@ fn a_tenant_raising_limits_through_its_socket_gets_them_set_back() {
 
     // The next container of the identity gets the enforced limits.
     let next = env
-        .container("next")
-        .uid(1000)
-        .device("0")
+        .request("next", 1000, "0")
         .annotation("gpushare.io/active-thread-percentage", "25")
         .annotation("gpushare.io/pinned-memory-limit", "1G")
         .sh(CLIENT)
         .create();
     assert_eq!(env.daemon_of(&next), id);
     let line = client_line(&next.run());
-    assert_eq!(
-        line["active_thread_percentage"].parse::<f64>().unwrap(),
-        25.0,
-        "{line:?}"
-    );
+    assert_eq!(percentage(&line), 25.0, "{line:?}");
     assert_eq!(line["pinned_mem_limit"], "0=1024M", "{line:?}");
 }
 
@@ -354,7 +344,7 @@ fn daemon_groups(env: &Env, id: &str) -> (String, String) {
 
 /// A container of uid 1000 running with group 6 (`disk` on Debian) and more.
 fn disk_group_container<'a>(env: &'a Env, id: &str) -> Container<'a> {
-    let c = env.container(id).uid(1000).device("0").sh(CLIENT).bundle();
+    let c = env.request(id, 1000, "0").sh(CLIENT).bundle();
     let mut v = c.config();
     v["process"]["user"] = serde_json::json!({"uid": 1000, "gid": 6, "additionalGids": [6, 44]});
     std::fs::write(c.bundle.join("config.json"), v.to_string()).unwrap();
@@ -387,7 +377,7 @@ fn the_daemon_group_is_the_nodes_choice_never_the_containers() {
 #[test]
 fn the_daemon_runs_in_its_own_cgroup_with_memory_and_pids_limits() {
     let env = Env::with_config("daemon-memory-max = \"512M\"\ndaemon-pids-max = 200");
-    let c = env.container("a").uid(1000).device("0").sh(CLIENT).create();
+    let c = env.request("a", 1000, "0").sh(CLIENT).create();
     c.run();
     let id = env.daemon_of(&c);
     let cg = std::fs::read_to_string(format!("/proc/{}/cgroup", env.daemon_pid(&id))).unwrap();
@@ -482,13 +472,7 @@ fn a_tenant_stalling_the_control_socket_cannot_keep_raised_limits() {
     // row that cannot confirm the limits restart the daemon (its servers killed with it),
     // and the new daemon has the limits from its first instant.
     let env = Env::new();
-    let first = env
-        .container("first")
-        .uid(1000)
-        .device("0")
-        .annotation("gpushare.io/active-thread-percentage", "25")
-        .sh(CLIENT)
-        .create();
+    let first = env.client("first", 1000, "25");
     assert_eq!(client_line(&first.run())["server_uid"], "1000");
     let id = env.daemon_of(&first);
     let before = env.daemon_pid(&id);
@@ -526,9 +510,7 @@ fn a_tenant_stalling_the_control_socket_cannot_keep_raised_limits() {
     // what the daemon's server now has.
     drop(last);
     let next = env
-        .container("next")
-        .uid(1000)
-        .device("0")
+        .request("next", 1000, "0")
         .annotation("gpushare.io/active-thread-percentage", "25")
         .sh(&format!(
             "unset CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; {CLIENT}"
@@ -537,7 +519,7 @@ fn a_tenant_stalling_the_control_socket_cannot_keep_raised_limits() {
     let line = client_line(&next.run());
     drop(most);
     assert_eq!(
-        line["active_thread_percentage"].parse::<f64>().unwrap(),
+        percentage(&line),
         25.0,
         "the new client got the raised default: {line:?}\n{}",
         env.gpushare_log()
@@ -562,9 +544,7 @@ fn a_tenant_jamming_a_multi_user_daemons_control_socket_gets_no_server_killed() 
         "user-mode = \"multi-user\"\nmulti-user-flag = \"-multiuser-server\"\nlimit-check-interval = \"500ms\"",
     );
     let victim = env
-        .container("victim")
-        .uid(2000)
-        .device("0")
+        .request("victim", 2000, "0")
         .annotation("gpushare.io/active-thread-percentage", "25")
         .sh(&format!("{CLIENT} --hold 300"))
         .create();
@@ -581,9 +561,7 @@ fn a_tenant_jamming_a_multi_user_daemons_control_socket_gets_no_server_killed() 
     let id = env.daemon_of(&victim);
     let daemon = env.daemon_pid(&id);
     let jammer = env
-        .container("jammer")
-        .uid(1000)
-        .device("0")
+        .request("jammer", 1000, "0")
         .annotation("gpushare.io/active-thread-percentage", "25")
         .sh("gpushare-mps-sim hold-control 520")
         .create();
@@ -710,13 +688,7 @@ fn a_listener_planted_at_control_gets_no_escape_sequence_to_roots_screen_or_log(
     // gpushare.log got raw ESC bytes from the supervisor's limit check.
     use std::os::unix::net::UnixListener;
     let env = Env::new();
-    let c = env
-        .container("victim")
-        .uid(1000)
-        .device("0")
-        .annotation("gpushare.io/active-thread-percentage", "25")
-        .sh(CLIENT)
-        .create();
+    let c = env.client("victim", 1000, "25");
     assert_eq!(client_line(&c.run())["server_uid"], "1000");
     let id = env.daemon_of(&c);
     let socket = env.state.join("mps").join(&id).join("pipe").join("control");
@@ -743,12 +715,7 @@ fn a_listener_planted_at_control_gets_no_escape_sequence_to_roots_screen_or_log(
         }
     });
     let status = |args: &[&str]| {
-        let out = env
-            .cmd(gpushare())
-            .arg("status")
-            .args(args)
-            .output()
-            .unwrap();
+        let out = env.gpushare(&[&["status"], args].concat());
         assert!(
             out.status.success(),
             "{}",

@@ -122,9 +122,7 @@ fn through_the_shim_the_pipe_dir_is_read_only_and_clients_still_reach_the_daemon
     let env = Env::with_config("container-log-dir = \"/var/log/nvidia-mps\"");
     for uid in [0, 1000] {
         let c = env
-            .container(&format!("ro-{uid}"))
-            .uid(uid)
-            .device("0")
+            .request(&format!("ro-{uid}"), uid, "0")
             .sh(&tenant_script("$CUDA_MPS_PIPE_DIRECTORY"))
             .create();
         let id = env.daemon_of(&c);
@@ -152,6 +150,17 @@ fn through_the_shim_the_pipe_dir_is_read_only_and_clients_still_reach_the_daemon
 /// hook-only hooks, as `hooks/oci-hooks.d` gives them to Podman and CRI-O.
 pub fn hook_only_create(env: &Env, c: &Container) -> Output {
     hook_only_create_with(env, c, &[])
+}
+
+/// [`hook_only_create`], which must succeed.
+pub fn must_hook_only_create(env: &Env, c: &Container) {
+    let out = hook_only_create(env, c);
+    assert!(
+        out.status.success(),
+        "hook-only create of {}: {}",
+        c.id,
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// [`hook_only_create`], with `flags` after the prestart hook's stage (a CDI device's
@@ -224,17 +233,10 @@ fn in_hook_only_mode_the_pipe_dir_is_read_only_and_the_shm_nosuid_nodev_noexec()
     let env = Env::with_config("max-active-thread-percentage = 50");
     let _cleanup = RuncDelete(&env, vec!["ho-1000".into(), "ho-refused".into()]);
     let c = env
-        .container("ho-1000")
-        .uid(1000)
-        .device("0")
+        .request("ho-1000", 1000, "0")
         .sh(&tenant_script("/tmp/nvidia-mps"))
         .bundle();
-    let out = hook_only_create(&env, &c);
-    assert!(
-        out.status.success(),
-        "hook-only create: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    must_hook_only_create(&env, &c);
     let id = env.daemon_ids().remove(0);
     let host_pipe = env.state.join("mps").join(&id).join("pipe");
     let before = snapshot(&host_pipe);
@@ -249,9 +251,7 @@ fn in_hook_only_mode_the_pipe_dir_is_read_only_and_the_shm_nosuid_nodev_noexec()
 
     // The operator's ceiling holds in hook-only mode too, before any daemon.
     let r = env
-        .container("ho-refused")
-        .uid(2000)
-        .device("0")
+        .request("ho-refused", 2000, "0")
         .annotation("gpushare.io/active-thread-percentage", "80")
         .bundle();
     let out = hook_only_create(&env, &r);
@@ -273,12 +273,7 @@ fn in_hook_only_mode_the_pipe_dir_is_read_only_and_the_shm_nosuid_nodev_noexec()
 fn daemon_ids_are_128_bits_and_a_record_planted_under_another_id_is_not_trusted() {
     use gpushare::identity::Identity;
     let env = Env::new();
-    let a = env
-        .container("id-a")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let a = env.request("id-a", 1000, "0").sh(CLIENT).create();
     assert_eq!(client_line(&a.run())["server_uid"], "1000");
     let id_a = env.daemon_of(&a);
     assert_eq!(id_a.len(), 32, "{id_a}");
@@ -319,9 +314,7 @@ fn daemon_ids_are_128_bits_and_a_record_planted_under_another_id_is_not_trusted(
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("daemon.json"), forged.to_string()).unwrap();
         let v = env
-            .container(&format!("id-v{uid}"))
-            .uid(uid)
-            .device("0")
+            .request(&format!("id-v{uid}"), uid, "0")
             .sh(CLIENT)
             .create();
         assert_eq!(env.daemon_of(&v), id_v);
@@ -361,14 +354,12 @@ fn a_request_above_an_operator_ceiling_is_refused_before_anything_is_created() {
         ),
     ] {
         let c = env
-            .container(&format!("over-{}", &key[12..]))
-            .uid(1000)
-            .device("0")
+            .request(&format!("over-{}", &key[12..]), 1000, "0")
             .annotation(key, value)
             .bundle();
         let before = c.config_bytes();
-        assert_eq!(c.try_create().status.code(), Some(1));
-        assert_eq!(c.last_error(), line);
+        assert_eq!(
+            c.refuse(), line);
         assert_eq!(c.config_bytes(), before, "config.json byte-identical");
         assert!(
             !env.state.join("mps").exists(),
@@ -377,16 +368,7 @@ fn a_request_above_an_operator_ceiling_is_refused_before_anything_is_created() {
         );
     }
     // Without a value the default applies, as before.
-    let ok = env
-        .container("under")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let ok = env.request("under", 1000, "0").sh(CLIENT).create();
     let line = client_line(&ok.run());
-    assert_eq!(
-        line["active_thread_percentage"].parse::<f64>().unwrap(),
-        25.0,
-        "{line:?}"
-    );
+    assert_eq!(percentage(&line), 25.0, "{line:?}");
 }

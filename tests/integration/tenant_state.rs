@@ -89,7 +89,7 @@ fn set_start_timeout(env: &Env, value: &str) {
 
 /// One stale daemon per uid: created, used, its container deleted, then crashed.
 fn stale_daemon(env: &Env, name: &str, uid: u32) -> String {
-    let c = env.container(name).uid(uid).device("0").sh(CLIENT).create();
+    let c = env.request(name, uid, "0").sh(CLIENT).create();
     assert_eq!(client_line(&c.run())["shm"], "ok");
     c.delete();
     let id = env.daemon_of(&c);
@@ -179,12 +179,7 @@ fn gc_survives_a_planted_deep_tree_and_cleans_past_what_it_cannot() {
 #[test]
 fn a_directory_planted_as_control_does_not_stop_a_restart() {
     let env = Env::new();
-    let holder = env
-        .container("ctl-hold")
-        .uid(1000)
-        .device("0")
-        .sh("sleep 60")
-        .create();
+    let holder = env.request("ctl-hold", 1000, "0").sh("sleep 60").create();
     holder.start();
     let id = env.daemon_of(&holder);
     let pipe = env.state.join("mps").join(&id).join("pipe");
@@ -201,19 +196,8 @@ fn a_directory_planted_as_control_does_not_stop_a_restart() {
         .unwrap();
     assert!(planted.success());
     assert!(pipe.join("control").is_dir());
-    let pid = env.daemon_pid(&id);
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    let restarted = wait_until(Duration::from_secs(10), || {
-        let rec = env.record(&id);
-        rec["status"] == "ready"
-            && rec["daemon"]["pid"]
-                .as_i64()
-                .is_some_and(|p| p as i32 != pid)
-    });
+    let pid = env.kill_daemon(&id);
+    let restarted = env.daemon_restarted(&id, pid, Duration::from_secs(10));
     assert!(
         restarted,
         "record: {}\nlog: {}",
@@ -225,21 +209,14 @@ fn a_directory_planted_as_control_does_not_stop_a_restart() {
         !meta.is_dir(),
         "the planted directory is gone, a socket in its place"
     );
-    let next = env
-        .container("ctl-next")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let next = env.request("ctl-next", 1000, "0").sh(CLIENT).create();
     assert_eq!(client_line(&next.run())["shm"], "ok");
     assert_eq!(env.daemon_of(&next), id);
     holder.delete();
 }
 
 fn with_tp<'a>(env: &'a Env, name: &str, uid: u32, tp: &str) -> Container<'a> {
-    env.container(name)
-        .uid(uid)
-        .device("0")
+    env.request(name, uid, "0")
         .annotation("gpushare.io/active-thread-percentage", tp)
         .sh("true")
         .bundle()
@@ -275,20 +252,7 @@ fn daemons_are_capped_per_uid_and_per_node() {
     assert_eq!(env.daemon_ids().len(), 2, "no third daemon directory");
     assert_eq!(mounts_under(&env), mounts, "no third mount");
     // `gpushare daemon start` is refused the same way.
-    let out = env
-        .cmd(gpushare())
-        .args([
-            "daemon",
-            "start",
-            "--device",
-            "0",
-            "--uid",
-            "1000",
-            "--active-thread-percentage",
-            "40",
-        ])
-        .output()
-        .unwrap();
+    let out = env.start_daemon("0", "1000", "40");
     assert_eq!(out.status.code(), Some(1));
     assert!(
         text(&out.stderr).contains("mps.max-daemons-per-uid = 2 reached (2 daemons, none idle)"),
@@ -297,11 +261,7 @@ fn daemons_are_capped_per_uid_and_per_node() {
     );
     // Another uid still gets its daemon.
     let other = with_tp(&env, "cap-other", 2000, "30");
-    assert!(
-        other.try_create().status.success(),
-        "{}",
-        other.last_error()
-    );
+    other.must_create();
     assert_eq!(env.daemon_ids().len(), 3);
     // A stopped daemon frees its place.
     let first = env
@@ -309,31 +269,22 @@ fn daemons_are_capped_per_uid_and_per_node() {
         .into_iter()
         .find(|id| env.record(id)["identity"]["active_thread_percentage"] == 10)
         .unwrap();
-    let out = env
-        .cmd(gpushare())
-        .args(["daemon", "stop", "--force", "--id", &first])
-        .output()
-        .unwrap();
+    let out = env.gpushare(&["daemon", "stop", "--force", "--id", &first]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let again = with_tp(&env, "cap-3b", 1000, "30");
-    assert!(
-        again.try_create().status.success(),
-        "{}",
-        again.last_error()
-    );
+    again.must_create();
 
     // The node-wide cap.
     let env = Env::with_config("max-daemons = 2");
     let config = env.config.display().to_string();
     for (name, uid) in [("node-1", 1000), ("node-2", 2000)] {
         let c = with_tp(&env, name, uid, "10");
-        assert!(c.try_create().status.success(), "{}", c.last_error());
+        c.must_create();
     }
     let third = with_tp(&env, "node-3", 3000, "10");
     let before = third.config_bytes();
-    assert_eq!(third.try_create().status.code(), Some(1));
     assert_eq!(
-        third.last_error(),
+        third.refuse(),
         format!("gpushare: cannot start another MPS daemon on this node: mps.max-daemons = 2 reached (2 daemons, none idle); their containers free their place when they end (gpushare status), or raise it in {config}")
     );
     assert_eq!(third.config_bytes(), before);
@@ -369,12 +320,7 @@ fn usage_outside_mounts(dir: &Path) -> u64 {
 fn a_log_flood_stays_in_the_daemons_log_tmpfs() {
     const LOG_SIZE: u64 = 1 << 20;
     let env = Env::with_config("log-size = \"1M\"");
-    let holder = env
-        .container("flood-hold")
-        .uid(1000)
-        .device("0")
-        .sh("sleep 60")
-        .create();
+    let holder = env.request("flood-hold", 1000, "0").sh("sleep 60").create();
     holder.start();
     let id = env.daemon_of(&holder);
     let dir = env.state.join("mps").join(&id);
@@ -441,12 +387,7 @@ fn a_log_flood_stays_in_the_daemons_log_tmpfs() {
         lines * 4000
     );
     // The node's other tenants are unaffected.
-    let other = env
-        .container("flood-other")
-        .uid(2000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let other = env.request("flood-other", 2000, "0").sh(CLIENT).create();
     assert_eq!(client_line(&other.run())["shm"], "ok");
     holder.delete();
 }
@@ -483,7 +424,7 @@ fn in_image<'a>(env: &'a Env, name: &str, make: impl FnOnce(&Path), userns: bool
     let root = env.path().join(format!("image-{name}"));
     std::fs::create_dir_all(&root).unwrap();
     make(&root);
-    let mut c = env.container(name).uid(1000).device("0");
+    let mut c = env.request(name, 1000, "0");
     if userns {
         c = c.userns(300000, 65536);
     }
@@ -535,21 +476,6 @@ fn an_image_runc_cannot_mount_the_pipe_dir_into_is_refused_before_anything_is_ma
     made.delete();
 }
 
-/// `create` through `runtime` (another copy of the shim) with the harness's flags.
-fn create_with(env: &Env, runtime: &Path, c: &Container) -> Output {
-    env.cmd(runtime.to_str().unwrap())
-        .arg("--root")
-        .arg(&env.runc_root)
-        .arg("--log")
-        .arg(c.log())
-        .args(["--log-format", "json", "create", "--bundle"])
-        .arg(&c.bundle)
-        .arg(&c.id)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
-}
-
 #[test]
 fn a_failed_create_leaves_nothing_that_holds_a_cap_slot_or_a_mount() {
     let env = Env::with_config("max-daemons-per-uid = 2");
@@ -584,7 +510,10 @@ fn a_failed_create_leaves_nothing_that_holds_a_cap_slot_or_a_mount() {
     std::fs::copy(runtime(), &shim).unwrap();
     for (name, tp) in [("lone-1", "40"), ("lone-2", "50")] {
         let c = doomed(&env, name, 1000, tp);
-        assert_eq!(create_with(&env, &shim, &c).status.code(), Some(1));
+        assert_eq!(
+            c.try_create_with(shim.to_str().unwrap()).status.code(),
+            Some(1)
+        );
     }
     let abandoned = env.daemon_ids();
     assert_eq!(abandoned.len(), 2, "{abandoned:?}");
@@ -600,19 +529,13 @@ fn a_failed_create_leaves_nothing_that_holds_a_cap_slot_or_a_mount() {
         assert_eq!(d["status"], "abandoned", "{d}");
         assert_eq!(d["uid"], 1000, "{d}");
     }
-    let table = env.cmd(gpushare()).arg("status").output().unwrap();
+    let table = env.gpushare(&["status"]);
     assert!(
         text(&table.stdout).contains(&abandoned[0]) && text(&table.stdout).contains("abandoned"),
         "{}",
         text(&table.stdout)
     );
-    let next = env
-        .container("after-abandoned")
-        .uid(1000)
-        .device("0")
-        .annotation("gpushare.io/active-thread-percentage", "60")
-        .sh(CLIENT)
-        .create();
+    let next = env.client("after-abandoned", 1000, "60");
     assert_eq!(client_line(&next.run())["shm"], "ok");
     for id in &abandoned {
         assert!(gone(&env, id), "{id} taken back");
@@ -634,13 +557,7 @@ fn idle_daemons_of_one_tenant_never_lock_out_another() {
     // their daemons stay for mps.idle-timeout (5 minutes).
     let mut idle = Vec::new();
     for (name, tp) in [("shot-10", "10"), ("shot-20", "20"), ("shot-30", "30")] {
-        let c = env
-            .container(name)
-            .uid(1000)
-            .device("0")
-            .annotation("gpushare.io/active-thread-percentage", tp)
-            .sh(CLIENT)
-            .create();
+        let c = env.client(name, 1000, tp);
         assert_eq!(client_line(&c.run())["shm"], "ok");
         c.delete();
         let id = env.daemon_of(&c);
@@ -650,12 +567,7 @@ fn idle_daemons_of_one_tenant_never_lock_out_another() {
     }
     assert_eq!(env.daemon_ids().len(), 3);
     // Another tenant's create is served: the longest idle daemon is stopped for it.
-    let victim = env
-        .container("victim")
-        .uid(2000)
-        .device("0")
-        .sh("sleep 60")
-        .create();
+    let victim = env.request("victim", 2000, "0").sh("sleep 60").create();
     victim.start();
     let vid = env.daemon_of(&victim);
     let vsup = supervisor_pid(&env, &vid);
@@ -673,30 +585,17 @@ fn idle_daemons_of_one_tenant_never_lock_out_another() {
     );
     // The tenant comes back for more: only idle daemons make room, never one in use.
     let again = env
-        .container("shot-40")
-        .uid(1000)
-        .device("0")
+        .request("shot-40", 1000, "0")
         .annotation("gpushare.io/active-thread-percentage", "40")
         .sh("sleep 60")
         .create();
     assert!(gone(&env, &idle[1].0));
-    let third = env
-        .container("t3000")
-        .uid(3000)
-        .device("0")
-        .sh("sleep 60")
-        .create();
+    let third = env.request("t3000", 3000, "0").sh("sleep 60").create();
     assert!(gone(&env, &idle[2].0));
     // Every daemon now has a live container: the cap holds, naming itself.
-    let refused = env
-        .container("t4000")
-        .uid(4000)
-        .device("0")
-        .sh("true")
-        .bundle();
-    assert_eq!(refused.try_create().status.code(), Some(1));
+    let refused = env.request("t4000", 4000, "0").sh("true").bundle();
     assert_eq!(
-        refused.last_error(),
+        refused.refuse(),
         format!("gpushare: cannot start another MPS daemon on this node: mps.max-daemons = 3 reached (3 daemons, none idle); their containers free their place when they end (gpushare status), or raise it in {config}")
     );
     assert_eq!(
@@ -734,9 +633,7 @@ fn daemon_shm_is_bounded_per_daemon_per_uid_and_per_node() {
     let config = env.config.display().to_string();
     let hold = |name: &str, uid: u32, tp: &str| {
         let c = env
-            .container(name)
-            .uid(uid)
-            .device("0")
+            .request(name, uid, "0")
             .annotation("gpushare.io/active-thread-percentage", tp)
             .sh("dd if=/dev/zero of=/dev/shm/park-$$ bs=1M count=24 2>/dev/null; sleep 60")
             .create();
@@ -756,9 +653,8 @@ fn daemon_shm_is_bounded_per_daemon_per_uid_and_per_node() {
     // A third daemon of the same UID would bring its daemons' shm past mps.shm-size-per-uid.
     let third = with_tp(&env, "shm-c", 1000, "30");
     let before = third.config_bytes();
-    assert_eq!(third.try_create().status.code(), Some(1));
     assert_eq!(
-        third.last_error(),
+        third.refuse(),
         format!("gpushare: cannot start another MPS daemon for uid 1000: mps.shm-size-per-uid = 32 MiB would be exceeded (2 daemons, none idle, have 32 MiB of shm tmpfs and this one's is 16 MiB); their containers free their place when they end (gpushare status), or raise it in {config}")
     );
     assert_eq!(third.config_bytes(), before, "config.json untouched");
@@ -766,19 +662,14 @@ fn daemon_shm_is_bounded_per_daemon_per_uid_and_per_node() {
     // Another UID gets one; then the node's total is reached.
     let other = hold("shm-d", 2000, "10");
     let fourth = with_tp(&env, "shm-e", 3000, "10");
-    assert_eq!(fourth.try_create().status.code(), Some(1));
     assert_eq!(
-        fourth.last_error(),
+        fourth.refuse(),
         format!("gpushare: cannot start another MPS daemon on this node: mps.shm-size-total = 48 MiB would be exceeded (3 daemons, none idle, have 48 MiB of shm tmpfs and this one's is 16 MiB); their containers free their place when they end (gpushare status), or raise it in {config}")
     );
     // What a deleted container parked goes with its daemon when a cap needs the room.
     other.delete();
     let fifth = with_tp(&env, "shm-f", 3000, "10");
-    assert!(
-        fifth.try_create().status.success(),
-        "{}",
-        fifth.last_error()
-    );
+    fifth.must_create();
     assert_eq!(env.daemon_ids().len(), 3);
     for c in [&a, &b, &fifth] {
         c.delete();

@@ -371,7 +371,7 @@ fn hook_only_mode_and_cdi_devices_get_a_namespace_each() {
     let id = env.daemon_of(&shim);
     assert_eq!(
         env.daemon_ids(),
-        [id.clone()],
+        std::slice::from_ref(&id),
         "one v3 daemon for the three paths"
     );
     let listed = namespaces(&env, &id);

@@ -43,15 +43,7 @@ fn watch_env(gpus: &[String; 2], watch: &str) -> Env {
 }
 
 fn start_watch(env: &Env) -> Stopped {
-    let child = env
-        .cmd(gpushare())
-        .arg("watch")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    Stopped(child)
+    Stopped(env.spawn_gpushare(&["watch"]))
 }
 
 /// The watcher's last report (`<state>/watch.json`), once there is one.
@@ -174,9 +166,7 @@ fn host_direct(env: &Env, gpu: &str, marker: &str) -> Stopped {
 fn tenant<'a>(env: &'a Env, id: &str, gpu: &str) -> Container<'a> {
     let script = tenant_script(gpu);
     let c = env
-        .container(id)
-        .uid(1000)
-        .device("0")
+        .request(id, 1000, "0")
         .annotation("gpushare.io/pinned-memory-limit", "2G")
         .annotation("io.kubernetes.cri.sandbox-namespace", "team-a")
         .annotation("io.kubernetes.cri.sandbox-name", "trainer")
@@ -211,24 +201,9 @@ fn unserved<'a>(env: &'a Env, id: &str, gpu: &str) -> Container<'a> {
 }
 
 fn status_json(env: &Env) -> Value {
-    let out = env
-        .cmd(gpushare())
-        .args(["status", "--json"])
-        .output()
-        .unwrap();
+    let out = env.gpushare(&["status", "--json"]);
     assert!(out.status.success(), "{}", text(&out));
     serde_json::from_slice(&out.stdout).unwrap()
-}
-
-fn status_text(env: &Env, args: &[&str]) -> String {
-    let out = env
-        .cmd(gpushare())
-        .arg("status")
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", text(&out));
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 #[test]
@@ -340,7 +315,7 @@ fn watch_stops_a_served_process_outside_mps_and_ends_a_client_above_its_containe
             .any(|p| p["kind"] == "mps-server" && p["daemon"] == daemon.as_str()),
         "{status}"
     );
-    let table = status_text(&env, &[]);
+    let table = env.status_text(&[]);
     assert!(
         table.contains(&format!(
             "gpu pid {within}  mps-client  GPU 0 {gpu}  1024MiB"
@@ -355,7 +330,7 @@ fn watch_stops_a_served_process_outside_mps_and_ends_a_client_above_its_containe
         table.contains("GPU processes of no container gpushare serves"),
         "{table}"
     );
-    let metrics = status_text(&env, &["--format", "prometheus"]);
+    let metrics = env.status_text(&["--format", "prometheus"]);
     let series = format!(
         "gpushare_container_gpu_memory_used_bytes{{gpu=\"0\",UUID=\"{gpu}\",namespace=\"team-a\",pod=\"trainer\",container=\"main\",container_id=\"{}\",daemon=\"{daemon}\"}} 1073741824\n",
         c.id
@@ -373,7 +348,7 @@ fn watch_stops_a_served_process_outside_mps_and_ends_a_client_above_its_containe
     );
     assert!(metrics.contains("gpushare_watch_up 1\n"), "{metrics}");
     // doctor says the watcher runs and with which policy.
-    let out = env.cmd(gpushare()).arg("doctor").output().unwrap();
+    let out = env.gpushare(&["doctor"]);
     let report = String::from_utf8_lossy(&out.stdout);
     assert!(
         report.lines().any(|l| l.starts_with("ok    watch ")
@@ -564,7 +539,7 @@ fn watch_through_the_cri_plugin_stops_what_escapes_and_names_each_pod() {
         theirs["container_id"].is_null() && theirs["verdict"].is_null(),
         "{theirs}"
     );
-    let metrics = status_text(&env, &["--format", "prometheus"]);
+    let metrics = env.status_text(&["--format", "prometheus"]);
     let series = format!(
         "gpushare_container_gpu_memory_used_bytes{{gpu=\"0\",UUID=\"{gpu}\",namespace=\"team-a\",pod=\"trainer\",container=\"main\",container_id=\"{id}\",daemon=\"{daemon}\"}} 1073741824\n"
     );
@@ -623,7 +598,7 @@ fn watch_with_one_gpu_unlistable_still_judges_and_stops_on_the_others() {
 
     let status = status_json(&env);
     assert_eq!(status["watch"]["unlisted"][0]["gpu_index"], 1, "{status}");
-    let table = status_text(&env, &[]);
+    let table = env.status_text(&[]);
     assert!(
         table.contains(&format!(
             "  └ GPU 1 {}: not listed in the last scan, none of its processes judged",
@@ -631,7 +606,7 @@ fn watch_with_one_gpu_unlistable_still_judges_and_stops_on_the_others() {
         )),
         "{table}"
     );
-    let metrics = status_text(&env, &["--format", "prometheus"]);
+    let metrics = env.status_text(&["--format", "prometheus"]);
     assert!(
         metrics.contains(&format!(
             "gpushare_watch_gpu_unlisted{{gpu=\"1\",UUID=\"{}\"}} 1\n",
@@ -662,13 +637,13 @@ fn a_stopped_watchers_processes_are_not_exported() {
     let watch = start_watch(&env);
     let c = tenant(&env, &format!("ws{}", std::process::id()), &gpus[0]);
     first_listed(&env, &c.id, "mps-client", 1);
-    let metrics = status_text(&env, &["--format", "prometheus"]);
+    let metrics = env.status_text(&["--format", "prometheus"]);
     assert!(
         metrics.contains("gpushare_container_gpu_memory_used_bytes{"),
         "{metrics}"
     );
     drop(watch);
-    let metrics = status_text(&env, &["--format", "prometheus"]);
+    let metrics = env.status_text(&["--format", "prometheus"]);
     assert!(metrics.contains("gpushare_watch_up 0\n"), "{metrics}");
     for gone in [
         "gpushare_container_gpu_memory_used_bytes{",

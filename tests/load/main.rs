@@ -80,9 +80,7 @@ fn burst_8_users_x_16_containers_created_at_once() {
         .map(|&(uid, j)| {
             let req = burst_request(j);
             let mut b = env
-                .container(&format!("ldb-{uid}-{j}"))
-                .uid(uid)
-                .device(req.0)
+                .request(&format!("ldb-{uid}-{j}"), uid, req.0)
                 .sh(CLIENT);
             if let Some(t) = req.1 {
                 b = b.annotation("gpushare.io/active-thread-percentage", t);
@@ -290,7 +288,7 @@ struct Tally {
 /// One container's life: create (timed), start, the client's line, delete, its bundle
 /// removed. `Err` names the step that failed; the container is deleted either way.
 fn cycle(env: &Env, id: &str, uid: u32, req: Request, tally: &Mutex<Tally>) {
-    let mut b = env.container(id).uid(uid).device(req.0).sh(CLIENT);
+    let mut b = env.request(id, uid, req.0).sh(CLIENT);
     if let Some(t) = req.1 {
         b = b.annotation("gpushare.io/active-thread-percentage", t);
     }

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Command;
 
-use testkit::{which, Env};
+use testkit::{other_processes, which, Env};
 
 /// The processes of one env by role, from /proc.
 #[derive(Clone, Debug, Default)]
@@ -33,15 +33,8 @@ impl Procs {
     pub fn scan(env: &Env) -> Procs {
         let config = format!("GPUSHARE_CONFIG={}", env.config.display());
         let pipe_prefix = format!("CUDA_MPS_PIPE_DIRECTORY={}/mps/", env.state.display());
-        let me = std::process::id() as i32;
         let mut out = Procs::default();
-        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Some(pid) = e.file_name().to_str().and_then(|p| p.parse::<i32>().ok()) else {
-                continue;
-            };
-            if pid == me {
-                continue;
-            }
+        for (pid, _) in other_processes() {
             let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
                 continue;
             };
