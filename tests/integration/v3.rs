@@ -58,24 +58,30 @@ fn namespace_of(c: &Container) -> String {
     source.file_name().unwrap().to_string_lossy().into_owned()
 }
 
+/// Container `id` of user `uid` on GPU 0 at `pct` % of its threads, running `script`;
+/// created.
+fn capped<'e>(env: &'e Env, id: &str, uid: u32, pct: &str, script: &str) -> Container<'e> {
+    capped_as(env.request(id, uid, "0"), pct, script)
+}
+
+/// `container` at `pct` % of its threads, running `script`; created.
+fn capped_as<'e>(container: ContainerBuilder<'e>, pct: &str, script: &str) -> Container<'e> {
+    container
+        .annotation("gpushare.io/active-thread-percentage", pct)
+        .sh(script)
+        .create()
+}
+
 #[test]
 fn two_uids_share_one_server_each_in_its_own_capped_namespace() {
     let env = Env::with_config(V3);
-    let a = env
-        .container("v3-a")
-        .uid(1000)
-        .device("0")
-        .annotation("gpushare.io/active-thread-percentage", "30")
-        .annotation("gpushare.io/pinned-memory-limit", "1G")
-        .sh(&format!("{CLIENT} --hold 1.5"))
-        .create();
-    let b = env
-        .container("v3-b")
-        .uid(2000)
-        .device("0")
-        .annotation("gpushare.io/active-thread-percentage", "60")
-        .sh(&format!("{CLIENT} --hold 1.5"))
-        .create();
+    let a = capped_as(
+        env.request("v3-a", 1000, "0")
+            .annotation("gpushare.io/pinned-memory-limit", "1G"),
+        "30",
+        &format!("{CLIENT} --hold 1.5"),
+    );
+    let b = capped(&env, "v3-b", 2000, "60", &format!("{CLIENT} --hold 1.5"));
     let (na, nb) = (namespace_of(&a), namespace_of(&b));
     assert_ne!(na, nb);
     let ids = env.daemon_ids();
@@ -129,10 +135,7 @@ fn two_uids_share_one_server_each_in_its_own_capped_namespace() {
 fn a_tenant_cannot_raise_its_namespace_s_limits_through_its_own_socket() {
     let env = Env::with_config(V3);
     let ns = identity_namespace("v3-raise");
-    let c = env
-        .container("v3-raise")
-        .uid(1000)
-        .device("0")
+    let c = env.request("v3-raise", 1000, "0")
         .annotation("gpushare.io/active-thread-percentage", "20")
         .sh(&format!(
             "gpushare-mps-sim namespace set {ns} --server=s --active-thread-percentage=100; echo rc=$?; {CLIENT}"
@@ -172,13 +175,7 @@ fn identity_namespace(id: &str) -> String {
 #[test]
 fn a_restarted_daemon_gets_every_running_container_s_namespace_back() {
     let env = Env::with_config(V3);
-    let holder = env
-        .container("v3-hold")
-        .uid(1000)
-        .device("0")
-        .annotation("gpushare.io/active-thread-percentage", "40")
-        .sh("sleep 60")
-        .create();
+    let holder = capped(&env, "v3-hold", 1000, "40", "sleep 60");
     holder.start();
     let ns = namespace_of(&holder);
     let id = env.daemon_of(&holder);
@@ -243,9 +240,7 @@ fn the_container_s_cgroup_gets_its_pinned_limit_as_its_hard_device_memory_limit(
     )
     .unwrap();
     let c = env
-        .container("v3-mem")
-        .uid(1000)
-        .device("0")
+        .request("v3-mem", 1000, "0")
         .annotation("gpushare.io/pinned-memory-limit", "2G")
         .sh("cat /proc/self/cgroup")
         .create();
@@ -278,12 +273,7 @@ fn the_container_s_cgroup_gets_its_pinned_limit_as_its_hard_device_memory_limit(
 #[test]
 fn host_root_keeps_a_legacy_daemon_and_auto_before_615_stays_legacy() {
     let env = Env::with_config(V3);
-    let root = env
-        .container("v3-root")
-        .uid(0)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let root = env.request("v3-root", 0, "0").sh(CLIENT).create();
     let line = client_line(&root.run());
     assert!(!line.contains_key("namespace"), "{line:?}");
     let id = env.daemon_of(&root);
@@ -291,12 +281,7 @@ fn host_root_keeps_a_legacy_daemon_and_auto_before_615_stays_legacy() {
     root.delete();
 
     let auto = Env::with_config("protocol = \"auto\"");
-    let c = auto
-        .container("auto-580")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let c = auto.request("auto-580", 1000, "0").sh(CLIENT).create();
     assert_eq!(
         inventory_json()["driver_version"]
             .as_str()
@@ -314,12 +299,7 @@ fn host_root_keeps_a_legacy_daemon_and_auto_before_615_stays_legacy() {
     inv["driver_version"] = "615.71.09".into();
     let auto = Env::with_config("protocol = \"auto\"");
     std::fs::write(auto.path().join("inventory.json"), inv.to_string()).unwrap();
-    let c = auto
-        .container("auto-615")
-        .uid(1000)
-        .device("0")
-        .sh(CLIENT)
-        .create();
+    let c = auto.request("auto-615", 1000, "0").sh(CLIENT).create();
     let line = client_line(&c.run());
     assert_eq!(line["server_name"], "s", "{line:?}");
     c.delete();
@@ -335,9 +315,7 @@ fn hook_only_mode_and_cdi_devices_get_a_namespace_each() {
     let env = Env::with_config(V3);
     let _cleanup = RuncDelete(&env, vec!["ho-v3".into(), "ho-cdi-v3".into()]);
     let ho = env
-        .container("ho-v3")
-        .uid(1000)
-        .device("0")
+        .request("ho-v3", 1000, "0")
         .annotation("gpushare.io/active-thread-percentage", "25")
         .sh(CLIENT)
         .bundle();

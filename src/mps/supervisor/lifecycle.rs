@@ -188,61 +188,40 @@ impl Supervisor {
         tracing::info!(daemon = %self.id, "MPS control daemon stopped");
     }
     /// Waits for the control socket, then applies the limits; the last command doubles as
-    /// the readiness check (a stale socket never passes for a live daemon).
+    /// the readiness check (a stale socket never passes for a live daemon). A v3 daemon
+    /// gets its server and namespaces instead (`make_v3_ready`).
     fn make_ready(&self, child: &mut Child) -> anyhow::Result<()> {
         let deadline = Instant::now() + self.start_timeout;
         let socket = self.state.control_socket(&self.id);
         if self.ident.v3 {
-            return self.wait_v3_ready(child, &socket, deadline);
+            return self.wait_ready(child, &socket, deadline, || {
+                self.make_v3_ready(deadline).map(|()| true)
+            });
         }
         let mut cmds = limit_commands(&self.ident);
         cmds.push("get_default_active_thread_percentage".into());
-        let mut pause = Duration::from_micros(500);
         let mut next = 0;
-        loop {
-            if let Some(status) = child.try_wait()? {
-                bail!(
-                    "the MPS control daemon exited during start-up ({status}); see {}",
-                    self.state.log_dir(&self.id).display()
-                );
+        self.wait_ready(child, &socket, deadline, || {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(100));
+            self.control.command(&cmds[next], left)?;
+            if next == 0 {
+                tracing::debug!(daemon = %self.id, "MPS control daemon answered");
             }
-            if socket.exists() {
-                let left = deadline
-                    .saturating_duration_since(Instant::now())
-                    .max(Duration::from_millis(100));
-                match self.control.command(&cmds[next], left) {
-                    Ok(_) => {
-                        if next == 0 {
-                            tracing::debug!(daemon = %self.id, "MPS control daemon answered");
-                        }
-                        next += 1;
-                        if next == cmds.len() {
-                            return Ok(());
-                        }
-                        continue;
-                    }
-                    Err(e) if Instant::now() >= deadline => return Err(e.into()),
-                    Err(_) => {}
-                }
-            }
-            if Instant::now() >= deadline {
-                bail!(
-                    "the MPS control daemon did not answer within {:?}; see {}",
-                    self.start_timeout,
-                    self.state.log_dir(&self.id).display()
-                );
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(10));
-        }
+            next += 1;
+            Ok(next == cmds.len())
+        })
     }
-    /// `make_ready` for a v3 daemon: once its socket exists, its server and namespaces
-    /// (`make_v3_ready`), tried again until `deadline` while the daemon does not answer.
-    fn wait_v3_ready(
+    /// Until `deadline`: once `socket` exists, `step` (`Ok(true)`: ready; `Ok(false)`: the
+    /// next step at once; an error: tried again after a pause, and the error at the
+    /// deadline); a daemon that exits, or a deadline without a socket, is the error.
+    fn wait_ready(
         &self,
         child: &mut Child,
         socket: &std::path::Path,
         deadline: Instant,
+        mut step: impl FnMut() -> anyhow::Result<bool>,
     ) -> anyhow::Result<()> {
         let mut pause = Duration::from_micros(500);
         loop {
@@ -253,11 +232,12 @@ impl Supervisor {
                 );
             }
             if socket.exists() {
-                match self.make_v3_ready(deadline) {
-                    Ok(()) => return Ok(()),
+                match step() {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => continue,
                     Err(e) if Instant::now() >= deadline => return Err(e),
                     Err(e) => {
-                        tracing::debug!(daemon = %self.id, error = %format!("{e:#}"), "v3 daemon not ready yet")
+                        tracing::debug!(daemon = %self.id, error = %format!("{e:#}"), "MPS control daemon not ready yet")
                     }
                 }
             }
