@@ -44,6 +44,8 @@ def main():
     ap.add_argument("--scale-old", help="a directory with an older build's gpushare: status, daemon list "
                     "and gc are also measured with it, interleaved, on the same state")
     ap.add_argument("--scale-jobs", type=int, default=4, help="parallel creates while building the node-scale set")
+    ap.add_argument("--protocol", choices=["legacy", "v3"], default="legacy",
+                    help="the MPS backend of gpushare's side (mps.protocol; BENCHMARKS.md, \"MPS v3\")")
     ap.add_argument("--json", help="also write every sample and result to this file")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, bundles) for inspection")
     ap.add_argument("--old", metavar="DIR",

@@ -56,13 +56,15 @@ class Node:
     def setup(self):
         self.world.build()
         w = self.world
-        w.config(self.cfg, RUNC)
+        # `--protocol v3`: every container through the MPS v3 backend (BENCHMARKS.md).
+        protocol = f'protocol = "{self.args.protocol}"\n'
+        w.config(self.cfg, RUNC, mps_extra=protocol)
         # For peak RSS and own cost: the shim execs `true` instead of runc, so the
         # process's peak RSS (which survives exec) is the shim's own, not runc's, and its
         # time is everything it does before the exec. See BENCHMARKS.md.
         w.config(self.cfg_rss, TRUE)
         # Cold start's B side: debug events mark its phases (BENCHMARKS.md, "Cold start").
-        w.config(self.cfg_debug, RUNC, log_level="debug")
+        w.config(self.cfg_debug, RUNC, log_level="debug", mps_extra=protocol)
         # Node scale: daemons never stop idle (the 10-container point has 50 daemons, most
         # without a container), so what gc and status read is what the creates wrote.
         w.config(self.cfg_scale, RUNC, mps_extra='idle-timeout = "0"\n')
