@@ -113,9 +113,19 @@ pub(crate) fn create_runtime(cfg: &Config, state: &State) -> anyhow::Result<()> 
     };
     let ensured = match &record.mps_namespace {
         Some(ns) => {
-            let ensured = ensure::ensure_namespace(cfg, &dirs, &ident, &record, || {
-                std::env::current_exe().context("find the gpushare binary")
-            })?;
+            // The shim made and capped the namespace before runc ran (and a daemon that
+            // restarted since gets it made again before it counts as ready): made here
+            // only where its socket is missing.
+            let made = dirs
+                .namespace_dir(&ident.id(), &ns.name)
+                .join("control")
+                .exists();
+            let ensured = match made {
+                true => ensure::ensure(cfg, &dirs, &ident, Some(&record))?,
+                false => ensure::ensure_namespace(cfg, &dirs, &ident, &record, || {
+                    std::env::current_exe().context("find the gpushare binary")
+                })?,
+            };
             if let Some(pid) = state.pid {
                 crate::mps::v3::limit_memory(cfg, pid, &ident.devices, ns)?;
             }

@@ -352,6 +352,27 @@ impl Watcher<'_> {
         )
         .map_err(|e| ActError::Binary(e.into()))?;
         let control = Control::of_daemon(binary, &self.state, daemon, &identity);
+        if identity.v3 {
+            // One server: `client terminate <pid>` (docs/mps.md, "Two backends").
+            let args = ["client".to_owned(), "terminate".to_owned(), pid.to_string()];
+            return control
+                .cli(&args, CONTROL_TIMEOUT)
+                .map(|_| ())
+                .map_err(|e| {
+                    silent.insert(owned());
+                    let e = ActError::Terminate {
+                        daemon: owned(),
+                        error: e.into(),
+                    };
+                    tracing::warn!(
+                        pid,
+                        daemon,
+                        "watch: client terminate failed: {}",
+                        crate::util::error_chain(&e)
+                    );
+                    e
+                });
+        }
         let servers = control
             .command("get_server_list", CONTROL_TIMEOUT)
             .map_err(|e| {

@@ -129,10 +129,7 @@ pub(crate) fn plan(listed: &[(Listed, Owner)], node: &Node, rules: &Rules) -> Pl
         });
     }
     for ((c, gpu), mut group) in clients {
-        let Some(limit) = node.served[c]
-            .identity
-            .limit(&crate::request::PINNED_MEMORY_LIMIT)
-        else {
+        let Some(limit) = node.served[c].pinned_memory_limit() else {
             continue;
         };
         let used = |procs: &[Process], i: usize| procs[i].used_memory_bytes.unwrap_or(0);
@@ -283,6 +280,34 @@ mod tests {
             super::plan(&even, &node(), &ACT).actions,
             [Action::EndClient(0)]
         );
+    }
+
+    #[test]
+    fn a_v3_containers_clients_are_judged_against_its_namespace_s_limit() {
+        // One v3 daemon (no limits of its own); container a's namespace pins 2 GiB, b's
+        // nothing.
+        let mut node = node();
+        let v3 = std::sync::Arc::new(Identity {
+            uid: 0,
+            gid: 0,
+            multi_user: true,
+            limits: Default::default(),
+            v3: true,
+            ..(*node.served[0].identity).clone()
+        });
+        for (s, pinned) in node.served.iter_mut().zip([Some(2u64 << 30), None]) {
+            s.identity = v3.clone();
+            s.record.mps_namespace = Some(crate::identity::Namespace::of_container(
+                &s.record.id,
+                crate::identity::test_limits(Some(25), pinned),
+            ));
+        }
+        let listed = [
+            (p(40, GPU0, true, 1), Owner::Container(0)),
+            (p(41, GPU0, true, 3), Owner::Container(0)),
+            (p(42, GPU0, true, 30), Owner::Container(1)),
+        ];
+        assert_eq!(plan(&listed, &node, &ACT).actions, [Action::EndClient(1)]);
     }
 
     #[test]

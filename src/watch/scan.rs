@@ -156,6 +156,17 @@ pub(crate) struct Served {
     pub identity: std::sync::Arc<Identity>,
 }
 
+impl Served {
+    /// The pinned memory limit of the container: its v3 namespace's, else its daemon's.
+    pub(crate) fn pinned_memory_limit(&self) -> Option<u64> {
+        let key = &crate::request::PINNED_MEMORY_LIMIT;
+        match &self.record.mps_namespace {
+            Some(ns) => ns.limits.get(key),
+            None => self.identity.limit(key),
+        }
+    }
+}
+
 /// What a listed process belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Owner {
