@@ -324,3 +324,75 @@ fn host_root_keeps_a_legacy_daemon_and_auto_before_615_stays_legacy() {
     assert_eq!(line["server_name"], "s", "{line:?}");
     c.delete();
 }
+
+/// Points env's `mps.control-binary` at `<env>/bin/control`, a wrapper that runs the
+/// simulator after `lines` (gpushare runs the control binary with a cleared environment,
+/// so the wrapper is where the simulator's own variables can be set).
+fn control_wrapper(env: &Env, lines: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let wrapper = env.path().join("bin/control");
+    std::fs::write(
+        &wrapper,
+        format!("#!/bin/sh\n{lines}exec {:?} \"$@\"\n", env.sim()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let text = std::fs::read_to_string(&env.config).unwrap();
+    let named = format!("control-binary = {:?}", env.sim().display().to_string());
+    let renamed = text.replace(
+        &named,
+        &format!("control-binary = {:?}", wrapper.display().to_string()),
+    );
+    std::fs::write(&env.config, renamed).unwrap();
+    wrapper
+}
+
+#[test]
+fn auto_on_615_asks_the_control_binary_and_one_that_refuses_protocol_3_keeps_legacy() {
+    let mut inv = inventory_json();
+    inv["driver_version"] = "615.71.09".into();
+    let auto = Env::with_config("protocol = \"auto\"");
+    std::fs::write(auto.path().join("inventory.json"), inv.to_string()).unwrap();
+    control_wrapper(&auto, "export GPUSHARE_SIM_PROTOCOLS=2\n");
+    assert!(std::fs::read_to_string(&auto.config)
+        .unwrap()
+        .contains("bin/control\""));
+    let cache = auto.state.join("mps-protocol.json");
+    let remembered = || -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(&cache).expect("the probe's answer is cached"))
+            .unwrap()
+    };
+
+    for name in ["auto-615-p2", "auto-615-p2-again"] {
+        let c = auto
+            .container(name)
+            .uid(1000)
+            .device("0")
+            .sh(CLIENT)
+            .create();
+        let line = client_line(&c.run());
+        assert!(!line.contains_key("namespace"), "{line:?}");
+        assert_eq!(auto.record(&auto.daemon_of(&c))["identity"].get("v3"), None);
+        c.delete();
+    }
+    assert_eq!(remembered()["speaks_v3"], false);
+    let wrapper = auto.path().join("bin/control");
+    assert_eq!(
+        remembered()["binary"]["path"],
+        wrapper.display().to_string()
+    );
+    assert_eq!(remembered()["binary"]["driver_version"], "615.71.09");
+
+    // The binary changes (a driver upgrade): asked again, and this one speaks v3.
+    control_wrapper(&auto, "");
+    let c = auto
+        .container("auto-615-p3")
+        .uid(1000)
+        .device("0")
+        .sh(CLIENT)
+        .create();
+    let line = client_line(&c.run());
+    assert_eq!(line["server_name"], "s", "{line:?}");
+    assert_eq!(remembered()["speaks_v3"], true);
+    c.delete();
+}
