@@ -396,3 +396,90 @@ fn auto_on_615_asks_the_control_binary_and_one_that_refuses_protocol_3_keeps_leg
     assert_eq!(remembered()["speaks_v3"], true);
     c.delete();
 }
+
+#[test]
+fn status_shows_a_v3_daemon_s_namespaces_their_limits_and_clients() {
+    // The supervisor's check (which deletes a namespace no record names) stays away for
+    // the test's length.
+    let env = Env::with_config(&format!("{V3}\nlimit-check-interval = \"60s\""));
+    let c = env
+        .container("v3-status")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "30")
+        .annotation("gpushare.io/pinned-memory-limit", "1G")
+        .sh(&format!("{CLIENT} --hold 30"))
+        .create();
+    let ns = namespace_of(&c);
+    let id = env.daemon_of(&c);
+    let made = root_cli(&env, &id, &["namespace", "create", "orphan", "--server=s"]);
+    assert!(made.status.success(), "{made:?}");
+    c.start();
+    // The client attaches once the container's process runs.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let daemon = loop {
+        let daemons = env.status();
+        let d = daemons
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["id"] == id.as_str())
+            .cloned()
+            .expect("the daemon in status");
+        let mine = d["namespaces"]
+            .as_array()
+            .and_then(|a| a.iter().find(|n| n["name"] == ns.as_str()).cloned());
+        if mine.as_ref().is_some_and(|n| n["clients"] == 1) {
+            break d;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no client in the namespace: {d:#}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(daemon["protocol"], "v3");
+    assert_eq!(daemon["clients"], 1);
+    let namespaces = daemon["namespaces"].as_array().unwrap();
+    let find = |name: &str| namespaces.iter().find(|n| n["name"] == name).cloned();
+    let mine = find(&ns).unwrap();
+    assert_eq!(mine["kind"], "container");
+    assert_eq!(mine["container_id"], "v3-status");
+    assert_eq!(mine["active_thread_percentage"], 30);
+    assert_eq!(mine["pinned_memory_limit_bytes"], 1u64 << 30);
+    assert_eq!(mine["listed"], true);
+    let orphan = find("orphan").unwrap_or_else(|| panic!("{namespaces:?}"));
+    assert_eq!(orphan["kind"], "unrecorded");
+    assert_eq!(orphan["container_id"], serde_json::Value::Null);
+    assert_eq!(orphan["clients"], 0);
+    assert_eq!(find("default").unwrap()["kind"], "default");
+
+    let table = env.cmd(gpushare()).arg("status").output().unwrap();
+    let table = String::from_utf8_lossy(&table.stdout).into_owned();
+    let line = table
+        .lines()
+        .find(|l| l.starts_with("  └ container v3-status  "))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(
+        line.ends_with(&format!("  ns={ns}  threads=30%  mem=1024M  clients=1")),
+        "{table}"
+    );
+    assert!(
+        table.contains("  └ ns=orphan  threads=100%  clients=0  (no container record names it)\n"),
+        "{table}"
+    );
+    let prom = env
+        .cmd(gpushare())
+        .args(["status", "--format", "prometheus"])
+        .output()
+        .unwrap();
+    let prom = String::from_utf8_lossy(&prom.stdout).into_owned();
+    let row = format!(
+        "gpushare_namespace_clients{{daemon=\"{id}\",device=\"{GPU0}\",uid=\"multi\",mps_namespace=\"{ns}\",container_id=\"v3-status\"}} 1\n"
+    );
+    assert!(prom.contains(&row), "{row} in\n{prom}");
+    assert!(prom.contains(&format!(
+        "gpushare_namespace_info{{daemon=\"{id}\",device=\"{GPU0}\",uid=\"multi\",mps_namespace=\"orphan\",container_id=\"\",kind=\"unrecorded\"}} 1\n"
+    )));
+    c.delete();
+}
