@@ -76,12 +76,29 @@ impl Resolved {
 /// supported there) nor host root (whom a v3 server lets change any namespace's limits):
 /// those keep a legacy daemon.
 fn serves_v3(cfg: &Config, driver_version: &str, devices: &[String], host_uid: u32) -> bool {
-    let node = match cfg.mps.protocol {
-        Protocol::Legacy => false,
-        Protocol::V3 => true,
-        Protocol::Auto => crate::driver::has_mps_v3(driver_version),
-    };
-    node && host_uid != 0 && !devices.iter().any(|d| d.starts_with("MIG-"))
+    let container = host_uid != 0 && !devices.iter().any(|d| d.starts_with("MIG-"));
+    container
+        && match cfg.mps.protocol {
+            Protocol::Legacy => false,
+            Protocol::V3 => true,
+            Protocol::Auto => node_speaks_v3(cfg, driver_version),
+        }
+}
+
+/// `mps.protocol = "auto"` on this node: the driver is 615 or later and the control
+/// binary speaks protocol 3 (`driver::control_speaks_v3`, asked once per binary:
+/// `inventory_cache::control_speaks_v3`).
+fn node_speaks_v3(cfg: &Config, driver_version: &str) -> bool {
+    crate::driver::has_mps_v3(driver_version)
+        && crate::driver::control_binary(&cfg.mps.control_binary, cfg.driver_root.as_deref())
+            .is_some_and(|binary| {
+                crate::inventory_cache::control_speaks_v3(
+                    &binary,
+                    driver_version,
+                    &cfg.state_dir,
+                    crate::driver::control_speaks_v3,
+                )
+            })
 }
 
 /// The pipeline for a container's spec (the shim, hook-only mode): the request in it under

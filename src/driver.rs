@@ -129,6 +129,65 @@ pub(crate) fn has_mps_v3(driver_version: &str) -> bool {
         .is_some_and(|major| major >= MPS_V3_DRIVER)
 }
 
+/// PATH given to every process gpushare starts.
+pub(crate) const SAFE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// How long the control binary gets to answer [`control_speaks_v3`]'s `-p 3 -h`.
+const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The most of the probe's output read: a help text is a few lines.
+const MAX_PROBE_OUTPUT: u64 = 64 << 10;
+
+/// `mps.control-binary` as the commands run it: an absolute path as it is; a name under
+/// `driver_root` when that is set ([`find_binary`]); else a name on [`SAFE_PATH`].
+/// `None` where there is none.
+pub(crate) fn control_binary(binary: &str, driver_root: Option<&Path>) -> Option<PathBuf> {
+    match (binary.contains('/'), driver_root) {
+        (true, _) => Some(PathBuf::from(binary)).filter(|p| p.is_file()),
+        (false, Some(root)) => find_binary(root, binary).ok(),
+        (false, None) => crate::util::find_executable(binary, std::ffi::OsStr::new(SAFE_PATH)),
+    }
+}
+
+/// Whether the MPS control binary at `binary` speaks protocol 3: `<binary> -p 3 -h`
+/// exits 0 and its help lists the `namespace` module (a binary from before driver 615
+/// refuses `-p 3`). Run as the caller with a cleared environment, its stdin empty, killed
+/// after [`PROBE_TIMEOUT`]. `None`: no answer (it could not be run, or did not exit in
+/// time), which is not an answer to remember.
+pub(crate) fn control_speaks_v3(binary: &Path) -> Option<bool> {
+    use std::io::Read;
+    let mut child = std::process::Command::new(binary)
+        .args(["-p", "3", "-h"])
+        .env_clear()
+        .env("PATH", SAFE_PATH)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .ok()?;
+    let every = std::time::Duration::from_millis(5);
+    let deadline = std::time::Instant::now() + PROBE_TIMEOUT;
+    let status = crate::util::poll_until(deadline, every, every * 4, || {
+        child.try_wait().ok().flatten()
+    });
+    let Some(status) = status else {
+        let _ = child.kill();
+        let _ = child.wait();
+        return None;
+    };
+    let mut out = Vec::new();
+    if let Some(stdout) = child.stdout.take() {
+        let _ = stdout.take(MAX_PROBE_OUTPUT).read_to_end(&mut out);
+    }
+    Some(status.success() && lists_namespace_module(&String::from_utf8_lossy(&out)))
+}
+
+/// Whether a help text names the `namespace` module as a word of its own.
+fn lists_namespace_module(help: &str) -> bool {
+    help.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '-'))
+        .any(|w| w == "namespace")
+}
+
 /// The executable `name` under `root` ([`BIN_DIRS`]).
 pub fn find_binary(root: &Path, name: &str) -> Result<PathBuf, DriverError> {
     find(root, &BIN_DIRS, name)
@@ -230,6 +289,38 @@ pub fn link_server_libraries(root: &Path, dir: &Path) -> Result<(), DriverError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_v3_probe_wants_exit_0_and_the_namespace_module() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let script = |name: &str, body: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+            p
+        };
+        let v3 = script(
+            "v3",
+            "[ \"$*\" = \"-p 3 -h\" ] || exit 9\necho 'Modules: server namespace client'",
+        );
+        assert_eq!(control_speaks_v3(&v3), Some(true));
+        let refuses = script("refuses", "echo 'Modules: server namespace client'; exit 2");
+        assert_eq!(control_speaks_v3(&refuses), Some(false), "exit status");
+        let plain = script("plain", "echo 'usage: control [-d] namespaces? no'");
+        assert_eq!(
+            control_speaks_v3(&plain),
+            Some(false),
+            "no namespace module"
+        );
+        let slow = script("slow", "exec sleep 30");
+        let start = std::time::Instant::now();
+        assert_eq!(control_speaks_v3(&slow), None, "no answer in time");
+        assert!(start.elapsed() < std::time::Duration::from_secs(10));
+        assert_eq!(control_speaks_v3(&dir.path().join("missing")), None);
+        assert!(lists_namespace_module("Modules: server namespace client\n"));
+        assert!(!lists_namespace_module("Modules: server namespaces"));
+    }
 
     /// A driver tree under a temp dir: `files` are written (with their parents), `links`
     /// are (link, target) pairs.

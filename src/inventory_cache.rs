@@ -19,6 +19,16 @@
 //! written whole (a temporary file renamed over it), by root, into the state directory
 //! only when that directory exists; a cache that cannot be read or written is never an
 //! error — the create loads from NVML as before. `doctor` and `status` never use it.
+//!
+//! Beside it, `<state-dir>/mps-protocol.json` remembers whether the MPS control binary
+//! speaks protocol 3 (`driver::control_speaks_v3`, which `mps.protocol = "auto"` asks on a
+//! driver of 615 or later), so that a create does not run the binary each time. The answer
+//! is the binary's, so it is keyed by the binary and no TTL: its resolved path, device,
+//! inode, size, modification time, and the driver version; a changed binary, or the same
+//! path replaced, is asked again. Only an answer is remembered: a binary that could not
+//! be run or did not exit in time is asked again at the next create. The same rules as the
+//! inventory's hold for the file (read bounded without following a link, written whole,
+//! never an error).
 
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -117,6 +127,78 @@ fn write(path: &Path, fingerprint: &str, now_ms: u64, inventory: &Inventory) -> 
     })?;
     crate::fsops::write_atomic_with(path, &text, 0o644, false)?;
     Ok(())
+}
+
+/// The v3 probe's cache file's name in the state directory (module doc).
+pub(crate) const PROTOCOL_CACHE_FILE: &str = "mps-protocol.json";
+
+/// What a remembered v3 probe answer was about: the binary as it was when asked.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BinaryKey {
+    path: String,
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime_ns: i128,
+    driver_version: String,
+}
+
+impl BinaryKey {
+    /// The key of the file at `binary` now (following links: the file that would run).
+    fn of(binary: &Path, driver_version: &str) -> Option<BinaryKey> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(binary).ok()?;
+        Some(BinaryKey {
+            path: binary.display().to_string(),
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+            driver_version: driver_version.to_owned(),
+        })
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProtocolFile {
+    binary: BinaryKey,
+    speaks_v3: bool,
+}
+
+/// Whether the control binary at `binary` speaks MPS protocol 3, from the cache in
+/// `state_dir` when it was asked as it is now, else by `probe` (`driver::control_speaks_v3`),
+/// whose answer is then cached (module doc). No answer: `false`, not cached.
+pub(crate) fn control_speaks_v3(
+    binary: &Path,
+    driver_version: &str,
+    state_dir: &Path,
+    probe: impl FnOnce(&Path) -> Option<bool>,
+) -> bool {
+    let Some(key) = BinaryKey::of(binary, driver_version) else {
+        return false;
+    };
+    let path = state_dir.join(PROTOCOL_CACHE_FILE);
+    let cached = crate::fsops::read_regular(&path, MAX_CACHE_BYTES)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<ProtocolFile>(&b).ok());
+    if let Some(c) = cached.filter(|c| c.binary == key) {
+        return c.speaks_v3;
+    }
+    let Some(speaks_v3) = probe(binary) else {
+        return false;
+    };
+    let written = serde_json::to_vec(&ProtocolFile {
+        binary: key,
+        speaks_v3,
+    })
+    .map_err(anyhow::Error::from)
+    .and_then(|text| Ok(crate::fsops::write_atomic_with(&path, &text, 0o644, false)?));
+    if let Err(e) = written {
+        tracing::debug!(path = %path.display(), error = %e, "mps protocol cache not written");
+    }
+    speaks_v3
 }
 
 /// What the driver shows of the node's devices, hashed (module doc); `None` without an
@@ -252,6 +334,68 @@ mod tests {
             !std::fs::symlink_metadata(&path).unwrap().is_symlink(),
             "replaced"
         );
+    }
+
+    #[test]
+    fn the_v3_probe_is_remembered_per_binary_and_asked_again_when_it_changes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let bin = tmp.path().join("control");
+        std::fs::write(&bin, "one").unwrap();
+        let calls = Cell::new(0);
+        let ask = |answer: Option<bool>, driver: &str| {
+            control_speaks_v3(&bin, driver, tmp.path(), |p| {
+                assert_eq!(p, bin);
+                calls.set(calls.get() + 1);
+                answer
+            })
+        };
+        assert!(ask(Some(true), "615.71.09"));
+        assert_eq!(calls.get(), 1, "first create asks");
+        assert!(ask(Some(false), "615.71.09"), "the cached answer");
+        assert_eq!(calls.get(), 1, "the same binary is not asked again");
+        assert!(!ask(Some(false), "620.1"), "another driver: asked again");
+        assert_eq!(calls.get(), 2);
+        std::fs::write(&bin, "a longer one").unwrap();
+        assert!(ask(Some(true), "620.1"), "another size: asked again");
+        assert_eq!(calls.get(), 3);
+        // Same size, new modification time.
+        std::fs::write(&bin, "a longer two").unwrap();
+        let old = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        std::fs::File::options()
+            .write(true)
+            .open(&bin)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        assert!(!ask(Some(false), "620.1"), "another mtime: asked again");
+        assert_eq!(calls.get(), 4);
+        // Replaced by another file of the same size and time (a new inode).
+        let other = tmp.path().join("other");
+        std::fs::write(&other, "a longer two").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&other)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        std::fs::rename(&other, &bin).unwrap();
+        assert!(ask(Some(true), "620.1"), "replaced: asked again");
+        assert_eq!(calls.get(), 5);
+        // Another path to the same file is another key.
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&bin, &link).unwrap();
+        let via_link = control_speaks_v3(&link, "620.1", tmp.path(), |_| Some(false));
+        assert!(!via_link, "another path: asked again");
+        // No answer: false, and nothing remembered.
+        std::fs::remove_file(tmp.path().join(PROTOCOL_CACHE_FILE)).unwrap();
+        assert!(!ask(None, "620.1"));
+        assert!(!tmp.path().join(PROTOCOL_CACHE_FILE).exists());
+        assert!(ask(Some(true), "620.1"));
+        assert_eq!(calls.get(), 7);
+        // A missing binary is not asked.
+        std::fs::remove_file(&bin).unwrap();
+        assert!(!ask(Some(true), "620.1"));
+        assert_eq!(calls.get(), 7);
     }
 
     #[test]

@@ -25,8 +25,7 @@ use std::time::{Duration, Instant};
 
 use crate::util::poll_until;
 
-/// PATH given to every process gpushare starts.
-pub(crate) const SAFE_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+pub(crate) use crate::driver::SAFE_PATH;
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ControlError {

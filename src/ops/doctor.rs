@@ -276,27 +276,177 @@ fn control_binary_check(cfg: &Config) -> Check {
     }
 }
 
-fn state_dir_checks(cfg: &Config, out: &mut Vec<Check>) {
-    use std::os::unix::fs::MetadataExt;
-    let dir = &cfg.state_dir;
-    // Every daemon id has the same length, so one stands for all.
-    let socket = dir
+/// Which MPS backend this node runs (`mps.protocol`) and why; `true` where it is v3 (for
+/// containers that are neither host root nor on a MIG device). `speaks` runs the control
+/// binary's `-p 3 -h` (`driver::control_speaks_v3`; `Err`: no binary to run), only where
+/// the answer decides something. Doctor asks the binary itself: it reads no cache.
+fn protocol_check(
+    protocol: crate::config::Protocol,
+    driver: Option<&str>,
+    speaks: impl FnOnce() -> Result<Option<bool>, String>,
+) -> (Check, bool) {
+    use crate::config::Protocol;
+    const KEEP: &str = "; containers on a MIG device and host-root containers keep legacy daemons";
+    const ASKED: &str = "`-p 3 -h` exits 0 and lists the namespace module";
+    let driver_text = driver.unwrap_or("unknown");
+    match protocol {
+        Protocol::Legacy => (ok("mps-protocol", "protocol = legacy"), false),
+        Protocol::V3 => match speaks() {
+            Ok(Some(true)) => (
+                ok("mps-protocol", format!("protocol = v3 (driver {driver_text}, the control binary speaks protocol 3){KEEP}")),
+                true,
+            ),
+            Ok(answer) => (
+                fail(
+                    "mps-protocol",
+                    format!(
+                        "protocol = v3, but the control binary {} (wanted: {ASKED}; driver {driver_text}): every create of a v3 container fails",
+                        if answer.is_some() { "does not speak protocol 3" } else { "did not answer `-p 3 -h` in time" }
+                    ),
+                    "set mps.protocol = \"auto\" (or \"legacy\") on this node, or install a driver of 615 or later",
+                ),
+                true,
+            ),
+            Err(e) => (
+                fail("mps-protocol", format!("protocol = v3, but no control binary to run: {e}"), "fix mps.control-binary (the mps-control line above)"),
+                true,
+            ),
+        },
+        Protocol::Auto => {
+            let Some(driver) = driver else {
+                return (ok("mps-protocol", "auto → undecided: no driver version (the inventory did not load; see above)"), false);
+            };
+            if !crate::driver::has_mps_v3(driver) {
+                return (
+                    ok("mps-protocol", format!("auto → legacy (driver {driver} is before {})", crate::driver::MPS_V3_DRIVER)),
+                    false,
+                );
+            }
+            match speaks() {
+                Ok(Some(true)) => (
+                    ok("mps-protocol", format!("auto → v3 (driver {driver}, the control binary speaks protocol 3){KEEP}")),
+                    true,
+                ),
+                Ok(Some(false)) => (
+                    warn(
+                        "mps-protocol",
+                        format!("auto → legacy (driver {driver}, but the control binary does not speak protocol 3: wanted {ASKED})"),
+                        "point mps.control-binary at the driver's own nvidia-cuda-mps-control (under driver-root where the driver runs in a container), or set mps.protocol = \"legacy\"",
+                    ),
+                    false,
+                ),
+                Ok(None) => (
+                    warn(
+                        "mps-protocol",
+                        format!("auto → legacy for now (driver {driver}, but the control binary did not answer `-p 3 -h` in time); each create asks it again until it answers"),
+                        "run `<control-binary> -p 3 -h` by hand to see why it hangs",
+                    ),
+                    false,
+                ),
+                Err(e) => (
+                    ok("mps-protocol", format!("auto → legacy (driver {driver}, but no control binary to ask: {e})")),
+                    false,
+                ),
+            }
+        }
+    }
+}
+
+/// Whether the driver's per-cgroup device memory limits are there for a v3 node's
+/// `mps.cgroup-memory-limit`: `/sys/fs/cgroup` is cgroup v2 (`cgroup2`) and its
+/// `dmem.capacity` lists an NVIDIA region (`nvidia` below, `mps::v3::node_has_memory_limits`).
+fn memory_limit_check(
+    setting: crate::config::CgroupMemoryLimit,
+    cgroup2: bool,
+    nvidia: bool,
+) -> Check {
+    use crate::config::CgroupMemoryLimit;
+    let missing = if !cgroup2 {
+        Some("/sys/fs/cgroup is not cgroup v2")
+    } else if !nvidia {
+        Some("/sys/fs/cgroup/dmem.capacity lists no nvidia/ region")
+    } else {
+        None
+    };
+    let name = "cgroup-memory-limit";
+    match (setting, missing) {
+        (CgroupMemoryLimit::Off, _) => ok(name, "off: a v3 container's pinned-memory-limit is its MPS namespace's alone"),
+        (s, None) => ok(
+            name,
+            format!(
+                "{}: the driver's per-cgroup memory limits are available (cgroup v2, dmem.capacity lists an NVIDIA region): a v3 container's pinned-memory-limit is also its cgroup's hard device memory limit",
+                if s == CgroupMemoryLimit::On { "on" } else { "auto" }
+            ),
+        ),
+        (CgroupMemoryLimit::Auto, Some(why)) => warn(
+            name,
+            format!("auto: the driver's per-cgroup memory limits are not available ({why}): a v3 container's pinned-memory-limit is its MPS namespace's alone, which a client can escape (docs/mps.md, \"Memory limits\")"),
+            "run the node on cgroup v2 with a driver whose dmem controller offers its GPUs, or accept the namespace's limit",
+        ),
+        (CgroupMemoryLimit::On, Some(why)) => fail(
+            name,
+            format!("on, but the driver's per-cgroup memory limits are not available ({why}): every v3 create with a pinned-memory-limit fails"),
+            "set mps.cgroup-memory-limit = \"auto\" or \"off\", or run the node on cgroup v2 with a driver whose dmem controller offers its GPUs",
+        ),
+    }
+}
+
+/// The longest MPS socket path under `dir` against the 108 bytes of a Unix socket path:
+/// a daemon's `control` (every daemon id has the same length, so one stands for all),
+/// and on a v3 node a namespace's `<pipe>/s/c<20 hex>/control`.
+fn socket_path_check(dir: &Path, v3: bool) -> Check {
+    let pipe = dir
         .join("mps")
         .join("0".repeat(crate::identity::ID_LEN))
-        .join("pipe/control");
-    let len = socket.as_os_str().len();
+        .join("pipe");
+    let len = pipe.join("control").as_os_str().len();
+    let namespace = crate::identity::Namespace::name_for("");
+    let len_v3 = pipe
+        .join(crate::identity::V3_SERVER)
+        .join(&namespace)
+        .join("control")
+        .as_os_str()
+        .len();
+    let fix = |len: usize| {
+        format!(
+            "set state-dir to a path of at most {} bytes, like /run/gpushare",
+            dir.as_os_str().len().saturating_sub(len - 107)
+        )
+    };
     if len >= 108 {
-        out.push(fail(
+        fail(
             "socket-path",
             format!("{}/mps/<id>/pipe/control is {len} bytes; a Unix socket path must be shorter than 108", dir.display()),
-            format!("set state-dir to a path of at most {} bytes, like /run/gpushare", dir.as_os_str().len() - (len - 107)),
-        ));
+            fix(len),
+        )
+    } else if v3 && len_v3 >= 108 {
+        fail(
+            "socket-path",
+            format!(
+                "{}/mps/<id>/pipe/{}/c<{} hex>/control (a v3 namespace's) is {len_v3} bytes; a Unix socket path must be shorter than 108",
+                dir.display(),
+                crate::identity::V3_SERVER,
+                namespace.len() - 1
+            ),
+            fix(len_v3),
+        )
+    } else if v3 {
+        ok(
+            "socket-path",
+            format!("MPS control socket paths are {len} bytes, a v3 namespace's {len_v3} (< 108)"),
+        )
     } else {
-        out.push(ok(
+        ok(
             "socket-path",
             format!("MPS control socket paths are {len} bytes (< 108)"),
-        ));
+        )
     }
+}
+
+fn state_dir_checks(cfg: &Config, v3: bool, out: &mut Vec<Check>) {
+    use std::os::unix::fs::MetadataExt;
+    let dir = &cfg.state_dir;
+    out.push(socket_path_check(dir, v3));
     match std::fs::symlink_metadata(dir) {
         Err(_) => out.push(ok(
             "state-dir",
@@ -447,7 +597,25 @@ pub(crate) fn run(cfg: &Config, paths: &Paths) -> Vec<Check> {
         gpu_checks(cfg, inv, &mut out);
     }
     out.push(control_binary_check(cfg));
-    state_dir_checks(cfg, &mut out);
+    let (protocol, v3) = protocol_check(
+        cfg.mps.protocol,
+        inv.as_ref().map(|i| i.driver_version.as_str()),
+        || {
+            crate::mps::control::resolve_binary(&cfg.mps.control_binary, cfg.driver_root.as_deref())
+                .map(|b| crate::driver::control_speaks_v3(&b))
+                .map_err(|e| e.to_string())
+        },
+    );
+    out.push(protocol);
+    if v3 {
+        out.push(memory_limit_check(
+            cfg.mps.cgroup_memory_limit,
+            nix::sys::statfs::statfs("/sys/fs/cgroup")
+                .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC),
+            crate::mps::v3::node_has_memory_limits(),
+        ));
+    }
+    state_dir_checks(cfg, v3, &mut out);
     out.push(capacity_check(cfg));
     out.push(agent_check(cfg));
     out.push(replaced_binary_check(&replaced_binaries()));
@@ -1064,6 +1232,125 @@ mod tests {
             )),
             "{}",
             check.detail
+        );
+    }
+
+    /// The backend line: what `mps.protocol` decides on this node and why; the control
+    /// binary is asked only where its answer decides.
+    #[test]
+    fn the_protocol_line_says_which_backend_and_why() {
+        use super::{protocol_check, Level};
+        use crate::config::Protocol;
+        let never = || -> Result<Option<bool>, String> { panic!("not asked") };
+        let line = |c: super::Check| (c.level, c.detail);
+        let (c, v3) = protocol_check(Protocol::Legacy, Some("615.71.09"), never);
+        assert_eq!(
+            (line(c), v3),
+            ((Level::Ok, "protocol = legacy".into()), false)
+        );
+        let (c, v3) = protocol_check(Protocol::Auto, Some("580.159.04"), never);
+        assert_eq!(
+            (line(c), v3),
+            (
+                (
+                    Level::Ok,
+                    "auto → legacy (driver 580.159.04 is before 615)".into()
+                ),
+                false
+            )
+        );
+        let (c, v3) = protocol_check(Protocol::Auto, Some("615.71.09"), || Ok(Some(true)));
+        assert!(v3);
+        assert_eq!(c.level, Level::Ok);
+        assert!(
+            c.detail
+                .starts_with("auto → v3 (driver 615.71.09, the control binary speaks protocol 3)"),
+            "{}",
+            c.detail
+        );
+        let (c, v3) = protocol_check(Protocol::Auto, Some("615.71.09"), || Ok(Some(false)));
+        assert!(!v3);
+        assert_eq!(c.level, Level::Warn);
+        assert!(
+            c.detail.starts_with(
+                "auto → legacy (driver 615.71.09, but the control binary does not speak protocol 3"
+            ),
+            "{}",
+            c.detail
+        );
+        let (c, v3) = protocol_check(Protocol::Auto, Some("615.71.09"), || Ok(None));
+        assert_eq!((c.level, v3), (Level::Warn, false));
+        let (c, v3) = protocol_check(Protocol::V3, Some("580.159.04"), || Ok(Some(true)));
+        assert_eq!((c.level, v3), (Level::Ok, true));
+        assert!(
+            c.detail.starts_with("protocol = v3 (driver 580.159.04"),
+            "{}",
+            c.detail
+        );
+        let (c, v3) = protocol_check(Protocol::V3, Some("615.71.09"), || Ok(Some(false)));
+        assert_eq!((c.level, v3), (Level::Fail, true));
+        let (c, _) = protocol_check(Protocol::V3, None, || Err("no binary".into()));
+        assert_eq!(c.level, Level::Fail);
+        assert!(c.detail.contains("no binary"), "{}", c.detail);
+    }
+
+    /// `cgroup-memory-limit` on a v3 node: available only with cgroup v2 and an NVIDIA
+    /// region in dmem.capacity; `on` without them fails every create, `auto` warns.
+    #[test]
+    fn the_memory_limit_line_names_what_is_missing() {
+        use super::{memory_limit_check, Level};
+        use crate::config::CgroupMemoryLimit::{Auto, Off, On};
+        assert_eq!(memory_limit_check(Auto, true, true).level, Level::Ok);
+        assert_eq!(memory_limit_check(On, true, true).level, Level::Ok);
+        assert_eq!(memory_limit_check(Off, false, false).level, Level::Ok);
+        let c = memory_limit_check(Auto, false, true);
+        assert_eq!(c.level, Level::Warn);
+        assert!(
+            c.detail.contains("/sys/fs/cgroup is not cgroup v2"),
+            "{}",
+            c.detail
+        );
+        let c = memory_limit_check(On, true, false);
+        assert_eq!(c.level, Level::Fail);
+        assert!(
+            c.detail.contains("dmem.capacity lists no nvidia/ region"),
+            "{}",
+            c.detail
+        );
+    }
+
+    /// The socket-path budget: a v3 namespace's socket is 24 bytes longer than a daemon's
+    /// `control`, so a state-dir that fits legacy can be too long for v3.
+    #[test]
+    fn the_socket_path_budget_counts_a_v3_namespace_s_socket() {
+        use super::{socket_path_check, Level};
+        use std::path::Path;
+        let short = socket_path_check(Path::new("/run/gpushare"), true);
+        assert_eq!(short.level, Level::Ok);
+        assert_eq!(
+            short.detail,
+            "MPS control socket paths are 63 bytes, a v3 namespace's 87 (< 108)"
+        );
+        assert_eq!(
+            socket_path_check(Path::new("/run/gpushare"), false).detail,
+            "MPS control socket paths are 63 bytes (< 108)"
+        );
+        // 33 bytes: the longest state-dir a v3 namespace's socket fits under.
+        let edge = format!("/{}", "d".repeat(32));
+        assert_eq!(socket_path_check(Path::new(&edge), true).level, Level::Ok);
+        let long = format!("/{}", "d".repeat(33));
+        assert_eq!(socket_path_check(Path::new(&long), false).level, Level::Ok);
+        let c = socket_path_check(Path::new(&long), true);
+        assert_eq!(c.level, Level::Fail);
+        assert!(
+            c.detail
+                .contains("/pipe/s/c<20 hex>/control (a v3 namespace's) is 108 bytes"),
+            "{}",
+            c.detail
+        );
+        assert_eq!(
+            c.fix.as_deref(),
+            Some("set state-dir to a path of at most 33 bytes, like /run/gpushare")
         );
     }
 

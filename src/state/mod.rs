@@ -389,6 +389,8 @@ mod tests {
             root.containers_dir(id),
             root.records_lock_path(id),
             root.root().join(crate::inventory_cache::CACHE_FILE),
+            root.root()
+                .join(crate::inventory_cache::PROTOCOL_CACHE_FILE),
         ] {
             let rel = path.strip_prefix("/s").unwrap();
             let depth = rel.components().count();

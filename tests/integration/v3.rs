@@ -379,3 +379,162 @@ fn hook_only_mode_and_cdi_devices_get_a_namespace_each() {
         "every end deleted its namespace: {left:?}"
     );
 }
+
+/// Points env's `mps.control-binary` at `<env>/bin/control`, a wrapper that runs the
+/// simulator after `lines` (gpushare runs the control binary with a cleared environment,
+/// so the wrapper is where the simulator's own variables can be set).
+fn control_wrapper(env: &Env, lines: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let wrapper = env.path().join("bin/control");
+    std::fs::write(
+        &wrapper,
+        format!("#!/bin/sh\n{lines}exec {:?} \"$@\"\n", env.sim()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let text = std::fs::read_to_string(&env.config).unwrap();
+    let named = format!("control-binary = {:?}", env.sim().display().to_string());
+    let renamed = text.replace(
+        &named,
+        &format!("control-binary = {:?}", wrapper.display().to_string()),
+    );
+    std::fs::write(&env.config, renamed).unwrap();
+    wrapper
+}
+
+#[test]
+fn auto_on_615_asks_the_control_binary_and_one_that_refuses_protocol_3_keeps_legacy() {
+    let mut inv = inventory_json();
+    inv["driver_version"] = "615.71.09".into();
+    let auto = Env::with_config("protocol = \"auto\"");
+    std::fs::write(auto.path().join("inventory.json"), inv.to_string()).unwrap();
+    control_wrapper(&auto, "export GPUSHARE_SIM_PROTOCOLS=2\n");
+    assert!(std::fs::read_to_string(&auto.config)
+        .unwrap()
+        .contains("bin/control\""));
+    let cache = auto.state.join("mps-protocol.json");
+    let remembered = || -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(&cache).expect("the probe's answer is cached"))
+            .unwrap()
+    };
+
+    for name in ["auto-615-p2", "auto-615-p2-again"] {
+        let c = auto
+            .container(name)
+            .uid(1000)
+            .device("0")
+            .sh(CLIENT)
+            .create();
+        let line = client_line(&c.run());
+        assert!(!line.contains_key("namespace"), "{line:?}");
+        assert_eq!(auto.record(&auto.daemon_of(&c))["identity"].get("v3"), None);
+        c.delete();
+    }
+    assert_eq!(remembered()["speaks_v3"], false);
+    let wrapper = auto.path().join("bin/control");
+    assert_eq!(
+        remembered()["binary"]["path"],
+        wrapper.display().to_string()
+    );
+    assert_eq!(remembered()["binary"]["driver_version"], "615.71.09");
+
+    // The binary changes (a driver upgrade): asked again, and this one speaks v3.
+    control_wrapper(&auto, "");
+    let c = auto
+        .container("auto-615-p3")
+        .uid(1000)
+        .device("0")
+        .sh(CLIENT)
+        .create();
+    let line = client_line(&c.run());
+    assert_eq!(line["server_name"], "s", "{line:?}");
+    assert_eq!(remembered()["speaks_v3"], true);
+    c.delete();
+}
+
+#[test]
+fn status_shows_a_v3_daemon_s_namespaces_their_limits_and_clients() {
+    // The supervisor's check (which deletes a namespace no record names) stays away for
+    // the test's length.
+    let env = Env::with_config(&format!("{V3}\nlimit-check-interval = \"60s\""));
+    let c = env
+        .container("v3-status")
+        .uid(1000)
+        .device("0")
+        .annotation("gpushare.io/active-thread-percentage", "30")
+        .annotation("gpushare.io/pinned-memory-limit", "1G")
+        .sh(&format!("{CLIENT} --hold 30"))
+        .create();
+    let ns = namespace_of(&c);
+    let id = env.daemon_of(&c);
+    let made = root_cli(&env, &id, &["namespace", "create", "orphan", "--server=s"]);
+    assert!(made.status.success(), "{made:?}");
+    c.start();
+    // The client attaches once the container's process runs.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let daemon = loop {
+        let daemons = env.status();
+        let d = daemons
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["id"] == id.as_str())
+            .cloned()
+            .expect("the daemon in status");
+        let mine = d["namespaces"]
+            .as_array()
+            .and_then(|a| a.iter().find(|n| n["name"] == ns.as_str()).cloned());
+        if mine.as_ref().is_some_and(|n| n["clients"] == 1) {
+            break d;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no client in the namespace: {d:#}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(daemon["protocol"], "v3");
+    assert_eq!(daemon["clients"], 1);
+    let namespaces = daemon["namespaces"].as_array().unwrap();
+    let find = |name: &str| namespaces.iter().find(|n| n["name"] == name).cloned();
+    let mine = find(&ns).unwrap();
+    assert_eq!(mine["kind"], "container");
+    assert_eq!(mine["container_id"], "v3-status");
+    assert_eq!(mine["active_thread_percentage"], 30);
+    assert_eq!(mine["pinned_memory_limit_bytes"], 1u64 << 30);
+    assert_eq!(mine["listed"], true);
+    let orphan = find("orphan").unwrap_or_else(|| panic!("{namespaces:?}"));
+    assert_eq!(orphan["kind"], "unrecorded");
+    assert_eq!(orphan["container_id"], serde_json::Value::Null);
+    assert_eq!(orphan["clients"], 0);
+    assert_eq!(find("default").unwrap()["kind"], "default");
+
+    let table = env.cmd(gpushare()).arg("status").output().unwrap();
+    let table = String::from_utf8_lossy(&table.stdout).into_owned();
+    let line = table
+        .lines()
+        .find(|l| l.starts_with("  └ container v3-status  "))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(
+        line.ends_with(&format!("  ns={ns}  threads=30%  mem=1024M  clients=1")),
+        "{table}"
+    );
+    assert!(
+        table.contains("  └ ns=orphan  threads=100%  clients=0  (no container record names it)\n"),
+        "{table}"
+    );
+    let prom = env
+        .cmd(gpushare())
+        .args(["status", "--format", "prometheus"])
+        .output()
+        .unwrap();
+    let prom = String::from_utf8_lossy(&prom.stdout).into_owned();
+    let row = format!(
+        "gpushare_namespace_clients{{daemon=\"{id}\",device=\"{GPU0}\",uid=\"multi\",mps_namespace=\"{ns}\",container_id=\"v3-status\"}} 1\n"
+    );
+    assert!(prom.contains(&row), "{row} in\n{prom}");
+    assert!(prom.contains(&format!(
+        "gpushare_namespace_info{{daemon=\"{id}\",device=\"{GPU0}\",uid=\"multi\",mps_namespace=\"orphan\",container_id=\"\",kind=\"unrecorded\"}} 1\n"
+    )));
+    c.delete();
+}

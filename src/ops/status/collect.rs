@@ -101,6 +101,35 @@ pub(crate) struct DaemonView {
     pub shm_dir: Option<String>,
     pub log_dir: String,
     pub containers: Vec<ContainerRecord>,
+    /// `"v3"` for an MPS v3 daemon (docs/mps.md, "Two backends"); absent for legacy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub protocol: Option<&'static str>,
+    /// A v3 daemon's namespaces: each container record's, then each the daemon lists
+    /// that no record names; absent for legacy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespaces: Option<Vec<NamespaceView>>,
+}
+
+/// One MPS namespace of a v3 daemon.
+#[derive(Debug, Serialize)]
+pub(crate) struct NamespaceView {
+    /// Its name, escaped (one the daemon lists is the daemon's text).
+    pub name: String,
+    /// `container`: a container record names it; `default`: the server's own, where a
+    /// client that reaches the server's directory lands; `unrecorded`: the daemon lists
+    /// it and no container record names it (a container ended while the daemon was not
+    /// reachable; the supervisor deletes it at its next check).
+    pub kind: &'static str,
+    /// The container whose record names it; `null` for the other kinds.
+    pub container_id: Option<String>,
+    /// Its limits: the record's for a container's, else as the daemon lists them.
+    #[serde(flatten)]
+    pub limits: LimitsView,
+    /// Its clients in the daemon's `client list`; `null` when the daemon did not answer.
+    pub clients: Option<usize>,
+    /// Whether the daemon's `namespace list` has it (a container's namespace that it
+    /// lacks is made again by the supervisor); `null` when the daemon did not answer.
+    pub listed: Option<bool>,
 }
 
 /// A daemon's status: its record's, or for a directory without a record, what it is.
@@ -299,16 +328,149 @@ fn describe(inventory: Option<&Inventory>, uuid: &str) -> DeviceView {
     v
 }
 
-/// A daemon's answer to `probe`: its servers and their clients, or why it did not answer.
-type Answer = Result<(usize, usize), String>;
+/// What a daemon answered `probe`.
+#[derive(Debug, PartialEq)]
+struct Probed {
+    servers: usize,
+    clients: usize,
+    /// A v3 daemon's namespaces.
+    v3: Option<V3Answer>,
+}
+
+/// A v3 daemon's clients per namespace (`client list --all`, its namespace column) and
+/// its namespaces (`namespace list`; `None` where that did not answer), names escaped.
+#[derive(Debug, PartialEq)]
+struct V3Answer {
+    clients: std::collections::BTreeMap<String, usize>,
+    listed: Option<Vec<crate::mps::v3::Listed>>,
+}
+
+/// A daemon's answer to `probe`, or why it did not answer.
+type Answer = Result<Probed, String>;
+
+/// How long `status` waits for one daemon's answers.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Asks the daemon for its servers and their clients; the error says why it could not.
 fn probe(control: &Control) -> Answer {
-    let servers = control
-        .clients(Duration::from_secs(2))
-        .map_err(|e| e.to_string())?;
+    if control.v3 {
+        return probe_v3(control);
+    }
+    let servers = control.clients(PROBE_TIMEOUT).map_err(|e| e.to_string())?;
     let clients = servers.iter().map(|(_, n)| n.unwrap_or(0)).sum();
-    Ok((servers.len(), clients))
+    Ok(Probed {
+        servers: servers.len(),
+        clients,
+        v3: None,
+    })
+}
+
+/// A v3 daemon's one server, its clients by namespace, and its namespaces, within
+/// [`PROBE_TIMEOUT`] in all.
+fn probe_v3(control: &Control) -> Answer {
+    use crate::mps::v3;
+    let deadline = std::time::Instant::now() + PROBE_TIMEOUT;
+    let reply = control
+        .cli(&v3::list_clients(), PROBE_TIMEOUT)
+        .map_err(|e| e.to_string())?;
+    let clients = client_rows(&reply);
+    let listed = v3::listed(control, deadline).ok().map(|rows| {
+        rows.into_iter()
+            .map(|l| v3::Listed {
+                name: crate::util::escape(&l.name),
+                ..l
+            })
+            .collect()
+    });
+    Ok(Probed {
+        servers: 1,
+        clients: clients.values().sum(),
+        v3: Some(V3Answer { clients, listed }),
+    })
+}
+
+/// The clients of a `client list --all --format=csv,noheader` reply by namespace (its
+/// fourth column: pid, server, device, namespace, command), names escaped; a row without
+/// one counts under `""`.
+fn client_rows(reply: &str) -> std::collections::BTreeMap<String, usize> {
+    let mut by = std::collections::BTreeMap::new();
+    for row in crate::mps::v3::csv_rows(reply) {
+        let ns = row
+            .get(3)
+            .map_or_else(String::new, |n| crate::util::escape(n));
+        *by.entry(ns).or_insert(0) += 1;
+    }
+    by
+}
+
+/// A v3 daemon's namespaces as `status` shows them: each container record's (its
+/// limits from the record), then each the daemon lists, or has clients in, that no
+/// record names.
+fn namespace_views(
+    containers: &[ContainerRecord],
+    answer: Option<&V3Answer>,
+) -> Vec<NamespaceView> {
+    use std::collections::BTreeSet;
+    let listed_names: Option<BTreeSet<&str>> = answer
+        .and_then(|a| a.listed.as_ref())
+        .map(|l| l.iter().map(|n| n.name.as_str()).collect());
+    let clients_of = |name: &str| answer.map(|a| a.clients.get(name).copied().unwrap_or(0));
+    let mut out: Vec<NamespaceView> = containers
+        .iter()
+        .filter_map(|c| {
+            let ns = c.mps_namespace.as_ref()?;
+            Some(NamespaceView {
+                name: crate::util::escape(&ns.name),
+                kind: "container",
+                container_id: Some(c.id.clone()),
+                limits: LimitsView(ns.limits.clone()),
+                clients: clients_of(&ns.name),
+                listed: listed_names.as_ref().map(|l| l.contains(ns.name.as_str())),
+            })
+        })
+        .collect();
+    let recorded: BTreeSet<String> = out.iter().map(|n| n.name.clone()).collect();
+    let Some(answer) = answer else { return out };
+    let mut others: Vec<(String, Option<&crate::mps::v3::Listed>)> = Vec::new();
+    for l in answer.listed.iter().flatten() {
+        others.push((l.name.clone(), Some(l)));
+    }
+    for name in answer.clients.keys() {
+        if !others.iter().any(|(n, _)| n == name) {
+            others.push((name.clone(), None));
+        }
+    }
+    for (name, listed) in others {
+        if recorded.contains(&name) {
+            continue;
+        }
+        use crate::request::{ACTIVE_THREAD_PERCENTAGE, PINNED_MEMORY_LIMIT};
+        let limits = listed
+            .map(|l| {
+                [
+                    l.active_thread_percentage
+                        .map(|p| (&ACTIVE_THREAD_PERCENTAGE, p.round().max(0.0) as u64)),
+                    l.pinned_memory_limit.map(|b| (&PINNED_MEMORY_LIMIT, b)),
+                ]
+                .into_iter()
+                .flatten()
+                .collect()
+            })
+            .unwrap_or_default();
+        out.push(NamespaceView {
+            kind: if name == "default" {
+                "default"
+            } else {
+                "unrecorded"
+            },
+            container_id: None,
+            limits: LimitsView(limits),
+            clients: Some(answer.clients.get(&name).copied().unwrap_or(0)),
+            listed: answer.listed.as_ref().map(|_| listed.is_some()),
+            name,
+        });
+    }
+    out
 }
 
 /// How many daemons are asked at once. A probe is mostly waiting (the control client's
@@ -421,6 +583,10 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
             ),
         };
         let probed = probed.and_then(Result::ok).and_then(Result::ok);
+        let containers = shown(state.containers(&id).unwrap_or_default());
+        let namespaces = ident
+            .v3
+            .then(|| namespace_views(&containers, probed.as_ref().and_then(|p| p.v3.as_ref())));
         daemons.push(DaemonView {
             devices: ident
                 .devices
@@ -443,13 +609,15 @@ pub(crate) fn collect(cfg: &Config) -> StatusView {
             health,
             health_reason,
             limits_unconfirmed_since: unconfirmed,
-            servers: probed.map(|p| p.0),
-            clients: probed.map(|p| p.1),
+            servers: probed.as_ref().map(|p| p.servers),
+            clients: probed.as_ref().map(|p| p.clients),
             error: rec.error.clone(),
             pipe_dir: state.pipe_dir(&id).display().to_string(),
             shm_dir: (!ident.ipc_host).then(|| state.shm_dir(&id).display().to_string()),
             log_dir: state.log_dir(&id).display().to_string(),
-            containers: shown(state.containers(&id).unwrap_or_default()),
+            containers,
+            protocol: ident.v3.then_some("v3"),
+            namespaces,
             id,
         });
     }
@@ -514,6 +682,8 @@ fn directory_view(state: &StateDir, id: String, pending_grace: u64) -> DaemonVie
         shm_dir: shm.then(|| state.shm_dir(&id).display().to_string()),
         log_dir: state.log_dir(&id).display().to_string(),
         containers: shown(containers),
+        protocol: None,
+        namespaces: None,
         id,
     }
 }
@@ -584,9 +754,98 @@ mod tests {
         for (n, answer) in answers.into_iter().enumerate() {
             match answer {
                 None => assert_eq!(n % 3, 1, "daemon {n} was not asked"),
-                Some(a) => assert_eq!(a, Ok((n, n * n)), "daemon {n}"),
+                Some(a) => assert_eq!(
+                    a.map(|p| (p.servers, p.clients)),
+                    Ok((n, n * n)),
+                    "daemon {n}"
+                ),
             }
         }
         assert!(probe_all(&[]).is_empty());
+    }
+
+    /// A v3 daemon's namespaces: each record's with the record's limits and its clients
+    /// from the daemon's client list, one the record names but the daemon lacks marked
+    /// so, and each the daemon lists (or has clients in) that no record names, its name
+    /// escaped; before the daemon answers, the records' alone with no counts.
+    #[test]
+    fn namespaces_come_from_the_records_and_the_daemon_s_lists() {
+        use crate::identity::{test_limits, Namespace};
+        use crate::mps::v3::Listed;
+        let rec = |id: &str, limits| ContainerRecord {
+            mps_namespace: Some(Namespace::of_container(id, limits)),
+            ..ContainerRecord::new(id.into(), None, None, None)
+        };
+        let records = vec![
+            rec("one", test_limits(Some(25), Some(2 << 30))),
+            rec("gone", test_limits(Some(50), None)),
+        ];
+        let one = Namespace::name_for("one");
+        let reply = format!(
+            "101,s,0,{one},app\n102,s,0,{one},app\n103,s,0,stray\u{1b}[2J,app\n104,s,0,default,app\n"
+        );
+        let clients = client_rows(&reply);
+        assert_eq!(clients.get("stray\\u{1b}[2J"), Some(&1), "{clients:?}");
+        let listed = |name: &str, pct| Listed {
+            name: name.into(),
+            pinned_memory_limit: None,
+            active_thread_percentage: Some(pct),
+        };
+        let answer = V3Answer {
+            clients,
+            listed: Some(vec![
+                listed(&one, 25.0),
+                listed("default", 10.0),
+                listed("orphan", 100.0),
+            ]),
+        };
+        let views = namespace_views(&records, Some(&answer));
+        let got: Vec<_> = views
+            .iter()
+            .map(|v| {
+                (
+                    v.name.as_str(),
+                    v.kind,
+                    v.container_id.as_deref(),
+                    v.clients,
+                    v.listed,
+                )
+            })
+            .collect();
+        let gone = Namespace::name_for("gone");
+        assert_eq!(
+            got,
+            [
+                (one.as_str(), "container", Some("one"), Some(2), Some(true)),
+                (
+                    gone.as_str(),
+                    "container",
+                    Some("gone"),
+                    Some(0),
+                    Some(false)
+                ),
+                ("default", "default", None, Some(1), Some(true)),
+                ("orphan", "unrecorded", None, Some(0), Some(true)),
+                ("stray\\u{1b}[2J", "unrecorded", None, Some(1), Some(false)),
+            ]
+        );
+        assert_eq!(
+            serde_json::to_value(&views[0]).unwrap(),
+            serde_json::json!({"name": one, "kind": "container", "container_id": "one",
+                "active_thread_percentage": 25, "pinned_memory_limit_bytes": 2147483648u64,
+                "clients": 2, "listed": true})
+        );
+        assert_eq!(
+            views[2]
+                .limits
+                .0
+                .get(&crate::request::ACTIVE_THREAD_PERCENTAGE),
+            Some(10)
+        );
+        let unasked = namespace_views(&records, None);
+        assert_eq!(unasked.len(), 2);
+        assert!(unasked
+            .iter()
+            .all(|v| v.clients.is_none() && v.listed.is_none()));
     }
 }

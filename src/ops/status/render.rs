@@ -10,7 +10,9 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 
-use super::collect::{DaemonView, DirectoryState, StatusView, ViewStatus, WatchView};
+use super::collect::{
+    DaemonView, DirectoryState, NamespaceView, StatusView, ViewStatus, WatchView,
+};
 use crate::state::{CapUse, Capacity};
 use crate::watch::report::{Kind, Process};
 
@@ -140,6 +142,9 @@ pub(crate) fn table(view: &StatusView) -> String {
         if d.ipc == "host" {
             limits.push("ipc=host".into());
         }
+        if let Some(protocol) = d.protocol {
+            limits.push(format!("mps={protocol}"));
+        }
         match &d.tenant {
             Some(crate::identity::Tenant::Namespace(ns)) => {
                 limits.push(format!("ns={}", crate::util::escape(ns)))
@@ -194,10 +199,30 @@ pub(crate) fn table(view: &StatusView) -> String {
             if let Some(name) = &n.container {
                 let _ = write!(out, "  container={name}");
             }
+            let ns = d
+                .namespaces
+                .iter()
+                .flatten()
+                .find(|ns| ns.container_id.as_deref() == Some(c.id.as_str()));
+            if let Some(ns) = ns {
+                let _ = write!(out, "  {}", namespace_text(ns));
+            }
             out.push('\n');
             for p in by_container.get(c.id.as_str()).into_iter().flatten() {
                 process_line(&mut out, "      ", p);
             }
+        }
+        for ns in d
+            .namespaces
+            .iter()
+            .flatten()
+            .filter(|n| n.container_id.is_none())
+        {
+            let what = match ns.kind {
+                "default" => "the server's own",
+                _ => "no container record names it",
+            };
+            let _ = writeln!(out, "  └ {}  ({what})", namespace_text(ns));
         }
     }
     if view.daemons.is_empty() {
@@ -213,6 +238,21 @@ pub(crate) fn table(view: &StatusView) -> String {
         capacity_table(&mut out, capacity);
     }
     out
+}
+
+/// A v3 namespace as the table shows it: `ns=<name>`, its limits, its clients, and
+/// `missing` where the daemon's list lacks it.
+fn namespace_text(ns: &NamespaceView) -> String {
+    let mut words = vec![format!("ns={}", ns.name)];
+    words.extend(ns.limits.labels());
+    words.push(format!(
+        "clients={}",
+        ns.clients.map_or_else(|| "-".to_owned(), |n| n.to_string())
+    ));
+    if ns.listed == Some(false) {
+        words.push("missing".to_owned());
+    }
+    words.join("  ")
 }
 
 /// `24 GiB` for a whole number of GiB, else whole MiB.
@@ -467,6 +507,9 @@ pub(crate) fn prometheus(view: &StatusView) -> String {
             })
             .collect(),
     );
+    if view.daemons.iter().any(|d| d.namespaces.is_some()) {
+        namespace_metrics(&mut metric, view, &labels);
+    }
     if let Some(w) = &view.watch {
         watch_metrics(&mut metric, w);
     }
@@ -488,6 +531,61 @@ pub(crate) fn prometheus(view: &StatusView) -> String {
         );
     }
     out
+}
+
+/// The namespaces of the v3 daemons, only where there is one (a legacy node's text does
+/// not change): one row per namespace, labelled with its daemon's labels, `mps_namespace`
+/// (its name) and `container_id` (the container whose record names it, as in
+/// `gpushare_container_info`, so the two join; empty for the server's `default` and a
+/// namespace no record names), and `kind` on the info row.
+fn namespace_metrics(
+    metric: &mut impl FnMut(&str, &str, &str, Vec<(String, String)>),
+    view: &StatusView,
+    daemon_labels: &impl Fn(&DaemonView) -> String,
+) {
+    let rows = || {
+        view.daemons.iter().flat_map(|d| {
+            let daemon = daemon_labels(d);
+            d.namespaces.iter().flatten().map(move |ns| {
+                let labels = format!(
+                    "{},mps_namespace=\"{}\",container_id=\"{}\"",
+                    daemon.trim_end_matches('}'),
+                    label_escaped(&ns.name),
+                    label(ns.container_id.as_deref().unwrap_or(""))
+                );
+                (labels, ns)
+            })
+        })
+    };
+    metric(
+        "gpushare_namespace_info",
+        "gauge",
+        "An MPS namespace of a v3 daemon: kind container (a container record names it), default (the server's own) or unrecorded (listed by the daemon, named by no record).",
+        rows()
+            .map(|(l, ns)| (format!("{l},kind=\"{}\"}}", ns.kind), "1".to_owned()))
+            .collect(),
+    );
+    metric(
+        "gpushare_namespace_clients",
+        "gauge",
+        "Clients of the MPS namespace in its daemon's client list (no row when the daemon did not answer).",
+        rows()
+            .filter_map(|(l, ns)| Some((format!("{l}}}"), ns.clients?.to_string())))
+            .collect(),
+    );
+    for (key, limit, _) in crate::request::limits() {
+        metric(
+            &format!("gpushare_namespace_{}", limit.status_field),
+            "gauge",
+            &format!(
+                "The MPS namespace's {} (the container record's; as the daemon lists it for the others); no row when unset.",
+                limit.status_field.replace('_', " ")
+            ),
+            rows()
+                .filter_map(|(l, ns)| Some((format!("{l}}}"), ns.limits.0.get(key)?.to_string())))
+                .collect(),
+        );
+    }
 }
 
 /// The GPU processes, summed per container and GPU with DCGM exporter's labels (`gpu`,
@@ -751,9 +849,15 @@ mod tests {
                     },
                     ..ContainerRecord::new("c1".into(), None, None, Some("kubernetes".into()))
                 }]),
+                protocol: None,
+                namespaces: None,
             }],
         };
         let text = prometheus(&view);
+        assert!(
+            !text.contains("gpushare_namespace"),
+            "a legacy node's text is as it was"
+        );
         // The pod's name stays inside its label: escaped, then quoted for the format.
         assert!(
             text.contains(
@@ -922,5 +1026,111 @@ mod tests {
         ] {
             assert!(text.contains(kept), "{kept} in {text}");
         }
+    }
+
+    /// A v3 daemon: `mps=v3` among its labels, each container's namespace on its line
+    /// with its limits and clients, a namespace no record names on a line of its own, and
+    /// a Prometheus series per namespace, the daemon's name escaped inside its label.
+    #[test]
+    fn a_v3_daemon_shows_its_namespaces_in_the_table_and_in_prometheus() {
+        use super::super::collect::NamespaceView;
+        use crate::identity::test_limits;
+        let ns =
+            |name: &str, kind, container: Option<&str>, limits, clients, listed| NamespaceView {
+                name: name.into(),
+                kind,
+                container_id: container.map(str::to_owned),
+                limits: super::super::collect::LimitsView(limits),
+                clients,
+                listed,
+            };
+        let view = StatusView {
+            schema: SCHEMA,
+            state_dir: "/run/gpushare".into(),
+            nri: None,
+            watch: None,
+            capacity: None,
+            daemons: vec![DaemonView {
+                id: "0123456789abcdef0123456789abcdef".into(),
+                devices: Vec::new(),
+                uid: 0,
+                multi_user: true,
+                tenant: None,
+                ipc: "isolated",
+                limits: Default::default(),
+                status: ViewStatus::Record(DaemonStatus::Ready),
+                pid: Some(5),
+                supervisor_pid: Some(4),
+                uptime_seconds: Some(3),
+                restarts: 0,
+                health: "ok",
+                health_reason: None,
+                limits_unconfirmed_since: None,
+                servers: Some(1),
+                clients: Some(3),
+                error: None,
+                pipe_dir: String::new(),
+                shm_dir: None,
+                log_dir: String::new(),
+                containers: shown(vec![ContainerRecord::new("c1".into(), None, None, None)]),
+                protocol: Some("v3"),
+                namespaces: Some(vec![
+                    ns(
+                        "c0123",
+                        "container",
+                        Some("c1"),
+                        test_limits(Some(25), Some(2 << 30)),
+                        Some(2),
+                        Some(true),
+                    ),
+                    ns(
+                        "default",
+                        "default",
+                        None,
+                        test_limits(Some(10), None),
+                        Some(0),
+                        Some(true),
+                    ),
+                    ns(
+                        "x\\\"} 1",
+                        "unrecorded",
+                        None,
+                        test_limits(None, None),
+                        Some(1),
+                        Some(true),
+                    ),
+                ]),
+            }],
+        };
+        let table = table(&view);
+        assert!(table.contains("  mps=v3  "), "{table}");
+        assert!(
+            table.contains(
+                "  └ container c1  engine=-  pid=-  ns=c0123  threads=25%  mem=2048M  clients=2\n"
+            ),
+            "{table}"
+        );
+        assert!(
+            table.contains("  └ ns=default  threads=10%  clients=0  (the server's own)\n"),
+            "{table}"
+        );
+        assert!(
+            table.contains("  └ ns=x\\\"} 1  clients=1  (no container record names it)\n"),
+            "{table}"
+        );
+        let text = prometheus(&view);
+        let daemon = "daemon=\"0123456789abcdef0123456789abcdef\",device=\"\",uid=\"multi\"";
+        for row in [
+            format!("gpushare_namespace_info{{{daemon},mps_namespace=\"c0123\",container_id=\"c1\",kind=\"container\"}} 1\n"),
+            format!("gpushare_namespace_clients{{{daemon},mps_namespace=\"c0123\",container_id=\"c1\"}} 2\n"),
+            format!("gpushare_namespace_active_thread_percentage{{{daemon},mps_namespace=\"c0123\",container_id=\"c1\"}} 25\n"),
+            format!("gpushare_namespace_pinned_memory_limit_bytes{{{daemon},mps_namespace=\"c0123\",container_id=\"c1\"}} 2147483648\n"),
+            format!("gpushare_namespace_info{{{daemon},mps_namespace=\"default\",container_id=\"\",kind=\"default\"}} 1\n"),
+            format!("gpushare_namespace_clients{{{daemon},mps_namespace=\"x\\\\\\\"}} 1\",container_id=\"\"}} 1\n"),
+        ] {
+            assert!(text.contains(&row), "{row} in\n{text}");
+        }
+        assert!(text.contains("# TYPE gpushare_namespace_clients gauge\n"));
+        assert!(!text.contains("gpushare_namespace_pinned_memory_limit_bytes{daemon=\"0123456789abcdef0123456789abcdef\",device=\"\",uid=\"multi\",mps_namespace=\"default\""), "no row for an unset limit");
     }
 }
