@@ -509,32 +509,16 @@ fn status_shows_a_v3_daemon_s_namespaces_their_limits_and_clients() {
     assert_eq!(orphan["clients"], 0);
     assert_eq!(find("default").unwrap()["kind"], "default");
 
-    let table = env.cmd(gpushare()).arg("status").output().unwrap();
-    let table = String::from_utf8_lossy(&table.stdout).into_owned();
-    let line = table
-        .lines()
-        .find(|l| l.starts_with("  └ container v3-status  "))
-        .unwrap_or_else(|| panic!("{table}"));
-    assert!(
-        line.ends_with(&format!("  ns={ns}  threads=30%  mem=1024M  clients=1")),
-        "{table}"
-    );
-    assert!(
-        table.contains("  └ ns=orphan  threads=100%  clients=0  (no container record names it)\n"),
-        "{table}"
-    );
-    let prom = env
-        .cmd(gpushare())
-        .args(["status", "--format", "prometheus"])
-        .output()
-        .unwrap();
-    let prom = String::from_utf8_lossy(&prom.stdout).into_owned();
-    let row = format!(
-        "gpushare_namespace_clients{{daemon=\"{id}\",device=\"{GPU0}\",uid=\"multi\",mps_namespace=\"{ns}\",container_id=\"v3-status\"}} 1\n"
-    );
-    assert!(prom.contains(&row), "{row} in\n{prom}");
-    assert!(prom.contains(&format!(
-        "gpushare_namespace_info{{daemon=\"{id}\",device=\"{GPU0}\",uid=\"multi\",mps_namespace=\"orphan\",container_id=\"\",kind=\"unrecorded\"}} 1\n"
-    )));
+    let table = env.status_text(&[]);
+    let prom = env.status_text(&["--format", "prometheus"]);
+    for (text, want) in [
+        (&table, "  └ container v3-status  ".to_owned()),
+        (&table, format!("  ns={ns}  threads=30%  mem=1024M  clients=1\n")),
+        (&table, "  └ ns=orphan  threads=100%  clients=0  (no container record names it)\n".to_owned()),
+        (&prom, format!("gpushare_namespace_clients{{daemon=\"{id}\",device=\"{GPU0}\",uid=\"multi\",mps_namespace=\"{ns}\",container_id=\"v3-status\"}} 1\n")),
+        (&prom, format!("gpushare_namespace_info{{daemon=\"{id}\",device=\"{GPU0}\",uid=\"multi\",mps_namespace=\"orphan\",container_id=\"\",kind=\"unrecorded\"}} 1\n")),
+    ] {
+        assert!(text.contains(&want), "{want:?} in\n{text}");
+    }
     c.delete();
 }
