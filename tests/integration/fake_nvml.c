@@ -166,7 +166,9 @@ nvmlReturn_t nvmlShutdown(void) {
 nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
     if (!initialised)
         return NVML_ERROR_UNINITIALIZED;
-    return copy_string("550.54.15", version, length);
+    /* FAKE_NVML_DRIVER_VERSION: another driver (a branch with MPS v3, 615 and later). */
+    const char *driver = getenv("FAKE_NVML_DRIVER_VERSION");
+    return copy_string(driver && *driver ? driver : "550.54.15", version, length);
 }
 
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {

@@ -196,3 +196,35 @@ fn the_shim_reads_nvml_through_the_gpushare_beside_it() {
     assert_eq!(c.config_bytes(), before, "config.json byte-identical");
     assert!(env.daemon_ids().is_empty(), "{:?}", env.daemon_ids());
 }
+
+/// `mps.protocol = "auto"` reads the driver version NVML reports: 550 keeps the legacy
+/// daemons; 615 (whose control binary, the simulator here, speaks protocol 3) is v3.
+#[test]
+fn auto_takes_the_backend_from_the_driver_version_nvml_reports() {
+    for (driver, v3) in [(None, false), (Some("615.71.09"), true)] {
+        let (mut env, _lib) = nvml_env();
+        let cfg = std::fs::read_to_string(&env.config).unwrap();
+        std::fs::write(
+            &env.config,
+            cfg.replace("[mps]\n", "[mps]\nprotocol = \"auto\"\n"),
+        )
+        .unwrap();
+        if let Some(d) = driver {
+            env.set_var("FAKE_NVML_DRIVER_VERSION", d);
+        }
+        let c = env
+            .request("auto", 1000, "0")
+            .sh("gpushare-mps-sim client")
+            .create();
+        let line = client_line(&c.run());
+        assert_eq!(line.contains_key("namespace"), v3, "{driver:?}: {line:?}");
+        assert_eq!(
+            env.record(&env.daemon_of(&c))["identity"]["v3"]
+                .as_bool()
+                .unwrap_or(false),
+            v3,
+            "{driver:?}"
+        );
+        c.delete();
+    }
+}
