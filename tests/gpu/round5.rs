@@ -43,6 +43,8 @@ pub fn estimate(name: &str, seconds: f64) -> f64 {
     match name {
         // Below 615 (every lent GPU so far): one line. From 615 up to the budget.
         "r5-v3" => 2.0,
+        // Below 615 one line too; from 615 `v3backend::ESTIMATE_S`.
+        "r5-v3-backend" => 2.0,
         // Daemons, containers, torch's import and a CUDA context per setup, then the window.
         "r5-coloc" => SETUPS.len() as f64 * (12.0 + seconds),
         _ => 0.0,
@@ -66,6 +68,7 @@ pub fn run(t: &mut Tier, opts: &Options, flag: &str) {
     for name in wanted {
         guarded(t, name, |t, s| match name {
             "r5-v3" => v3(t),
+            "r5-v3-backend" => crate::v3backend::run(t),
             "r5-coloc" => coloc(t, s, seconds, flag),
             _ => {}
         });
@@ -75,7 +78,7 @@ pub fn run(t: &mut Tier, opts: &Options, flag: &str) {
 /// The Python and the workload the section's processes run: on a GPU the tier's (the
 /// preflight found the Python; the setup installed the workload); simulated,
 /// /usr/bin/python3 (a container sees /usr) and an installed copy of workload.py.
-fn ensure_python(t: &mut Tier) -> Result<(), String> {
+pub(crate) fn ensure_python(t: &mut Tier) -> Result<(), String> {
     if !t.simulate {
         return Ok(());
     }
