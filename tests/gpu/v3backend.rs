@@ -599,8 +599,8 @@ impl V3<'_> {
             .rfind(|v| v["event"] == "result");
         let ev = match (&result, self.t.simulate) {
             (Some(v), _) => format!(
-                "ok {} iterations {} error {}",
-                v["ok"], v["iterations"], v["error"]
+                "ran to its end: {}; {} touches of its allocation in its hold, the restart among them; error {}",
+                v["ok"], v["touches"], v["error"]
             ),
             (None, true) => format!("simulated client: {}", oneline(&out, 200)),
             (None, false) => format!("no result: {} {}", oneline(&out, 200), oneline(&err, 200)),
