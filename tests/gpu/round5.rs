@@ -1,9 +1,11 @@
-//! Round 5 (docs/gpu-validation.md "Round 5"): two sections `--only round5` selects (or
+//! Round 5 (docs/gpu-validation.md "Round 5"): three sections `--only round5` selects (or
 //! each by name), run before round 4's:
 //!
 //! - `r5-v3`: MPS v3's control interface, raw. The driver version first; below 615 one SKIP
 //!   line; from 615 scripts/gpu/v3probe.py (as root) asks the open questions the round lists,
 //!   with its own daemon, clients, mounts and cgroups under the work directory;
+//! - `r5-v3-backend` (v3backend.rs): gpushare's own v3 backend end to end, two UIDs'
+//!   containers through gpushare-runtime and runc on one v3 daemon; the same gate;
 //! - `r5-coloc`: co-location tail latency. An inference tenant (UID 1000: a small MLP's
 //!   forward passes at a fixed request rate) beside a training tenant (UID 2000: a saturating
 //!   loop), each alone, time-sliced without MPS, and through gpushare containers (gpushare-
@@ -11,7 +13,8 @@
 //!   both tenants measure the same window (they start on one go file). One markdown table
 //!   at the end of the run, and a JSON line per setup.
 //!
-//! Simulated, `r5-v3` runs the probe script to its SKIP line, and `r5-coloc` runs every setup
+//! Simulated, `r5-v3` runs the probe script to its SKIP line, `r5-v3-backend` runs to its end
+//! against the simulator's v3, and `r5-coloc` runs every setup
 //! with the workload's CPU stand-in (the containers still go through gpushare-runtime, runc
 //! and the simulator) and marks its table "simulated".
 //!

@@ -70,14 +70,22 @@ pub fn run(t: &mut Tier) {
         t.check("SKIP", name, &e);
         return;
     }
-    let ct = match containers::setup(t).and_then(|ct| config(t, &ct)) {
-        Ok(c) => c,
+    // No runc, or a Python the containers cannot see: a SKIP that says so, as r5-coloc's.
+    let ct = match containers::setup(t) {
+        Ok(ct) => ct,
         Err(e) => {
-            t.check("FAIL", &format!("{name}: setup"), &e);
+            t.check("SKIP", name, &e);
             return;
         }
     };
-    let mut v = V3 { t, ct };
+    let (ct, dmem) = match config(t, &ct) {
+        Ok(c) => c,
+        Err(e) => {
+            t.check("FAIL", &format!("{name}: its config"), &e);
+            return;
+        }
+    };
+    let mut v = V3 { t, ct, dmem };
     v.body(name);
     v.cleanup();
 }
@@ -117,7 +125,9 @@ fn config(t: &mut Tier, ct: &Ct) -> Result<(Ct, bool), String> {
 
 struct V3<'a> {
     t: &'a mut Tier,
-    ct: (Ct, bool),
+    ct: Ct,
+    /// `cgroup-memory-limit = "on"`: the driver keeps per-cgroup limits here.
+    dmem: bool,
 }
 
 /// One row of `namespace list --format=csv,noheader`: name, pinned limit, percentage.
@@ -125,7 +135,7 @@ type Listed = Vec<(String, String, String)>;
 
 impl V3<'_> {
     fn c(&self) -> &Ct {
-        &self.ct.0
+        &self.ct
     }
 
     /// The container's command: the workload's `alloc` (SM count, `cuMemGetInfo`, 256 MiB
@@ -354,7 +364,7 @@ impl V3<'_> {
         // kill -9 of the control daemon: the supervisor remakes the namespace.
         self.restart(&id, pid, &nss[0]);
         // Where the driver keeps per-cgroup limits: what the container's cgroup got.
-        if self.ct.1 {
+        if self.dmem {
             self.memory_limits(TENANTS[0].0);
         } else {
             let why = if sim {
