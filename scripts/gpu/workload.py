@@ -254,7 +254,9 @@ def cmd_alloc(args):
             host.fill_(1)
             res["host_pinned"] = int(host.numel())
         emit({"event": "allocated", "pid": os.getpid(), "t": time.time(),
-              "bytes": res["allocated"], "host_pinned": res.get("host_pinned")})
+              "bytes": res["allocated"], "host_pinned": res.get("host_pinned"),
+              "multi_processor_count": res.get("multi_processor_count"),
+              "mem_get_info": res.get("mem_get_info")})
         # --hold: keep the allocation, touching it twice a second, so that the caller can
         # look at the process (its fds, NVML) and see when a CUDA call starts failing.
         until = time.time() + args.hold

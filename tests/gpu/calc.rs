@@ -194,6 +194,26 @@ pub fn elf_has_interpreter(b: &[u8]) -> Option<bool> {
     Some(interp)
 }
 
+/// A size as MPS v3's CLI lists it: a number and a binary unit (`2G`, `2048M`, `2GiB`), or
+/// bytes; `None` for anything else (`unlimited`).
+pub fn mps_size(text: &str) -> Option<u64> {
+    let t = text.trim().trim_end_matches('B').trim_end_matches('i');
+    let shift = match t.chars().last()? {
+        'K' | 'k' => 10,
+        'M' | 'm' => 20,
+        'G' | 'g' => 30,
+        'T' | 't' => 40,
+        _ => 0,
+    };
+    let num = if shift == 0 { t } else { &t[..t.len() - 1] };
+    num.trim().parse::<u64>().ok()?.checked_mul(1 << shift)
+}
+
+/// The driver's major version (`615` of `615.71.09`), where it reads as one.
+pub fn driver_major(driver: &str) -> Option<u32> {
+    driver.trim().split('.').next()?.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -295,5 +315,20 @@ mod tests {
         assert_eq!(elf_has_interpreter(&me), Some(true));
         assert_eq!(elf_has_interpreter(b"#!/bin/sh\n"), None);
         assert_eq!(elf_has_interpreter(&me[..40]), None, "cut short");
+    }
+
+    #[test]
+    fn mps_sizes_and_driver_majors() {
+        assert_eq!(mps_size("2G"), Some(2 << 30));
+        assert_eq!(mps_size("2048M"), Some(2 << 30));
+        assert_eq!(mps_size("4GiB"), Some(4 << 30));
+        assert_eq!(mps_size(" 1024K "), Some(1 << 20));
+        assert_eq!(mps_size("512"), Some(512));
+        assert_eq!(mps_size("unlimited"), None);
+        assert_eq!(mps_size(""), None);
+        assert_eq!(mps_size("99999999999T"), None);
+        assert_eq!(driver_major("615.71.09"), Some(615));
+        assert_eq!(driver_major("580.95.05"), Some(580));
+        assert_eq!(driver_major("simulated"), None);
     }
 }

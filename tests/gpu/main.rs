@@ -42,6 +42,7 @@ mod round4;
 mod round5;
 mod sections;
 mod tier;
+mod v3backend;
 
 use std::process::{Command, ExitCode};
 use std::time::Duration;

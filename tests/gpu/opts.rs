@@ -28,6 +28,7 @@ pub const SECTIONS: &[&str] = &[
     "create-path",
     "driver-root",
     "r5-v3",
+    "r5-v3-backend",
     "r5-coloc",
     "r4-nodes",
     "r4-nvml",
@@ -52,7 +53,7 @@ pub const ROUND4_SECTIONS: &[&str] = &[
 /// `--only round5`: every round-5 section (round5.rs), in the order they run (before
 /// round 4's).
 pub const ROUND5: &str = "round5";
-pub const ROUND5_SECTIONS: &[&str] = &["r5-v3", "r5-coloc"];
+pub const ROUND5_SECTIONS: &[&str] = &["r5-v3", "r5-v3-backend", "r5-coloc"];
 /// The sections that run real containers (`--containers`).
 pub const CONTAINER_SECTIONS: &[&str] = &["containers", "skip-mps", "cdi"];
 
@@ -104,7 +105,7 @@ pub struct Options {
     pub runc: Option<PathBuf>,
     /// Run only these sections (comma-separated; the header, the preflight and the restore
     /// always run): per-user, shared, flags, multi-user, tenant-control, limits, uuid-limit,
-    /// small-batch, create-path, driver-root, round 5's r5-v3, r5-coloc (`round5`: both),
+    /// small-batch, create-path, driver-root, round 5's r5-v3, r5-v3-backend, r5-coloc (`round5`: all three),
     /// round 4's r4-nodes, r4-nvml, r4-terminate, r4-threads, r4-watch, r4-privileged
     /// (`round4`: all six), the container sections containers, skip-mps, cdi (real GPU
     /// only; naming one implies --containers) [GPUSHARE_GPU_ONLY]

@@ -1,9 +1,11 @@
-//! Round 5 (docs/gpu-validation.md "Round 5"): two sections `--only round5` selects (or
+//! Round 5 (docs/gpu-validation.md "Round 5"): three sections `--only round5` selects (or
 //! each by name), run before round 4's:
 //!
 //! - `r5-v3`: MPS v3's control interface, raw. The driver version first; below 615 one SKIP
 //!   line; from 615 scripts/gpu/v3probe.py (as root) asks the open questions the round lists,
 //!   with its own daemon, clients, mounts and cgroups under the work directory;
+//! - `r5-v3-backend` (v3backend.rs): gpushare's own v3 backend end to end, two UIDs'
+//!   containers through gpushare-runtime and runc on one v3 daemon; the same gate;
 //! - `r5-coloc`: co-location tail latency. An inference tenant (UID 1000: a small MLP's
 //!   forward passes at a fixed request rate) beside a training tenant (UID 2000: a saturating
 //!   loop), each alone, time-sliced without MPS, and through gpushare containers (gpushare-
@@ -11,7 +13,8 @@
 //!   both tenants measure the same window (they start on one go file). One markdown table
 //!   at the end of the run, and a JSON line per setup.
 //!
-//! Simulated, `r5-v3` runs the probe script to its SKIP line, and `r5-coloc` runs every setup
+//! Simulated, `r5-v3` runs the probe script to its SKIP line, `r5-v3-backend` runs to its end
+//! against the simulator's v3, and `r5-coloc` runs every setup
 //! with the workload's CPU stand-in (the containers still go through gpushare-runtime, runc
 //! and the simulator) and marks its table "simulated".
 //!
@@ -43,6 +46,8 @@ pub fn estimate(name: &str, seconds: f64) -> f64 {
     match name {
         // Below 615 (every lent GPU so far): one line. From 615 up to the budget.
         "r5-v3" => 2.0,
+        // Below 615 one line too; from 615 `v3backend::ESTIMATE_S`.
+        "r5-v3-backend" => 2.0,
         // Daemons, containers, torch's import and a CUDA context per setup, then the window.
         "r5-coloc" => SETUPS.len() as f64 * (12.0 + seconds),
         _ => 0.0,
@@ -66,6 +71,7 @@ pub fn run(t: &mut Tier, opts: &Options, flag: &str) {
     for name in wanted {
         guarded(t, name, |t, s| match name {
             "r5-v3" => v3(t),
+            "r5-v3-backend" => crate::v3backend::run(t),
             "r5-coloc" => coloc(t, s, seconds, flag),
             _ => {}
         });
@@ -75,7 +81,7 @@ pub fn run(t: &mut Tier, opts: &Options, flag: &str) {
 /// The Python and the workload the section's processes run: on a GPU the tier's (the
 /// preflight found the Python; the setup installed the workload); simulated,
 /// /usr/bin/python3 (a container sees /usr) and an installed copy of workload.py.
-fn ensure_python(t: &mut Tier) -> Result<(), String> {
+pub(crate) fn ensure_python(t: &mut Tier) -> Result<(), String> {
     if !t.simulate {
         return Ok(());
     }

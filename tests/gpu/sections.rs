@@ -12,7 +12,8 @@
 //! 7. the shim's create path: what inventory = "nvml" costs every create with a request;
 //! 8. driver-root: the driver's files under a root of their own, as NVIDIA's GPU Operator
 //!    lays them out.
-//! 9. round 5 (round5.rs): MPS v3's control interface (a driver >= 615), and an
+//! 9. round 5 (round5.rs): MPS v3's control interface and gpushare's v3 backend (from
+//!    driver 615), and an
 //!    inference tenant's tail latency beside a training tenant, alone, time-sliced and
 //!    through gpushare; then round 4 (round4.rs): what NVML, `terminate_client`, the
 //!    thread cap, the watcher and the privileged channel do on a real driver.
