@@ -32,23 +32,26 @@
 //! counts (`reclaim`).
 //!
 //! One file per job: the layout and its paths here; `record` (daemon.json and the
-//! container records), `lock` (an identity's lock and the node lock), `skeleton` (a
-//! daemon's directories, its tmpfs mounts, the daemon and shm caps), `reclaim` (taking
-//! back abandoned directories and idle daemons), `remove` (removal without racing a
-//! create, and the tombstones a crash leaves).
+//! container records), `lock` (an identity's lock and the node lock), `budget` (what a
+//! new daemon may take: the sizes and caps `skeleton` and `reclaim` both read),
+//! `skeleton` (a daemon's directories, its tmpfs mounts, the daemon and shm caps),
+//! `reclaim` (taking back abandoned directories and idle daemons), `remove` (removal
+//! without racing a create, and the tombstones a crash leaves).
 
+mod budget;
 mod lock;
 mod reclaim;
 mod record;
 mod remove;
 mod skeleton;
 
+pub(crate) use budget::{AskClients, Budget};
 pub(crate) use lock::Hold;
 pub(crate) use reclaim::Abandoned;
 pub use record::{
     valid_container_id, ContainerRecord, DaemonRecord, DaemonStatus, PodNames, ProcRef,
 };
-pub(crate) use skeleton::{AskClients, Budget, CapUse, Capacity, Owner};
+pub(crate) use skeleton::{CapUse, Capacity, Owner};
 
 use std::fs::DirBuilder;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
