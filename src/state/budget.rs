@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::StateDir;
+use super::dir::StateDir;
 use crate::identity::Identity;
 
 /// Asks a daemon whether MPS clients are attached to it: `Some(true)`, `Some(false)`, or

@@ -11,7 +11,7 @@
 use std::time::Instant;
 
 use super::budget::Budget;
-use super::{StateDir, StateError};
+use super::dir::{StateDir, StateError};
 
 /// What `reclaim_abandoned` found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

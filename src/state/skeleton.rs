@@ -19,9 +19,9 @@ use std::time::Instant;
 use nix::fcntl::Flock;
 
 use super::budget::Budget;
+use super::dir::{StateDir, StateError};
 use super::reclaim::Abandoned;
 use super::remove::{mounted_in, remove_tree};
-use super::{StateDir, StateError};
 
 /// Ownership and modes of one daemon's directories.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
