@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use serde_json::{json, Map, Value};
 
-use super::SpecError;
+use super::{gpushare_hook_stage, SpecError};
 
 /// One change to a spec document.
 pub trait SpecEdit: std::fmt::Debug {
@@ -192,19 +192,6 @@ const OUR_STAGES: &[&str] = &[
 
 fn is_gpushare_hook(h: &Value) -> bool {
     gpushare_hook_stage(h).is_some()
-}
-
-/// The `gpushare hook <stage>` argument of hook `h` when it is one of gpushare's (a
-/// `gpushare` binary, any directory, whose args are `gpushare hook …`).
-pub(crate) fn gpushare_hook_stage(h: &Value) -> Option<&str> {
-    let args: Vec<&str> = h
-        .get("args")
-        .and_then(Value::as_array)
-        .map(|a| a.iter().filter_map(Value::as_str).collect())
-        .unwrap_or_default();
-    let path = h.get("path").and_then(Value::as_str).unwrap_or("");
-    let named = |s: &str| s.rsplit('/').next() == Some("gpushare");
-    (named(path) && args.get(1) == Some(&"hook")).then(|| args.get(2).copied().unwrap_or(""))
 }
 
 impl SpecEdit for SetHooks {

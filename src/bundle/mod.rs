@@ -255,7 +255,7 @@ impl SpecFile {
             .and_then(Value::as_array)
             .is_some_and(|list| {
                 list.iter()
-                    .any(|h| edits::gpushare_hook_stage(h) == Some("create-runtime"))
+                    .any(|h| gpushare_hook_stage(h) == Some("create-runtime"))
             })
     }
 
@@ -266,7 +266,7 @@ impl SpecFile {
         list: &[Value],
     ) -> Result<Vec<crate::request::CdiAsk>, crate::request::BadHookArgs> {
         list.iter()
-            .filter(|h| edits::gpushare_hook_stage(h) == Some("prestart"))
+            .filter(|h| gpushare_hook_stage(h) == Some("prestart"))
             .filter_map(|h| {
                 let args: Vec<&str> = h
                     .get("args")
@@ -449,6 +449,19 @@ impl SpecFile {
             },
         )
     }
+}
+
+/// The `gpushare hook <stage>` argument of hook `h` when it is one of gpushare's (a
+/// `gpushare` binary, any directory, whose args are `gpushare hook …`).
+pub(crate) fn gpushare_hook_stage(h: &Value) -> Option<&str> {
+    let args: Vec<&str> = h
+        .get("args")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let path = h.get("path").and_then(Value::as_str).unwrap_or("");
+    let named = |s: &str| s.rsplit('/').next() == Some("gpushare");
+    (named(path) && args.get(1) == Some(&"hook")).then(|| args.get(2).copied().unwrap_or(""))
 }
 
 /// A container's user namespace id maps (`SpecFile::user_maps`).

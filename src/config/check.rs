@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::raw::{RawMps, RawWatch};
-use super::*;
+use super::types::*;
+use crate::request::{Number, ProfileValue};
 
 /// The checks of one config file's values: each refusal is a `ConfigError::Value` naming
 /// the file, the key, the value and what is allowed.

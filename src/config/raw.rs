@@ -4,10 +4,9 @@
 
 use serde::Deserialize;
 
-use super::rows;
-use super::{
+use super::types::{
     CdiProfile, CgroupMemoryLimit, IpcConfig, Limits, LogFormat, Protocol, TenantMode, UserMode,
-    WatchPolicy,
+    WatchPolicy, Written,
 };
 use crate::request::ProfileValue;
 
@@ -64,7 +63,7 @@ pub(super) struct RawCdi {
 pub(super) struct RawMps {
     pub(super) fields: MpsFields,
     /// The rows' keys that are set, by config key (`mps.<name>`), as written.
-    pub(super) rows: Vec<(&'static str, rows::Written)>,
+    pub(super) rows: Vec<(&'static str, Written)>,
 }
 
 /// `[mps]`'s own keys. Unknown keys are refused by `rows` (whose line lists these and the

@@ -18,25 +18,8 @@ use serde::de::{
 };
 
 use super::raw::{MpsFields, RawMps};
-use super::CdiProfile;
-use crate::request::{limits, numeric, KeySpec, Number, ProfileValue};
-
-/// A row's value as the file wrote it: an integer for an integer grammar, a string for a
-/// size.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Written {
-    Integer(u64),
-    Text(String),
-}
-
-impl Written {
-    pub(crate) fn as_profile(&self) -> ProfileValue<'_> {
-        match self {
-            Written::Integer(v) => ProfileValue::Integer(*v),
-            Written::Text(s) => ProfileValue::Text(s),
-        }
-    }
-}
+use super::types::{CdiProfile, Written};
+use crate::request::{limits, numeric, KeySpec, Number};
 
 /// The `[mps]` keys of the rows, defaults then ceilings (the order the checks read them):
 /// the config key (`mps.<name>`), its name in the table, and the row's grammar.

@@ -2,7 +2,9 @@
 //! rows' keys.
 
 use super::check::parse_duration;
+use super::types::DEFAULT_NRI_SKIP_NAMESPACES;
 use super::*;
+use crate::request::{Number, ProfileValue};
 
 #[test]
 fn defaults_match_the_documented_file() {

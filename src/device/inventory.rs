@@ -6,8 +6,9 @@
 
 use std::path::Path;
 
-use super::{
-    is_safe_profile, reader, DeviceError, Gpu, Inventory, InventorySource, MigDevice, MAX_GPUS,
+use super::reader;
+use super::types::{
+    is_safe_profile, DeviceError, Gpu, Inventory, InventorySource, MigDevice, MAX_GPUS,
 };
 
 /// Whether `s` is `prefix` (`GPU-` or `MIG-`) followed by hex digits and single dashes, starting

@@ -9,7 +9,7 @@ use nvml_wrapper::enum_wrappers::device::ComputeMode as NvmlComputeMode;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
 
-use super::{
+use super::types::{
     is_safe_profile, ComputeMode, DeviceError, Gpu, Inventory, MigDevice, UNKNOWN_MIG_PROFILE,
 };
 

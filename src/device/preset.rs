@@ -13,7 +13,7 @@
 //!
 //! Invariant: [`PRESET_JSON`] is a valid inventory; [`sample`] is it, parsed.
 
-use super::Inventory;
+use super::types::Inventory;
 
 /// The preset, `docs/examples/inventory.json`, built into the library.
 const PRESET_JSON: &str = include_str!("../../docs/examples/inventory.json");

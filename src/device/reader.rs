@@ -28,10 +28,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
-use super::{DeviceError, Inventory, MAX_NVML_JSON_BYTES};
-
-/// The argv word of the `gpushare` subcommand that prints the NVML inventory.
-pub const NVML_SUBCOMMAND: &str = "nvml-inventory";
+use super::types::{DeviceError, Inventory, MAX_NVML_JSON_BYTES, NVML_SUBCOMMAND};
 
 /// The helper's option naming the NVML library to load.
 pub const LIBRARY_FLAG: &str = "--library";

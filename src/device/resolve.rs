@@ -4,7 +4,7 @@
 //! Invariants: [`Inventory::resolve`] never guesses (see the module doc of `device`); every
 //! error is one line naming the request key, its value and what exists on this node.
 
-use super::{
+use super::types::{
     DeviceError, DeviceKind, DeviceRequest, DeviceSelector, Gpu, Inventory, MigDevice,
     ResolvedDevices,
 };

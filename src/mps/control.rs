@@ -121,6 +121,14 @@ pub(crate) struct Control {
     pub v3: bool,
 }
 
+/// `client list --all --format=csv,noheader`: one line per client (pid, server, device,
+/// namespace, command); the table format cuts long pids.
+fn list_clients() -> Vec<String> {
+    ["client", "list", "--all", "--format=csv,noheader"]
+        .map(str::to_owned)
+        .to_vec()
+}
+
 impl Control {
     /// The control of daemon `id` as root sends to it: as the daemon's user for a per-user
     /// daemon (whose sockets are its own), as root through the privileged view for a
@@ -180,8 +188,8 @@ impl Control {
     ) -> Result<Vec<(u32, Option<usize>)>, ControlError> {
         if self.v3 {
             // One server; every client of every namespace in one CSV list.
-            let listed = self.cli(&super::v3::list_clients(), timeout)?;
-            return Ok(vec![(0, Some(super::v3::csv_rows(&listed).count()))]);
+            let listed = self.client_list(timeout)?;
+            return Ok(vec![(0, Some(super::reply::csv_rows(&listed).count()))]);
         }
         let deadline = Instant::now() + timeout;
         let left = || deadline.saturating_duration_since(Instant::now());
@@ -195,6 +203,10 @@ impl Control {
                 (s, listed.map(|out| super::reply::pids(&out).len()))
             })
             .collect())
+    }
+    /// A v3 daemon's clients, one CSV line each (`list_clients`), within `timeout`.
+    pub(crate) fn client_list(&self, timeout: Duration) -> Result<String, ControlError> {
+        self.cli(&list_clients(), timeout)
     }
     /// Quits the daemon: `quit` on a legacy daemon's stdin interface, `-q` on a v3 one.
     pub(crate) fn quit(&self, timeout: Duration) -> Result<String, ControlError> {

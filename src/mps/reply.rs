@@ -1,7 +1,8 @@
-//! The control daemon's replies as gpushare reads them: server and client lists, and the
-//! limits `get_*` prints back. A reply is another program's output (NVIDIA's daemon, or a
-//! daemon a tenant's clients talk to): a reply that is not what these expect reads as
-//! nothing (`None`, no pids), never as a panic. Public for the fuzz target `replies`.
+//! The control daemon's replies as gpushare reads them: server and client lists, the
+//! limits `get_*` prints back, and the rows of a v3 command's CSV reply. A reply is
+//! another program's output (NVIDIA's daemon, or a daemon a tenant's clients talk to): a
+//! reply that is not what these expect reads as nothing (`None`, no pids), never as a
+//! panic. Public for the fuzz target `replies`.
 
 /// The pids in a `get_server_list` or `get_client_list` reply: its words that are
 /// numbers; anything else in it is skipped.
@@ -10,6 +11,15 @@ pub fn pids(reply: &str) -> Vec<u32> {
         .split_whitespace()
         .filter_map(|w| w.parse::<u32>().ok())
         .collect()
+}
+
+/// The non-empty lines of a CSV reply, split on commas.
+pub(crate) fn csv_rows(reply: &str) -> impl Iterator<Item = Vec<&str>> {
+    reply
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(|l| l.split(',').map(str::trim).collect())
 }
 
 /// A percentage as the control daemon prints it (`25.0`); `None` if it is not one.

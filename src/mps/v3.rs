@@ -32,21 +32,6 @@ fn args(words: &[&str]) -> Vec<String> {
     words.iter().map(|w| (*w).to_owned()).collect()
 }
 
-/// `client list --all --format=csv,noheader`: one line per client (pid, server, device,
-/// namespace, command); the table format cuts long pids.
-pub(crate) fn list_clients() -> Vec<String> {
-    args(&["client", "list", "--all", "--format=csv,noheader"])
-}
-
-/// The non-empty lines of a CSV reply, split on commas.
-pub(crate) fn csv_rows(reply: &str) -> impl Iterator<Item = Vec<&str>> {
-    reply
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .map(|l| l.split(',').map(str::trim).collect())
-}
-
 /// A limit's value as the command line writes it: a percentage as is, a size in the
 /// largest binary unit that holds it whole (`4G`, `512M`, `1024K`), rounded down to KiB
 /// (never above what was asked).
@@ -373,7 +358,7 @@ pub(crate) fn listed(control: &Control, deadline: Instant) -> anyhow::Result<Vec
 
 /// The rows of a `namespace list` reply that can be read.
 fn parse_listed(reply: &str) -> Vec<Listed> {
-    csv_rows(reply)
+    super::reply::csv_rows(reply)
         .filter_map(|row| {
             Some(Listed {
                 name: (*row.first()?).to_owned(),

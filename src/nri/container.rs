@@ -109,7 +109,7 @@ fn gpushare_hook(ctr: &Container) -> Option<String> {
     .flatten()
     .find_map(|h| {
         let v = json!({"path": h.path, "args": h.args});
-        crate::bundle::edits::gpushare_hook_stage(&v).map(str::to_owned)
+        crate::bundle::gpushare_hook_stage(&v).map(str::to_owned)
     })
 }
 

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use nix::fcntl::{Flock, FlockArg};
 
-use super::{io, StateDir, StateError};
+use super::dir::{io, StateDir, StateError};
 use crate::util;
 
 impl StateDir {

@@ -10,7 +10,8 @@
 
 use std::time::Instant;
 
-use super::{Budget, StateDir, StateError};
+use super::budget::Budget;
+use super::dir::{StateDir, StateError};
 
 /// What `reclaim_abandoned` found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -15,7 +15,8 @@ use serde::{Deserialize, Serialize};
 
 use std::time::{Duration, Instant};
 
-use super::{io, Hold, StateDir, StateError};
+use super::dir::{io, StateDir, StateError};
+use super::lock::Hold;
 use crate::identity::Identity;
 use crate::{fsops, util};
 

@@ -10,8 +10,8 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+use super::dir::{io, StateDir, StateError};
 use super::record::{ContainerRecord, MAX_RECORD_BYTES};
-use super::{io, StateDir, StateError};
 use crate::fsops;
 
 /// The tmpfs mounts of a daemon directory, unmounted before it is removed.

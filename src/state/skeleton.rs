@@ -13,15 +13,15 @@
 
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Instant;
 
 use nix::fcntl::Flock;
 
+use super::budget::Budget;
+use super::dir::{StateDir, StateError};
 use super::reclaim::Abandoned;
 use super::remove::{mounted_in, remove_tree};
-use super::{StateDir, StateError};
-use crate::identity::Identity;
 
 /// Ownership and modes of one daemon's directories.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,45 +40,6 @@ pub(crate) struct Owner {
 /// How much longer a v3 namespace's socket path is than the daemon's `control`:
 /// `/s/c<20 hex>` (`identity::Namespace`).
 const NAMESPACE_PATH_EXTRA: usize = 24;
-
-/// Asks a daemon whether MPS clients are attached to it: `Some(true)`, `Some(false)`, or
-/// `None` when it did not say. The state directory does not talk to daemons; `mps` gives
-/// this to a `Budget`, and a cap asks it before it stops an idle daemon.
-pub(crate) type AskClients = dyn Fn(&StateDir, &str, &Identity) -> Option<bool> + Send + Sync;
-
-/// What a new daemon may take on this node (`[mps]` in the config): the sizes of its
-/// tmpfs mounts and the caps on the number of daemons.
-#[derive(Clone)]
-pub(crate) struct Budget {
-    /// The shm tmpfs `size=` option (`25%`, or bytes).
-    pub shm_size: String,
-    /// The same size in bytes, as the shm caps count it.
-    pub shm_bytes: u64,
-    /// `mps.shm-size-per-uid`: bytes of shm tmpfs the daemons of one UID (the owner of
-    /// their pipe directories) may have together; `None`: no bound.
-    pub shm_per_uid: Option<u64>,
-    /// `mps.shm-size-total`: bytes of shm tmpfs every daemon of the node may have
-    /// together; `None`: no bound.
-    pub shm_total: Option<u64>,
-    /// Bytes of the log tmpfs.
-    pub log_size: u64,
-    /// `mps.max-daemons`: daemon directories on the node.
-    pub max_daemons: u32,
-    /// `mps.max-daemons-per-uid`: daemon directories whose pipe directory a UID owns
-    /// (multi-user daemons are root's, uid 0).
-    pub max_daemons_per_uid: u32,
-    /// How long a new daemon waits for the node lock.
-    pub lock_wait: Duration,
-    /// Seconds a pending container record keeps its daemon in use (`live`).
-    pub pending_grace: u64,
-    /// How long an idle daemon's supervisor has to stop it when a cap needs its place.
-    pub stop_grace: Duration,
-    /// The config file a refusal names.
-    pub config: PathBuf,
-    /// Whether an idle daemon still has MPS clients (whatever its records say): one that
-    /// has, or does not say, is not stopped to make room. `None`: not asked.
-    pub clients: Option<std::sync::Arc<AskClients>>,
-}
 
 /// Files the log tmpfs may hold: the daemon's few logs and their rotations. Bounds the
 /// kernel memory a flood of empty files could take, which `size=` does not count.
@@ -598,9 +559,9 @@ pub(super) fn test_budget(max_daemons: u32, max_daemons_per_uid: u32) -> Budget 
         log_size: 1 << 20,
         max_daemons,
         max_daemons_per_uid,
-        lock_wait: Duration::from_secs(1),
+        lock_wait: std::time::Duration::from_secs(1),
         pending_grace: 30,
-        stop_grace: Duration::from_secs(1),
+        stop_grace: std::time::Duration::from_secs(1),
         config: "/etc/gpushare/runtime.toml".into(),
         clients: None,
     }

@@ -16,9 +16,9 @@ use std::process::{Child, Command, Stdio};
 
 use anyhow::Context;
 
+use super::context::Supervisor;
 use super::limits::limit_env;
 use super::logs::open_daemon_out;
-use super::Supervisor;
 use crate::mps::control::SAFE_PATH;
 
 /// A private mount namespace, slave to the host (host unmounts still reach it, so it

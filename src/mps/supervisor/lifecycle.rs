@@ -22,9 +22,9 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 
 use super::cgroup::other_members;
 use super::confine::{drop_child_caps, private_dev_shm};
+use super::context::Supervisor;
 use super::limits::{limit_commands, Unconfirmed, UNCONFIRMED_CHECKS};
 use super::logs::ROTATE_EVERY;
-use super::Supervisor;
 use crate::mps::control::Control;
 use crate::state::{DaemonStatus, ProcRef};
 use crate::util::{poll_until, unix_now};

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 
-use super::Supervisor;
+use super::context::Supervisor;
 use crate::identity::Identity;
 use crate::mps::reply;
 use crate::request::{KeySpec, Limit, Number};

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 
-use super::Supervisor;
+use super::context::Supervisor;
 
 /// The daemon's stdout and stderr, in its root-owned directory.
 pub(crate) const DAEMON_OUT: &str = "daemon.out";

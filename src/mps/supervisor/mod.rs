@@ -18,6 +18,7 @@
 
 mod cgroup;
 mod confine;
+mod context;
 mod lifecycle;
 mod limits;
 mod logs;
@@ -34,6 +35,7 @@ use crate::mps::control::{resolve_binary, Control};
 use crate::state::{DaemonStatus, ProcRef, StateDir};
 use crate::util::{poll_until, unix_now};
 use cgroup::{own_cgroup, CgroupGuard, CgroupLimits};
+use context::Supervisor;
 use limits::limit_commands;
 
 pub(crate) use cgroup::{gpushare_cgroups, sweep_stale_cgroups};
@@ -53,25 +55,6 @@ pub(crate) fn detach() {
     for fd in fds.into_iter().filter(|&fd| fd > 2) {
         let _ = nix::unistd::close(fd);
     }
-}
-
-struct Supervisor {
-    state: StateDir,
-    id: String,
-    ident: Identity,
-    binary: PathBuf,
-    multi_user_flag: String,
-    start_timeout: Duration,
-    control: Control,
-    log_size: u64,
-    /// How often limits are checked; `None` when there is nothing to enforce.
-    limit_check: Option<Duration>,
-    /// This process: every record update names it (see `update`).
-    me: Option<ProcRef>,
-    /// `driver-root`: the daemon's servers load the driver libraries under it.
-    driver_root: Option<PathBuf>,
-    /// `mps.pending-grace`'s seconds: how long a pending container record counts as live.
-    pending_grace: u64,
 }
 
 impl Supervisor {
@@ -98,40 +81,6 @@ impl Supervisor {
             me,
             driver_root: cfg.driver_root.clone(),
             pending_grace: cfg.mps.pending_grace().as_secs(),
-        }
-    }
-    /// Changes the record with `f`. Every write names this supervisor: it holds the
-    /// supervisor lock, so it is the daemon's one supervisor, and a create that replaced
-    /// the record meanwhile (its own supervisor waits for the lock) learns so.
-    fn update(&self, f: impl FnOnce(&mut crate::state::DaemonRecord)) -> anyhow::Result<()> {
-        let mut rec = self
-            .state
-            .read_record(&self.id)?
-            .with_context(|| format!("record of daemon {} disappeared", self.id))?;
-        f(&mut rec);
-        rec.supervisor = self.me;
-        self.state.write_record(&rec)?;
-        Ok(())
-    }
-    /// Records that the supervisor gives up with `e` (status failed, no daemon): the hook
-    /// waiting on a start reports it to the user. Returns `e` for the caller to return.
-    fn failed(&self, e: anyhow::Error) -> anyhow::Error {
-        let msg = format!("{e:#}");
-        let _ = self.update(|r| {
-            r.status = DaemonStatus::Failed;
-            r.error = Some(msg);
-            r.daemon = None;
-        });
-        e
-    }
-    /// Empties the pipe directory: a socket or pid file left by a dead daemon is stale,
-    /// and anything a tenant planted (a directory named `control`) goes too.
-    /// A v3 daemon's server directory stays: the namespace directories in it are bound
-    /// into running containers, and a restarted daemon makes their sockets again in them.
-    fn clean_pipe_dir(&self) {
-        let keep = self.ident.v3.then_some(crate::identity::V3_SERVER);
-        if let Err(e) = self.state.clean_pipe_dir(&self.id, keep) {
-            tracing::warn!(daemon = %self.id, error = %e, "cannot empty the pipe directory");
         }
     }
 }

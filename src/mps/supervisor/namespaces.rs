@@ -14,7 +14,7 @@
 
 use std::time::Instant;
 
-use super::Supervisor;
+use super::context::Supervisor;
 use crate::identity::Namespace;
 use crate::mps::v3;
 

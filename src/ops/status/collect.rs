@@ -371,7 +371,7 @@ fn probe_v3(control: &Control) -> Answer {
     use crate::mps::v3;
     let deadline = std::time::Instant::now() + PROBE_TIMEOUT;
     let reply = control
-        .cli(&v3::list_clients(), PROBE_TIMEOUT)
+        .client_list(PROBE_TIMEOUT)
         .map_err(|e| e.to_string())?;
     let clients = client_rows(&reply);
     let listed = v3::listed(control, deadline).ok().map(|rows| {
@@ -394,7 +394,7 @@ fn probe_v3(control: &Control) -> Answer {
 /// one counts under `""`.
 fn client_rows(reply: &str) -> std::collections::BTreeMap<String, usize> {
     let mut by = std::collections::BTreeMap::new();
-    for row in crate::mps::v3::csv_rows(reply) {
+    for row in crate::mps::reply::csv_rows(reply) {
         let ns = row
             .get(3)
             .map_or_else(String::new, |n| crate::util::escape(n));
