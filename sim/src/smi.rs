@@ -10,7 +10,7 @@
 //! reading does not; `-i` is an index or a GPU UUID (MIG is unsupported).
 //!
 //! A successful `--set` appends one line to `memory-limits.jsonl` in the directory of
-//! argv[0] as invoked (the symlink's, not the binary's):
+//! `argv[0]` as invoked (the symlink's, not the binary's):
 //! `{"cgroup":"<dir>","gpu":"<i>","soft_mib":<v>,"hard_mib":<v>}`, where `<v>` is a number,
 //! `"max"`, `"default"`, or `null` for a limit the call left alone. `--get` prints the last
 //! values set for that cgroup and GPU, `hard: <n> MiB soft: <n> MiB` (`max` where unlimited;
