@@ -198,6 +198,26 @@ fn hundreds_of_running_containers_keep_their_records_daemons_and_verdicts_under_
         }
         let (env, stop, lost, looks) = (&env, &stop, &lost, &looks);
         let (daemon_of, daemons, bypass_lives) = (&daemon_of, &daemons, &bypass_lives);
+        // The processes outside MPS, looked for on their own and often: the watcher may
+        // stop one within a second of its start, which a look at every record (slow at a
+        // thousand containers) would miss.
+        s.spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let now = Instant::now();
+                let live = clients("900.2");
+                let mut lives = bypass_lives.lock().unwrap();
+                for &pid in &live {
+                    lives.entry(pid).or_insert((now, None));
+                }
+                for (pid, (_, ended)) in lives.iter_mut() {
+                    if ended.is_none() && !live.contains(pid) {
+                        *ended = Some(now);
+                    }
+                }
+                drop(lives);
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
         s.spawn(move || {
             let end = Instant::now() + CHURN;
             while Instant::now() < end {
@@ -215,18 +235,6 @@ fn hundreds_of_running_containers_keep_their_records_daemons_and_verdicts_under_
                             .push(format!("daemon {d} (pid {pid}) stopped"));
                     }
                 }
-                let now = Instant::now();
-                let live = clients("900.2");
-                let mut lives = bypass_lives.lock().unwrap();
-                for &pid in &live {
-                    lives.entry(pid).or_insert((now, None));
-                }
-                for (pid, (_, ended)) in lives.iter_mut() {
-                    if ended.is_none() && !live.contains(pid) {
-                        *ended = Some(now);
-                    }
-                }
-                drop(lives);
                 looks.fetch_add(1, Ordering::Relaxed);
                 std::thread::sleep(Duration::from_millis(500));
             }
