@@ -20,19 +20,19 @@ use super::wire::{self, PLUGIN_CONN, RUNTIME_CONN, TYPE_REQUEST, TYPE_RESPONSE};
 
 pub(super) const PLUGIN_SERVICE: &str = "nri.pkg.api.v1alpha1.Plugin";
 pub(super) const RUNTIME_SERVICE: &str = "nri.pkg.api.v1alpha1.Runtime";
+/// How much of a string the runtime sent goes into a log line or an answer.
+const QUOTED: usize = 128;
 /// gRPC's codes, as ttrpc carries them.
 pub(super) const CODE_UNKNOWN: i32 = 2;
 pub(super) const CODE_INVALID_ARGUMENT: i32 = 3;
 pub(super) const CODE_RESOURCE_EXHAUSTED: i32 = 8;
 pub(super) const CODE_UNIMPLEMENTED: i32 = 12;
-pub(super) const CODE_UNAVAILABLE: i32 = 14;
+const CODE_UNAVAILABLE: i32 = 14;
 
 /// Requests answered at once by the process, each on a thread of its own; one more is
 /// refused. NRI calls a plugin one event at a time, so more than a few in flight means
 /// requests the runtime has given up on (timed out) piling up behind a stuck daemon start.
 pub(super) const MAX_IN_FLIGHT: usize = 64;
-/// How much of a string the runtime sent goes into a log line or an answer.
-pub(super) const QUOTED: usize = 128;
 
 /// What one NRI process serves on its connection: the plugin (`Plugin`) or the validator
 /// (`validator::Validator`). The session (framing, stream ids, the in-flight bound, the
