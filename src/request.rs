@@ -46,60 +46,29 @@
 mod allocation;
 mod grammar;
 pub mod keys;
+mod types;
 
-use std::collections::HashMap;
-use std::fmt;
 use std::str::FromStr;
 
-use oci_spec::runtime::{LinuxDevice, Mount};
-use serde::{Deserialize, Serialize};
-
-use crate::device::{quote, DeviceError, DeviceKind, Inventory, ResolvedDevices};
+use crate::device::{DeviceKind, Inventory, ResolvedDevices};
 pub(crate) use crate::device::{DeviceRequest, DeviceSelector};
 pub(crate) use allocation::{allocation, Allocation};
-use grammar::{
-    check_raw, env_lookup, human_size, invalid, parse_index, parse_selector, short_size,
-    NAMED_DEVICE_ALLOWED,
-};
-pub(crate) use grammar::{
-    format_mps_size, parse_device_without_container, parse_ipc, MAX_VALUE_LEN,
-};
+use grammar::{check_raw, env_lookup, invalid, parse_index, parse_selector};
 pub use grammar::{parse_device, parse_size, MAX_DEVICES};
+pub(crate) use grammar::{parse_device_without_container, parse_ipc};
 pub(crate) use keys::{limits, numeric, profile_keys, Number, ProfileValue};
 pub use keys::{
     KeySpec, Limit, ACTIVE_THREAD_PERCENTAGE, CLIENT_PRIORITY, DEVICE, IPC, KEYS,
     PINNED_MEMORY_LIMIT,
 };
+pub(crate) use types::{format_mps_size, ALLOCATED, CDI_KIND};
+pub use types::{Inputs, IpcMode, RequestError};
 
-/// The device value meaning "the devices this container was allocated".
-pub(crate) const ALLOCATED: &str = "allocated";
 /// The config key that makes [`ALLOCATED`] every container's default; a default request's
 /// errors name it.
 pub(crate) const DEFAULT_DEVICE_KEY: &str = "default-device";
 
 use crate::engine::sandbox_marker;
-
-/// What the request pipeline reads from a container's spec: plain data borrowed from it
-/// (`SpecFile::request_inputs`).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Inputs<'a> {
-    pub annotations: Option<&'a HashMap<String, String>>,
-    /// `process.env`.
-    pub env: &'a [String],
-    /// `mounts`.
-    pub mounts: &'a [Mount],
-    /// `linux.devices`.
-    pub devices: &'a [LinuxDevice],
-    /// `linux.resources.devices` allows every device: a privileged container, which sees
-    /// every device node of the host, so its device nodes are no allocation.
-    pub all_devices_allowed: bool,
-}
-
-impl<'a> Inputs<'a> {
-    pub(crate) fn annotation(&self, key: &str) -> Option<&'a str> {
-        self.annotations?.get(key).map(String::as_str)
-    }
-}
 
 /// A node's default for containers without a device key (`default-device`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,32 +97,12 @@ pub enum DeviceValue {
     Allocated(Allocation),
 }
 
-/// How the container reaches the MPS server's shared memory.
-#[derive(Serialize, Deserialize, Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-#[serde(rename_all = "lowercase")]
-pub enum IpcMode {
-    /// The daemon's own shm directory over the container's `/dev/shm`.
-    #[default]
-    Isolated,
-    /// The host IPC namespace and `/dev/shm`, as `docker run --ipc=host`.
-    Host,
-}
-
 impl FromStr for IpcMode {
     type Err = RequestError;
 
     /// Exactly `isolated` or `host`; errors name the config key `ipc`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         parse_ipc("ipc", s)
-    }
-}
-
-impl fmt::Display for IpcMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Isolated => "isolated",
-            Self::Host => "host",
-        })
     }
 }
 
@@ -263,136 +212,6 @@ impl Settings {
 /// Parses an active thread percentage ([`keys::PERCENTAGE`]).
 pub fn parse_percentage(key: &'static str, raw: &str) -> Result<u64, RequestError> {
     keys::PERCENTAGE.parse(key, raw)
-}
-
-/// Errors of request parsing and checking. `key` is the annotation or env name actually used,
-/// `value` the raw value as given (quoted and cut when displayed).
-#[derive(Debug, thiserror::Error)]
-pub enum RequestError {
-    #[error("{key}={} is invalid: it is {len} bytes long; allowed is at most {MAX_VALUE_LEN} bytes", quote(.value))]
-    TooLong {
-        key: &'static str,
-        value: String,
-        len: usize,
-    },
-
-    #[error("{key}={} is invalid: allowed is {allowed}", quote(.value))]
-    Invalid {
-        key: &'static str,
-        value: String,
-        allowed: &'static str,
-    },
-
-    #[error("{key}={} is invalid: {problem}; allowed is {allowed}", quote(.value))]
-    Rejected {
-        key: &'static str,
-        value: String,
-        problem: String,
-        allowed: &'static str,
-    },
-
-    #[error("{key}={} is invalid: a MIG device must stand alone, not in a list", quote(.value))]
-    MigInList { key: &'static str, value: String },
-
-    #[error("{key}={} is refused: {ALLOCATED} means the devices allocated to a container, and {what} has no container; allowed is {NAMED_DEVICE_ALLOWED}", quote(.value))]
-    AllocatedWithoutContainer {
-        key: &'static str,
-        value: String,
-        /// What was asked to take it (`gpushare daemon start`).
-        what: &'static str,
-    },
-
-    #[error("{key}={} found no devices allocated to the container: {}; allowed is {ALLOCATED} in a container given GPUs by a device plugin or DRA driver, or devices named explicitly (0, GPU-<uuid>, MIG-<uuid>, 0:1)", quote(.value), allocation::looked_at(*.env_read))]
-    NoAllocation {
-        key: &'static str,
-        value: String,
-        /// Whether `NVIDIA_VISIBLE_DEVICES` was read (`accept-visible-devices-env`).
-        env_read: bool,
-    },
-
-    #[error("{key}={} is refused: the container's allocation already carries its allocator's MPS (a mount at {} from {}, {why}), and gpushare never stacks a second MPS on it; allowed is an allocation without the allocator's MPS sharing (device plugin sharing.mps, DRA driver MPS)", quote(.value), quote(.pipe), quote(.mount_source))]
-    AllocatorMps {
-        key: &'static str,
-        value: String,
-        /// The mount's destination: an MPS pipe directory.
-        pipe: String,
-        /// The host side of that mount.
-        mount_source: String,
-        /// Which pipe directory that is.
-        why: &'static str,
-    },
-
-    #[error("{key}={} is refused: the sources of the container's allocation disagree ({first}, but {other}), and gpushare never merges them; allowed is an allocation whose sources all name the same devices", quote(.value))]
-    AllocationDisagrees {
-        key: &'static str,
-        value: String,
-        /// The first source, what it said and the devices it names.
-        first: String,
-        /// A source that names other devices.
-        other: String,
-    },
-
-    #[error("{key}={} cannot use the container's allocation: {source_key}={} {problem}; allowed is {allowed}", quote(.value), quote(.found))]
-    AllocationUnreadable {
-        key: &'static str,
-        value: String,
-        /// Where the allocation was read (`AllocationSource::key`).
-        source_key: &'static str,
-        /// What it said.
-        found: String,
-        problem: String,
-        allowed: &'static str,
-    },
-
-    #[error("{key}={} takes the devices allocated to the container", quote(.value))]
-    AllocationUnusable {
-        key: &'static str,
-        value: String,
-        /// Boxed: an NVML error inside would make every `RequestError` large.
-        #[source]
-        source: Box<DeviceError>,
-    },
-
-    #[error(transparent)]
-    Device(Box<DeviceError>),
-
-    #[error("{key}={} is refused: it asks for something other than the container's CDI device {CDI_KIND}={device} ({what}), whose request is the node's; allowed is no gpushare request key beside a CDI device of gpushare's, or one that repeats what the device asks", quote(.value))]
-    BesideCdi {
-        key: &'static str,
-        value: String,
-        /// The CDI device's base name.
-        device: String,
-        /// What the CDI device asks instead.
-        what: String,
-    },
-
-    #[error("{key}={} is refused: env requests are disabled by accept-env-requests = false; use the annotation {annotation} instead", quote(.value))]
-    EnvDisabled {
-        key: &'static str,
-        value: String,
-        annotation: &'static str,
-    },
-
-    #[error("{key}={} exceeds the memory of {device} ({}): allowed is 1M up to {}", quote(.value), human_size(*.memory_bytes), short_size(*.memory_bytes))]
-    ExceedsMemory {
-        key: &'static str,
-        value: String,
-        /// The device UUID, or `the smallest of <uuid>, <uuid>` for a GPU list.
-        device: String,
-        memory_bytes: u64,
-    },
-
-    #[error("{key}={} is above this node's {ceiling_key} = {ceiling}; allowed is {min} to {ceiling}", quote(.value))]
-    AboveCeiling {
-        key: &'static str,
-        value: String,
-        /// The config key that sets the ceiling.
-        ceiling_key: &'static str,
-        /// The ceiling in the config's syntax (`50`, `4G`).
-        ceiling: String,
-        /// The smallest value the key accepts (`1`, `1M`).
-        min: String,
-    },
 }
 
 /// The operator's ceilings on what a request may ask for (the config keys of the rows'
@@ -562,8 +381,6 @@ impl CdiAsk {
     }
 }
 
-/// The CDI kind of gpushare's devices; errors about a CDI device name it as `<kind>=<name>`.
-pub(crate) const CDI_KIND: &str = "gpushare.io/gpu";
 const CDI_DEVICE_ALLOWED: &str = "a device of gpushare's CDI spec: a GPU index like 0, GPU-<uuid>, MIG-<uuid>, or <gpu>-mig-<mig> like 1-mig-0";
 
 /// A profile's limits as the config holds them (`[cdi.profiles.<name>]`): each limit's row
@@ -756,8 +573,9 @@ pub fn check_against(req: &Request, devices: &ResolvedDevices) -> Result<(), Req
 #[cfg(test)]
 mod tests {
     use super::grammar::tests::assert_msg;
-    use super::grammar::{GIB, MIB};
+    use super::types::{GIB, MIB};
     use super::*;
+    use crate::device::quote;
     use crate::device::sample;
     use crate::device::testing::{GPU0, GPU1, GPU2, MIG0, MIG1};
     use std::collections::HashMap;

@@ -40,44 +40,44 @@
 //! `<state-dir>/nri.json` (`PluginState`: its pid, whether it is registered with a runtime,
 //! which one, since when), which `doctor` and `status` read.
 //!
-//! One file per job: running the plugin (the connection's life, its state file) here;
-//! `session` (the session on a connection, for the plugin and the validator alike), `wire`
-//! and `api` (the framing and the messages), `plugin` (its state and the answer to
-//! `CreateContainer`), `records` (the container records it writes, reconciled at
-//! `Synchronize`), `audit` (the audit and eviction of unserved containers), `container`
-//! (what it reads of a container: the spec view, whether it serves it, whether it carries
-//! the adjustment), `validator`, `tests`.
+//! One file per job: running the plugin (its threads, its answers to the runtime's methods,
+//! the session over bytes in memory) here; `service` (a process's connection's life and
+//! its state file) and `session` (the session on a connection), for the plugin and the
+//! validator alike; `wire` and `api` (the framing and the messages), `plugin` (its state
+//! and the answer to `CreateContainer`), `records` (the container records it writes,
+//! reconciled at `Synchronize`), `audit` (the audit and eviction of unserved containers),
+//! `container` (what it reads of a container: the spec view, whether it serves it, whether
+//! it carries the adjustment), `validator`, `tests`.
 
 pub(crate) mod api;
 mod audit;
 mod container;
 pub(crate) mod plugin;
 mod records;
+mod service;
 mod session;
 #[cfg(test)]
 mod tests;
 pub(crate) mod validator;
 pub(crate) mod wire;
 
-use session::*;
-pub use session::{converse, converse_validator};
-
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
 use prost::Message;
-use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
-use crate::state::{ProcRef, StateDir};
+use crate::state::StateDir;
 use api::event;
 use plugin::Plugin;
-use wire::{PLUGIN_CONN, RUNTIME_CONN, TYPE_REQUEST, TYPE_RESPONSE};
+use service::run_service;
+pub(crate) use service::{Endpoint, PluginState};
+use session::{quoted, serve, Configured, InFlight, Service};
+use wire::PLUGIN_CONN;
 
 /// NRI's default socket.
 pub(crate) const DEFAULT_SOCKET: &str = "/var/run/nri/nri.sock";
@@ -85,80 +85,8 @@ pub(crate) const DEFAULT_SOCKET: &str = "/var/run/nri/nri.sock";
 pub(crate) const DEFAULT_NAME: &str = "gpushare";
 pub(crate) const DEFAULT_INDEX: &str = "10";
 
-const PLUGIN_SERVICE: &str = "nri.pkg.api.v1alpha1.Plugin";
-const RUNTIME_SERVICE: &str = "nri.pkg.api.v1alpha1.Runtime";
-/// gRPC's codes, as ttrpc carries them.
-const CODE_UNKNOWN: i32 = 2;
-const CODE_INVALID_ARGUMENT: i32 = 3;
-const CODE_RESOURCE_EXHAUSTED: i32 = 8;
-const CODE_UNIMPLEMENTED: i32 = 12;
-const CODE_UNAVAILABLE: i32 = 14;
-
-/// Requests answered at once by the process, each on a thread of its own; one more is
-/// refused. NRI calls a plugin one event at a time, so more than a few in flight means
-/// requests the runtime has given up on (timed out) piling up behind a stuck daemon start.
-const MAX_IN_FLIGHT: usize = 64;
 /// The containers one `Synchronize` may deliver over its parts (`more`), as protobuf.
 const MAX_SYNC_BYTES: usize = 64 << 20;
-/// How much of a string the runtime sent goes into a log line or an answer.
-const QUOTED: usize = 128;
-
-/// What `<state-dir>/nri.json` says: written by the plugin, read by `doctor` and `status`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub(crate) struct PluginState {
-    /// The plugin's process; it speaks for the plugin only while this very process runs.
-    pub process: Option<ProcRef>,
-    pub socket: PathBuf,
-    /// Registered with a runtime and configured by it.
-    pub connected: bool,
-    /// The runtime's name and version, from its `Configure`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub runtime: Option<String>,
-    /// Since when (Unix seconds) `connected` has been what it is.
-    pub since: u64,
-    /// Why it is not connected, when it is not.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-    /// The containers with a request that the last `Synchronize` found running without
-    /// the plugin's adjustment (`Plugin::audit`): `<namespace>/<pod>/<container> (<id>)`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub unserved: Vec<String>,
-    /// How many such containers this process ended (`[nri] unserved = "evict"`).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub evicted: u64,
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
-}
-
-impl PluginState {
-    /// Reads the plugin's state; `None` when no plugin ever ran here.
-    pub(crate) fn read(dirs: &StateDir) -> Option<PluginState> {
-        Self::read_at(&dirs.nri_state_path())
-    }
-
-    /// The state at `path`: the plugin's, or the validator's (`validator::state_path`).
-    pub(crate) fn read_at(path: &Path) -> Option<PluginState> {
-        let bytes = crate::fsops::read_regular(path, 64 << 10).ok()?;
-        serde_json::from_slice(&bytes).ok()
-    }
-
-    /// Whether the plugin that wrote this still runs and is connected.
-    pub(crate) fn live_and_connected(&self) -> bool {
-        self.connected && self.process.is_some_and(|p| p.alive())
-    }
-
-    fn write(&self, path: &Path) {
-        let written = serde_json::to_vec(self)
-            .map_err(std::io::Error::other)
-            .and_then(|data| crate::fsops::write_atomic_with(path, &data, 0o644, false));
-        if let Err(e) = written {
-            tracing::warn!(path = %path.display(), error = %e, "NRI: could not write the process's state");
-        }
-    }
-}
-
 /// Puts what the audit found into the plugin's own state (`nri.json`), as long as that
 /// state is this process's; written only when it changed.
 fn record_unserved(dirs: &StateDir, unserved: Vec<String>, evicted: u64) {
@@ -179,14 +107,6 @@ fn record_unserved(dirs: &StateDir, unserved: Vec<String>, evicted: u64) {
 fn record_audit(plugin: &Plugin, unserved: Vec<String>) {
     let evicted = plugin.evicted.load(Ordering::Relaxed);
     record_unserved(&plugin.dirs, unserved, evicted);
-}
-
-/// How the plugin reaches its runtime.
-pub(crate) enum Endpoint {
-    /// Dial this socket, again whenever the connection ends.
-    Socket(PathBuf),
-    /// The connection the runtime handed a plugin it launched (`NRI_PLUGIN_SOCKET`).
-    Launched(UnixStream),
 }
 
 /// Runs the plugin until the runtime that launched it goes away (`Endpoint::Launched`),
@@ -217,84 +137,6 @@ pub(crate) fn run(
     run_service(&plugin, &dirs.nri_state_path(), endpoint, name, index)
 }
 
-/// Serves `service` on the runtime's connection, saying where it stands at `state_path`
-/// (`PluginState`): until the runtime that launched it goes away (`Endpoint::Launched`),
-/// or for ever, dialling again with backoff whenever the connection ends.
-fn run_service<S: Service>(
-    service: &Arc<S>,
-    state_path: &Path,
-    endpoint: Endpoint,
-    name: &str,
-    index: &str,
-) -> anyhow::Result<()> {
-    let me = ProcRef::of(std::process::id() as i32);
-    let state_path = state_path.to_owned();
-    let state =
-        move |socket: &Path, connected: bool, runtime: Option<String>, error: Option<String>| {
-            PluginState {
-                process: me,
-                socket: socket.to_owned(),
-                connected,
-                runtime,
-                since: crate::util::unix_now(),
-                error,
-                unserved: Vec::new(),
-                evicted: 0,
-            }
-            .write(&state_path)
-        };
-    let state = Arc::new(state);
-    // What a session says once the runtime has configured the plugin (from the thread
-    // that answered Configure).
-    let on_configured = |socket: PathBuf| -> Connected {
-        let state = Arc::clone(&state);
-        Arc::new(move |runtime: String| state(&socket, true, Some(runtime), None))
-    };
-    match endpoint {
-        Endpoint::Launched(stream) => {
-            let socket = PathBuf::from("(the connection the runtime launched the plugin with)");
-            let end = session(service, stream, name, index, on_configured(socket.clone()));
-            state(
-                &socket,
-                false,
-                None,
-                end.as_ref().err().map(|e| format!("{e:#}")),
-            );
-            end
-        }
-        Endpoint::Socket(socket) => {
-            let mut backoff = Duration::from_millis(250);
-            let mut last_error = String::new();
-            loop {
-                let end = UnixStream::connect(&socket)
-                    .with_context(|| format!("connect to the NRI socket {}", socket.display()))
-                    .and_then(|stream| {
-                        session(service, stream, name, index, on_configured(socket.clone()))
-                    });
-                let why = match end {
-                    Ok(registered) => {
-                        if registered {
-                            backoff = Duration::from_millis(250);
-                            // Connected since: this end is news, say it again.
-                            last_error.clear();
-                        }
-                        "the runtime closed the connection".to_owned()
-                    }
-                    Err(e) => format!("{e:#}"),
-                };
-                if why != last_error {
-                    tracing::warn!(name, error = %why, "NRI: not connected; trying again with backoff");
-                    state(&socket, false, None, Some(why.clone()));
-                    last_error = why;
-                }
-                std::thread::sleep(backoff);
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-            }
-        }
-    }
-    .map(|_| ())
-}
-
 /// Reaps the supervisors and reapers this process started (`mps::launch` starts them
 /// here where no agent runs), never while a daemon is being ensured: `ensure` waits on
 /// its own child.
@@ -315,4 +157,255 @@ fn reap_children(plugin: &Plugin) {
             }
         }
     }
+}
+
+impl Service for Plugin {
+    /// A Synchronize that an earlier connection's end cut short is not this one's.
+    fn begin(&self) {
+        if let Ok(mut so_far) = self.sync.lock() {
+            so_far.clear();
+        }
+        if let Ok(mut pods) = self.sync_pods.lock() {
+            pods.clear();
+        }
+    }
+
+    fn handle(
+        &self,
+        method: &str,
+        payload: &[u8],
+        configured: &Configured,
+    ) -> anyhow::Result<Vec<u8>> {
+        handle(self, method, payload, configured)
+    }
+
+    /// A `CreateContainer` whose adjustment never reached the runtime: the runtime created
+    /// that container without it (NRI fails open) or not at all (a validator refused it),
+    /// so the record the create made is dropped, and with it the container's reference on
+    /// its daemon: an unserved container is no client of the daemon.
+    fn undelivered(&self, method: &str, payload: &[u8]) {
+        if method != "CreateContainer" {
+            return;
+        }
+        let Ok(ev) = api::ContainerEvent::decode(payload) else {
+            return;
+        };
+        let ctr = ev.container.unwrap_or_default();
+        if self.forget_unanswered(&ctr) {
+            tracing::warn!(
+                container_id = %quoted(&ctr.id),
+                "NRI: the runtime did not get the container's adjustment; its record is dropped"
+            );
+        }
+    }
+}
+
+fn handle(
+    plugin: &Plugin,
+    method: &str,
+    payload: &[u8],
+    configured: &Configured,
+) -> anyhow::Result<Vec<u8>> {
+    let event = || api::ContainerEvent::decode(payload).context("decode the runtime's event");
+    Ok(match method {
+        "Configure" => {
+            let req = api::ConfigureRequest::decode(payload).context("decode Configure")?;
+            let runtime = format!(
+                "{} {}",
+                quoted(&req.runtime_name),
+                quoted(&req.runtime_version)
+            );
+            tracing::info!(runtime = %runtime, "NRI: configured by the runtime");
+            if let Ok(mut r) = plugin.runtime.lock() {
+                *r = runtime.clone();
+            }
+            plugin.configured(req.request_timeout);
+            configured(runtime);
+            api::ConfigureResponse {
+                events: event::mask(&[
+                    event::CREATE_CONTAINER,
+                    event::POST_CREATE_CONTAINER,
+                    event::START_CONTAINER,
+                    event::STOP_CONTAINER,
+                    event::REMOVE_CONTAINER,
+                ]),
+            }
+            .encode_to_vec()
+        }
+        "Synchronize" => {
+            let req = api::SynchronizeRequest::decode(payload).context("decode Synchronize")?;
+            let mut so_far = plugin
+                .sync
+                .lock()
+                .map_err(|_| anyhow::anyhow!("the synchronization is poisoned"))?;
+            let mut pods = plugin
+                .sync_pods
+                .lock()
+                .map_err(|_| anyhow::anyhow!("the synchronization is poisoned"))?;
+            let bytes = |cs: &[api::Container]| cs.iter().map(|c| c.encoded_len()).sum::<usize>();
+            let pod_bytes =
+                |ps: &[api::PodSandbox]| ps.iter().map(|p| p.encoded_len()).sum::<usize>();
+            if bytes(&so_far) + bytes(&req.containers) + pod_bytes(&pods) + pod_bytes(&req.pods)
+                > MAX_SYNC_BYTES
+            {
+                so_far.clear();
+                pods.clear();
+                anyhow::bail!(
+                    "the runtime's Synchronize described more than {MAX_SYNC_BYTES} bytes of containers: allowed is at most that"
+                );
+            }
+            so_far.extend(req.containers);
+            pods.extend(req.pods);
+            if !req.more {
+                let all = std::mem::take(&mut *so_far);
+                let all_pods = std::mem::take(&mut *pods);
+                drop((so_far, pods));
+                plugin.synchronize(&all);
+                record_audit(plugin, plugin.audit(&all_pods, &all));
+            }
+            api::SynchronizeResponse { more: req.more }.encode_to_vec()
+        }
+        "CreateContainer" => {
+            let ev = event()?;
+            let (pod, ctr) = (ev.pod.unwrap_or_default(), ev.container.unwrap_or_default());
+            let adjust = plugin.create(&pod, &ctr)?;
+            api::CreateContainerResponse {
+                adjust: Some(adjust),
+            }
+            .encode_to_vec()
+        }
+        "PostCreateContainer" | "StartContainer" => {
+            let ev = event()?;
+            let (pod, ctr) = (ev.pod.unwrap_or_default(), ev.container.unwrap_or_default());
+            if method == "PostCreateContainer" {
+                plugin.created(&ctr);
+            }
+            if let Some(unserved) = plugin.audit_event(&pod, &ctr) {
+                record_audit(plugin, unserved);
+            }
+            Vec::new()
+        }
+        "StopContainer" | "RemoveContainer" => {
+            let ctr = event()?.container.unwrap_or_default();
+            plugin.release(&ctr);
+            if let Some(left) = plugin.no_longer_unserved(&ctr) {
+                record_audit(plugin, left);
+            }
+            Vec::new()
+        }
+        // Shutdown, StateChange and the events the plugin did not subscribe to: nothing to
+        // do, an empty answer.
+        _ => Vec::new(),
+    })
+}
+
+/// The validator's side of one connection held in memory, for the fuzz target
+/// `nri_validate`, as `converse` is the plugin's.
+pub fn converse_validator(cfg: &Config, input: &[u8]) -> (Vec<(u32, i32)>, Result<bool, String>) {
+    let validator = Arc::new(validator::Validator::new(cfg, DEFAULT_NAME));
+    let (written, end) = serve_all(&validator, input);
+    (answers(&written), end)
+}
+
+/// The plugin's side of one connection held in memory, for the fuzz target `nri`:
+/// `input` is what the runtime sent. Returns each answer on the plugin's service as
+/// (stream id, gRPC status code, 0 for success), once every request is answered, and how
+/// the session ended (its error line).
+pub fn converse(cfg: &Config, input: &[u8]) -> (Vec<(u32, i32)>, Result<bool, String>) {
+    let plugin = Arc::new(Plugin::new(cfg.clone()));
+    let (written, end) = serve_all(&plugin, input);
+    (answers(&written), end)
+}
+
+/// One connection held in memory, `input` what the runtime sent: what `service` wrote
+/// once every request is answered, and how the session ended (its error line).
+fn serve_all<S: Service>(service: &Arc<S>, input: &[u8]) -> (Vec<u8>, Result<bool, String>) {
+    let out = Arc::new(Mutex::new(Vec::new()));
+    let in_flight = Arc::new(InFlight::default());
+    let end = serve_memory(service, input, &out, &in_flight);
+    in_flight.wait_idle(Duration::from_secs(60));
+    let written = std::mem::take(&mut *out.lock().unwrap_or_else(|e| e.into_inner()));
+    (written, end)
+}
+
+fn serve_memory<S: Service>(
+    plugin: &Arc<S>,
+    input: &[u8],
+    out: &Arc<Mutex<Vec<u8>>>,
+    in_flight: &Arc<InFlight>,
+) -> Result<bool, String> {
+    serve(
+        plugin,
+        input,
+        Box::new(Memory(Arc::clone(out))),
+        DEFAULT_NAME,
+        DEFAULT_INDEX,
+        Arc::new(|_| {}),
+        in_flight,
+    )
+    .map_err(|e| format!("{e:#}"))
+}
+
+/// A writer into memory that the answering threads share.
+struct Memory(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Memory {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .map_err(|_| std::io::Error::other("poisoned"))?
+            .extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Each successful answer's (stream id, payload).
+#[cfg(test)]
+type Payloads = Vec<(u32, Vec<u8>)>;
+
+/// `converse_validator`, with each successful answer's payload.
+#[cfg(test)]
+pub(crate) fn converse_validator_payloads(
+    cfg: &Config,
+    input: &[u8],
+) -> (Payloads, Result<bool, String>) {
+    let validator = Arc::new(validator::Validator::new(cfg, DEFAULT_NAME));
+    let (written, end) = serve_all(&validator, input);
+    let payloads = responses(&written)
+        .into_iter()
+        .filter_map(|(stream, r)| {
+            r.filter(|r| r.status.is_none())
+                .map(|r| (stream, r.payload))
+        })
+        .collect();
+    (payloads, end)
+}
+
+/// The answers the plugin wrote on its service: (stream id, status code).
+fn answers(written: &[u8]) -> Vec<(u32, i32)> {
+    responses(written)
+        .into_iter()
+        .map(|(stream, r)| (stream, r.and_then(|r| r.status).map_or(0, |s| s.code)))
+        .collect()
+}
+
+/// Each message the plugin wrote on its service: its stream id and the response it
+/// decodes to (`None`: it does not).
+fn responses(mut written: &[u8]) -> Vec<(u32, Option<api::Response>)> {
+    let mut out = Vec::new();
+    let mut conn = wire::Stream::default();
+    while let Ok(Some((c, payload))) = wire::read_frame(&mut written) {
+        if c != PLUGIN_CONN {
+            continue;
+        }
+        conn.push(&payload);
+        while let Ok(Some(msg)) = conn.next_message() {
+            out.push((msg.stream, api::Response::decode(msg.body.as_slice()).ok()));
+        }
+    }
+    out
 }

@@ -1,10 +1,38 @@
 //! The session both NRI processes run on their connection (the plugin and the validator
 //! are each a `Service`): NRI's two logical connections over one socket, the runtime's
 //! requests read and checked as ttrpc's own server checks them, each answered on a thread
-//! of its own within the in-flight bound, the registration, and the same session over
-//! bytes in memory for the fuzz targets (`converse`, `converse_validator`).
+//! of its own within the in-flight bound, and the registration. It knows nothing of what
+//! either process answers: `Plugin`'s answers are in `nri` (mod.rs), the validator's in
+//! `validator`; the same session over bytes in memory for the fuzz targets (`converse`,
+//! `converse_validator`) is in mod.rs too.
 
-use super::*;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use prost::Message;
+
+use super::api;
+use super::wire::{self, PLUGIN_CONN, RUNTIME_CONN, TYPE_REQUEST, TYPE_RESPONSE};
+
+pub(super) const PLUGIN_SERVICE: &str = "nri.pkg.api.v1alpha1.Plugin";
+pub(super) const RUNTIME_SERVICE: &str = "nri.pkg.api.v1alpha1.Runtime";
+/// How much of a string the runtime sent goes into a log line or an answer.
+const QUOTED: usize = 128;
+/// gRPC's codes, as ttrpc carries them.
+pub(super) const CODE_UNKNOWN: i32 = 2;
+pub(super) const CODE_INVALID_ARGUMENT: i32 = 3;
+pub(super) const CODE_RESOURCE_EXHAUSTED: i32 = 8;
+pub(super) const CODE_UNIMPLEMENTED: i32 = 12;
+const CODE_UNAVAILABLE: i32 = 14;
+
+/// Requests answered at once by the process, each on a thread of its own; one more is
+/// refused. NRI calls a plugin one event at a time, so more than a few in flight means
+/// requests the runtime has given up on (timed out) piling up behind a stuck daemon start.
+pub(super) const MAX_IN_FLIGHT: usize = 64;
 
 /// What one NRI process serves on its connection: the plugin (`Plugin`) or the validator
 /// (`validator::Validator`). The session (framing, stream ids, the in-flight bound, the
@@ -320,255 +348,4 @@ pub(super) fn undelivered<S: Service>(service: &S, body: &[u8]) {
             service.undelivered(&req.method, &req.payload);
         }
     }
-}
-
-impl Service for Plugin {
-    /// A Synchronize that an earlier connection's end cut short is not this one's.
-    fn begin(&self) {
-        if let Ok(mut so_far) = self.sync.lock() {
-            so_far.clear();
-        }
-        if let Ok(mut pods) = self.sync_pods.lock() {
-            pods.clear();
-        }
-    }
-
-    fn handle(
-        &self,
-        method: &str,
-        payload: &[u8],
-        configured: &Configured,
-    ) -> anyhow::Result<Vec<u8>> {
-        handle(self, method, payload, configured)
-    }
-
-    /// A `CreateContainer` whose adjustment never reached the runtime: the runtime created
-    /// that container without it (NRI fails open) or not at all (a validator refused it),
-    /// so the record the create made is dropped, and with it the container's reference on
-    /// its daemon: an unserved container is no client of the daemon.
-    fn undelivered(&self, method: &str, payload: &[u8]) {
-        if method != "CreateContainer" {
-            return;
-        }
-        let Ok(ev) = api::ContainerEvent::decode(payload) else {
-            return;
-        };
-        let ctr = ev.container.unwrap_or_default();
-        if self.forget_unanswered(&ctr) {
-            tracing::warn!(
-                container_id = %quoted(&ctr.id),
-                "NRI: the runtime did not get the container's adjustment; its record is dropped"
-            );
-        }
-    }
-}
-
-pub(super) fn handle(
-    plugin: &Plugin,
-    method: &str,
-    payload: &[u8],
-    configured: &Configured,
-) -> anyhow::Result<Vec<u8>> {
-    let event = || api::ContainerEvent::decode(payload).context("decode the runtime's event");
-    Ok(match method {
-        "Configure" => {
-            let req = api::ConfigureRequest::decode(payload).context("decode Configure")?;
-            let runtime = format!(
-                "{} {}",
-                quoted(&req.runtime_name),
-                quoted(&req.runtime_version)
-            );
-            tracing::info!(runtime = %runtime, "NRI: configured by the runtime");
-            if let Ok(mut r) = plugin.runtime.lock() {
-                *r = runtime.clone();
-            }
-            plugin.configured(req.request_timeout);
-            configured(runtime);
-            api::ConfigureResponse {
-                events: event::mask(&[
-                    event::CREATE_CONTAINER,
-                    event::POST_CREATE_CONTAINER,
-                    event::START_CONTAINER,
-                    event::STOP_CONTAINER,
-                    event::REMOVE_CONTAINER,
-                ]),
-            }
-            .encode_to_vec()
-        }
-        "Synchronize" => {
-            let req = api::SynchronizeRequest::decode(payload).context("decode Synchronize")?;
-            let mut so_far = plugin
-                .sync
-                .lock()
-                .map_err(|_| anyhow::anyhow!("the synchronization is poisoned"))?;
-            let mut pods = plugin
-                .sync_pods
-                .lock()
-                .map_err(|_| anyhow::anyhow!("the synchronization is poisoned"))?;
-            let bytes = |cs: &[api::Container]| cs.iter().map(|c| c.encoded_len()).sum::<usize>();
-            let pod_bytes =
-                |ps: &[api::PodSandbox]| ps.iter().map(|p| p.encoded_len()).sum::<usize>();
-            if bytes(&so_far) + bytes(&req.containers) + pod_bytes(&pods) + pod_bytes(&req.pods)
-                > MAX_SYNC_BYTES
-            {
-                so_far.clear();
-                pods.clear();
-                anyhow::bail!(
-                    "the runtime's Synchronize described more than {MAX_SYNC_BYTES} bytes of containers: allowed is at most that"
-                );
-            }
-            so_far.extend(req.containers);
-            pods.extend(req.pods);
-            if !req.more {
-                let all = std::mem::take(&mut *so_far);
-                let all_pods = std::mem::take(&mut *pods);
-                drop((so_far, pods));
-                plugin.synchronize(&all);
-                record_audit(plugin, plugin.audit(&all_pods, &all));
-            }
-            api::SynchronizeResponse { more: req.more }.encode_to_vec()
-        }
-        "CreateContainer" => {
-            let ev = event()?;
-            let (pod, ctr) = (ev.pod.unwrap_or_default(), ev.container.unwrap_or_default());
-            let adjust = plugin.create(&pod, &ctr)?;
-            api::CreateContainerResponse {
-                adjust: Some(adjust),
-            }
-            .encode_to_vec()
-        }
-        "PostCreateContainer" | "StartContainer" => {
-            let ev = event()?;
-            let (pod, ctr) = (ev.pod.unwrap_or_default(), ev.container.unwrap_or_default());
-            if method == "PostCreateContainer" {
-                plugin.created(&ctr);
-            }
-            if let Some(unserved) = plugin.audit_event(&pod, &ctr) {
-                record_audit(plugin, unserved);
-            }
-            Vec::new()
-        }
-        "StopContainer" | "RemoveContainer" => {
-            let ctr = event()?.container.unwrap_or_default();
-            plugin.release(&ctr);
-            if let Some(left) = plugin.no_longer_unserved(&ctr) {
-                record_audit(plugin, left);
-            }
-            Vec::new()
-        }
-        // Shutdown, StateChange and the events the plugin did not subscribe to: nothing to
-        // do, an empty answer.
-        _ => Vec::new(),
-    })
-}
-
-/// The validator's side of one connection held in memory, for the fuzz target
-/// `nri_validate`, as `converse` is the plugin's.
-pub fn converse_validator(cfg: &Config, input: &[u8]) -> (Vec<(u32, i32)>, Result<bool, String>) {
-    let validator = Arc::new(validator::Validator::new(cfg, DEFAULT_NAME));
-    let (written, end) = serve_all(&validator, input);
-    (answers(&written), end)
-}
-
-/// The plugin's side of one connection held in memory, for the fuzz target `nri`:
-/// `input` is what the runtime sent. Returns each answer on the plugin's service as
-/// (stream id, gRPC status code, 0 for success), once every request is answered, and how
-/// the session ended (its error line).
-pub fn converse(cfg: &Config, input: &[u8]) -> (Vec<(u32, i32)>, Result<bool, String>) {
-    let plugin = Arc::new(Plugin::new(cfg.clone()));
-    let (written, end) = serve_all(&plugin, input);
-    (answers(&written), end)
-}
-
-/// One connection held in memory, `input` what the runtime sent: what `service` wrote
-/// once every request is answered, and how the session ended (its error line).
-fn serve_all<S: Service>(service: &Arc<S>, input: &[u8]) -> (Vec<u8>, Result<bool, String>) {
-    let out = Arc::new(Mutex::new(Vec::new()));
-    let in_flight = Arc::new(InFlight::default());
-    let end = serve_memory(service, input, &out, &in_flight);
-    in_flight.wait_idle(Duration::from_secs(60));
-    let written = std::mem::take(&mut *out.lock().unwrap_or_else(|e| e.into_inner()));
-    (written, end)
-}
-
-pub(super) fn serve_memory<S: Service>(
-    plugin: &Arc<S>,
-    input: &[u8],
-    out: &Arc<Mutex<Vec<u8>>>,
-    in_flight: &Arc<InFlight>,
-) -> Result<bool, String> {
-    serve(
-        plugin,
-        input,
-        Box::new(Memory(Arc::clone(out))),
-        DEFAULT_NAME,
-        DEFAULT_INDEX,
-        Arc::new(|_| {}),
-        in_flight,
-    )
-    .map_err(|e| format!("{e:#}"))
-}
-
-/// A writer into memory that the answering threads share.
-pub(super) struct Memory(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Memory {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .map_err(|_| std::io::Error::other("poisoned"))?
-            .extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// Each successful answer's (stream id, payload).
-#[cfg(test)]
-pub(super) type Payloads = Vec<(u32, Vec<u8>)>;
-
-/// `converse_validator`, with each successful answer's payload.
-#[cfg(test)]
-pub(crate) fn converse_validator_payloads(
-    cfg: &Config,
-    input: &[u8],
-) -> (Payloads, Result<bool, String>) {
-    let validator = Arc::new(validator::Validator::new(cfg, DEFAULT_NAME));
-    let (written, end) = serve_all(&validator, input);
-    let payloads = responses(&written)
-        .into_iter()
-        .filter_map(|(stream, r)| {
-            r.filter(|r| r.status.is_none())
-                .map(|r| (stream, r.payload))
-        })
-        .collect();
-    (payloads, end)
-}
-
-/// The answers the plugin wrote on its service: (stream id, status code).
-pub(super) fn answers(written: &[u8]) -> Vec<(u32, i32)> {
-    responses(written)
-        .into_iter()
-        .map(|(stream, r)| (stream, r.and_then(|r| r.status).map_or(0, |s| s.code)))
-        .collect()
-}
-
-/// Each message the plugin wrote on its service: its stream id and the response it
-/// decodes to (`None`: it does not).
-fn responses(mut written: &[u8]) -> Vec<(u32, Option<api::Response>)> {
-    let mut out = Vec::new();
-    let mut conn = wire::Stream::default();
-    while let Ok(Some((c, payload))) = wire::read_frame(&mut written) {
-        if c != PLUGIN_CONN {
-            continue;
-        }
-        conn.push(&payload);
-        while let Ok(Some(msg)) = conn.next_message() {
-            out.push((msg.stream, api::Response::decode(msg.body.as_slice()).ok()));
-        }
-    }
-    out
 }

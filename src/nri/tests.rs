@@ -1,8 +1,15 @@
 //! The NRI session's tests over a socket pair, as the runtime: registration,
 //! configuration, multi-part synchronize, create, close, and what a peer's bytes cannot do.
 
+use super::session::{
+    serve, Connected, InFlight, CODE_INVALID_ARGUMENT, CODE_RESOURCE_EXHAUSTED, CODE_UNIMPLEMENTED,
+    CODE_UNKNOWN, MAX_IN_FLIGHT, PLUGIN_SERVICE, RUNTIME_SERVICE,
+};
+use super::wire::{RUNTIME_CONN, TYPE_REQUEST, TYPE_RESPONSE};
 use super::*;
 use std::collections::HashMap;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
 
 /// A node whose inventory cannot load and whose state directory cannot exist: a
 /// request gets as far as the inventory and fails there, nothing is written.

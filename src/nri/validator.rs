@@ -31,7 +31,9 @@ use anyhow::Context;
 use prost::Message;
 
 use super::api::{self, event};
-use super::{container, Configured, PluginState, Service};
+use super::container;
+use super::service::{run_service, Endpoint, PluginState};
+use super::session::{quoted, Configured, Service};
 use crate::config::Config;
 use crate::state::StateDir;
 
@@ -84,12 +86,12 @@ impl Validator {
         }
         let reason = format!(
             "gpushare: container {} of pod {}/{} {asks} but the NRI plugin {} did not adjust it (not connected, stalled or closed); refused rather than run unserved, the kubelet retries it",
-            super::quoted(&ctr.name),
-            super::quoted(&pod.namespace),
-            super::quoted(&pod.name),
+            quoted(&ctr.name),
+            quoted(&pod.namespace),
+            quoted(&pod.name),
             self.plugin,
         );
-        tracing::warn!(container_id = %super::quoted(&ctr.id), "NRI validator: {reason}");
+        tracing::warn!(container_id = %quoted(&ctr.id), "NRI validator: {reason}");
         api::ValidateContainerAdjustmentResponse {
             reject: true,
             reason,
@@ -123,8 +125,8 @@ impl Service for Validator {
                 let req = api::ConfigureRequest::decode(payload).context("decode Configure")?;
                 let runtime = format!(
                     "{} {}",
-                    super::quoted(&req.runtime_name),
-                    super::quoted(&req.runtime_version)
+                    quoted(&req.runtime_name),
+                    quoted(&req.runtime_version)
                 );
                 tracing::info!(runtime = %runtime, "NRI validator: configured by the runtime");
                 configured(runtime);
@@ -176,10 +178,10 @@ pub(crate) fn run(
         std::thread::sleep(POLL);
     };
     let validator = std::sync::Arc::new(Validator::new(cfg, plugin));
-    super::run_service(
+    run_service(
         &validator,
         &dirs.nri_validator_state_path(),
-        super::Endpoint::Socket(socket),
+        Endpoint::Socket(socket),
         name,
         index,
     )

@@ -70,18 +70,8 @@ use std::fmt;
 use std::path::Path;
 
 use super::grammar::{env_lookup, parse_index, parse_selector, MAX_DEVICES};
-use super::{Inputs, RequestError};
+use super::types::{Inputs, RequestError};
 use crate::device::{quote, DeviceError, DeviceRequest, Inventory, ResolvedDevices};
-
-/// What [`RequestError::NoAllocation`] says was looked at; `env_read`: whether the node
-/// accepts `NVIDIA_VISIBLE_DEVICES` (`accept-visible-devices-env`).
-pub(super) fn looked_at(env_read: bool) -> &'static str {
-    if env_read {
-        "no cdi.k8s.io/* annotation names an NVIDIA GPU, no mount from /dev/null is under /var/run/nvidia-container-devices/, linux.devices holds no /dev/nvidia<N> (not read in a privileged container), and NVIDIA_VISIBLE_DEVICES names no device (all, none, void and empty are no allocation)"
-    } else {
-        "no cdi.k8s.io/* annotation names an NVIDIA GPU, no mount from /dev/null is under /var/run/nvidia-container-devices/, and linux.devices holds no /dev/nvidia<N> (not read in a privileged container); NVIDIA_VISIBLE_DEVICES is not read on this node (accept-visible-devices-env = false)"
-    }
-}
 
 const VOLUME_DIR: &str = "/var/run/nvidia-container-devices";
 /// The only source a volume-mounts allocation has (the device plugin's, and what NVIDIA's
@@ -494,6 +484,7 @@ mod tests {
     use crate::bundle::{RawSpec, SpecFile};
     use crate::device::testing::{GPU0, GPU1, GPU2, MIG1, MIG2};
     use crate::device::{sample, DeviceKind};
+    use crate::request::types::looked_at;
     use crate::request::{
         parse, DefaultDevice, DeviceValue, Options, Request, RequestError, ALLOCATED,
     };

@@ -9,55 +9,23 @@
 //! - Sizes are binary: `K`, `M`, `G`, `T` (case-insensitive), each optionally followed by `i`,
 //!   `iB` or `B`, all meaning powers of 1024 as MPS does. A size without a unit is refused as
 //!   ambiguous; the minimum is 1M; a size that is not a whole MiB is rounded down by
-//!   [`format_mps_size`].
+//!   [`super::types::format_mps_size`].
 
-use super::{IpcMode, RequestError, ALLOCATED};
+use super::types::{IpcMode, RequestError, ALLOCATED, MAX_VALUE_LEN, MIB, NAMED_DEVICE_ALLOWED};
 use crate::device::{is_well_formed_uuid, quote, DeviceRequest, DeviceSelector};
 
-/// Longest value accepted for any key, in bytes: room for 16 full GPU UUIDs and commas.
-pub(crate) const MAX_VALUE_LEN: usize = 1024;
 /// Most entries in a device list.
 pub const MAX_DEVICES: usize = 16;
 /// Smallest pinned memory limit, in bytes (MPS takes whole MiB).
 pub(crate) const MIN_PINNED_MEMORY_LIMIT: u64 = MIB;
 
-pub(super) const MIB: u64 = 1 << 20;
-pub(super) const GIB: u64 = 1 << 30;
-
 const DEVICE_ALLOWED: &str = "a GPU index like 0, GPU-<uuid>, MIG-<uuid>, <gpu>:<mig> like 0:1, a comma-separated list of GPU indices and GPU-<uuid>s, or allocated (the devices the scheduler allocated to the container)";
-/// What a device key allows where there is no container to take an allocation from
-/// (`gpushare daemon start --device`).
-pub(super) const NAMED_DEVICE_ALLOWED: &str = "a GPU index like 0, GPU-<uuid>, MIG-<uuid>, <gpu>:<mig> like 0:1, or a comma-separated list of GPU indices and GPU-<uuid>s";
 /// Every unit is binary (1024-based), whatever its spelling — `4G`, `4GiB` and `4GB` are
 /// all 4 GiB — because MPS itself reads `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4GB` that way
 /// (documented in docs/requests.md).
 pub(super) const SIZE_ALLOWED: &str =
     "a size with a unit, like 512M, 4G, 4GiB or 1536MiB (K, M, G, T; every unit is 1024-based, so 4GB is 4GiB)";
 const IPC_ALLOWED: &str = "isolated or host";
-
-/// `24 GiB` for a whole number of GiB, else whole MiB rounded down (`5952 MiB`).
-pub(super) fn human_size(bytes: u64) -> String {
-    if bytes % GIB == 0 {
-        format!("{} GiB", bytes / GIB)
-    } else {
-        format!("{} MiB", bytes / MIB)
-    }
-}
-
-/// `24G` for a whole number of GiB, else whole MiB rounded down (`5952M`).
-pub(super) fn short_size(bytes: u64) -> String {
-    if bytes % GIB == 0 {
-        format!("{}G", bytes / GIB)
-    } else {
-        format_mps_size(bytes)
-    }
-}
-
-/// The MPS control syntax for a byte count: whole MiB, rounded down, as `<n>M`. Inputs come
-/// from [`parse_size`], which refuses anything below 1M.
-pub(crate) fn format_mps_size(bytes: u64) -> String {
-    format!("{}M", bytes / MIB)
-}
 
 /// The checks every value passes first, before its grammar: see the module doc.
 pub(super) fn check_raw(
@@ -311,6 +279,7 @@ pub(super) mod tests {
     use super::*;
     use crate::device::testing::{GPU0, GPU1, MIG0};
     use crate::request::parse_percentage;
+    use crate::request::types::{format_mps_size, GIB};
 
     #[test]
     fn multibyte_units_are_errors_not_panics() {

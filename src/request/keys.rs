@@ -17,10 +17,8 @@
 
 use std::fmt;
 
-use super::grammar::{
-    format_mps_size, parse_integer, parse_size, short_size, MIN_PINNED_MEMORY_LIMIT, SIZE_ALLOWED,
-};
-use super::RequestError;
+use super::grammar::{parse_integer, parse_size, MIN_PINNED_MEMORY_LIMIT, SIZE_ALLOWED};
+use super::types::{format_mps_size, short_size, RequestError};
 
 /// One request key.
 pub struct KeySpec {

@@ -13,6 +13,7 @@
 //! Invariants: called with the state lock held; a command either completes or leaves the
 //! state as it found it (sockets bound for a failed create are closed again).
 
+use std::io::{BufRead, BufReader};
 use std::sync::Arc;
 
 use crate::limits::Percentage;
@@ -20,10 +21,10 @@ use crate::log::ControlLog;
 use crate::server::{describe_exit, ServerProcess};
 use crate::wire::{Hello, Ready};
 
-use super::daemon::{self, Core, Route};
 use super::format::render;
 use super::grammar::Command;
 use super::layout::{self, LayoutError, DEFAULT_NAMESPACE};
+use super::listen::{listen, Core, Route};
 use super::state::{self, Attached, Limits, Namespace, Server, State};
 
 /// The refusal a non-owner gets, as measured on r615 by NVIDIA's KAI GPU-fractioning agent.
@@ -145,9 +146,8 @@ pub fn execute(
                 ));
             }
             let dir = layout::namespace_dir(&core.pipe, &server, &name);
-            let listening =
-                daemon::listen(core, &dir, Route::Namespace(server.clone(), name.clone()))
-                    .map_err(layout_err)?;
+            let listening = listen(core, &dir, Route::Namespace(server.clone(), name.clone()))
+                .map_err(layout_err)?;
             let s = st
                 .servers
                 .get_mut(&server)
@@ -359,9 +359,8 @@ fn create_server(
         std::process::id(),
     )
     .map_err(|e| format!("{e:#}"))?;
-    let listening =
-        daemon::listen(core, &dir, Route::Server(name.to_string())).map_err(layout_err)?;
-    let default = match daemon::listen(
+    let listening = listen(core, &dir, Route::Server(name.to_string())).map_err(layout_err)?;
+    let default = match listen(
         core,
         &default_dir,
         Route::Namespace(name.to_string(), DEFAULT_NAMESPACE.to_string()),
@@ -425,11 +424,35 @@ fn start_process(core: &Arc<Core>, name: &str, server: &mut Server) -> Result<()
     let (watch_core, watch_name) = (Arc::clone(core), name.to_string());
     let spawned = std::thread::Builder::new()
         .name(format!("server-{pid}"))
-        .spawn(move || daemon::watch_server(watch_core, watch_name, pid, stdout));
+        .spawn(move || watch_server(watch_core, watch_name, pid, stdout));
     if let Err(e) = spawned {
         core.log.log(&format!("cannot watch server {pid}: {e}"));
     }
     Ok(())
+}
+
+/// Reads a server process's stdout to its end (the process exited), then forgets it if it
+/// is still the server's, so the next client starts a new one.
+pub fn watch_server(
+    core: Arc<Core>,
+    name: String,
+    pid: u32,
+    mut reader: BufReader<std::process::ChildStdout>,
+) {
+    let mut sink = String::new();
+    while matches!(reader.read_line(&mut sink), Ok(n) if n > 0) {
+        sink.clear();
+    }
+    let mut st = core.lock();
+    let Some(server) = st.servers.get_mut(&name) else {
+        return;
+    };
+    if server.pid() != Some(pid) {
+        return;
+    }
+    if let Some(process) = server.process.take() {
+        log_stopped(&core, &name, pid, process.reap());
+    }
 }
 
 fn remove_server(core: &Core, name: &str, server: Server) {

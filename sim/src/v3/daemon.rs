@@ -19,59 +19,28 @@
 //! - `quit` removes every socket and the pid file and leaves the directories, so a daemon
 //!   started again binds its sockets in the same directory inodes.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::io::{BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result};
 use nix::sys::socket::{getsockopt, sockopt};
 
-use crate::daemon::{self as legacy, DaemonOptions, Launch, Slot};
+use crate::daemon::{self as legacy, DaemonOptions, Launch};
 use crate::log::ControlLog;
 use crate::session::{command_of, wait_for_close, FIRST_LINE_TIMEOUT};
 use crate::wire::{self, Hello, WireError, HELLO_WORD};
 
 use super::commands;
 use super::layout::{self, BARE_FAILURE};
-use super::state::{Listening, State};
+use super::listen::accept_loop;
+pub use super::listen::{Core, Route};
+use super::state::State;
 
 /// The first word of a CLI call on the wire; the call's words follow, tab-separated.
 pub const CLI_WORD: &str = "V3CLI";
 const MAX_TOP_CONNECTIONS: usize = 512;
-const MAX_LEAF_CONNECTIONS: usize = 64;
-
-/// Which socket a connection came in on, which decides where a CUDA client lands
-/// (NVIDIA's MPS v3 "Namespaces" page).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Route {
-    /// `<pipe>/control`: a client goes to its uid's `uid_<uid>` server.
-    Top,
-    /// `<pipe>/<server>/control`: the server's `default` namespace.
-    Server(String),
-    /// `<pipe>/<server>/<ns>/control`.
-    Namespace(String, String),
-}
-
-pub struct Core {
-    pub log: ControlLog,
-    pub log_dir: PathBuf,
-    pub pipe: PathBuf,
-    pub exe: PathBuf,
-    pub uid: u32,
-    pub multiuser: bool,
-    pub top_socket: PathBuf,
-    pub pid_file: PathBuf,
-    state: Mutex<State>,
-}
-
-impl Core {
-    pub fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
 
 pub fn run(opts: &DaemonOptions, launch: Launch) -> Result<u8> {
     let signals = legacy::block_signals()?;
@@ -119,6 +88,7 @@ pub fn run(opts: &DaemonOptions, launch: Launch) -> Result<u8> {
         multiuser: opts.multiuser,
         top_socket: socket,
         pid_file,
+        serve: handle,
         state: Mutex::new(State::default()),
     });
     if launch == Launch::Background {
@@ -183,81 +153,6 @@ fn is_quit(line: &str) -> bool {
         ["quit"] => true,
         ["quit", "-t", t] => t.parse::<u32>().is_ok(),
         _ => false,
-    }
-}
-
-/// Binds `<dir>/control` and starts its accept thread.
-pub fn listen(
-    core: &Arc<Core>,
-    dir: &Path,
-    route: Route,
-) -> Result<Listening, layout::LayoutError> {
-    let listener = Arc::new(layout::bind_in(dir)?);
-    let closed = Arc::new(AtomicBool::new(false));
-    let listening = Listening {
-        path: layout::socket_in(dir),
-        listener: Arc::clone(&listener),
-        closed: Arc::clone(&closed),
-    };
-    let thread_core = Arc::clone(core);
-    let spawned = std::thread::Builder::new()
-        .name("accept".to_string())
-        .spawn(move || {
-            accept_loop(
-                &thread_core,
-                &listener,
-                &closed,
-                &route,
-                MAX_LEAF_CONNECTIONS,
-            )
-        });
-    if let Err(e) = spawned {
-        listening.close();
-        return Err(layout::LayoutError::Io {
-            what: "start the accept thread of",
-            path: listening.path.clone(),
-            source: e,
-        });
-    }
-    Ok(listening)
-}
-
-fn accept_loop(
-    core: &Arc<Core>,
-    listener: &Arc<UnixListener>,
-    closed: &Arc<AtomicBool>,
-    route: &Route,
-    max: usize,
-) {
-    let active = Arc::new(AtomicUsize::new(0));
-    for conn in listener.incoming() {
-        if closed.load(Ordering::SeqCst) {
-            return;
-        }
-        let stream = match conn {
-            Ok(s) => s,
-            Err(e) => {
-                core.log.log(&format!("accept failed: {e}"));
-                std::thread::sleep(Duration::from_millis(50));
-                continue;
-            }
-        };
-        let Some(slot) = Slot::take(&active, max) else {
-            let _ = (&stream).write_all(b"ERR\ntoo many connections\n");
-            continue;
-        };
-        let conn_core = Arc::clone(core);
-        let conn_route = route.clone();
-        let spawned = std::thread::Builder::new()
-            .name("connection".to_string())
-            .spawn(move || {
-                let _slot = slot;
-                handle(&conn_core, stream, &conn_route);
-            });
-        if let Err(e) = spawned {
-            core.log
-                .log(&format!("cannot start connection thread: {e}"));
-        }
     }
 }
 
@@ -395,30 +290,6 @@ pub fn quit(core: &Core, st: &mut State) {
     let _ = std::fs::remove_file(&core.top_socket);
     let _ = std::fs::remove_file(&core.pid_file);
     core.log.log("Exit");
-}
-
-/// Reads a server process's stdout to its end (the process exited), then forgets it if it
-/// is still the server's, so the next client starts a new one.
-pub fn watch_server(
-    core: Arc<Core>,
-    name: String,
-    pid: u32,
-    mut reader: BufReader<std::process::ChildStdout>,
-) {
-    let mut sink = String::new();
-    while matches!(reader.read_line(&mut sink), Ok(n) if n > 0) {
-        sink.clear();
-    }
-    let mut st = core.lock();
-    let Some(server) = st.servers.get_mut(&name) else {
-        return;
-    };
-    if server.pid() != Some(pid) {
-        return;
-    }
-    if let Some(process) = server.process.take() {
-        commands::log_stopped(&core, &name, pid, process.reap());
-    }
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@
 //! - `format`: CSV and table output;
 //! - `layout`: the pipe directory's server and namespace sockets;
 //! - `state`: servers, namespaces, attached clients and their listings;
+//! - `listen`: the daemon's shared core and a socket's accept thread;
 //! - `commands`: authorization and what each verb and a client attach do;
 //! - `daemon`: the `-p 3` daemon process, its sockets and connections;
 //! - `cli`: the CLI call's side.
@@ -21,4 +22,5 @@ pub mod daemon;
 pub mod format;
 pub mod grammar;
 pub mod layout;
+pub mod listen;
 pub mod state;

@@ -9,9 +9,8 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use super::engine::{serving, Finding, Removal};
+use super::engine::{serving, spec_dirs_hint, About, EngineConfig, Finding, Registration, Removal};
 use super::file::{Edited, InstallError};
-use super::Registration;
 
 /// Where Docker keeps its config on a standard install.
 pub(crate) const DEFAULT_CONFIG: &str = "/etc/docker/daemon.json";
@@ -162,7 +161,7 @@ pub(crate) fn enable_cdi(path: &Path, text: &str, dir: &Path) -> Result<Edited, 
 }
 
 /// Docker as data: its names, where its config and socket are, its help texts.
-const DOCKER: super::About = super::About {
+const DOCKER: About = About {
     name: "docker",
     default_config: DEFAULT_CONFIG,
     default_socket: "/run/docker.sock",
@@ -177,8 +176,8 @@ const DOCKER: super::About = super::About {
 /// Docker as one of gpushare's engines.
 pub(crate) struct Docker;
 
-impl super::EngineConfig for Docker {
-    fn about(&self) -> &'static super::About {
+impl EngineConfig for Docker {
+    fn about(&self) -> &'static About {
         &DOCKER
     }
     fn edit(
@@ -210,7 +209,7 @@ impl super::EngineConfig for Docker {
     fn cdi_usage(&self, dir: &Path) -> String {
         format!(
             "Docker 25+: \"features\": {{\"cdi\": true}}{} in daemon.json (or: gpushare install cdi --enable docker), then docker run --device gpushare.io/gpu=0 …",
-            super::spec_dirs_hint("\"cdi-spec-dirs\": ", &DOCKER_CDI_DIRS, dir)
+            spec_dirs_hint("\"cdi-spec-dirs\": ", &DOCKER_CDI_DIRS, dir)
         )
     }
     fn next_steps(&self, name: &str) -> Vec<String> {

@@ -5,11 +5,17 @@
 //! `install <engine>`, `uninstall <engine>` and doctor's `--<engine>-config` from the
 //! list, and what only one engine has (its own install flags, what follows its
 //! uninstall) is a method of its implementation.
+//!
+//! Below the engines' modules and `ops::install` alike, with what they share: the flags
+//! every engine's install takes ([`Install`]), how a config runs gpushare
+//! ([`Registration`]), and the install itself ([`run`]: the trait's default `install`,
+//! which an engine with flags of its own calls too), so that nothing here uses the module
+//! that lists the engines.
 
 use std::path::{Path, PathBuf};
 
-use super::file::{Edited, InstallError};
-use super::Install;
+use super::file::{self, Edited, InstallError};
+use super::undo;
 use crate::config::Config;
 
 /// One container engine's config: where it is, the edits gpushare makes to it and takes
@@ -66,7 +72,7 @@ pub(crate) trait EngineConfig: Sync {
     /// the whole command line of the subcommand (for [`Self::install_flags`]).
     fn install(&self, install: Install, flags: &clap::ArgMatches) -> anyhow::Result<()> {
         let _ = flags;
-        super::run(install)
+        run(install)
     }
     /// After `gpushare uninstall <name>` changed the config (not a dry run): what else
     /// goes with the engine's registration outside its config.
@@ -122,13 +128,110 @@ pub(crate) struct Finding {
     pub fix: Option<&'static str>,
 }
 
-/// The engine called `name` on the command line.
-pub(crate) fn named(name: &str) -> Option<&'static dyn EngineConfig> {
-    super::ENGINES.iter().copied().find(|e| e.name() == name)
-}
-
 /// Whether an engine serves on this node: its socket exists.
 pub(crate) fn serving(socket: &Path) -> bool {
     use std::os::unix::fs::FileTypeExt;
     std::fs::metadata(socket).is_ok_and(|m| m.file_type().is_socket())
+}
+
+/// How an engine's config runs gpushare: what `install` writes, and what the installers'
+/// `registration` reads back from a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Registration {
+    /// The engine runs runc through the shim at this path (Docker's `path`, containerd's
+    /// `options.BinaryName`).
+    Shim(PathBuf),
+    /// Plain runc, starting from the base spec at this path, which carries gpushare's
+    /// hooks (containerd's `base_runtime_spec`: `install containerd --hook-only`).
+    HookOnly(PathBuf),
+}
+
+/// The engine's config file: `config`, else the engine's standard one.
+pub(super) fn config_path(engine: &dyn EngineConfig, config: Option<PathBuf>) -> PathBuf {
+    config.unwrap_or_else(|| engine.default_config().into())
+}
+
+/// `gpushare install <engine>`'s flags, as given.
+#[derive(Clone)]
+pub(crate) struct Install {
+    pub engine: &'static dyn EngineConfig,
+    /// The config version of a new file, for an engine whose format has versions (its
+    /// own install flag); `None`: the engine's own choice.
+    pub config_version: Option<i64>,
+    /// The engine's config file; `None`: its standard location.
+    pub config: Option<PathBuf>,
+    /// The shim to register; `None`: gpushare-runtime beside this binary.
+    pub runtime_path: Option<PathBuf>,
+    /// Runtime name (Docker `--runtime`, containerd handler / RuntimeClass handler).
+    pub name: String,
+    pub dry_run: bool,
+}
+
+/// Registers the shim with the engine's config (or prints the result, `dry_run`).
+pub(crate) fn run(args: Install) -> anyhow::Result<()> {
+    let path = config_path(args.engine, args.config.clone());
+    let runtime = file::runtime_path(args.runtime_path)?;
+    if !runtime.is_file() {
+        eprintln!(
+            "gpushare: warning: {} does not exist (yet)",
+            runtime.display()
+        );
+    }
+    let text = file::read(&path)?;
+    let edited = args
+        .engine
+        .edit(&path, &text, &args.name, &runtime, args.config_version)?;
+    let Some(new) = edited.text else {
+        already_registered(&path, &args.name, &format!("at {}", runtime.display()));
+        return Ok(());
+    };
+    if args.dry_run {
+        print!("{new}");
+        return Ok(());
+    }
+    undo::write(&path, &text, &new, Some(&args.name))?;
+    println!(
+        "registered runtime {} ({}) in {}",
+        args.name,
+        runtime.display(),
+        path.display()
+    );
+    print_lines(args.engine.next_steps(&args.name));
+    Ok(())
+}
+
+/// What an engine's spec-directory list must say for it to read `dir`: nothing where
+/// `dir` is one of its defaults; else the whole list, its defaults first, because setting
+/// the list replaces them.
+pub(super) fn spec_dirs_hint(key: &str, defaults: &[&str], dir: &Path) -> String {
+    let dir = dir.to_string_lossy();
+    if defaults.contains(&dir.as_ref()) {
+        return String::new();
+    }
+    let list: Vec<String> = defaults
+        .iter()
+        .copied()
+        .chain([dir.as_ref()])
+        .map(|d| format!("{d:?}"))
+        .collect();
+    format!(
+        " and {key}[{}] (the list replaces the defaults, so it keeps them)",
+        list.join(", ")
+    )
+}
+
+/// Prints what the operator does next, a line each.
+pub(super) fn print_lines(lines: impl IntoIterator<Item = impl std::fmt::Display>) {
+    for line in lines {
+        println!("{line}");
+    }
+}
+
+/// The one line of an install that finds `path` already registering runtime `name`
+/// (`how`: the way it runs gpushare).
+pub(super) fn already_registered(path: &Path, name: &str, how: &str) {
+    println!(
+        "{} already registers runtime {name} {how}; nothing to do",
+        path.display()
+    );
 }

@@ -1,5 +1,6 @@
 //! `gpushare install <engine>|cdi` and `gpushare uninstall <engine>`: each engine one
-//! [`EngineConfig`] (`engine`, listed in [`ENGINES`]) in its own module, with the pure
+//! [`EngineConfig`] (`engine`, which also holds the install every engine runs; listed in
+//! [`ENGINES`]) in its own module, with the pure
 //! edits of its config and what only it has (its own install flags and commands); this
 //! module dispatches through the trait, never branching on which engine it is: which
 //! config to edit, the file's read and atomic write (`file`), the record that uninstall
@@ -19,7 +20,8 @@ mod engine;
 mod file;
 pub(crate) mod undo;
 
-pub(crate) use engine::{named, About, EngineConfig, Removal};
+use engine::{config_path, print_lines};
+pub(crate) use engine::{EngineConfig, Install, Removal};
 
 /// Every engine gpushare installs into, in the CLI's and doctor's order: an engine is its
 /// module, declared above, and its row here.
@@ -30,70 +32,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 
-/// How an engine's config runs gpushare: what `install` writes, and what the installers'
-/// `registration` reads back from a file.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Registration {
-    /// The engine runs runc through the shim at this path (Docker's `path`, containerd's
-    /// `options.BinaryName`).
-    Shim(PathBuf),
-    /// Plain runc, starting from the base spec at this path, which carries gpushare's
-    /// hooks (containerd's `base_runtime_spec`: `install containerd --hook-only`).
-    HookOnly(PathBuf),
-}
-
-/// The engine's config file: `config`, else the engine's standard one.
-pub(super) fn config_path(engine: &dyn EngineConfig, config: Option<PathBuf>) -> PathBuf {
-    config.unwrap_or_else(|| engine.default_config().into())
-}
-
-/// `gpushare install <engine>`'s flags, as given.
-#[derive(Clone)]
-pub(crate) struct Install {
-    pub engine: &'static dyn EngineConfig,
-    /// The config version of a new file, for an engine whose format has versions (its
-    /// own install flag); `None`: the engine's own choice.
-    pub config_version: Option<i64>,
-    /// The engine's config file; `None`: its standard location.
-    pub config: Option<PathBuf>,
-    /// The shim to register; `None`: gpushare-runtime beside this binary.
-    pub runtime_path: Option<PathBuf>,
-    /// Runtime name (Docker `--runtime`, containerd handler / RuntimeClass handler).
-    pub name: String,
-    pub dry_run: bool,
-}
-
-/// Registers the shim with the engine's config (or prints the result, `dry_run`).
-pub(crate) fn run(args: Install) -> anyhow::Result<()> {
-    let path = config_path(args.engine, args.config.clone());
-    let runtime = file::runtime_path(args.runtime_path)?;
-    if !runtime.is_file() {
-        eprintln!(
-            "gpushare: warning: {} does not exist (yet)",
-            runtime.display()
-        );
-    }
-    let text = file::read(&path)?;
-    let edited = args
-        .engine
-        .edit(&path, &text, &args.name, &runtime, args.config_version)?;
-    let Some(new) = edited.text else {
-        already_registered(&path, &args.name, &format!("at {}", runtime.display()));
-        return Ok(());
-    };
-    if args.dry_run {
-        print!("{new}");
-        return Ok(());
-    }
-    undo::write(&path, &text, &new, Some(&args.name))?;
-    println!(
-        "registered runtime {} ({}) in {}",
-        args.name,
-        runtime.display(),
-        path.display()
-    );
-    print_lines(args.engine.next_steps(&args.name));
-    Ok(())
+/// The engine called `name` on the command line.
+pub(crate) fn named(name: &str) -> Option<&'static dyn EngineConfig> {
+    ENGINES.iter().copied().find(|e| e.name() == name)
 }
 
 /// `gpushare uninstall <engine>`: what `install` did to the engine's config
@@ -237,26 +178,6 @@ pub(crate) fn cdi(
     Ok(())
 }
 
-/// What an engine's spec-directory list must say for it to read `dir`: nothing where
-/// `dir` is one of its defaults; else the whole list, its defaults first, because setting
-/// the list replaces them.
-pub(super) fn spec_dirs_hint(key: &str, defaults: &[&str], dir: &Path) -> String {
-    let dir = dir.to_string_lossy();
-    if defaults.contains(&dir.as_ref()) {
-        return String::new();
-    }
-    let list: Vec<String> = defaults
-        .iter()
-        .copied()
-        .chain([dir.as_ref()])
-        .map(|d| format!("{d:?}"))
-        .collect();
-    format!(
-        " and {key}[{}] (the list replaces the defaults, so it keeps them)",
-        list.join(", ")
-    )
-}
-
 /// CDI to turn on in one engine's config: the file, what it says now, and the edit.
 pub(super) struct CdiPlan {
     restart: &'static str,
@@ -312,24 +233,9 @@ pub(super) fn write_cdi(plan: CdiPlan, dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Prints what the operator does next, a line each.
-pub(super) fn print_lines(lines: impl IntoIterator<Item = impl std::fmt::Display>) {
-    for line in lines {
-        println!("{line}");
-    }
-}
-
-/// The one line of an install that finds `path` already registering runtime `name`
-/// (`how`: the way it runs gpushare).
-pub(super) fn already_registered(path: &Path, name: &str, how: &str) {
-    println!(
-        "{} already registers runtime {name} {how}; nothing to do",
-        path.display()
-    );
-}
-
 #[cfg(test)]
 mod tests {
+    use super::engine::spec_dirs_hint;
     use super::*;
 
     /// The files that dispatch to the engines (outside the engines' own modules).

@@ -167,7 +167,8 @@ mod tests {
             Containerd, NriRequired,
         },
         docker::Docker,
-        plan_cdi, run, uninstall, write_cdi, EngineConfig, Install,
+        engine::run,
+        plan_cdi, uninstall, write_cdi, EngineConfig, Install,
     };
     use std::path::{Path, PathBuf};
 

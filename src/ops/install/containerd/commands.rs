@@ -9,10 +9,16 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use clap::{Arg, ArgAction, ArgMatches};
 
-use super::super::{
-    already_registered, config_path, file, print_lines, undo, Install, Registration,
+use super::super::engine::{
+    already_registered, config_path, print_lines, run, Install, Registration,
 };
-use super::NriRequired;
+use super::super::file;
+use super::super::undo;
+use super::config::{base_spec, base_spec_name, edit, DEFAULT_CONFIG};
+use super::nri::{
+    check_nri_launch, enable_nri, is_launch_wrapper, launch_wrapper, launched_plugin_name,
+    nri_plugin_dir, nri_socket, require_nri, NriRequired, REQUIRED_ANNOTATION, TOLERATE_ANNOTATION,
+};
 use crate::config::Config;
 
 /// `install containerd`'s own flags, after those every engine takes.
@@ -69,7 +75,7 @@ pub(super) fn install(mut install: Install, flags: &ArgMatches) -> anyhow::Resul
     if flags.get_flag("hook_only") {
         hook_only(install)
     } else {
-        super::super::run(install)
+        run(install)
     }
 }
 
@@ -118,7 +124,7 @@ fn hook_only(args: Install) -> anyhow::Result<()> {
 /// with gpushare's hooks, written beside its config as `<name>-base-spec.json`, and the
 /// runtime class pointed at it. The hooks run this binary, with the config this process
 /// reads when `GPUSHARE_CONFIG` names one. The spec is written before the config names it.
-pub(in crate::ops::install) fn write_hook_only(
+pub(crate) fn write_hook_only(
     args: &Install,
     path: &Path,
     version: i64,
@@ -135,15 +141,15 @@ pub(in crate::ops::install) fn write_hook_only(
             args.name
         );
     }
-    let spec_path = path.with_file_name(super::base_spec_name(&args.name));
+    let spec_path = path.with_file_name(base_spec_name(&args.name));
     let gpushare = std::env::current_exe().context("find gpushare's own path")?;
     let (config, named) = crate::config::location();
     let env = crate::served::hook_env(named.then_some(config.as_path()));
-    let spec = super::base_spec(&spec_path, default_spec, &gpushare, &env)?;
+    let spec = base_spec(&spec_path, default_spec, &gpushare, &env)?;
     let spec_changed = file::read(&spec_path)? != spec;
     let text = file::read(path)?;
     let hook_only = Registration::HookOnly(spec_path.clone());
-    let edited = super::edit(path, &text, &args.name, &hook_only, version)?;
+    let edited = edit(path, &text, &args.name, &hook_only, version)?;
     if !spec_changed && edited.text.is_none() {
         already_registered(
             path,
@@ -201,37 +207,37 @@ fn default_spec() -> anyhow::Result<Vec<u8>> {
 /// running this binary with the config this process reads when `GPUSHARE_CONFIG` names
 /// one (refused on a config of containerd 1.x: `containerd::check_nri_launch`, before
 /// anything is written). The wrapper is written after the config.
-pub(in crate::ops::install) fn install_nri(
+pub(crate) fn install_nri(
     config: Option<PathBuf>,
     config_version: Option<i64>,
     dry_run: bool,
     launch: bool,
     required: Option<NriRequired>,
 ) -> anyhow::Result<()> {
-    let path = config.unwrap_or_else(|| super::DEFAULT_CONFIG.into());
+    let path = config.unwrap_or_else(|| DEFAULT_CONFIG.into());
     let version = config_version.unwrap_or_else(installed_config_version);
     let text = file::read(&path)?;
     if let Some(required) = required {
         // Refused before anything is written.
-        super::require_nri(&path, &text, version, required, crate::nri::DEFAULT_NAME)?;
+        require_nri(&path, &text, version, required, crate::nri::DEFAULT_NAME)?;
     }
     let wrapper = if launch {
-        super::check_nri_launch(&path, &text, version)?;
-        let at = super::nri_plugin_dir(&text).join(super::launched_plugin_name());
+        check_nri_launch(&path, &text, version)?;
+        let at = nri_plugin_dir(&text).join(launched_plugin_name());
         let gpushare = std::env::current_exe().context("find gpushare's own path")?;
         let (config, named) = crate::config::location();
         let env = crate::served::hook_env(named.then_some(config.as_path()));
-        let socket = super::nri_socket(&text);
-        Some((at, super::launch_wrapper(&gpushare, &env, &socket)))
+        let socket = nri_socket(&text);
+        Some((at, launch_wrapper(&gpushare, &env, &socket)))
     } else {
         None
     };
-    let mut edited = super::enable_nri(&path, &text, version)?;
+    let mut edited = enable_nri(&path, &text, version)?;
     let turned_on = edited.text.is_some();
     if let Some(required) = required {
         let on = edited.text.as_deref().unwrap_or(&text);
         let name = crate::nri::DEFAULT_NAME;
-        if let Some(new) = super::require_nri(&path, on, version, required, name)?.text {
+        if let Some(new) = require_nri(&path, on, version, required, name)?.text {
             edited.text = Some(new);
         }
     }
@@ -261,12 +267,12 @@ pub(in crate::ops::install) fn install_nri(
         Some(NriRequired::Node) => println!(
             "while the plugin {} is not connected, containerd refuses every container but those of pods annotated {}: \"true\" (the node's own pods: deploy/ carries it)",
             crate::nri::DEFAULT_NAME,
-            super::TOLERATE_ANNOTATION
+            TOLERATE_ANNOTATION
         ),
         Some(NriRequired::Pods) => println!(
             "while the plugin {} is not connected, containerd refuses the containers of pods annotated {}: '[\"{}\"]'",
             crate::nri::DEFAULT_NAME,
-            super::REQUIRED_ANNOTATION,
+            REQUIRED_ANNOTATION,
             crate::nri::DEFAULT_NAME
         ),
         None => {}
@@ -318,10 +324,10 @@ fn write_launch_wrapper(at: &Path, script: &str) -> anyhow::Result<bool> {
 /// The launched plugin's wrapper in the plugin directory of containerd's config `text`,
 /// when it is there and this installer wrote it (an operator's file by that name stays).
 pub(super) fn our_launch_wrapper(text: &str) -> Option<PathBuf> {
-    let at = super::nri_plugin_dir(text).join(super::launched_plugin_name());
+    let at = nri_plugin_dir(text).join(launched_plugin_name());
     // A regular file only: read_regular refuses a link.
     let content = crate::fsops::read_regular(&at, 64 << 10).ok()?;
-    super::is_launch_wrapper(&String::from_utf8_lossy(&content)).then_some(at)
+    is_launch_wrapper(&String::from_utf8_lossy(&content)).then_some(at)
 }
 
 /// The config version the installed containerd expects: 3 for 2.x, else 2.

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 use toml_edit::{value, Array, DocumentMut, Item, Table};
 
-use super::*;
+use super::super::engine::Registration;
+use super::super::file::{Edited, InstallError};
 
 /// Where containerd keeps its config on a standard install.
 pub(crate) const DEFAULT_CONFIG: &str = "/etc/containerd/config.toml";

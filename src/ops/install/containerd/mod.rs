@@ -38,13 +38,14 @@ mod tests;
 pub(crate) use config::*;
 pub(crate) use nri::*;
 
-use super::engine::{serving, Finding, Removal};
+use super::engine::{
+    serving, spec_dirs_hint, About, EngineConfig, Finding, Install, Registration, Removal,
+};
 use super::file::{Edited, InstallError};
-use super::{Install, Registration};
 use crate::config::Config;
 
 /// Containerd as data: its names, where its config and socket are, its help texts.
-const CONTAINERD: super::About = super::About {
+const CONTAINERD: About = About {
     name: "containerd",
     default_config: DEFAULT_CONFIG,
     default_socket: "/run/containerd/containerd.sock",
@@ -59,8 +60,8 @@ const CONTAINERD: super::About = super::About {
 /// ([`commands::hook_only`]) and `--nri` ([`commands::install_nri`]).
 pub(crate) struct Containerd;
 
-impl super::EngineConfig for Containerd {
-    fn about(&self) -> &'static super::About {
+impl EngineConfig for Containerd {
+    fn about(&self) -> &'static About {
         &CONTAINERD
     }
     fn install_flags(&self) -> Vec<clap::Arg> {
@@ -128,7 +129,7 @@ impl super::EngineConfig for Containerd {
     fn cdi_usage(&self, dir: &Path) -> String {
         format!(
             "containerd 1.7+ (CRI): enable_cdi = true (the default in 2.x){} in the CRI runtime plugin's table (or: gpushare install cdi --enable containerd); kubelet passes CDI devices from device plugins and DRA drivers",
-            super::spec_dirs_hint("cdi_spec_dirs = ", &CONTAINERD_CDI_DIRS, dir)
+            spec_dirs_hint("cdi_spec_dirs = ", &CONTAINERD_CDI_DIRS, dir)
         )
     }
     fn next_steps(&self, name: &str) -> Vec<String> {

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 
 use toml_edit::{value, Array, DocumentMut, Item, Table};
 
-use super::*;
+use super::super::file::{Edited, InstallError};
+use super::config::{cri_table, not_a_table, parse_versioned, table, version_of};
 
 /// containerd's NRI plugin (the same name in 1.7 and 2.x).
 pub(super) const NRI_PLUGIN: &str = "io.containerd.nri.v1.nri";
