@@ -67,6 +67,13 @@ impl Ct {
         self.bin.join("gpushare-runtime")
     }
 
+    /// `program --root <this tier's runc root>`: runc, or the shim with runc's command line.
+    pub fn rooted(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut cmd = Command::new(program);
+        cmd.arg("--root").arg(&self.root);
+        cmd
+    }
+
     /// `runc spec`, then the changes above; `hold` s of 4096² matmuls.
     fn make_bundle(
         &self,
@@ -253,17 +260,19 @@ impl Ct {
         Ok(t0)
     }
 
-    fn stopped(&self, name: &str) -> bool {
-        let st = proc::run(
-            Command::new(&self.runc)
-                .arg("--root")
-                .arg(&self.root)
-                .args(["state", name]),
+    /// `runc state <name>`.
+    pub fn state(&self, name: &str) -> proc::Ran {
+        proc::run(
+            self.rooted(&self.runc).args(["state", name]),
             None,
             Duration::from_secs(10),
             Duration::from_secs(2),
-        );
-        // A container runc no longer knows counts as stopped too.
+        )
+    }
+
+    /// Whether container `name` has stopped; one runc no longer knows counts as stopped.
+    pub fn stopped(&self, name: &str) -> bool {
+        let st = self.state(name);
         !st.ok() || st.out.contains("\"status\": \"stopped\"")
     }
 
@@ -314,10 +323,7 @@ impl Ct {
 
     pub fn delete(&self, name: &str) {
         let _ = proc::run(
-            Command::new(&self.runc)
-                .arg("--root")
-                .arg(&self.root)
-                .args(["delete", "-f", name]),
+            self.rooted(&self.runc).args(["delete", "-f", name]),
             None,
             Duration::from_secs(30),
             Duration::from_secs(5),

@@ -194,10 +194,8 @@ impl V3<'_> {
     fn delete(&self, name: &str) {
         let c = self.c();
         let r = proc::run(
-            Command::new(c.runtime())
+            c.rooted(c.runtime())
                 .env("GPUSHARE_CONFIG", &c.config)
-                .arg("--root")
-                .arg(&c.root)
                 .args(["delete", "-f", name]),
             None,
             Duration::from_secs(60),
@@ -584,16 +582,7 @@ impl V3<'_> {
         let c = self.c();
         testkit::common::wait_until(Duration::from_secs_f64(timeout_s), || {
             crate::tier::stop_if_interrupted();
-            let st = proc::run(
-                Command::new(&c.runc)
-                    .arg("--root")
-                    .arg(&c.root)
-                    .args(["state", ct]),
-                None,
-                Duration::from_secs(10),
-                Duration::from_secs(2),
-            );
-            !st.ok() || st.out.contains("\"status\": \"stopped\"")
+            c.stopped(ct)
         });
     }
 
@@ -629,15 +618,7 @@ impl V3<'_> {
     /// `nvidia-smi memory-limits --get` of the container's own cgroup (as runc made it).
     fn memory_limits(&mut self, ct: &str) {
         let c = self.c();
-        let st = proc::run(
-            Command::new(&c.runc)
-                .arg("--root")
-                .arg(&c.root)
-                .args(["state", ct]),
-            None,
-            Duration::from_secs(10),
-            Duration::from_secs(2),
-        );
+        let st = c.state(ct);
         let pid = serde_json::from_str::<Value>(&st.out)
             .ok()
             .and_then(|v| v["pid"].as_i64())
