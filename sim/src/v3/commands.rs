@@ -88,10 +88,7 @@ pub fn execute(
             Ok(String::new())
         }
         Command::ServerSet { name, limits } => {
-            let server = st
-                .servers
-                .get_mut(&name)
-                .ok_or_else(|| format!("server {name} does not exist"))?;
+            let server = st.server_mut(&name)?;
             let ns = server
                 .namespaces
                 .get_mut(DEFAULT_NAMESPACE)
@@ -107,10 +104,7 @@ pub fn execute(
             Ok(render(&st.server_list(&core.pipe, name.as_deref()), format))
         }
         Command::ServerGet { name, field } => {
-            let s = st
-                .servers
-                .get(&name)
-                .ok_or_else(|| format!("server {name} does not exist"))?;
+            let s = st.server(&name)?;
             field_of(
                 &state::SERVER_COLUMNS,
                 &state::server_row(&core.pipe, &name, s),
@@ -118,10 +112,7 @@ pub fn execute(
             )
         }
         Command::ServerDelete { name, force } => {
-            let server = st
-                .servers
-                .get(&name)
-                .ok_or_else(|| format!("server {name} does not exist"))?;
+            let server = st.server(&name)?;
             let n = server.client_count();
             // NVIDIA's MPS v3 interface page: delete refuses while clients are active;
             // --force terminates them first.
@@ -136,10 +127,7 @@ pub fn execute(
             Ok(String::new())
         }
         Command::NamespaceCreate { name, server } => {
-            let s = st
-                .servers
-                .get(&server)
-                .ok_or_else(|| format!("server {server} does not exist"))?;
+            let s = st.server(&server)?;
             if s.namespaces.contains_key(&name) {
                 return Err(format!(
                     "namespace {name} already exists on server {server}"
@@ -148,10 +136,7 @@ pub fn execute(
             let dir = layout::namespace_dir(&core.pipe, &server, &name);
             let listening = listen(core, &dir, Route::Namespace(server.clone(), name.clone()))
                 .map_err(layout_err)?;
-            let s = st
-                .servers
-                .get_mut(&server)
-                .ok_or_else(|| format!("server {server} does not exist"))?;
+            let s = st.server_mut(&server)?;
             s.namespaces.insert(
                 name.clone(),
                 Namespace {
@@ -170,14 +155,8 @@ pub fn execute(
             server,
             limits,
         } => {
-            let s = st
-                .servers
-                .get_mut(&server)
-                .ok_or_else(|| format!("server {server} does not exist"))?;
-            let ns = s
-                .namespaces
-                .get_mut(&name)
-                .ok_or_else(|| format!("namespace {name} does not exist on server {server}"))?;
+            let s = st.server_mut(&server)?;
+            let ns = s.namespace_mut(&name, &server)?;
             // Measured on r615 by NVIDIA's KAI GPU-fractioning agent: namespace set fails
             // while a client is attached.
             refuse_with_clients(ns, "namespace set", &name, &server)?;
@@ -195,14 +174,8 @@ pub fn execute(
                     "namespace delete: the default namespace of server {server} cannot be deleted (delete the server)"
                 ));
             }
-            let s = st
-                .servers
-                .get_mut(&server)
-                .ok_or_else(|| format!("server {server} does not exist"))?;
-            let ns = s
-                .namespaces
-                .get(&name)
-                .ok_or_else(|| format!("namespace {name} does not exist on server {server}"))?;
+            let s = st.server_mut(&server)?;
+            let ns = s.namespace(&name, &server)?;
             let n = ns.clients.len();
             // NVIDIA's MPS v3 interface page: --force deletes a namespace with active clients
             // (measured on r615 by NVIDIA's KAI agent: refused without it).
@@ -237,14 +210,8 @@ pub fn execute(
             server,
             field,
         } => {
-            let s = st
-                .servers
-                .get(&server)
-                .ok_or_else(|| format!("server {server} does not exist"))?;
-            let ns = s
-                .namespaces
-                .get(&name)
-                .ok_or_else(|| format!("namespace {name} does not exist on server {server}"))?;
+            let s = st.server(&server)?;
+            let ns = s.namespace(&name, &server)?;
             field_of(
                 &state::NAMESPACE_COLUMNS,
                 &state::namespace_row(&core.pipe, &server, s, &name, ns),

@@ -123,6 +123,28 @@ impl Server {
     pub fn client_count(&self) -> usize {
         self.namespaces.values().map(|n| n.clients.len()).sum()
     }
+
+    /// Namespace `name` of this server (named `server` in the error).
+    pub fn namespace(&self, name: &str, server: &str) -> Result<&Namespace, String> {
+        self.namespaces
+            .get(name)
+            .ok_or_else(|| no_namespace(name, server))
+    }
+
+    /// [`Server::namespace`], to change it.
+    pub fn namespace_mut(&mut self, name: &str, server: &str) -> Result<&mut Namespace, String> {
+        self.namespaces
+            .get_mut(name)
+            .ok_or_else(|| no_namespace(name, server))
+    }
+}
+
+fn no_namespace(name: &str, server: &str) -> String {
+    format!("namespace {name} does not exist on server {server}")
+}
+
+fn no_server(name: &str) -> String {
+    format!("server {name} does not exist")
 }
 
 #[derive(Default)]
@@ -205,6 +227,16 @@ pub fn namespace_row(
 }
 
 impl State {
+    /// Server `name`, or the error that it does not exist.
+    pub fn server(&self, name: &str) -> Result<&Server, String> {
+        self.servers.get(name).ok_or_else(|| no_server(name))
+    }
+
+    /// [`State::server`], to change it.
+    pub fn server_mut(&mut self, name: &str) -> Result<&mut Server, String> {
+        self.servers.get_mut(name).ok_or_else(|| no_server(name))
+    }
+
     pub fn server_list(&self, pipe: &Path, only: Option<&str>) -> Listing<'static> {
         Listing {
             columns: &SERVER_COLUMNS,
