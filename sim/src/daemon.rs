@@ -135,21 +135,9 @@ pub fn run(opts: &DaemonOptions, launch: Launch) -> Result<()> {
         }
     };
 
-    log.log(&format!(
-        "Starting control daemon using socket {}",
-        socket.display()
-    ));
-    log.log(&format!(
-        "To connect CUDA applications to this daemon, set env CUDA_MPS_PIPE_DIRECTORY={}",
-        opts.pipe_dir.display()
-    ));
+    log_started(&log, &socket, opts, 2);
     let uid = nix::unistd::getuid().as_raw();
     let gid = nix::unistd::getgid().as_raw();
-    log.log(&format!(
-        "gpushare-sim: uid={uid} gid={gid} multiuser={} CUDA_VISIBLE_DEVICES={}",
-        opts.multiuser,
-        opts.visible_devices.as_deref().unwrap_or("unset")
-    ));
     let defaults = initial_defaults(opts, &log);
     let exe = std::env::current_exe().context("find own executable")?;
     let files = DaemonFiles {
@@ -180,6 +168,31 @@ pub(crate) fn block_signals() -> Result<SigSet> {
     set.add(Signal::SIGINT);
     set.thread_block().context("block SIGTERM and SIGINT")?;
     Ok(set)
+}
+
+/// The start-up lines of `control.log`, as the real daemon writes them for `protocol` (2:
+/// legacy; 3: v3, whose line says `set CUDA_MPS_PIPE_DIRECTORY` without "env"), and the
+/// simulator's own line with who it runs as.
+pub fn log_started(log: &ControlLog, socket: &Path, opts: &DaemonOptions, protocol: u8) {
+    let (tag, env, field) = match protocol {
+        3 => (" (protocol 3)", "", " protocol=3"),
+        _ => ("", "env ", ""),
+    };
+    log.log(&format!(
+        "Starting control daemon{tag} using socket {}",
+        socket.display()
+    ));
+    log.log(&format!(
+        "To connect CUDA applications to this daemon, set {env}CUDA_MPS_PIPE_DIRECTORY={}",
+        opts.pipe_dir.display()
+    ));
+    let uid = nix::unistd::getuid().as_raw();
+    let gid = nix::unistd::getgid().as_raw();
+    log.log(&format!(
+        "gpushare-sim: uid={uid} gid={gid} multiuser={}{field} CUDA_VISIBLE_DEVICES={}",
+        opts.multiuser,
+        opts.visible_devices.as_deref().unwrap_or("unset")
+    ));
 }
 
 fn check_socket_path(socket: &Path) -> Result<()> {
@@ -336,10 +349,10 @@ fn spawn_signal_thread(core: Arc<Core>, signals: SigSet) -> Result<()> {
 
 /// One connection counted against its channel's cap; released on drop, even if the
 /// connection's thread panics.
-pub(crate) struct Slot(Arc<AtomicUsize>);
+struct Slot(Arc<AtomicUsize>);
 
 impl Slot {
-    pub(crate) fn take(active: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
+    fn take(active: &Arc<AtomicUsize>, max: usize) -> Option<Slot> {
         if active.fetch_add(1, Ordering::SeqCst) >= max {
             active.fetch_sub(1, Ordering::SeqCst);
             return None;
@@ -355,16 +368,36 @@ impl Drop for Slot {
 }
 
 fn accept_loop(core: &Arc<Core>, listener: &UnixListener, channel: Channel) {
-    let active = Arc::new(AtomicUsize::new(0));
     let max = match channel {
         Channel::Ordinary => MAX_CONNECTIONS,
         Channel::Privileged => MAX_PRIVILEGED_CONNECTIONS,
     };
+    let conn_core = Arc::clone(core);
+    serve_each(listener, &core.log, max, None, move |stream| {
+        session::handle(Arc::clone(&conn_core), stream, channel)
+    });
+}
+
+/// Accepts each connection of `listener` and serves it with `serve` on a thread of its
+/// own, at most `max` at once (one more is answered "too many connections"), until
+/// `closed` is set (checked at each connection), for both protocols' daemons.
+pub(crate) fn serve_each(
+    listener: &UnixListener,
+    log: &ControlLog,
+    max: usize,
+    closed: Option<&std::sync::atomic::AtomicBool>,
+    serve: impl Fn(UnixStream) + Send + Sync + 'static,
+) {
+    let active = Arc::new(AtomicUsize::new(0));
+    let serve = Arc::new(serve);
     for conn in listener.incoming() {
+        if closed.is_some_and(|c| c.load(Ordering::SeqCst)) {
+            return;
+        }
         let stream = match conn {
             Ok(s) => s,
             Err(e) => {
-                core.log.log(&format!("accept failed: {e}"));
+                log.log(&format!("accept failed: {e}"));
                 // Typically EMFILE; back off instead of spinning on the same error.
                 std::thread::sleep(Duration::from_millis(50));
                 continue;
@@ -374,16 +407,15 @@ fn accept_loop(core: &Arc<Core>, listener: &UnixListener, channel: Channel) {
             let _ = (&stream).write_all(b"ERR\ntoo many connections\n");
             continue;
         };
-        let conn_core = Arc::clone(core);
+        let serve = Arc::clone(&serve);
         let spawned = std::thread::Builder::new()
             .name("connection".to_string())
             .spawn(move || {
                 let _slot = slot;
-                session::handle(conn_core, stream, channel);
+                serve(stream);
             });
         if let Err(e) = spawned {
-            core.log
-                .log(&format!("cannot start connection thread: {e}"));
+            log.log(&format!("cannot start connection thread: {e}"));
         }
     }
 }

@@ -39,6 +39,28 @@ pub enum Channel {
     Privileged,
 }
 
+/// The first line a peer sends, waited for `FIRST_LINE_TIMEOUT` at most: `Ok(None)` when
+/// it closed first, else the error to answer it with (both protocols' sessions).
+pub fn first_line(stream: &UnixStream) -> Result<Option<String>, String> {
+    let _ = stream.set_read_timeout(Some(FIRST_LINE_TIMEOUT));
+    let mut reader = BufReader::new(stream);
+    match wire::read_line(&mut reader) {
+        Ok(line) => Ok(line),
+        Err(WireError::Io(e))
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            Err(format!(
+                "no command received within {} s",
+                FIRST_LINE_TIMEOUT.as_secs()
+            ))
+        }
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 pub fn handle(core: Arc<Core>, stream: UnixStream, channel: Channel) {
     let peer = getsockopt(&stream, sockopt::PeerCredentials).map(|c| c.uid());
     let own = |uid: u32| uid == 0 || uid == core.uid;
@@ -48,26 +70,11 @@ pub fn handle(core: Arc<Core>, stream: UnixStream, channel: Channel) {
         let _ = (&stream).write_all(wire::control_reply(&Err(msg)).as_bytes());
         return;
     }
-    let _ = stream.set_read_timeout(Some(FIRST_LINE_TIMEOUT));
-    let mut reader = BufReader::new(&stream);
-    let line = match wire::read_line(&mut reader) {
+    let line = match first_line(&stream) {
         Ok(Some(line)) => line,
         Ok(None) => return,
-        Err(WireError::Io(e))
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) =>
-        {
-            let msg = format!(
-                "no command received within {} s",
-                FIRST_LINE_TIMEOUT.as_secs()
-            );
+        Err(msg) => {
             let _ = (&stream).write_all(wire::control_reply(&Err(msg)).as_bytes());
-            return;
-        }
-        Err(e) => {
-            let _ = (&stream).write_all(wire::control_reply(&Err(e.to_string())).as_bytes());
             return;
         }
     };

@@ -19,7 +19,7 @@
 //! - `quit` removes every socket and the pid file and leaves the directories, so a daemon
 //!   started again binds its sockets in the same directory inodes.
 
-use std::io::{BufReader, Write};
+use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
@@ -29,8 +29,8 @@ use nix::sys::socket::{getsockopt, sockopt};
 
 use crate::daemon::{self as legacy, DaemonOptions, Launch};
 use crate::log::ControlLog;
-use crate::session::{command_of, wait_for_close, FIRST_LINE_TIMEOUT};
-use crate::wire::{self, Hello, WireError, HELLO_WORD};
+use crate::session::{command_of, first_line, wait_for_close};
+use crate::wire::{self, Hello, HELLO_WORD};
 
 use super::commands;
 use super::layout::{self, BARE_FAILURE};
@@ -64,27 +64,13 @@ pub fn run(opts: &DaemonOptions, launch: Launch) -> Result<u8> {
             return Err(e);
         }
     };
-    log.log(&format!(
-        "Starting control daemon (protocol 3) using socket {}",
-        socket.display()
-    ));
-    log.log(&format!(
-        "To connect CUDA applications to this daemon, set CUDA_MPS_PIPE_DIRECTORY={}",
-        opts.pipe_dir.display()
-    ));
-    let uid = nix::unistd::getuid().as_raw();
-    let gid = nix::unistd::getgid().as_raw();
-    log.log(&format!(
-        "gpushare-sim: uid={uid} gid={gid} multiuser={} protocol=3 CUDA_VISIBLE_DEVICES={}",
-        opts.multiuser,
-        opts.visible_devices.as_deref().unwrap_or("unset")
-    ));
+    legacy::log_started(&log, &socket, opts, 3);
     let core = Arc::new(Core {
         log,
         log_dir: opts.log_dir.clone(),
         pipe: opts.pipe_dir.clone(),
         exe: std::env::current_exe().context("find own executable")?,
-        uid,
+        uid: nix::unistd::getuid().as_raw(),
         multiuser: opts.multiuser,
         top_socket: socket,
         pid_file,
@@ -162,29 +148,15 @@ fn reply(mut stream: &UnixStream, result: &Result<String, String>) {
 
 fn handle(core: &Arc<Core>, stream: UnixStream, route: &Route) {
     let creds = getsockopt(&stream, sockopt::PeerCredentials);
-    let _ = stream.set_read_timeout(Some(FIRST_LINE_TIMEOUT));
-    let mut reader = BufReader::new(&stream);
-    let line = match wire::read_line(&mut reader) {
+    let line = match first_line(&stream) {
         Ok(Some(line)) => line,
         Ok(None) => return,
-        Err(WireError::Io(e))
-            if matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) =>
-        {
-            let msg = format!(
-                "no command received within {} s",
-                FIRST_LINE_TIMEOUT.as_secs()
-            );
+        Err(msg) => {
             reply(&stream, &Err(msg));
             return;
         }
-        Err(e) => {
-            reply(&stream, &Err(e.to_string()));
-            return;
-        }
     };
+
     let Ok(creds) = creds else {
         reply(&stream, &Err("cannot read peer credentials".to_string()));
         return;

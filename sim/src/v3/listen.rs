@@ -7,14 +7,12 @@
 //! Invariant: each socket has its own connection cap, so a tenant flooding its own
 //! namespace socket takes no slot of the main socket or of another namespace.
 
-use std::io::Write;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
-use crate::daemon::Slot;
+use crate::daemon::serve_each;
 use crate::log::ControlLog;
 
 use super::layout;
@@ -98,34 +96,8 @@ pub(super) fn accept_loop(
     route: &Route,
     max: usize,
 ) {
-    let active = Arc::new(AtomicUsize::new(0));
-    for conn in listener.incoming() {
-        if closed.load(Ordering::SeqCst) {
-            return;
-        }
-        let stream = match conn {
-            Ok(s) => s,
-            Err(e) => {
-                core.log.log(&format!("accept failed: {e}"));
-                std::thread::sleep(Duration::from_millis(50));
-                continue;
-            }
-        };
-        let Some(slot) = Slot::take(&active, max) else {
-            let _ = (&stream).write_all(b"ERR\ntoo many connections\n");
-            continue;
-        };
-        let conn_core = Arc::clone(core);
-        let conn_route = route.clone();
-        let spawned = std::thread::Builder::new()
-            .name("connection".to_string())
-            .spawn(move || {
-                let _slot = slot;
-                (conn_core.serve)(&conn_core, stream, &conn_route);
-            });
-        if let Err(e) = spawned {
-            core.log
-                .log(&format!("cannot start connection thread: {e}"));
-        }
-    }
+    let (conn_core, route) = (Arc::clone(core), route.clone());
+    serve_each(listener, &core.log, max, Some(closed), move |stream| {
+        (conn_core.serve)(&conn_core, stream, &route)
+    });
 }
