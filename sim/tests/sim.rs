@@ -308,17 +308,7 @@ impl Sim {
 
     /// Starts `client` with stdout and stderr piped, as `uid` (its gid the same) if given.
     fn client(&self, args: &[&str], uid: Option<u32>, envs: &[(&str, &str)]) -> Proc {
-        let mut cmd = self.cmd();
-        cmd.arg("client")
-            .args(args)
-            .envs(envs.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        if let Some(uid) = uid {
-            cmd.uid(uid).gid(uid);
-        }
-        Proc(cmd.spawn().expect("spawn client"))
+        self.client_in(&self.pipe, args, uid, envs)
     }
 
     /// Runs a client to completion and returns its fields; it must succeed.
