@@ -181,11 +181,14 @@ pub(crate) fn prepare(
         mps_namespace: served.namespace(container_id),
         ..ContainerRecord::pending(container_id.to_owned(), bundle)
     };
-    let recorded = state.add_container(&id, &pending).is_ok();
+    // A v3 create records the container in `ensure_namespace`, under the identity's lock.
+    let recorded = !ident.v3 && state.add_container(&id, &pending).is_ok();
     if ident.v3 {
         // runc binds the namespace's directory, which MPS makes when the namespace is
-        // made: so the daemon is ensured and the namespace made and capped here, before
-        // runc runs, not by the createRuntime hook (docs/mps.md, "Two backends").
+        // made: so the daemon is ensured (which records the container under the
+        // identity's lock, as an idle removal takes it) and the namespace made and capped
+        // here, before runc runs, not by the createRuntime hook (docs/mps.md, "Two
+        // backends").
         let ensured =
             crate::mps::ensure::ensure_namespace(cfg, &state, ident, &pending, gpushare_binary)?;
         tracing::debug!(daemon = %id, started = ensured.started, "v3 namespace made");
