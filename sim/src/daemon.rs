@@ -333,13 +333,25 @@ pub(crate) fn report_ready_and_detach() -> Result<()> {
 }
 
 fn spawn_signal_thread(core: Arc<Core>, signals: SigSet) -> Result<()> {
+    on_stop_signal(signals, move |sig| {
+        core.log.log(&format!("Received {sig}, quitting"));
+        let mut st = core.lock();
+        session::quit(&core, &mut st);
+    })
+}
+
+/// A thread that waits for `signals` (SIGTERM, SIGINT), runs `quit` with the one that
+/// came, and ends the process, for both protocols' daemons: a signal runs the same path
+/// as `quit`.
+pub(crate) fn on_stop_signal(
+    signals: SigSet,
+    quit: impl Fn(nix::sys::signal::Signal) + Send + 'static,
+) -> Result<()> {
     std::thread::Builder::new()
         .name("signals".to_string())
         .spawn(move || loop {
             if let Ok(sig) = signals.wait() {
-                core.log.log(&format!("Received {sig}, quitting"));
-                let mut st = core.lock();
-                session::quit(&core, &mut st);
+                quit(sig);
                 std::process::exit(0);
             }
         })

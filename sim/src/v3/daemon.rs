@@ -95,18 +95,11 @@ pub fn run(opts: &DaemonOptions, launch: Launch) -> Result<u8> {
 }
 
 fn spawn_signal_thread(core: Arc<Core>, signals: nix::sys::signal::SigSet) -> Result<()> {
-    std::thread::Builder::new()
-        .name("signals".to_string())
-        .spawn(move || loop {
-            if let Ok(sig) = signals.wait() {
-                core.log.log(&format!("Received {sig}, quitting"));
-                let mut st = core.lock();
-                quit(&core, &mut st);
-                std::process::exit(0);
-            }
-        })
-        .context("start signal thread")?;
-    Ok(())
+    legacy::on_stop_signal(signals, move |sig| {
+        core.log.log(&format!("Received {sig}, quitting"));
+        let mut st = core.lock();
+        quit(&core, &mut st);
+    })
 }
 
 /// NVIDIA's KAI agent runs `-p 3 -m -f` and stops it by writing `quit` to its stdin. The end
