@@ -271,14 +271,20 @@ fn the_container_s_cgroup_gets_its_pinned_limit_as_its_hard_device_memory_limit(
 }
 
 #[test]
-fn host_root_keeps_a_legacy_daemon_and_auto_before_615_stays_legacy() {
+fn host_root_and_mig_keep_a_legacy_daemon_and_auto_before_615_stays_legacy() {
     let env = Env::with_config(V3);
-    let root = env.request("v3-root", 0, "0").sh(CLIENT).create();
-    let line = client_line(&root.run());
-    assert!(!line.contains_key("namespace"), "{line:?}");
-    let id = env.daemon_of(&root);
-    assert_eq!(env.record(&id)["identity"].get("v3"), None);
-    root.delete();
+    // Host root, and a MIG device (GPU 1's first): each a legacy daemon, no namespace.
+    for (id, uid, device) in [("v3-root", 0, "0"), ("v3-mig", 1000, "1:0")] {
+        let c = env.request(id, uid, device).sh(CLIENT).create();
+        let line = client_line(&c.run());
+        assert!(!line.contains_key("namespace"), "{id}: {line:?}");
+        assert_eq!(
+            env.record(&env.daemon_of(&c))["identity"].get("v3"),
+            None,
+            "{id}"
+        );
+        c.delete();
+    }
 
     let auto = Env::with_config("protocol = \"auto\"");
     let c = auto.request("auto-580", 1000, "0").sh(CLIENT).create();
