@@ -528,3 +528,57 @@ fn status_shows_a_v3_daemon_s_namespaces_their_limits_and_clients() {
     }
     c.delete();
 }
+
+/// A tenant that holds every connection its namespace's socket takes (the only socket in
+/// its container) jams only that socket: the daemon's own `control`, which gpushare's
+/// commands use, is root's alone and not in any container, so another tenant's container
+/// still gets its namespace made and capped, and its client is served.
+#[test]
+fn a_tenant_holding_its_namespace_socket_jams_no_other_tenant_and_not_gpushare() {
+    let env = Env::with_config(V3);
+    let jam = capped(
+        &env,
+        "v3-jam",
+        1000,
+        "20",
+        "gpushare-mps-sim hold-control 80",
+    );
+    jam.start();
+    let id = env.daemon_of(&jam);
+    let leaf = env
+        .state
+        .join("mps")
+        .join(&id)
+        .join("pipe/s")
+        .join(namespace_of(&jam));
+    // The jam is real: its namespace's socket answers nobody, not even root.
+    let jammed = || {
+        !Command::new(env.sim())
+            .args(["namespace", "list", "--format=csv,noheader"])
+            .env("CUDA_MPS_PIPE_DIRECTORY", &leaf)
+            .output()
+            .unwrap()
+            .status
+            .success()
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), jammed),
+        "the namespace's socket was never jammed: {}",
+        jam.stdout()
+    );
+    let other = capped(&env, "v3-other", 2000, "30", CLIENT);
+    let ns = namespace_of(&other);
+    let line = client_line(&other.run());
+    assert_eq!(line["namespace"], ns, "{line:?}");
+    assert_eq!(
+        line["active_thread_percentage"].parse::<f64>().unwrap(),
+        30.0
+    );
+    assert!(jammed(), "still jammed while the other tenant was served");
+    other.delete();
+    assert!(
+        !namespaces(&env, &id).iter().any(|(n, _, _)| *n == ns),
+        "the other tenant's end deleted its namespace through control"
+    );
+    jam.delete();
+}
